@@ -1,0 +1,212 @@
+"""Write a random-weight Qwen image-edit checkpoint folder, fully offline.
+
+    python -m imgedit.demo_checkpoint OUT_DIR [--kind plus|edit] [--seed 0] [--size tiny|real]
+
+`tiny` (the default) is a 2-layer model of about a megabyte that runs an edit on a CPU in seconds:
+the demo mode and the tests load it exactly like a real checkpoint. `real` writes the published
+configs of the full model (60-block 20.4 B transformer, Qwen2.5-VL-7B text encoder, the real VAE)
+with no weight files; `imgedit.loader` can materialise random weights for it directly on the GPUs,
+for benchmarks (speed and memory do not depend on the weights' values).
+The tokenizer is a byte-level BPE trained here on a few sentences, with Qwen's special tokens at
+their real ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+)
+FIRST_SPECIAL_ID = 151643
+VOCAB_SIZE = 152064
+PIPELINE_CLASS = {"edit": "QwenImageEditPipeline", "plus": "QwenImageEditPlusPipeline"}
+_CORPUS = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
+    "image that meets the user's requirements while maintaining consistency with the original input where "
+    "appropriate.<|im_end|>\n<|im_start|>user\n",
+    "Picture 1: Picture 2: Picture 3: make the sky blue, add a cat, remove the text, turn it into a watercolor",
+    "change the background to a beach at sunset and keep the person unchanged",
+    "<|im_end|>\n<|im_start|>assistant\n",
+)
+SCHEDULER_CONFIG = {
+    "base_image_seq_len": 256, "base_shift": 0.5, "invert_sigmas": False, "max_image_seq_len": 8192,
+    "max_shift": 0.9, "num_train_timesteps": 1000, "shift": 1.0, "shift_terminal": 0.02,
+    "stochastic_sampling": False, "time_shift_type": "exponential", "use_beta_sigmas": False,
+    "use_dynamic_shifting": True, "use_exponential_sigmas": False, "use_karras_sigmas": False,
+}
+
+
+def _configs(size: str) -> dict:
+    if size == "tiny":
+        return {
+            "transformer": dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+                                num_attention_heads=3, joint_attention_dim=16, guidance_embeds=False,
+                                axes_dims_rope=(8, 4, 4)),
+            "vae": dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True],
+                        latents_mean=[0.0] * 4, latents_std=[1.0] * 4),
+            "text_encoder": dict(
+                text_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2,
+                             "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": VOCAB_SIZE,
+                             "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
+                             "rope_theta": 1000000.0},
+                vision_config={"depth": 2, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
+                               "out_hidden_size": 16, "fullatt_block_indexes": [1], "window_size": 112},
+            ),
+        }
+    # The published configs of Qwen-Image-Edit(-2509): 20.4 B transformer, Qwen2.5-VL-7B, the real VAE.
+    return {
+        "transformer": dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                            num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
+                            axes_dims_rope=(16, 56, 56)),
+        "vae": dict(),  # AutoencoderKLQwenImage's defaults are the released VAE
+        "text_encoder": dict(
+            text_config={"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                         "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": VOCAB_SIZE,
+                         "max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
+                         "rope_scaling": {"mrope_section": [16, 24, 24], "rope_type": "default", "type": "mrope"},
+                         "rope_theta": 1000000.0},
+            vision_config={"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                           "out_hidden_size": 3584, "fullatt_block_indexes": [7, 15, 23, 31], "window_size": 112,
+                           "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+        ),
+    }
+
+
+def build_tokenizer():
+    """A byte-level BPE trained on a few sentences, with Qwen's special tokens at their real ids."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=512, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=[], show_progress=False)
+    bpe.train_from_iterator(list(_CORPUS) * 4, trainer)
+    model = json.loads(bpe.to_str())["model"]
+    vocab = dict(model["vocab"])
+    vocab.update({tok: FIRST_SPECIAL_ID + i for i, tok in enumerate(SPECIAL_TOKENS)})
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=32768)
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
+                         special_tokens=True)
+    return tokenizer
+
+
+def _processor(tokenizer):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():
+        from transformers import Qwen2VLProcessor
+        from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+        return Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(), tokenizer=tokenizer,
+                                video_processor=Qwen2VLVideoProcessor())
+    from imgedit.processor import ImageOnlyProcessor
+
+    return ImageOnlyProcessor(image_processor=Qwen2VLImageProcessorPil(), tokenizer=tokenizer)
+
+
+def text_encoder_config(size: str):
+    from transformers import Qwen2_5_VLConfig
+
+    cfg = _configs(size)["text_encoder"]
+    return Qwen2_5_VLConfig(
+        text_config=cfg["text_config"], vision_config=cfg["vision_config"], vocab_size=VOCAB_SIZE,
+        vision_start_token_id=FIRST_SPECIAL_ID + SPECIAL_TOKENS.index("<|vision_start|>"),
+        vision_end_token_id=FIRST_SPECIAL_ID + SPECIAL_TOKENS.index("<|vision_end|>"),
+        vision_token_id=FIRST_SPECIAL_ID + SPECIAL_TOKENS.index("<|vision_pad|>"),
+        image_token_id=FIRST_SPECIAL_ID + SPECIAL_TOKENS.index("<|image_pad|>"),
+        video_token_id=FIRST_SPECIAL_ID + SPECIAL_TOKENS.index("<|video_pad|>"),
+    )
+
+
+def build_checkpoint(out: str | Path, kind: str = "plus", seed: int = 0, size: str = "tiny") -> Path:
+    """Write the checkpoint folder (model_index.json + one subfolder per component) and return it."""
+    import torch
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    if kind not in PIPELINE_CLASS:
+        raise ValueError(f"kind must be one of {sorted(PIPELINE_CLASS)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = _configs(size)
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(out / "tokenizer")
+    _processor(tokenizer).save_pretrained(out / "processor")
+    FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG).save_pretrained(out / "scheduler")
+    te_config = text_encoder_config(size)
+    if size == "tiny":
+        torch.manual_seed(seed)
+        QwenImageTransformer2DModel(**cfg["transformer"]).save_pretrained(out / "transformer")
+        torch.manual_seed(seed)
+        AutoencoderKLQwenImage(**cfg["vae"]).save_pretrained(out / "vae")
+        torch.manual_seed(seed)
+        Qwen2_5_VLForConditionalGeneration(te_config).save_pretrained(out / "text_encoder")
+    else:  # configs only: weights are materialised at load time (imgedit.loader, random_weights=True)
+        _write_json(out / "transformer" / "config.json",
+                    {"_class_name": "QwenImageTransformer2DModel", **_jsonable(cfg["transformer"])})
+        _write_json(out / "vae" / "config.json", {"_class_name": "AutoencoderKLQwenImage", **cfg["vae"]})
+        te_config.save_pretrained(out / "text_encoder")
+    _write_json(out / "model_index.json", {
+        "_class_name": PIPELINE_CLASS[kind],
+        "_diffusers_version": "0.42.1",
+        "processor": ["transformers", "Qwen2VLProcessor"],
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+        "tokenizer": ["transformers", "Qwen2Tokenizer"],
+        "transformer": ["diffusers", "QwenImageTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKLQwenImage"],
+        "imgedit_demo": {"seed": seed, "size": size, "random_weights": size != "tiny"},
+    })
+    log.info("wrote %s %s checkpoint (seed %d) to %s", size, PIPELINE_CLASS[kind], seed, out)
+    return out
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def ensure_checkpoint(out: str | Path, kind: str = "plus", seed: int = 0) -> Path:
+    """Build the tiny checkpoint once; reuse it when model_index.json is already there."""
+    out = Path(out).expanduser()
+    if (out / "model_index.json").is_file():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    build_checkpoint(tmp, kind=kind, seed=seed)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process won the race; use theirs
+        pass
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--kind", choices=sorted(PIPELINE_CLASS), default="plus")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--size", choices=("tiny", "real"), default="tiny")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    build_checkpoint(args.out, kind=args.kind, seed=args.seed, size=args.size)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Correct prompt encoding: give the Qwen2.5-VL text encoder the `mm_token_type_ids` it needs.
+
+With transformers 5.x the text encoder computes its 3-D M-RoPE positions for image tokens only when
+it receives `mm_token_type_ids` (0 text, 1 image, 2 video). diffusers 0.42.1's edit pipelines do not
+forward them (diffusers issue #14194, PR #14189), so the encoder silently falls back to 1-D
+positions: no error, different prompt embeddings, worse edits. We add them with a forward pre-hook
+on the text-encoder instance (installed packages stay untouched). The hook steps aside when the
+caller passes the ids itself, so it becomes a no-op once diffusers forwards them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+TEXT, IMAGE, VIDEO = 0, 1, 2
+
+
+def token_type_ids(input_ids: torch.Tensor, image_token_id: int, video_token_id: int) -> torch.Tensor:
+    """What the processor returns as `mm_token_type_ids`, derived from the token ids."""
+    types = torch.full_like(input_ids, TEXT, dtype=torch.int32)
+    types[input_ids == image_token_id] = IMAGE
+    types[input_ids == video_token_id] = VIDEO
+    return types
+
+
+def install_token_type_fix(text_encoder: torch.nn.Module):
+    """Hook `text_encoder` so each call with images carries mm_token_type_ids. Returns the hook
+    handle (None when this transformers version does not take the argument at all)."""
+    if "mm_token_type_ids" not in inspect.signature(text_encoder.forward).parameters:
+        log.info("text encoder takes no mm_token_type_ids: nothing to correct")
+        return None
+    config = text_encoder.config
+    image_id, video_id = config.image_token_id, config.video_token_id
+
+    def add_token_types(module, args, kwargs):
+        if kwargs.get("mm_token_type_ids") is not None:
+            return None  # the caller (a fixed diffusers) passed them: leave the call alone
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is None or kwargs.get("image_grid_thw") is None:
+            return None
+        kwargs["mm_token_type_ids"] = token_type_ids(input_ids, image_id, video_id)
+        return args, kwargs
+
+    return text_encoder.register_forward_pre_hook(add_token_types, with_kwargs=True)

@@ -1,0 +1,86 @@
+"""Typed messages between the edges and the manager: what a user asks for and what comes back."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from PIL import Image
+
+_ids = itertools.count(1)
+
+
+def new_request_id() -> str:
+    return f"job-{int(time.time()) % 100000:05d}-{next(_ids)}"
+
+
+@dataclass(frozen=True)
+class EditRequest:
+    """One edit as the user asked for it. None means "the model's default"."""
+
+    images: tuple[Image.Image, ...]
+    prompt: str
+    negative_prompt: str = ""
+    seed: int | None = None
+    num_inference_steps: int | None = None
+    true_cfg_scale: float | None = None
+    num_images: int = 1
+    width: int | None = None
+    height: int | None = None
+    request_id: str = field(default_factory=new_request_id)
+    source: str = "ui"  # ui | api | rest: for logs and metrics
+
+
+@dataclass(frozen=True)
+class EditResult:
+    images: list[Image.Image]
+    seed: int
+    steps: int
+    width: int
+    height: int
+    seconds: float
+    worker: str
+    devices: tuple[str, ...]
+    request_id: str
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """What the manager reports after each job (metrics, logs)."""
+
+    request_id: str
+    source: str
+    outcome: str  # ok | cancelled | invalid_input | out_of_memory | worker_failed | busy | error
+    seconds: float
+    steps: int
+    worker: str | None
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    name: str
+    devices: tuple[str, ...]
+    placement: dict[str, str]
+    state: str  # loading | idle | busy | failed
+    job_id: str | None
+    step: int
+    total_steps: int
+    jobs_done: int
+    error: str | None
+
+
+@dataclass(frozen=True)
+class ManagerStatus:
+    ready: bool
+    model: str
+    family: str
+    mode: str
+    reason: str
+    waiting: int
+    workers: tuple[WorkerStatus, ...]
+    error: str | None = None
+
+    @property
+    def healthy_workers(self) -> int:
+        return sum(w.state in ("idle", "busy") for w in self.workers)

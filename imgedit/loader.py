@@ -1,0 +1,197 @@
+"""Load a checkpoint's components onto the devices a `WorkerPlan` names and assemble the pipeline.
+
+Each component is loaded on its own (`from_pretrained(..., device_map=...)`) so that a component
+split by blocks gets accelerate's device hooks, and is then handed to the pipeline class named in
+`model_index.json`. For benchmarks, `random_weights=True` builds the components from their configs
+directly on the GPU (no weight files needed; speed and memory do not depend on the values).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from imgedit.errors import PlacementError
+from imgedit.placement import ComponentSpec, Placement, WorkerPlan
+from imgedit.processor import load_processor
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+MODEL_COMPONENTS = ("transformer", "text_encoder", "vae")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    folder: Path
+    pipeline_class: str
+    random_weights: bool
+
+    @property
+    def family(self) -> str:
+        return "plus" if self.pipeline_class == "QwenImageEditPlusPipeline" else "edit"
+
+
+def open_checkpoint(source: str) -> Checkpoint:
+    """Resolve a local folder or hub id (downloaded to the HF cache) and read model_index.json."""
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        from diffusers import DiffusionPipeline
+
+        log.info("fetching %s into the Hugging Face cache (HF_HOME) ...", source)
+        folder = Path(DiffusionPipeline.download(source))
+    index_file = folder / "model_index.json"
+    if not index_file.is_file():
+        raise PlacementError(f"{folder} has no model_index.json: is it a diffusers checkpoint folder?")
+    index = json.loads(index_file.read_text())
+    name = index.get("_class_name")
+    if name not in SUPPORTED_PIPELINES:
+        raise PlacementError(f"{folder} holds a {name}; imgedit serves {', '.join(SUPPORTED_PIPELINES)}")
+    random_weights = bool(index.get("imgedit_demo", {}).get("random_weights"))
+    return Checkpoint(folder, name, random_weights)
+
+
+def _classes():
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return {"transformer": QwenImageTransformer2DModel, "vae": AutoencoderKLQwenImage,
+            "text_encoder": Qwen2_5_VLForConditionalGeneration}
+
+
+def _from_config(name: str, folder: Path):
+    cls = _classes()[name]
+    if name == "text_encoder":
+        from transformers import AutoConfig
+
+        return cls._from_config(AutoConfig.from_pretrained(folder / name))
+    return cls.from_config(cls.load_config(folder / name))
+
+
+def block_container(model: torch.nn.Module) -> str:
+    """Dotted path of the model's largest ModuleList: the repeated blocks a split divides."""
+    best, best_size = "", -1
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList):
+            size = sum(p.numel() for p in module.parameters())
+            if size > best_size:
+                best, best_size = name, size
+    return best
+
+
+def component_specs(checkpoint: Checkpoint, dtype: torch.dtype) -> list[ComponentSpec]:
+    """Sizes of each component and of its blocks in `dtype`, from the configs alone (meta device)."""
+    from accelerate import init_empty_weights
+
+    item = torch.finfo(dtype).bits // 8
+    specs = []
+    for name in MODEL_COMPONENTS:
+        with init_empty_weights():
+            model = _from_config(name, checkpoint.folder)
+        total = sum(p.numel() for p in model.parameters()) * item
+        blocks: tuple[int, ...] = ()
+        if name != "vae":
+            container = model.get_submodule(block_container(model))
+            blocks = tuple(sum(p.numel() for p in b.parameters()) * item for b in container)
+        specs.append(ComponentSpec(name, total, blocks))
+    return specs
+
+
+def module_device_map(model: torch.nn.Module, placement: Placement) -> dict[str, str]:
+    """An accelerate device map for a split component: blocks as planned; modules before the block
+    list go with the first block, modules after it with the last."""
+    path = block_container(model)
+    first, last = placement.block_devices[0], placement.block_devices[-1]
+    device_map: dict[str, str] = {}
+    node, prefix = model, ""
+    for part in path.split("."):
+        for pname, _ in node.named_parameters(recurse=False):
+            device_map[prefix + pname] = first
+        before = True
+        for cname, _ in node.named_children():
+            if cname == part:
+                before = False
+            else:
+                device_map[prefix + cname] = first if before else last
+        node, prefix = getattr(node, part), prefix + part + "."
+    for i, device in enumerate(placement.block_devices):
+        device_map[f"{path}.{i}"] = device
+    return device_map
+
+
+def _load_component(name: str, checkpoint: Checkpoint, placement: Placement, dtype: torch.dtype):
+    cls = _classes()[name]
+    if placement.is_split:
+        from accelerate import init_empty_weights
+
+        with init_empty_weights():
+            device_map = module_device_map(_from_config(name, checkpoint.folder), placement)
+    else:
+        device_map = {"": placement.device}
+    if checkpoint.random_weights:
+        return _random_component(name, checkpoint.folder, device_map, dtype)
+    kwargs = {"dtype" if name == "text_encoder" else "torch_dtype": dtype}
+    if name == "text_encoder":
+        return cls.from_pretrained(checkpoint.folder / name, device_map=device_map, **kwargs)
+    return cls.from_pretrained(checkpoint.folder, subfolder=name, device_map=device_map, **kwargs)
+
+
+def _random_component(name: str, folder: Path, device_map: dict[str, str], dtype: torch.dtype):
+    """Build on the first device in `dtype` (fast on a GPU), then dispatch like from_pretrained does."""
+    from accelerate import dispatch_model
+
+    first = next(iter(device_map.values()))
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(first):
+            model = _from_config(name, folder)
+    finally:
+        torch.set_default_dtype(previous)
+    model.eval()
+    if len(set(device_map.values())) > 1:
+        dispatch_model(model, device_map=device_map)
+    return model
+
+
+def _move_inputs(model: torch.nn.Module, device: str) -> None:
+    """Give a whole component that sits off the execution device a hook moving its inputs there
+    and its outputs back (the pipeline creates inputs on its execution device)."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    if not hasattr(model, "_hf_hook"):
+        add_hook_to_module(model, AlignDevicesHook(execution_device=device, io_same_device=True))
+
+
+def load_pipeline(checkpoint: Checkpoint, worker: WorkerPlan, dtype: torch.dtype):
+    """Build one worker's pipeline on its devices."""
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from transformers import Qwen2Tokenizer
+
+    folder = checkpoint.folder
+    parts = {}
+    for name in MODEL_COMPONENTS:
+        placement = worker.components[name]
+        model = _load_component(name, checkpoint, placement, dtype)
+        if not placement.is_split and placement.device != worker.execution_device:
+            _move_inputs(model, placement.device)
+        parts[name] = model.eval().requires_grad_(False)
+    pipeline_cls = getattr(diffusers, checkpoint.pipeline_class)
+    pipe = pipeline_cls(
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler"),
+        tokenizer=Qwen2Tokenizer.from_pretrained(folder / "tokenizer"),
+        processor=load_processor(folder / "processor"),
+        **parts,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    if pipe._execution_device != torch.device(worker.execution_device):
+        raise PlacementError(
+            f"{worker.name}: the pipeline would run on {pipe._execution_device}, "
+            f"but the plan puts the latents on {worker.execution_device}")
+    return pipe

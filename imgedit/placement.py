@@ -1,0 +1,355 @@
+"""The placement planner: a pure function from (component sizes, GPUs, DEVICE_MAP, MAX_MEMORY) to a plan.
+
+A plan is a list of workers; a worker is one pipeline and the devices it owns. Each component of a
+worker sits whole on one device, or (transformer, text encoder) has its repeated blocks split over
+several. The VAE always sits on the worker's execution device (where the transformer's first block
+and the latents live), because the pipeline calls `vae.encode/decode` directly, which device hooks
+do not see. No torch here: tests feed made-up sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from imgedit.errors import PlacementError
+from imgedit.settings import GIB, DeviceMap
+
+log = logging.getLogger(__name__)
+
+# The component the latents live with; the VAE follows it.
+ANCHOR = "transformer"
+FOLLOWER = "vae"
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """What the planner knows of one component: total bytes and the sizes of its splittable blocks."""
+
+    name: str
+    nbytes: int
+    blocks: tuple[int, ...] = ()  # bytes of each repeated block, in order; () = cannot be split
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes outside the repeated blocks (embeddings, norms, heads)."""
+        return self.nbytes - sum(self.blocks)
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    index: int
+    name: str
+    total_bytes: int
+    free_bytes: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one component lives: one device, or one device per block (non-block parts go with
+    the first block before the blocks and the last block after them)."""
+
+    device: str
+    block_devices: tuple[str, ...] = ()
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((self.device, *self.block_devices)))
+
+    @property
+    def is_split(self) -> bool:
+        return len(self.devices) > 1
+
+    def describe(self) -> str:
+        if not self.is_split:
+            return self.device
+        runs, start = [], 0
+        for i in range(1, len(self.block_devices) + 1):
+            if i == len(self.block_devices) or self.block_devices[i] != self.block_devices[start]:
+                runs.append(f"blocks {start}-{i - 1} -> {self.block_devices[start]}")
+                start = i
+        return ", ".join(runs)
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    name: str
+    components: Mapping[str, Placement]
+
+    @property
+    def execution_device(self) -> str:
+        return self.components[ANCHOR].device
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        found: dict[str, None] = {}
+        for placement in self.components.values():
+            found.update(dict.fromkeys(placement.devices))
+        return tuple(sorted(found))
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: str
+    workers: tuple[WorkerPlan, ...]
+    reason: str
+    bytes_per_device: Mapping[str, int] = field(default_factory=dict)
+
+    def describe(self) -> list[str]:
+        lines = [f"placement mode={self.mode}: {self.reason}"]
+        for worker in self.workers:
+            for name, placement in worker.components.items():
+                lines.append(f"  {worker.name}: {name} -> {placement.describe()}")
+        for device, nbytes in sorted(self.bytes_per_device.items()):
+            lines.append(f"  weights on {device}: {nbytes / GIB:.2f} GiB")
+        return lines
+
+
+def _gpu(index: int) -> str:
+    return f"cuda:{index}"
+
+
+def budgets(gpus: Sequence[GpuSpec], max_memory: Sequence[int], reserve: int) -> dict[int, int]:
+    """Bytes of weights each GPU may take: min(cap, free) minus the activation reserve."""
+    if max_memory and len(max_memory) not in (1, len(gpus)):
+        raise PlacementError(
+            f"MAX_MEMORY has {len(max_memory)} values but {len(gpus)} GPUs are visible: "
+            "give one value per visible GPU, or one for all")
+    caps = list(max_memory) * len(gpus) if len(max_memory) == 1 else list(max_memory)
+    result = {}
+    for i, gpu in enumerate(gpus):
+        limit = min(gpu.free_bytes, caps[i]) if caps else gpu.free_bytes
+        result[gpu.index] = max(0, limit - reserve)
+    return result
+
+
+def _whole(components: Sequence[ComponentSpec], device: str) -> dict[str, Placement]:
+    return {c.name: Placement(device) for c in components}
+
+
+def _total(components: Sequence[ComponentSpec]) -> int:
+    return sum(c.nbytes for c in components)
+
+
+def _fits_every_gpu(components: Sequence[ComponentSpec], budget: Mapping[int, int]) -> bool:
+    return bool(budget) and all(b >= _total(components) for b in budget.values())
+
+
+def plan_placement(
+    components: Sequence[ComponentSpec],
+    gpus: Sequence[GpuSpec],
+    device_map: DeviceMap,
+    max_memory: Sequence[int] = (),
+    reserve: int = 2 * GIB,
+) -> Plan:
+    """Decide where every component of every worker goes. Raises PlacementError when it cannot fit."""
+    names = {c.name for c in components}
+    if ANCHOR not in names:
+        raise PlacementError(f"the checkpoint has no {ANCHOR}")
+    mode = device_map.mode
+    if mode == "cpu":
+        return _single(components, "cpu", "cpu", "DEVICE_MAP=cpu")
+    if not gpus:
+        if mode in ("balanced", "auto"):
+            return _single(components, "cpu", mode, "no GPU is visible, so everything runs on the CPU (slow)")
+        raise PlacementError(f"DEVICE_MAP={mode} needs a GPU, but none is visible (CUDA_VISIBLE_DEVICES?)")
+    budget = budgets(gpus, max_memory, reserve)
+    total = _total(components)
+    if mode == "cuda":
+        index = device_map.gpu or 0
+        if index not in budget:
+            raise PlacementError(f"DEVICE_MAP=cuda:{index} but only GPUs {sorted(budget)} are visible")
+        if budget[index] < total:
+            raise PlacementError(
+                f"the model needs {total / GIB:.1f} GiB but cuda:{index} can take {budget[index] / GIB:.1f} GiB "
+                f"(cap/free minus {reserve / GIB:.1f} GiB reserve); use DEVICE_MAP=balanced to spread it")
+        return _single(components, _gpu(index), "cuda", f"everything on cuda:{index}")
+    if mode == "replicas":
+        if not _fits_every_gpu(components, budget):
+            smallest = min(budget.values())
+            raise PlacementError(
+                f"DEVICE_MAP=replicas needs {total / GIB:.1f} GiB on every GPU but the smallest can take "
+                f"{smallest / GIB:.1f} GiB; use DEVICE_MAP=balanced")
+        return _replicas(components, budget, "replicas", f"one full pipeline on each of {len(budget)} GPUs")
+    if mode == "auto":
+        if _fits_every_gpu(components, budget):
+            return _replicas(components, budget, "auto",
+                             f"a full copy ({total / GIB:.1f} GiB) fits every GPU, so one replica per GPU")
+        plan = _balanced(components, budget)
+        why = f"a full copy ({total / GIB:.1f} GiB) does not fit every GPU, so one pipeline spread over them"
+        log.info("DEVICE_MAP=auto: %s", why)
+        return Plan("auto", plan.workers, why + "; " + plan.reason, plan.bytes_per_device)
+    if mode == "balanced":
+        return _balanced(components, budget)
+    if mode == "manual":
+        return _manual(components, budget, device_map.manual)
+    raise PlacementError(f"unknown DEVICE_MAP mode {mode!r}")
+
+
+def _single(components: Sequence[ComponentSpec], device: str, mode: str, reason: str) -> Plan:
+    return Plan(mode, (WorkerPlan("worker-0", _whole(components, device)),), reason,
+                {device: _total(components)})
+
+
+def _replicas(components: Sequence[ComponentSpec], budget: Mapping[int, int], mode: str, reason: str) -> Plan:
+    workers = tuple(WorkerPlan(f"worker-{i}", _whole(components, _gpu(i))) for i in sorted(budget))
+    return Plan(mode, workers, reason, {_gpu(i): _total(components) for i in sorted(budget)})
+
+
+def _order(budget: Mapping[int, int]) -> list[int]:
+    """GPUs with the most room first; ties by index."""
+    return sorted(budget, key=lambda i: (-budget[i], i))
+
+
+def _balanced(components: Sequence[ComponentSpec], budget: Mapping[int, int]) -> Plan:
+    """Whole components on the roomiest GPU, largest first; a component that fits no GPU has its
+    blocks split over GPUs (placed after the whole ones, so they can fill the gaps)."""
+    room = dict(budget)
+    # The VAE rides with the transformer's first device: plan them as one unit whose head grows.
+    follower = next((c for c in components if c.name == FOLLOWER), None)
+    units = []
+    for c in components:
+        if c.name == FOLLOWER:
+            continue
+        if c.name == ANCHOR and follower:
+            c = ComponentSpec(c.name, c.nbytes + follower.nbytes, c.blocks)
+        units.append(c)
+    units.sort(key=lambda c: -c.nbytes)
+    need = sum(c.nbytes for c in units)
+    if need > sum(room.values()):
+        raise PlacementError(
+            f"the model needs {need / GIB:.1f} GiB of weights but the visible GPUs can take "
+            f"{sum(room.values()) / GIB:.1f} GiB in all (caps/free memory minus the per-GPU reserve); "
+            "add GPUs, raise MAX_MEMORY, or lower GPU_MEMORY_RESERVE")
+    placed: dict[str, Placement] = {}
+    to_split = []
+    for unit in units:
+        best = _order(room)[0]
+        if room[best] >= unit.nbytes:
+            placed[unit.name] = Placement(_gpu(best))
+            room[best] -= unit.nbytes
+        elif unit.blocks:
+            to_split.append(unit)
+        else:
+            raise PlacementError(
+                f"{unit.name} ({unit.nbytes / GIB:.1f} GiB) cannot be split and fits no single GPU "
+                f"(largest room {room[best] / GIB:.1f} GiB)")
+    for unit in to_split:
+        placed[unit.name] = _split(unit, room)
+    if follower:
+        placed[FOLLOWER] = Placement(placed[ANCHOR].device)
+    ordered = {c.name: placed[c.name] for c in components}
+    split = [n for n, p in ordered.items() if p.is_split]
+    reason = (f"whole components spread over {len(budget)} GPU(s)" if not split
+              else f"{', '.join(split)} split by blocks because no single GPU can hold it")
+    return Plan("balanced", (WorkerPlan("worker-0", ordered),), reason, _bytes_per_device(components, ordered))
+
+
+def _split(unit: ComponentSpec, room: dict[int, int]) -> Placement:
+    """Fill GPUs in order of room with contiguous runs of blocks; the head goes on the first."""
+    order = _order(room)
+    devices: list[str] = []
+    pos = 0
+    first = True
+    for gpu in order:
+        take = room[gpu] - (unit.head_bytes if first else 0)
+        if take < 0:
+            continue
+        start = pos
+        while pos < len(unit.blocks) and unit.blocks[pos] <= take:
+            take -= unit.blocks[pos]
+            pos += 1
+        if pos == start and first:
+            continue  # the head fits but no block does: try the next GPU as the first
+        used = sum(unit.blocks[start:pos]) + (unit.head_bytes if first else 0)
+        room[gpu] -= used
+        devices.extend([_gpu(gpu)] * (pos - start))
+        first = False
+        if pos == len(unit.blocks):
+            return Placement(devices[0], tuple(devices))
+    raise PlacementError(
+        f"{unit.name} ({unit.nbytes / GIB:.1f} GiB) does not fit even when split: "
+        f"{len(unit.blocks) - pos} of {len(unit.blocks)} blocks find no room "
+        "(add GPUs, raise MAX_MEMORY, or lower GPU_MEMORY_RESERVE)")
+
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def _parse_device(text: str, budget: Mapping[int, int], what: str) -> str:
+    value = text.strip().lower()
+    if value == "cpu":
+        return "cpu"
+    match = re.fullmatch(r"(?:cuda:)?(\d+)", value)
+    if not match:
+        raise PlacementError(f"DEVICE_MAP: {what} -> {text!r} is not a device (use cuda:N or cpu)")
+    index = int(match.group(1))
+    if index not in budget:
+        raise PlacementError(f"DEVICE_MAP: {what} -> {text!r} but visible GPUs are {sorted(budget)}")
+    return _gpu(index)
+
+
+def _manual(components: Sequence[ComponentSpec], budget: Mapping[int, int], manual: Mapping) -> Plan:
+    by_name = {c.name: c for c in components}
+    unknown = sorted(set(manual) - set(by_name))
+    if unknown:
+        raise PlacementError(f"DEVICE_MAP names unknown components {unknown}; known: {sorted(by_name)}")
+    placed: dict[str, Placement] = {}
+    for c in components:
+        where = manual.get(c.name)
+        if where is None:
+            if c.name == FOLLOWER:
+                continue  # filled in below
+            raise PlacementError(f"DEVICE_MAP does not place {c.name}; every component needs a device")
+        if isinstance(where, str):
+            placed[c.name] = Placement(_parse_device(where, budget, c.name))
+            continue
+        if not c.blocks:
+            raise PlacementError(f"DEVICE_MAP: {c.name} has no blocks to split; give it one device")
+        devices: list[str | None] = [None] * len(c.blocks)
+        for key, dev in where.items():
+            match = _RANGE.match(str(key).strip())
+            if not match:
+                raise PlacementError(f"DEVICE_MAP: {c.name} block range {key!r} is not N or N-M")
+            lo, hi = int(match.group(1)), int(match.group(2) or match.group(1))
+            if lo > hi or hi >= len(c.blocks):
+                raise PlacementError(f"DEVICE_MAP: {c.name} block range {key!r} is outside 0-{len(c.blocks) - 1}")
+            for i in range(lo, hi + 1):
+                if devices[i] is not None:
+                    raise PlacementError(f"DEVICE_MAP: {c.name} block {i} is placed twice")
+                devices[i] = _parse_device(dev, budget, f"{c.name} blocks {key}")
+        missing = [i for i, d in enumerate(devices) if d is None]
+        if missing:
+            raise PlacementError(f"DEVICE_MAP: {c.name} blocks {missing[0]}..{missing[-1]} have no device")
+        placed[c.name] = Placement(devices[0], tuple(devices))  # type: ignore[arg-type]
+    anchor_device = placed[ANCHOR].device
+    if FOLLOWER in by_name:
+        vae = placed.get(FOLLOWER)
+        if vae is not None and vae.device != anchor_device:
+            raise PlacementError(
+                f"DEVICE_MAP: vae must be on the transformer's first device ({anchor_device}): "
+                "the pipeline encodes and decodes latents there")
+        placed[FOLLOWER] = Placement(anchor_device)
+    ordered = {c.name: placed[c.name] for c in components}
+    per_device = _bytes_per_device(components, ordered)
+    for device, nbytes in per_device.items():
+        if device.startswith("cuda:") and nbytes > budget[int(device[5:])]:
+            raise PlacementError(
+                f"DEVICE_MAP puts {nbytes / GIB:.1f} GiB on {device}, which can take "
+                f"{budget[int(device[5:])] / GIB:.1f} GiB")
+    return Plan("manual", (WorkerPlan("worker-0", ordered),), "manual map from DEVICE_MAP", per_device)
+
+
+def _bytes_per_device(components: Sequence[ComponentSpec], placed: Mapping[str, Placement]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in components:
+        p = placed[c.name]
+        if not p.is_split:
+            out[p.device] = out.get(p.device, 0) + c.nbytes
+            continue
+        out[p.device] = out.get(p.device, 0) + c.head_bytes
+        for size, dev in zip(c.blocks, p.block_devices):
+            out[dev] = out.get(dev, 0) + size
+    return out

@@ -1,0 +1,242 @@
+"""Every setting imgedit reads, listed once: name, default, parser and meaning.
+
+`load_settings()` parses the environment (after `load_dotenv()`) into a frozen `Settings`; a bad
+value stops start-up with a message naming the variable, the value and what is allowed.
+`.env.example` mirrors `REGISTRY` line for line (a test keeps them in step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from imgedit.errors import SettingsError
+
+GIB = 1024**3
+DEVICE_MAP_MODES = ("balanced", "auto", "replicas", "cuda", "cpu")
+DTYPES = ("bfloat16", "float16", "float32")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+# ---- parsers: each takes the raw string and returns a value or raises ValueError(allowed) ----
+
+def _str(raw: str) -> str:
+    return raw.strip()
+
+
+def _optional_str(raw: str) -> str | None:
+    return raw.strip() or None
+
+
+def _bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("one of true/false, 1/0, yes/no, on/off")
+
+
+def _int_range(low: int, high: int) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise ValueError(f"a whole number from {low} to {high}") from None
+        if not low <= value <= high:
+            raise ValueError(f"a whole number from {low} to {high}")
+        return value
+
+    return parse
+
+
+def _float_range(low: float, high: float) -> Callable[[str], float]:
+    def parse(raw: str) -> float:
+        try:
+            value = float(raw.strip())
+        except ValueError:
+            raise ValueError(f"a number from {low} to {high}") from None
+        if not low <= value <= high:
+            raise ValueError(f"a number from {low} to {high}")
+        return value
+
+    return parse
+
+
+def _choice(*allowed: str, upper: bool = False) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        value = raw.strip().upper() if upper else raw.strip().lower()
+        aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16"}
+        value = aliases.get(value, value)
+        if value not in allowed:
+            raise ValueError("one of " + ", ".join(allowed))
+        return value
+
+    return parse
+
+
+def parse_size(raw: str) -> int:
+    """'75GiB', '30GB', '512MiB', '1073741824' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", raw)
+    unit = match.group(2).upper() if match else None
+    if not match or unit not in _SIZE_UNITS:
+        raise ValueError("a size such as 75GiB, 30GB or 512MiB")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def _size(raw: str) -> int:
+    return parse_size(raw)
+
+
+def _max_memory(raw: str) -> tuple[int, ...]:
+    if not raw.strip():
+        return ()
+    try:
+        return tuple(parse_size(part) for part in raw.split(","))
+    except ValueError:
+        raise ValueError("comma-separated sizes, one per visible GPU or one for all, e.g. 75GiB,75GiB") from None
+
+
+@dataclass(frozen=True)
+class DeviceMap:
+    """DEVICE_MAP parsed: a mode, a single GPU (`cuda:N`) or a manual map."""
+
+    mode: str  # balanced | auto | replicas | cuda | cpu | manual
+    gpu: int | None = None  # for cuda / cuda:N
+    manual: Mapping[str, Any] = field(default_factory=dict)
+
+
+def parse_device_map(raw: str) -> DeviceMap:
+    text = raw.strip()
+    allowed = ("balanced, auto, replicas, cuda, cuda:N, cpu, or a JSON object such as "
+               '{"transformer": {"0-29": "cuda:0", "30-59": "cuda:1"}, "text_encoder": "cuda:1", "vae": "cuda:0"}')
+    if text.startswith("{"):
+        try:
+            manual = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"valid JSON ({exc.msg} at position {exc.pos}); allowed: {allowed}") from None
+        for name, where in manual.items():
+            if not isinstance(where, (str, dict)):
+                raise ValueError(f"a device string or a block-range object for {name!r}; allowed: {allowed}")
+        return DeviceMap("manual", manual=manual)
+    value = text.lower()
+    if value in DEVICE_MAP_MODES:
+        return DeviceMap(value, gpu=0 if value == "cuda" else None)
+    if match := re.fullmatch(r"cuda:(\d+)", value):
+        return DeviceMap("cuda", gpu=int(match.group(1)))
+    raise ValueError(allowed)
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    default: str
+    parse: Callable[[str], Any]
+    help: str
+    attr: str = ""
+
+
+REGISTRY: tuple[Var, ...] = (
+    Var("QWEN_MODEL", "Qwen/Qwen-Image-Edit-2509", _str,
+        "Hub id or local path of the checkpoint (Qwen-Image-Edit, -2509 or -2511)"),
+    Var("QWEN_MODEL_DIR", "", _optional_str,
+        "Local checkpoint folder; when set it wins over QWEN_MODEL (the docker guides' name)"),
+    Var("DEMO", "false", _bool,
+        "Serve the tiny random-weight demo checkpoint (built locally, no download); outputs are noise"),
+    Var("DEMO_DIR", "~/.cache/imgedit/demo", _str, "Where the demo checkpoint is built and cached"),
+    Var("DEVICE_MAP", "balanced", parse_device_map,
+        "balanced | auto | replicas | cuda | cuda:N | cpu | JSON manual map (see README)"),
+    Var("MAX_MEMORY", "", _max_memory,
+        "Per-GPU memory caps, e.g. 75GiB,75GiB (one per visible GPU, or one for all); empty = free memory"),
+    Var("GPU_MEMORY_RESERVE", "2GiB", _size,
+        "Memory kept free on each GPU for activations when planning placement"),
+    Var("TORCH_DTYPE", "bfloat16", _choice(*DTYPES),
+        "bfloat16 (recommended) | float16 (black images with this model) | float32"),
+    Var("QUEUE_MAX_SIZE", "16", _int_range(1, 10_000), "Jobs allowed to wait in line; more get 'busy, try later'"),
+    Var("DEFAULT_STEPS", "0", _int_range(0, 1000), "Default denoising steps; 0 = per model (Edit 50, Plus 40)"),
+    Var("MAX_STEPS", "100", _int_range(1, 1000), "Largest num_inference_steps a request may ask for"),
+    Var("DEFAULT_TRUE_CFG", "4.0", _float_range(1.0, 20.0), "Default true CFG scale (1 turns CFG off)"),
+    Var("MAX_INPUT_PIXELS", "16777216", _int_range(1, 400_000_000),
+        "Largest input image in pixels (checked before decoding)"),
+    Var("MAX_OUTPUT_PIXELS", "4194304", _int_range(1, 100_000_000), "Largest output width*height"),
+    Var("MAX_FILE_SIZE", "25MB", _size, "Largest upload accepted by the UI and REST"),
+    Var("MAX_IMAGES_PER_PROMPT", "4", _int_range(1, 16), "Largest number of images one request may ask for"),
+    Var("AUTO_CLEANUP", "true", _bool, "Free cached GPU memory after each job"),
+    Var("LOG_LEVEL", "INFO", _choice(*LOG_LEVELS, upper=True), "DEBUG | INFO | WARNING | ERROR"),
+    Var("GRADIO_SERVER_NAME", "0.0.0.0", _str, "Address the server listens on"),
+    Var("GRADIO_SERVER_PORT", "7860", _int_range(1, 65535), "Port the server listens on (UI, API, REST)"),
+    Var("API_KEY", "", _optional_str, "When set, /metrics and /v1/* need 'Authorization: Bearer <key>'"),
+    Var("GRADIO_AUTH", "", _optional_str, "Optional basic auth for the UI, as user:password"),
+)
+
+
+def _attr(var: Var) -> str:
+    return var.attr or var.name.lower()
+
+
+@dataclass(frozen=True)
+class Settings:
+    qwen_model: str = "Qwen/Qwen-Image-Edit-2509"
+    qwen_model_dir: str | None = None
+    demo: bool = False
+    demo_dir: str = "~/.cache/imgedit/demo"
+    device_map: DeviceMap = field(default_factory=lambda: DeviceMap("balanced"))
+    max_memory: tuple[int, ...] = ()
+    gpu_memory_reserve: int = 2 * GIB
+    torch_dtype: str = "bfloat16"
+    queue_max_size: int = 16
+    default_steps: int = 0
+    max_steps: int = 100
+    default_true_cfg: float = 4.0
+    max_input_pixels: int = 16_777_216
+    max_output_pixels: int = 4_194_304
+    max_file_size: int = 25_000_000
+    max_images_per_prompt: int = 4
+    auto_cleanup: bool = True
+    log_level: str = "INFO"
+    gradio_server_name: str = "0.0.0.0"
+    gradio_server_port: int = 7860
+    api_key: str | None = None
+    gradio_auth: str | None = None
+    cuda_visible_devices: str | None = None
+
+    @property
+    def model_source(self) -> str:
+        """The folder or hub id to load: demo dir, then QWEN_MODEL_DIR, then QWEN_MODEL."""
+        if self.demo:
+            return str(Path(self.demo_dir).expanduser())
+        return self.qwen_model_dir or self.qwen_model
+
+    @property
+    def auth(self) -> tuple[str, str] | None:
+        if not self.gradio_auth:
+            return None
+        user, _, password = self.gradio_auth.partition(":")
+        return (user, password)
+
+
+def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+    """Parse every registered variable; collect all problems and raise one SettingsError."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    problems = []
+    for var in REGISTRY:
+        raw = env.get(var.name, var.default)
+        try:
+            values[_attr(var)] = var.parse(raw)
+        except ValueError as exc:
+            problems.append(f"{var.name}={raw!r} is not valid: expected {exc}")
+    if values.get("gradio_auth") and ":" not in values["gradio_auth"]:
+        problems.append(f"GRADIO_AUTH={values['gradio_auth']!r} is not valid: expected user:password")
+    if problems:
+        raise SettingsError("Bad configuration:\n  " + "\n  ".join(problems))
+    values["cuda_visible_devices"] = env.get("CUDA_VISIBLE_DEVICES")
+    values.update(overrides)
+    return Settings(**values)

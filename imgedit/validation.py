@@ -1,0 +1,95 @@
+"""Up-front checks of an edit request and the defaults each model family wants. Pure: no torch.
+
+The edges call `check_counts` / `check_params` before a job enters the queue (so bad input costs
+nothing); the manager calls `resolve` again right before the pipeline call.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from imgedit.errors import InputTooLarge, InvalidInput
+from imgedit.jobs import EditRequest
+from imgedit.settings import Settings
+
+MAX_INPUT_IMAGES = {"edit": 1, "plus": 3}
+DEFAULT_STEPS = {"edit": 50, "plus": 40}
+SIDE_MULTIPLE = 16  # the VAE downsamples 8x and latents are packed in 2x2 patches
+MIN_SIDE = 64
+MAX_PROMPT_CHARS = 4000
+MAX_SEED = 2**32 - 1
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The exact parameters the pipeline gets."""
+
+    steps: int
+    true_cfg_scale: float
+    negative_prompt: str
+    seed: int
+    num_images: int
+    width: int | None
+    height: int | None
+
+
+def check_counts(n_images: int, family: str) -> None:
+    allowed = MAX_INPUT_IMAGES[family]
+    if n_images < 1:
+        raise InvalidInput("no input image: upload the image to edit")
+    if n_images > allowed:
+        model = "Qwen-Image-Edit" if family == "edit" else "Qwen-Image-Edit-2509/2511"
+        raise InvalidInput(f"{n_images} input images given; {model} takes at most {allowed}")
+
+
+def _size(width: int | None, height: int | None, last_image_size: tuple[int, int] | None,
+          settings: Settings) -> tuple[int | None, int | None]:
+    width = width or None
+    height = height or None
+    for name, value in (("width", width), ("height", height)):
+        if value is not None and value < MIN_SIDE:
+            raise InvalidInput(f"{name} {value} is too small: at least {MIN_SIDE} (0 = automatic)")
+    if width is None and height is None:
+        return None, None
+    if (width is None or height is None) and last_image_size:
+        aspect = last_image_size[0] / last_image_size[1]
+        width = width or max(MIN_SIDE, round(height * aspect))
+        height = height or max(MIN_SIDE, round(width / aspect))
+    width = max(MIN_SIDE, width // SIDE_MULTIPLE * SIDE_MULTIPLE)
+    height = max(MIN_SIDE, height // SIDE_MULTIPLE * SIDE_MULTIPLE)
+    if width * height > settings.max_output_pixels:
+        raise InputTooLarge(
+            f"output {width}x{height} is {width * height:,} pixels; the limit is {settings.max_output_pixels:,} "
+            "(MAX_OUTPUT_PIXELS)")
+    return width, height
+
+
+def check_params(req: EditRequest, settings: Settings, family: str) -> None:
+    """Everything that can be checked without decoding images."""
+    resolve(req, settings, family, last_image_size=None, n_images=None)
+
+
+def resolve(req: EditRequest, settings: Settings, family: str,
+            last_image_size: tuple[int, int] | None, n_images: int | None) -> Resolved:
+    if n_images is not None:
+        check_counts(n_images, family)
+    if not isinstance(req.prompt, str) or not req.prompt.strip():
+        raise InvalidInput("the prompt is empty: say what to change")
+    if len(req.prompt) > MAX_PROMPT_CHARS or len(req.negative_prompt or "") > MAX_PROMPT_CHARS:
+        raise InvalidInput(f"the prompt is longer than {MAX_PROMPT_CHARS} characters")
+    steps = req.num_inference_steps or settings.default_steps or DEFAULT_STEPS[family]
+    if not 1 <= steps <= settings.max_steps:
+        raise InvalidInput(f"num_inference_steps {steps} is out of range: 1 to {settings.max_steps}")
+    cfg = settings.default_true_cfg if req.true_cfg_scale is None else req.true_cfg_scale
+    if not 1.0 <= cfg <= 20.0:
+        raise InvalidInput(f"true_cfg_scale {cfg} is out of range: 1 to 20 (1 turns CFG off)")
+    if not 1 <= req.num_images <= settings.max_images_per_prompt:
+        raise InvalidInput(f"num_images {req.num_images} is out of range: 1 to {settings.max_images_per_prompt}")
+    seed = req.seed if req.seed is not None else random.randint(0, 2**31 - 1)
+    if not 0 <= seed <= MAX_SEED:
+        raise InvalidInput(f"seed {seed} is out of range: 0 to {MAX_SEED}")
+    width, height = _size(req.width, req.height, last_image_size, settings)
+    # True CFG runs only when a negative prompt is passed: always pass one (" " when empty).
+    negative = req.negative_prompt if (req.negative_prompt or "").strip() else " "
+    return Resolved(steps, float(cfg), negative, int(seed), int(req.num_images), width, height)
