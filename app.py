@@ -1,0 +1,58 @@
+"""imgedit: `python app.py` serves the UI, the gradio API and REST on one port.
+
+`python app.py --demo` builds (once, cached) and serves the tiny random-weight demo checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from dataclasses import replace
+
+from dotenv import load_dotenv
+
+from imgedit.errors import SettingsError
+from imgedit.settings import DeviceMap, load_settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Edit images with the Qwen image-edit models.")
+    parser.add_argument("--demo", action="store_true",
+                        help="serve a tiny random-weight model on the CPU (no download; outputs are noise)")
+    args = parser.parse_args(argv)
+    load_dotenv()  # .env fills in what the environment does not set
+    try:
+        settings = load_settings()
+    except SettingsError as exc:
+        print(f"imgedit: {exc.message}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("imgedit")
+    if settings.torch_dtype == "float16":
+        log.warning("TORCH_DTYPE=float16: Qwen-Image-Edit is known to give NaN/black images in fp16; use bfloat16")
+
+    # Heavy imports only after the settings are known to be good.
+    import torch
+
+    from imgedit.manager import PipelineManager
+    from imgedit.server import build_app, serve
+
+    no_model_chosen = not settings.qwen_model_dir and "QWEN_MODEL" not in os.environ
+    if args.demo or (not settings.demo and no_model_chosen and not torch.cuda.is_available()):
+        if not args.demo:
+            log.warning("no GPU and no QWEN_MODEL/QWEN_MODEL_DIR set: serving the demo model (outputs are noise)")
+        settings = replace(settings, demo=True, device_map=DeviceMap("cpu"))
+    if settings.demo:
+        from imgedit.demo_checkpoint import ensure_checkpoint
+
+        ensure_checkpoint(settings.model_source)
+    manager = PipelineManager(settings)
+    manager.start()  # loads in the background; /health says 503 until ready
+    serve(build_app(settings, manager), settings)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

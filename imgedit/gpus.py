@@ -1,0 +1,152 @@
+"""Live per-GPU readings for the panel, /gpu_status and /health: what each GPU holds and does.
+
+NVML (nvidia-ml-py) sees every process's memory, as nvidia-smi does; torch's counters see only ours.
+Torch indices are mapped to NVML handles by UUID, because CUDA_VISIBLE_DEVICES renumbers devices.
+torch is imported lazily so the edges stay light.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import threading
+from dataclasses import asdict, dataclass, field
+
+from imgedit.jobs import ManagerStatus
+
+log = logging.getLogger(__name__)
+MIB = 1024**2
+
+
+@dataclass
+class GpuReading:
+    index: int
+    name: str
+    uuid: str
+    used_mib: float
+    total_mib: float
+    utilization_percent: float | None
+    torch_allocated_mib: float
+    holds: list[str] = field(default_factory=list)
+    running: list[str] = field(default_factory=list)
+
+
+class GpuMonitor:
+    """Reads NVML; one instance per process (NVML is initialised once)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._handles: dict[int, object] | None = None
+        self._nvml = None
+        self.problem: str | None = None
+
+    def _init(self) -> dict[int, object]:
+        if self._handles is not None:
+            return self._handles
+        self._handles = {}
+        try:
+            import torch
+
+            if not torch.cuda.is_available():
+                self.problem = "no GPU is visible: the model runs on the CPU"
+                return self._handles
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            for i in range(torch.cuda.device_count()):
+                uuid = "GPU-" + str(torch.cuda.get_device_properties(i).uuid)
+                self._handles[i] = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        except Exception as exc:  # NVML missing or broken: the panel says so instead of failing
+            log.warning("GPU readings unavailable: %s", exc)
+            self.problem = f"GPU readings unavailable ({type(exc).__name__})"
+        return self._handles
+
+    def read(self, status: ManagerStatus | None = None) -> list[GpuReading]:
+        with self._lock:
+            handles = self._init()
+            if not handles:
+                return []
+            import torch
+
+            nvml = self._nvml
+            readings = []
+            for index, handle in handles.items():
+                try:
+                    memory = nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
+                except Exception:
+                    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+                try:
+                    util = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+                except Exception:
+                    util = None
+                readings.append(GpuReading(
+                    index=index, name=torch.cuda.get_device_name(index),
+                    uuid=_text(nvml.nvmlDeviceGetUUID(handle)), used_mib=round(memory.used / MIB, 1),
+                    total_mib=round(memory.total / MIB, 1), utilization_percent=util,
+                    torch_allocated_mib=round(torch.cuda.memory_allocated(index) / MIB, 1)))
+        if status is not None:
+            _annotate(readings, status)
+        return readings
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _annotate(readings: list[GpuReading], status: ManagerStatus) -> None:
+    by_device = {f"cuda:{r.index}": r for r in readings}
+    for worker in status.workers:
+        for component, where in worker.placement.items():
+            for device in worker.devices:
+                if device in where and device in by_device:
+                    label = component if where == device else f"{component} ({_blocks_on(where, device)})"
+                    by_device[device].holds.append(f"{worker.name}: {label}")
+        if worker.state == "busy" and worker.job_id:
+            for device in worker.devices:
+                if device in by_device:
+                    by_device[device].running.append(
+                        f"{worker.name}: {worker.job_id} step {worker.step}/{worker.total_steps}")
+
+
+def _blocks_on(describe: str, device: str) -> str:
+    return ", ".join(part.split(" -> ")[0] for part in describe.split(", ") if part.endswith(device))
+
+
+def snapshot(monitor: GpuMonitor, status: ManagerStatus) -> dict:
+    """The panel's data as JSON-able dict (the /gpu_status API and /health use it)."""
+    readings = monitor.read(status)
+    return {
+        "gpus": [asdict(r) for r in readings],
+        "message": None if readings else (monitor.problem or "no GPU is visible: the model runs on the CPU"),
+        "placement_mode": status.mode,
+        "placement_reason": status.reason,
+        "workers": [asdict(w) for w in status.workers],
+        "waiting": status.waiting,
+        "ready": status.ready,
+    }
+
+
+def panel_html(data: dict) -> str:
+    """One bar per GPU: memory used of total, utilisation, what it holds, what it runs."""
+    parts = ['<div class="gpu-panel">']
+    if not data["gpus"]:
+        parts.append(f'<p class="gpu-none">{html.escape(data["message"] or "")}</p>')
+        for w in data["workers"]:
+            step = f' — {html.escape(w["job_id"] or "")} step {w["step"]}/{w["total_steps"]}' if w["state"] == "busy" else ""
+            parts.append(f'<p>{html.escape(w["name"])} on {html.escape(", ".join(w["devices"]))}: '
+                         f'{html.escape(w["state"])}{step}</p>')
+    for g in data["gpus"]:
+        pct = 100 * g["used_mib"] / g["total_mib"] if g["total_mib"] else 0
+        util = "n/a" if g["utilization_percent"] is None else f'{g["utilization_percent"]:.0f}%'
+        holds = html.escape("; ".join(g["holds"]) or "nothing of ours")
+        running = html.escape("; ".join(g["running"]) or "idle")
+        parts.append(
+            f'<div class="gpu" data-index="{g["index"]}"><b>GPU {g["index"]}</b> {html.escape(g["name"])} — '
+            f'{g["used_mib"] / 1024:.1f} / {g["total_mib"] / 1024:.1f} GiB, util {util}'
+            f'<div style="background:#ddd;height:12px;border-radius:4px">'
+            f'<div style="background:#3b82f6;width:{pct:.1f}%;height:12px;border-radius:4px"></div></div>'
+            f'<small>holds: {holds}<br>runs: {running}</small></div>')
+    parts.append(f'<small>placement: {html.escape(data["placement_mode"])} — '
+                 f'{html.escape(data["placement_reason"])}; waiting: {data["waiting"]}</small></div>')
+    return "".join(parts)

@@ -1,0 +1,68 @@
+"""Prometheus metrics: counted from the manager's job records, the rest read live at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from imgedit.gpus import GpuMonitor
+from imgedit.jobs import JobRecord
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _Live:
+    """Gauges that are read when scraped: queue, workers, GPU memory, last steps/s."""
+
+    def __init__(self, manager, monitor: GpuMonitor, gradio_queue_size: Callable[[], int], metrics: Metrics):
+        self.manager, self.monitor, self.gradio_queue_size, self.metrics = manager, monitor, gradio_queue_size, metrics
+
+    def collect(self):
+        status = self.manager.status()
+        queue = GaugeMetricFamily("imgedit_queue_length", "Jobs waiting for a GPU worker (UI, API and REST)")
+        queue.add_metric([], status.waiting + self.gradio_queue_size())
+        yield queue
+        healthy = GaugeMetricFamily("imgedit_workers_healthy", "Workers loaded and in service")
+        healthy.add_metric([], status.healthy_workers)
+        yield healthy
+        total = GaugeMetricFamily("imgedit_workers", "Workers in the placement plan")
+        total.add_metric([], len(status.workers))
+        yield total
+        rate = GaugeMetricFamily("imgedit_steps_per_second", "Denoising steps per second of the last finished job")
+        rate.add_metric([], self.metrics.last_steps_per_second)
+        yield rate
+        used = GaugeMetricFamily("imgedit_gpu_memory_used_bytes", "GPU memory in use (all processes)", labels=["gpu"])
+        cap = GaugeMetricFamily("imgedit_gpu_memory_total_bytes", "GPU memory in all", labels=["gpu"])
+        for g in self.monitor.read():
+            used.add_metric([str(g.index)], g.used_mib * 1024**2)
+            cap.add_metric([str(g.index)], g.total_mib * 1024**2)
+        yield used
+        yield cap
+
+
+class Metrics:
+    def __init__(self, manager, monitor: GpuMonitor, gradio_queue_size: Callable[[], int] = lambda: 0):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("imgedit_requests", "Edit requests by source and outcome",
+                                ["source", "outcome"], registry=self.registry)
+        self.job_seconds = Histogram("imgedit_job_seconds", "Seconds from request to result (or error)",
+                                     buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=self.registry)
+        self.last_steps_per_second = 0.0
+        self.registry.register(_Live(manager, monitor, gradio_queue_size, self))
+        manager.listeners.append(self.record)
+
+    def record(self, job: JobRecord) -> None:
+        self.requests.labels(job.source, job.outcome).inc()
+        if job.outcome in ("ok", "cancelled", "out_of_memory", "worker_failed"):
+            self.job_seconds.observe(job.seconds)
+        if job.outcome == "ok" and job.seconds > 0:
+            self.last_steps_per_second = job.steps / job.seconds
+
+    def record_rejected(self, source: str, outcome: str) -> None:
+        """A request refused before it reached the manager (bad input at the edge)."""
+        self.requests.labels(source, outcome).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

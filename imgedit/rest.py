@@ -1,0 +1,175 @@
+"""REST for operators and OpenAI clients: /health, /metrics and /v1/images/edits.
+
+`/v1/images/edits` speaks OpenAI's Images API (multipart; `image` or `image[]`, `prompt`, `n`, `size`,
+`response_format=b64_json`) plus the extensions `negative_prompt`, `seed`, `num_inference_steps`,
+`true_cfg_scale`. Jobs go to the same manager line and workers as the UI. Errors come back in
+OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import io
+import logging
+import threading
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import UploadFile
+
+from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
+from imgedit.gpus import GpuMonitor, snapshot
+from imgedit.images import open_image
+from imgedit.jobs import EditRequest
+from imgedit.metrics import CONTENT_TYPE, Metrics
+from imgedit.validation import check_counts, check_params
+
+log = logging.getLogger(__name__)
+
+STATUS = {"invalid_input": 400, "too_large": 413, "busy": 429, "cancelled": 499, "out_of_memory": 507,
+          "worker_failed": 503, "not_ready": 503}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 413: "invalid_request_error",
+              429: "rate_limit_error", 503: "server_error", 507: "server_error", 500: "server_error"}
+IMAGE_FIELDS = ("image", "image[]", "images", "images[]")
+
+
+def openai_error(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": ERROR_TYPE.get(status, "server_error"), "param": param,
+                      "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def _authorized(request: Request, key: str | None) -> bool:
+    if not key:
+        return True
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def _int(form, name: str, default: int | None) -> int | None:
+    raw = form.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(str(raw))
+    except ValueError:
+        raise InvalidInput(f"{name} must be a whole number, got {str(raw)[:40]!r}") from None
+
+
+def _float(form, name: str) -> float | None:
+    raw = form.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return float(str(raw))
+    except ValueError:
+        raise InvalidInput(f"{name} must be a number, got {str(raw)[:40]!r}") from None
+
+
+def _size(raw: str | None) -> tuple[int | None, int | None]:
+    if raw is None or raw in ("", "auto"):
+        return None, None
+    w, sep, h = str(raw).lower().partition("x")
+    if not sep or not w.isdigit() or not h.isdigit():
+        raise InvalidInput(f"size must be 'auto' or WIDTHxHEIGHT such as 1024x1024, got {str(raw)[:40]!r}")
+    return int(w), int(h)
+
+
+def build_router(manager, metrics: Metrics, monitor: GpuMonitor) -> APIRouter:
+    settings = manager.settings
+    router = APIRouter()
+
+    @router.get("/health")
+    def health() -> JSONResponse:
+        """Liveness + readiness: 200 once every worker has loaded and one is healthy; 503 otherwise."""
+        status = manager.status()
+        loaded = bool(status.workers) and all(w.state != "loading" for w in status.workers)
+        ready = status.ready and loaded
+        state = "ok" if ready else ("failed" if status.error or (loaded and not status.healthy_workers) else "loading")
+        body = snapshot(monitor, status)
+        body.update(status=state, model=status.model, family=status.family, error=status.error)
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @router.get("/metrics")
+    def prometheus(request: Request) -> Response:
+        if not _authorized(request, settings.api_key):
+            return openai_error(401, "missing or wrong API key (Authorization: Bearer <key>)", "invalid_api_key")
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @router.post("/v1/images/edits")
+    async def images_edits(request: Request) -> Response:
+        if not _authorized(request, settings.api_key):
+            return openai_error(401, "missing or wrong API key (Authorization: Bearer <key>)", "invalid_api_key")
+        started = time.perf_counter()
+        try:
+            req, response_format = await _parse(request, manager)
+        except ImgEditError as exc:
+            metrics.record_rejected("rest", exc.kind)
+            return openai_error(STATUS.get(exc.kind, 400), exc.message, exc.kind)
+        cancel = threading.Event()
+        loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(None, lambda: manager.edit(req, cancel=cancel))
+        try:
+            result = await asyncio.shield(job)
+        except asyncio.CancelledError:  # the client went away: stop the GPU work too
+            cancel.set()
+            raise
+        except ImgEditError as exc:
+            return openai_error(STATUS.get(exc.kind, 500), exc.message, exc.kind)
+        except Exception:
+            log.exception("%s failed", req.request_id)
+            return openai_error(500, f"internal error (request {req.request_id})", "internal_error")
+        data = []
+        for image in result.images:
+            buffer = io.BytesIO()
+            image.save(buffer, format="PNG")
+            data.append({"b64_json": base64.b64encode(buffer.getvalue()).decode(), "revised_prompt": None})
+        log.debug("%s served in %.2fs (%s)", req.request_id, time.perf_counter() - started, response_format)
+        return JSONResponse({"created": int(time.time()), "data": data, "output_format": "png",
+                             "size": f"{result.width}x{result.height}", "seed": result.seed,
+                             "request_id": result.request_id})
+
+    return router
+
+
+async def _parse(request: Request, manager) -> tuple[EditRequest, str]:
+    settings = manager.settings
+    length = request.headers.get("content-length")
+    limit = settings.max_file_size * 3 + 1_000_000  # up to three images plus the text fields
+    if length and length.isdigit() and int(length) > limit:
+        raise InputTooLarge(f"request body is {int(length):,} bytes; the limit is {limit:,}")
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise InvalidInput("send multipart/form-data with one or more 'image' files and a 'prompt'")
+    try:
+        form = await request.form(max_files=8, max_fields=64)
+    except Exception as exc:
+        raise InvalidInput(f"malformed multipart body ({type(exc).__name__})") from None
+    uploads = [v for key in IMAGE_FIELDS for v in form.getlist(key)]
+    if any(not isinstance(u, UploadFile) for u in uploads):
+        raise InvalidInput("'image' must be a file upload, not a text field")
+    check_counts(len(uploads), manager.family)
+    images = []
+    for i, upload in enumerate(uploads):
+        raw = await upload.read(settings.max_file_size + 1)
+        if len(raw) > settings.max_file_size:
+                raise InputTooLarge(f"image {i + 1} is larger than {settings.max_file_size:,} bytes (MAX_FILE_SIZE)")
+        images.append(await asyncio.to_thread(open_image, raw, settings.max_input_pixels, f"image {i + 1}"))
+    response_format = str(form.get("response_format") or "b64_json")
+    if response_format != "b64_json":
+        raise InvalidInput("response_format must be b64_json (this server does not host image URLs)")
+    prompt = form.get("prompt")
+    if not isinstance(prompt, str):
+        raise InvalidInput("prompt is required (a text field)")
+    width, height = _size(form.get("size"))
+    negative = form.get("negative_prompt")
+    req = EditRequest(
+        images=tuple(images), prompt=prompt, negative_prompt=negative if isinstance(negative, str) else "",
+        seed=_int(form, "seed", None), num_inference_steps=_int(form, "num_inference_steps", None),
+        true_cfg_scale=_float(form, "true_cfg_scale"), num_images=_int(form, "n", 1),
+        width=width, height=height, source="rest")
+    check_params(req, settings, manager.family)
+    return req, response_format

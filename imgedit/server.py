@@ -1,0 +1,49 @@
+"""Assemble the web app: REST routes first, then the Gradio Blocks mounted at "/" on the same port.
+
+`build_app(settings, manager)` takes the manager from outside, so tests hand in one built on the
+tiny checkpoint; `serve()` runs it with uvicorn.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import gradio as gr
+from fastapi import FastAPI
+
+from imgedit.gpus import GpuMonitor
+from imgedit.metrics import Metrics
+from imgedit.rest import build_router
+from imgedit.settings import Settings
+from imgedit.ui import build_blocks
+
+log = logging.getLogger(__name__)
+
+
+def build_app(settings: Settings, manager, demo: bool | None = None) -> FastAPI:
+    monitor = GpuMonitor()
+    blocks = build_blocks(manager, demo=settings.demo if demo is None else demo, monitor=monitor)
+    # api_open=False: a raw POST to /gradio_api/api/<name> must not skip the line.
+    blocks.queue(api_open=False, max_size=settings.queue_max_size, default_concurrency_limit=manager.capacity)
+
+    def gradio_waiting() -> int:
+        queue = getattr(blocks, "_queue", None)
+        return len(getattr(queue, "event_queue_per_concurrency_id", {}).get("gpu", ())) if queue else 0
+
+    metrics = Metrics(manager, monitor, gradio_waiting)
+    app = FastAPI(title="imgedit", docs_url=None, redoc_url=None)
+    app.include_router(build_router(manager, metrics, monitor))
+    app.state.metrics = metrics
+    app.state.manager = manager
+    return gr.mount_gradio_app(
+        app, blocks, path="/", auth=settings.auth, show_error=True, max_file_size=settings.max_file_size,
+        ssr_mode=False, allowed_paths=[], server_name=settings.gradio_server_name,
+        server_port=settings.gradio_server_port)
+
+
+def serve(app: FastAPI, settings: Settings) -> None:
+    import uvicorn
+
+    log.info("serving on http://%s:%d", settings.gradio_server_name, settings.gradio_server_port)
+    uvicorn.run(app, host=settings.gradio_server_name, port=settings.gradio_server_port,
+                log_level=settings.log_level.lower(), timeout_graceful_shutdown=5)

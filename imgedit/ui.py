@@ -1,0 +1,166 @@
+"""The Gradio Blocks page and its API (`/edit`, `/gpu_status`): one event per GPU job, one queue.
+
+Every GPU event shares the concurrency group "gpu" whose limit is the number of workers. The edit
+handler is async: when a user (or gradio_client) cancels, Gradio cancels the task, we set the job's
+cancel flag, and the manager stops the pipeline within one step; the worker's own lock keeps the
+next job off that GPU until it has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import logging
+import threading
+from collections.abc import Sequence
+
+import gradio as gr
+
+from imgedit.errors import ImgEditError
+from imgedit.gpus import GpuMonitor, panel_html, snapshot
+from imgedit.images import open_image
+from imgedit.jobs import EditRequest
+from imgedit.validation import DEFAULT_STEPS, MAX_INPUT_IMAGES, check_counts, check_params
+
+log = logging.getLogger(__name__)
+GPU_GROUP = "gpu"
+DEMO_BANNER = ("**Demo mode**: a tiny random-weight model runs on the CPU, so outputs are noise. "
+               "Set `QWEN_MODEL` or `QWEN_MODEL_DIR` to serve a real checkpoint.")
+
+
+def user_error(exc: BaseException) -> gr.Error:
+    """Only gr.Error text reaches users; it is rendered as HTML, so escape it."""
+    if isinstance(exc, ImgEditError):
+        return gr.Error(html.escape(exc.message), title=exc.kind.replace("_", " "))
+    log.exception("unexpected error in the UI handler", exc_info=exc)
+    return gr.Error("internal error: see the server log")
+
+
+def _paths(files) -> list[str]:
+    if not files:
+        return []
+    if isinstance(files, (str, bytes)) or not isinstance(files, Sequence):
+        files = [files]
+    return [f if isinstance(f, str) else getattr(f, "path", None) or getattr(f, "name", str(f)) for f in files]
+
+
+def _number(value, default=None):
+    if value is None or value == "":
+        return default
+    return int(value) if float(value).is_integer() else value
+
+
+def build_request(manager, files, prompt, negative_prompt, seed, randomize_seed, steps, cfg, num_images,
+                  width, height, source: str) -> EditRequest:
+    settings = manager.settings
+    paths = _paths(files)
+    check_counts(len(paths), manager.family)
+    images = tuple(open_image(p, settings.max_input_pixels, f"image {i + 1}") for i, p in enumerate(paths))
+    return EditRequest(
+        images=images, prompt=prompt or "", negative_prompt=negative_prompt or "",
+        seed=None if randomize_seed else _number(seed, 0),
+        num_inference_steps=_number(steps), true_cfg_scale=None if cfg is None else float(cfg),
+        num_images=_number(num_images, 1), width=_number(width, 0) or None, height=_number(height, 0) or None,
+        source=source)
+
+
+def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None) -> gr.Blocks:
+    settings = manager.settings
+    monitor = monitor or GpuMonitor()
+    max_inputs = MAX_INPUT_IMAGES["plus"]
+    family_steps = settings.default_steps or DEFAULT_STEPS.get(manager.family, 40)
+    inputs_order = ("files", "prompt", "negative_prompt", "seed", "randomize_seed", "num_inference_steps",
+                    "true_cfg_scale", "num_images", "width", "height")
+
+    def validate(files, prompt, negative_prompt, seed, randomize_seed, steps, cfg, num_images, width, height):
+        """Runs before the job enters the queue: bad input costs nothing else."""
+        try:
+            req = build_request(manager, files, prompt, negative_prompt, seed, randomize_seed, steps, cfg,
+                                num_images, width, height, "validator")
+            check_params(req, settings, manager.family)
+        except ImgEditError as exc:
+            return [gr.validate(False, html.escape(exc.message))] + [gr.validate(True, "")] * (len(inputs_order) - 1)
+        return [gr.validate(True, "")] * len(inputs_order)
+
+    async def edit(files, prompt, negative_prompt, seed, randomize_seed, steps, cfg, num_images, width, height,
+                   request: gr.Request, progress=gr.Progress()):
+        try:
+            req = build_request(manager, files, prompt, negative_prompt, seed, randomize_seed, steps, cfg,
+                                num_images, width, height, "ui" if request and request.headers.get("referer") else "api")
+        except ImgEditError as exc:
+            raise user_error(exc) from None
+        cancel = threading.Event()
+        progress(0, desc="waiting for a free GPU worker")
+
+        def on_step(step: int, total: int) -> None:
+            progress((step, total), desc="denoising", unit="steps")
+
+        loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(None, lambda: manager.edit(req, on_step=on_step, cancel=cancel))
+        try:
+            result = await asyncio.shield(job)
+        except asyncio.CancelledError:
+            cancel.set()  # the manager stops at the next step and frees the worker
+            raise
+        except Exception as exc:
+            raise user_error(exc) from None
+        return result.images, result.seed
+
+    def use_result(gallery):
+        if not gallery:
+            raise gr.Error("there is no result yet")
+        item = gallery[0]
+        path = item[0] if isinstance(item, (list, tuple)) else getattr(item, "image", item)
+        return [getattr(path, "path", path)]
+
+    def gpu_status() -> dict:
+        """Per GPU: index, name, used/total MiB, utilisation, what is placed on it, which job/step it runs."""
+        return snapshot(monitor, manager.status())
+
+    def panel() -> str:
+        return panel_html(snapshot(monitor, manager.status()))
+
+    with gr.Blocks(title="imgedit") as blocks:
+        gr.Markdown("# imgedit — edit images with Qwen-Image-Edit")
+        if demo:
+            gr.Markdown(DEMO_BANNER, elem_id="demo-banner")
+        with gr.Row():
+            with gr.Column():
+                files = gr.File(label=f"Input images (1 for Qwen-Image-Edit, up to {max_inputs} for 2509/2511)",
+                                file_count="multiple", file_types=["image"], elem_id="input-files")
+                preview = gr.Gallery(label="Inputs", height=160, columns=3, interactive=False, format="png")
+                prompt = gr.Textbox(label="What to change", lines=2, elem_id="prompt",
+                                    placeholder="e.g. make the sky a sunset, keep the people unchanged")
+                with gr.Row():
+                    run = gr.Button("Edit", variant="primary", elem_id="edit-button")
+                    stop = gr.Button("Cancel", variant="stop", elem_id="cancel-button")
+                with gr.Accordion("Advanced", open=False):
+                    negative = gr.Textbox(label="Negative prompt", value="")
+                    with gr.Row():
+                        seed = gr.Number(label="Seed", value=0, precision=0, minimum=0)
+                        randomize = gr.Checkbox(label="Randomize seed", value=True)
+                    steps = gr.Slider(1, settings.max_steps, value=family_steps, step=1, label="Steps")
+                    cfg = gr.Slider(1.0, 20.0, value=settings.default_true_cfg, step=0.5, label="True CFG scale")
+                    num = gr.Slider(1, settings.max_images_per_prompt, value=1, step=1, label="Images per prompt")
+                    with gr.Row():
+                        width = gr.Number(label="Width (0 = auto)", value=0, precision=0, minimum=0)
+                        height = gr.Number(label="Height (0 = auto)", value=0, precision=0, minimum=0)
+            with gr.Column():
+                result = gr.Gallery(label="Result", format="png", columns=2, elem_id="result", interactive=False)
+                used_seed = gr.Number(label="Seed used", precision=0, interactive=False)
+                again = gr.Button("Use result as input")
+        with gr.Accordion("GPUs", open=True):
+            gpu_panel = gr.HTML(panel(), elem_id="gpu-panel")
+        timer = gr.Timer(2.0)
+
+        files.change(lambda f: _paths(f), files, preview, queue=False, api_visibility="private")
+        inputs = [files, prompt, negative, seed, randomize, steps, cfg, num, width, height]
+        event = run.click(edit, inputs, [result, used_seed], api_name="edit", concurrency_id=GPU_GROUP,
+                          concurrency_limit=manager.capacity, validator=validate)
+        submitted = prompt.submit(edit, inputs, [result, used_seed], api_visibility="private", concurrency_id=GPU_GROUP,
+                      concurrency_limit=manager.capacity, validator=validate)
+        stop.click(None, None, None, cancels=[event, submitted], queue=False, api_visibility="private")
+        again.click(use_result, result, files, queue=False, api_visibility="private")
+        timer.tick(panel, None, gpu_panel, queue=False, api_visibility="private")
+        gr.api(gpu_status, api_name="gpu_status", queue=False)
+    return blocks
