@@ -182,6 +182,13 @@ def load_pipeline(checkpoint: Checkpoint, worker: WorkerPlan, dtype: torch.dtype
         if not placement.is_split and placement.device != worker.execution_device:
             _move_inputs(model, placement.device)
         parts[name] = model.eval().requires_grad_(False)
+    if len(worker.devices) > 1 and not hasattr(parts["vae"], "_hf_hook"):
+        # diffusers' _execution_device asks the first registered component (the VAE); one without a
+        # hook falls back to pipe.device, the first module by *name* (text_encoder), which may sit
+        # on another GPU. A no-op hook on the VAE (already on the execution device) pins the answer.
+        from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+        add_hook_to_module(parts["vae"], AlignDevicesHook(execution_device=worker.execution_device))
     pipeline_cls = getattr(diffusers, checkpoint.pipeline_class)
     pipe = pipeline_cls(
         scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler"),

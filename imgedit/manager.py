@@ -45,6 +45,7 @@ class Worker:
         self.total_steps = 0
         self.jobs_done = 0
         self.error: str | None = None
+        self.encoding_fix = None  # the mm_token_type_ids hook handle (imgedit.encoding)
 
     def status(self) -> WorkerStatus:
         return WorkerStatus(self.name, self.plan.devices,
@@ -114,7 +115,7 @@ class PipelineManager:
                     log.info("%s runs on the CPU: using float32 instead of %s", worker.name, self.settings.torch_dtype)
                     dtype = torch.float32
                 worker.pipe = loader.load_pipeline(self.checkpoint, worker.plan, dtype)
-                install_token_type_fix(worker.pipe.text_encoder)
+                worker.encoding_fix = install_token_type_fix(worker.pipe.text_encoder)
                 worker.state = "idle"
                 log.info("%s loaded on %s in %.1fs", worker.name, ",".join(worker.plan.devices),
                          time.perf_counter() - started)

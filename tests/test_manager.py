@@ -1,0 +1,254 @@
+"""The manager on the tiny checkpoint: real pipeline calls on the CPU, faults injected at the lowest seam."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ConcurrencyProbe, make_manager, picture
+from imgedit.errors import Cancelled, InputTooLarge, InvalidInput, OutOfGpuMemory, QueueFull, WorkerFailed
+from imgedit.jobs import EditRequest
+
+FAST = dict(num_inference_steps=2, width=64, height=64)
+
+
+def request(images=None, **kw) -> EditRequest:
+    args = dict(images=(picture(),) if images is None else images, prompt="make it red", seed=7, **FAST)
+    args.update(kw)
+    return EditRequest(**args)
+
+
+def pixels(result) -> np.ndarray:
+    return np.asarray(result.images[0], dtype=np.int16)
+
+
+def test_plus_edit_round_trip_and_status(plus_manager):
+    steps_seen = []
+    result = plus_manager.edit(request(), on_step=lambda s, t: steps_seen.append((s, t)))
+    assert steps_seen == [(1, 2), (2, 2)]
+    assert (result.width, result.height) == (64, 64) and result.images[0].mode == "RGB"
+    assert result.seed == 7 and result.steps == 2 and result.devices == ("cpu",)
+    status = plus_manager.status()
+    assert status.ready and status.family == "plus" and status.workers[0].state == "idle"
+    assert status.workers[0].jobs_done >= 1
+
+
+def test_same_seed_same_pixels_different_seed_different(plus_manager):
+    a = pixels(plus_manager.edit(request(seed=11)))
+    b = pixels(plus_manager.edit(request(seed=11)))
+    c = pixels(plus_manager.edit(request(seed=12)))
+    assert np.array_equal(a, b)
+    assert np.abs(a - c).mean() > 1.0
+
+
+def test_plus_takes_two_and_three_images_and_several_outputs(plus_manager):
+    two = plus_manager.edit(request(images=(picture(), picture(40, 90, (200, 0, 0)))))
+    assert len(two.images) == 1
+    three = plus_manager.edit(request(images=(picture(),) * 3, num_images=2))
+    assert len(three.images) == 2 and three.images[1].size == (64, 64)
+
+
+def test_size_follows_input_aspect_when_one_side_is_given(plus_manager):
+    result = plus_manager.edit(request(images=(picture(60, 120),), width=64, height=None))
+    assert (result.width, result.height) == (64, 128)
+
+
+def test_edit_model_takes_one_image(edit_manager):
+    result = edit_manager.edit(request())
+    assert result.images[0].size == (64, 64)
+    with pytest.raises(InvalidInput, match="takes at most 1"):
+        edit_manager.edit(request(images=(picture(), picture())))
+
+
+def test_true_cfg_really_runs_two_forwards_per_step(plus_manager):
+    """True CFG needs a negative prompt; the manager always passes one (' ' when empty)."""
+    pipe = plus_manager.workers[0].pipe
+    calls = []
+    handle = pipe.transformer.register_forward_pre_hook(lambda m, a: calls.append(1))
+    try:
+        plus_manager.edit(request(negative_prompt="", true_cfg_scale=4.0, num_inference_steps=3))
+        with_cfg = len(calls)
+        calls.clear()
+        plus_manager.edit(request(true_cfg_scale=1.0, num_inference_steps=3))
+        without_cfg = len(calls)
+    finally:
+        handle.remove()
+    assert (with_cfg, without_cfg) == (6, 3)
+
+
+@pytest.mark.parametrize("kw, error, message", [
+    (dict(images=()), InvalidInput, "no input image"),
+    (dict(images=(picture(),) * 4), InvalidInput, "at most 3"),
+    (dict(prompt="   "), InvalidInput, "prompt is empty"),
+    (dict(num_inference_steps=10000), InvalidInput, "num_inference_steps 10000 is out of range"),
+    (dict(true_cfg_scale=0.2), InvalidInput, "true_cfg_scale 0.2 is out of range"),
+    (dict(num_images=9), InvalidInput, "num_images 9 is out of range"),
+    (dict(width=8000, height=8000), InputTooLarge, "the limit is"),
+    (dict(width=16, height=64), InvalidInput, "width 16 is too small"),
+    (dict(seed=-3), InvalidInput, "seed -3 is out of range"),
+])
+def test_bad_requests_get_specific_errors(plus_manager, kw, error, message):
+    before = plus_manager.status().workers[0].jobs_done
+    with pytest.raises(error, match=message):
+        plus_manager.edit(request(**kw))
+    assert plus_manager.status().workers[0].jobs_done == before  # nothing ran
+
+
+def test_two_threads_on_one_worker_never_overlap(plus_manager):
+    probe = ConcurrencyProbe(plus_manager)
+    results, errors = [], []
+
+    def hammer(seed):
+        try:
+            results.append(plus_manager.edit(request(seed=seed)))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=hammer, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        probe.close()
+    assert errors == [] and len(results) == 4
+    assert probe.max_active == {"worker-0": 1}
+
+
+def test_cancel_stops_within_one_step_and_returns_no_image(plus_manager):
+    cancel = threading.Event()
+    seen = []
+
+    def on_step(step, total):
+        seen.append(step)
+        if step == 2:
+            cancel.set()
+
+    with pytest.raises(Cancelled, match="cancelled at step 2 of 20"):
+        plus_manager.edit(request(num_inference_steps=20), on_step=on_step, cancel=cancel)
+    assert seen == [1, 2]
+    assert plus_manager.status().workers[0].state == "idle"
+    assert plus_manager.edit(request()).images  # the worker serves the next job
+
+
+def test_cancel_while_waiting_leaves_the_line(plus_ckpt):
+    manager = make_manager(plus_ckpt)
+    started, cancel = threading.Event(), threading.Event()
+    outcome = {}
+
+    def long_job():
+        manager.edit(request(num_inference_steps=6), on_step=lambda s, t: started.set())
+
+    def waiting_job():
+        try:
+            manager.edit(request(), cancel=cancel)
+        except Cancelled as exc:
+            outcome["error"] = exc.message
+
+    first = threading.Thread(target=long_job)
+    first.start()
+    started.wait(30)
+    second = threading.Thread(target=waiting_job)
+    second.start()
+    deadline = time.time() + 10
+    while manager.waiting() != 1 and time.time() < deadline:
+        time.sleep(0.01)
+    assert manager.waiting() == 1
+    cancel.set()
+    second.join(10)
+    first.join(60)
+    assert outcome == {"error": "cancelled while waiting"} and manager.waiting() == 0
+
+
+def test_queue_full_answers_busy(plus_ckpt):
+    manager = make_manager(plus_ckpt, QUEUE_MAX_SIZE="1")
+    started = threading.Event()
+    runner = threading.Thread(target=lambda: manager.edit(request(num_inference_steps=6),
+                                                          on_step=lambda s, t: started.set()))
+    runner.start()
+    started.wait(30)
+    waiter = threading.Thread(target=lambda: manager.edit(request()))
+    waiter.start()
+    deadline = time.time() + 10
+    while manager.waiting() != 1 and time.time() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(QueueFull, match="busy"):
+        manager.edit(request())
+    runner.join(60)
+    waiter.join(60)
+
+
+class _FaultOnce:
+    """A forward pre-hook on a real component that raises once: the lowest seam of a GPU fault."""
+
+    def __init__(self, exc: BaseException):
+        self.exc, self.fired = exc, False
+
+    def __call__(self, module, args):
+        if not self.fired:
+            self.fired = True
+            raise self.exc
+
+
+def test_out_of_memory_keeps_the_worker_in_service(plus_manager):
+    worker = plus_manager.workers[0]
+    fault = _FaultOnce(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"))
+    handle = worker.pipe.transformer.register_forward_pre_hook(fault)
+    try:
+        with pytest.raises(OutOfGpuMemory, match="out of GPU memory on cpu: try a smaller output size"):
+            plus_manager.edit(request())
+    finally:
+        handle.remove()
+    assert fault.fired and worker.state == "idle"
+    assert plus_manager.edit(request()).images
+
+
+def test_cuda_fault_retires_the_worker_and_status_says_so(plus_ckpt):
+    manager = make_manager(plus_ckpt, workers=2)
+    broken = manager.workers[0]
+    fault = _FaultOnce(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    handle = broken.pipe.transformer.register_forward_pre_hook(fault)
+    try:
+        with pytest.raises(WorkerFailed, match="worker-0 hit a GPU fault"):
+            manager.edit(request())
+    finally:
+        handle.remove()
+    status = manager.status()
+    assert [w.state for w in status.workers] == ["failed", "idle"]
+    assert "illegal memory access" in status.workers[0].error
+    assert status.ready and status.healthy_workers == 1
+    assert manager.edit(request()).worker == "worker-1"  # the healthy one takes over
+    manager.workers[1].state = "failed"
+    assert not manager.ready
+
+
+def test_other_errors_are_reported_without_internals(plus_manager):
+    worker = plus_manager.workers[0]
+    fault = _FaultOnce(KeyError("secret internal detail"))
+    handle = worker.pipe.vae.register_forward_pre_hook(fault)
+    handle2 = worker.pipe.transformer.register_forward_pre_hook(fault)
+    try:
+        with pytest.raises(Exception) as info:
+            plus_manager.edit(request())
+    finally:
+        handle.remove()
+        handle2.remove()
+    assert "internal error" in str(info.value) and "secret" not in str(info.value)
+    assert worker.state == "idle"
+
+
+def test_not_ready_before_loading(plus_ckpt):
+    from imgedit.errors import NotReady
+    from imgedit.manager import PipelineManager
+    from imgedit.settings import load_settings
+
+    manager = PipelineManager(load_settings({"QWEN_MODEL_DIR": str(plus_ckpt), "DEVICE_MAP": "cpu"}))
+    with pytest.raises(NotReady, match="still loading"):
+        manager.edit(request())
+    manager.load()
+    assert manager.ready and manager.plan.mode == "cpu"

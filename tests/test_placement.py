@@ -1,0 +1,144 @@
+"""The placement planner on made-up GPUs: pure, so no torch and no checkpoint needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from imgedit.errors import PlacementError
+from imgedit.placement import ComponentSpec, GpuSpec, plan_placement
+from imgedit.settings import GIB, parse_device_map
+
+# Real bf16 sizes of Qwen-Image-Edit (GiB): transformer 60 blocks, text encoder 28 layers, VAE whole.
+TRANSFORMER = ComponentSpec("transformer", int(38.05 * GIB), (int(0.633 * GIB),) * 60)
+TEXT_ENCODER = ComponentSpec("text_encoder", int(15.45 * GIB), (int(0.434 * GIB),) * 28)
+VAE = ComponentSpec("vae", int(0.24 * GIB))
+MODEL = [TRANSFORMER, TEXT_ENCODER, VAE]
+TOTAL = sum(c.nbytes for c in MODEL)
+
+
+def gpus(*sizes_gib: float) -> list[GpuSpec]:
+    return [GpuSpec(i, f"GPU{i}", int(s * GIB), int((s - 0.5) * GIB)) for i, s in enumerate(sizes_gib)]
+
+
+def plan(device_map: str, gpu_list, max_memory=(), reserve=2 * GIB):
+    return plan_placement(MODEL, gpu_list, parse_device_map(device_map), max_memory, reserve)
+
+
+def per_gpu(p) -> dict[str, float]:
+    return {d: n / GIB for d, n in p.bytes_per_device.items()}
+
+
+def test_one_80gb_gpu_holds_everything():
+    p = plan("balanced", gpus(80))
+    assert len(p.workers) == 1
+    assert {pl.device for pl in p.workers[0].components.values()} == {"cuda:0"}
+    assert not any(pl.is_split for pl in p.workers[0].components.values())
+
+
+def test_two_80gb_gpus_balanced_spreads_whole_components():
+    p = plan("balanced", gpus(80, 80))
+    w = p.workers[0]
+    assert w.components["transformer"].device == "cuda:0"
+    assert w.components["text_encoder"].device == "cuda:1"
+    assert w.components["vae"].device == "cuda:0"  # rides with the latents
+    assert not w.components["transformer"].is_split
+
+
+def test_two_80gb_gpus_replicas_and_auto():
+    p = plan("replicas", gpus(80, 80))
+    assert [w.execution_device for w in p.workers] == ["cuda:0", "cuda:1"]
+    assert all(len(w.devices) == 1 for w in p.workers)
+    auto = plan("auto", gpus(80, 80))
+    assert auto.mode == "auto" and len(auto.workers) == 2 and "replica" in auto.reason
+
+
+def test_four_24gb_gpus_split_the_transformer_instead_of_falling_to_cpu():
+    p = plan("balanced", gpus(24, 24, 24, 24))
+    w = p.workers[0]
+    assert w.components["transformer"].is_split
+    assert "cpu" not in w.devices
+    assert all(v <= 24 - 2 for v in per_gpu(p).values()), per_gpu(p)
+    assert sum(p.bytes_per_device.values()) == TOTAL
+    blocks = w.components["transformer"].block_devices
+    assert len(blocks) == 60
+    # contiguous runs: each device appears in one run only
+    runs = [d for i, d in enumerate(blocks) if i == 0 or blocks[i - 1] != d]
+    assert len(runs) == len(set(runs))
+    assert w.components["vae"].device == w.components["transformer"].device == w.execution_device
+    auto = plan("auto", gpus(24, 24, 24, 24))
+    assert len(auto.workers) == 1 and "does not fit every GPU" in auto.reason
+
+
+def test_eight_141gb_gpus_replicas_gives_eight_workers():
+    p = plan("replicas", gpus(*[141] * 8))
+    assert len(p.workers) == 8
+    assert [w.name for w in p.workers] == [f"worker-{i}" for i in range(8)]
+
+
+def test_uneven_caps_are_honoured():
+    p = plan("balanced", gpus(80, 80), max_memory=(40 * GIB, 20 * GIB))
+    usage = per_gpu(p)
+    assert usage["cuda:0"] <= 38 and usage["cuda:1"] <= 18
+    assert p.workers[0].components["transformer"].is_split
+
+
+def test_caps_30gib_on_two_gpus_force_a_split():
+    p = plan("balanced", gpus(141, 141), max_memory=(30 * GIB,))
+    assert p.workers[0].components["transformer"].is_split
+    assert all(v <= 28 for v in per_gpu(p).values())
+
+
+def test_too_small_fails_clearly():
+    with pytest.raises(PlacementError, match="needs 53.7 GiB.*can take"):
+        plan("balanced", gpus(16, 16))
+    with pytest.raises(PlacementError, match="replicas needs .* every GPU"):
+        plan("replicas", gpus(24, 24, 24, 24))
+    with pytest.raises(PlacementError, match="use DEVICE_MAP=balanced"):
+        plan("cuda", gpus(24, 24))
+
+
+def test_max_memory_count_must_match():
+    with pytest.raises(PlacementError, match="MAX_MEMORY has 3 values but 2 GPUs"):
+        plan("balanced", gpus(80, 80), max_memory=(10 * GIB,) * 3)
+
+
+def test_single_gpu_modes():
+    p = plan("cuda:1", gpus(80, 80))
+    assert p.workers[0].devices == ("cuda:1",)
+    with pytest.raises(PlacementError, match="cuda:3 but only GPUs"):
+        plan("cuda:3", gpus(80, 80))
+
+
+def test_no_gpu_falls_back_to_cpu_for_balanced_but_not_for_cuda():
+    p = plan("balanced", [])
+    assert p.workers[0].devices == ("cpu",) and "CPU" in p.reason
+    with pytest.raises(PlacementError, match="needs a GPU"):
+        plan("replicas", [])
+
+
+def test_manual_map_with_block_ranges():
+    manual = '{"transformer": {"0-29": "cuda:0", "30-59": "cuda:1"}, "text_encoder": "cuda:1", "vae": "cuda:0"}'
+    p = plan(manual, gpus(80, 80))
+    t = p.workers[0].components["transformer"]
+    assert t.block_devices == ("cuda:0",) * 30 + ("cuda:1",) * 30
+    assert p.workers[0].components["text_encoder"].device == "cuda:1"
+    assert t.describe() == "blocks 0-29 -> cuda:0, blocks 30-59 -> cuda:1"
+
+
+@pytest.mark.parametrize("manual, message", [
+    ('{"transformer": {"0-29": "cuda:0"}, "text_encoder": "cuda:1"}', "blocks 30..59 have no device"),
+    ('{"transformer": {"0-40": "cuda:0", "30-59": "cuda:1"}, "text_encoder": "cuda:1"}', "placed twice"),
+    ('{"transformer": "cuda:0", "text_encoder": "cuda:7"}', "visible GPUs are"),
+    ('{"transformer": "cuda:0"}', "does not place text_encoder"),
+    ('{"transformer": "cuda:0", "text_encoder": "cuda:1", "unet": "cuda:0"}', "unknown components"),
+    ('{"transformer": "cuda:0", "text_encoder": "cuda:1", "vae": "cuda:1"}', "vae must be on"),
+    ('{"transformer": {"0-70": "cuda:0"}, "text_encoder": "cuda:1"}', "outside 0-59"),
+])
+def test_manual_map_errors(manual, message):
+    with pytest.raises(PlacementError, match=message):
+        plan(manual, gpus(80, 80))
+
+
+def test_manual_map_over_budget_is_refused():
+    with pytest.raises(PlacementError, match="can take"):
+        plan('{"transformer": "cuda:0", "text_encoder": "cuda:0"}', gpus(48, 48))

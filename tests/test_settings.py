@@ -1,0 +1,104 @@
+"""Settings: defaults, accepted spellings, and a specific message for every bad value."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from imgedit.errors import SettingsError
+from imgedit.settings import GIB, REGISTRY, DeviceMap, load_settings, parse_size
+
+
+def test_defaults():
+    s = load_settings({})
+    assert s.qwen_model == "Qwen/Qwen-Image-Edit-2509"
+    assert s.device_map == DeviceMap("balanced")
+    assert s.max_memory == ()
+    assert s.torch_dtype == "bfloat16"
+    assert s.gradio_server_port == 7860 and s.gradio_server_name == "0.0.0.0"
+    assert s.model_source == "Qwen/Qwen-Image-Edit-2509"
+
+
+def test_model_dir_wins_over_model_and_demo_wins_over_both():
+    s = load_settings({"QWEN_MODEL": "a/b", "QWEN_MODEL_DIR": "/mnt/models"})
+    assert s.model_source == "/mnt/models"
+    s = load_settings({"QWEN_MODEL_DIR": "/mnt/models", "DEMO": "yes", "DEMO_DIR": "/tmp/demo"})
+    assert s.model_source == "/tmp/demo"
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ("balanced", DeviceMap("balanced")), ("AUTO", DeviceMap("auto")), ("replicas", DeviceMap("replicas")),
+    ("cuda", DeviceMap("cuda", gpu=0)), ("cuda:3", DeviceMap("cuda", gpu=3)), ("cpu", DeviceMap("cpu")),
+])
+def test_device_map_modes(raw, expected):
+    assert load_settings({"DEVICE_MAP": raw}).device_map == expected
+
+
+def test_device_map_json():
+    s = load_settings({"DEVICE_MAP": '{"transformer": {"0-29": "cuda:0"}, "vae": "cuda:0"}'})
+    assert s.device_map.mode == "manual"
+    assert s.device_map.manual["transformer"] == {"0-29": "cuda:0"}
+
+
+def test_sizes_and_caps():
+    assert parse_size("75GiB") == 75 * GIB
+    assert parse_size("30GB") == 30 * 10**9
+    assert parse_size("512 MiB") == 512 * 2**20
+    s = load_settings({"MAX_MEMORY": "75GiB,70GiB"})
+    assert s.max_memory == (75 * GIB, 70 * GIB)
+
+
+def test_dtype_aliases():
+    assert load_settings({"TORCH_DTYPE": "bf16"}).torch_dtype == "bfloat16"
+    assert load_settings({"TORCH_DTYPE": "fp16"}).torch_dtype == "float16"
+
+
+@pytest.mark.parametrize("name, value, allowed", [
+    ("DEVICE_MAP", "gpu", "balanced, auto, replicas, cuda, cuda:N, cpu"),
+    ("DEVICE_MAP", "{not json", "valid JSON"),
+    ("MAX_MEMORY", "75 gigs", "comma-separated sizes"),
+    ("TORCH_DTYPE", "int8", "bfloat16, float16, float32"),
+    ("QUEUE_MAX_SIZE", "0", "a whole number from 1 to 10000"),
+    ("QUEUE_MAX_SIZE", "many", "a whole number"),
+    ("GRADIO_SERVER_PORT", "70000", "from 1 to 65535"),
+    ("DEFAULT_TRUE_CFG", "0.5", "a number from 1.0 to 20.0"),
+    ("AUTO_CLEANUP", "maybe", "true/false"),
+    ("LOG_LEVEL", "LOUD", "DEBUG, INFO, WARNING, ERROR"),
+    ("GPU_MEMORY_RESERVE", "lots", "a size such as"),
+    ("GRADIO_AUTH", "justuser", "user:password"),
+])
+def test_bad_values_name_variable_value_and_allowed(name, value, allowed):
+    with pytest.raises(SettingsError) as info:
+        load_settings({name: value})
+    assert name in info.value.message and repr(value) in info.value.message and allowed in info.value.message
+
+
+def test_all_problems_reported_at_once():
+    with pytest.raises(SettingsError) as info:
+        load_settings({"DEVICE_MAP": "x", "QUEUE_MAX_SIZE": "-1"})
+    assert "DEVICE_MAP" in info.value.message and "QUEUE_MAX_SIZE" in info.value.message
+
+
+def test_registry_names_are_unique():
+    names = [v.name for v in REGISTRY]
+    assert len(names) == len(set(names))
+
+
+def test_app_refuses_to_start_on_a_bad_setting():
+    """python app.py stops at once with the message, before importing torch or gradio."""
+    env = {"DEVICE_MAP": "everything", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "app.py"], env=env, capture_output=True, text=True, timeout=60,
+                          cwd=__import__("pathlib").Path(__file__).resolve().parents[1])
+    assert proc.returncode == 2
+    assert "DEVICE_MAP='everything' is not valid" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_light_modules_import_without_torch_or_gradio():
+    code = ("import sys, imgedit.settings, imgedit.placement, imgedit.validation, imgedit.errors, imgedit.jobs; "
+            "print('torch' in sys.modules, 'gradio' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=__import__("pathlib").Path(__file__).resolve().parents[1])
+    assert out.stdout.split() == ["False", "False"], out.stderr
