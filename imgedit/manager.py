@@ -103,7 +103,7 @@ class PipelineManager:
             if self._plan is None:
                 self._plan = plan_placement(
                     loader.component_specs(self.checkpoint, self.dtype), gpus, self.settings.device_map,
-                    self.settings.max_memory, self.settings.gpu_memory_reserve)
+                    self.settings.max_memory, self.settings.gpu_memory_reserve, self.settings.activation_reserve)
             for line in self._plan.describe():
                 log.info("%s", line)
             self.workers = [Worker(w) for w in self._plan.workers]

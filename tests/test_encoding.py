@@ -1,0 +1,98 @@
+"""The mm_token_type_ids correction (diffusers#14194), weight-free on the tiny checkpoint.
+
+The prompt embeddings the pipeline computes must equal those from calling the text encoder directly
+with the processor's full output (mm_token_type_ids included), and must differ when the correction
+is removed: so this fails if the correction goes away.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import picture
+from imgedit.encoding import install_token_type_fix, token_type_ids
+
+
+class RecordingProcessor:
+    """Wraps the real processor and keeps its last full output (nothing is changed)."""
+
+    def __init__(self, processor):
+        self.processor, self.last = processor, None
+
+    def __call__(self, *args, **kwargs):
+        self.last = self.processor(*args, **kwargs)
+        return self.last
+
+    def __getattr__(self, name):
+        return getattr(self.processor, name)
+
+
+def encode(pipe, images):
+    """Run the pipeline's own prompt encoding and capture the encoder's last hidden states."""
+    captured = {}
+
+    def keep(module, args, kwargs, output):
+        captured["hidden"] = output.hidden_states[-1].detach().clone()
+
+    handle = pipe.text_encoder.register_forward_hook(keep, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            embeds, _ = pipe.encode_prompt(prompt="make the sky red", image=images, device=torch.device("cpu"))
+    finally:
+        handle.remove()
+    return embeds, captured["hidden"]
+
+
+@pytest.mark.parametrize("family, n_images", [("edit", 1), ("plus", 2)])
+def test_pipeline_embeddings_match_the_encoder_with_full_processor_output(family, n_images, request):
+    manager = request.getfixturevalue(f"{family}_manager")
+    worker = manager.workers[0]
+    pipe = worker.pipe
+    images = [picture(64, 48), picture(48, 64, (200, 20, 20))][:n_images]
+    images = images if family == "plus" else images[0]
+    recorder = RecordingProcessor(pipe.processor)
+    pipe.processor = recorder
+    try:
+        fixed_embeds, fixed_hidden = encode(pipe, images)
+        full = {k: v for k, v in recorder.last.items()}
+        assert "mm_token_type_ids" in full and int((full["mm_token_type_ids"] == 1).sum()) > 0
+        with torch.no_grad():
+            direct = pipe.text_encoder(**full, output_hidden_states=True).hidden_states[-1]
+        torch.testing.assert_close(fixed_hidden, direct)
+
+        # Without the correction the encoder falls back to 1-D positions: different embeddings.
+        worker.encoding_fix.remove()
+        plain_embeds, plain_hidden = encode(pipe, images)
+        assert not torch.allclose(plain_hidden, direct, atol=1e-4)
+        assert not torch.allclose(plain_embeds, fixed_embeds, atol=1e-4)
+    finally:
+        pipe.processor = recorder.processor
+        worker.encoding_fix = install_token_type_fix(pipe.text_encoder)
+
+
+def test_ids_derived_from_tokens_equal_the_processors(plus_manager):
+    pipe = plus_manager.workers[0].pipe
+    out = pipe.processor(text=["<|vision_start|><|image_pad|><|vision_end|> hi"], images=[picture(64, 64)],
+                         return_tensors="pt")
+    cfg = pipe.text_encoder.config
+    derived = token_type_ids(out["input_ids"], cfg.image_token_id, cfg.video_token_id)
+    assert torch.equal(derived, out["mm_token_type_ids"].to(derived.dtype))
+
+
+def test_the_hook_steps_aside_when_the_caller_passes_the_ids(plus_manager):
+    """Once diffusers forwards mm_token_type_ids itself, the hook must not pass them twice or change them."""
+    pipe = plus_manager.workers[0].pipe
+    out = pipe.processor(text=["<|vision_start|><|image_pad|><|vision_end|> hi"], images=[picture(64, 64)],
+                         return_tensors="pt")
+    zeros = torch.zeros_like(out["mm_token_type_ids"])  # deliberately "wrong": the hook must keep them
+    args = {**out, "mm_token_type_ids": zeros}
+    seen = {}
+    probe = pipe.text_encoder.register_forward_pre_hook(
+        lambda m, a, kw: seen.update(ids=kw["mm_token_type_ids"]), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            pipe.text_encoder(**args, output_hidden_states=True)
+    finally:
+        probe.remove()
+    assert seen["ids"] is zeros
