@@ -78,7 +78,9 @@ def resolve(req: EditRequest, settings: Settings, family: str,
         raise InvalidInput("the prompt is empty: say what to change")
     if len(req.prompt) > MAX_PROMPT_CHARS or len(req.negative_prompt or "") > MAX_PROMPT_CHARS:
         raise InvalidInput(f"the prompt is longer than {MAX_PROMPT_CHARS} characters")
-    steps = req.num_inference_steps or settings.default_steps or DEFAULT_STEPS[family]
+    steps = req.num_inference_steps
+    if steps is None:
+        steps = settings.default_steps or DEFAULT_STEPS[family]
     if not 1 <= steps <= settings.max_steps:
         raise InvalidInput(f"num_inference_steps {steps} is out of range: 1 to {settings.max_steps}")
     cfg = settings.default_true_cfg if req.true_cfg_scale is None else req.true_cfg_scale

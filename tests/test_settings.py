@@ -102,3 +102,9 @@ def test_light_modules_import_without_torch_or_gradio():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          cwd=__import__("pathlib").Path(__file__).resolve().parents[1])
     assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+def test_readme_documents_every_setting():
+    readme = (__import__("pathlib").Path(__file__).resolve().parents[1] / "README.md").read_text()
+    missing = [v.name for v in REGISTRY if f"| `{v.name}` |" not in readme]
+    assert missing == [], f"README's configuration table lacks {missing}"

@@ -1,0 +1,186 @@
+"""The Gradio app through the real gradio_client against the real server (tiny model, CPU workers)."""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+from gradio_client import Client, handle_file
+from gradio_client.exceptions import AppError, QueueError, ValidationError
+from PIL import Image
+
+from conftest import ConcurrencyProbe, make_manager, picture, start_server
+
+
+def edit_args(files, steps=2, seed=1, randomize=False, width=64, height=64, prompt="make it red", n=1):
+    return ([handle_file(str(f)) for f in files], prompt, "", seed, randomize, steps, 4.0, n, width, height)
+
+
+@pytest.fixture(scope="module")
+def client(live_server):
+    return Client(live_server.url, verbose=False)
+
+
+def test_edit_round_trip_returns_png_and_seed(client, image_file):
+    gallery, seed = client.predict(*edit_args([image_file], seed=5), api_name="/edit")
+    assert seed == 5 and len(gallery) == 1
+    path = Path(gallery[0]["image"])
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert Image.open(path).size == (64, 64)
+    _, random_seed = client.predict(*edit_args([image_file], randomize=True), api_name="/edit")
+    assert isinstance(random_seed, int) and 0 <= random_seed < 2**31
+
+
+def test_gpu_status_api_without_gpus(client):
+    data = client.predict(api_name="/gpu_status")
+    assert data["gpus"] == [] and "no GPU is visible" in data["message"]
+    assert [w["name"] for w in data["workers"]] == ["worker-0", "worker-1"]
+    assert data["workers"][0]["placement"] == {"transformer": "cpu", "text_encoder": "cpu", "vae": "cpu"}
+
+
+def test_concurrent_submits_complete_without_overlap_also_after_a_cancel(client, server_manager, image_file):
+    probe = ConcurrencyProbe(server_manager)
+    try:
+        long_job = client.submit(*edit_args([image_file], steps=40), api_name="/edit")
+        deadline = time.time() + 60
+        while not any(w.state == "busy" and w.step >= 1 for w in server_manager.workers):
+            assert time.time() < deadline, "the long job never started"
+            time.sleep(0.05)
+        long_job.cancel()
+        # The GPU work really stops: the worker is free again well before 40 steps could finish.
+        deadline = time.time() + 20
+        while any(w.state == "busy" for w in server_manager.workers):
+            assert time.time() < deadline, "cancel did not stop the pipeline"
+            time.sleep(0.05)
+        assert all(w.step < 40 for w in server_manager.workers)
+        jobs = [client.submit(*edit_args([image_file], seed=i), api_name="/edit") for i in range(4)]
+        seeds = sorted(job.result(timeout=300)[1] for job in jobs)
+    finally:
+        probe.close()
+    assert seeds == [0, 1, 2, 3]
+    assert probe.max_active == {"worker-0": 1, "worker-1": 1}
+
+
+def bomb_png(path: Path, width: int = 30000, height: int = 30000) -> Path:
+    """A tiny PNG whose header claims a huge size: decoding it would need gigabytes."""
+    Image.new("RGB", (1, 1)).save(path)
+    data = bytearray(path.read_bytes())
+    ihdr = data[12:29]
+    ihdr[4:12] = struct.pack(">II", width, height)
+    data[12:29] = ihdr
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(ihdr)) & 0xFFFFFFFF)
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bad")
+    text = folder / "notes.png"
+    text.write_text("this is not an image")
+    return {"text": text, "bomb": bomb_png(folder / "bomb.png")}
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no_image", "no input image"),
+    ("four_images", "takes at most 3"),
+    ("not_an_image", "is not a readable image"),
+    ("bomb", "the limit is 16,777,216 pixels"),
+    ("zero_steps", "num_inference_steps 0 is out of range"),
+    ("many_steps", "num_inference_steps 10000 is out of range"),
+    ("huge_size", "MAX_OUTPUT_PIXELS"),
+    ("empty_prompt", "prompt is empty"),
+])
+def test_bad_inputs_get_their_own_message_and_cost_nothing(client, server_manager, image_file, bad_files,
+                                                           case, message):
+    files, kw = [image_file], {}
+    if case == "no_image":
+        files = []
+    elif case == "four_images":
+        files = [image_file] * 4
+    elif case == "not_an_image":
+        files = [bad_files["text"]]
+    elif case == "bomb":
+        files = [bad_files["bomb"]]
+    elif case == "zero_steps":
+        kw = {"steps": 0}
+    elif case == "many_steps":
+        kw = {"steps": 10000}
+    elif case == "huge_size":
+        kw = {"width": 9000, "height": 9000}
+    elif case == "empty_prompt":
+        kw = {"prompt": "  "}
+    done_before = sum(w.jobs_done for w in server_manager.workers)
+    with pytest.raises((ValidationError, AppError)) as info:
+        client.predict(*edit_args(files, **kw), api_name="/edit")
+    text = str(info.value)
+    assert message in text, text
+    assert "Traceback" not in text
+    assert sum(w.jobs_done for w in server_manager.workers) == done_before  # no GPU work was spent
+    _, seed = client.predict(*edit_args([image_file], seed=9), api_name="/edit")  # still serving
+    assert seed == 9
+
+
+def test_queue_full_gives_the_busy_error(plus_ckpt, image_file):
+    manager = make_manager(plus_ckpt, QUEUE_MAX_SIZE="1")
+    with start_server(manager) as server:
+        c = Client(server.url, verbose=False)
+        running = c.submit(*edit_args([image_file], steps=12), api_name="/edit")
+        deadline = time.time() + 60
+        while manager.workers[0].state != "busy":
+            assert time.time() < deadline
+            time.sleep(0.05)
+        waiting = c.submit(*edit_args([image_file], steps=2), api_name="/edit")
+        time.sleep(1.0)
+        with pytest.raises(QueueError, match="Queue is full"):
+            Client(server.url, verbose=False).predict(*edit_args([image_file]), api_name="/edit")
+        assert running.result(timeout=300)[1] == 1 and waiting.result(timeout=300)[1] == 1
+
+
+def test_raw_http_cannot_skip_the_queue(live_server):
+    import httpx
+
+    r = httpx.post(f"{live_server.url}/gradio_api/api/edit", json={"data": []}, timeout=30)
+    assert r.status_code in (403, 404, 405), r.text
+
+
+def test_one_line_for_threads_of_many_clients(live_server, server_manager, image_file):
+    """Several clients at once: all served, a worker never runs two jobs."""
+    probe = ConcurrencyProbe(server_manager)
+    seeds, errors = [], []
+
+    def one(i):
+        try:
+            seeds.append(Client(live_server.url, verbose=False).predict(*edit_args([image_file], seed=20 + i),
+                                                                        api_name="/edit")[1])
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    finally:
+        probe.close()
+    assert errors == [] and sorted(seeds) == [20, 21, 22]
+    assert max(probe.max_active.values()) == 1
+
+
+def test_demo_banner_and_page(plus_ckpt):
+    import httpx
+
+    manager = make_manager(plus_ckpt)
+    from imgedit.server import build_app
+
+    app = build_app(manager.settings, manager, demo=True)
+    from conftest import LiveServer, free_port
+
+    with LiveServer(app, free_port()) as server:
+        config = httpx.get(f"{server.url}/config", timeout=30).json()
+        assert "outputs are noise" in str(config)
