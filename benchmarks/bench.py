@@ -118,7 +118,9 @@ def run_manager(mode: str, args, ckpt: Path, image: Image.Image) -> dict:
         "s_per_image": round(sum(r.seconds for r in results) / max(1, len(results)), 2),
         "images_per_min": round(60 * len(results) / wall, 2), "errors": errors,
     }
-    del manager, results
+    for worker in manager.workers:  # drop the pipelines so the next mode starts on empty GPUs
+        worker.pipe = None
+    results.clear()
     import gc
 
     gc.collect()

@@ -133,7 +133,8 @@ def panel_html(data: dict) -> str:
     if not data["gpus"]:
         parts.append(f'<p class="gpu-none">{html.escape(data["message"] or "")}</p>')
         for w in data["workers"]:
-            step = f' — {html.escape(w["job_id"] or "")} step {w["step"]}/{w["total_steps"]}' if w["state"] == "busy" else ""
+            busy = w["state"] == "busy"
+            step = f' — {html.escape(w["job_id"] or "")} step {w["step"]}/{w["total_steps"]}' if busy else ""
             parts.append(f'<p>{html.escape(w["name"])} on {html.escape(", ".join(w["devices"]))}: '
                          f'{html.escape(w["state"])}{step}</p>')
     for g in data["gpus"]:

@@ -183,8 +183,11 @@ class PipelineManager:
         outcome, steps = "error", 0
         try:
             if not self.ready:
-                raise NotReady(self.load_error and f"the model failed to load: {self.load_error}"
-                               or "the model is still loading; try again shortly")
+                if self.load_error:
+                    raise NotReady(f"the model failed to load: {self.load_error}")
+                if self._loaded.is_set():
+                    raise WorkerFailed("no healthy GPU worker is left; see /health")
+                raise NotReady("the model is still loading; try again shortly")
             params = resolve(req, self.settings, self.family, req.images[-1].size if req.images else None,
                              len(req.images))
             steps = params.steps

@@ -361,6 +361,6 @@ def _bytes_per_device(components: Sequence[ComponentSpec], placed: Mapping[str, 
             out[p.device] = out.get(p.device, 0) + c.nbytes
             continue
         out[p.device] = out.get(p.device, 0) + c.head_bytes
-        for size, dev in zip(c.blocks, p.block_devices):
+        for size, dev in zip(c.blocks, p.block_devices, strict=True):
             out[dev] = out.get(dev, 0) + size
     return out

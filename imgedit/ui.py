@@ -84,9 +84,10 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None)
 
     async def edit(files, prompt, negative_prompt, seed, randomize_seed, steps, cfg, num_images, width, height,
                    request: gr.Request, progress=gr.Progress()):
+        source = "ui" if request is not None and request.headers.get("referer") else "api"
         try:
             req = build_request(manager, files, prompt, negative_prompt, seed, randomize_seed, steps, cfg,
-                                num_images, width, height, "ui" if request and request.headers.get("referer") else "api")
+                                num_images, width, height, source)
         except ImgEditError as exc:
             raise user_error(exc) from None
         cancel = threading.Event()

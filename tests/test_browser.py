@@ -8,7 +8,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
 from conftest import ARTIFACTS, make_manager, picture, start_server
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

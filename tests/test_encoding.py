@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import picture
+
 from imgedit.encoding import install_token_type_fix, token_type_ids
 
 

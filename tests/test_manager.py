@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from conftest import ConcurrencyProbe, make_manager, picture
+
 from imgedit.errors import Cancelled, InputTooLarge, InvalidInput, OutOfGpuMemory, QueueFull, WorkerFailed
 from imgedit.jobs import EditRequest
 

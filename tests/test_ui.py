@@ -9,11 +9,10 @@ import zlib
 from pathlib import Path
 
 import pytest
+from conftest import ConcurrencyProbe, make_manager, start_server
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError, QueueError, ValidationError
 from PIL import Image
-
-from conftest import ConcurrencyProbe, make_manager, picture, start_server
 
 
 def edit_args(files, steps=2, seed=1, randomize=False, width=64, height=64, prompt="make it red", n=1):
