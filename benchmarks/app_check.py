@@ -86,12 +86,19 @@ def main() -> None:
         worker = threading.Thread(target=one)
         worker.start()
         worst: dict[str, float] = {}
+        moving: dict[str, int] = {}
         samples = 0
         while worker.is_alive():
+            # nvidia-smi just before and just after the panel read: memory moves fast during a job,
+            # so compare only samples where it held still around the read.
+            before = smi()
             panel = poller.predict(api_name="/gpu_status")
             truth = smi()
             for g in panel["gpus"]:
                 used = truth[g["uuid"]]
+                if before[g["uuid"]] != used:
+                    moving[f"cuda:{g['index']}"] = moving.get(f"cuda:{g['index']}", 0) + 1
+                    continue
                 key = f"cuda:{g['index']}"
                 worst[key] = round(max(worst.get(key, 0.0), abs(g["used_mib"] - used) / max(used, 1.0)), 4)
                 report.setdefault("panel_example", panel["gpus"])
@@ -104,7 +111,8 @@ def main() -> None:
         report["runs"].append({"client_s_per_image": round(client_s, 2), "manager_s": round(manager_s, 2),
                                "overhead_s": round(client_s - manager_s, 2),
                                "overhead_pct": round(100 * (client_s - manager_s) / manager_s, 2),
-                               "panel_samples": samples, "panel_vs_smi_max_rel_diff": worst})
+                               "panel_samples": samples, "panel_vs_smi_max_rel_diff": worst,
+                               "samples_skipped_memory_moving": moving})
         print(json.dumps(report["runs"][-1]), flush=True)
     server.should_exit = True
     print(json.dumps(report, indent=1))

@@ -171,7 +171,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--modes", default="baseline,cuda:0,balanced,split,replicas")
     parser.add_argument("--split-cap", default="auto",
-                        help="MAX_MEMORY for the split mode; auto: 30GiB each on 2 GPUs, 22GiB each on 4+")
+                        help="MAX_MEMORY for the split mode; auto: 31GiB each on 2 GPUs, 22GiB each on 4+")
     parser.add_argument("--check-inputs", action="store_true", help="warm up with 1, 2 and 3 input images")
     parser.add_argument("--no-fix", dest="fix", action="store_false", help="baseline without the encoding fix")
     parser.add_argument("--json", default="")
@@ -184,7 +184,7 @@ def main() -> None:
         build_checkpoint(ckpt, kind="plus", size="real")
     image = reference_image(args.size)
     if args.split_cap == "auto":
-        args.split_cap = "30GiB" if torch.cuda.device_count() <= 2 else "22GiB"
+        args.split_cap = "31GiB" if torch.cuda.device_count() <= 2 else "22GiB"
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpus": gpus,
               "torch": torch.__version__, "command": " ".join(sys.argv), "steps": args.steps, "size": args.size,

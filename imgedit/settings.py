@@ -155,7 +155,7 @@ REGISTRY: tuple[Var, ...] = (
         "balanced | auto | replicas | cuda | cuda:N | cpu | JSON manual map (see README)"),
     Var("MAX_MEMORY", "", _max_memory,
         "Per-GPU memory caps, e.g. 75GiB,75GiB (one per visible GPU, or one for all); empty = free memory"),
-    Var("GPU_MEMORY_RESERVE", "1GiB", _size,
+    Var("GPU_MEMORY_RESERVE", "1.5GiB", _size,
         "Memory kept free on every GPU when planning placement (CUDA context, fragmentation)"),
     Var("ACTIVATION_RESERVE", "4GiB", _size,
         "Extra memory kept free on each worker's first GPU for latents, attention and VAE activations"),
@@ -191,7 +191,7 @@ class Settings:
     demo_dir: str = "~/.cache/imgedit/demo"
     device_map: DeviceMap = field(default_factory=lambda: DeviceMap("balanced"))
     max_memory: tuple[int, ...] = ()
-    gpu_memory_reserve: int = 1 * GIB
+    gpu_memory_reserve: int = int(1.5 * GIB)
     activation_reserve: int = 4 * GIB
     torch_dtype: str = "bfloat16"
     queue_max_size: int = 16

@@ -46,7 +46,7 @@ def edit(manager, n_images=1, size=512, steps=2):
 
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("device_map, max_memory, expect_split", [
-    ("balanced", "", False), ("replicas", "", False), ("cuda:1", "", False), ("balanced", "30GiB", True),
+    ("balanced", "", False), ("replicas", "", False), ("cuda:1", "", False), ("balanced", "31GiB", True),
 ])
 def test_placements_run_without_device_errors(real_ckpt, device_map, max_memory, expect_split):
     manager = load(real_ckpt, DEVICE_MAP=device_map, MAX_MEMORY=max_memory)
@@ -60,7 +60,7 @@ def test_placements_run_without_device_errors(real_ckpt, device_map, max_memory,
         for n in (1, 2, 3):  # the latents, masks and rotary embeddings must follow every block
             assert edit(manager, n_images=n).images[0].size == (512, 512)
         if max_memory:
-            cap = 30 * GIB
+            cap = 31 * GIB
             for i in range(torch.cuda.device_count()):
                 assert torch.cuda.max_memory_allocated(i) < cap, f"cuda:{i} went over its cap"
     finally:
@@ -90,8 +90,8 @@ def test_out_of_memory_on_a_real_oversize_request_then_recovery(real_ckpt):
     manager = load(real_ckpt, DEVICE_MAP="cuda:0", MAX_OUTPUT_PIXELS="16777216")
     try:
         total = torch.cuda.get_device_properties(0).total_memory
-        # Leave ~2 GiB above the weights: a 4096x4096 edit needs far more, a 512x512 one fits.
-        fraction = min(1.0, (torch.cuda.memory_allocated(0) + 2 * GIB) / total)
+        # Leave 10 GiB above the weights: a 512x512 edit fits, a 4096x4096 one needs far more.
+        fraction = min(1.0, (torch.cuda.memory_allocated(0) + 10 * GIB) / total)
         torch.cuda.set_per_process_memory_fraction(fraction, 0)
         with pytest.raises(OutOfGpuMemory, match="out of GPU memory on cuda:0"):
             edit(manager, size=4096)

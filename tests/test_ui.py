@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import ConcurrencyProbe, make_manager, start_server
 from gradio_client import Client, handle_file
-from gradio_client.exceptions import AppError, QueueError, ValidationError
+from gradio_client.exceptions import AppError, ValidationError
+from gradio_client.utils import QueueError
 from PIL import Image
 
 
