@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from dotenv import load_dotenv
 
-from imgedit.errors import SettingsError
+from imgedit.errors import ImgEditError, SettingsError
 from imgedit.settings import DeviceMap, load_settings
 
 
@@ -49,7 +49,12 @@ def main(argv: list[str] | None = None) -> int:
 
         ensure_checkpoint(settings.model_source)
     manager = PipelineManager(settings)
-    manager.start()  # loads in the background; /health says 503 until ready
+    try:
+        manager.prepare()  # checkpoint and placement plan: the page needs the model family and workers
+    except ImgEditError as exc:
+        log.error("%s", exc.message)
+        return 2
+    manager.start()  # loads the weights in the background; /health says 503 until ready
     serve(build_app(settings, manager), settings)
     return 0
 

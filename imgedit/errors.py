@@ -8,9 +8,10 @@ class ImgEditError(Exception):
 
     kind = "internal"
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
         self.message = message
+        self.field = field  # the request parameter at fault, when there is one
 
 
 class SettingsError(ImgEditError):

@@ -44,7 +44,12 @@ def open_checkpoint(source: str) -> Checkpoint:
         from diffusers import DiffusionPipeline
 
         log.info("fetching %s into the Hugging Face cache (HF_HOME) ...", source)
-        folder = Path(DiffusionPipeline.download(source))
+        try:
+            folder = Path(DiffusionPipeline.download(source))
+        except Exception as exc:
+            raise PlacementError(
+                f"could not find or download {source!r} ({type(exc).__name__}: {str(exc)[:200]}); "
+                "set QWEN_MODEL_DIR to a local checkpoint folder, or check HF_HOME / HF_HUB_OFFLINE") from exc
     index_file = folder / "model_index.json"
     if not index_file.is_file():
         raise PlacementError(f"{folder} has no model_index.json: is it a diffusers checkpoint folder?")
@@ -103,21 +108,19 @@ def component_specs(checkpoint: Checkpoint, dtype: torch.dtype) -> list[Componen
 
 
 def module_device_map(model: torch.nn.Module, placement: Placement) -> dict[str, str]:
-    """An accelerate device map for a split component: blocks as planned; modules before the block
-    list go with the first block, modules after it with the last."""
+    """An accelerate device map for a split component: blocks as planned; every module outside the
+    block list (embeddings, norms, heads) on the first block's device, where the planner counts
+    their bytes and where the component's inputs and outputs live anyway."""
     path = block_container(model)
-    first, last = placement.block_devices[0], placement.block_devices[-1]
+    first = placement.block_devices[0]
     device_map: dict[str, str] = {}
     node, prefix = model, ""
     for part in path.split("."):
         for pname, _ in node.named_parameters(recurse=False):
             device_map[prefix + pname] = first
-        before = True
         for cname, _ in node.named_children():
-            if cname == part:
-                before = False
-            else:
-                device_map[prefix + cname] = first if before else last
+            if cname != part:
+                device_map[prefix + cname] = first
         node, prefix = getattr(node, part), prefix + part + "."
     for i, device in enumerate(placement.block_devices):
         device_map[f"{path}.{i}"] = device

@@ -8,6 +8,8 @@ whole pipeline call, so no GPU ever runs two jobs, even when an edge gives up on
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import contextvars
 import gc
 import logging
 import threading
@@ -26,7 +28,8 @@ from imgedit.validation import resolve
 
 log = logging.getLogger(__name__)
 
-StepCallback = Callable[[int, int], None]
+StepCallback = Callable[[int, int], None]  # (step, total)
+WaitCallback = Callable[[int], None]  # jobs ahead of this one (running ones included)
 
 
 class _Abort(Exception):
@@ -77,6 +80,7 @@ class PipelineManager:
         self._loaded = threading.Event()
         self.listeners: list[Callable[[JobRecord], None]] = []
         self.dtype = loader.DTYPES[settings.torch_dtype]
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     # ---- loading ----
     @property
@@ -95,18 +99,31 @@ class PipelineManager:
     def capacity(self) -> int:
         return max(1, len(self._plan.workers)) if self._plan else 1
 
-    def load(self) -> PipelineManager:
-        """Plan, then load every worker's pipeline. Raises on a bad checkpoint or placement."""
+    def prepare(self) -> PipelineManager:
+        """Open the checkpoint and plan the placement (seconds, no weights): the edges need the
+        model family and the number of workers before they are built."""
+        if self.checkpoint is not None:
+            return self
         try:
             self.checkpoint = loader.open_checkpoint(self.settings.model_source)
-            gpus = discover_gpus() if self._gpus is None else list(self._gpus)
             if self._plan is None:
+                gpus = discover_gpus() if self._gpus is None else list(self._gpus)
                 self._plan = plan_placement(
                     loader.component_specs(self.checkpoint, self.dtype), gpus, self.settings.device_map,
                     self.settings.max_memory, self.settings.gpu_memory_reserve, self.settings.activation_reserve)
-            for line in self._plan.describe():
-                log.info("%s", line)
-            self.workers = [Worker(w) for w in self._plan.workers]
+        except Exception as exc:
+            self._fail_load(exc)
+            raise
+        for line in self._plan.describe():
+            log.info("%s", line)
+        self.workers = [Worker(w) for w in self._plan.workers]
+        return self
+
+    def load(self) -> PipelineManager:
+        """Plan if not done yet, then load every worker's pipeline. A worker that fails to load is
+        marked failed and the others serve; raises only when none could be loaded."""
+        try:
+            self.prepare()
             for worker in self.workers:
                 started = time.perf_counter()
                 dtype = self.dtype
@@ -114,17 +131,28 @@ class PipelineManager:
                     # bf16/fp16 convolutions are emulated on CPUs and many times slower.
                     log.info("%s runs on the CPU: using float32 instead of %s", worker.name, self.settings.torch_dtype)
                     dtype = torch.float32
-                worker.pipe = loader.load_pipeline(self.checkpoint, worker.plan, dtype)
+                try:
+                    worker.pipe = loader.load_pipeline(self.checkpoint, worker.plan, dtype)
+                except Exception as exc:
+                    log.exception("%s failed to load", worker.name)
+                    worker.state, worker.error = "failed", _safe_text(exc)
+                    continue
                 worker.encoding_fix = install_token_type_fix(worker.pipe.text_encoder)
                 worker.state = "idle"
                 log.info("%s loaded on %s in %.1fs", worker.name, ",".join(worker.plan.devices),
                          time.perf_counter() - started)
+            if not any(w.state == "idle" for w in self.workers):
+                errors = "; ".join(f"{w.name}: {w.error}" for w in self.workers)
+                raise WorkerFailed(f"no worker could be loaded ({errors})")
         except Exception as exc:
-            self.load_error = exc.message if isinstance(exc, ImgEditError) else f"{type(exc).__name__}: {exc}"
+            self._fail_load(exc)
             raise
         finally:
             self._loaded.set()
         return self
+
+    def _fail_load(self, exc: Exception) -> None:
+        self.load_error = _safe_text(exc)
 
     def start(self) -> threading.Thread:
         """Load in the background (the server answers /health with 503 meanwhile)."""
@@ -144,13 +172,14 @@ class PipelineManager:
         with self._cond:
             return len(self._line)
 
-    def _acquire(self, cancel: threading.Event | None) -> Worker:
+    def _acquire(self, cancel: threading.Event | None, on_wait: WaitCallback | None) -> Worker:
         with self._cond:
             idle = [w for w in self.workers if w.state == "idle"]
             if len(self._line) >= self.settings.queue_max_size and not idle:
                 raise QueueFull(f"the server is busy ({len(self._line)} jobs waiting); try again later")
             ticket = object()
             self._line.append(ticket)
+            reported = -1
             try:
                 while True:
                     if cancel is not None and cancel.is_set():
@@ -162,6 +191,10 @@ class PipelineManager:
                             if worker.state == "idle" and worker.lock.acquire(blocking=False):
                                 worker.state = "busy"
                                 return worker
+                    ahead = self._line.index(ticket) + sum(w.state == "busy" for w in self.workers)
+                    if on_wait is not None and ahead != reported:
+                        reported = ahead
+                        on_wait(ahead)
                     self._cond.wait(timeout=0.05)
             finally:
                 self._line.remove(ticket)
@@ -175,23 +208,37 @@ class PipelineManager:
             worker.lock.release()
             self._cond.notify_all()
 
+    def submit(self, req: EditRequest, on_step: StepCallback | None = None, on_wait: WaitCallback | None = None,
+               cancel: threading.Event | None = None) -> concurrent.futures.Future:
+        """Run `edit` on the manager's own threads (sized to hold every job the line may take, so
+        waiting jobs never starve the event loop's executor); the caller's context variables go
+        along, so a Gradio progress bar fed from the callbacks reaches its page."""
+        if self._executor is None:
+            with self._cond:
+                if self._executor is None:
+                    size = self.settings.queue_max_size + self.capacity + 2
+                    self._executor = concurrent.futures.ThreadPoolExecutor(size, thread_name_prefix="imgedit-job")
+        context = contextvars.copy_context()
+        return self._executor.submit(context.run, self.edit, req, on_step, on_wait, cancel)
+
     # ---- the edit ----
-    def edit(self, req: EditRequest, on_step: StepCallback | None = None,
+    def edit(self, req: EditRequest, on_step: StepCallback | None = None, on_wait: WaitCallback | None = None,
              cancel: threading.Event | None = None) -> EditResult:
+        """Wait in line for a worker, run the pipeline, give the worker back. Raises ImgEditError."""
         started = time.perf_counter()
         worker: Worker | None = None
         outcome, steps = "error", 0
         try:
             if not self.ready:
                 if self.load_error:
-                    raise NotReady(f"the model failed to load: {self.load_error}")
+                    raise NotReady("the model failed to load; see /health and the server log")
                 if self._loaded.is_set():
                     raise WorkerFailed("no healthy GPU worker is left; see /health")
                 raise NotReady("the model is still loading; try again shortly")
             params = resolve(req, self.settings, self.family, req.images[-1].size if req.images else None,
                              len(req.images))
             steps = params.steps
-            worker = self._acquire(cancel)
+            worker = self._acquire(cancel, on_wait)
             result = self._run(worker, req, params, on_step, cancel, started)
             outcome = "ok"
             return result
@@ -200,8 +247,12 @@ class PipelineManager:
             raise
         finally:
             if worker is not None:
-                self._cleanup(worker)
-                self._release(worker)
+                try:
+                    self._cleanup(worker)
+                except Exception:  # a sticky CUDA error can make cleanup raise too
+                    log.exception("%s: cleanup after the job failed", worker.name)
+                finally:
+                    self._release(worker)
             seconds = time.perf_counter() - started
             log.info("%s source=%s outcome=%s worker=%s steps=%d %.2fs", req.request_id, req.source, outcome,
                      worker.name if worker else "-", steps, seconds)
@@ -226,6 +277,7 @@ class PipelineManager:
         family_images = list(req.images) if self.family == "plus" else req.images[0]
         # A CPU generator gives the same noise for a seed on every placement and device.
         generator = torch.Generator(device="cpu").manual_seed(params.seed)
+        out_of_memory = False
         try:
             with torch.inference_mode():
                 output = worker.pipe(
@@ -237,20 +289,22 @@ class PipelineManager:
         except _Abort:
             raise Cancelled(f"cancelled at step {worker.step} of {params.steps}") from None
         except torch.OutOfMemoryError:
-            log.warning("%s: out of GPU memory on %s", req.request_id, ",".join(worker.plan.devices))
-            self._cleanup(worker, force=True)
-            raise OutOfGpuMemory(
-                f"out of GPU memory on {', '.join(worker.plan.devices)}: try a smaller output size, fewer "
-                "images per prompt or fewer input images") from None
+            out_of_memory = True  # cleaned up below, once the traceback no longer pins the activations
         except ImgEditError:
             raise
         except Exception as exc:
             if _is_device_fault(exc):
-                worker.state, worker.error = "failed", f"{type(exc).__name__}: {exc}"
+                worker.state, worker.error = "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
                 log.exception("%s: device fault; %s retired", req.request_id, worker.name)
                 raise WorkerFailed(f"{worker.name} hit a GPU fault and was taken out of service") from None
             log.exception("%s: pipeline call failed", req.request_id)
             raise ImgEditError(f"the edit failed with an internal error (request {req.request_id})") from None
+        if out_of_memory:
+            log.warning("%s: out of GPU memory on %s", req.request_id, ",".join(worker.plan.devices))
+            self._cleanup(worker, force=True)
+            raise OutOfGpuMemory(
+                f"out of GPU memory on {', '.join(worker.plan.devices)}: try a smaller output size, fewer "
+                "images per prompt or fewer input images")
         worker.jobs_done += 1
         images = list(output.images)
         return EditResult(images, params.seed, params.steps, images[0].width, images[0].height,
@@ -274,6 +328,11 @@ class PipelineManager:
             ready=self.ready, model=self.settings.model_source, family=self.family,
             mode=plan.mode if plan else "-", reason=plan.reason if plan else "planning",
             waiting=self.waiting(), workers=tuple(w.status() for w in self.workers), error=self.load_error)
+
+
+def _safe_text(exc: BaseException) -> str:
+    """Our own errors carry user-safe text; others are named by type only (details go to the log)."""
+    return exc.message if isinstance(exc, ImgEditError) else f"{type(exc).__name__} (see the server log)"
 
 
 def _is_device_fault(exc: BaseException) -> bool:

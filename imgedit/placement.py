@@ -48,8 +48,8 @@ class GpuSpec:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one component lives: one device, or one device per block (non-block parts go with
-    the first block before the blocks and the last block after them)."""
+    """Where one component lives: one device, or one device per block (the parts outside the
+    blocks go with the first block)."""
 
     device: str
     block_devices: tuple[str, ...] = ()

@@ -55,7 +55,10 @@ def _int(form, name: str, default: int | None) -> int | None:
     if raw is None or raw == "":
         return default
     try:
-        return int(str(raw))
+        text = str(raw).strip()
+        if len(text) > 20:
+            raise ValueError
+        return int(text)
     except ValueError:
         raise InvalidInput(f"{name} must be a whole number, got {str(raw)[:40]!r}") from None
 
@@ -74,7 +77,7 @@ def _size(raw: str | None) -> tuple[int | None, int | None]:
     if raw is None or raw in ("", "auto"):
         return None, None
     w, sep, h = str(raw).lower().partition("x")
-    if not sep or not w.isdigit() or not h.isdigit():
+    if not sep or not (w.isdecimal() and h.isdecimal() and len(w) <= 6 and len(h) <= 6):
         raise InvalidInput(f"size must be 'auto' or WIDTHxHEIGHT such as 1024x1024, got {str(raw)[:40]!r}")
     return int(w), int(h)
 
@@ -104,31 +107,31 @@ def build_router(manager, metrics: Metrics, monitor: GpuMonitor) -> APIRouter:
     async def images_edits(request: Request) -> Response:
         if not _authorized(request, settings.api_key):
             return openai_error(401, "missing or wrong API key (Authorization: Bearer <key>)", "invalid_api_key")
-        started = time.perf_counter()
         try:
-            req, response_format = await _parse(request, manager)
+            req = await _parse(request, manager)
         except ImgEditError as exc:
             metrics.record_rejected("rest", exc.kind)
-            return openai_error(STATUS.get(exc.kind, 400), exc.message, exc.kind)
+            return openai_error(STATUS.get(exc.kind, 400), exc.message, exc.kind, exc.field)
+        except Exception:
+            log.exception("unreadable /v1/images/edits request")
+            metrics.record_rejected("rest", "invalid_input")
+            return openai_error(400, "the request could not be read", "invalid_input")
         cancel = threading.Event()
-        loop = asyncio.get_running_loop()
-        job = loop.run_in_executor(None, lambda: manager.edit(req, cancel=cancel))
+        job = asyncio.wrap_future(manager.submit(req, cancel=cancel))
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, job, cancel))
         try:
             result = await asyncio.shield(job)
-        except asyncio.CancelledError:  # the client went away: stop the GPU work too
+        except asyncio.CancelledError:
             cancel.set()
             raise
         except ImgEditError as exc:
-            return openai_error(STATUS.get(exc.kind, 500), exc.message, exc.kind)
+            return openai_error(STATUS.get(exc.kind, 500), exc.message, exc.kind, exc.field)
         except Exception:
             log.exception("%s failed", req.request_id)
             return openai_error(500, f"internal error (request {req.request_id})", "internal_error")
-        data = []
-        for image in result.images:
-            buffer = io.BytesIO()
-            image.save(buffer, format="PNG")
-            data.append({"b64_json": base64.b64encode(buffer.getvalue()).decode(), "revised_prompt": None})
-        log.debug("%s served in %.2fs (%s)", req.request_id, time.perf_counter() - started, response_format)
+        finally:
+            watcher.cancel()
+        data = await asyncio.to_thread(_b64_pngs, result.images)  # PNG encoding: off the event loop
         return JSONResponse({"created": int(time.time()), "data": data, "output_format": "png",
                              "size": f"{result.width}x{result.height}", "seed": result.seed,
                              "request_id": result.request_id})
@@ -136,11 +139,31 @@ def build_router(manager, metrics: Metrics, monitor: GpuMonitor) -> APIRouter:
     return router
 
 
-async def _parse(request: Request, manager) -> tuple[EditRequest, str]:
+def _b64_pngs(images) -> list[dict]:
+    data = []
+    for image in images:
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        data.append({"b64_json": base64.b64encode(buffer.getvalue()).decode(), "revised_prompt": None})
+    return data
+
+
+async def _cancel_on_disconnect(request: Request, job: asyncio.Future, cancel: threading.Event) -> None:
+    """Servers do not cancel a handler when its client goes away: watch, and stop the GPU work."""
+    while not job.done():
+        if await request.is_disconnected():
+            cancel.set()
+            return
+        await asyncio.sleep(0.5)
+
+
+async def _parse(request: Request, manager) -> EditRequest:
     settings = manager.settings
-    length = request.headers.get("content-length")
+    length = request.headers.get("content-length", "")
     limit = settings.max_file_size * 3 + 1_000_000  # up to three images plus the text fields
-    if length and length.isdigit() and int(length) > limit:
+    if not length.isdecimal() or len(length) > 15:
+        raise InvalidInput("send the body with a Content-Length (chunked uploads are not accepted)")
+    if int(length) > limit:
         raise InputTooLarge(f"request body is {int(length):,} bytes; the limit is {limit:,}")
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise InvalidInput("send multipart/form-data with one or more 'image' files and a 'prompt'")
@@ -172,4 +195,4 @@ async def _parse(request: Request, manager) -> tuple[EditRequest, str]:
         true_cfg_scale=_float(form, "true_cfg_scale"), num_images=_int(form, "n", 1),
         width=width, height=height, source="rest")
     check_params(req, settings, manager.family)
-    return req, response_format
+    return req

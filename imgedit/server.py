@@ -15,7 +15,7 @@ from imgedit.gpus import GpuMonitor
 from imgedit.metrics import Metrics
 from imgedit.rest import build_router
 from imgedit.settings import Settings
-from imgedit.ui import build_blocks
+from imgedit.ui import GPU_GROUP, build_blocks
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +24,13 @@ def build_app(settings: Settings, manager, demo: bool | None = None) -> FastAPI:
     monitor = GpuMonitor()
     blocks = build_blocks(manager, demo=settings.demo if demo is None else demo, monitor=monitor)
     # api_open=False: a raw POST to /gradio_api/api/<name> must not skip the line.
-    blocks.queue(api_open=False, max_size=settings.queue_max_size, default_concurrency_limit=manager.capacity)
+    blocks.queue(api_open=False, max_size=settings.queue_max_size)
 
     def gradio_waiting() -> int:
-        queue = getattr(blocks, "_queue", None)
-        return len(getattr(queue, "event_queue_per_concurrency_id", {}).get("gpu", ())) if queue else 0
+        """Jobs Gradio still holds before they reach the manager's line (normally none)."""
+        queues = getattr(getattr(blocks, "_queue", None), "event_queue_per_concurrency_id", {})
+        event_queue = queues.get(GPU_GROUP)
+        return len(event_queue.queue) if event_queue is not None else 0
 
     metrics = Metrics(manager, monitor, gradio_waiting)
     app = FastAPI(title="imgedit", docs_url=None, redoc_url=None)

@@ -122,9 +122,13 @@ def parse_device_map(raw: str) -> DeviceMap:
             manual = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"valid JSON ({exc.msg} at position {exc.pos}); allowed: {allowed}") from None
+        if not isinstance(manual, dict):
+            raise ValueError(f"a JSON object; allowed: {allowed}")
         for name, where in manual.items():
             if not isinstance(where, (str, dict)):
                 raise ValueError(f"a device string or a block-range object for {name!r}; allowed: {allowed}")
+            if isinstance(where, dict) and not all(isinstance(d, str) for d in where.values()):
+                raise ValueError(f"device strings such as \"cuda:0\" for the block ranges of {name!r}")
         return DeviceMap("manual", manual=manual)
     value = text.lower()
     if value in DEVICE_MAP_MODES:
@@ -236,6 +240,9 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
             values[_attr(var)] = var.parse(raw)
         except ValueError as exc:
             problems.append(f"{var.name}={raw!r} is not valid: expected {exc}")
+    steps, most = values.get("default_steps"), values.get("max_steps")
+    if steps is not None and most is not None and steps > most:
+        problems.append(f"DEFAULT_STEPS={steps} is above MAX_STEPS={most}")
     if values.get("gradio_auth") and ":" not in values["gradio_auth"]:
         problems.append(f"GRADIO_AUTH={values['gradio_auth']!r} is not valid: expected user:password")
     if problems:

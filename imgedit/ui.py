@@ -1,9 +1,10 @@
 """The Gradio Blocks page and its API (`/edit`, `/gpu_status`): one event per GPU job, one queue.
 
-Every GPU event shares the concurrency group "gpu" whose limit is the number of workers. The edit
-handler is async: when a user (or gradio_client) cancels, Gradio cancels the task, we set the job's
-cancel flag, and the manager stops the pipeline within one step; the worker's own lock keeps the
-next job off that GPU until it has.
+Every GPU event shares the concurrency group "gpu" and goes straight on to the manager's line,
+where UI, gradio API and REST jobs wait together in arrival order (the page shows how many are
+ahead); the line, not Gradio, bounds the wait (QUEUE_MAX_SIZE) and each worker's lock keeps its
+GPUs to one job. The edit handler is async: when a user (or gradio_client) cancels, Gradio cancels
+the task, we set the job's cancel flag, and the manager stops the pipeline within one step.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from imgedit.errors import ImgEditError
 from imgedit.gpus import GpuMonitor, panel_html, snapshot
 from imgedit.images import open_image
 from imgedit.jobs import EditRequest
-from imgedit.validation import DEFAULT_STEPS, MAX_INPUT_IMAGES, check_counts, check_params
+from imgedit.validation import MAX_INPUT_IMAGES, check_counts, check_params, default_steps
 
 log = logging.getLogger(__name__)
 GPU_GROUP = "gpu"
@@ -68,40 +69,49 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None)
     settings = manager.settings
     monitor = monitor or GpuMonitor()
     max_inputs = MAX_INPUT_IMAGES["plus"]
-    family_steps = settings.default_steps or DEFAULT_STEPS.get(manager.family, 40)
-    inputs_order = ("files", "prompt", "negative_prompt", "seed", "randomize_seed", "num_inference_steps",
-                    "true_cfg_scale", "num_images", "width", "height")
+    family_steps = default_steps(settings, manager.family)
+
+    fields = ("images", "prompt", "negative_prompt", "seed", "randomize_seed", "num_inference_steps",
+              "true_cfg_scale", "num_images", "width", "height")
 
     def validate(files, prompt, negative_prompt, seed, randomize_seed, steps, cfg, num_images, width, height):
-        """Runs before the job enters the queue: bad input costs nothing else."""
+        """Runs before the job enters the queue: bad input costs nothing else. The message goes to
+        the input at fault."""
+        verdicts = [gr.validate(True, "")] * len(fields)
         try:
             req = build_request(manager, files, prompt, negative_prompt, seed, randomize_seed, steps, cfg,
                                 num_images, width, height, "validator")
             check_params(req, settings, manager.family)
         except ImgEditError as exc:
-            return [gr.validate(False, html.escape(exc.message))] + [gr.validate(True, "")] * (len(inputs_order) - 1)
-        return [gr.validate(True, "")] * len(inputs_order)
+            at = fields.index(exc.field) if exc.field in fields else 0
+            verdicts[at] = gr.validate(False, html.escape(exc.message))
+        except Exception:
+            log.exception("validator failed")
+            verdicts[0] = gr.validate(False, "these inputs could not be read")
+        return verdicts
 
     async def edit(files, prompt, negative_prompt, seed, randomize_seed, steps, cfg, num_images, width, height,
                    request: gr.Request, progress=gr.Progress()):
         source = "ui" if request is not None and request.headers.get("referer") else "api"
-        try:
-            req = build_request(manager, files, prompt, negative_prompt, seed, randomize_seed, steps, cfg,
-                                num_images, width, height, source)
-        except ImgEditError as exc:
+        try:  # decoding up to three large images: off the event loop
+            req = await asyncio.to_thread(build_request, manager, files, prompt, negative_prompt, seed,
+                                          randomize_seed, steps, cfg, num_images, width, height, source)
+        except Exception as exc:
             raise user_error(exc) from None
         cancel = threading.Event()
         progress(0, desc="waiting for a free GPU worker")
 
+        def on_wait(ahead: int) -> None:
+            progress(0, desc=f"in line: {ahead} job(s) ahead of yours")
+
         def on_step(step: int, total: int) -> None:
             progress((step, total), desc="denoising", unit="steps")
 
-        loop = asyncio.get_running_loop()
-        job = loop.run_in_executor(None, lambda: manager.edit(req, on_step=on_step, cancel=cancel))
+        job = asyncio.wrap_future(manager.submit(req, on_step=on_step, on_wait=on_wait, cancel=cancel))
         try:
             result = await asyncio.shield(job)
         except asyncio.CancelledError:
-            cancel.set()  # the manager stops at the next step and frees the worker
+            cancel.set()  # the manager stops at the next step, then frees the worker
             raise
         except Exception as exc:
             raise user_error(exc) from None
@@ -140,7 +150,7 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None)
                     with gr.Row():
                         seed = gr.Number(label="Seed", value=0, precision=0, minimum=0)
                         randomize = gr.Checkbox(label="Randomize seed", value=True)
-                    steps = gr.Slider(1, settings.max_steps, value=family_steps, step=1, label="Steps")
+                    steps = gr.Number(label=f"Steps (1-{settings.max_steps})", value=family_steps, precision=0)
                     cfg = gr.Slider(1.0, 20.0, value=settings.default_true_cfg, step=0.5, label="True CFG scale")
                     num = gr.Slider(1, settings.max_images_per_prompt, value=1, step=1, label="Images per prompt")
                     with gr.Row():
@@ -156,10 +166,14 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None)
 
         files.change(lambda f: _paths(f), files, preview, queue=False, api_visibility="private")
         inputs = [files, prompt, negative, seed, randomize, steps, cfg, num, width, height]
+        # No Gradio limit: every job goes straight to the manager's line, where UI, API and REST jobs
+        # wait together in arrival order and QUEUE_MAX_SIZE is enforced once; the workers' locks keep
+        # each GPU to one job.
+        line = None
         event = run.click(edit, inputs, [result, used_seed], api_name="edit", concurrency_id=GPU_GROUP,
-                          concurrency_limit=manager.capacity, validator=validate)
+                          concurrency_limit=line, validator=validate)
         submitted = prompt.submit(edit, inputs, [result, used_seed], api_visibility="private", concurrency_id=GPU_GROUP,
-                      concurrency_limit=manager.capacity, validator=validate)
+                      concurrency_limit=line, validator=validate)
         stop.click(None, None, None, cancels=[event, submitted], queue=False, api_visibility="private")
         again.click(use_result, result, files, queue=False, api_visibility="private")
         timer.tick(panel, None, gpu_panel, queue=False, api_visibility="private")

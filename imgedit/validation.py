@@ -6,6 +6,7 @@ nothing); the manager calls `resolve` again right before the pipeline call.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -37,22 +38,26 @@ class Resolved:
 def check_counts(n_images: int, family: str) -> None:
     allowed = MAX_INPUT_IMAGES[family]
     if n_images < 1:
-        raise InvalidInput("no input image: upload the image to edit")
+        raise InvalidInput("no input image: upload the image to edit", "images")
     if n_images > allowed:
         model = "Qwen-Image-Edit" if family == "edit" else "Qwen-Image-Edit-2509/2511"
-        raise InvalidInput(f"{n_images} input images given; {model} takes at most {allowed}")
+        raise InvalidInput(f"{n_images} input images given; {model} takes at most {allowed}", "images")
 
 
 def _size(width: int | None, height: int | None, last_image_size: tuple[int, int] | None,
           settings: Settings) -> tuple[int | None, int | None]:
+    """The output size the pipeline gets: None/None = from the input's aspect (about 1 MP). With one
+    side given the other follows the last input's aspect; sides are rounded down to multiples of 16."""
     width = width or None
     height = height or None
     for name, value in (("width", width), ("height", height)):
-        if value is not None and value < MIN_SIDE:
-            raise InvalidInput(f"{name} {value} is too small: at least {MIN_SIDE} (0 = automatic)")
+        if value is not None and not MIN_SIDE <= value <= 16384:
+            raise InvalidInput(f"{name} {value} is out of range: {MIN_SIDE} to 16384 (0 = automatic)", name)
     if width is None and height is None:
         return None, None
-    if (width is None or height is None) and last_image_size:
+    if width is None or height is None:
+        if last_image_size is None:
+            return width, height  # checked again once the images are decoded
         aspect = last_image_size[0] / last_image_size[1]
         width = width or max(MIN_SIDE, round(height * aspect))
         height = height or max(MIN_SIDE, round(width / aspect))
@@ -61,7 +66,7 @@ def _size(width: int | None, height: int | None, last_image_size: tuple[int, int
     if width * height > settings.max_output_pixels:
         raise InputTooLarge(
             f"output {width}x{height} is {width * height:,} pixels; the limit is {settings.max_output_pixels:,} "
-            "(MAX_OUTPUT_PIXELS)")
+            "(MAX_OUTPUT_PIXELS)", "width")
     return width, height
 
 
@@ -75,23 +80,38 @@ def resolve(req: EditRequest, settings: Settings, family: str,
     if n_images is not None:
         check_counts(n_images, family)
     if not isinstance(req.prompt, str) or not req.prompt.strip():
-        raise InvalidInput("the prompt is empty: say what to change")
+        raise InvalidInput("the prompt is empty: say what to change", "prompt")
     if len(req.prompt) > MAX_PROMPT_CHARS or len(req.negative_prompt or "") > MAX_PROMPT_CHARS:
-        raise InvalidInput(f"the prompt is longer than {MAX_PROMPT_CHARS} characters")
+        raise InvalidInput(f"the prompt is longer than {MAX_PROMPT_CHARS} characters", "prompt")
     steps = req.num_inference_steps
     if steps is None:
-        steps = settings.default_steps or DEFAULT_STEPS[family]
+        steps = default_steps(settings, family)
+    _whole("num_inference_steps", steps)
     if not 1 <= steps <= settings.max_steps:
-        raise InvalidInput(f"num_inference_steps {steps} is out of range: 1 to {settings.max_steps}")
+        raise InvalidInput(f"num_inference_steps {steps} is out of range: 1 to {settings.max_steps}",
+                           "num_inference_steps")
     cfg = settings.default_true_cfg if req.true_cfg_scale is None else req.true_cfg_scale
     if not 1.0 <= cfg <= 20.0:
-        raise InvalidInput(f"true_cfg_scale {cfg} is out of range: 1 to 20 (1 turns CFG off)")
+        raise InvalidInput(f"true_cfg_scale {cfg} is out of range: 1 to 20 (1 turns CFG off)", "true_cfg_scale")
+    _whole("num_images", req.num_images)
     if not 1 <= req.num_images <= settings.max_images_per_prompt:
-        raise InvalidInput(f"num_images {req.num_images} is out of range: 1 to {settings.max_images_per_prompt}")
+        raise InvalidInput(f"num_images {req.num_images} is out of range: 1 to {settings.max_images_per_prompt}",
+                           "num_images")
     seed = req.seed if req.seed is not None else random.randint(0, 2**31 - 1)
+    _whole("seed", seed)
     if not 0 <= seed <= MAX_SEED:
-        raise InvalidInput(f"seed {seed} is out of range: 0 to {MAX_SEED}")
+        raise InvalidInput(f"seed {seed} is out of range: 0 to {MAX_SEED}", "seed")
     width, height = _size(req.width, req.height, last_image_size, settings)
     # True CFG runs only when a negative prompt is passed: always pass one (" " when empty).
     negative = req.negative_prompt if (req.negative_prompt or "").strip() else " "
-    return Resolved(steps, float(cfg), negative, int(seed), int(req.num_images), width, height)
+    return Resolved(int(steps), float(cfg), negative, int(seed), int(req.num_images), width, height)
+
+
+def default_steps(settings: Settings, family: str) -> int:
+    return min(settings.default_steps or DEFAULT_STEPS[family], settings.max_steps)
+
+
+def _whole(name: str, value) -> None:
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()) \
+            or isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidInput(f"{name} must be a whole number, got {value!r}", name)

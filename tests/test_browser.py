@@ -38,7 +38,7 @@ def test_upload_prompt_edit_and_see_the_result(browser, plus_ckpt, tmp_path):
         page.locator("#prompt textarea").fill("turn the yellow stripes blue")
         page.get_by_text("Advanced").click()
         page.get_by_label("Width (0 = auto)").fill("64")
-        page.get_by_label("Height (0 = auto)").fill("48")
+        page.get_by_label("Height (0 = auto)").fill("64")
         page.locator("#edit-button").click()
         page.locator("#result img").first.wait_for(state="visible", timeout=120_000)
         page.wait_for_timeout(2500)  # let the GPU panel tick once more

@@ -88,7 +88,8 @@ def test_true_cfg_really_runs_two_forwards_per_step(plus_manager):
     (dict(true_cfg_scale=0.2), InvalidInput, "true_cfg_scale 0.2 is out of range"),
     (dict(num_images=9), InvalidInput, "num_images 9 is out of range"),
     (dict(width=8000, height=8000), InputTooLarge, "the limit is"),
-    (dict(width=16, height=64), InvalidInput, "width 16 is too small"),
+    (dict(width=16, height=64), InvalidInput, "width 16 is out of range"),
+    (dict(num_inference_steps=2.5), InvalidInput, "num_inference_steps must be a whole number"),
     (dict(seed=-3), InvalidInput, "seed -3 is out of range"),
 ])
 def test_bad_requests_get_specific_errors(plus_manager, kw, error, message):
@@ -252,3 +253,11 @@ def test_not_ready_before_loading(plus_ckpt):
         manager.edit(request())
     manager.load()
     assert manager.ready and manager.plan.mode == "cpu"
+
+
+def test_one_side_only_passes_the_early_check_and_follows_the_aspect(plus_manager):
+    from imgedit.validation import check_params
+
+    check_params(request(width=None, height=128), plus_manager.settings, "plus")  # no images decoded yet
+    result = plus_manager.edit(request(images=(picture(120, 60),), width=None, height=64))
+    assert (result.width, result.height) == (128, 64)

@@ -8,6 +8,7 @@ import io
 import socket
 import struct
 import threading
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -325,3 +326,18 @@ def test_full_queue_is_429_busy(plus_ckpt):
             if response.status_code == 429:
                 error = assert_openai_error(response, 429, "busy")
                 assert error["type"] == "rate_limit_error"
+
+
+def test_a_client_that_goes_away_stops_its_gpu_work(plus_ckpt, image_file):
+    """Servers do not cancel a handler when the client disconnects; imgedit watches and cancels."""
+    manager = make_manager(plus_ckpt)
+    with start_server(manager) as server:
+        files = {"image": ("in.png", image_file.read_bytes(), "image/png")}
+        form = {"prompt": "slow one", "num_inference_steps": "60", "size": "64x64"}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/images/edits", data=form, files=files, timeout=4)
+        deadline = time.time() + 30
+        while manager.workers[0].state == "busy":
+            assert time.time() < deadline, "the abandoned job kept running"
+            time.sleep(0.1)
+        assert manager.workers[0].jobs_done == 0 and manager.workers[0].step < 60

@@ -68,11 +68,18 @@ def test_dtype_aliases():
     ("LOG_LEVEL", "LOUD", "DEBUG, INFO, WARNING, ERROR"),
     ("GPU_MEMORY_RESERVE", "lots", "a size such as"),
     ("GRADIO_AUTH", "justuser", "user:password"),
+    ("DEVICE_MAP", '{"transformer": {"0-59": 0}}', "device strings such as"),
+    ("DEVICE_MAP", "[1, 2]", "a JSON object"),
 ])
 def test_bad_values_name_variable_value_and_allowed(name, value, allowed):
     with pytest.raises(SettingsError) as info:
         load_settings({name: value})
     assert name in info.value.message and repr(value) in info.value.message and allowed in info.value.message
+
+
+def test_default_steps_above_max_steps_is_refused():
+    with pytest.raises(SettingsError, match="DEFAULT_STEPS=80 is above MAX_STEPS=60"):
+        load_settings({"DEFAULT_STEPS": "80", "MAX_STEPS": "60"})
 
 
 def test_all_problems_reported_at_once():

@@ -1,0 +1,101 @@
+"""Input normalisation: what users really upload, and limits checked before full decoding."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from imgedit.errors import InputTooLarge, InvalidInput
+from imgedit.images import open_image
+
+LIMIT = 4096 * 4096
+
+
+def encode(image: Image.Image, fmt: str = "PNG", **kw) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **kw)
+    return buffer.getvalue()
+
+
+def test_exif_rotation_is_applied():
+    image = Image.new("RGB", (40, 20), (255, 0, 0))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 CW to display
+    out = open_image(encode(image, "JPEG", exif=exif), LIMIT)
+    assert out.size == (20, 40)
+
+
+def test_transparent_pixels_become_white_not_black():
+    image = Image.new("RGBA", (8, 8), (0, 0, 0, 0))
+    image.putpixel((0, 0), (255, 0, 0, 255))
+    out = open_image(encode(image), LIMIT)
+    assert out.mode == "RGB"
+    assert out.getpixel((5, 5)) == (255, 255, 255) and out.getpixel((0, 0)) == (255, 0, 0)
+
+
+def test_palette_with_transparency_and_la():
+    pal = Image.new("P", (4, 4), 0)
+    pal.putpalette([0, 0, 0, 10, 200, 10] + [0] * 762)
+    pal.info["transparency"] = 0
+    assert open_image(encode(pal), LIMIT).getpixel((0, 0)) == (255, 255, 255)
+    la = Image.new("LA", (4, 4), (0, 0))
+    assert open_image(encode(la), LIMIT).getpixel((1, 1)) == (255, 255, 255)
+
+
+def test_sixteen_bit_is_scaled_not_clamped():
+    ramp = (np.arange(256, dtype=np.uint32).reshape(16, 16) * 257).astype(np.uint16)
+    image = Image.fromarray(ramp)
+    out = np.asarray(open_image(encode(image), LIMIT))
+    assert out.shape == (16, 16, 3)
+    assert out.max() >= 250 and out.min() == 0
+    assert len(np.unique(out[..., 0])) > 200  # a real ramp, not a clamp to 255
+
+
+def test_cmyk_jpeg_converts():
+    image = Image.new("CMYK", (8, 8), (0, 255, 255, 0))  # red in CMYK
+    r, g, b = open_image(encode(image, "JPEG"), LIMIT).getpixel((4, 4))
+    assert r > 200 and g < 60 and b < 60
+
+
+def test_not_an_image_and_unsupported_formats():
+    with pytest.raises(InvalidInput, match="image 2 is not a readable image"):
+        open_image(b"%PDF-1.4 definitely not a picture", LIMIT, "image 2")
+    with pytest.raises(InvalidInput, match="not a readable image"):
+        open_image(encode(Image.new("RGB", (4, 4)), "PNG")[:40], LIMIT)  # truncated
+
+
+def test_pixel_limit_is_checked_from_the_header():
+    with pytest.raises(InputTooLarge, match="300x200 = 60,000 pixels; the limit is 50,000"):
+        open_image(encode(Image.new("RGB", (300, 200))), 50_000)
+
+
+def test_decompression_bomb_is_refused_without_decoding():
+    data = bytearray(encode(Image.new("RGB", (1, 1))))
+    ihdr = bytearray(data[12:29])
+    ihdr[4:12] = struct.pack(">II", 40000, 40000)
+    data[12:29] = ihdr
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(ihdr)) & 0xFFFFFFFF)
+    with pytest.raises(InputTooLarge, match="too large|the limit is"):
+        open_image(bytes(data), LIMIT)
+
+
+def test_empty_file_path_gives_a_clear_error(tmp_path):
+    with pytest.raises(InvalidInput, match="could not be read"):
+        open_image(str(tmp_path / "missing.png"), LIMIT)
+
+
+def test_big_endian_16_bit_and_float_tiffs_are_scaled():
+    ramp = (np.arange(256, dtype=np.uint32).reshape(16, 16) * 257).astype(">u2")
+    ramp16 = Image.frombytes("I;16B", (16, 16), ramp.tobytes())
+    data = encode(ramp16, "TIFF")
+    assert Image.open(io.BytesIO(data)).mode == "I;16B"
+    out = np.asarray(open_image(data, LIMIT))
+    assert out.min() == 0 and out.max() == 255
+    floats = Image.fromarray(np.linspace(0, 1, 256, dtype=np.float32).reshape(16, 16), mode="F")
+    out = np.asarray(open_image(encode(floats, "TIFF"), LIMIT))
+    assert out.min() == 0 and out.max() == 255
