@@ -169,9 +169,10 @@ REGISTRY: tuple[Var, ...] = (
     Var("DEFAULT_STEPS", "0", _int_range(0, 1000), "Default denoising steps; 0 = per model (Edit 50, Plus 40)"),
     Var("MAX_STEPS", "100", _int_range(1, 1000), "Largest num_inference_steps a request may ask for"),
     Var("DEFAULT_TRUE_CFG", "4.0", _float_range(1.0, 20.0), "Default true CFG scale (1 turns CFG off)"),
-    Var("MAX_INPUT_PIXELS", "16777216", _int_range(1, 400_000_000),
+    Var("MAX_INPUT_PIXELS", "16777216", _int_range(1, 178_000_000),  # Pillow refuses more anyway
         "Largest input image in pixels (checked before decoding)"),
-    Var("MAX_OUTPUT_PIXELS", "4194304", _int_range(1, 100_000_000), "Largest output width*height"),
+    Var("MAX_OUTPUT_PIXELS", "4194304", _int_range(1, 100_000_000),
+        "Largest output width*height when a size is asked for (auto is about 1 MP)"),
     Var("MAX_FILE_SIZE", "25MB", _size, "Largest upload accepted by the UI and REST"),
     Var("MAX_IMAGES_PER_PROMPT", "4", _int_range(1, 16), "Largest number of images one request may ask for"),
     Var("AUTO_CLEANUP", "true", _bool, "Free cached GPU memory after each job"),

@@ -10,7 +10,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from imgedit.errors import InputTooLarge, InvalidInput
+from imgedit.errors import InvalidInput
 from imgedit.jobs import EditRequest
 from imgedit.settings import Settings
 
@@ -64,7 +64,7 @@ def _size(width: int | None, height: int | None, last_image_size: tuple[int, int
     width = max(MIN_SIDE, width // SIDE_MULTIPLE * SIDE_MULTIPLE)
     height = max(MIN_SIDE, height // SIDE_MULTIPLE * SIDE_MULTIPLE)
     if width * height > settings.max_output_pixels:
-        raise InputTooLarge(
+        raise InvalidInput(
             f"output {width}x{height} is {width * height:,} pixels; the limit is {settings.max_output_pixels:,} "
             "(MAX_OUTPUT_PIXELS)", "width")
     return width, height
