@@ -74,8 +74,10 @@ def picture(w: int = 80, h: int = 60, color=(30, 120, 200)) -> Image.Image:
 
 
 class ConcurrencyProbe:
-    """Counts pipeline calls in flight per worker (hooks on the text encoder, which runs first, and
-    the VAE decoder, which runs last) and remembers the most seen at once."""
+    """Counts forwards in flight per worker over its pipeline's main modules (text encoder,
+    transformer, VAE encoder and decoder) and remembers the most seen at once. One pipeline call
+    runs them one after another, so more than one at a time means two calls overlapped; a call
+    spends nearly all its time inside them, so an overlap cannot hide between forwards."""
 
     def __init__(self, manager: PipelineManager):
         self.lock = threading.Lock()
@@ -85,28 +87,22 @@ class ConcurrencyProbe:
         for worker in manager.workers:
             name = worker.name
             self.active[name] = self.max_active[name] = 0
-            enc, dec = worker.pipe.text_encoder, worker.pipe.vae.decoder
-            self.handles.append(enc.register_forward_pre_hook(self._enter(name, first=True)))
-            self.handles.append(dec.register_forward_hook(self._leave(name)))
-        self._started: dict[str, set[int]] = {w.name: set() for w in manager.workers}
+            pipe = worker.pipe
+            for module in (pipe.text_encoder, pipe.transformer, pipe.vae.encoder, pipe.vae.decoder):
+                self.handles.append(module.register_forward_pre_hook(self._enter(name)))
+                self.handles.append(module.register_forward_hook(self._leave(name)))
 
-    def _enter(self, name, first):
+    def _enter(self, name):
         def hook(module, args):
-            ident = threading.get_ident()
             with self.lock:
-                if ident not in self._started[name]:
-                    self._started[name].add(ident)
-                    self.active[name] += 1
-                    self.max_active[name] = max(self.max_active[name], self.active[name])
+                self.active[name] += 1
+                self.max_active[name] = max(self.max_active[name], self.active[name])
         return hook
 
     def _leave(self, name):
         def hook(module, args, output):
-            ident = threading.get_ident()
             with self.lock:
-                if ident in self._started[name]:
-                    self._started[name].discard(ident)
-                    self.active[name] -= 1
+                self.active[name] -= 1
         return hook
 
     def close(self):
