@@ -118,6 +118,7 @@ def build_router(manager, metrics: Metrics, monitor: GpuMonitor) -> APIRouter:
             return openai_error(400, "the request could not be read", "invalid_input")
         cancel = threading.Event()
         job = asyncio.wrap_future(manager.submit(req, cancel=cancel))
+        job.add_done_callback(lambda f: f.cancelled() or f.exception())  # no "never retrieved" noise
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job, cancel))
         try:
             result = await asyncio.shield(job)

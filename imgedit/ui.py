@@ -37,6 +37,11 @@ def user_error(exc: BaseException) -> gr.Error:
     return gr.Error("internal error: see the server log")
 
 
+def _consume(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 def _paths(files) -> list[str]:
     if not files:
         return []
@@ -108,6 +113,7 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None)
             progress((step, total), desc="denoising", unit="steps")
 
         job = asyncio.wrap_future(manager.submit(req, on_step=on_step, on_wait=on_wait, cancel=cancel))
+        job.add_done_callback(_consume)  # a cancelled job still ends (Cancelled): no "never retrieved" noise
         try:
             result = await asyncio.shield(job)
         except asyncio.CancelledError:
