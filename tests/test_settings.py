@@ -115,3 +115,11 @@ def test_readme_documents_every_setting():
     readme = (__import__("pathlib").Path(__file__).resolve().parents[1] / "README.md").read_text()
     missing = [v.name for v in REGISTRY if f"| `{v.name}` |" not in readme]
     assert missing == [], f"README's configuration table lacks {missing}"
+
+
+def test_the_edges_do_not_import_torch():
+    """UI and REST stay light: torch is only imported by the manager side (and lazily by the panel)."""
+    code = "import sys, imgedit.ui, imgedit.rest, imgedit.server, imgedit.metrics; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=__import__("pathlib").Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
