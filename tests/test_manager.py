@@ -87,7 +87,7 @@ def test_true_cfg_really_runs_two_forwards_per_step(plus_manager):
     (dict(num_inference_steps=10000), InvalidInput, "num_inference_steps 10000 is out of range"),
     (dict(true_cfg_scale=0.2), InvalidInput, "true_cfg_scale 0.2 is out of range"),
     (dict(num_images=9), InvalidInput, "num_images 9 is out of range"),
-    (dict(width=8000, height=8000), InvalidInput, "the limit is 4,194,304 pixels"),
+    (dict(width=8000, height=8000), InvalidInput, "the limit is 4,194,304 \\(MAX_OUTPUT_PIXELS\\)"),
     (dict(width=16, height=64), InvalidInput, "width 16 is out of range"),
     (dict(num_inference_steps=2.5), InvalidInput, "num_inference_steps must be a whole number"),
     (dict(seed=-3), InvalidInput, "seed -3 is out of range"),
