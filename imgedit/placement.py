@@ -142,15 +142,15 @@ def plan_placement(
     gpus: Sequence[GpuSpec],
     device_map: DeviceMap,
     max_memory: Sequence[int] = (),
-    reserve: int = 1 * GIB,
+    reserve: int = int(1.5 * GIB),
     activation_reserve: int = 4 * GIB,
 ) -> Plan:
     """Decide where every component of every worker goes. Raises PlacementError when it cannot fit.
 
     `reserve` is kept free on every GPU (CUDA context, fragmentation); `activation_reserve` on each
     worker's execution device, where the latents, the attention activations and the VAE's
-    encode/decode live (measured on 2xH200 at 1024x1024: about 4.2 GiB there, under 1 GiB on the
-    devices that only hold transformer blocks).
+    encode/decode live (measured on 2xH200 at 1024x1024: 4.2 GiB above the weights there, up to
+    1.3 GiB on a GPU holding only transformer blocks and the text encoder; docs/BENCHMARKS.md).
     """
     names = {c.name for c in components}
     if ANCHOR not in names:
