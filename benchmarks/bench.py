@@ -102,13 +102,24 @@ def run_manager(mode: str, args, ckpt: Path, image: Image.Image) -> dict:
         except Exception as exc:  # report, do not hide
             errors.append(repr(exc))
 
-    t0 = time.perf_counter()
+    util: list[float] = []
+    done = threading.Event()
+
+    def sample_utilization() -> None:  # how busy the GPUs are while the jobs run
+        while not done.wait(0.5):
+            util.extend(torch.cuda.utilization(i) for i in range(torch.cuda.device_count()))
+
+    sampler = threading.Thread(target=sample_utilization, daemon=True)
+    sampler.start()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(manager.workers))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    cpu_cores = (time.process_time() - cpu0) / wall  # > ~1 means more than the GIL's one thread ran
+    done.set()
     torch.cuda.synchronize()
     out = {
         "mode": mode if mode != "split" else f"balanced, MAX_MEMORY={args.split_cap}",
@@ -117,6 +128,8 @@ def run_manager(mode: str, args, ckpt: Path, image: Image.Image) -> dict:
         "s_per_step": round(sum(c.per_step for c in clocks) / len(clocks), 4),
         "s_per_image": round(sum(r.seconds for r in results) / max(1, len(results)), 2),
         "images_per_min": round(60 * len(results) / wall, 2), "errors": errors,
+        "process_cpu_cores": round(cpu_cores, 2),
+        "gpu_utilization_mean": round(sum(util) / len(util), 1) if util else None,
     }
     for worker in manager.workers:  # drop the pipelines so the next mode starts on empty GPUs
         worker.pipe = None
