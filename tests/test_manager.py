@@ -261,3 +261,17 @@ def test_one_side_only_passes_the_early_check_and_follows_the_aspect(plus_manage
     check_params(request(width=None, height=128), plus_manager.settings, "plus")  # no images decoded yet
     result = plus_manager.edit(request(images=(picture(120, 60),), width=None, height=64))
     assert (result.width, result.height) == (128, 64)
+
+
+def test_a_waiting_job_is_told_its_place_in_line(plus_ckpt):
+    manager = make_manager(plus_ckpt)
+    started = threading.Event()
+    first = threading.Thread(target=lambda: manager.edit(request(num_inference_steps=6),
+                                                         on_step=lambda s, t: started.set()))
+    first.start()
+    started.wait(30)
+    places = []
+    result = manager.edit(request(), on_wait=places.append)
+    first.join(60)
+    assert places and places[0] == 1  # one job (the running one) ahead of it
+    assert result.images
