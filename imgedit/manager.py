@@ -7,6 +7,7 @@ whole pipeline call, so no GPU ever runs two jobs, even when an edge gives up on
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import contextvars
@@ -208,18 +209,27 @@ class PipelineManager:
             worker.lock.release()
             self._cond.notify_all()
 
-    def submit(self, req: EditRequest, on_step: StepCallback | None = None, on_wait: WaitCallback | None = None,
-               cancel: threading.Event | None = None) -> concurrent.futures.Future:
-        """Run `edit` on the manager's own threads (sized to hold every job the line may take, so
-        waiting jobs never starve the event loop's executor); the caller's context variables go
-        along, so a Gradio progress bar fed from the callbacks reaches its page."""
+    async def run(self, req: EditRequest, on_step: StepCallback | None = None,
+                  on_wait: WaitCallback | None = None, cancel: threading.Event | None = None) -> EditResult:
+        """`edit` for async edges. It runs on the manager's own threads (sized to hold every job the
+        line may take, so waiting jobs never starve the event loop's executor) with the caller's
+        context variables, so a Gradio progress bar fed from the callbacks reaches its page. If the
+        caller is cancelled (Cancel button, gradio_client cancel, client gone), the job is told to
+        stop at its next step; the worker stays locked until it has."""
         if self._executor is None:
             with self._cond:
                 if self._executor is None:
                     size = self.settings.queue_max_size + self.capacity + 2
                     self._executor = concurrent.futures.ThreadPoolExecutor(size, thread_name_prefix="imgedit-job")
+        cancel = cancel or threading.Event()
         context = contextvars.copy_context()
-        return self._executor.submit(context.run, self.edit, req, on_step, on_wait, cancel)
+        job = asyncio.wrap_future(self._executor.submit(context.run, self.edit, req, on_step, on_wait, cancel))
+        job.add_done_callback(lambda f: f.cancelled() or f.exception())  # no "never retrieved" noise
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
 
     # ---- the edit ----
     def edit(self, req: EditRequest, on_step: StepCallback | None = None, on_wait: WaitCallback | None = None,

@@ -117,14 +117,9 @@ def build_router(manager, metrics: Metrics, monitor: GpuMonitor) -> APIRouter:
             metrics.record_rejected("rest", "invalid_input")
             return openai_error(400, "the request could not be read", "invalid_input")
         cancel = threading.Event()
-        job = asyncio.wrap_future(manager.submit(req, cancel=cancel))
-        job.add_done_callback(lambda f: f.cancelled() or f.exception())  # no "never retrieved" noise
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, job, cancel))
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, cancel))
         try:
-            result = await asyncio.shield(job)
-        except asyncio.CancelledError:
-            cancel.set()
-            raise
+            result = await manager.run(req, cancel=cancel)
         except ImgEditError as exc:
             return openai_error(STATUS.get(exc.kind, 500), exc.message, exc.kind, exc.field)
         except Exception:
@@ -149,13 +144,12 @@ def _b64_pngs(images) -> list[dict]:
     return data
 
 
-async def _cancel_on_disconnect(request: Request, job: asyncio.Future, cancel: threading.Event) -> None:
-    """Servers do not cancel a handler when its client goes away: watch, and stop the GPU work."""
-    while not job.done():
-        if await request.is_disconnected():
-            cancel.set()
-            return
+async def _cancel_on_disconnect(request: Request, cancel: threading.Event) -> None:
+    """Servers do not cancel a handler when its client goes away: watch (until the handler cancels
+    this task), and stop the GPU work."""
+    while not await request.is_disconnected():
         await asyncio.sleep(0.5)
+    cancel.set()
 
 
 async def _parse(request: Request, manager) -> EditRequest:

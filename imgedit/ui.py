@@ -4,7 +4,7 @@ Every GPU event shares the concurrency group "gpu" and goes straight on to the m
 where UI, gradio API and REST jobs wait together in arrival order (the page shows how many are
 ahead); the line, not Gradio, bounds the wait (QUEUE_MAX_SIZE) and each worker's lock keeps its
 GPUs to one job. The edit handler is async: when a user (or gradio_client) cancels, Gradio cancels
-the task, we set the job's cancel flag, and the manager stops the pipeline within one step.
+the task, `manager.run` sets the job's cancel flag, and the pipeline stops within one step.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import html
 import logging
-import threading
 from collections.abc import Sequence
 
 import gradio as gr
@@ -35,11 +34,6 @@ def user_error(exc: BaseException) -> gr.Error:
         return gr.Error(html.escape(exc.message), title=exc.kind.replace("_", " "))
     log.exception("unexpected error in the UI handler", exc_info=exc)
     return gr.Error("internal error: see the server log")
-
-
-def _consume(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 def _paths(files) -> list[str]:
@@ -103,7 +97,6 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None)
                                           randomize_seed, steps, cfg, num_images, width, height, source)
         except Exception as exc:
             raise user_error(exc) from None
-        cancel = threading.Event()
         progress(0, desc="waiting for a free GPU worker")
 
         def on_wait(ahead: int) -> None:
@@ -112,13 +105,8 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None)
         def on_step(step: int, total: int) -> None:
             progress((step, total), desc="denoising", unit="steps")
 
-        job = asyncio.wrap_future(manager.submit(req, on_step=on_step, on_wait=on_wait, cancel=cancel))
-        job.add_done_callback(_consume)  # a cancelled job still ends (Cancelled): no "never retrieved" noise
         try:
-            result = await asyncio.shield(job)
-        except asyncio.CancelledError:
-            cancel.set()  # the manager stops at the next step, then frees the worker
-            raise
+            result = await manager.run(req, on_step=on_step, on_wait=on_wait)
         except Exception as exc:
             raise user_error(exc) from None
         return result.images, result.seed
