@@ -33,14 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     if settings.torch_dtype == "float16":
         log.warning("TORCH_DTYPE=float16: Qwen-Image-Edit is known to give NaN/black images in fp16; use bfloat16")
 
-    # Heavy imports only after the settings are known to be good.
-    import torch
-
+    # Heavy imports only after the settings are known to be good. The server process never touches
+    # CUDA (GPUs are read through NVML); the worker processes own the GPUs.
+    from imgedit.gpus import discover_gpus
     from imgedit.manager import PipelineManager
     from imgedit.server import build_app, serve
 
     no_model_chosen = not settings.qwen_model_dir and "QWEN_MODEL" not in os.environ
-    if args.demo or (not settings.demo and no_model_chosen and not torch.cuda.is_available()):
+    if args.demo or (not settings.demo and no_model_chosen and not discover_gpus()):
         if not args.demo:
             log.warning("no GPU and no QWEN_MODEL/QWEN_MODEL_DIR set: serving the demo model (outputs are noise)")
         settings = replace(settings, demo=True, device_map=DeviceMap("cpu"))
@@ -54,8 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     except ImgEditError as exc:
         log.error("%s", exc.message)
         return 2
-    manager.start()  # loads the weights in the background; /health says 503 until ready
-    serve(build_app(settings, manager), settings)
+    manager.start()  # worker processes load the weights; /health says 503 until they are ready
+    try:
+        serve(build_app(settings, manager), settings)  # returns on SIGTERM / Ctrl-C
+    finally:
+        log.info("stopping the worker processes")
+        manager.close()
     return 0
 
 

@@ -1,18 +1,20 @@
 """Live per-GPU readings for the panel, /gpu_status and /health: what each GPU holds and does.
 
-NVML (nvidia-ml-py) sees every process's memory, as nvidia-smi does; torch's counters see only ours.
-Torch indices are mapped to NVML handles by UUID, because CUDA_VISIBLE_DEVICES renumbers devices.
-torch is imported lazily so the edges stay light.
+NVML (nvidia-ml-py) sees every process's memory, as nvidia-smi does, and needs no CUDA context: the
+server process reads GPUs only through it, so the GPUs hold only the worker processes' memory.
+CUDA indices are mapped to NVML handles through CUDA_VISIBLE_DEVICES (indices or UUIDs).
 """
 
 from __future__ import annotations
 
 import html
 import logging
+import os
 import threading
 from dataclasses import asdict, dataclass, field
 
 from imgedit.jobs import ManagerStatus
+from imgedit.placement import GpuSpec
 
 log = logging.getLogger(__name__)
 MIB = 1024**2
@@ -26,9 +28,52 @@ class GpuReading:
     used_mib: float
     total_mib: float
     utilization_percent: float | None
-    torch_allocated_mib: float
+    workers_mib: float  # held by our worker processes (NVML per-process reading)
     holds: list[str] = field(default_factory=list)
     running: list[str] = field(default_factory=list)
+
+
+def _nvml():
+    import pynvml
+
+    pynvml.nvmlInit()
+    return pynvml
+
+
+def visible_handles(nvml) -> dict[int, object]:
+    """NVML handles of the GPUs this process may use, keyed by CUDA index (CUDA_VISIBLE_DEVICES
+    applies: indices or UUIDs, in its order). Needs no CUDA context, unlike torch.cuda queries."""
+    count = nvml.nvmlDeviceGetCount()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return {i: nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)}
+    handles: dict[int, object] = {}
+    for part in visible.split(","):
+        part = part.strip()
+        if not part:
+            break
+        try:
+            handle = (nvml.nvmlDeviceGetHandleByIndex(int(part)) if part.isdigit()
+                      else nvml.nvmlDeviceGetHandleByUUID(part if part.startswith(("GPU-", "MIG-")) else "GPU-" + part))
+        except Exception:  # CUDA stops at the first invalid entry; so do we
+            break
+        handles[len(handles)] = handle
+    return handles
+
+
+def discover_gpus() -> list[GpuSpec]:
+    """Visible GPUs with their free memory now, read through NVML (the server never touches CUDA)."""
+    try:
+        nvml = _nvml()
+        handles = visible_handles(nvml)
+    except Exception as exc:  # no driver or no NVML: no GPU
+        log.info("no GPU found through NVML (%s)", type(exc).__name__)
+        return []
+    gpus = []
+    for index, handle in handles.items():
+        memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+        gpus.append(GpuSpec(index, _text(nvml.nvmlDeviceGetName(handle)), int(memory.total), int(memory.free)))
+    return gpus
 
 
 class GpuMonitor:
@@ -45,30 +90,21 @@ class GpuMonitor:
             return self._handles
         self._handles = {}
         try:
-            import torch
-
-            if not torch.cuda.is_available():
+            self._nvml = _nvml()
+            self._handles = visible_handles(self._nvml)
+            if not self._handles:
                 self.problem = "no GPU is visible: the model runs on the CPU"
-                return self._handles
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._nvml = pynvml
-            for i in range(torch.cuda.device_count()):
-                uuid = "GPU-" + str(torch.cuda.get_device_properties(i).uuid)
-                self._handles[i] = pynvml.nvmlDeviceGetHandleByUUID(uuid)
-        except Exception as exc:  # NVML missing or broken: the panel says so instead of failing
-            log.warning("GPU readings unavailable: %s", exc)
-            self.problem = f"GPU readings unavailable ({type(exc).__name__})"
+        except Exception as exc:  # NVML missing or no driver: the panel says so instead of failing
+            log.info("GPU readings unavailable: %s", exc)
+            self.problem = "no GPU is visible: the model runs on the CPU"
         return self._handles
 
     def read(self, status: ManagerStatus | None = None) -> list[GpuReading]:
+        pids = {pid for w in status.workers for pid in w.pids} if status is not None else set()
         with self._lock:
             handles = self._init()
             if not handles:
                 return []
-            import torch
-
             nvml = self._nvml
             readings = []
             for index, handle in handles.items():
@@ -81,13 +117,24 @@ class GpuMonitor:
                 except Exception:
                     util = None
                 readings.append(GpuReading(
-                    index=index, name=torch.cuda.get_device_name(index),
+                    index=index, name=_text(nvml.nvmlDeviceGetName(handle)),
                     uuid=_text(nvml.nvmlDeviceGetUUID(handle)), used_mib=round(memory.used / MIB, 1),
                     total_mib=round(memory.total / MIB, 1), utilization_percent=util,
-                    torch_allocated_mib=round(torch.cuda.memory_allocated(index) / MIB, 1)))
+                    workers_mib=round(_process_memory(nvml, handle, pids) / MIB, 1)))
         if status is not None:
             _annotate(readings, status)
         return readings
+
+
+def _process_memory(nvml, handle, pids: set[int]) -> int:
+    """Bytes our worker processes hold on this GPU (NVML sees every process)."""
+    if not pids:
+        return 0
+    try:
+        procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except Exception:
+        return 0
+    return sum(int(p.usedGpuMemory or 0) for p in procs if p.pid in pids)
 
 
 def _text(value) -> str:

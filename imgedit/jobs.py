@@ -62,12 +62,18 @@ class WorkerStatus:
     name: str
     devices: tuple[str, ...]
     placement: dict[str, str]
-    state: str  # loading | idle | busy | failed
+    state: str  # loading | idle | busy | restarting | failed | stopped
     job_id: str | None
     step: int
     total_steps: int
     jobs_done: int
     error: str | None
+    parallel: str = "none"  # none | cfg
+    ranks: int = 1
+    pids: tuple[int, ...] = ()
+    restarts: int = 0
+    compiled: bool = False
+    detail: str | None = None  # what a loading worker is doing (loading weights, compiling, ...)
 
 
 @dataclass(frozen=True)

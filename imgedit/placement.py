@@ -75,8 +75,18 @@ class Placement:
 
 @dataclass(frozen=True)
 class WorkerPlan:
+    """One worker: one pipeline and the devices it owns. A parallel worker is a group of ranks, one
+    process each, every rank holding a full pipeline on one GPU (`rank_devices`); `components`
+    then describes rank 0 and `for_rank(r)` the others."""
+
     name: str
     components: Mapping[str, Placement]
+    parallel: str = "none"  # none | cfg (CFG-parallel: rank r runs branch r of every step)
+    rank_devices: tuple[str, ...] = ()
+
+    @property
+    def ranks(self) -> int:
+        return max(1, len(self.rank_devices))
 
     @property
     def execution_device(self) -> str:
@@ -84,10 +94,26 @@ class WorkerPlan:
 
     @property
     def devices(self) -> tuple[str, ...]:
-        found: dict[str, None] = {}
+        found: dict[str, None] = dict.fromkeys(self.rank_devices)
         for placement in self.components.values():
             found.update(dict.fromkeys(placement.devices))
-        return tuple(sorted(found))
+        return tuple(sorted(found, key=_device_key))
+
+    def for_rank(self, rank: int) -> WorkerPlan:
+        """The single-process plan of one rank (everything on that rank's GPU)."""
+        if self.ranks == 1:
+            return self
+        device = self.rank_devices[rank]
+        return WorkerPlan(f"{self.name}.rank{rank}", {n: Placement(device) for n in self.components})
+
+    def describe(self) -> str:
+        if self.parallel == "cfg":
+            return f"CFG-parallel group of {self.ranks} on {', '.join(self.rank_devices)}"
+        return ", ".join(self.devices)
+
+
+def _device_key(device: str) -> tuple[int, int]:
+    return (0, int(device[5:])) if device.startswith("cuda:") else (1, 0)
 
 
 @dataclass(frozen=True)
@@ -100,6 +126,9 @@ class Plan:
     def describe(self) -> list[str]:
         lines = [f"placement mode={self.mode}: {self.reason}"]
         for worker in self.workers:
+            if worker.parallel != "none":
+                lines.append(f"  {worker.name}: {worker.describe()}, a full pipeline on each")
+                continue
             for name, placement in worker.components.items():
                 lines.append(f"  {worker.name}: {name} -> {placement.describe()}")
         for device, nbytes in sorted(self.bytes_per_device.items()):
@@ -180,10 +209,20 @@ def plan_placement(
                 f"DEVICE_MAP=replicas needs {total / GIB:.1f} GiB on every GPU but the smallest can take "
                 f"{smallest / GIB:.1f} GiB; use DEVICE_MAP=balanced")
         return _replicas(components, budget, "replicas", f"one full pipeline on each of {len(budget)} GPUs")
+    if mode == "cfg-parallel":
+        if len(budget) < 2 or not _fits_every_gpu(total, budget):
+            smallest = min(budget.values())
+            raise PlacementError(
+                f"DEVICE_MAP=cfg-parallel needs 2 or more GPUs that each take a full copy ({total / GIB:.1f} GiB); "
+                f"{len(budget)} GPU(s) visible, the smallest can take {smallest / GIB:.1f} GiB; use "
+                "DEVICE_MAP=balanced (or replicas with one GPU)")
+        return _pairs(components, budget, "cfg-parallel")
     if mode == "auto":
+        if _fits_every_gpu(total, budget) and len(budget) >= 2:
+            return _pairs(components, budget, "auto")
         if _fits_every_gpu(total, budget):
             return _replicas(components, budget, "auto",
-                             f"a full copy ({total / GIB:.1f} GiB) fits every GPU, so one replica per GPU")
+                             f"a full copy ({total / GIB:.1f} GiB) fits the GPU, so one pipeline on it")
         plan = _balanced(components, budget, activation_reserve)
         why = f"a full copy ({total / GIB:.1f} GiB) does not fit every GPU, so one pipeline spread over them"
         log.info("DEVICE_MAP=auto: %s", why)
@@ -203,6 +242,25 @@ def _single(components: Sequence[ComponentSpec], device: str, mode: str, reason:
 def _replicas(components: Sequence[ComponentSpec], budget: Mapping[int, int], mode: str, reason: str) -> Plan:
     workers = tuple(WorkerPlan(f"worker-{i}", _whole(components, _gpu(i))) for i in sorted(budget))
     return Plan(mode, workers, reason, {_gpu(i): _total(components) for i in sorted(budget)})
+
+
+def _pairs(components: Sequence[ComponentSpec], budget: Mapping[int, int], mode: str) -> Plan:
+    """CFG-parallel pairs: GPUs (0,1), (2,3), ...; an odd GPU left over is a one-GPU worker. A pair
+    edits one image in about half the time of one GPU (cond and uncond forwards run at once) and
+    serves as many images per minute as two replicas."""
+    indices = sorted(budget)
+    workers = []
+    for n, i in enumerate(range(0, len(indices) - 1, 2)):
+        devices = (_gpu(indices[i]), _gpu(indices[i + 1]))
+        workers.append(WorkerPlan(f"worker-{n}", _whole(components, devices[0]), "cfg", devices))
+    if len(indices) % 2:
+        workers.append(WorkerPlan(f"worker-{len(workers)}", _whole(components, _gpu(indices[-1]))))
+    reason = (f"a full copy fits every GPU and there are {len(indices)}: {len(indices) // 2} CFG-parallel pair(s) "
+              "(each runs the conditional and unconditional forwards at once: half the latency of one GPU, "
+              "the throughput of two replicas)")
+    if len(indices) % 2:
+        reason += f"; cuda:{indices[-1]} is left over and serves alone"
+    return Plan(mode, tuple(workers), reason, {_gpu(i): _total(components) for i in indices})
 
 
 def _order(budget: Mapping[int, int]) -> list[int]:

@@ -18,7 +18,7 @@ from typing import Any
 from imgedit.errors import SettingsError
 
 GIB = 1024**3
-DEVICE_MAP_MODES = ("balanced", "auto", "replicas", "cuda", "cpu")
+DEVICE_MAP_MODES = ("balanced", "auto", "replicas", "cfg-parallel", "cuda", "cpu")
 DTYPES = ("bfloat16", "float16", "float32")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -115,7 +115,7 @@ class DeviceMap:
 
 def parse_device_map(raw: str) -> DeviceMap:
     text = raw.strip()
-    allowed = ("balanced, auto, replicas, cuda, cuda:N, cpu, or a JSON object such as "
+    allowed = ("balanced, auto, replicas, cfg-parallel, cuda, cuda:N, cpu, or a JSON object such as "
                '{"transformer": {"0-29": "cuda:0", "30-59": "cuda:1"}, "text_encoder": "cuda:1", "vae": "cuda:0"}')
     if text.startswith("{"):
         try:
@@ -156,7 +156,7 @@ REGISTRY: tuple[Var, ...] = (
         "Serve the tiny random-weight demo checkpoint (built locally, no download); outputs are noise"),
     Var("DEMO_DIR", "~/.cache/imgedit/demo", _str, "Where the demo checkpoint is built and cached"),
     Var("DEVICE_MAP", "balanced", parse_device_map,
-        "balanced | auto | replicas | cuda | cuda:N | cpu | JSON manual map (see README)"),
+        "balanced | auto | replicas | cfg-parallel | cuda | cuda:N | cpu | JSON manual map (see README)"),
     Var("MAX_MEMORY", "", _max_memory,
         "Per-GPU memory caps, e.g. 75GiB,75GiB (one per visible GPU, or one for all); empty = free memory"),
     Var("GPU_MEMORY_RESERVE", "1.5GiB", _size,
@@ -175,6 +175,12 @@ REGISTRY: tuple[Var, ...] = (
         "Largest output width*height when a size is asked for (auto is about 1 MP)"),
     Var("MAX_FILE_SIZE", "25MB", _size, "Largest upload accepted by the UI and REST"),
     Var("MAX_IMAGES_PER_PROMPT", "4", _int_range(1, 16), "Largest number of images one request may ask for"),
+    Var("COMPILE", "auto", _choice("auto", "on", "off"),
+        "Compile the transformer's repeated blocks (torch.compile), warmed up at start-up; auto = on for GPUs"),
+    Var("COMPILE_CACHE_DIR", "~/.cache/imgedit/compile", _str,
+        "Where the compiler keeps its cache, so a restart does not compile again (a volume in compose/k8s)"),
+    Var("WORKER_RESTARTS", "3", _int_range(0, 100),
+        "How many times a worker process that dies is restarted before it is reported failed"),
     Var("AUTO_CLEANUP", "true", _bool, "Free cached GPU memory after each job"),
     Var("LOG_LEVEL", "INFO", _choice(*LOG_LEVELS, upper=True), "DEBUG | INFO | WARNING | ERROR"),
     Var("GRADIO_SERVER_NAME", "0.0.0.0", _str, "Address the server listens on"),
@@ -207,6 +213,9 @@ class Settings:
     max_output_pixels: int = 4_194_304
     max_file_size: int = 25_000_000
     max_images_per_prompt: int = 4
+    compile: str = "auto"
+    compile_cache_dir: str = "~/.cache/imgedit/compile"
+    worker_restarts: int = 3
     auto_cleanup: bool = True
     log_level: str = "INFO"
     gradio_server_name: str = "0.0.0.0"

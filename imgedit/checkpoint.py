@@ -1,0 +1,53 @@
+"""Which checkpoint to serve: a local folder or a hub id, and the pipeline class its model_index.json names.
+
+Torch-free, so the server process and the worker messages can name a checkpoint without loading anything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from imgedit.errors import PlacementError
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+MODEL_COMPONENTS = ("transformer", "text_encoder", "vae")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    folder: Path
+    pipeline_class: str
+    random_weights: bool
+
+    @property
+    def family(self) -> str:
+        return "plus" if self.pipeline_class == "QwenImageEditPlusPipeline" else "edit"
+
+
+def open_checkpoint(source: str) -> Checkpoint:
+    """Resolve a local folder or hub id (downloaded to the HF cache) and read model_index.json."""
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        from diffusers import DiffusionPipeline
+
+        log.info("fetching %s into the Hugging Face cache (HF_HOME) ...", source)
+        try:
+            folder = Path(DiffusionPipeline.download(source))
+        except Exception as exc:
+            raise PlacementError(
+                f"could not find or download {source!r} ({type(exc).__name__}: {str(exc)[:200]}); "
+                "set QWEN_MODEL_DIR to a local checkpoint folder, or check HF_HOME / HF_HUB_OFFLINE") from exc
+    index_file = folder / "model_index.json"
+    if not index_file.is_file():
+        raise PlacementError(f"{folder} has no model_index.json: is it a diffusers checkpoint folder?")
+    index = json.loads(index_file.read_text())
+    name = index.get("_class_name")
+    if name not in SUPPORTED_PIPELINES:
+        raise PlacementError(f"{folder} holds a {name}; imgedit serves {', '.join(SUPPORTED_PIPELINES)}")
+    random_weights = bool(index.get("imgedit_demo", {}).get("random_weights"))
+    return Checkpoint(folder, name, random_weights)

@@ -1,0 +1,292 @@
+"""The worker processes, seen from the server: spawn, watch, restart and stop them.
+
+A `WorkerHandle` is one worker of the plan: one process, or one process per rank for a parallel
+group. Each rank has its own inbox; the worker has one outbox, read by the handle's pump thread,
+which also watches the processes: a rank that dies fails only the job it was running (with a clear
+message), the whole group is stopped and started again (up to WORKER_RESTARTS times, then the
+worker is reported failed). No torch here: the server process never creates a CUDA context.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from imgedit.errors import WorkerFailed
+from imgedit.jobs import WorkerStatus
+from imgedit.placement import Placement, WorkerPlan
+from imgedit.runtime.messages import Cancel, Done, Failed, Job, LoadFailed, Ready, Step, Stop, WorkerSpec
+
+log = logging.getLogger(__name__)
+_CTX = multiprocessing.get_context("spawn")
+_START_LOCK = threading.Lock()
+
+
+class WorkerDied:
+    """Put on a job's event queue when its worker process ended mid-job."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def physical_devices(visible: str | None) -> list[str] | None:
+    """The entries of the server's CUDA_VISIBLE_DEVICES (None = all GPUs, numbered as found)."""
+    if visible is None or not visible.strip():
+        return None
+    return [part.strip() for part in visible.split(",") if part.strip()]
+
+
+def localize(plan: WorkerPlan, visible: str | None) -> tuple[WorkerPlan, str | None]:
+    """A rank's plan with its GPUs renumbered cuda:0.. as its process sees them, and the
+    CUDA_VISIBLE_DEVICES that makes it so (diffusers and NCCL pick `cuda:rank % count`, and a
+    process that sees other GPUs may create contexts there)."""
+    gpus = [d for d in plan.devices if d.startswith("cuda:")]
+    if not gpus:
+        return plan, visible
+    physical = physical_devices(visible)
+    mapping = {d: f"cuda:{i}" for i, d in enumerate(gpus)}
+    ids = [physical[int(d[5:])] if physical else d[5:] for d in gpus]
+
+    def move(p: Placement) -> Placement:
+        return Placement(mapping.get(p.device, p.device), tuple(mapping.get(d, d) for d in p.block_devices))
+
+    local = replace(plan, components={n: move(p) for n, p in plan.components.items()},
+                    rank_devices=tuple(mapping.get(d, d) for d in plan.rank_devices))
+    return local, ",".join(ids)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerHandle:
+    def __init__(self, plan: WorkerPlan, spec: WorkerSpec, *, visible: str | None, cache_dir: str | None,
+                 max_restarts: int, log_level: str = "INFO", on_change: Callable[[], None] = lambda: None):
+        self.plan = plan
+        self.name = plan.name
+        self.spec = spec  # rank 0's spec with the plan as planned; each rank gets its own at spawn
+        self.visible, self.cache_dir, self.log_level = visible, cache_dir, log_level
+        self.max_restarts = max_restarts
+        self.on_change = on_change
+        self.lock = threading.Lock()  # held by the job thread that owns the worker
+        self.state = "loading"  # loading | idle | busy | restarting | failed | stopped
+        self.detail: str | None = "starting"
+        self.error: str | None = None
+        self.job_id: str | None = None
+        self.step = self.total_steps = 0
+        self.jobs_done = 0
+        self.restarts = 0
+        self.info: dict = {}
+        self.pids: tuple[int, ...] = ()
+        self._procs: list = []
+        self._inboxes: list = []
+        self._outbox = None
+        self._events: queue.Queue | None = None  # the current job's events
+        self._ready: set[int] = set()
+        self._closing = False
+        self._pump: threading.Thread | None = None
+
+    # ---- life cycle ----
+    def start(self) -> None:
+        self._spawn()
+        self._pump = threading.Thread(target=self._run_pump, name=f"{self.name}-pump", daemon=True)
+        self._pump.start()
+
+    def _spawn(self) -> None:
+        port = free_port() if self.plan.ranks > 1 else 0
+        self._outbox = _CTX.Queue()
+        self._inboxes, self._procs, self._ready = [], [], set()
+        for rank in range(self.plan.ranks):
+            local, visible = localize(self.plan.for_rank(rank), self.visible)
+            spec = replace(self.spec, rank=rank, world=self.plan.ranks, plan=local, master_port=port)
+            inbox = _CTX.Queue()
+            proc = _CTX.Process(target=_entry, name=f"imgedit-{self.name}-rank{rank}", daemon=True,
+                                args=(spec, inbox, self._outbox, visible, self.cache_dir, self.log_level))
+            with _START_LOCK:  # CUDA_VISIBLE_DEVICES must be right before the child imports anything
+                saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+                if visible is not None:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = visible
+                try:
+                    proc.start()
+                finally:
+                    if saved is None:
+                        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                    else:
+                        os.environ["CUDA_VISIBLE_DEVICES"] = saved
+            self._inboxes.append(inbox)
+            self._procs.append(proc)
+        self.pids = tuple(p.pid for p in self._procs)
+        log.info("%s: started %d process(es) %s on %s", self.name, len(self._procs), self.pids,
+                 self.plan.describe())
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ask every rank to stop, then terminate, then kill: no process outlives this call."""
+        self._closing = True
+        for inbox in self._inboxes:
+            try:
+                inbox.put(Stop())
+            except Exception:  # noqa: BLE001 - a broken queue: terminate below
+                pass
+        self._reap(timeout)
+        self.state, self.detail = "stopped", None
+        if self._pump is not None and self._pump is not threading.current_thread():
+            self._pump.join(timeout=2)
+
+    def _reap(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2)
+        for q in [*self._inboxes, self._outbox]:
+            if q is not None:
+                q.close()
+                q.cancel_join_thread()
+
+    # ---- jobs (called by the manager's job thread, which holds self.lock) ----
+    def submit(self, job: Job) -> queue.Queue:
+        events: queue.Queue = queue.Queue()
+        self._events = events
+        self.job_id, self.step, self.total_steps = job.request_id, 0, job.params.steps
+        for inbox in self._inboxes:
+            inbox.put(job)
+        return events
+
+    def cancel(self, request_id: str) -> None:
+        for inbox in self._inboxes:
+            try:
+                inbox.put(Cancel(request_id))
+            except Exception:  # noqa: BLE001 - the process is gone; the pump reports it
+                pass
+
+    def finish(self) -> None:
+        self._events = None
+        self.job_id = None
+        self.step = self.total_steps = 0
+
+    # ---- the pump: messages and process deaths ----
+    def _run_pump(self) -> None:
+        while not self._closing and self.state not in ("failed", "stopped"):
+            try:
+                message = self._outbox.get(timeout=0.1)
+            except queue.Empty:
+                message = None
+            except (EOFError, OSError, ValueError):  # a queue closed by stop() or a dead writer
+                message = None
+                time.sleep(0.05)
+            if message is not None:
+                self._handle(message)
+                continue
+            dead = [p for p in self._procs if not p.is_alive()]
+            if dead and not self._closing:
+                self._on_death(dead)
+
+    def _handle(self, message) -> None:
+        events = self._events
+        if isinstance(message, Ready):
+            self._ready.add(message.rank)
+            if message.rank == 0:
+                self.info = dict(message.info)
+            if len(self._ready) == self.plan.ranks:
+                self.state, self.detail = "idle", None
+                log.info("%s ready in %.1fs %s", self.name, message.seconds, self.info)
+                self.on_change()
+        elif isinstance(message, LoadFailed):
+            self.state, self.error, self.detail = "failed", f"rank {message.rank}: {message.message}", None
+            log.error("%s failed to load: %s", self.name, self.error)
+            self._closing = True
+            self._reap(2)
+            self.on_change()
+        elif isinstance(message, Step):
+            if message.request_id == self.job_id:
+                self.step = message.step
+            if events is not None:
+                events.put(message)
+        elif isinstance(message, (Done, Failed)):
+            if isinstance(message, Done) and message.request_id == self.job_id:
+                self.jobs_done += 1
+            if events is not None:
+                events.put(message)
+
+    def _on_death(self, dead: list) -> None:
+        # Messages a rank sent before it died (its Failed, say) come first.
+        while True:
+            try:
+                self._handle(self._outbox.get_nowait())
+            except (queue.Empty, EOFError, OSError, ValueError):
+                break
+        if self.state in ("failed", "stopped") or self._closing:
+            return
+        codes = ", ".join(f"rank {self._procs.index(p)} exit code {p.exitcode}" for p in dead)
+        was_loading = self.state == "loading"
+        log.error("%s: worker process ended (%s)%s", self.name, codes,
+                  f" during {self.job_id}" if self.job_id else "")
+        self._reap(1)  # the other ranks of a group cannot go on alone
+        if self._events is not None:
+            self._events.put(WorkerDied(
+                f"{self.name}'s process stopped during the job ({codes}); the worker is being restarted"))
+        if was_loading or self.restarts >= self.max_restarts:
+            self.state, self.detail = "failed", None
+            self.error = (f"the worker process ended while loading ({codes})" if was_loading else
+                          f"the worker process ended {self.restarts + 1} times; last: {codes}")
+            self.on_change()
+            return
+        self.restarts += 1
+        self.state, self.detail = "restarting", f"restart {self.restarts} of {self.max_restarts}"
+        self.on_change()
+        self._spawn()
+        self.state = "loading" if self.state == "restarting" else self.state
+        self.detail = f"restarting ({self.restarts} of {self.max_restarts})"
+
+    # ---- status ----
+    def status(self) -> WorkerStatus:
+        placement = {n: p.describe() for n, p in self.plan.components.items()}
+        if self.plan.parallel != "none":
+            placement = {n: ", ".join(self.plan.rank_devices) for n in self.plan.components}
+        return WorkerStatus(self.name, self.plan.devices, placement, self.state, self.job_id, self.step,
+                            self.total_steps, self.jobs_done, self.error, parallel=self.plan.parallel,
+                            ranks=self.plan.ranks, pids=self.pids, restarts=self.restarts,
+                            compiled=bool(self.info.get("compiled")), detail=self.detail)
+
+
+def wait_result(handle: WorkerHandle, events: queue.Queue, cancel: threading.Event,
+                on_step: Callable[[int, int], None] | None) -> Done | Failed:
+    """Follow one job's events in the job thread: forward steps, pass a cancel on once, and return
+    its Done or Failed (a dead worker becomes a WorkerFailed failure)."""
+    cancel_sent = False
+    while True:
+        if cancel.is_set() and not cancel_sent:
+            handle.cancel(handle.job_id or "")
+            cancel_sent = True
+        try:
+            event = events.get(timeout=0.05)
+        except queue.Empty:
+            continue
+        if isinstance(event, Step):
+            if on_step is not None:
+                on_step(event.step, event.total)
+        elif isinstance(event, (Done, Failed)):
+            if event.request_id == handle.job_id:
+                return event
+        elif isinstance(event, WorkerDied):
+            return Failed(handle.job_id or "", WorkerFailed.kind, event.message)
+
+
+def _entry(*args) -> None:
+    from imgedit.runtime.worker import main
+
+    main(*args)

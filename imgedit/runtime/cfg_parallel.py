@@ -1,0 +1,117 @@
+"""CFG-parallel ranks: each rank of a pair runs one branch of true CFG at every denoising step.
+
+The diffusers edit pipelines call the transformer twice per step, first with the prompt ("cond"),
+then with the negative prompt ("uncond"), then combine the two noise predictions
+(`neg + s * (cond - neg)`, rescaled to the norm of cond) and step the scheduler. We leave that loop
+untouched and override the transformer's `forward` on this instance only:
+
+- rank 0 computes the cond call; at the uncond call it exchanges its result for rank 1's;
+- rank 1 answers the cond call at once with a buffer, computes the uncond call, exchanges, and
+  fills the buffer in place with rank 0's cond result. The pipeline keeps `noise_pred[:, :n]`, a
+  view of that buffer, so it sees the real cond prediction by the time it combines the two.
+
+Both ranks then hold identical cond and uncond predictions and run the same elementwise combine
+and scheduler step, so their latents stay identical without further traffic. Only the noise
+predictions (~0.5 MB per step at 1024^2) cross between the GPUs. Both ranks start from the same
+CPU-generator noise; the image equals the one-GPU image for the same seed (same kernels, batch 1).
+Surviving a diffusers upgrade needs only "two transformer calls per step, cond first".
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+
+
+class CfgPair:
+    """Installs the per-rank forward on `transformer`; `begin(active)` before each pipeline call."""
+
+    def __init__(self, transformer: torch.nn.Module, rank: int, group=None):
+        if rank not in (0, 1):
+            raise ValueError("a CFG-parallel pair has ranks 0 and 1")
+        self.rank = rank
+        self.group = group
+        self.active = False
+        self._calls = 0
+        self._buffer: torch.Tensor | None = None
+        self._forward = transformer.forward  # the bound original
+        transformer.forward = types.MethodType(self._make_forward(), transformer)
+
+    def begin(self, active: bool) -> None:
+        """active: this job runs true CFG on both ranks. Off, the transformer behaves as usual."""
+        self.active = active
+        self._calls = 0
+        self._buffer = None
+
+    def _make_forward(self):
+        pair = self
+
+        def forward(module, *args, **kwargs):
+            if not pair.active:
+                return pair._forward(*args, **kwargs)
+            branch = pair._calls % 2  # 0: cond call, 1: uncond call
+            pair._calls += 1
+            return pair._call(branch, args, kwargs)
+
+        return forward
+
+    def _call(self, branch: int, args, kwargs):
+        return_dict = kwargs.get("return_dict", True)
+        if branch == 0 and self.rank == 1:
+            # Answer the cond call with a buffer; it is filled at the uncond call, before use.
+            hidden = kwargs["hidden_states"]
+            self._buffer = torch.empty(hidden.shape[:-1] + (self._out_channels(hidden),),
+                                       dtype=hidden.dtype, device=hidden.device)
+            return self._wrap(self._buffer, return_dict)
+        if branch == 0:  # rank 0, cond call: compute it, keep it for the exchange
+            out = self._forward(*args, **kwargs)
+            self._buffer = out[0] if isinstance(out, tuple) else out.sample
+            return out
+        if self.rank == 0:  # uncond call on rank 0: send cond, receive uncond
+            mine = self._buffer
+            theirs = self._exchange(mine)
+            return self._wrap(theirs, return_dict)
+        out = self._forward(*args, **kwargs)  # uncond call on rank 1: compute it, send it, receive cond
+        mine = out[0] if isinstance(out, tuple) else out.sample
+        cond = self._exchange(mine)
+        self._buffer.copy_(cond)
+        return out
+
+    def _exchange(self, mine: torch.Tensor) -> torch.Tensor:
+        """All-gather both ranks' predictions; return the other rank's."""
+        mine = mine.contiguous()
+        parts = [torch.empty_like(mine) for _ in range(2)]
+        dist.all_gather(parts, mine, group=self.group)
+        return parts[1 - self.rank]
+
+    def _out_channels(self, hidden: torch.Tensor) -> int:
+        proj = getattr(self._forward.__self__, "proj_out", None)
+        return proj.out_features if proj is not None else hidden.shape[-1]
+
+    @staticmethod
+    def _wrap(tensor: torch.Tensor, return_dict: bool):
+        if return_dict:
+            from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+            return Transformer2DModelOutput(sample=tensor)
+        return (tensor,)
+
+
+def init_group(rank: int, world: int, port: int, cuda: bool):
+    """One small torch.distributed world per worker (its own port): gloo for control on the CPU,
+    NCCL for tensors on GPUs. Returns the CPU group used to agree on cancel."""
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    kwargs = {}
+    if cuda:
+        kwargs["device_id"] = torch.device("cuda", 0)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **kwargs)
+    return dist.new_group(backend="gloo") if cuda else None
+
+
+def agree_to_stop(local: bool, group=None) -> bool:
+    """Every rank of the group must stop at the same step, or one would wait forever in a collective."""
+    flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())

@@ -1,0 +1,95 @@
+"""What crosses the process boundary between the server and its worker processes: small typed,
+picklable messages. Torch-free: the server imports this without touching a GPU.
+
+server -> every rank of a worker (its own inbox): WorkerSpec at spawn, then Job, Cancel, Stop.
+rank -> server (one outbox per worker): Ready / LoadFailed once, then Step, Done, Failed per job.
+Only rank 0 reports steps and results; any rank may report a failure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from imgedit.checkpoint import Checkpoint
+from imgedit.jobs import EditRequest, EditResult
+from imgedit.placement import WorkerPlan
+from imgedit.validation import Resolved
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a rank process needs to load and serve: its plan with devices numbered as the
+    process sees them (CUDA_VISIBLE_DEVICES holds only its GPUs)."""
+
+    name: str
+    rank: int
+    world: int
+    parallel: str  # none | cfg
+    plan: WorkerPlan
+    checkpoint: Checkpoint
+    dtype: str
+    compile: bool
+    master_port: int = 0
+    hook: str | None = None  # "module:function" called with (pipe, spec) after loading (tests inject faults)
+    auto_cleanup: bool = True
+    warmup_sizes: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Job:
+    request: EditRequest
+    params: Resolved
+    family: str
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass(frozen=True)
+class Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+@dataclass(frozen=True)
+class Ready:
+    rank: int
+    pid: int
+    seconds: float
+    info: dict = field(default_factory=dict)  # compile state, memory after loading, warm-up times
+
+
+@dataclass(frozen=True)
+class LoadFailed:
+    rank: int
+    message: str
+
+
+@dataclass(frozen=True)
+class Step:
+    request_id: str
+    step: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Done:
+    request_id: str
+    result: EditResult
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A job that ended without a result. `kind` is an ImgEditError kind; `message` is user-safe.
+    `fatal`: the rank exits after sending this (the pool restarts the worker)."""
+
+    request_id: str
+    kind: str
+    message: str
+    rank: int = 0
+    fatal: bool = False

@@ -1,0 +1,136 @@
+"""The runner: the only code that calls a pipeline. Lives in a worker process (one rank).
+
+It turns a Job into pipeline arguments, reports each denoising step, stops within one step when
+cancelled (all ranks of a group at the same step), and turns failures into typed, user-safe errors.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from imgedit.errors import Cancelled, ImgEditError, OutOfGpuMemory, WorkerFailed
+from imgedit.jobs import EditResult
+from imgedit.runtime.cfg_parallel import CfgPair, agree_to_stop
+from imgedit.runtime.messages import Job
+
+log = logging.getLogger(__name__)
+
+StepCallback = Callable[[int, int], None]
+
+
+class _Abort(Exception):
+    """Raised from the step callback to stop a cancelled job (pipe._interrupt would still decode)."""
+
+
+class FatalError(ImgEditError):
+    """The rank cannot go on (GPU fault, or any failure inside a group whose ranks may now be out of
+    step): the worker process exits after reporting, and the pool starts a fresh one."""
+
+    def __init__(self, error: ImgEditError):
+        super().__init__(error.message)
+        self.kind = error.kind
+        self.error = error
+
+
+class Runner:
+    def __init__(self, pipe, name: str, devices: tuple[str, ...], rank: int = 0, world: int = 1,
+                 parallel: str = "none", group=None, auto_cleanup: bool = True):
+        self.pipe = pipe
+        self.name = name
+        self.devices = devices
+        self.rank, self.world, self.parallel = rank, world, parallel
+        self.group = group  # the CPU group the ranks agree on cancel over
+        self.auto_cleanup = auto_cleanup
+        self.cfg_pair = CfgPair(pipe.transformer, rank, None) if parallel == "cfg" else None
+
+    def takes_part(self, job: Job) -> bool:
+        """With CFG off a pair has nothing to split: rank 0 runs the job alone."""
+        return self.rank == 0 or self._cfg_on(job)
+
+    @staticmethod
+    def _cfg_on(job: Job) -> bool:
+        return job.params.true_cfg_scale > 1 and bool(job.params.negative_prompt)
+
+    def run(self, job: Job, cancel: threading.Event, on_step: StepCallback | None = None) -> EditResult:
+        """Run one job. Raises Cancelled, OutOfGpuMemory, ImgEditError, or FatalError."""
+        started = time.perf_counter()
+        params, req = job.params, job.request
+        collective = self.cfg_pair is not None and self._cfg_on(job)
+        if self.cfg_pair is not None:
+            self.cfg_pair.begin(collective)
+        reached = 0
+
+        def step_end(pipe, step, timestep, callback_kwargs):
+            nonlocal reached
+            reached = step + 1
+            stop = cancel.is_set()
+            if collective:
+                stop = agree_to_stop(stop, self.group)
+            if on_step is not None:
+                on_step(step + 1, params.steps)
+            if stop:
+                raise _Abort
+            return {}
+
+        if cancel.is_set() and not collective:
+            raise Cancelled("cancelled before it started")
+        images = list(req.images) if job.family == "plus" else req.images[0]
+        # A CPU generator gives the same noise for a seed on every placement, device and rank.
+        generator = torch.Generator(device="cpu").manual_seed(params.seed)
+        out_of_memory = False
+        try:
+            with torch.inference_mode():
+                output = self.pipe(
+                    image=images, prompt=req.prompt, negative_prompt=params.negative_prompt,
+                    true_cfg_scale=params.true_cfg_scale, num_inference_steps=params.steps,
+                    num_images_per_prompt=params.num_images, width=params.width, height=params.height,
+                    generator=generator, callback_on_step_end=step_end, callback_on_step_end_tensor_inputs=[],
+                )
+        except _Abort:
+            raise Cancelled(f"cancelled at step {reached} of {params.steps}") from None
+        except torch.OutOfMemoryError:
+            out_of_memory = True  # cleaned up below, once the traceback no longer pins the activations
+        except Exception as exc:
+            if is_device_fault(exc):
+                log.exception("%s: device fault in %s", req.request_id, self.name)
+                raise FatalError(WorkerFailed(
+                    f"{self.name} hit a GPU fault ({type(exc).__name__}); its process is being restarted")) from None
+            log.exception("%s: pipeline call failed", req.request_id)
+            error = ImgEditError(f"the edit failed with an internal error (request {req.request_id})")
+            raise FatalError(error) if collective else error from None
+        finally:
+            if self.cfg_pair is not None:
+                self.cfg_pair.begin(False)
+        if out_of_memory:
+            log.warning("%s: out of GPU memory on %s", req.request_id, ",".join(self.devices))
+            self.cleanup(force=True)
+            error = OutOfGpuMemory(
+                f"out of GPU memory on {', '.join(self.devices)}: try a smaller output size, fewer "
+                "images per prompt or fewer input images")
+            # One rank of a pair may have run out while the other waits in an exchange: start afresh.
+            raise FatalError(error) if collective else error
+        result = list(output.images)
+        return EditResult(result, params.seed, params.steps, result[0].width, result[0].height,
+                          time.perf_counter() - started, self.name, self.devices, req.request_id)
+
+    def cleanup(self, force: bool = False) -> None:
+        """Drop what the job left behind (the seed guides' AUTO_CLEANUP); always after an OOM."""
+        if not (self.auto_cleanup or force):
+            return
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def is_device_fault(exc: BaseException) -> bool:
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    if accelerator_error and isinstance(exc, accelerator_error):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("CUDA error" in text or "device-side assert" in text)

@@ -1,0 +1,196 @@
+"""A worker process (one rank): load the pipeline onto its GPUs, warm it up, then serve jobs.
+
+Started by imgedit.pool with the spawn method and CUDA_VISIBLE_DEVICES holding only this rank's
+GPUs. A reader thread takes messages off the inbox (jobs to a local queue, cancels to flags) so a
+cancel reaches a running job at its next step. The process exits on Stop, on a fatal error (the
+pool restarts it) and when its parent, the server, is gone (no orphans even after a SIGKILL).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import traceback
+
+from imgedit.errors import Cancelled, ImgEditError
+from imgedit.runtime.messages import Cancel, Done, Failed, Job, LoadFailed, Ready, Step, Stop, WorkerSpec
+
+log = logging.getLogger(__name__)
+
+
+def main(spec: WorkerSpec, inbox, outbox, visible_devices: str | None, cache_dir: str | None,
+         log_level: str = "INFO") -> None:
+    if visible_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+    if cache_dir:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.expanduser(cache_dir))
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s {spec.name}.{spec.rank}: %(message)s")
+    _watch_parent(os.getppid())
+    try:
+        runner, info, seconds = _load(spec)
+    except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
+        log.error("loading failed:\n%s", traceback.format_exc())
+        message = exc.message if isinstance(exc, ImgEditError) else f"{type(exc).__name__}: {str(exc)[:300]}"
+        outbox.put(LoadFailed(spec.rank, message))
+        return
+    outbox.put(Ready(spec.rank, os.getpid(), seconds, info))
+    _serve(spec, runner, inbox, outbox)
+
+
+def _watch_parent(parent: int) -> None:
+    def watch():
+        while True:
+            if os.getppid() != parent:
+                os._exit(3)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _load(spec: WorkerSpec):
+    import torch
+
+    from imgedit import loader
+    from imgedit.encoding import install_token_type_fix
+    from imgedit.runtime.runner import Runner
+
+    started = time.perf_counter()
+    torch.set_grad_enabled(False)
+    plan = spec.plan
+    cuda = plan.execution_device.startswith("cuda")
+    group = None
+    if spec.world > 1:
+        from imgedit.runtime.cfg_parallel import init_group
+
+        group = init_group(spec.rank, spec.world, spec.master_port, cuda)
+    dtype = loader.DTYPES[spec.dtype]
+    if not cuda and dtype != torch.float32:
+        log.info("runs on the CPU: using float32 instead of %s", spec.dtype)  # bf16 convs are emulated, slow
+        dtype = torch.float32
+    pipe = loader.load_pipeline(spec.checkpoint, plan, dtype)
+    install_token_type_fix(pipe.text_encoder)
+    runner = Runner(pipe, spec.name, plan.devices, spec.rank, spec.world, spec.parallel, group, spec.auto_cleanup)
+    info: dict = {"compiled": False, "load_seconds": round(time.perf_counter() - started, 2)}
+    if spec.hook:
+        module, _, function = spec.hook.partition(":")
+        import importlib
+
+        getattr(importlib.import_module(module), function)(pipe, spec)
+    if spec.compile:
+        compile_started = time.perf_counter()
+        pipe.transformer.compile_repeated_blocks(fullgraph=True)
+        info["compiled"] = True
+        info["warmup_seconds"] = _warm_up(runner, spec)
+        info["compile_seconds"] = round(time.perf_counter() - compile_started, 2)
+    if cuda:
+        info["memory_allocated_gib"] = round(torch.cuda.memory_allocated() / 1024**3, 2)
+        info["memory_reserved_gib"] = round(torch.cuda.memory_reserved() / 1024**3, 2)
+    log.info("loaded on %s in %.1fs (%s)", ",".join(plan.devices), time.perf_counter() - started, info)
+    return runner, info, time.perf_counter() - started
+
+
+def _warm_up(runner, spec: WorkerSpec) -> list[float]:
+    """Compile before any user waits: one short CFG edit per warm-up size (the second size makes the
+    compiler mark the sequence lengths dynamic, so later sizes do not recompile from scratch)."""
+    from PIL import Image
+
+    from imgedit.jobs import EditRequest
+    from imgedit.validation import Resolved
+
+    family = spec.checkpoint.family
+    times = []
+    for width, height in spec.warmup_sizes:
+        image = Image.new("RGB", (width, height), (120, 130, 140))
+        req = EditRequest(images=(image,), prompt="warm up", request_id=f"warmup-{width}x{height}", source="warmup")
+        params = Resolved(steps=2, true_cfg_scale=4.0, negative_prompt=" ", seed=0, num_images=1,
+                          width=width, height=height)
+        started = time.perf_counter()
+        runner.run(Job(req, params, family), threading.Event())
+        times.append(round(time.perf_counter() - started, 2))
+    return times
+
+
+def _serve(spec: WorkerSpec, runner, inbox, outbox) -> None:
+    from imgedit.runtime.runner import FatalError
+
+    jobs: queue.Queue = queue.Queue()
+    cancelled: set[str] = set()
+    current: dict[str, threading.Event] = {}
+    lock = threading.Lock()
+
+    def read():
+        while True:
+            try:
+                message = inbox.get()
+            except (EOFError, OSError):
+                message = Stop()
+            if isinstance(message, Cancel):
+                with lock:
+                    if len(cancelled) > 1000:  # cancels of jobs this rank skipped
+                        cancelled.clear()
+                    cancelled.add(message.request_id)
+                    if message.request_id in current:
+                        current[message.request_id].set()
+                continue
+            jobs.put(message)
+            if isinstance(message, Stop):
+                return
+
+    threading.Thread(target=read, name="inbox", daemon=True).start()
+    while True:
+        message = jobs.get()
+        if isinstance(message, Stop):
+            log.info("stopping")
+            return
+        if not isinstance(message, Job):
+            continue
+        job: Job = message
+        if not runner.takes_part(job):
+            with lock:
+                cancelled.discard(job.request_id)
+            continue
+        cancel = threading.Event()
+        with lock:
+            current[job.request_id] = cancel
+            if job.request_id in cancelled:
+                cancel.set()
+
+        def on_step(step: int, total: int, request_id: str = job.request_id) -> None:
+            if spec.rank == 0:
+                outbox.put(Step(request_id, step, total))
+
+        try:
+            result = runner.run(job, cancel, on_step)
+            if spec.rank == 0:
+                outbox.put(Done(job.request_id, result))
+        except FatalError as exc:
+            outbox.put(Failed(job.request_id, exc.kind, exc.message, spec.rank, fatal=True))
+            _flush(outbox)
+            os._exit(1)
+        except Cancelled as exc:
+            if spec.rank == 0:
+                outbox.put(Failed(job.request_id, exc.kind, exc.message, spec.rank))
+        except ImgEditError as exc:
+            if spec.rank == 0:
+                outbox.put(Failed(job.request_id, exc.kind, exc.message, spec.rank))
+        except BaseException:  # noqa: BLE001 - a bug of ours: report it, and start afresh
+            log.exception("%s: unexpected failure", job.request_id)
+            outbox.put(Failed(job.request_id, "internal",
+                              f"the edit failed with an internal error (request {job.request_id})",
+                              spec.rank, fatal=True))
+            _flush(outbox)
+            os._exit(1)
+        finally:
+            with lock:
+                current.pop(job.request_id, None)
+                cancelled.discard(job.request_id)
+        runner.cleanup()
+
+
+def _flush(outbox) -> None:
+    """Let the queue's feeder thread write what was put before the process ends."""
+    outbox.close()
+    outbox.join_thread()
