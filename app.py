@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from dataclasses import replace
 
@@ -54,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     except ImgEditError as exc:
         log.error("%s", exc.message)
         return 2
+    # uvicorn handles SIGTERM/SIGINT itself, then re-raises the signal once it has stopped serving:
+    # turn that into a normal exit so the worker processes are stopped below.
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop_signal, _exit_quietly)
     manager.start()  # worker processes load the weights; /health says 503 until they are ready
     try:
         serve(build_app(settings, manager), settings)  # returns on SIGTERM / Ctrl-C
@@ -61,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         log.info("stopping the worker processes")
         manager.close()
     return 0
+
+
+def _exit_quietly(signum, frame) -> None:
+    raise SystemExit(0)
 
 
 if __name__ == "__main__":

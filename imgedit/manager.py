@@ -223,7 +223,8 @@ class PipelineManager:
         outcome, steps = "error", 0
         cancel = cancel or threading.Event()
         try:
-            if not self.ready:
+            restarting = any(w.state == "restarting" or (w.state == "loading" and w.restarts) for w in self.workers)
+            if not self.ready and not restarting:  # a restarting worker is waited for, in line
                 if self.load_error or (self.workers and not self._alive()):
                     raise NotReady("the model failed to load; see /health and the server log")
                 raise NotReady("the model is still loading; try again shortly")

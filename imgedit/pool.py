@@ -219,6 +219,9 @@ class WorkerHandle:
         elif isinstance(message, (Done, Failed)):
             if isinstance(message, Done) and message.request_id == self.job_id:
                 self.jobs_done += 1
+            if isinstance(message, Failed) and message.fatal:
+                # The rank exits now: no new job may reach this worker before its restart.
+                self.state, self.detail = "restarting", "a rank failed; restarting"
             if events is not None:
                 events.put(message)
 
@@ -232,7 +235,7 @@ class WorkerHandle:
         if self.state in ("failed", "stopped") or self._closing:
             return
         codes = ", ".join(f"rank {self._procs.index(p)} exit code {p.exitcode}" for p in dead)
-        was_loading = self.state == "loading"
+        was_loading = self.state == "loading" and not self._ready
         log.error("%s: worker process ended (%s)%s", self.name, codes,
                   f" during {self.job_id}" if self.job_id else "")
         self._reap(1)  # the other ranks of a group cannot go on alone

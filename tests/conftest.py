@@ -6,7 +6,10 @@ image-edit model, loaded through our own settings, planner and loader.
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -22,6 +25,7 @@ from imgedit.settings import load_settings
 
 torch.set_num_threads(2)
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # worker processes import tests/faults.py as "faults"
 ARTIFACTS = ROOT / "artifacts"
 COMPONENTS = ("transformer", "text_encoder", "vae")
 
@@ -50,9 +54,30 @@ def cpu_plan(workers: int) -> Plan:
                                   for i in range(workers)), f"{workers} CPU worker(s) for tests")
 
 
-def make_manager(ckpt: Path, workers: int = 1, **env) -> PipelineManager:
+def cfg_plan(pairs: int = 1) -> Plan:
+    """CFG-parallel pairs on the CPU (two processes each, over gloo)."""
+    return Plan("cfg-parallel", tuple(WorkerPlan(f"worker-{i}", {c: Placement("cpu") for c in COMPONENTS}, "cfg",
+                                                 ("cpu", "cpu")) for i in range(pairs)), "CPU pairs for tests")
+
+
+_MANAGERS: list[PipelineManager] = []
+
+
+def make_manager(ckpt: Path, workers: int = 1, plan: Plan | None = None, load: bool = True,
+                 **env) -> PipelineManager:
+    """A real manager with real worker processes on the tiny checkpoint; faults.install runs in every
+    worker (prompts with markers inject faults). Closed at the end of the session at the latest."""
     settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cpu", **env})
-    return PipelineManager(settings, plan=cpu_plan(workers)).load()
+    manager = PipelineManager(settings, plan=plan or cpu_plan(workers), worker_hook="faults:install")
+    _MANAGERS.append(manager)
+    return manager.load() if load else manager
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_managers():
+    yield
+    for manager in _MANAGERS:
+        manager.close()
 
 
 @pytest.fixture(scope="session")
@@ -73,41 +98,36 @@ def picture(w: int = 80, h: int = 60, color=(30, 120, 200)) -> Image.Image:
     return image
 
 
+PROBE_FILE = Path(os.environ.setdefault("IMGEDIT_TEST_PROBE", tempfile.mktemp(prefix="imgedit-probe-")))
+
+
 class ConcurrencyProbe:
     """Counts forwards in flight per worker over its pipeline's main modules (text encoder,
-    transformer, VAE encoder and decoder) and remembers the most seen at once. One pipeline call
-    runs them one after another, so more than one at a time means two calls overlapped; a call
-    spends nearly all its time inside them, so an overlap cannot hide between forwards."""
+    transformer, VAE encoder and decoder), as the worker processes log them (tests/faults.py), and
+    remembers the most seen at once. One pipeline call runs them one after another, so more than
+    one at a time on a worker means two jobs overlapped there."""
 
     def __init__(self, manager: PipelineManager):
-        self.lock = threading.Lock()
-        self.active: dict[str, int] = {}
+        self.manager = manager
+        self.start = PROBE_FILE.stat().st_size if PROBE_FILE.exists() else 0
         self.max_active: dict[str, int] = {}
-        self.handles = []
-        for worker in manager.workers:
-            name = worker.name
-            self.active[name] = self.max_active[name] = 0
-            pipe = worker.pipe
-            for module in (pipe.text_encoder, pipe.transformer, pipe.vae.encoder, pipe.vae.decoder):
-                self.handles.append(module.register_forward_pre_hook(self._enter(name)))
-                self.handles.append(module.register_forward_hook(self._leave(name)))
+        self.forwards: dict[str, int] = {}  # module -> forwards seen (all workers)
 
-    def _enter(self, name):
-        def hook(module, args):
-            with self.lock:
-                self.active[name] += 1
-                self.max_active[name] = max(self.max_active[name], self.active[name])
-        return hook
-
-    def _leave(self, name):
-        def hook(module, args, output):
-            with self.lock:
-                self.active[name] -= 1
-        return hook
-
-    def close(self):
-        for handle in self.handles:
-            handle.remove()
+    def close(self) -> None:
+        owner = {pid: w.name for w in self.manager.status().workers for pid in w.pids}
+        active: dict[str, int] = {}
+        self.max_active = {w.name: 0 for w in self.manager.status().workers}
+        with PROBE_FILE.open() as f:
+            f.seek(self.start)
+            for line in f:
+                pid, what, _module = line.split()
+                name = owner.get(int(pid))
+                if what == "enter":
+                    self.forwards[_module] = self.forwards.get(_module, 0) + 1
+                if name is None:
+                    continue
+                active[name] = active.get(name, 0) + (1 if what == "enter" else -1)
+                self.max_active[name] = max(self.max_active[name], active[name])
 
 
 def free_port() -> int:

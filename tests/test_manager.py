@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import numpy as np
 import pytest
-import torch
 from conftest import ConcurrencyProbe, make_manager, picture
 
-from imgedit.errors import Cancelled, InvalidInput, OutOfGpuMemory, QueueFull, WorkerFailed
+from imgedit.errors import Cancelled, ImgEditError, InvalidInput, OutOfGpuMemory, QueueFull, WorkerFailed
 from imgedit.jobs import EditRequest
 
 FAST = dict(num_inference_steps=2, width=64, height=64)
@@ -66,18 +66,14 @@ def test_edit_model_takes_one_image(edit_manager):
 
 def test_true_cfg_really_runs_two_forwards_per_step(plus_manager):
     """True CFG needs a negative prompt; the manager always passes one (' ' when empty)."""
-    pipe = plus_manager.workers[0].pipe
-    calls = []
-    handle = pipe.transformer.register_forward_pre_hook(lambda m, a: calls.append(1))
-    try:
-        plus_manager.edit(request(negative_prompt="", true_cfg_scale=4.0, num_inference_steps=3))
-        with_cfg = len(calls)
-        calls.clear()
-        plus_manager.edit(request(true_cfg_scale=1.0, num_inference_steps=3))
-        without_cfg = len(calls)
-    finally:
-        handle.remove()
-    assert (with_cfg, without_cfg) == (6, 3)
+    probe = ConcurrencyProbe(plus_manager)
+    plus_manager.edit(request(negative_prompt="", true_cfg_scale=4.0, num_inference_steps=3))
+    probe.close()
+    with_cfg = probe.forwards["transformer"]
+    probe = ConcurrencyProbe(plus_manager)
+    plus_manager.edit(request(true_cfg_scale=1.0, num_inference_steps=3))
+    probe.close()
+    assert (with_cfg, probe.forwards["transformer"]) == (6, 3)
 
 
 @pytest.mark.parametrize("kw, error, message", [
@@ -97,6 +93,21 @@ def test_bad_requests_get_specific_errors(plus_manager, kw, error, message):
     with pytest.raises(error, match=message):
         plus_manager.edit(request(**kw))
     assert plus_manager.status().workers[0].jobs_done == before  # nothing ran
+
+
+def wait_for(condition, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
 
 def test_two_threads_on_one_worker_never_overlap(plus_manager):
@@ -130,9 +141,10 @@ def test_cancel_stops_within_one_step_and_returns_no_image(plus_manager):
         if step == 2:
             cancel.set()
 
-    with pytest.raises(Cancelled, match="cancelled at step 2 of 20"):
+    # The cancel crosses to the worker process while it may already be in step 3: it stops there.
+    with pytest.raises(Cancelled, match="cancelled at step [23] of 20"):
         plus_manager.edit(request(num_inference_steps=20), on_step=on_step, cancel=cancel)
-    assert seen == [1, 2]
+    assert seen in ([1, 2], [1, 2, 3])
     assert plus_manager.status().workers[0].state == "idle"
     assert plus_manager.edit(request()).images  # the worker serves the next job
 
@@ -184,63 +196,34 @@ def test_queue_full_answers_busy(plus_ckpt):
     waiter.join(60)
 
 
-class _FaultOnce:
-    """A forward pre-hook on a real component that raises once: the lowest seam of a GPU fault."""
-
-    def __init__(self, exc: BaseException):
-        self.exc, self.fired = exc, False
-
-    def __call__(self, module, args):
-        if not self.fired:
-            self.fired = True
-            raise self.exc
-
-
 def test_out_of_memory_keeps_the_worker_in_service(plus_manager):
-    worker = plus_manager.workers[0]
-    fault = _FaultOnce(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"))
-    handle = worker.pipe.transformer.register_forward_pre_hook(fault)
-    try:
-        with pytest.raises(OutOfGpuMemory, match="out of GPU memory on cpu: try a smaller output size"):
-            plus_manager.edit(request())
-    finally:
-        handle.remove()
-    assert fault.fired and worker.state == "idle"
+    before = plus_manager.status().workers[0]
+    with pytest.raises(OutOfGpuMemory, match="out of GPU memory on cpu: try a smaller output size"):
+        plus_manager.edit(request(prompt="[oom] make it red"))
+    after = plus_manager.status().workers[0]
+    assert after.state == "idle" and after.pids == before.pids and after.restarts == before.restarts
     assert plus_manager.edit(request()).images
 
 
-def test_cuda_fault_retires_the_worker_and_status_says_so(plus_ckpt):
+def test_cuda_fault_restarts_the_worker_process_and_status_says_so(plus_ckpt):
     manager = make_manager(plus_ckpt, workers=2)
-    broken = manager.workers[0]
-    fault = _FaultOnce(RuntimeError("CUDA error: an illegal memory access was encountered"))
-    handle = broken.pipe.transformer.register_forward_pre_hook(fault)
-    try:
-        with pytest.raises(WorkerFailed, match="worker-0 hit a GPU fault"):
-            manager.edit(request())
-    finally:
-        handle.remove()
-    status = manager.status()
-    assert [w.state for w in status.workers] == ["failed", "idle"]
-    assert "illegal memory access" in status.workers[0].error
-    assert status.ready and status.healthy_workers == 1
-    assert manager.edit(request()).worker == "worker-1"  # the healthy one takes over
-    manager.workers[1].state = "failed"
-    assert not manager.ready
+    old = manager.status().workers[0].pids
+    with pytest.raises(WorkerFailed, match="worker-0 hit a GPU fault .* being restarted"):
+        manager.edit(request(prompt="[cuda-fault] make it red"))
+    assert manager.status().healthy_workers >= 1  # the other worker serves meanwhile
+    assert manager.edit(request()).images
+    wait_for(lambda: manager.status().workers[0].state == "idle", 120)
+    status = manager.status().workers[0]
+    assert status.restarts == 1 and status.pids != old and not any(_alive(p) for p in old)
+    manager.close()
 
 
 def test_other_errors_are_reported_without_internals(plus_manager):
-    worker = plus_manager.workers[0]
-    fault = _FaultOnce(KeyError("secret internal detail"))
-    handle = worker.pipe.vae.register_forward_pre_hook(fault)
-    handle2 = worker.pipe.transformer.register_forward_pre_hook(fault)
-    try:
-        with pytest.raises(Exception) as info:
-            plus_manager.edit(request())
-    finally:
-        handle.remove()
-        handle2.remove()
-    assert "internal error" in str(info.value) and "secret" not in str(info.value)
-    assert worker.state == "idle"
+    with pytest.raises(ImgEditError) as info:
+        plus_manager.edit(request(prompt="[bug] make it red"))
+    assert "internal error" in info.value.message and "secret" not in info.value.message
+    assert info.value.kind == "internal"
+    assert plus_manager.status().workers[0].state == "idle"
 
 
 def test_not_ready_before_loading(plus_ckpt):

@@ -1,0 +1,69 @@
+"""Faults and probes injected into a real worker process (PipelineManager(worker_hook="faults:install")).
+
+The hook runs in the worker after its pipeline is loaded. It remembers each call's prompt and, at the
+lowest seam (the transformer's forward), acts on markers in it:
+  [oom]         raise torch.OutOfMemoryError, as a CUDA allocation would
+  [cuda-fault]  raise the RuntimeError a sticky CUDA fault gives
+  [bug]         raise an unexpected exception whose text must not reach the user
+  [slow]        sleep 0.3 s per forward (time to cancel or kill mid-job)
+  [rank1-oom]   raise OutOfMemoryError on rank 1 only (one rank of a pair fails)
+Every forward of the main modules (text encoder, transformer, VAE encoder/decoder) appends
+"<pid> enter|leave <module>" to the file named by IMGEDIT_TEST_PROBE, if set (conftest.ConcurrencyProbe reads it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+
+def install(pipe, spec) -> None:
+    current = {"prompt": ""}
+    encode = pipe.encode_prompt
+
+    def encode_prompt(*args, **kwargs):
+        prompt = kwargs.get("prompt", args[1] if len(args) > 1 else "")
+        if isinstance(prompt, str) and prompt.strip():  # the negative prompt is encoded after the prompt
+            current["prompt"] = prompt if not current.get("locked") else current["prompt"]
+            current["locked"] = True
+        return encode(*args, **kwargs)
+
+    pipe.encode_prompt = encode_prompt
+    call = type(pipe).__call__
+
+    def before_forward(module, args):
+        prompt = current["prompt"]
+        if "[slow]" in prompt:
+            time.sleep(0.3)
+        if "[oom]" in prompt or ("[rank1-oom]" in prompt and spec.rank == 1):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        if "[cuda-fault]" in prompt:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        if "[bug]" in prompt:
+            raise KeyError("secret internal detail")
+
+    pipe.transformer.register_forward_pre_hook(before_forward)
+    probe = os.environ.get("IMGEDIT_TEST_PROBE")
+    if probe:
+        def mark(what, name):
+            def hook(*_):
+                with open(probe, "a") as f:
+                    f.write(f"{os.getpid()} {what} {name}\n")
+            return hook
+
+        # The transformer's first block, not the transformer: a CFG-parallel rank answers one of the
+        # two transformer calls per step without computing it.
+        modules = {"text_encoder": pipe.text_encoder, "transformer": pipe.transformer.transformer_blocks[0],
+                   "vae_encoder": pipe.vae.encoder, "vae_decoder": pipe.vae.decoder}
+        for name, module in modules.items():
+            module.register_forward_pre_hook(mark("enter", name))
+            module.register_forward_hook(mark("leave", name))
+
+    class Tracked(type(pipe)):
+        def __call__(self, *args, **kwargs):
+            current["locked"] = False
+            return call(self, *args, **kwargs)
+
+    pipe.__class__ = Tracked

@@ -1,0 +1,172 @@
+"""Worker processes and CFG-parallel pairs on the CPU: real spawned processes, a real gloo group.
+
+The pair's image must equal the one-process image for the same seed (bit for bit on the CPU), a
+cancel must stop both ranks at the same step, a killed worker process must fail only its job and
+come back, and stopping the server must leave no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from conftest import ROOT, ConcurrencyProbe, cfg_plan, free_port, make_manager, picture
+
+from imgedit.errors import Cancelled, OutOfGpuMemory, WorkerFailed
+from imgedit.jobs import EditRequest
+
+FAST = dict(num_inference_steps=3, width=64, height=64)
+
+
+def request(**kw) -> EditRequest:
+    args = dict(images=(picture(),), prompt="make it red", seed=5, **FAST)
+    args.update(kw)
+    return EditRequest(**args)
+
+
+def pixels(result) -> np.ndarray:
+    return np.asarray(result.images[0], dtype=np.int16)
+
+
+def wait_for(condition, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def pair(plus_ckpt):
+    return make_manager(plus_ckpt, plan=cfg_plan())
+
+
+def test_pair_gives_the_one_process_image_and_splits_the_forwards(pair, plus_manager):
+    probe = ConcurrencyProbe(pair)
+    two = pair.edit(request(negative_prompt="blurry"))
+    probe.close()
+    one = plus_manager.edit(request(negative_prompt="blurry"))
+    assert np.array_equal(pixels(two), pixels(one))
+    # 3 steps with CFG: 6 transformer forwards in all, 3 on each rank (one branch each).
+    assert probe.forwards["transformer"] == 6
+    status = pair.status().workers[0]
+    assert status.parallel == "cfg" and status.ranks == 2 and len(set(status.pids)) == 2
+    assert status.state == "idle" and status.jobs_done >= 1
+
+
+def test_pair_with_cfg_off_runs_on_one_rank_and_matches(pair, plus_manager):
+    probe = ConcurrencyProbe(pair)
+    two = pair.edit(request(true_cfg_scale=1.0, seed=9))
+    probe.close()
+    one = plus_manager.edit(request(true_cfg_scale=1.0, seed=9))
+    assert np.array_equal(pixels(two), pixels(one))
+    assert probe.forwards["transformer"] == 3  # rank 0 alone, one forward per step
+
+
+def test_cancel_stops_both_ranks_at_the_same_step_and_the_pair_serves_on(pair):
+    cancel = threading.Event()
+    seen = []
+
+    def on_step(step, total):
+        seen.append(step)
+        if step == 2:
+            cancel.set()
+
+    with pytest.raises(Cancelled, match="cancelled at step [23] of 30"):
+        pair.edit(request(num_inference_steps=30), on_step=on_step, cancel=cancel)
+    assert seen[-1] <= 3
+    status = pair.status().workers[0]
+    assert status.state == "idle" and status.restarts == 0  # no rank left waiting in a collective
+    assert pair.edit(request()).images
+
+
+def test_one_rank_out_of_memory_fails_the_job_and_the_pair_comes_back(pair):
+    before = pair.status().workers[0]
+    with pytest.raises(OutOfGpuMemory, match="out of GPU memory"):
+        pair.edit(request(prompt="[rank1-oom] make it red"))
+    wait_for(lambda: pair.status().workers[0].state == "idle", 120)
+    after = pair.status().workers[0]
+    assert after.restarts == before.restarts + 1 and set(after.pids).isdisjoint(before.pids)
+    assert not any(alive(p) for p in before.pids)
+    assert pair.edit(request()).images
+
+
+def test_a_worker_process_killed_mid_job_fails_only_that_job(plus_ckpt):
+    manager = make_manager(plus_ckpt)
+    victim = manager.status().workers[0].pids[0]
+    killed = threading.Event()
+
+    def on_step(step, total):
+        if step == 1 and not killed.is_set():
+            killed.set()
+            os.kill(victim, signal.SIGKILL)
+
+    with pytest.raises(WorkerFailed, match=r"worker-0's process stopped during the job \(rank 0 exit code -9\)"):
+        manager.edit(request(prompt="[slow] make it red", num_inference_steps=20), on_step=on_step)
+    assert manager.status().workers[0].state in ("loading", "restarting")
+    # The next job waits for the restarted worker, then succeeds.
+    result = manager.edit(request())
+    assert result.images and manager.status().workers[0].restarts == 1
+    assert victim not in manager.status().workers[0].pids
+    manager.close()
+    assert not any(alive(p) for p in manager.status().workers[0].pids)
+
+
+def test_server_process_holds_no_cuda_or_distributed_state(pair, plus_manager):
+    import torch
+
+    assert not torch.cuda.is_initialized()
+    assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    code = ("import sys, imgedit.manager, imgedit.pool, imgedit.server, imgedit.gpus; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_stopping_the_server_leaves_no_worker_process(plus_ckpt, how):
+    port = free_port()
+    env = {**os.environ, "QWEN_MODEL_DIR": str(plus_ckpt), "DEVICE_MAP": "cpu", "GRADIO_SERVER_PORT": str(port),
+           "GRADIO_SERVER_NAME": "127.0.0.1", "LOG_LEVEL": "WARNING"}
+    server = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        def healthy():
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(healthy, 180)
+        workers = [p for c in _children(server.pid) for p in [c, *_children(c)]]
+        health = httpx.get(f"http://127.0.0.1:{port}/health").json()
+        pids = [p for w in health["workers"] for p in w["pids"]]
+        assert pids and set(pids) <= set(workers)
+        server.send_signal(getattr(signal, how))
+        server.wait(30)
+        wait_for(lambda: not any(alive(p) for p in pids), 10)  # SIGKILL: the workers see their parent go
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)
+    if how == "SIGTERM":
+        assert server.returncode == 0, server.stderr.read()[-3000:]
