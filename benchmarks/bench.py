@@ -1,14 +1,18 @@
-"""Benchmark every placement on the GPUs of this machine with a real-size random-weight checkpoint.
+"""Benchmark the worker modes on this machine's GPUs with a real-size random-weight checkpoint.
 
-    python benchmarks/bench.py [--steps 40] [--quick] [--modes baseline,cuda:0,balanced,split,replicas]
-                               [--ckpt /tmp/qwen-real] [--json out.json]
+    python benchmarks/bench.py [--steps 40] [--size 1024] [--modes one-eager,one-compiled,pair-eager,
+                               pair-compiled,replicas-eager,pairs-throughput,app] [--json out.json]
 
-Workload: a 1024x1024 edit, Plus pipeline, one reference image, true CFG 4, after a warm-up.
-`baseline` is bare diffusers: the pipeline on one GPU, called directly. Every other mode goes through
-imgedit's PipelineManager exactly as the app does. `split` caps each GPU (MAX_MEMORY, default
-22GiB: what a 24 GB card leaves) so that the transformer must be split by blocks. Reports seconds
-per step and per image, images/min, per-GPU peak memory, the ratio to the baseline and the
-fraction of the compute floor (167 TFLOP per transformer forward at this size, 790 TFLOP/s per GPU).
+Every mode goes through imgedit's PipelineManager and its worker processes, exactly as the app does;
+`app` also goes through the HTTP server (REST), to measure what the server adds. Workload: a Plus
+edit of one 1024x1024 reference image, true CFG 4, 40 steps. Weights are random but trained-like
+(imgedit.loader.trained_like_init), and every worker checks that every transformer output is finite
+and the benchmark that every image has contrast: NaN data runs a power-capped GPU faster.
+
+Reports per mode: start-up seconds (spawn, weights, compile and warm-up), seconds per step and per
+image, the first request at a size not warmed up, throughput with several jobs in flight, per-GPU
+peak memory (NVML, whole process) and the process overhead (NVML process memory minus torch's
+reserved memory), and the fraction of the compute floor (167 TFLOP per forward at 1024^2).
 """
 
 from __future__ import annotations
@@ -23,45 +27,60 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from PIL import Image  # noqa: E402
+from PIL import Image, ImageStat  # noqa: E402
 
-from imgedit import loader  # noqa: E402
 from imgedit.demo_checkpoint import build_checkpoint  # noqa: E402
-from imgedit.encoding import install_token_type_fix  # noqa: E402
+from imgedit.gpus import GpuMonitor  # noqa: E402
 from imgedit.jobs import EditRequest  # noqa: E402
 from imgedit.manager import PipelineManager  # noqa: E402
-from imgedit.placement import Placement, WorkerPlan  # noqa: E402
 from imgedit.settings import load_settings  # noqa: E402
 
 FORWARD_TFLOP = 167.0
 PEAK_TFLOPS = 790.0
-GIB = 1024**3
 log = logging.getLogger("bench")
+MODES = {  # name: (DEVICE_MAP, COMPILE)
+    "one-eager": ("cuda:0", "off"),
+    "one-compiled": ("cuda:0", "on"),
+    "pair-eager": ("cfg-parallel", "off"),
+    "pair-compiled": ("cfg-parallel", "on"),
+    "replicas-eager": ("replicas", "off"),
+    "pairs-throughput": ("cfg-parallel", "off"),
+    "app": ("cfg-parallel", "on"),
+}
+
+
+def finite_check(pipe, spec) -> None:
+    """Worker hook: fail the job if a transformer output (proj_out, where real work ends) is not
+    finite. The flag stays on the GPU (no sync per forward) and is read when the VAE decodes."""
+    import torch
+
+    state = {"ok": None}
+
+    def after_proj(module, args, output):
+        ok = torch.isfinite(output).all()
+        state["ok"] = ok if state["ok"] is None else state["ok"] & ok
+
+    def before_decode(module, args):
+        if state["ok"] is not None and not bool(state["ok"]):
+            state["ok"] = None
+            raise RuntimeError("non-finite transformer output: the benchmark would be flattered")
+        if not bool(torch.isfinite(args[0]).all()):
+            raise RuntimeError("non-finite latents before decoding")
+        state["ok"] = None
+
+    pipe.transformer.proj_out.register_forward_hook(after_proj)
+    pipe.vae.decoder.register_forward_pre_hook(before_decode)
 
 
 def reference_image(size: int) -> Image.Image:
     """A deterministic, non-flat test picture."""
-    x = torch.linspace(0, 1, size)
-    r = (x[None, :] * 255).expand(size, size)
-    g = (x[:, None] * 255).expand(size, size)
-    b = ((x[None, :] * x[:, None]) * 255)
-    return Image.fromarray(torch.stack([r, g, b], -1).to(torch.uint8).numpy())
-
-
-def reset_peaks() -> None:
-    for i in range(torch.cuda.device_count()):
-        torch.cuda.reset_peak_memory_stats(i)
-
-
-def peaks() -> dict[str, float]:
-    return {f"cuda:{i}": round(torch.cuda.max_memory_allocated(i) / GIB, 2) for i in range(torch.cuda.device_count())}
+    image = Image.new("RGB", (size, size))
+    image.putdata([((x * 255) // size, (y * 255) // size, ((x ^ y) * 255) // size)
+                   for y in range(size) for x in range(size)])
+    return image
 
 
 class StepClock:
-    """Seconds per denoising step, from the step callbacks (first step excluded: it holds the prompt
-    encoding and VAE work)."""
-
     def __init__(self):
         self.times: list[float] = []
 
@@ -70,163 +89,185 @@ class StepClock:
 
     @property
     def per_step(self) -> float:
+        """Seconds per step, first step excluded (it holds the prompt encoding and VAE encode)."""
         return (self.times[-1] - self.times[0]) / max(1, len(self.times) - 1)
 
 
-def run_manager(mode: str, args, ckpt: Path, image: Image.Image) -> dict:
-    env = {"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": mode, "LOG_LEVEL": "INFO"}
-    if mode == "split":
-        env.update(DEVICE_MAP="balanced", MAX_MEMORY=args.split_cap)
-    settings = load_settings(env)
-    t0 = time.perf_counter()
-    manager = PipelineManager(settings).load()
-    load_s = time.perf_counter() - t0
-    placement = {w.name: w.plan.components and {n: p.describe() for n, p in w.plan.components.items()}
-                 for w in manager.workers}
-    torch.cuda.synchronize()
-    weights = {f"cuda:{i}": round(torch.cuda.memory_allocated(i) / GIB, 2) for i in range(torch.cuda.device_count())}
-    n_inputs = (1, 2, 3) if args.check_inputs else (1,)
-    for n in n_inputs:  # warm-up, and the 1-3 input images device check
-        manager.edit(EditRequest(images=(image,) * n, prompt="warm up", seed=0, num_inference_steps=2,
-                                 width=args.size, height=args.size, source="bench"))
-    reset_peaks()
-    clocks = [StepClock() for _ in manager.workers]
-    results, errors = [], []
-
-    def one(i: int) -> None:
-        try:
-            results.append(manager.edit(
-                EditRequest(images=(image,), prompt="turn the sky into a sunset", seed=i,
-                            num_inference_steps=args.steps, true_cfg_scale=4.0, width=args.size, height=args.size,
-                            source="bench"), on_step=clocks[i]))
-        except Exception as exc:  # report, do not hide
-            errors.append(repr(exc))
-
-    util: list[float] = []
-    done = threading.Event()
-
-    def sample_utilization() -> None:  # how busy the GPUs are while the jobs run
-        while not done.wait(0.5):
-            util.extend(torch.cuda.utilization(i) for i in range(torch.cuda.device_count()))
-
-    sampler = threading.Thread(target=sample_utilization, daemon=True)
-    sampler.start()
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(manager.workers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    cpu_cores = (time.process_time() - cpu0) / wall  # > ~1 means more than the GIL's one thread ran
-    done.set()
-    torch.cuda.synchronize()
-    out = {
-        "mode": mode if mode != "split" else f"balanced, MAX_MEMORY={args.split_cap}",
-        "plan": manager.plan.describe(), "placement": placement, "workers": len(manager.workers),
-        "load_s": round(load_s, 1), "weights_gib": weights, "peak_gib": peaks(),
-        "s_per_step": round(sum(c.per_step for c in clocks) / len(clocks), 4),
-        "s_per_image": round(sum(r.seconds for r in results) / max(1, len(results)), 2),
-        "images_per_min": round(60 * len(results) / wall, 2), "errors": errors,
-        "process_cpu_cores": round(cpu_cores, 2),
-        "gpu_utilization_mean": round(sum(util) / len(util), 1) if util else None,
-    }
-    for worker in manager.workers:  # drop the pipelines so the next mode starts on empty GPUs
-        worker.pipe = None
-    results.clear()
-    import gc
-
-    gc.collect()
-    torch.cuda.empty_cache()
-    return out
+def contrast(image: Image.Image) -> float:
+    return max(ImageStat.Stat(image).stddev)
 
 
-def run_baseline(args, ckpt: Path, image: Image.Image) -> dict:
-    """Bare diffusers: the pipeline on cuda:0, called directly (same random components)."""
-    checkpoint = loader.open_checkpoint(str(ckpt))
-    plan = WorkerPlan("baseline", {n: Placement("cuda:0") for n in loader.MODEL_COMPONENTS})
-    t0 = time.perf_counter()
-    pipe = loader.load_pipeline(checkpoint, plan, torch.bfloat16)
-    if args.fix:
-        install_token_type_fix(pipe.text_encoder)
-    load_s = time.perf_counter() - t0
-    kwargs = dict(image=[image], prompt="turn the sky into a sunset", negative_prompt=" ", true_cfg_scale=4.0,
-                  width=args.size, height=args.size)
-    pipe(num_inference_steps=2, generator=torch.Generator().manual_seed(0), **kwargs)
-    reset_peaks()
+def request(image, steps, size, seed=0, cfg=4.0) -> EditRequest:
+    return EditRequest(images=(image,), prompt="turn the sky into a sunset", seed=seed, num_inference_steps=steps,
+                       true_cfg_scale=cfg, width=size[0], height=size[1], source="bench")
+
+
+def timed(manager, req) -> dict:
     clock = StepClock()
-
-    def cb(p, step, t, kw):
-        clock(step + 1, args.steps)
-        return {}
-
     t0 = time.perf_counter()
-    pipe(num_inference_steps=args.steps, generator=torch.Generator().manual_seed(0), callback_on_step_end=cb,
-         callback_on_step_end_tensor_inputs=[], **kwargs)
-    torch.cuda.synchronize()
+    result = manager.edit(req, on_step=clock)
     wall = time.perf_counter() - t0
-    out = {"mode": "baseline (bare diffusers, cuda:0)", "load_s": round(load_s, 1), "peak_gib": peaks(),
-           "s_per_step": round(clock.per_step, 4), "s_per_image": round(wall, 2),
-           "images_per_min": round(60 / wall, 2), "errors": []}
-    del pipe
-    import gc
+    if contrast(result.images[0]) < 1.0:
+        raise RuntimeError("a flat (black/NaN) image came back")
+    return {"wall_s": round(wall, 3), "worker_s": round(result.seconds, 3), "s_per_step": round(clock.per_step, 4),
+            "steps": result.steps, "size": f"{result.width}x{result.height}"}
 
-    gc.collect()
-    torch.cuda.empty_cache()
+
+def memory(manager, monitor) -> dict:
+    readings = monitor.read(manager.status())
+    workers = manager.status().workers
+    reserved = {}
+    for w in manager.workers:
+        reserved[w.name] = w.info.get("memory_reserved_gib")
+    return {"gpus": {f"cuda:{r.index}": {"used_gib": round(r.used_mib / 1024, 2),
+                                         "workers_gib": round(r.workers_mib / 1024, 2)} for r in readings},
+            "reserved_gib_per_rank0": reserved, "pids": [w.pids for w in workers]}
+
+
+def peak_sampler(monitor, stop: threading.Event, peaks: dict) -> None:
+    while not stop.wait(0.2):
+        for r in monitor.read():
+            key = f"cuda:{r.index}"
+            peaks[key] = max(peaks.get(key, 0.0), round(r.used_mib / 1024, 2))
+
+
+def run_mode(name: str, args, ckpt: Path, image, monitor) -> dict:
+    device_map, compile_mode = MODES[name]
+    settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": device_map, "COMPILE": compile_mode,
+                              "COMPILE_CACHE_DIR": args.cache, "LOG_LEVEL": "INFO", "MAX_STEPS": "200",
+                              "QUEUE_MAX_SIZE": "32"})
+    t0 = time.perf_counter()
+    manager = PipelineManager(settings, worker_hook="bench:finite_check").load(timeout=540)
+    out: dict = {"mode": name, "device_map": device_map, "compile": compile_mode, "plan": manager.plan.describe(),
+                 "startup_s": round(time.perf_counter() - t0, 1),
+                 "worker_info": {w.name: w.info for w in manager.workers}}
+    size = (args.size, args.size)
+    stop, peaks = threading.Event(), {}
+    sampler = threading.Thread(target=peak_sampler, args=(monitor, stop, peaks), daemon=True)
+    sampler.start()
+    try:
+        out["memory_loaded"] = memory(manager, monitor)
+        if name in ("pairs-throughput", "replicas-eager"):
+            manager.edit(request(image, 2, size))  # warm every worker once
+            manager.edit(request(image, 2, size))
+            jobs, results, errors = args.jobs, [], []
+
+            def one(i):
+                try:
+                    results.append(manager.edit(request(image, args.throughput_steps, size, seed=i)))
+                except Exception as exc:  # reported, not hidden
+                    errors.append(repr(exc))
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(jobs)]
+            t1 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - t1
+            out["throughput"] = {"jobs": jobs, "steps": args.throughput_steps, "wall_s": round(wall, 2),
+                                 "images_per_min": round(60 * len(results) / wall, 2), "errors": errors,
+                                 "flat_images": sum(contrast(r.images[0]) < 1.0 for r in results)}
+        elif name == "app":
+            out["app"] = run_app(manager, settings, image, args)
+        else:
+            if compile_mode == "off":
+                manager.edit(request(image, 2, size))  # warm-up (compiled workers warmed up at start)
+            out["edit"] = timed(manager, request(image, args.steps, size))
+            if compile_mode == "on":  # a size the warm-up did not see: how long does its first request take?
+                new = (1216, 832)
+                out["new_size_first"] = timed(manager, request(image, args.short_steps, new, seed=1))
+                out["new_size_second"] = timed(manager, request(image, args.short_steps, new, seed=2))
+                out["warm_size_short"] = timed(manager, request(image, args.short_steps, size, seed=3))
+            if "pair" in name:  # CFG off: the pair runs on one rank
+                out["cfg_off"] = timed(manager, request(image, args.short_steps, size, seed=4, cfg=1.0))
+            step = out["edit"]["s_per_step"]
+            out["floor_fraction"] = round(2 * FORWARD_TFLOP / PEAK_TFLOPS / step / (2 if "pair" in name else 1), 3)
+    finally:
+        stop.set()
+        sampler.join()
+        out["peak_used_gib"] = peaks
+        manager.close()
     return out
+
+
+def run_app(manager, settings, image, args) -> dict:
+    """The same edit through the HTTP server (REST) and straight through the manager."""
+    import base64
+    import io
+    import socket
+
+    import httpx
+    import uvicorn
+
+    from imgedit.server import build_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(settings, manager), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    form = {"prompt": "turn the sky into a sunset", "size": f"{args.size}x{args.size}", "seed": "0",
+            "num_inference_steps": str(args.steps), "true_cfg_scale": "4"}
+    rest = []
+    try:
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+        for _ in range(2):
+            t0 = time.perf_counter()
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/images/edits", data=form,
+                           files={"image": ("in.png", buf.getvalue(), "image/png")}, timeout=600)
+            wall = time.perf_counter() - t0
+            r.raise_for_status()
+            out_image = Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"])))
+            if contrast(out_image) < 1.0:
+                raise RuntimeError("a flat image came back over REST")
+            rest.append(round(wall, 3))
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    direct = [timed(manager, request(image, args.steps, (args.size, args.size))) for _ in range(2)]
+    worker = min(d["worker_s"] for d in direct)
+    return {"rest_wall_s": rest, "direct": direct,
+            "overhead_vs_worker": round(min(rest) / worker - 1, 4)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ckpt", default="/tmp/qwen-image-edit-real-random")
+    parser.add_argument("--cache", default="/tmp/imgedit-compile-cache")
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--quick", action="store_true", help="8 steps: a placement check, not a benchmark")
+    parser.add_argument("--short-steps", type=int, default=10)
+    parser.add_argument("--throughput-steps", type=int, default=20)
+    parser.add_argument("--jobs", type=int, default=4)
     parser.add_argument("--size", type=int, default=1024)
-    parser.add_argument("--modes", default="baseline,cuda:0,balanced,split,replicas")
-    parser.add_argument("--split-cap", default="auto",
-                        help="MAX_MEMORY for the split mode; auto: 31GiB each on 2 GPUs, 22GiB each on 4+")
-    parser.add_argument("--check-inputs", action="store_true", help="warm up with 1, 2 and 3 input images")
-    parser.add_argument("--no-fix", dest="fix", action="store_false", help="baseline without the encoding fix")
+    parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--json", default="")
     args = parser.parse_args()
-    if args.quick:
-        args.steps = 8
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     ckpt = Path(args.ckpt)
     if not (ckpt / "model_index.json").is_file():
         build_checkpoint(ckpt, kind="plus", size="real")
     image = reference_image(args.size)
-    if args.split_cap == "auto":
-        args.split_cap = "31GiB" if torch.cuda.device_count() <= 2 else "22GiB"
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpus": gpus,
-              "torch": torch.__version__, "command": " ".join(sys.argv), "steps": args.steps, "size": args.size,
-              "results": []}
-    import diffusers
-    import transformers
-
-    report["versions"] = {"diffusers": diffusers.__version__, "transformers": transformers.__version__}
-    for mode in args.modes.split(","):
-        if mode == "replicas" and len(gpus) < 2:
-            continue
+    monitor = GpuMonitor()
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "gpus": [r.name for r in monitor.read()], "command": " ".join(sys.argv), "results": []}
+    for name in args.modes.split(","):
         try:
-            res = run_baseline(args, ckpt, image) if mode == "baseline" else run_manager(mode, args, ckpt, image)
+            res = run_mode(name, args, ckpt, image, monitor)
         except Exception as exc:
-            log.exception("mode %s failed", mode)
-            res = {"mode": mode, "errors": [repr(exc)]}
+            log.exception("mode %s failed", name)
+            res = {"mode": name, "error": repr(exc)}
         report["results"].append(res)
         print(json.dumps(res), flush=True)
-    base = next((r for r in report["results"] if r["mode"].startswith("baseline") and "s_per_step" in r), None)
-    for r in report["results"]:
-        if "s_per_step" not in r:
-            continue
-        r["floor_fraction"] = round(2 * FORWARD_TFLOP / PEAK_TFLOPS / r["s_per_step"], 3)
-        if base:
-            r["step_vs_baseline"] = round(r["s_per_step"] / base["s_per_step"], 3)
-            r["throughput_vs_baseline"] = round(r["images_per_min"] / base["images_per_min"], 3)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
