@@ -12,6 +12,7 @@ own error text from reaching users (only gr.Error text, our messages, passes).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Sequence
 
@@ -19,6 +20,7 @@ from gradio.utils import get_upload_folder
 
 from imgedit.errors import InvalidInput
 
+log = logging.getLogger(__name__)
 MAX_EVENT_BODY = 4_000_000  # an event's JSON: prompts and file references, never file contents
 NOT_UPLOADED = "was not uploaded to this server: upload the file first and send the path the upload returned"
 UNREADABLE = "the request could not be processed: check the values against the API description (/gradio_api/info)"
@@ -120,7 +122,19 @@ class EventGuard:
                 await _answer(send, 400, path, f"file {foreign[0]!r} {NOT_UPLOADED}")
                 return
             receive = _replay(raw, receive)
-        await self.app(scope, receive, _own_errors_only(path, send))
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, _own_errors_only(path, tracked))
+        except Exception:  # Gradio lets some refusals escape (e.g. an unknown fn_index: KeyError)
+            log.exception("%s %s failed inside Gradio", scope["method"], path)
+            if not started:
+                await _answer(send, 500, path, UNREADABLE)
 
 
 def _replay(raw: bytes, receive):

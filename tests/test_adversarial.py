@@ -77,7 +77,7 @@ def junk_edit_payloads(path: str) -> list:
         return data
 
     return [
-        None, "x", 5, {}, [], [1] * 3, base + [1] * 20,
+        None, "x", 5, {}, [], [1] * 3, [None] * 10,
         with_(0, "just a string"), with_(0, 5), with_(0, {"path": 5}), with_(0, [{"path": None}]),
         with_(0, [{"path": "/etc/passwd", "meta": {"_type": "gradio.FileData"}}]),
         with_(0, [file_data("../../../../etc/hosts")]), with_(0, [file_data("x" * 5000)]),
@@ -146,7 +146,7 @@ def test_junk_over_rest_is_an_openai_error(live_server, server_manager):
         {"files": {"image": ("a.png", b"not a png", "image/png")}, "data": FIELDS},
         {"files": {"image": ("a.png", png(), "image/png")}, "data": {**FIELDS, "n": "1000"}},
         {"files": {"image": ("a.png", png(), "image/png")}, "data": {**FIELDS, "size": "-1x5"}},
-        {"files": {"image": ("a.png", png(), "image/png")}, "data": {**FIELDS, "size": "0x0"}},
+        {"files": {"image": ("a.png", png(), "image/png")}, "data": {**FIELDS, "size": "64x"}},
         {"files": {"image": ("a.png", png(), "image/png")}, "data": {**FIELDS, "num_inference_steps": "1e9"}},
         {"files": {"image": ("a.png", png(), "image/png")}, "data": {**FIELDS, "seed": "-5"}},
         {"files": {"image": ("a.png", png(), "image/png")}, "data": {**FIELDS, "true_cfg_scale": "nan"}},
@@ -271,12 +271,14 @@ def test_cancel_storm_then_everyone_else_is_served(live_server, server_manager, 
     storm = Client(live_server.url, verbose=False)
     bystander = Client(live_server.url, verbose=False)
     args = lambda seed, steps: ([handle_file(str(image_file))], "x", "", seed, False, steps, 4.0, 1, 64, 64)  # noqa: E731
-    keep = [bystander.submit(*args(300 + i, 3), api_name="/edit") for i in range(3)]
-    doomed = [storm.submit(*args(400 + i, 20), api_name="/edit") for i in range(8)]
+    wait_idle(server_manager)
+    # Six jobs fill this server (two workers, QUEUE_MAX_SIZE=4): two to keep, four in the storm.
+    keep = [bystander.submit(*args(300 + i, 3), api_name="/edit") for i in range(2)]
+    doomed = [storm.submit(*args(400 + i, 10), api_name="/edit") for i in range(4)]
     survivors = []
     for job in doomed:
         time.sleep(rng.random() * 0.2)
-        if rng.random() < 0.75:
+        if rng.random() < 0.7:
             job.cancel()
             job.cancel()  # twice: a repeated cancel is harmless
         else:
@@ -285,11 +287,11 @@ def test_cancel_storm_then_everyone_else_is_served(live_server, server_manager, 
     for body in ({"session_hash": "nobody", "fn_index": 1, "event_id": uuid.uuid4().hex},
                  {"session_hash": bystander.session_hash, "fn_index": 1, "event_id": "x"}):
         assert httpx.post(f"{live_server.url}/gradio_api/cancel", json=body, timeout=30).status_code == 200
-    assert sorted(job.result(timeout=240)[1] for job in keep) == [300, 301, 302]
+    assert sorted(job.result(timeout=240)[1] for job in keep) == [300, 301]
     for job in survivors:
-        assert 400 <= job.result(timeout=240)[1] < 408
+        assert 400 <= job.result(timeout=240)[1] < 404
     # REST clients that hang up mid-job.
-    for _ in range(3):
+    for _ in range(2):
         with pytest.raises(httpx.TimeoutException):
             httpx.post(f"{live_server.url}/v1/images/edits", files={"image": ("a.png", png(), "image/png")},
                        data={**FIELDS, "num_inference_steps": "30"}, timeout=0.5)
