@@ -23,7 +23,6 @@ from starlette.routing import Mount
 from starlette.testclient import TestClient
 
 from imgedit.uploads import upload_folder
-from imgedit.validation import max_aspect
 
 EDIT_REST = {"prompt": "make it red", "size": "64x64", "num_inference_steps": "2", "seed": "1"}
 
@@ -187,6 +186,7 @@ def test_the_aspect_limit_is_the_pipelines_own(family, plus_manager, edit_manage
     """At the limit the real pipeline edits; one step past it the pipeline itself fails, and we refuse."""
     from imgedit.errors import InvalidInput
     from imgedit.jobs import EditRequest
+    from imgedit.validation import max_aspect
 
     manager = plus_manager if family == "plus" else edit_manager
     limit = max_aspect(family)
