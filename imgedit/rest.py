@@ -31,9 +31,12 @@ log = logging.getLogger(__name__)
 
 STATUS = {"invalid_input": 400, "too_large": 413, "busy": 429, "cancelled": 499, "out_of_memory": 507,
           "worker_failed": 503, "not_ready": 503}
-ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 413: "invalid_request_error",
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+              405: "invalid_request_error", 413: "invalid_request_error",
               429: "rate_limit_error", 503: "server_error", 507: "server_error", 500: "server_error"}
 IMAGE_FIELDS = ("image", "image[]", "images", "images[]")
+V1_ROUTES = {"/v1/images/edits": ("POST",)}  # every /v1 route and its methods, for the 404/405 fallback
+HTTP_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
 def openai_error(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
@@ -131,6 +134,20 @@ def build_router(manager, metrics: Metrics, monitor: GpuMonitor) -> APIRouter:
         return JSONResponse({"created": int(time.time()), "data": data, "output_format": "png",
                              "size": f"{result.width}x{result.height}", "seed": result.seed,
                              "request_id": result.request_id})
+
+    @router.api_route("/v1", methods=HTTP_METHODS, include_in_schema=False)
+    @router.api_route("/v1/{rest:path}", methods=HTTP_METHODS, include_in_schema=False)
+    async def v1_fallback(request: Request) -> JSONResponse:
+        """Wrong methods and unknown paths under /v1 answer in OpenAI's shape (the Gradio app mounted
+        at "/" would otherwise answer them with its own {"detail": "Not Found"})."""
+        path = request.url.path
+        allowed = V1_ROUTES.get(path)
+        if allowed:
+            response = openai_error(405, f"{request.method} is not allowed on {path}; use {', '.join(allowed)}",
+                                    "method_not_allowed")
+            response.headers["allow"] = ", ".join(allowed)
+            return response
+        return openai_error(404, f"Invalid URL ({request.method} {path[:200]})", "not_found")
 
     return router
 

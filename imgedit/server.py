@@ -11,11 +11,14 @@ import logging
 import gradio as gr
 from fastapi import FastAPI
 
+from imgedit.cancel import build_cancel_router
 from imgedit.gpus import GpuMonitor
 from imgedit.metrics import Metrics
 from imgedit.rest import build_router
 from imgedit.settings import Settings
+from imgedit.timeouts import BodyReadTimeout
 from imgedit.ui import GPU_GROUP, build_blocks
+from imgedit.uploads import EventGuard
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +37,22 @@ def build_app(settings: Settings, manager, demo: bool | None = None) -> FastAPI:
 
     metrics = Metrics(manager, monitor, gradio_waiting)
     app = FastAPI(title="imgedit", docs_url=None, redoc_url=None)
+    app.add_middleware(EventGuard)  # every Gradio event's file paths, before Gradio sees them
+    app.add_middleware(BodyReadTimeout, seconds=settings.body_read_timeout)  # outermost: times every read
     app.include_router(build_router(manager, metrics, monitor))
+    app.include_router(build_cancel_router(blocks))  # ahead of the mount: it replaces Gradio's cancel route
     app.state.metrics = metrics
     app.state.manager = manager
-    return gr.mount_gradio_app(
-        app, blocks, path="/", auth=settings.auth, show_error=True, max_file_size=settings.max_file_size,
+    # show_error=False: only gr.Error text (our own messages) reaches users, never Gradio's or Python's.
+    app = gr.mount_gradio_app(
+        app, blocks, path="/", auth=settings.auth, show_error=False, max_file_size=settings.max_file_size,
         ssr_mode=False, allowed_paths=[], server_name=settings.gradio_server_name,
         server_port=settings.gradio_server_port)
+    # Gradio checks that an event's input files were uploaded (and that outputs lie in allowed places)
+    # only once `has_launched` is set, which launch() does and mount_gradio_app does not: without this
+    # a hand-made request could have any server file copied into the cache and served back.
+    blocks.has_launched = True
+    return app
 
 
 def serve(app: FastAPI, settings: Settings) -> None:

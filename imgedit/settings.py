@@ -174,6 +174,8 @@ REGISTRY: tuple[Var, ...] = (
     Var("MAX_OUTPUT_PIXELS", "4194304", _int_range(1, 100_000_000),
         "Largest output width*height when a size is asked for (auto is about 1 MP)"),
     Var("MAX_FILE_SIZE", "25MB", _size, "Largest upload accepted by the UI and REST"),
+    Var("BODY_READ_TIMEOUT", "30", _int_range(1, 3600),
+        "Seconds a request body may stall (no bytes at all) before the server answers 408 and hangs up"),
     Var("MAX_IMAGES_PER_PROMPT", "4", _int_range(1, 16), "Largest number of images one request may ask for"),
     Var("COMPILE", "auto", _choice("auto", "on", "off"),
         "Compile the transformer's repeated blocks (torch.compile), warmed up at start-up; auto = on for GPUs"),
@@ -212,6 +214,7 @@ class Settings:
     max_input_pixels: int = 16_777_216
     max_output_pixels: int = 4_194_304
     max_file_size: int = 25_000_000
+    body_read_timeout: int = 30
     max_images_per_prompt: int = 4
     compile: str = "auto"
     compile_cache_dir: str = "~/.cache/imgedit/compile"

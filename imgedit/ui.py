@@ -12,14 +12,14 @@ from __future__ import annotations
 import asyncio
 import html
 import logging
-from collections.abc import Sequence
 
 import gradio as gr
 
-from imgedit.errors import ImgEditError
+from imgedit.errors import ImgEditError, InvalidInput
 from imgedit.gpus import GpuMonitor, panel_html, snapshot
 from imgedit.images import open_image
 from imgedit.jobs import EditRequest
+from imgedit.uploads import gallery_paths, uploaded_paths
 from imgedit.validation import MAX_INPUT_IMAGES, check_counts, check_params, default_steps
 
 log = logging.getLogger(__name__)
@@ -36,32 +36,40 @@ def user_error(exc: BaseException) -> gr.Error:
     return gr.Error("internal error: see the server log")
 
 
-def _paths(files) -> list[str]:
-    if not files:
-        return []
-    if isinstance(files, (str, bytes)) or not isinstance(files, Sequence):
-        files = [files]
-    return [f if isinstance(f, str) else getattr(f, "path", None) or getattr(f, "name", str(f)) for f in files]
-
-
-def _number(value, default=None):
+def _number(value, name: str, default=None):
+    """A number from the raw event data (events run with preprocess=False: any JSON can arrive)."""
     if value is None or value == "":
         return default
-    return int(value) if float(value).is_integer() else value
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise InvalidInput(f"{name} must be a number, got {str(value)[:40]!r}", name)
+    try:
+        number = float(value)
+    except ValueError:
+        raise InvalidInput(f"{name} must be a number, got {str(value)[:40]!r}", name) from None
+    return int(number) if number.is_integer() else number
+
+
+def _text(value, name: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise InvalidInput(f"{name} must be text", name)
+    return value
 
 
 def build_request(manager, files, prompt, negative_prompt, seed, randomize_seed, steps, cfg, num_images,
                   width, height, source: str) -> EditRequest:
+    """Parse one event's raw values. Every file must lie in Gradio's upload cache (imgedit.uploads)."""
     settings = manager.settings
-    paths = _paths(files)
+    paths = uploaded_paths(files)
     check_counts(len(paths), manager.family)
     images = tuple(open_image(p, settings.max_input_pixels, f"image {i + 1}") for i, p in enumerate(paths))
     return EditRequest(
-        images=images, prompt=prompt or "", negative_prompt=negative_prompt or "",
-        seed=None if randomize_seed else _number(seed, 0),
-        num_inference_steps=_number(steps), true_cfg_scale=None if cfg is None else float(cfg),
-        num_images=_number(num_images, 1), width=_number(width, 0) or None, height=_number(height, 0) or None,
-        source=source)
+        images=images, prompt=_text(prompt, "prompt"), negative_prompt=_text(negative_prompt, "negative_prompt"),
+        seed=None if randomize_seed else _number(seed, "seed", 0),
+        num_inference_steps=_number(steps, "num_inference_steps"),
+        true_cfg_scale=_number(cfg, "true_cfg_scale"), num_images=_number(num_images, "num_images", 1),
+        width=_number(width, "width", 0) or None, height=_number(height, "height", 0) or None, source=source)
 
 
 def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None) -> gr.Blocks:
@@ -111,12 +119,20 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None)
             raise user_error(exc) from None
         return result.images, result.seed
 
-    def use_result(gallery):
-        if not gallery:
+    def preview_inputs(files) -> list[str]:
+        try:
+            return uploaded_paths(files)
+        except Exception as exc:
+            raise user_error(exc) from None
+
+    def use_result(gallery) -> list[str]:
+        try:
+            paths = gallery_paths(gallery)
+        except Exception as exc:
+            raise user_error(exc) from None
+        if not paths:
             raise gr.Error("there is no result yet")
-        item = gallery[0]
-        path = item[0] if isinstance(item, (list, tuple)) else getattr(item, "image", item)
-        return [getattr(path, "path", path)]
+        return paths[:1]
 
     def gpu_status() -> dict:
         """Per GPU: index, name, used/total MiB, utilisation, what is placed on it, which job/step it runs."""
@@ -158,18 +174,21 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None)
             gpu_panel = gr.HTML(panel(), elem_id="gpu-panel")
         timer = gr.Timer(2.0)
 
-        files.change(lambda f: _paths(f), files, preview, queue=False, api_visibility="private")
+        # preprocess=False: our own code parses the raw values (junk gets our message, not a Gradio
+        # processing error). Files were checked twice before a handler runs (imgedit.uploads.EventGuard,
+        # then Gradio's upload check); the handlers check the paths they open or return once more.
+        files.change(preview_inputs, files, preview, queue=False, preprocess=False, api_visibility="private")
         inputs = [files, prompt, negative, seed, randomize, steps, cfg, num, width, height]
         # No Gradio limit: every job goes straight to the manager's line, where UI, API and REST jobs
         # wait together in arrival order and QUEUE_MAX_SIZE is enforced once; the workers' locks keep
         # each GPU to one job.
         line = None
         event = run.click(edit, inputs, [result, used_seed], api_name="edit", concurrency_id=GPU_GROUP,
-                          concurrency_limit=line, validator=validate)
+                          concurrency_limit=line, validator=validate, preprocess=False)
         submitted = prompt.submit(edit, inputs, [result, used_seed], api_visibility="private", concurrency_id=GPU_GROUP,
-                      concurrency_limit=line, validator=validate)
+                                  concurrency_limit=line, validator=validate, preprocess=False)
         stop.click(None, None, None, cancels=[event, submitted], queue=False, api_visibility="private")
-        again.click(use_result, result, files, queue=False, api_visibility="private")
+        again.click(use_result, result, files, queue=False, preprocess=False, api_visibility="private")
         timer.tick(panel, None, gpu_panel, queue=False, api_visibility="private")
         gr.api(gpu_status, api_name="gpu_status", queue=False)
     return blocks

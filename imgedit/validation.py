@@ -6,6 +6,7 @@ nothing); the manager calls `resolve` again right before the pipeline call.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass
@@ -20,6 +21,13 @@ SIDE_MULTIPLE = 16  # the VAE downsamples 8x and latents are packed in 2x2 patch
 MIN_SIDE = 64
 MAX_PROMPT_CHARS = 4000
 MAX_SEED = 2**32 - 1
+# How the pipelines resize each input (diffusers `calculate_dimensions`: the input's aspect at a target
+# area, sides rounded to multiples of 32). The text encoder sees the image at VL_AREA, the VAE at
+# VAE_AREA; a very elongated input rounds its short side to 0 ("height and width must be > 0"), and
+# before that the Qwen2-VL image processor refuses an aspect above 200 (transformers `smart_resize`).
+VL_AREA = {"edit": 1024 * 1024, "plus": 384 * 384}
+VAE_AREA = 1024 * 1024
+VL_MAX_ASPECT = 200
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,41 @@ def check_counts(n_images: int, family: str) -> None:
     if n_images > allowed:
         model = "Qwen-Image-Edit" if family == "edit" else "Qwen-Image-Edit-2509/2511"
         raise InvalidInput(f"{n_images} input images given; {model} takes at most {allowed}", "images")
+
+
+def _pipeline_size(area: int, ratio: float) -> tuple[int, int]:
+    """diffusers' `calculate_dimensions` (pipeline_qwenimage_edit*.py), to the rounding."""
+    width = math.sqrt(area * ratio)
+    height = width / ratio
+    return round(width / 32) * 32, round(height / 32) * 32
+
+
+def pipeline_accepts(size: tuple[int, int], family: str) -> bool:
+    """Whether the pipeline can resize an input of this size without a side of 0 or an aspect the
+    text encoder's image processor refuses."""
+    ratio = size[0] / size[1]
+    vl_w, vl_h = _pipeline_size(VL_AREA[family], ratio)
+    vae_w, vae_h = _pipeline_size(VAE_AREA, ratio)
+    return min(vl_w, vl_h, vae_w, vae_h) > 0 and max(vl_w, vl_h) / min(vl_w, vl_h) <= VL_MAX_ASPECT
+
+
+@functools.cache
+def max_aspect(family: str) -> int:
+    """The most elongated aspect (long/short side, rounded down) the family accepts: 279 for Plus,
+    163 for Qwen-Image-Edit. Acceptance falls off once, so a bisection finds the edge."""
+    low, high = 1.0, 100_000.0
+    while high - low > 0.01:
+        middle = (low + high) / 2
+        low, high = (middle, high) if pipeline_accepts((middle, 1.0), family) else (low, middle)
+    return int(low)
+
+
+def check_aspect(size: tuple[int, int], family: str, label: str) -> None:
+    width, height = size
+    if not (pipeline_accepts((width, height), family) and pipeline_accepts((height, width), family)):
+        ratio = max(width, height) / min(width, height)
+        raise InvalidInput(f"{label} is {width}x{height} (aspect 1:{ratio:.0f}); this model takes images up to about "
+                           f"1:{max_aspect(family)}: crop or pad it", "images")
 
 
 def _size(width: int | None, height: int | None, last_image_size: tuple[int, int] | None,
@@ -79,6 +122,8 @@ def resolve(req: EditRequest, settings: Settings, family: str,
             last_image_size: tuple[int, int] | None, n_images: int | None) -> Resolved:
     if n_images is not None:
         check_counts(n_images, family)
+    for i, image in enumerate(req.images):
+        check_aspect(image.size, family, f"image {i + 1}")
     if not isinstance(req.prompt, str) or not req.prompt.strip():
         raise InvalidInput("the prompt is empty: say what to change", "prompt")
     if len(req.prompt) > MAX_PROMPT_CHARS or len(req.negative_prompt or "") > MAX_PROMPT_CHARS:

@@ -1,0 +1,204 @@
+"""Incoming file paths of Gradio events: only files in Gradio's upload cache may be opened or served.
+
+A Gradio event names its files by server path (`{"path": ..., "meta": {"_type": "gradio.FileData"}}`),
+and a hand-made request can name any path. Gradio checks that only once `has_launched` is set (server.py
+sets it: mounting does not), and it copies a file it accepts into its cache before any handler runs,
+so a handler never sees the path the client sent. Our own check therefore sits in front of Gradio:
+`EventGuard` reads the JSON body of every event request and refuses any file outside the upload
+cache (uploads and our own results both live there) with our own message. It also keeps Gradio's
+own error text from reaching users (only gr.Error text, our messages, passes).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+
+from gradio.utils import get_upload_folder
+
+from imgedit.errors import InvalidInput
+
+log = logging.getLogger(__name__)
+MAX_EVENT_BODY = 4_000_000  # an event's JSON: prompts and file references, never file contents
+NOT_UPLOADED = "was not uploaded to this server: upload the file first and send the path the upload returned"
+UNREADABLE = "the request could not be processed: check the values against the API description (/gradio_api/info)"
+UNCHECKED = ("/gradio_api/upload", "/gradio_api/cancel")  # multipart uploads; cancel names no file
+
+
+def upload_folder() -> str:
+    return os.path.realpath(get_upload_folder())
+
+
+def in_upload_folder(path: str) -> bool:
+    """True for a file under the upload cache, after links and `..` are resolved."""
+    if not path or "\x00" in path:
+        return False
+    real, folder = os.path.realpath(path), upload_folder()
+    return real != folder and os.path.commonpath([real, folder]) == folder
+
+
+def uploaded_path(value, label: str, field: str = "images") -> str:
+    """The real path of one uploaded file (a FileData dict, an object with `.path`, or a str), or
+    InvalidInput when it is not a file in the upload cache."""
+    path = value.get("path") if isinstance(value, dict) else getattr(value, "path", value)
+    if not isinstance(path, str) or not path:
+        raise InvalidInput(f"{label} is not an uploaded file", field)
+    if not in_upload_folder(path):
+        raise InvalidInput(f"{label} {NOT_UPLOADED}", field)
+    return os.path.realpath(path)
+
+
+def uploaded_paths(files, field: str = "images") -> list[str]:
+    """Every file of a File component's value (one or a list), checked with `uploaded_path`."""
+    if not files:
+        return []
+    if isinstance(files, (str, bytes, dict)) or not isinstance(files, Sequence):
+        files = [files]
+    return [uploaded_path(f, f"image {i + 1}", field) for i, f in enumerate(files)]
+
+
+def gallery_paths(gallery) -> list[str]:
+    """The image paths of a Gallery's raw value (`[{"image": FileData, "caption": ...}]`)."""
+    if not gallery or not isinstance(gallery, Sequence) or isinstance(gallery, (str, bytes)):
+        return []
+    paths = []
+    for i, item in enumerate(gallery):
+        if isinstance(item, dict):
+            item = item.get("image")
+        elif isinstance(item, (list, tuple)) and item:
+            item = item[0]
+        paths.append(uploaded_path(item, f"result {i + 1}", "result"))
+    return paths
+
+
+def foreign_files(value, found: list[str] | None = None) -> list[str]:
+    """The `path` of every file reference in a JSON value that is not a file in the upload cache."""
+    found = [] if found is None else found
+    if isinstance(value, dict):
+        path = value.get("path")
+        if "path" in value and (not isinstance(path, str) or not in_upload_folder(path)):
+            found.append(str(path)[:200])
+        for item in value.values():
+            foreign_files(item, found)
+    elif isinstance(value, list):
+        for item in value:
+            foreign_files(item, found)
+    return found
+
+
+class EventGuard:
+    """ASGI middleware for the Gradio routes: file paths first, then Gradio; Gradio's own error text out."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith("/gradio_api/"):
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] == "POST" and not path.startswith(UNCHECKED):
+            body, more = [], True
+            size = 0
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client went away
+                body.append(message.get("body", b""))
+                size += len(body[-1])
+                more = message.get("more_body", False)
+                if size > MAX_EVENT_BODY:
+                    await _answer(send, 413, path, f"the request body is larger than {MAX_EVENT_BODY:,} bytes")
+                    return
+            raw = b"".join(body)
+            try:
+                payload = json.loads(raw) if raw else None
+            except ValueError:
+                payload = None  # not JSON: Gradio refuses it, and its text is replaced below
+            foreign = foreign_files(payload)
+            if foreign:
+                await _answer(send, 400, path, f"file {foreign[0]!r} {NOT_UPLOADED}")
+                return
+            receive = _replay(raw, receive)
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, _own_errors_only(path, tracked))
+        except Exception:  # Gradio lets some refusals escape (e.g. an unknown fn_index: KeyError)
+            log.exception("%s %s failed inside Gradio", scope["method"], path)
+            if not started:
+                await _answer(send, 500, path, UNREADABLE)
+
+
+def _replay(raw: bytes, receive):
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _error_body(path: str, message: str) -> bytes:
+    """Gradio's shapes: `{"error": ...}` for /run and /api (what its client shows), `{"detail": ...}` else."""
+    key = "error" if path.startswith(("/gradio_api/run/", "/gradio_api/api/")) else "detail"
+    return json.dumps({key: message, "title": "invalid input"} if key == "error" else {key: message}).encode()
+
+
+async def _answer(send, status: int, path: str, message: str) -> None:
+    body = _error_body(path, message)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _ours(body) -> bool:
+    if not isinstance(body, dict):
+        return False
+    if body.get("title") and isinstance(body.get("error"), str):
+        return True  # a gr.Error: only our handlers raise them
+    detail = body.get("detail")
+    # The validator's verdicts (a list per input); FastAPI's own 422 items carry "loc".
+    return isinstance(detail, list) and all(isinstance(d, dict) and "loc" not in d for d in detail)
+
+
+def _own_errors_only(path: str, send):
+    """Error answers whose text is Gradio's or FastAPI's (a refused payload: pydantic, paths, counts) get
+    ours instead; gr.Error answers (they carry a title) and the validator's 422 verdicts are ours."""
+    start: dict | None = None
+    chunks: list[bytes] = []
+
+    async def guarded(message):
+        nonlocal start
+        if message["type"] == "http.response.start" and message["status"] in (400, 422, 500):
+            start = message
+            return
+        if start is None:
+            await send(message)
+            return
+        chunks.append(message.get("body", b""))
+        if message.get("more_body", False):
+            return
+        raw = b"".join(chunks)
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if not _ours(body):
+            raw = _error_body(path, UNREADABLE)
+        headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
+        await send({**start, "headers": [*headers, (b"content-length", str(len(raw)).encode())]})
+        await send({"type": "http.response.body", "body": raw})
+
+    return guarded

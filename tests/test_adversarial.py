@@ -1,0 +1,301 @@
+"""An adversarial mix against a live server on every run: junk over the Gradio API and REST, file
+paths that were never uploaded, concurrent clients of every kind, cancel storms and API keys.
+
+Every answer must be one of ours (our message, no framework text, no traceback), no junk may cost
+GPU work, and afterwards the server must be idle and still edit.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import threading
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+from conftest import ROOT, ConcurrencyProbe, make_manager, picture, start_server
+from gradio_client import Client, handle_file
+from raw_gradio import RawGradio, file_data
+
+FRAMEWORK_TEXT = ("Traceback", 'File "', "validation error", "Input should", "pydantic", "Cannot move",
+                  "KeyError", "TypeError", "ValueError", "AttributeError", "NoneType", "object has no attribute",
+                  "Field required", "not found in", "Exception", "internal error")
+FIELDS = {"prompt": "make it red", "size": "64x64", "num_inference_steps": "2", "seed": "1"}
+
+
+def png(w: int = 64, h: int = 48) -> bytes:
+    buffer = io.BytesIO()
+    picture(w, h).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def assert_ours(text: str) -> None:
+    found = [marker for marker in FRAMEWORK_TEXT if marker in text]
+    assert not found, f"framework text {found} reached the client: {text[:400]}"
+
+
+def jobs_done(manager) -> int:
+    return sum(w.jobs_done for w in manager.workers)
+
+
+def wait_idle(manager, seconds: float = 60) -> None:
+    deadline = time.time() + seconds
+    while any(w.state == "busy" for w in manager.workers) or manager.waiting():
+        assert time.time() < deadline, "the server did not go idle"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def raw(live_server):
+    client = RawGradio(live_server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def uploaded(live_server, image_file) -> str:
+    with open(image_file, "rb") as f:
+        r = httpx.post(f"{live_server.url}/gradio_api/upload", files={"files": ("in.png", f, "image/png")}, timeout=30)
+    return r.json()[0]
+
+
+def good(path: str) -> list:
+    return [[file_data(path)], "make it red", "", 1, False, 2, 4.0, 1, 64, 64]
+
+
+def junk_edit_payloads(path: str) -> list:
+    """Bad `data` for /edit: shapes, types, ranges, paths; each must be refused up front."""
+    base = good(path)
+
+    def with_(i, value):
+        data = list(base)
+        data[i] = value
+        return data
+
+    return [
+        None, "x", 5, {}, [], [1] * 3, [None] * 10,
+        with_(0, "just a string"), with_(0, 5), with_(0, {"path": 5}), with_(0, [{"path": None}]),
+        with_(0, [{"path": "/etc/passwd", "meta": {"_type": "gradio.FileData"}}]),
+        with_(0, [file_data("../../../../etc/hosts")]), with_(0, [file_data("x" * 5000)]),
+        with_(0, [file_data("/proc/self/environ")]), with_(0, [[[[[[file_data("/etc/shadow")]]]]]]),
+        with_(0, [file_data(path)] * 4), with_(0, []),
+        with_(1, ""), with_(1, {"a": 1}), with_(1, ["x"]), with_(1, "x" * 100_000),
+        with_(2, 7), with_(3, "abc"), with_(3, -1), with_(3, 2**70), with_(3, [1]),
+        with_(5, 0), with_(5, 100_000), with_(5, "1e9"), with_(5, 2.5), with_(5, "nan"),
+        with_(6, "x"), with_(6, 1e308), with_(6, -3), with_(7, 99), with_(7, 0),
+        with_(8, -64), with_(8, 10**9), with_(9, "tall"), with_(8, 20000),
+    ]
+
+
+def test_junk_over_the_gradio_queue_is_refused_with_our_words(live_server, raw, server_manager, uploaded):
+    edit = raw.fn_index(api_name="edit")
+    before = jobs_done(server_manager)
+    for data in junk_edit_payloads(uploaded):
+        r = raw.join(edit, data)
+        assert r.status_code in (400, 422), (data if len(str(data)) < 300 else str(data)[:300], r.status_code, r.text)
+        assert_ours(r.text)
+    assert jobs_done(server_manager) == before  # none of it reached a worker
+    for body in (b"", b"not json", b"\xff\xfe", b"[]", json.dumps({"data": good(uploaded)}).encode(),
+                 json.dumps({"data": good(uploaded), "fn_index": 999, "session_hash": "s"}).encode(),
+                 json.dumps({"data": good(uploaded), "fn_index": "x", "session_hash": "s"}).encode()):
+        r = httpx.post(f"{live_server.url}/gradio_api/queue/join", content=body,
+                       headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code >= 400, (body[:80], r.text)
+        assert_ours(r.text)
+    assert jobs_done(server_manager) == before
+
+
+def test_junk_to_the_private_events_is_refused_with_our_words(raw, uploaded):
+    preview = raw.fn_index(trigger=("input-files", "change"))
+    again = raw.fn_index(trigger=("Use result as input", "click"))
+    panel = raw.fn_index(api_name="panel")
+    cases = [(preview, [[file_data("/etc/hosts")]]), (preview, ["x"]), (preview, [5]), (preview, [[{"path": 1}]]),
+             (preview, []), (preview, [None, None]), (again, [[]]), (again, [None]), (again, [["x"]]),
+             (again, [[{"image": file_data("/etc/hostname"), "caption": None}]]), (again, [[{"image": 5}]]),
+             (panel, ["extra"]), (9999, [])]
+    for fn, data in cases:
+        r = raw.predict(fn, data)
+        assert_ours(r.text)
+        if r.status_code == 200:  # only harmless inputs may pass
+            assert "/etc/" not in r.text
+        else:
+            assert r.status_code in (400, 404, 422, 500), r.text
+    assert raw.predict(preview, [[file_data(uploaded)]]).status_code == 200
+
+
+def test_gradio_file_route_serves_no_server_file(live_server):
+    for path in ("/etc/passwd", "../../../../etc/hosts", "/proc/self/environ", "README.md",
+                 str(ROOT / "imgedit" / "server.py"), str(ROOT / "docs" / "screenshot.png")):
+        r = httpx.get(f"{live_server.url}/gradio_api/file={path}", timeout=30)
+        assert r.status_code in (403, 404), (path, r.status_code)
+        assert b"root:" not in r.content and b"build_app" not in r.content and b"PNG" not in r.content
+
+
+def test_junk_over_rest_is_an_openai_error(live_server, server_manager):
+    url = f"{live_server.url}/v1/images/edits"
+    before = jobs_done(server_manager)
+    cases = [
+        {"content": b"", "headers": {"content-type": "application/json"}},
+        {"content": b'{"prompt": "x"}', "headers": {"content-type": "application/json"}},
+        {"content": b"--zz\r\nbroken", "headers": {"content-type": "multipart/form-data; boundary=zz"}},
+        {"data": {"prompt": "x"}},
+        {"files": {"image": ("a.png", b"not a png", "image/png")}, "data": FIELDS},
+        {"files": {"image": ("a.png", png(), "image/png")}, "data": {**FIELDS, "n": "1000"}},
+        {"files": {"image": ("a.png", png(), "image/png")}, "data": {**FIELDS, "size": "-1x5"}},
+        {"files": {"image": ("a.png", png(), "image/png")}, "data": {**FIELDS, "size": "64x"}},
+        {"files": {"image": ("a.png", png(), "image/png")}, "data": {**FIELDS, "num_inference_steps": "1e9"}},
+        {"files": {"image": ("a.png", png(), "image/png")}, "data": {**FIELDS, "seed": "-5"}},
+        {"files": {"image": ("a.png", png(), "image/png")}, "data": {**FIELDS, "true_cfg_scale": "nan"}},
+        {"files": {"image": ("a.png", png(), "image/png")}, "data": {**FIELDS, "response_format": "url"}},
+        {"files": {"image": ("a.png", png(1, 900), "image/png")}, "data": FIELDS},
+        {"files": [("image", ("a.png", png(), "image/png"))] * 4, "data": FIELDS},
+        {"files": {"image": ("a.png", png(), "image/png")}, "data": {**FIELDS, "prompt": ""}},
+        {"files": {"image": ("a.png", png(), "image/png")}, "data": {**FIELDS, "prompt": "x" * 5000}},
+    ]
+    for case in cases:
+        r = httpx.post(url, timeout=60, **case)
+        assert 400 <= r.status_code < 500, (str(case)[:200], r.status_code, r.text)
+        assert set(r.json()) == {"error"} and r.json()["error"]["message"], r.text
+        assert_ours(r.text)
+
+    def chunked():
+        yield b"--zz\r\n"
+
+    r = httpx.post(url, content=chunked(), headers={"content-type": "multipart/form-data; boundary=zz"}, timeout=30)
+    assert r.status_code == 400 and "Content-Length" in r.json()["error"]["message"]
+    assert jobs_done(server_manager) == before
+
+
+@pytest.fixture(scope="module")
+def keyed(plus_ckpt):
+    manager = make_manager(plus_ckpt, API_KEY="s3cret-key", GRADIO_AUTH="ann:pw-1")
+    with start_server(manager) as server:
+        yield server, manager
+
+
+def test_api_key_and_login_hold(keyed):
+    server, manager = keyed
+    url = f"{server.url}/v1/images/edits"
+    files = {"image": ("a.png", png(), "image/png")}
+    for header in (None, "", "Bearer", "Bearer ", "Bearer wrong", "Basic s3cret-key", "bearer s3cret-keyX",
+                   "Bearer s3cret-ke", "s3cret-key", "Bearer s3cret-key\x00"):
+        headers = {} if header is None else {"authorization": header}
+        try:
+            r = httpx.post(url, files=files, data=FIELDS, headers=headers, timeout=30)
+        except httpx.LocalProtocolError:
+            continue  # the client itself refuses to send such a header
+        assert r.status_code == 401, (header, r.text)
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.url}/metrics", timeout=30).status_code == 401
+    assert httpx.get(f"{server.url}/metrics", headers={"authorization": "Bearer s3cret-key"}, timeout=30).is_success
+    sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret-key", max_retries=0, timeout=120)
+    out = sdk.images.edit(model="m", image=[("a.png", png(), "image/png")], prompt="x", size="64x64",
+                          response_format="b64_json", extra_body={"num_inference_steps": 2})
+    assert len(out.data) == 1
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0).images.edit(
+            model="m", image=[("a.png", png(), "image/png")], prompt="x")
+    # The page and its API need the login; the events cannot be reached without it.
+    assert httpx.post(f"{server.url}/gradio_api/queue/join", json={"data": [], "fn_index": 1, "session_hash": "s"},
+                      timeout=30).status_code in (401, 403)
+    with pytest.raises(Exception, match="(?i)login|auth|credentials"):
+        Client(server.url, verbose=False)
+    c = Client(server.url, auth=("ann", "pw-1"), verbose=False)
+    assert c.predict(api_name="/gpu_status")["workers"]
+
+
+def test_concurrent_clients_of_every_kind_with_junk_between(live_server, server_manager, image_file, uploaded):
+    probe = ConcurrencyProbe(server_manager)
+    results, problems = [], []
+
+    def guarded(fn):
+        def run(*args):
+            try:
+                results.append(fn(*args))
+            except Exception as exc:  # collected and reported below
+                problems.append(f"{fn.__name__}{args}: {type(exc).__name__}: {exc}")
+        return run
+
+    @guarded
+    def gradio_edit(seed):
+        return ("gradio", Client(live_server.url, verbose=False).predict(
+            [handle_file(str(image_file))], "x", "", seed, False, 2, 4.0, 1, 64, 64, api_name="/edit")[1])
+
+    @guarded
+    def rest_edit(seed):
+        r = httpx.post(f"{live_server.url}/v1/images/edits", files={"image": ("a.png", png(), "image/png")},
+                       data={**FIELDS, "seed": str(seed)}, timeout=120)
+        assert r.status_code == 200, r.text
+        return ("rest", r.json()["seed"])
+
+    @guarded
+    def sdk_edit(seed):
+        sdk = openai.OpenAI(base_url=f"{live_server.url}/v1", api_key="x", max_retries=0, timeout=120)
+        out = sdk.images.edit(model="m", image=[("a.png", png(), "image/png")], prompt="x", size="64x64",
+                              response_format="b64_json", extra_body={"num_inference_steps": 2, "seed": seed})
+        return ("sdk", out.model_extra["seed"])
+
+    @guarded
+    def junk(i):
+        raw = RawGradio(live_server.url)
+        r = raw.join(raw.fn_index(api_name="edit"), [[file_data(f"/etc/passwd{i}")], "x"])
+        assert r.status_code == 400
+        assert_ours(r.text)
+        r = httpx.post(f"{live_server.url}/v1/images/edits", content=b"x" * 100, timeout=30,
+                       headers={"content-type": "multipart/form-data; boundary=q"})
+        assert r.status_code == 400
+        return ("junk", i)
+
+    threads = [threading.Thread(target=f, args=(seed,)) for f, seed in
+               [(gradio_edit, 201), (rest_edit, 202), (sdk_edit, 203), (gradio_edit, 204), (junk, 1),
+                (rest_edit, 205), (junk, 2), (sdk_edit, 206)]]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(240)
+    finally:
+        probe.close()
+    assert problems == []
+    assert sorted(seed for kind, seed in results if kind != "junk") == [201, 202, 203, 204, 205, 206]
+    assert max(probe.max_active.values()) == 1
+    wait_idle(server_manager)
+
+
+def test_cancel_storm_then_everyone_else_is_served(live_server, server_manager, image_file):
+    rng = random.Random(17)
+    storm = Client(live_server.url, verbose=False)
+    bystander = Client(live_server.url, verbose=False)
+    args = lambda seed, steps: ([handle_file(str(image_file))], "x", "", seed, False, steps, 4.0, 1, 64, 64)  # noqa: E731
+    wait_idle(server_manager)
+    # Six jobs fill this server (two workers, QUEUE_MAX_SIZE=4): two to keep, four in the storm.
+    keep = [bystander.submit(*args(300 + i, 3), api_name="/edit") for i in range(2)]
+    doomed = [storm.submit(*args(400 + i, 10), api_name="/edit") for i in range(4)]
+    survivors = []
+    for job in doomed:
+        time.sleep(rng.random() * 0.2)
+        if rng.random() < 0.7:
+            job.cancel()
+            job.cancel()  # twice: a repeated cancel is harmless
+        else:
+            survivors.append(job)
+    # Cancels naming events that do not exist, or another client's, change nothing.
+    for body in ({"session_hash": "nobody", "fn_index": 1, "event_id": uuid.uuid4().hex},
+                 {"session_hash": bystander.session_hash, "fn_index": 1, "event_id": "x"}):
+        assert httpx.post(f"{live_server.url}/gradio_api/cancel", json=body, timeout=30).status_code == 200
+    assert sorted(job.result(timeout=240)[1] for job in keep) == [300, 301]
+    for job in survivors:
+        assert 400 <= job.result(timeout=240)[1] < 404
+    # REST clients that hang up mid-job.
+    for _ in range(2):
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{live_server.url}/v1/images/edits", files={"image": ("a.png", png(), "image/png")},
+                       data={**FIELDS, "num_inference_steps": "30"}, timeout=0.5)
+    wait_idle(server_manager)
+    assert bystander.predict(*args(500, 2), api_name="/edit")[1] == 500
+    storm.close()
+    bystander.close()

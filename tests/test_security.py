@@ -1,0 +1,315 @@
+"""Security and reliability defects of issue 17, each against the real server and real clients:
+file paths a client did not upload, exact cancel, elongated images, /v1 errors, stalled uploads."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import ROOT, make_manager, picture, start_server
+from gradio_client import Client, handle_file
+from gradio_client.exceptions import ValidationError
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+from raw_gradio import RawGradio, file_data
+from starlette.routing import Mount
+from starlette.testclient import TestClient
+
+from imgedit.uploads import upload_folder
+
+EDIT_REST = {"prompt": "make it red", "size": "64x64", "num_inference_steps": "2", "seed": "1"}
+
+
+def edit_data(files, steps=2, seed=1, width=64, height=64) -> list:
+    return [files, "make it red", "", seed, False, steps, 4.0, 1, width, height]
+
+
+def png(w: int, h: int, color=(10, 200, 90)) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (w, h), color).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def raw(live_server):
+    client = RawGradio(live_server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def secret(tmp_path) -> Path:
+    """An image outside every upload folder, with content found nowhere else."""
+    path = tmp_path / "secret.png"
+    picture(50, 40, color=tuple(os.urandom(3))).save(path)
+    return path
+
+
+def copies_in_cache(path: Path) -> list[Path]:
+    digest = hashlib.sha256(path.read_bytes()).digest()
+    return [p for p in Path(upload_folder()).rglob("*")
+            if p.is_file() and p.stat().st_size == path.stat().st_size
+            and hashlib.sha256(p.read_bytes()).digest() == digest]
+
+
+def upload(url: str, path: Path) -> str:
+    with open(path, "rb") as f:
+        r = httpx.post(f"{url}/gradio_api/upload", files={"files": (path.name, f, "image/png")}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()[0]
+
+
+def jobs_done(manager) -> int:
+    return sum(w.jobs_done for w in manager.workers)
+
+
+# ---- 1. only uploaded files ----
+
+def outside_paths(secret: Path) -> list[str]:
+    folder = upload_folder()
+    return [str(secret), str(ROOT / "docs" / "screenshot.png"),
+            f"{folder}/../{os.path.relpath(secret, Path(folder).parent)}",  # climbs out of the cache
+            "http://127.0.0.1:1/x.png"]  # a URL is not an upload either
+
+
+def test_private_events_neither_open_nor_serve_a_file_not_uploaded(live_server, raw, secret):
+    preview = raw.fn_index(trigger=("input-files", "change"))
+    again = raw.fn_index(trigger=("Use result as input", "click"))
+    for path in outside_paths(secret):
+        for fn, data in ((preview, [[file_data(path)]]), (again, [[{"image": file_data(path), "caption": None}]])):
+            r = raw.predict(fn, data)
+            assert r.status_code == 400, (path, r.text)
+            assert "was not uploaded to this server" in r.json()["error"]
+            assert "/gradio_api/file=" not in r.text
+    assert copies_in_cache(secret) == []
+    r = httpx.get(f"{live_server.url}/gradio_api/file={secret}", timeout=30)
+    assert r.status_code == 403 and secret.read_bytes() not in r.content
+
+
+def test_edit_over_the_queue_does_not_open_a_file_not_uploaded(live_server, raw, server_manager, secret):
+    edit = raw.fn_index(api_name="edit")
+    before = jobs_done(server_manager)
+    for path in outside_paths(secret):
+        r = raw.join(edit, edit_data([file_data(path)]))
+        assert r.status_code == 400, (path, r.text)
+        assert "was not uploaded to this server" in r.json()["detail"]
+    assert jobs_done(server_manager) == before and copies_in_cache(secret) == []
+
+
+def test_uploaded_files_and_results_still_work_by_hand(live_server, raw, secret):
+    cached = upload(live_server.url, secret)
+    r = raw.predict(raw.fn_index(trigger=("input-files", "change")), [[file_data(cached)]])
+    assert r.status_code == 200, r.text
+    r = raw.join(raw.fn_index(api_name="edit"), edit_data([file_data(cached)], seed=3))
+    assert r.status_code == 200, r.text
+    done = [m for m in raw.messages() if m.get("msg") == "process_completed"]
+    assert done and done[0]["success"], done
+    gallery, seed = done[0]["output"]["data"]
+    assert seed == 3
+    r = raw.predict(raw.fn_index(trigger=("Use result as input", "click")), [gallery])
+    assert r.status_code == 200, r.text
+    assert Image.open(r.json()["data"][0][0]["path"]).size == (64, 64)
+
+
+def test_gradio_itself_refuses_files_not_uploaded(live_server, secret):
+    """The cause, fixed at its depth: Gradio's own upload check runs (it was skipped because the
+    Blocks are mounted, not launched). Asked directly, without our guard in front, it refuses too."""
+    app = live_server.server.config.app
+    gradio_app = next(route.app for route in app.routes if isinstance(route, Mount))
+    raw = RawGradio("http://testserver", TestClient(gradio_app, raise_server_exceptions=False))
+    r = raw.predict(raw.fn_index(trigger=("input-files", "change")), [[file_data(str(secret))]])
+    assert r.status_code == 500 and "/gradio_api/file=" not in r.text, r.text
+    assert copies_in_cache(secret) == []
+
+
+# ---- 2. cancel stops exactly its own job ----
+
+def metric(url: str, outcome: str, source: str = "api") -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "imgedit_requests_total" and s.labels == {"source": source, "outcome": outcome})
+
+
+def test_cancel_of_one_job_leaves_the_other_jobs_of_the_client_alone(live_server, server_manager, image_file):
+    client = Client(live_server.url, verbose=False)
+    cancelled_before, ok_before = metric(live_server.url, "cancelled"), metric(live_server.url, "ok")
+    args = lambda seed: ([handle_file(str(image_file))], "make it red", "", seed, False, 8, 4.0, 1, 64, 64)  # noqa: E731
+    # Six jobs: two run on the two workers, four wait in the line (QUEUE_MAX_SIZE=4 on this server).
+    jobs = [client.submit(*args(100 + i), api_name="/edit") for i in range(6)]
+    deadline = time.time() + 60
+    while not (all(w.state == "busy" for w in server_manager.workers) and server_manager.waiting() == 4):
+        assert time.time() < deadline, "the jobs never all reached the manager"
+        time.sleep(0.02)
+    doomed = {1, 3, 5}  # one that may already run, two that wait in line
+    for i in doomed:
+        jobs[i].cancel()
+    seeds = sorted(jobs[i].result(timeout=180)[1] for i in range(6) if i not in doomed)
+    assert seeds == [100 + i for i in range(6) if i not in doomed]
+    deadline = time.time() + 30
+    while metric(live_server.url, "cancelled") - cancelled_before < len(doomed) and time.time() < deadline:
+        time.sleep(0.1)
+    assert metric(live_server.url, "cancelled") - cancelled_before == len(doomed)
+    assert metric(live_server.url, "ok") - ok_before == 6 - len(doomed)
+    client.close()
+
+
+# ---- 3. elongated images ----
+
+@pytest.mark.parametrize("size", [(1, 1000), (1000, 1), (2, 1200), (600, 2)])
+def test_elongated_image_is_a_400_over_rest(live_server, size):
+    r = httpx.post(f"{live_server.url}/v1/images/edits", files={"image": ("long.png", png(*size), "image/png")},
+                   data=EDIT_REST, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_input" and f"{size[0]}x{size[1]}" in error["message"]
+    assert "1:279" in error["message"]
+
+
+def test_elongated_image_is_a_validation_error_over_gradio(live_server, tmp_path):
+    path = tmp_path / "wide.png"
+    path.write_bytes(png(1000, 1))
+    with pytest.raises(ValidationError, match="aspect 1:1000") as info:
+        Client(live_server.url, verbose=False).predict([handle_file(str(path))], "x", "", 1, False, 2, 4.0, 1, 64,
+                                                       64, api_name="/edit")
+    assert "internal" not in str(info.value)
+
+
+@pytest.mark.parametrize("family", ["plus", "edit"])
+def test_the_aspect_limit_is_the_pipelines_own(family, plus_manager, edit_manager):
+    """At the limit the real pipeline edits; one step past it the pipeline itself fails, and we refuse."""
+    from imgedit.errors import InvalidInput
+    from imgedit.jobs import EditRequest
+    from imgedit.validation import max_aspect
+
+    manager = plus_manager if family == "plus" else edit_manager
+    limit = max_aspect(family)
+    assert limit == {"plus": 279, "edit": 163}[family]
+    ok = manager.edit(EditRequest(images=(Image.new("RGB", (limit * 2, 2)),), prompt="x", num_inference_steps=1,
+                                  width=64, height=64, seed=1))
+    assert (ok.width, ok.height) == (64, 64)
+    too_long = Image.new("RGB", (2, (limit + 1) * 2))
+    with pytest.raises(InvalidInput, match="crop or pad"):
+        manager.edit(EditRequest(images=(too_long,), prompt="x", num_inference_steps=1, width=64, height=64))
+    pipe = manager.workers[0].pipe
+    image = [too_long] if family == "plus" else too_long
+    with pytest.raises(ValueError):
+        pipe(image=image, prompt="x", num_inference_steps=1, width=64, height=64, true_cfg_scale=1.0)
+
+
+# ---- 4. /v1 errors in OpenAI's shape ----
+
+@pytest.mark.parametrize("method, path, status", [
+    ("GET", "/v1/images/edits", 405), ("PUT", "/v1/images/edits", 405), ("DELETE", "/v1/images/edits", 405),
+    ("GET", "/v1/models", 404), ("POST", "/v1/chat/completions", 404), ("GET", "/v1", 404),
+    ("POST", "/v1/images/generations", 404), ("GET", "/v1/images/edits/x/../../..", 404),
+])
+def test_v1_wrong_method_or_path_is_openai_shaped(live_server, method, path, status):
+    r = httpx.request(method, f"{live_server.url}{path}", timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"] and "detail" not in r.json()
+    if status == 405:
+        assert r.headers["allow"] == "POST"
+
+
+# ---- 5. stalled uploads ----
+
+@pytest.fixture(scope="module")
+def impatient_server(plus_ckpt):
+    with start_server(make_manager(plus_ckpt, BODY_READ_TIMEOUT="2")) as server:
+        yield server
+
+
+def stalled(port: int, path: str, content_type: str, sent: bytes = b"--x\r\n") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=15)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+                 f"Content-Length: 100000\r\n\r\n".encode() + sent)
+    return sock
+
+
+def read_all(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+@pytest.mark.parametrize("path, content_type", [
+    ("/v1/images/edits", "multipart/form-data; boundary=x"),
+    ("/gradio_api/upload", "multipart/form-data; boundary=x"),
+    ("/gradio_api/queue/join", "application/json"),
+])
+def test_a_stalled_body_is_answered_408_and_its_socket_closed(impatient_server, path, content_type):
+    started = time.time()
+    sock = stalled(impatient_server.port, path, content_type)
+    try:
+        answer = read_all(sock)  # returns once the server has closed the connection
+    finally:
+        sock.close()
+    assert 1.5 < time.time() - started < 10
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), answer[:300]
+    assert "BODY_READ_TIMEOUT" in json.loads(body)["error"]["message"]
+
+
+def test_a_slow_but_moving_upload_is_not_cut_off_and_stalls_hurt_no_one(impatient_server, image_file):
+    stalls = [stalled(impatient_server.port, "/v1/images/edits", "multipart/form-data; boundary=x")
+              for _ in range(4)]
+    try:
+        request = httpx.Request("POST", f"{impatient_server.url}/v1/images/edits",
+                                files={"image": ("in.png", image_file.read_bytes(), "image/png")}, data=EDIT_REST)
+        body = request.read()
+        port = impatient_server.port
+        sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+        head = "".join(f"{k}: {v}\r\n" for k, v in request.headers.items())
+        sock.sendall(f"POST /v1/images/edits HTTP/1.1\r\n{head}\r\n".encode())
+        step = len(body) // 4 + 1
+        for i in range(0, len(body), step):  # 4 pieces, 1.2 s apart: longer in all than the 2 s timeout
+            sock.sendall(body[i:i + step])
+            time.sleep(1.2)
+        answer = read_all_http(sock)
+        sock.close()
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+        r = httpx.get(f"{impatient_server.url}/health", timeout=10)  # others are served meanwhile
+        assert r.status_code == 200
+    finally:
+        for s in stalls:
+            s.close()
+
+
+def read_all_http(sock: socket.socket) -> bytes:
+    """One HTTP/1.1 response with a Content-Length (the connection stays open)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+# ---- 6. every test has a time limit ----
+
+def test_a_hanging_test_fails_fast_and_is_named(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    default = re.search(r"^timeout = (\d+)$", (ROOT / "pyproject.toml").read_text(), re.M)
+    assert default and 0 < int(default.group(1)) <= 600
+    (tmp_path / "test_hang.py").write_text("import time\n\ndef test_sleeps_forever():\n    time.sleep(3600)\n")
+    started = time.time()
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "timeout=2",
+                             str(tmp_path / "test_hang.py")], capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path)
+    assert result.returncode != 0 and time.time() - started < 60
+    assert "Timeout" in result.stdout and "test_sleeps_forever" in result.stdout, result.stdout[-2000:]
