@@ -109,8 +109,11 @@ def timed(manager, req) -> dict:
     wall = time.perf_counter() - t0
     if contrast(result.images[0]) < 1.0:
         raise RuntimeError("a flat (black/NaN) image came back")
+    end = t0 + wall
     return {"wall_s": round(wall, 3), "worker_s": round(result.seconds, 3), "s_per_step": round(clock.per_step, 4),
-            "steps": result.steps, "size": f"{result.width}x{result.height}"}
+            "steps": result.steps, "size": f"{result.width}x{result.height}",
+            # where the time outside the steps goes: up to the first step's end, after the last step
+            "to_first_step_s": round(clock.times[0] - t0, 3), "after_last_step_s": round(end - clock.times[-1], 3)}
 
 
 def memory(manager, monitor) -> dict:

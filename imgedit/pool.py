@@ -1,9 +1,9 @@
 """The worker processes, seen from the server: spawn, watch, restart and stop them.
 
 A `WorkerHandle` is one worker of the plan: one process, or one process per rank for a parallel
-group. Each rank has its own inbox; the worker has one outbox, read by the handle's pump thread,
-which also watches the processes: a rank that dies fails only the job it was running (with a clear
-message), the whole group is stopped and started again (up to WORKER_RESTARTS times, then the
+group. Each rank has an inbox and an outbox pipe; the handle's pump thread reads the outboxes and
+watches the processes (it wakes on a message or on a process's end): a rank that dies fails only
+the job it was running (with a clear message), the whole group is stopped and started again (up to WORKER_RESTARTS times, then the
 worker is reported failed). No torch here: the server process never creates a CUDA context.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import socket
@@ -22,7 +23,7 @@ from dataclasses import replace
 from imgedit.errors import WorkerFailed
 from imgedit.jobs import WorkerStatus
 from imgedit.placement import Placement, WorkerPlan
-from imgedit.runtime.messages import Cancel, Done, Failed, Job, LoadFailed, Ready, Step, Stop, WorkerSpec
+from imgedit.runtime.messages import Cancel, Channel, Done, Failed, Job, LoadFailed, Ready, Step, Stop, WorkerSpec
 
 log = logging.getLogger(__name__)
 _CTX = multiprocessing.get_context("spawn")
@@ -88,8 +89,8 @@ class WorkerHandle:
         self.info: dict = {}
         self.pids: tuple[int, ...] = ()
         self._procs: list = []
-        self._inboxes: list = []
-        self._outbox = None
+        self._inboxes: list[Channel] = []
+        self._outboxes: list = []  # the server's read ends, one per rank
         self._events: queue.Queue | None = None  # the current job's events
         self._ready: set[int] = set()
         self._closing = False
@@ -103,14 +104,15 @@ class WorkerHandle:
 
     def _spawn(self) -> None:
         port = free_port() if self.plan.ranks > 1 else 0
-        self._outbox = _CTX.Queue()
-        self._inboxes, self._procs, self._ready = [], [], set()
+        self._inboxes, self._outboxes, self._procs, self._ready = [], [], [], set()
         for rank in range(self.plan.ranks):
             local, visible = localize(self.plan.for_rank(rank), self.visible)
-            spec = replace(self.spec, rank=rank, world=self.plan.ranks, plan=local, master_port=port)
-            inbox = _CTX.Queue()
+            spec = replace(self.spec, rank=rank, world=self.plan.ranks, plan=local, master_port=port,
+                           devices=self.plan.devices)
+            inbox_read, inbox_write = _CTX.Pipe(duplex=False)
+            outbox_read, outbox_write = _CTX.Pipe(duplex=False)
             proc = _CTX.Process(target=_entry, name=f"imgedit-{self.name}-rank{rank}", daemon=True,
-                                args=(spec, inbox, self._outbox, visible, self.cache_dir, self.log_level))
+                                args=(spec, inbox_read, outbox_write, visible, self.cache_dir, self.log_level))
             with _START_LOCK:  # CUDA_VISIBLE_DEVICES must be right before the child imports anything
                 saved = os.environ.get("CUDA_VISIBLE_DEVICES")
                 if visible is not None:
@@ -122,7 +124,10 @@ class WorkerHandle:
                         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
                     else:
                         os.environ["CUDA_VISIBLE_DEVICES"] = saved
-            self._inboxes.append(inbox)
+            inbox_read.close()  # the child's ends: closed here, so a dead child reads as end-of-file
+            outbox_write.close()
+            self._inboxes.append(Channel(inbox_write))
+            self._outboxes.append(outbox_read)
             self._procs.append(proc)
         self.pids = tuple(p.pid for p in self._procs)
         log.info("%s: started %d process(es) %s on %s", self.name, len(self._procs), self.pids,
@@ -152,10 +157,10 @@ class WorkerHandle:
             if proc.is_alive():
                 proc.kill()
                 proc.join(2)
-        for q in [*self._inboxes, self._outbox]:
-            if q is not None:
-                q.close()
-                q.cancel_join_thread()
+        for channel in self._inboxes:
+            channel.close()
+        for conn in self._outboxes:
+            conn.close()
 
     # ---- jobs (called by the manager's job thread, which holds self.lock) ----
     def submit(self, job: Job) -> queue.Queue:
@@ -181,19 +186,27 @@ class WorkerHandle:
     # ---- the pump: messages and process deaths ----
     def _run_pump(self) -> None:
         while not self._closing and self.state not in ("failed", "stopped"):
+            outboxes, procs = list(self._outboxes), list(self._procs)
             try:
-                message = self._outbox.get(timeout=0.1)
-            except queue.Empty:
-                message = None
-            except (EOFError, OSError, ValueError):  # a queue closed by stop() or a dead writer
-                message = None
+                ready = multiprocessing.connection.wait([*outboxes, *(p.sentinel for p in procs)], timeout=0.5)
+            except (OSError, ValueError):  # closed by stop()
                 time.sleep(0.05)
-            if message is not None:
-                self._handle(message)
                 continue
-            dead = [p for p in self._procs if not p.is_alive()]
-            if dead and not self._closing:
+            for conn in ready:
+                if conn in outboxes:
+                    self._receive(conn)
+            dead = [p for p in procs if not p.is_alive()]
+            if dead and not self._closing and procs == self._procs:
                 self._on_death(dead)
+
+    def _receive(self, conn) -> None:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the rank is gone; its sentinel reports it
+            if conn in self._outboxes:
+                self._outboxes.remove(conn)
+            return
+        self._handle(message)
 
     def _handle(self, message) -> None:
         events = self._events
@@ -227,11 +240,12 @@ class WorkerHandle:
 
     def _on_death(self, dead: list) -> None:
         # Messages a rank sent before it died (its Failed, say) come first.
-        while True:
+        for conn in list(self._outboxes):
             try:
-                self._handle(self._outbox.get_nowait())
-            except (queue.Empty, EOFError, OSError, ValueError):
-                break
+                while conn.poll(0):
+                    self._handle(conn.recv())
+            except (EOFError, OSError):
+                continue
         if self.state in ("failed", "stopped") or self._closing:
             return
         codes = ", ".join(f"rank {self._procs.index(p)} exit code {p.exitcode}" for p in dead)

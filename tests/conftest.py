@@ -63,12 +63,13 @@ def cfg_plan(pairs: int = 1) -> Plan:
 _MANAGERS: list[PipelineManager] = []
 
 
-def make_manager(ckpt: Path, workers: int = 1, plan: Plan | None = None, load: bool = True,
+def make_manager(ckpt: Path, workers: int = 1, plan: Plan | str | None = None, load: bool = True,
                  **env) -> PipelineManager:
     """A real manager with real worker processes on the tiny checkpoint; faults.install runs in every
     worker (prompts with markers inject faults). Closed at the end of the session at the latest."""
     settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cpu", **env})
-    manager = PipelineManager(settings, plan=plan or cpu_plan(workers), worker_hook="faults:install")
+    plan = None if plan == "planner" else plan or cpu_plan(workers)  # "planner": plan from the settings
+    manager = PipelineManager(settings, plan=plan, worker_hook="faults:install")
     _MANAGERS.append(manager)
     return manager.load() if load else manager
 
@@ -88,6 +89,29 @@ def plus_manager(plus_ckpt) -> PipelineManager:
 @pytest.fixture(scope="session")
 def edit_manager(edit_ckpt) -> PipelineManager:
     return make_manager(edit_ckpt)
+
+
+class LocalPipeline:
+    """A pipeline loaded in the test process through our loader (for component-level checks such as
+    the encoding fix; jobs always run in worker processes)."""
+
+    def __init__(self, ckpt: Path):
+        from imgedit import loader
+        from imgedit.encoding import install_token_type_fix
+
+        plan = WorkerPlan("local", {c: Placement("cpu") for c in COMPONENTS})
+        self.pipe = loader.load_pipeline(loader.open_checkpoint(str(ckpt)), plan, torch.float32)
+        self.encoding_fix = install_token_type_fix(self.pipe.text_encoder)
+
+
+@pytest.fixture(scope="session")
+def plus_pipe(plus_ckpt) -> LocalPipeline:
+    return LocalPipeline(plus_ckpt)
+
+
+@pytest.fixture(scope="session")
+def edit_pipe(edit_ckpt) -> LocalPipeline:
+    return LocalPipeline(edit_ckpt)
 
 
 def picture(w: int = 80, h: int = 60, color=(30, 120, 200)) -> Image.Image:

@@ -7,6 +7,7 @@ lowest seam (the transformer's forward), acts on markers in it:
   [bug]         raise an unexpected exception whose text must not reach the user
   [slow]        sleep 0.3 s per forward (time to cancel or kill mid-job)
   [rank1-oom]   raise OutOfMemoryError on rank 1 only (one rank of a pair fails)
+IMGEDIT_TEST_GPU_HEADROOM_GIB caps the worker's GPU memory at its weights plus that many GiB.
 Every forward of the main modules (text encoder, transformer, VAE encoder/decoder) appends
 "<pid> enter|leave <module>" to the file named by IMGEDIT_TEST_PROBE, if set (conftest.ConcurrencyProbe reads it).
 """
@@ -20,6 +21,11 @@ import torch
 
 
 def install(pipe, spec) -> None:
+    headroom = os.environ.get("IMGEDIT_TEST_GPU_HEADROOM_GIB")
+    if headroom and torch.cuda.is_available():  # cap this worker's GPU memory a little above its weights
+        total = torch.cuda.get_device_properties(0).total_memory
+        fraction = min(1.0, (torch.cuda.memory_allocated(0) + float(headroom) * 1024**3) / total)
+        torch.cuda.set_per_process_memory_fraction(fraction, 0)
     current = {"prompt": ""}
     encode = pipe.encode_prompt
 
@@ -54,8 +60,10 @@ def install(pipe, spec) -> None:
             return hook
 
         # The transformer's first block, not the transformer: a CFG-parallel rank answers one of the
-        # two transformer calls per step without computing it.
-        modules = {"text_encoder": pipe.text_encoder, "transformer": pipe.transformer.transformer_blocks[0],
+        # two transformer calls per step without computing it. (A compiled block takes no file-writing
+        # hook: then the transformer itself.)
+        block = pipe.transformer if spec.compile else pipe.transformer.transformer_blocks[0]
+        modules = {"text_encoder": pipe.text_encoder, "transformer": block,
                    "vae_encoder": pipe.vae.encoder, "vae_decoder": pipe.vae.decoder}
         for name, module in modules.items():
             module.register_forward_pre_hook(mark("enter", name))

@@ -46,8 +46,7 @@ def encode(pipe, images):
 
 @pytest.mark.parametrize("family, n_images", [("edit", 1), ("plus", 2)])
 def test_pipeline_embeddings_match_the_encoder_with_full_processor_output(family, n_images, request):
-    manager = request.getfixturevalue(f"{family}_manager")
-    worker = manager.workers[0]
+    worker = request.getfixturevalue(f"{family}_pipe")
     pipe = worker.pipe
     images = [picture(64, 48), picture(48, 64, (200, 20, 20))][:n_images]
     images = images if family == "plus" else images[0]
@@ -71,8 +70,8 @@ def test_pipeline_embeddings_match_the_encoder_with_full_processor_output(family
         worker.encoding_fix = install_token_type_fix(pipe.text_encoder)
 
 
-def test_ids_derived_from_tokens_equal_the_processors(plus_manager):
-    pipe = plus_manager.workers[0].pipe
+def test_ids_derived_from_tokens_equal_the_processors(plus_pipe):
+    pipe = plus_pipe.pipe
     out = pipe.processor(text=["<|vision_start|><|image_pad|><|vision_end|> hi"], images=[picture(64, 64)],
                          return_tensors="pt")
     cfg = pipe.text_encoder.config
@@ -80,9 +79,9 @@ def test_ids_derived_from_tokens_equal_the_processors(plus_manager):
     assert torch.equal(derived, out["mm_token_type_ids"].to(derived.dtype))
 
 
-def test_the_hook_steps_aside_when_the_caller_passes_the_ids(plus_manager):
+def test_the_hook_steps_aside_when_the_caller_passes_the_ids(plus_pipe):
     """Once diffusers forwards mm_token_type_ids itself, the hook must not pass them twice or change them."""
-    pipe = plus_manager.workers[0].pipe
+    pipe = plus_pipe.pipe
     out = pipe.processor(text=["<|vision_start|><|image_pad|><|vision_end|> hi"], images=[picture(64, 64)],
                          return_tensors="pt")
     zeros = torch.zeros_like(out["mm_token_type_ids"])  # deliberately "wrong": the hook must keep them

@@ -182,7 +182,7 @@ def test_elongated_image_is_a_validation_error_over_gradio(live_server, tmp_path
 
 
 @pytest.mark.parametrize("family", ["plus", "edit"])
-def test_the_aspect_limit_is_the_pipelines_own(family, plus_manager, edit_manager):
+def test_the_aspect_limit_is_the_pipelines_own(family, plus_manager, edit_manager, plus_pipe, edit_pipe):
     """At the limit the real pipeline edits; one step past it the pipeline itself fails, and we refuse."""
     from imgedit.errors import InvalidInput
     from imgedit.jobs import EditRequest
@@ -197,7 +197,7 @@ def test_the_aspect_limit_is_the_pipelines_own(family, plus_manager, edit_manage
     too_long = Image.new("RGB", (2, (limit + 1) * 2))
     with pytest.raises(InvalidInput, match="crop or pad"):
         manager.edit(EditRequest(images=(too_long,), prompt="x", num_inference_steps=1, width=64, height=64))
-    pipe = manager.workers[0].pipe
+    pipe = (plus_pipe if family == "plus" else edit_pipe).pipe
     image = [too_long] if family == "plus" else too_long
     with pytest.raises(ValueError):
         pipe(image=image, prompt="x", num_inference_steps=1, width=64, height=64, true_cfg_scale=1.0)

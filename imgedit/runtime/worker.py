@@ -16,7 +16,7 @@ import time
 import traceback
 
 from imgedit.errors import Cancelled, ImgEditError
-from imgedit.runtime.messages import Cancel, Done, Failed, Job, LoadFailed, Ready, Step, Stop, WorkerSpec
+from imgedit.runtime.messages import Cancel, Channel, Done, Failed, Job, LoadFailed, Ready, Step, Stop, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,7 @@ def main(spec: WorkerSpec, inbox, outbox, visible_devices: str | None, cache_dir
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     if cache_dir:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.expanduser(cache_dir))
+    inbox, outbox = Channel(inbox), Channel(outbox)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s {spec.name}.{spec.rank}: %(message)s")
     _watch_parent(os.getppid())
     try:
@@ -72,7 +73,8 @@ def _load(spec: WorkerSpec):
         dtype = torch.float32
     pipe = loader.load_pipeline(spec.checkpoint, plan, dtype)
     install_token_type_fix(pipe.text_encoder)
-    runner = Runner(pipe, spec.name, plan.devices, spec.rank, spec.world, spec.parallel, group, spec.auto_cleanup)
+    runner = Runner(pipe, spec.name, spec.devices or plan.devices, spec.rank, spec.world, spec.parallel, group,
+                    spec.auto_cleanup)
     info: dict = {"compiled": False, "load_seconds": round(time.perf_counter() - started, 2)}
     if spec.hook:
         module, _, function = spec.hook.partition(":")
@@ -168,7 +170,6 @@ def _serve(spec: WorkerSpec, runner, inbox, outbox) -> None:
                 outbox.put(Done(job.request_id, result))
         except FatalError as exc:
             outbox.put(Failed(job.request_id, exc.kind, exc.message, spec.rank, fatal=True))
-            _flush(outbox)
             os._exit(1)
         except Cancelled as exc:
             if spec.rank == 0:
@@ -181,16 +182,9 @@ def _serve(spec: WorkerSpec, runner, inbox, outbox) -> None:
             outbox.put(Failed(job.request_id, "internal",
                               f"the edit failed with an internal error (request {job.request_id})",
                               spec.rank, fatal=True))
-            _flush(outbox)
             os._exit(1)
         finally:
             with lock:
                 current.pop(job.request_id, None)
                 cancelled.discard(job.request_id)
         runner.cleanup()
-
-
-def _flush(outbox) -> None:
-    """Let the queue's feeder thread write what was put before the process ends."""
-    outbox.close()
-    outbox.join_thread()
