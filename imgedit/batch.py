@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import re
 import secrets
 import threading
 import time
@@ -146,6 +147,12 @@ def _zip_members(name: str, data: bytes, room: int, max_file_size: int) -> list[
         raise InvalidInput(f"{name} is not a readable zip file", "images") from None
 
 
+def clean_name(name: str, index: int) -> str:
+    """File names come from users and end up in messages, the page and zip entries: keep them plain."""
+    clean = re.sub(r"[^\w.\- ]", "_", PurePosixPath(name.replace("\\", "/")).name)[:80].strip(" .")
+    return clean or f"item-{index + 1}"
+
+
 def results_zip(items: list[tuple[str, HistoryEntry | None, str | None]]) -> bytes:
     """A zip of every stored output, named after its item, plus errors.txt for items without one."""
     buffer = io.BytesIO()
@@ -191,7 +198,7 @@ class JobService:
         if status.waiting >= settings.queue_max_size and not any(w.state == "idle" for w in status.workers):
             raise QueueFull(f"the server is busy ({status.waiting} jobs waiting); try again later")
         job = Job("job_" + secrets.token_urlsafe(12), owner, source, template,
-                  [Item(n, name, data) for n, (name, data) in enumerate(inputs)])
+                  [Item(n, clean_name(name, n), data) for n, (name, data) in enumerate(inputs)])
         ahead = status.waiting + sum(w.state == "busy" for w in status.workers)
         job.items[0].position = ahead
         self._jobs[job.id] = job

@@ -18,8 +18,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from PIL import Image
-
 from imgedit.jobs import EditRequest, EditResult
 from imgedit.settings import Settings
 

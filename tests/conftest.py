@@ -7,6 +7,7 @@ image-edit model, loaded through our own settings, planner and loader.
 from __future__ import annotations
 
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -51,6 +52,7 @@ def cpu_plan(workers: int) -> Plan:
 
 
 def make_manager(ckpt: Path, workers: int = 1, **env) -> PipelineManager:
+    env.setdefault("OUTPUT_DIR", tempfile.mkdtemp(prefix="imgedit-outputs-"))  # history: never ~/.cache
     settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cpu", **env})
     return PipelineManager(settings, plan=cpu_plan(workers)).load()
 
