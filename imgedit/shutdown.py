@@ -52,6 +52,18 @@ class Drainable(Protocol):
     def close(self) -> None: ...
 
 
+class _Linked(threading.Event):
+    """Set by the drain or by the caller's own cancel flag; the drain never sets the caller's flag
+    (a batch's flag set by the drain would read as "cancelled by the user")."""
+
+    def __init__(self, outer: threading.Event | None):
+        super().__init__()
+        self.outer = outer
+
+    def is_set(self) -> bool:
+        return super().is_set() or (self.outer is not None and self.outer.is_set())
+
+
 class _InFlight:
     __slots__ = ("request_id", "cancel", "reason")
 
@@ -80,13 +92,13 @@ class Draining:
                   ) -> EditResult:
         if self._refusal is not None:
             raise ShuttingDown(self._refusal)
-        job = _InFlight(req.request_id, cancel or threading.Event())
+        job = _InFlight(req.request_id, _Linked(cancel))
         with self._cond:
             self._jobs[id(job)] = job
         try:
             return await self._manager.run(req, on_step=on_step, on_wait=on_wait, cancel=job.cancel)
         except Cancelled:
-            if job.reason is not None:
+            if job.reason is not None and not (cancel is not None and cancel.is_set()):
                 raise ShuttingDown(job.reason) from None
             raise
         finally:
