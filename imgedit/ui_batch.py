@@ -47,7 +47,7 @@ def build_batch_tab(manager, jobs: JobService, settings_inputs: list) -> None:
     (negative prompt, seed, randomize, steps, cfg, images per prompt, width, height)."""
     settings = manager.settings
     with gr.Tab("Batch", id="batch"):
-        gr.Markdown("One prompt over many images, with the settings under *Advanced* above. Each image is "
+        gr.Markdown("One prompt over many images, with the editor's settings above (steps, seed, size). Each image is "
                     "its own edit in the shared line, so single edits are not held up by a batch.")
         files = gr.File(label=f"Images or a .zip of images (up to {settings.batch_max_items})",
                         file_count="multiple", file_types=["image", ".zip"], elem_id="batch-files")

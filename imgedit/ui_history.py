@@ -65,8 +65,10 @@ def build_history_tab(manager, history: HistoryStore, edit_inputs: list, result,
         refresh = gr.Button("Refresh", elem_id="history-refresh")
         listing = gr.Gallery(label="Past edits", columns=6, height=280, allow_preview=False, interactive=False,
                              elem_id="history-gallery")
-        ids = gr.State([])
-        chosen = gr.State(None)
+        # Plain hidden components, not gr.State: a State makes the page hold a heartbeat connection
+        # open. Ids are no secret: every lookup checks the caller's owner again.
+        ids = gr.JSON([], visible=False)
+        chosen = gr.Textbox(visible=False)
         details = gr.Markdown(elem_id="history-details")
         outputs = gr.Gallery(label="Result", format="png", columns=2, interactive=False, elem_id="history-result")
         download = gr.File(label="Download", interactive=False, elem_id="history-download")
