@@ -176,3 +176,24 @@ def test_platform_grace_periods_cover_the_drain():
     assert pod["terminationGracePeriodSeconds"] >= needed
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     assert int(env["SHUTDOWN_GRACE_S"]) + STRAGGLER_S + UVICORN_CLOSE_S <= pod["terminationGracePeriodSeconds"]
+
+
+def test_while_draining_the_page_and_rest_say_shutting_down(plus_ckpt, image_file):
+    from conftest import make_manager, start_server
+    from gradio_client import Client, handle_file
+    from gradio_client.exceptions import AppError
+
+    with start_server(make_manager(plus_ckpt)) as server:
+        client = Client(server.url, verbose=False)
+        shutdown = server.server.config.app.state.shutdown
+        shutdown.begin()  # what SIGTERM does, minus the exit at the end
+        assert shutdown.finished.wait(10)
+        with pytest.raises(AppError, match="shutting down"):
+            client.predict([handle_file(str(image_file))], "make it red", "", 1, False, 2, 4.0, 1, 64, 64,
+                           api_name="/edit")
+        health = httpx.get(f"{server.url}/health", timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "shutting_down"
+        jobs = httpx.post(f"{server.url}/v1/jobs", files=[("image", ("a.png", png(), "image/png"))], data=FIELDS,
+                          timeout=30)
+        assert jobs.status_code == 503 and jobs.json()["error"]["code"] == "shutting_down"
+        assert httpx.get(f"{server.url}/v1/jobs/job_unknown", timeout=10).status_code == 404  # reads still work
