@@ -30,7 +30,7 @@ from imgedit.validation import check_counts, check_params
 log = logging.getLogger(__name__)
 
 STATUS = {"invalid_input": 400, "too_large": 413, "busy": 429, "cancelled": 499, "out_of_memory": 507,
-          "worker_failed": 503, "not_ready": 503}
+          "worker_failed": 503, "not_ready": 503, "shutting_down": 503}
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
               405: "invalid_request_error", 413: "invalid_request_error",
               429: "rate_limit_error", 503: "server_error", 507: "server_error", 500: "server_error"}
@@ -130,6 +130,10 @@ def build_router(manager, metrics: Metrics, monitor: GpuMonitor) -> APIRouter:
             return openai_error(500, f"internal error (request {req.request_id})", "internal_error")
         finally:
             watcher.cancel()
+        if (history := getattr(request.app.state, "history", None)) is not None:  # imgedit.history
+            from imgedit.identity import rest_owner
+
+            await history.record(rest_owner(request), req.request_id, 0, req, result)
         data = await asyncio.to_thread(_b64_pngs, result.images)  # PNG encoding: off the event loop
         return JSONResponse({"created": int(time.time()), "data": data, "output_format": "png",
                              "size": f"{result.width}x{result.height}", "seed": result.seed,

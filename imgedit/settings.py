@@ -189,6 +189,17 @@ REGISTRY: tuple[Var, ...] = (
     Var("GRADIO_SERVER_PORT", "7860", _int_range(1, 65535), "Port the server listens on (UI, API, REST)"),
     Var("API_KEY", "", _optional_str, "When set, /metrics and /v1/* need 'Authorization: Bearer <key>'"),
     Var("GRADIO_AUTH", "", _optional_str, "Optional basic auth for the UI, as user:password"),
+    Var("OUTPUT_DIR", "~/.cache/imgedit/outputs", _str,
+        "Where finished edits (PNGs, inputs for re-runs) and the history index (SQLite) are kept"),
+    Var("OUTPUT_RETENTION_HOURS", "168", _float_range(0.0, 1_000_000.0),
+        "Delete stored results older than this many hours; 0 = keep until OUTPUT_MAX_GB"),
+    Var("OUTPUT_MAX_GB", "20", _float_range(0.0, 1_000_000.0),
+        "Most disk space stored results may take (GB); the oldest go first; 0 = no limit"),
+    Var("BATCH_MAX_ITEMS", "32", _int_range(1, 1000), "Most input sets (images) in one batch job"),
+    Var("JOBS_MAX_PENDING", "128", _int_range(1, 100_000),
+        "Most batch and async-job items held unfinished at once; more get 'busy, try later'"),
+    Var("SHUTDOWN_GRACE_S", "60", _int_range(0, 3600),
+        "On SIGTERM: seconds running jobs get to finish (keep compose/k8s grace periods above it)"),
 )
 
 
@@ -225,6 +236,12 @@ class Settings:
     gradio_server_port: int = 7860
     api_key: str | None = None
     gradio_auth: str | None = None
+    output_dir: str = "~/.cache/imgedit/outputs"
+    output_retention_hours: float = 168.0
+    output_max_gb: float = 20.0
+    batch_max_items: int = 32
+    jobs_max_pending: int = 128
+    shutdown_grace_s: int = 60
     cuda_visible_devices: str | None = None
 
     @property

@@ -17,6 +17,7 @@ import gradio as gr
 
 from imgedit.errors import ImgEditError, InvalidInput
 from imgedit.gpus import GpuMonitor, panel_html, snapshot
+from imgedit.identity import page_owner
 from imgedit.images import open_image
 from imgedit.jobs import EditRequest
 from imgedit.uploads import gallery_paths, uploaded_paths
@@ -72,7 +73,7 @@ def build_request(manager, files, prompt, negative_prompt, seed, randomize_seed,
         width=_number(width, "width", 0) or None, height=_number(height, "height", 0) or None, source=source)
 
 
-def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None) -> gr.Blocks:
+def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None, history=None, jobs=None) -> gr.Blocks:
     settings = manager.settings
     monitor = monitor or GpuMonitor()
     max_inputs = MAX_INPUT_IMAGES["plus"]
@@ -117,6 +118,8 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None)
             result = await manager.run(req, on_step=on_step, on_wait=on_wait)
         except Exception as exc:
             raise user_error(exc) from None
+        if history is not None and (owner := page_owner(request, settings.auth is not None)):
+            await history.record(owner, req.request_id, 0, req, result)
         return result.images, result.seed
 
     def preview_inputs(files) -> list[str]:
@@ -191,4 +194,13 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None)
         again.click(use_result, result, files, queue=False, preprocess=False, api_visibility="private")
         timer.tick(panel, None, gpu_panel, queue=False, api_visibility="private")
         gr.api(gpu_status, api_name="gpu_status", queue=False)
+        if jobs is not None:  # Batch and History tabs (imgedit.ui_batch, imgedit.ui_history)
+            from imgedit.ui_batch import build_batch_tab
+            from imgedit.ui_history import build_history_tab
+
+            with gr.Tabs():
+                build_batch_tab(manager, jobs, inputs[2:])
+                history_api = build_history_tab(manager, history, inputs, result, used_seed, edit, GPU_GROUP,
+                                                validate)
+            gr.api(history_api, api_name="history", queue=False)
     return blocks

@@ -67,6 +67,7 @@ def make_manager(ckpt: Path, workers: int = 1, plan: Plan | str | None = None, l
                  **env) -> PipelineManager:
     """A real manager with real worker processes on the tiny checkpoint; faults.install runs in every
     worker (prompts with markers inject faults). Closed at the end of the session at the latest."""
+    env.setdefault("OUTPUT_DIR", tempfile.mkdtemp(prefix="imgedit-outputs-"))  # history: never ~/.cache
     settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cpu", **env})
     plan = None if plan == "planner" else plan or cpu_plan(workers)  # "planner": plan from the settings
     manager = PipelineManager(settings, plan=plan, worker_hook="faults:install")

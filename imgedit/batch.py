@@ -1,0 +1,274 @@
+"""Jobs that outlive a request: one prompt and settings over one or many input sets (a batch).
+
+Both the async REST API (`/v1/jobs`) and the page's Batch tab submit here. Each item is an ordinary
+edit in the manager's one FIFO line. Fairness: a job keeps at most one item per worker in the line
+at a time; the next item joins at the back only when one finishes, so an edit submitted while a
+batch runs waits for at most the batch items already in line (one per worker), never for the rest
+of the batch. Two batches alternate the same way. Finished items are stored in the history, and
+results are read back from there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import re
+import secrets
+import threading
+import time
+import zipfile
+from dataclasses import dataclass, field, replace
+from pathlib import PurePosixPath
+
+from imgedit.errors import Cancelled, ImgEditError, InputTooLarge, InvalidInput, QueueFull
+from imgedit.history import HistoryEntry, HistoryStore
+from imgedit.images import open_image
+from imgedit.jobs import EditRequest, new_request_id
+
+log = logging.getLogger(__name__)
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+FINISHED = ("succeeded", "partial", "failed", "cancelled")
+KEEP_FINISHED_S = 3600.0  # finished jobs stay in memory this long; afterwards the history answers
+RETRY_BUSY_S = 1.0
+
+
+@dataclass
+class Item:
+    index: int
+    name: str
+    inputs: list[bytes] | None  # encoded images; dropped once the item has run
+    state: str = "queued"  # queued | running | succeeded | failed | cancelled
+    error: str | None = None
+    seed: int | None = None
+    step: int = 0
+    total_steps: int = 0
+    position: int | None = None  # jobs ahead in line, while waiting there
+    entry: HistoryEntry | None = None
+
+    def view(self) -> dict:
+        return {"index": self.index, "name": self.name, "state": self.state, "seed": self.seed, "step": self.step,
+                "total_steps": self.total_steps, "error": self.error,
+                "outputs": self.entry.outputs if self.entry else 0}
+
+
+@dataclass
+class Job:
+    id: str
+    owner: str
+    source: str
+    template: EditRequest  # the prompt and settings; images=() here, per item below
+    items: list[Item]
+    created: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def state(self) -> str:
+        states = [i.state for i in self.items]
+        if any(s in ("queued", "running") for s in states):
+            return "running" if any(s != "queued" for s in states) else "queued"
+        if self.cancel.is_set() and "succeeded" not in states:
+            return "cancelled"
+        ok = states.count("succeeded")
+        return "succeeded" if ok == len(states) else ("failed" if ok == 0 else "partial")
+
+    @property
+    def finished(self) -> bool:
+        return self.state in FINISHED
+
+    @property
+    def position(self) -> int | None:
+        waiting = [i.position for i in self.items if i.state == "queued" and i.position is not None]
+        return min(waiting) if waiting else None
+
+    def touch(self) -> None:
+        self._changed.set()
+
+    async def wait_change(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        self._changed.clear()
+
+    def view(self) -> dict:
+        t = self.template
+        return {"id": self.id, "object": "job", "state": self.state, "created": int(self.created),
+                "position": self.position, "prompt": t.prompt, "num_inference_steps": t.num_inference_steps,
+                "n": t.num_images, "items": [i.view() for i in self.items],
+                "done": sum(i.state == "succeeded" for i in self.items),
+                "failed": sum(i.state in ("failed", "cancelled") for i in self.items)}
+
+    def entries(self) -> list[HistoryEntry]:
+        return [i.entry for i in self.items if i.entry is not None]
+
+
+def expand_uploads(files: list[tuple[str, bytes]], max_items: int, max_file_size: int) -> list[tuple[str, bytes]]:
+    """Uploaded files to one (name, bytes) per item: a zip gives its images, in name order."""
+    out: list[tuple[str, bytes]] = []
+    for name, data in files:
+        if data[:4] == b"PK\x03\x04" or name.lower().endswith(".zip"):
+            out += _zip_members(name, data, max_items - len(out), max_file_size)
+        else:
+            out.append((name, data))
+        if len(out) > max_items:
+            raise InvalidInput(f"more than {max_items} images in one batch (BATCH_MAX_ITEMS)", "images")
+    if not out:
+        raise InvalidInput("no input image: upload the images to edit (or a zip of them)", "images")
+    return out
+
+
+def _zip_members(name: str, data: bytes, room: int, max_file_size: int) -> list[tuple[str, bytes]]:
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        members = sorted((i for i in archive.infolist() if not i.is_dir()), key=lambda i: i.filename)
+        out = []
+        for info in members:
+            path = PurePosixPath(info.filename)
+            if path.name.startswith(".") or "__MACOSX" in path.parts or path.suffix.lower() not in IMAGE_SUFFIXES:
+                continue
+            if len(out) >= room:
+                out.append((path.name, b""))  # one over: the caller reports the limit
+                break
+            if info.file_size > max_file_size:
+                raise InputTooLarge(f"{path.name} in {name} is larger than {max_file_size:,} bytes (MAX_FILE_SIZE)")
+            with archive.open(info) as member:
+                raw = member.read(max_file_size + 1)  # the header's size is not trusted
+            if len(raw) > max_file_size:
+                raise InputTooLarge(f"{path.name} in {name} is larger than {max_file_size:,} bytes (MAX_FILE_SIZE)")
+            out.append((path.name, raw))
+        return out
+    except ImgEditError:
+        raise
+    except Exception:
+        raise InvalidInput(f"{name} is not a readable zip file", "images") from None
+
+
+def clean_name(name: str, index: int) -> str:
+    """File names come from users and end up in messages, the page and zip entries: keep them plain."""
+    clean = re.sub(r"[^\w.\- ]", "_", PurePosixPath(name.replace("\\", "/")).name)[:80].strip(" .")
+    return clean or f"item-{index + 1}"
+
+
+def results_zip(items: list[tuple[str, HistoryEntry | None, str | None]]) -> bytes:
+    """A zip of every stored output, named after its item, plus errors.txt for items without one."""
+    buffer = io.BytesIO()
+    errors = []
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:  # PNGs are compressed already
+        for n, (name, entry, error) in enumerate(items, 1):
+            stem = PurePosixPath(name).stem or f"item-{n}"
+            if entry is None:
+                errors.append(f"{n:03d} {name}: {error or 'no result'}")
+                continue
+            for k, path in enumerate(entry.output_paths):
+                suffix = f"-{k + 1}" if entry.outputs > 1 else ""
+                archive.write(path, f"{n:03d}-{stem}{suffix}.png")
+        if errors:
+            archive.writestr("errors.txt", "\n".join(errors) + "\n")
+    return buffer.getvalue()
+
+
+class JobService:
+    """Accepts jobs, runs their items through the manager and keeps them (by owner) for lookups."""
+
+    def __init__(self, manager, history: HistoryStore):
+        self.manager = manager
+        self.settings = manager.settings
+        self.history = history
+        self._jobs: dict[str, Job] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    def pending_items(self) -> int:
+        return sum(i.state in ("queued", "running") for j in self._jobs.values() for i in j.items)
+
+    def submit(self, owner: str, template: EditRequest, inputs: list[tuple[str, list[bytes]]], source: str) -> Job:
+        """Start a job (on the running event loop). Raises InvalidInput or QueueFull."""
+        settings = self.settings
+        if len(inputs) > settings.batch_max_items:
+            raise InvalidInput(f"{len(inputs)} input sets; a job takes at most {settings.batch_max_items} "
+                               "(BATCH_MAX_ITEMS)", "images")
+        self._forget_old()
+        pending = self.pending_items()
+        if pending + len(inputs) > settings.jobs_max_pending:
+            raise QueueFull(f"the server is busy ({pending} batch items unfinished); try again later")
+        status = self.manager.status()
+        if status.waiting >= settings.queue_max_size and not any(w.state == "idle" for w in status.workers):
+            raise QueueFull(f"the server is busy ({status.waiting} jobs waiting); try again later")
+        job = Job("job_" + secrets.token_urlsafe(12), owner, source, template,
+                  [Item(n, clean_name(name, n), data) for n, (name, data) in enumerate(inputs)])
+        ahead = status.waiting + sum(w.state == "busy" for w in status.workers)
+        job.items[0].position = ahead
+        self._jobs[job.id] = job
+        task = asyncio.get_running_loop().create_task(self._run(job))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        log.info("%s source=%s items=%d accepted", job.id, source, len(inputs))
+        return job
+
+    def get(self, owner: str, job_id: str) -> Job | None:
+        job = self._jobs.get(job_id)
+        return job if job is not None and job.owner == owner else None
+
+    def _forget_old(self) -> None:
+        now = time.time()
+        for job_id in [j.id for j in self._jobs.values() if j.finished_at and now - j.finished_at > KEEP_FINISHED_S]:
+            del self._jobs[job_id]
+
+    async def _run(self, job: Job) -> None:
+        slots = asyncio.Semaphore(max(1, len(self.manager.status().workers)))
+
+        async def one(item: Item) -> None:
+            async with slots:  # FIFO: items join the line in order, one per worker at a time
+                await self._run_item(job, item)
+                job.touch()
+
+        try:
+            await asyncio.gather(*(one(item) for item in job.items))
+        finally:
+            for item in job.items:  # the task itself was cancelled (server stopping)
+                if item.state in ("queued", "running"):
+                    item.state, item.error, item.inputs = "cancelled", "stopped", None
+            job.finished_at = time.time()
+            job.touch()
+            log.info("%s %s: %d/%d succeeded", job.id, job.state, sum(i.state == "succeeded" for i in job.items),
+                     len(job.items))
+
+    async def _run_item(self, job: Job, item: Item) -> None:
+        settings = self.settings
+        try:
+            if job.cancel.is_set():
+                raise Cancelled("cancelled before it started")
+            images = await asyncio.to_thread(
+                lambda: tuple(open_image(raw, settings.max_input_pixels, f"{item.name}") for raw in item.inputs))
+            req = replace(job.template, images=images, request_id=new_request_id(), source=job.source)
+
+            def on_wait(ahead: int) -> None:
+                item.position = ahead
+
+            def on_step(step: int, total: int) -> None:
+                item.state, item.position, item.step, item.total_steps = "running", None, step, total
+
+            while True:
+                try:
+                    result = await self.manager.run(req, on_step=on_step, on_wait=on_wait, cancel=job.cancel)
+                    break
+                except QueueFull:  # the job was accepted: wait for room instead of failing the item
+                    if job.cancel.is_set():
+                        raise Cancelled("cancelled while waiting") from None
+                    await asyncio.sleep(RETRY_BUSY_S)
+            item.seed = result.seed
+            item.entry = await asyncio.to_thread(self.history.save, job.owner, job.id, item.index, req, result,
+                                                 item.name)
+            item.state = "succeeded"
+        except Cancelled as exc:
+            item.state, item.error = "cancelled", exc.message
+        except ImgEditError as exc:
+            item.state, item.error = "failed", exc.message
+        except Exception:
+            log.exception("%s item %d failed", job.id, item.index)
+            item.state, item.error = "failed", f"internal error (job {job.id}, item {item.index + 1})"
+        finally:
+            item.inputs, item.position = None, None

@@ -1,0 +1,224 @@
+"""Finished edits on disk: PNGs and inputs under OUTPUT_DIR, indexed in SQLite, pruned by age and size.
+
+One folder per stored item (`<day>/<id>/`: `out-N.png`, `in-N.png`, `thumb.png`) and one row in
+`history.sqlite3`. Rows are keyed by an owner (a browser, a user or an API token, see
+`imgedit.identity`), so a lookup always names the owner too: another owner's id is simply not found.
+Only successful jobs are stored; nothing is written for a failed or cancelled one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import shutil
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from imgedit.jobs import EditRequest, EditResult
+from imgedit.settings import Settings
+
+log = logging.getLogger(__name__)
+
+DB_NAME = "history.sqlite3"
+THUMB_SIDE = 256
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS results (
+    id TEXT PRIMARY KEY,
+    job_id TEXT NOT NULL,
+    item INTEGER NOT NULL,
+    owner TEXT NOT NULL,
+    created REAL NOT NULL,
+    source TEXT NOT NULL,
+    name TEXT NOT NULL,
+    prompt TEXT NOT NULL,
+    negative_prompt TEXT NOT NULL,
+    seed INTEGER NOT NULL,
+    steps INTEGER NOT NULL,
+    true_cfg_scale REAL,
+    num_images INTEGER NOT NULL,
+    width INTEGER,
+    height INTEGER,
+    out_width INTEGER NOT NULL,
+    out_height INTEGER NOT NULL,
+    outputs INTEGER NOT NULL,
+    inputs INTEGER NOT NULL,
+    folder TEXT NOT NULL,
+    bytes INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS results_owner ON results (owner, created);
+CREATE INDEX IF NOT EXISTS results_job ON results (job_id, item);
+CREATE INDEX IF NOT EXISTS results_created ON results (created);
+"""
+_COLUMNS = ("id, job_id, item, owner, created, source, name, prompt, negative_prompt, seed, steps, true_cfg_scale, "
+            "num_images, width, height, out_width, out_height, outputs, inputs, folder, bytes")
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    """One stored item: the settings that made it (enough to re-run it) and where its files are."""
+
+    id: str
+    job_id: str
+    item: int
+    owner: str
+    created: float
+    source: str
+    name: str
+    prompt: str
+    negative_prompt: str
+    seed: int
+    steps: int
+    true_cfg_scale: float | None  # None: the server's default at the time
+    num_images: int
+    width: int | None  # as asked for; None = automatic
+    height: int | None
+    out_width: int
+    out_height: int
+    outputs: int
+    inputs: int
+    folder: Path
+    bytes: int
+
+    @property
+    def output_paths(self) -> list[Path]:
+        return [self.folder / f"out-{i}.png" for i in range(self.outputs)]
+
+    @property
+    def input_paths(self) -> list[Path]:
+        return [self.folder / f"in-{i}.png" for i in range(self.inputs)]
+
+    @property
+    def thumb_path(self) -> Path:
+        return self.folder / "thumb.png"
+
+
+class HistoryStore:
+    """Thread-safe: one SQLite connection behind a lock (writes are a few rows per finished job)."""
+
+    def __init__(self, root: str | Path, retention_hours: float = 0.0, max_bytes: int = 0):
+        self.root = Path(root).expanduser().resolve()
+        self.retention_s = retention_hours * 3600.0
+        self.max_bytes = max_bytes
+        self.root.mkdir(parents=True, exist_ok=True)
+        for leftover in self.root.glob("*/.partial-*"):  # a crash while writing: never indexed
+            shutil.rmtree(leftover, ignore_errors=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.root / DB_NAME, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.executescript(_SCHEMA)
+        self.prune()
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> HistoryStore:
+        return cls(settings.output_dir, settings.output_retention_hours, int(settings.output_max_gb * 1e9))
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # ---- writing ----
+    def save(self, owner: str, job_id: str, item: int, req: EditRequest, result: EditResult,
+             name: str = "") -> HistoryEntry:
+        """Write the result's PNGs, the inputs (for a re-run) and a thumbnail, then index them."""
+        entry_id = secrets.token_hex(8)  # request ids repeat across restarts; these never collide
+        created = time.time()
+        day = self.root / time.strftime("%Y-%m-%d", time.gmtime(created))
+        day.mkdir(parents=True, exist_ok=True)
+        partial = day / f".partial-{entry_id}"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        try:
+            for i, image in enumerate(result.images):
+                image.save(partial / f"out-{i}.png", format="PNG")
+            for i, image in enumerate(req.images):
+                image.save(partial / f"in-{i}.png", format="PNG")
+            thumb = result.images[0].copy()
+            thumb.thumbnail((THUMB_SIDE, THUMB_SIDE))
+            thumb.save(partial / "thumb.png", format="PNG")
+            size = sum(p.stat().st_size for p in partial.iterdir())
+            folder = day / entry_id
+            shutil.rmtree(folder, ignore_errors=True)
+            partial.rename(folder)  # atomic: a folder is either complete or absent
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        entry = HistoryEntry(
+            entry_id, job_id, item, owner, created, req.source, name or f"item {item + 1}", req.prompt,
+            req.negative_prompt or "", result.seed, result.steps, req.true_cfg_scale, len(result.images),
+            req.width, req.height, result.width, result.height, len(result.images), len(req.images), folder, size)
+        row = (entry.id, entry.job_id, entry.item, entry.owner, entry.created, entry.source, entry.name, entry.prompt,
+               entry.negative_prompt, entry.seed, entry.steps, entry.true_cfg_scale, entry.num_images, entry.width,
+               entry.height, entry.out_width, entry.out_height, entry.outputs, entry.inputs,
+               str(folder.relative_to(self.root)), entry.bytes)
+        with self._lock:
+            self._db.execute(f"INSERT OR REPLACE INTO results ({_COLUMNS}) VALUES ({', '.join('?' * 21)})", row)
+        self.prune()
+        return entry
+
+    async def record(self, owner: str, job_id: str, item: int, req: EditRequest, result: EditResult,
+                     name: str = "") -> HistoryEntry | None:
+        """`save` off the event loop; a full disk is logged, never turned into a failed edit."""
+        try:
+            return await asyncio.to_thread(self.save, owner, job_id, item, req, result, name)
+        except Exception:
+            log.exception("%s: storing the result failed", job_id)
+            return None
+
+    # ---- reading (always by owner) ----
+    def list(self, owner: str, limit: int = 200) -> list[HistoryEntry]:
+        return self._select("WHERE owner = ? ORDER BY created DESC, item LIMIT ?", (owner, limit))
+
+    def get(self, owner: str, entry_id: str) -> HistoryEntry | None:
+        found = self._select("WHERE owner = ? AND id = ?", (owner, entry_id))
+        return found[0] if found else None
+
+    def job(self, owner: str, job_id: str) -> list[HistoryEntry]:
+        return self._select("WHERE owner = ? AND job_id = ? ORDER BY item", (owner, job_id))
+
+    def delete(self, owner: str, entry_id: str) -> bool:
+        entry = self.get(owner, entry_id)
+        if entry is not None:
+            self._remove([entry])
+        return entry is not None
+
+    def _select(self, where: str, args: tuple) -> list[HistoryEntry]:
+        with self._lock:
+            rows = self._db.execute(f"SELECT {_COLUMNS} FROM results {where}", args).fetchall()
+        return [HistoryEntry(*row[:19], self.root / row[19], row[20]) for row in rows]
+
+    # ---- pruning ----
+    def total_bytes(self) -> int:
+        with self._lock:
+            return self._db.execute("SELECT COALESCE(SUM(bytes), 0) FROM results").fetchone()[0]
+
+    def prune(self, now: float | None = None) -> int:
+        """Drop items older than the retention, then the oldest until under the size cap. Returns
+        how many were removed."""
+        now = time.time() if now is None else now
+        removed: list[HistoryEntry] = []
+        if self.retention_s > 0:
+            removed += self._select("WHERE created < ?", (now - self.retention_s,))
+        if self.max_bytes > 0:
+            over = self.total_bytes() - sum(e.bytes for e in removed) - self.max_bytes
+            if over > 0:
+                gone = {e.id for e in removed}
+                for entry in self._select("ORDER BY created, item", ()):
+                    if over <= 0:
+                        break
+                    if entry.id not in gone:
+                        removed.append(entry)
+                        over -= entry.bytes
+        if removed:
+            self._remove(removed)
+            log.info("history: pruned %d stored result(s)", len(removed))
+        return len(removed)
+
+    def _remove(self, entries: list[HistoryEntry]) -> None:
+        with self._lock:
+            self._db.executemany("DELETE FROM results WHERE id = ?", [(e.id,) for e in entries])
+        for entry in entries:
+            shutil.rmtree(entry.folder, ignore_errors=True)

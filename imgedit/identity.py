@@ -1,0 +1,75 @@
+"""Who owns a job or a stored result: a browser, a signed-in user, or an API token.
+
+Browsers get a random `imgedit_browser` cookie (HttpOnly, set by `BrowserCookie` on the first
+response), so history is per browser without a login; with GRADIO_AUTH it is per user instead.
+REST callers are told apart by their bearer token. Owners are hashed before they are stored, so the
+database never holds a cookie or a key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+from http.cookies import SimpleCookie
+
+COOKIE = "imgedit_browser"
+_VALID = re.compile(r"[A-Za-z0-9_-]{32}")
+_MAX_AGE = 400 * 24 * 3600  # the longest browsers keep a cookie
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _cookie(header: str | None) -> str | None:
+    if not header:
+        return None
+    try:
+        jar = SimpleCookie(header)
+    except Exception:  # a malformed Cookie header from some other app on the host
+        return None
+    morsel = jar.get(COOKIE)
+    return morsel.value if morsel is not None and _VALID.fullmatch(morsel.value) else None
+
+
+def page_owner(request, auth_enabled: bool) -> str | None:
+    """The owner of a page (or gradio API) call: the user with GRADIO_AUTH, else the browser cookie.
+    None when neither is known (a client that drops cookies): such calls keep no history."""
+    if request is None:
+        return None
+    username = getattr(request, "username", None)
+    if auth_enabled and username:
+        return "user:" + _digest(username)
+    value = _cookie(request.headers.get("cookie"))
+    return "browser:" + _digest(value) if value else None
+
+
+def rest_owner(request) -> str:
+    """The owner of a REST call: its bearer token (any text when API_KEY is unset), hashed."""
+    token = request.headers.get("authorization", "").partition(" ")[2].strip()
+    return "token:" + _digest(token)
+
+
+class BrowserCookie:
+    """ASGI middleware: give every browser a random id cookie on its first response."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if _cookie(headers.get(b"cookie", b"").decode("latin-1")):
+            return await self.app(scope, receive, send)
+        value = secrets.token_urlsafe(24)  # 32 characters
+        secure = "; Secure" if scope.get("scheme") == "https" else ""
+        cookie = f"{COOKIE}={value}; Path=/; Max-Age={_MAX_AGE}; HttpOnly; SameSite=Lax{secure}"
+
+        async def send_with_cookie(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"set-cookie", cookie.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_cookie)

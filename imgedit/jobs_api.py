@@ -1,0 +1,203 @@
+"""The async jobs API: POST /v1/jobs (202), GET /v1/jobs/{id}, GET /v1/jobs/{id}/result, DELETE.
+
+Same fields, API key and limits as /v1/images/edits. Input sets: `image` (1-3 files) is one set;
+each `batch` file is one set of one image (a zip gives one set per image inside); `set1`, `set2`,
+... are sets of 1-3 images each. A job belongs to the bearer token that created it: any other
+token gets 404 for it. Finished jobs are answered from the history after a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import UploadFile
+
+from imgedit.batch import JobService, clean_name, expand_uploads, results_zip
+from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
+from imgedit.history import HistoryEntry
+from imgedit.identity import rest_owner
+from imgedit.images import open_image
+from imgedit.jobs import EditRequest
+from imgedit.metrics import Metrics
+from imgedit.rest import IMAGE_FIELDS, STATUS, _authorized, _float, _int, _size
+from imgedit.validation import check_counts, check_params
+
+log = logging.getLogger(__name__)
+SET_FIELD = re.compile(r"set(\d{1,4})(\[\])?")
+BATCH_FIELDS = ("batch", "batch[]")
+
+
+def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 and status not in (401, 429) else (
+        "authentication_error" if status == 401 else "rate_limit_error" if status == 429 else "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status)
+
+
+def _not_found(job_id: str) -> JSONResponse:
+    return _error(404, f"no job {job_id[:40]!r} for this API key", "not_found")
+
+
+def _links(view: dict) -> dict:
+    view["status_url"] = f"/v1/jobs/{view['id']}"
+    view["result_url"] = f"/v1/jobs/{view['id']}/result"
+    return view
+
+
+def _restored_view(job_id: str, entries: list[HistoryEntry]) -> dict:
+    """A finished job after a restart: the history holds its succeeded items (only those)."""
+    first = entries[0]
+    items = [{"index": e.item, "name": e.name, "state": "succeeded", "seed": e.seed, "step": e.steps,
+              "total_steps": e.steps, "error": None, "outputs": e.outputs} for e in entries]
+    return {"id": job_id, "object": "job", "state": "succeeded", "created": int(first.created), "position": None,
+            "prompt": first.prompt, "num_inference_steps": first.steps, "n": first.num_images, "items": items,
+            "done": len(items), "failed": 0, "restored": True}
+
+
+def build_jobs_router(jobs: JobService, metrics: Metrics) -> APIRouter:
+    manager = jobs.manager
+    settings = manager.settings
+    router = APIRouter()
+
+    def denied(request: Request) -> JSONResponse | None:
+        if _authorized(request, settings.api_key):
+            return None
+        return _error(401, "missing or wrong API key (Authorization: Bearer <key>)", "invalid_api_key")
+
+    @router.post("/v1/jobs")
+    async def create_job(request: Request) -> Response:
+        if (refused := denied(request)) is not None:
+            return refused
+        try:
+            template, inputs = await _parse(request, manager)
+            job = jobs.submit(rest_owner(request), template, inputs, source="rest")
+        except ImgEditError as exc:
+            metrics.record_rejected("rest", exc.kind)
+            return _error(STATUS.get(exc.kind, 400), exc.message, exc.kind, exc.field)
+        except Exception:
+            log.exception("unreadable /v1/jobs request")
+            metrics.record_rejected("rest", "invalid_input")
+            return _error(400, "the request could not be read", "invalid_input")
+        return JSONResponse(_links(job.view()), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
+
+    @router.get("/v1/jobs/{job_id}")
+    async def job_status(job_id: str, request: Request) -> Response:
+        if (refused := denied(request)) is not None:
+            return refused
+        owner = rest_owner(request)
+        job = jobs.get(owner, job_id)
+        if job is not None:
+            return JSONResponse(_links(job.view()))
+        entries = await asyncio.to_thread(jobs.history.job, owner, job_id)
+        return JSONResponse(_links(_restored_view(job_id, entries))) if entries else _not_found(job_id)
+
+    @router.get("/v1/jobs/{job_id}/result")
+    async def job_result(job_id: str, request: Request, item: int | None = None) -> Response:
+        if (refused := denied(request)) is not None:
+            return refused
+        owner = rest_owner(request)
+        job = jobs.get(owner, job_id)
+        if job is not None:
+            if not job.finished:
+                return _error(409, f"job {job.id} is {job.state}; poll GET /v1/jobs/{job.id} until it has finished",
+                              "not_finished")
+            rows = [(i.name, i.entry, i.error) for i in job.items]
+        else:
+            entries = await asyncio.to_thread(jobs.history.job, owner, job_id)
+            if not entries:
+                return _not_found(job_id)
+            rows = [(e.name, e, None) for e in entries]
+        if item is not None:
+            if not 1 <= item <= len(rows):
+                return _error(404, f"item {item} is out of range: 1 to {len(rows)}", "not_found", "item")
+            rows = [rows[item - 1]]
+        stored = [entry for _, entry, _ in rows if entry is not None]
+        if not stored:
+            reasons = "; ".join(f"{name}: {error}" for name, _, error in rows if error)[:500]
+            return _error(409, f"the job has no result ({reasons or 'nothing was stored'})", "no_result")
+        try:
+            if len(rows) == 1 and stored[0].outputs == 1:
+                png = await asyncio.to_thread(stored[0].output_paths[0].read_bytes)
+                return Response(png, media_type="image/png")
+            data = await asyncio.to_thread(results_zip, rows)
+        except FileNotFoundError:  # pruned between the lookup and the read
+            return _error(410, "the stored result was deleted (OUTPUT_RETENTION_HOURS / OUTPUT_MAX_GB)", "gone")
+        return Response(data, media_type="application/zip",
+                        headers={"Content-Disposition": f'attachment; filename="{job_id}.zip"'})
+
+    @router.delete("/v1/jobs/{job_id}")
+    async def cancel_job(job_id: str, request: Request) -> Response:
+        if (refused := denied(request)) is not None:
+            return refused
+        job = jobs.get(rest_owner(request), job_id)
+        if job is None:
+            return _not_found(job_id)
+        job.cancel.set()  # waiting items leave the line; a running one stops at its next step
+        return JSONResponse(_links(job.view()))
+
+    return router
+
+
+async def _parse(request: Request, manager) -> tuple[EditRequest, list[tuple[str, list[bytes]]]]:
+    settings = manager.settings
+    length = request.headers.get("content-length", "")
+    limit = settings.max_file_size * (settings.batch_max_items + 2) + 1_000_000
+    if not length.isdecimal() or len(length) > 15:
+        raise InvalidInput("send the body with a Content-Length (chunked uploads are not accepted)")
+    if int(length) > limit:
+        raise InputTooLarge(f"request body is {int(length):,} bytes; the limit is {limit:,}")
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise InvalidInput("send multipart/form-data with 'image' (or 'batch') files and a 'prompt'")
+    try:
+        form = await request.form(max_files=3 * settings.batch_max_items + 3, max_fields=64)
+    except Exception as exc:
+        raise InvalidInput(f"malformed multipart body ({type(exc).__name__})") from None
+
+    async def read(upload) -> tuple[str, bytes]:
+        if not isinstance(upload, UploadFile):
+            raise InvalidInput("images must be file uploads, not text fields", "images")
+        raw = await upload.read(settings.max_file_size + 1)
+        name = clean_name(upload.filename or "", 0)
+        if len(raw) > settings.max_file_size:
+            raise InputTooLarge(f"{name} is larger than {settings.max_file_size:,} bytes (MAX_FILE_SIZE)")
+        return name, raw
+
+    sets: list[tuple[str, list[bytes]]] = []
+    single = [await read(u) for key in IMAGE_FIELDS for u in form.getlist(key)]
+    if single:
+        sets.append((single[0][0], [raw for _, raw in single]))
+    batch = [await read(u) for key in BATCH_FIELDS for u in form.getlist(key)]
+    if batch:
+        room = settings.batch_max_items - len(sets)
+        sets += [(name, [raw]) for name, raw in expand_uploads(batch, room, settings.max_file_size)]
+    numbered = sorted((int(m.group(1)), key) for key in set(form.keys()) if (m := SET_FIELD.fullmatch(key)))
+    for _, key in numbered:
+        files = [await read(u) for u in form.getlist(key)]
+        sets.append((files[0][0], [raw for _, raw in files]))
+    if not sets:
+        raise InvalidInput("no input image: send 'image', 'batch' or 'set1', 'set2', ... files", "images")
+    if len(sets) > settings.batch_max_items:
+        raise InvalidInput(f"{len(sets)} input sets; a job takes at most {settings.batch_max_items} "
+                           "(BATCH_MAX_ITEMS)", "images")
+    for _, raws in sets:
+        check_counts(len(raws), manager.family)
+    # Decode every image once now, so a bad file is refused before anything runs (then dropped:
+    # the bytes are kept, not the pixels, while items wait).
+    await asyncio.to_thread(lambda: [open_image(raw, settings.max_input_pixels, name)
+                                     for name, raws in sets for raw in raws])
+    prompt = form.get("prompt")
+    if not isinstance(prompt, str):
+        raise InvalidInput("prompt is required (a text field)", "prompt")
+    width, height = _size(form.get("size"))
+    negative = form.get("negative_prompt")
+    template = EditRequest(
+        images=(), prompt=prompt, negative_prompt=negative if isinstance(negative, str) else "",
+        seed=_int(form, "seed", None), num_inference_steps=_int(form, "num_inference_steps", None),
+        true_cfg_scale=_float(form, "true_cfg_scale"), num_images=_int(form, "n", 1),
+        width=width, height=height, source="rest")
+    check_params(template, settings, manager.family)
+    return template, sets

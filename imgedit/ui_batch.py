@@ -1,0 +1,119 @@
+"""The page's Batch tab: many images (or a zip) x one prompt, a gallery filling in, a zip at the end.
+
+The batch is a job of the shared `JobService` (so it waits in the one line like everything else and
+is stored in the history); the handler only watches it and shows what it finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import shutil
+import tempfile
+from pathlib import Path
+
+import gradio as gr
+
+from imgedit.batch import Job, JobService, expand_uploads, results_zip
+from imgedit.errors import ImgEditError
+from imgedit.identity import page_owner
+from imgedit.jobs import EditRequest
+from imgedit.validation import check_params
+
+BATCH_GROUP = "batch"  # unlimited in Gradio: the manager's line and JOBS_MAX_PENDING bound batches
+
+
+def _number(value, default=None):
+    if value is None or value == "":
+        return default
+    return int(value) if float(value).is_integer() else value
+
+
+def _report(job: Job) -> str:
+    done = sum(i.state == "succeeded" for i in job.items)
+    failed = [i for i in job.items if i.state in ("failed", "cancelled")]
+    lines = [f"**{job.state}**: {done} of {len(job.items)} done" + (f", {len(failed)} failed" if failed else "")]
+    running = [i for i in job.items if i.state == "running"]
+    if running:
+        lines.append(f"running: {', '.join(f'{html.escape(i.name)} (step {i.step}/{i.total_steps})' for i in running)}")
+    elif job.position is not None:
+        lines.append(f"in line: {job.position} job(s) ahead")
+    lines += [f"- {html.escape(i.name)}: {html.escape(i.error or i.state)}" for i in failed]
+    return "\n".join(lines)
+
+
+def build_batch_tab(manager, jobs: JobService, settings_inputs: list) -> None:
+    """Inside a `gr.Tabs`: the Batch tab. `settings_inputs` are the Edit tab's advanced settings
+    (negative prompt, seed, randomize, steps, cfg, images per prompt, width, height)."""
+    settings = manager.settings
+    with gr.Tab("Batch", id="batch"):
+        gr.Markdown("One prompt over many images, with the editor's settings above (steps, seed, size). Each image is "
+                    "its own edit in the shared line, so single edits are not held up by a batch.")
+        files = gr.File(label=f"Images or a .zip of images (up to {settings.batch_max_items})",
+                        file_count="multiple", file_types=["image", ".zip"], elem_id="batch-files")
+        prompt = gr.Textbox(label="What to change in every image", lines=2, elem_id="batch-prompt")
+        with gr.Row():
+            run = gr.Button("Run batch", variant="primary", elem_id="batch-button")
+            stop = gr.Button("Cancel batch", variant="stop", elem_id="batch-cancel")
+        gallery = gr.Gallery(label="Results", format="png", columns=4, elem_id="batch-gallery", interactive=False)
+        report = gr.Markdown(elem_id="batch-report")
+        download = gr.File(label="All results (zip)", elem_id="batch-zip", interactive=False)
+
+    async def run_batch(files, prompt, negative_prompt, seed, randomize_seed, steps, cfg, num_images, width, height,
+                        request: gr.Request, progress=gr.Progress()):
+        """Run one prompt over every uploaded image; yields (gallery, report, zip) as items finish."""
+        try:
+            paths = [f if isinstance(f, str) else getattr(f, "path", None) or getattr(f, "name", str(f))
+                     for f in (files or [])]
+            uploads = await asyncio.to_thread(lambda: [(Path(p).name, Path(p).read_bytes()) for p in paths])
+            items = expand_uploads(uploads, settings.batch_max_items, settings.max_file_size)
+            template = EditRequest(
+                images=(), prompt=prompt or "", negative_prompt=negative_prompt or "",
+                seed=None if randomize_seed else _number(seed, 0), num_inference_steps=_number(steps),
+                true_cfg_scale=None if cfg is None else float(cfg), num_images=_number(num_images, 1),
+                width=_number(width, 0) or None, height=_number(height, 0) or None, source="ui")
+            check_params(template, settings, manager.family)
+            owner = page_owner(request, settings.auth is not None) or f"session:{request.session_hash}"
+            job = jobs.submit(owner, template, [(name, [raw]) for name, raw in items], source="ui")
+        except ImgEditError as exc:
+            raise gr.Error(html.escape(exc.message), title=exc.kind.replace("_", " ")) from None
+        except OSError:
+            raise gr.Error("the uploaded files could not be read") from None
+        folder = Path(tempfile.mkdtemp(prefix="imgedit-batch-"))
+        shown: list[tuple[str, str]] = []
+        try:
+            while True:
+                shown = await asyncio.to_thread(_export, job, folder)
+                done = sum(i.state not in ("queued", "running") for i in job.items)
+                progress((done, len(job.items)), desc="batch", unit="images")
+                if job.finished:
+                    break
+                yield shown, _report(job), None
+                await job.wait_change(1.0)
+            rows = [(i.name, i.entry, i.error) for i in job.items]
+            archive = None
+            if job.entries():
+                archive = folder / f"{job.id}.zip"
+                archive.write_bytes(await asyncio.to_thread(results_zip, rows))
+            yield shown, _report(job), str(archive) if archive else None
+        finally:
+            job.cancel.set()  # a no-op once finished; stops the rest when the user cancelled
+            shutil.rmtree(folder, ignore_errors=True)
+
+    event = run.click(run_batch, [files, prompt, *settings_inputs], [gallery, report, download], api_name="batch",
+                      concurrency_id=BATCH_GROUP, concurrency_limit=None)
+    stop.click(None, None, None, cancels=[event], queue=False, api_visibility="private")
+
+
+def _export(job: Job, folder: Path) -> list[tuple[str, str]]:
+    """Finished outputs copied where Gradio may serve them from (OUTPUT_DIR is never served)."""
+    shown = []
+    for item in job.items:
+        if item.entry is None:
+            continue
+        for k, path in enumerate(item.entry.output_paths):
+            target = folder / f"{item.index:03d}-{k}.png"
+            if not target.exists():
+                shutil.copyfile(path, target)
+            shown.append((str(target), f"{item.name} · seed {item.seed}"))
+    return shown

@@ -1,0 +1,121 @@
+"""The page's History tab and the `/history` gradio API: this browser's (or user's) stored edits.
+
+Lists thumbnails with prompt, seed and time; a chosen entry can be re-opened (its result and a
+download), loaded into the editor, or re-run with the same settings. Every lookup names the caller's
+owner (`imgedit.identity`), so another browser's entries are never found.
+"""
+
+from __future__ import annotations
+
+import html
+import shutil
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import gradio as gr
+from PIL import Image
+
+from imgedit.history import HistoryEntry, HistoryStore
+from imgedit.identity import page_owner
+
+NO_OWNER = "History needs cookies (or sign-in): this browser sent none, so nothing is kept for it."
+
+
+def _when(created: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(created))
+
+
+def _describe(entry: HistoryEntry) -> dict:
+    return {"id": entry.id, "created": entry.created, "prompt": entry.prompt, "negative_prompt": entry.negative_prompt,
+            "seed": entry.seed, "num_inference_steps": entry.steps, "true_cfg_scale": entry.true_cfg_scale,
+            "num_images": entry.num_images, "width": entry.out_width, "height": entry.out_height,
+            "source": entry.source, "name": entry.name}
+
+
+def _export(paths: list[Path], name: str) -> str:
+    """A copy (or a zip) in a temp folder: Gradio serves it from its cache; OUTPUT_DIR stays private."""
+    folder = Path(tempfile.mkdtemp(prefix="imgedit-history-"))
+    if len(paths) == 1:
+        target = folder / f"{name}.png"
+        shutil.copyfile(paths[0], target)
+        return str(target)
+    target = folder / f"{name}.zip"
+    with zipfile.ZipFile(target, "w") as archive:
+        for k, path in enumerate(paths, 1):
+            archive.write(path, f"{name}-{k}.png")
+    return str(target)
+
+
+def build_history_tab(manager, history: HistoryStore, edit_inputs: list, result, used_seed, edit, gpu_group: str,
+                      validator):
+    """Inside a `gr.Tabs`: the History tab. `edit_inputs`, `edit` and `validator` are the Edit tab's,
+    so a re-run is an ordinary edit (same line, same checks, stored again). Returns the `/history`
+    API function, to be registered outside the tabs."""
+    settings = manager.settings
+    auth = settings.auth is not None
+
+    def owner(request: gr.Request | None) -> str | None:
+        return page_owner(request, auth)
+
+    with gr.Tab("History", id="history") as tab:
+        gr.Markdown("Your past edits in this browser (per user when the page asks for a sign-in), newest first. "
+                    "Old results are deleted after a while (OUTPUT_RETENTION_HOURS, OUTPUT_MAX_GB).")
+        refresh = gr.Button("Refresh", elem_id="history-refresh")
+        listing = gr.Gallery(label="Past edits", columns=6, height=280, allow_preview=False, interactive=False,
+                             elem_id="history-gallery")
+        # Plain hidden components, not gr.State: a State makes the page hold a heartbeat connection
+        # open. Ids are no secret: every lookup checks the caller's owner again.
+        ids = gr.JSON([], visible=False)
+        chosen = gr.Textbox(visible=False)
+        details = gr.Markdown(elem_id="history-details")
+        outputs = gr.Gallery(label="Result", format="png", columns=2, interactive=False, elem_id="history-result")
+        download = gr.File(label="Download", interactive=False, elem_id="history-download")
+        with gr.Row():
+            reopen = gr.Button("Open in the editor", elem_id="history-open")
+            rerun = gr.Button("Re-run with the same settings", elem_id="history-rerun")
+
+    def load(request: gr.Request):
+        who = owner(request)
+        if who is None:
+            return [], [], NO_OWNER
+        entries = history.list(who)
+        shown = [(Image.open(e.thumb_path), f"{e.prompt[:60]} · seed {e.seed} · {_when(e.created)}")
+                 for e in entries if e.thumb_path.exists()]
+        ids = [e.id for e in entries if e.thumb_path.exists()]
+        return shown, ids, "" if entries else "Nothing here yet: finished edits appear here."
+
+    def pick(ids: list[str], request: gr.Request, evt: gr.SelectData):
+        who = owner(request)
+        entry = history.get(who, ids[evt.index]) if who and 0 <= evt.index < len(ids) else None
+        if entry is None:
+            raise gr.Error("that entry is gone (deleted by the retention rules)")
+        text = (f"**{html.escape(entry.prompt)}**  \nseed {entry.seed} · {entry.steps} steps · "
+                f"{entry.out_width}x{entry.out_height} · {entry.outputs} image(s) · {_when(entry.created)}")
+        images = [Image.open(p) for p in entry.output_paths]
+        return entry.id, text, images, _export(entry.output_paths, f"imgedit-{entry.id}")
+
+    def fill(entry_id: str | None, request: gr.Request):
+        entry = history.get(owner(request), entry_id) if entry_id and owner(request) else None
+        if entry is None:
+            raise gr.Error("choose an entry in the history first")
+        inputs = [_export([p], f"input-{k + 1}") for k, p in enumerate(entry.input_paths)]
+        cfg = settings.default_true_cfg if entry.true_cfg_scale is None else entry.true_cfg_scale
+        return (inputs, entry.prompt, entry.negative_prompt, entry.seed, False, entry.steps, cfg, entry.num_images,
+                entry.width or 0, entry.height or 0)
+
+    def history_api(request: gr.Request) -> list[dict]:
+        """This caller's stored edits, newest first: id, created, prompt, seed, steps, size, ..."""
+        who = owner(request)
+        return [_describe(e) for e in history.list(who)] if who else []
+
+    shown = [listing, ids, details]
+    refresh.click(load, None, shown, queue=False, api_visibility="private")
+    tab.select(load, None, shown, queue=False, api_visibility="private")
+    listing.select(pick, ids, [chosen, details, outputs, download], queue=False, api_visibility="private")
+    reopen.click(fill, chosen, edit_inputs, queue=False, api_visibility="private")
+    rerun.click(fill, chosen, edit_inputs, queue=False, api_visibility="private").success(
+        edit, edit_inputs, [result, used_seed], concurrency_id=gpu_group, concurrency_limit=None,
+        validator=validator, api_visibility="private")
+    return history_api

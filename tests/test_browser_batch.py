@@ -1,0 +1,75 @@
+"""A real browser runs a batch in the page, then finds it in History; a second browser does not.
+
+Saves a screenshot to artifacts/browser-batch.png.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from conftest import ARTIFACTS, make_manager, picture, start_server
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+pytestmark = pytest.mark.browser
+
+
+@pytest.fixture(scope="module")
+def browser():
+    playwright = pytest.importorskip("playwright.sync_api")
+    if not shutil.which("chromium"):
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update"])
+        yield browser
+        browser.close()
+
+
+def test_batch_in_the_page_then_history_per_browser(browser, plus_ckpt, tmp_path):
+    from playwright.sync_api import expect
+
+    manager = make_manager(plus_ckpt, DEFAULT_STEPS="2")
+    sources = []
+    for i in range(3):
+        path = tmp_path / f"photo{i}.png"
+        picture(96, 64, (60 * i, 90, 200)).save(path)
+        sources.append(str(path))
+    broken = tmp_path / "broken.png"
+    broken.write_text("not an image")
+    sources.append(str(broken))
+    with start_server(manager) as server:
+        context = browser.new_context(viewport={"width": 1280, "height": 1400})
+        page = context.new_page()
+        page.goto(server.url, wait_until="networkidle")
+        page.get_by_text("Advanced").click()
+        page.get_by_label("Width (0 = auto)").fill("64")
+        page.get_by_label("Height (0 = auto)").fill("64")
+        page.get_by_role("tab", name="Batch").click()
+        page.locator("#batch-files input[type=file]").set_input_files(sources)
+        page.locator("#batch-prompt textarea").fill("turn the stripes blue")
+        page.locator("#batch-button").click()
+        page.locator("#batch-zip a").first.wait_for(state="visible", timeout=180_000)
+        report = page.locator("#batch-report").inner_text()
+        assert "3 of 4 done, 1 failed" in report and "broken.png is not a readable image" in report, report
+        assert page.locator("#batch-gallery img").count() == 3
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "browser-batch.png"), full_page=True)
+
+        page.get_by_role("tab", name="History").click()
+        page.locator("#history-gallery img").nth(2).wait_for(state="visible", timeout=30_000)
+        assert page.locator("#history-gallery img").count() == 3
+        page.locator("#history-gallery img").first.click()
+        page.locator("#history-details").get_by_text("turn the stripes blue").wait_for(timeout=30_000)
+        page.locator("#history-download a").first.wait_for(state="visible", timeout=30_000)
+        page.locator("#history-open").click()
+        expect(page.locator("#prompt textarea")).to_have_value("turn the stripes blue", timeout=30_000)
+        expect(page.locator("#input-files")).to_contain_text("input-1", timeout=30_000)
+
+        stranger = browser.new_context().new_page()
+        stranger.goto(server.url, wait_until="networkidle")
+        stranger.get_by_role("tab", name="History").click()
+        stranger.get_by_text("Nothing here yet").wait_for(timeout=30_000)
+        assert stranger.locator("#history-gallery img").count() == 0
+        assert sum(w.jobs_done for w in manager.workers) == 3

@@ -1,0 +1,225 @@
+"""The async jobs API against a real server and the tiny real checkpoint (64x64, 2 steps)."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+import zipfile
+
+import httpx
+import pytest
+from conftest import make_manager, picture, start_server
+from PIL import Image
+
+FIELDS = {"prompt": "make it red", "size": "64x64", "num_inference_steps": "2", "seed": "3"}
+A = {"Authorization": "Bearer token-a"}
+B = {"Authorization": "Bearer token-b"}
+
+
+def png(color=(30, 120, 200)) -> bytes:
+    buffer = io.BytesIO()
+    picture(80, 60, color).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def zipped(names: list[str]) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for name in names:
+            archive.writestr(name, png())
+        archive.writestr("__MACOSX/._x.png", b"junk")
+        archive.writestr("readme.txt", b"not an image: skipped")
+    return buffer.getvalue()
+
+
+def wait_finished(url: str, job_id: str, headers=A, timeout: float = 300) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        view = httpx.get(f"{url}/v1/jobs/{job_id}", headers=headers, timeout=30).json()
+        if view["state"] not in ("queued", "running"):
+            return view
+        assert time.time() < deadline, view
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def server(plus_ckpt):
+    manager = make_manager(plus_ckpt)
+    with start_server(manager) as live:
+        live.manager = manager
+        yield live
+
+
+def test_batch_of_five_from_files_and_a_zip(server):
+    files = [("batch", (f"photo{i}.png", png(), "image/png")) for i in range(3)]
+    files.append(("batch", ("more.zip", zipped(["b/second.png", "a/first.jpg.png"]), "application/zip")))
+    r = httpx.post(f"{server.url}/v1/jobs", files=files, data=FIELDS, headers=A, timeout=60)
+    assert r.status_code == 202, r.text
+    job = r.json()
+    assert r.headers["location"] == f"/v1/jobs/{job['id']}"
+    assert job["state"] == "queued" and isinstance(job["position"], int)
+    assert [i["name"] for i in job["items"]] == ["photo0.png", "photo1.png", "photo2.png", "first.jpg.png",
+                                                 "second.png"]
+    view = wait_finished(server.url, job["id"])
+    assert view["state"] == "succeeded" and view["done"] == 5, view
+    assert {i["seed"] for i in view["items"]} == {3}
+    r = httpx.get(f"{server.url}/v1/jobs/{job['id']}/result", headers=A, timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/zip"
+    archive = zipfile.ZipFile(io.BytesIO(r.content))
+    assert archive.namelist() == ["001-photo0.png", "002-photo1.png", "003-photo2.png", "004-first.jpg.png",
+                                  "005-second.png"]
+    assert all(Image.open(archive.open(n)).size == (64, 64) for n in archive.namelist())
+    one = httpx.get(f"{server.url}/v1/jobs/{job['id']}/result?item=2", headers=A, timeout=30)
+    assert one.status_code == 200 and one.headers["content-type"] == "image/png"
+    assert one.content == archive.read("002-photo1.png")
+
+
+def test_single_set_gives_a_png(server):
+    files = [("image", ("a.png", png(), "image/png")), ("image", ("b.png", png((200, 0, 0)), "image/png"))]
+    r = httpx.post(f"{server.url}/v1/jobs", files=files, data=FIELDS, headers=A, timeout=60)
+    assert r.status_code == 202, r.text
+    assert len(r.json()["items"]) == 1
+    assert wait_finished(server.url, r.json()["id"])["state"] == "succeeded"
+    result = httpx.get(f"{server.url}/v1/jobs/{r.json()['id']}/result", headers=A, timeout=30)
+    assert result.headers["content-type"] == "image/png"
+    assert Image.open(io.BytesIO(result.content)).size == (64, 64)
+
+
+def test_another_tokens_job_id_gives_404(server):
+    r = httpx.post(f"{server.url}/v1/jobs", files=[("image", ("a.png", png(), "image/png"))], data=FIELDS,
+                   headers=A, timeout=60)
+    job_id = r.json()["id"]
+    for method, path in (("GET", ""), ("GET", "/result"), ("DELETE", "")):
+        other = httpx.request(method, f"{server.url}/v1/jobs/{job_id}{path}", headers=B, timeout=30)
+        assert other.status_code == 404, (method, path, other.text)
+        assert other.json()["error"]["code"] == "not_found"
+        assert job_id not in other.text or "no job" in other.json()["error"]["message"]
+    assert wait_finished(server.url, job_id)["state"] == "succeeded"  # B's DELETE did not cancel it
+    assert httpx.get(f"{server.url}/v1/jobs/{job_id}/result", headers=B, timeout=30).status_code == 404
+
+
+def test_result_before_the_end_is_409_and_delete_cancels(server):
+    files = [("batch", (f"p{i}.png", png(), "image/png")) for i in range(3)]
+    r = httpx.post(f"{server.url}/v1/jobs", files=files, data={**FIELDS, "num_inference_steps": "40"},
+                   headers=A, timeout=60)
+    job_id = r.json()["id"]
+    deadline = time.time() + 120
+    while httpx.get(f"{server.url}/v1/jobs/{job_id}", headers=A).json()["items"][0]["step"] < 1:
+        assert time.time() < deadline
+        time.sleep(0.1)
+    early = httpx.get(f"{server.url}/v1/jobs/{job_id}/result", headers=A, timeout=30)
+    assert early.status_code == 409 and early.json()["error"]["code"] == "not_finished"
+    assert httpx.delete(f"{server.url}/v1/jobs/{job_id}", headers=A, timeout=30).status_code == 200
+    view = wait_finished(server.url, job_id, timeout=60)
+    assert view["state"] == "cancelled" and view["done"] == 0, view
+    assert all(i["state"] == "cancelled" for i in view["items"])
+    assert view["items"][0]["step"] < 40  # the running item really stopped
+    gone = httpx.get(f"{server.url}/v1/jobs/{job_id}/result", headers=A, timeout=30)
+    assert gone.status_code == 409 and gone.json()["error"]["code"] == "no_result"
+    history = server.server.config.app.state.history
+    assert history.job(owner_of("token-a"), job_id) == []  # nothing is stored for a cancelled job
+
+
+def owner_of(token: str) -> str:
+    from imgedit.identity import rest_owner
+
+    return rest_owner(httpx.Request("GET", "http://x", headers={"Authorization": f"Bearer {token}"}))
+
+
+def test_a_batch_does_not_hold_up_a_single_edit(server):
+    """One worker: a 4-item batch is running when a single edit arrives; the single edit runs next,
+    before the batch's second item (the batch keeps one item per worker in the line)."""
+    files = [("batch", (f"p{i}.png", png(), "image/png")) for i in range(4)]
+    r = httpx.post(f"{server.url}/v1/jobs", files=files, data={**FIELDS, "num_inference_steps": "6"}, headers=A,
+                   timeout=60)
+    job_id = r.json()["id"]
+    deadline = time.time() + 120
+    while httpx.get(f"{server.url}/v1/jobs/{job_id}", headers=A).json()["items"][0]["step"] < 1:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    single = httpx.post(f"{server.url}/v1/images/edits", files=[("image", ("s.png", png(), "image/png"))],
+                        data=FIELDS, headers=B, timeout=300)
+    assert single.status_code == 200, single.text
+    view = httpx.get(f"{server.url}/v1/jobs/{job_id}", headers=A, timeout=30).json()
+    assert view["done"] <= 1, view  # only the item that was already running finished before it
+    assert wait_finished(server.url, job_id)["state"] == "succeeded"
+
+
+@pytest.mark.parametrize("case, status, code, text", [
+    ("not_an_image", 400, "invalid_input", "notes.png is not a readable image"),
+    ("bad_zip", 400, "invalid_input", "broken.zip is not a readable zip file"),
+    ("too_many", 400, "invalid_input", "BATCH_MAX_ITEMS"),
+    ("no_image", 400, "invalid_input", "no input image"),
+    ("four_in_a_set", 400, "invalid_input", "takes at most 3"),
+    ("empty_prompt", 400, "invalid_input", "prompt is empty"),
+    ("wrong_key", 401, "invalid_api_key", "API key"),
+])
+def test_bad_requests_are_refused_up_front(plus_ckpt, case, status, code, text, request):
+    server = request.getfixturevalue("keyed_server")
+    headers = {"Authorization": "Bearer secret"}
+    data = FIELDS
+    files = [("batch", ("p.png", png(), "image/png"))]
+    if case == "not_an_image":
+        files.append(("batch", ("notes.png", b"hello", "image/png")))
+    elif case == "bad_zip":
+        files.append(("batch", ("broken.zip", b"PK\x03\x04 truncated", "application/zip")))
+    elif case == "too_many":
+        files = [("batch", (f"p{i}.png", png(), "image/png")) for i in range(4)]
+    elif case == "no_image":
+        files = [("other", ("p.png", png(), "image/png"))]
+    elif case == "four_in_a_set":
+        files = [("set1", (f"p{i}.png", png(), "image/png")) for i in range(4)]
+    elif case == "empty_prompt":
+        data = {**FIELDS, "prompt": " "}
+    elif case == "wrong_key":
+        headers = {"Authorization": "Bearer wrong"}
+    r = httpx.post(f"{server.url}/v1/jobs", files=files, data=data, headers=headers, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == code and text in error["message"], error
+    assert "Traceback" not in r.text
+    assert server.manager.workers[0].jobs_done == 0
+
+
+@pytest.fixture(scope="module")
+def keyed_server(plus_ckpt):
+    manager = make_manager(plus_ckpt, API_KEY="secret", BATCH_MAX_ITEMS="3", JOBS_MAX_PENDING="4")
+    with start_server(manager) as live:
+        live.manager = manager
+        yield live
+
+
+def test_pending_limit_gives_429(keyed_server):
+    headers = {"Authorization": "Bearer secret"}
+    files = [("batch", (f"p{i}.png", png(), "image/png")) for i in range(3)]
+    data = {**FIELDS, "num_inference_steps": "30"}
+    first = httpx.post(f"{keyed_server.url}/v1/jobs", files=files, data=data, headers=headers, timeout=60)
+    assert first.status_code == 202, first.text
+    second = httpx.post(f"{keyed_server.url}/v1/jobs", files=files[:2], data=data, headers=headers, timeout=60)
+    assert second.status_code == 429 and second.json()["error"]["code"] == "busy", second.text
+    assert httpx.delete(f"{keyed_server.url}/v1/jobs/{first.json()['id']}", headers=headers).status_code == 200
+    wait_finished(keyed_server.url, first.json()["id"], headers=headers, timeout=60)
+
+
+def test_many_clients_at_once(server):
+    """Jobs from threads at once: every one finishes, each with its own results."""
+    ids, errors = [], []
+
+    def one(i):
+        try:
+            r = httpx.post(f"{server.url}/v1/jobs", files=[("batch", (f"t{i}.png", png(), "image/png"))] * 2,
+                           data={**FIELDS, "seed": str(i)}, headers=A, timeout=60)
+            ids.append((i, r.json()["id"]))
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    for seed, job_id in ids:
+        view = wait_finished(server.url, job_id)
+        assert view["state"] == "succeeded" and {i["seed"] for i in view["items"]} == {seed}
