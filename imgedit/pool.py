@@ -4,7 +4,8 @@ A `WorkerHandle` is one worker of the plan: one process, or one process per rank
 group. Each rank has an inbox and an outbox pipe; the handle's pump thread reads the outboxes and
 watches the processes (it wakes on a message or on a process's end): a rank that dies fails only
 the job it was running (with a clear message), the whole group is stopped and started again (up
-to WORKER_RESTARTS times, then the worker is reported failed). No torch here: the server process never creates a CUDA context.
+to WORKER_RESTARTS times, then the worker is reported failed). No torch here: the server process
+never creates a CUDA context.
 """
 
 from __future__ import annotations
