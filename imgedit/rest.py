@@ -94,11 +94,20 @@ def build_router(manager, metrics: Metrics, monitor: GpuMonitor) -> APIRouter:
 
     @router.get("/health")
     def health() -> JSONResponse:
-        """Liveness + readiness: 200 once every worker has loaded and one is healthy; 503 otherwise."""
+        """Liveness + readiness: 200 once every worker has loaded and one is healthy; 503 otherwise. A
+        worker being restarted does not make a server with another healthy worker unready."""
         status = manager.status()
-        loaded = bool(status.workers) and all(w.state != "loading" for w in status.workers)
-        ready = status.ready and loaded
-        state = "ok" if ready else ("failed" if status.error or (loaded and not status.healthy_workers) else "loading")
+        first_load = not status.workers or any(w.state == "loading" and not w.restarts for w in status.workers)
+        coming_back = any(w.state in ("loading", "restarting") and w.restarts for w in status.workers)
+        ready = status.ready and not first_load
+        if ready:
+            state = "ok"
+        elif status.error:
+            state = "failed"
+        elif first_load:
+            state = "loading"
+        else:
+            state = "restarting" if coming_back else "failed"
         body = snapshot(monitor, status)
         body.update(status=state, model=status.model, family=status.family, error=status.error)
         return JSONResponse(body, status_code=200 if ready else 503)
