@@ -144,11 +144,23 @@ def _text(value) -> str:
 def _annotate(readings: list[GpuReading], status: ManagerStatus) -> None:
     by_device = {f"cuda:{r.index}": r for r in readings}
     for worker in status.workers:
-        for component, where in worker.placement.items():
-            for device in worker.devices:
-                if device in where and device in by_device:
-                    label = component if where == device else f"{component} ({_blocks_on(where, device)})"
-                    by_device[device].holds.append(f"{worker.name}: {label}")
+        compiled = ", compiled" if worker.compiled else ""
+        if worker.parallel != "none":  # every rank holds the whole pipeline on its GPU
+            for rank, device in enumerate(worker.devices):
+                if device in by_device:
+                    by_device[device].holds.append(
+                        f"{worker.name} rank {rank} of a CFG-parallel pair: the whole pipeline{compiled}")
+        else:
+            for component, where in worker.placement.items():
+                extra = compiled if component == "transformer" else ""
+                for device in worker.devices:
+                    if device not in by_device:
+                        continue
+                    if where == device:
+                        by_device[device].holds.append(f"{worker.name}: {component}{extra}")
+                    elif any(part.endswith(f" -> {device}") for part in where.split(", ")):
+                        label = f"{component} ({_blocks_on(where, device)}){extra}"
+                        by_device[device].holds.append(f"{worker.name}: {label}")
         if worker.state == "busy" and worker.job_id:
             for device in worker.devices:
                 if device in by_device:
@@ -157,7 +169,7 @@ def _annotate(readings: list[GpuReading], status: ManagerStatus) -> None:
 
 
 def _blocks_on(describe: str, device: str) -> str:
-    return ", ".join(part.split(" -> ")[0] for part in describe.split(", ") if part.endswith(device))
+    return ", ".join(part.split(" -> ")[0] for part in describe.split(", ") if part.endswith(f" -> {device}"))
 
 
 def snapshot(monitor: GpuMonitor, status: ManagerStatus) -> dict:
