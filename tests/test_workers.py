@@ -12,12 +12,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import numpy as np
 import pytest
-from conftest import ROOT, ConcurrencyProbe, cfg_plan, free_port, make_manager, picture
+from conftest import ROOT, ConcurrencyProbe, alive, cfg_plan, free_port, make_manager, picture, wait_for
 
 from imgedit.errors import Cancelled, OutOfGpuMemory, WorkerFailed
 from imgedit.jobs import EditRequest
@@ -33,21 +32,6 @@ def request(**kw) -> EditRequest:
 
 def pixels(result) -> np.ndarray:
     return np.asarray(result.images[0], dtype=np.int16)
-
-
-def wait_for(condition, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.05)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.fixture(scope="module")
