@@ -144,12 +144,12 @@ def build_router(manager, metrics: Metrics, monitor: GpuMonitor) -> APIRouter:
             watcher.cancel()
         # Storing the result (imgedit.history) and encoding the reply run side by side, off the event
         # loop: PNG compression releases the GIL, and the reply waits only for the slower of the two.
-        stored = asyncio.sleep(0)
+        work = [asyncio.to_thread(_b64_pngs, result.images)]
         if (history := getattr(request.app.state, "history", None)) is not None:
             from imgedit.identity import rest_owner
 
-            stored = history.record(rest_owner(request), req.request_id, 0, req, result)
-        data, _ = await asyncio.gather(asyncio.to_thread(_b64_pngs, result.images), stored)
+            work.append(history.record(rest_owner(request), req.request_id, 0, req, result))
+        data, *_ = await asyncio.gather(*work)
         return JSONResponse({"created": int(time.time()), "data": data, "output_format": "png",
                              "size": f"{result.width}x{result.height}", "seed": result.seed,
                              "request_id": result.request_id})
