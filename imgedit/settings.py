@@ -187,6 +187,8 @@ REGISTRY: tuple[Var, ...] = (
         "local = worker processes on this machine | ray = Ray actors anywhere in the cluster at RAY_ADDRESS"),
     Var("RAY_ADDRESS", "", _optional_str,
         "With WORKERS=ray: the cluster to join (auto, host:6379 or ray://host:10001); empty = start a local one"),
+    Var("RAY_CONNECT_TIMEOUT", "30", _int_range(1, 3600),
+        "Seconds to reach the Ray cluster at start-up; then the server runs without workers and says why"),
     Var("AUTO_CLEANUP", "true", _bool, "Free cached GPU memory after each job"),
     Var("LOG_LEVEL", "INFO", _choice(*LOG_LEVELS, upper=True), "DEBUG | INFO | WARNING | ERROR"),
     Var("GRADIO_SERVER_NAME", "0.0.0.0", _str, "Address the server listens on"),
@@ -236,6 +238,7 @@ class Settings:
     worker_restarts: int = 3
     workers: str = "local"
     ray_address: str | None = None
+    ray_connect_timeout: int = 30
     auto_cleanup: bool = True
     log_level: str = "INFO"
     gradio_server_name: str = "0.0.0.0"

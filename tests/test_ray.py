@@ -1,0 +1,238 @@
+"""WORKERS=ray on the CPU: a real two-node Ray cluster on this machine (two raylets, one CPU each),
+the tiny checkpoint, one CPU worker planned per node.
+
+Jobs must go to both nodes in arrival order with the progress, cancel and typed errors of local
+workers; a worker whose actor is killed mid-job fails only that job (the next one runs on the other
+node) and comes back; an unreachable cluster gives a clear error, not a hang; nothing of Ray is left
+running afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+
+import pytest
+from conftest import ROOT, make_manager, picture
+
+from imgedit.errors import Cancelled, OutOfGpuMemory, WorkerFailed
+from imgedit.jobs import EditRequest
+
+ray = pytest.importorskip("ray", reason="ray is not installed (pip install -r requirements.txt)")
+cluster_utils = pytest.importorskip("ray.cluster_utils")
+
+FAST = dict(num_inference_steps=3, width=64, height=64)
+
+
+def request(**kw) -> EditRequest:
+    args = dict(images=(picture(),), prompt="make it red", seed=5, **FAST)
+    args.update(kw)
+    return EditRequest(**args)
+
+
+def wait_for(condition, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+class TwoNodes:
+    """A head node and a second node, each its own raylet process with one CPU."""
+
+    def __init__(self):
+        # The nodes' Ray workers import imgedit and the fault hook (tests/faults.py) as a deployed
+        # node would import its installed package.
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+        self.cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "resources": {"node_a": 1}, "include_dashboard": False})
+        self.second = self.cluster.add_node(num_cpus=1, resources={"node_b": 1})
+        self.cluster.wait_for_nodes()
+        self.address = self.cluster.address
+        self.node_ids = {self.cluster.head_node.node_id: "node_a", self.second.node_id: "node_b"}
+        self.processes: set[int] = set()
+
+    def remember(self) -> None:
+        """Every process the cluster started so far (raylets, GCS, Ray workers, actors)."""
+        self.processes |= _descendants(os.getpid()) - {os.getpid()}
+
+    def shutdown(self) -> None:
+        self.remember()
+        if ray.is_initialized():
+            ray.shutdown()
+        self.cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    started = time.perf_counter()
+    cluster = TwoNodes()
+    print(f"two-node cluster up in {time.perf_counter() - started:.1f}s")
+    yield cluster
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def manager(nodes, plus_ckpt):
+    return make_manager(plus_ckpt, plan="planner", WORKERS="ray", RAY_ADDRESS=nodes.address, WORKER_RESTARTS="2")
+
+
+def node_of(manager, worker: str, nodes) -> str:
+    status = {w.name: w for w in manager.status().workers}[worker]
+    return nodes.node_ids[status.node]
+
+
+def test_one_worker_per_node_planned_from_what_ray_reports(manager, nodes):
+    workers = manager.status().workers
+    assert [w.name for w in workers] == ["node0-worker-0", "node1-worker-0"]
+    assert {nodes.node_ids[w.node] for w in workers} == {"node_a", "node_b"}
+    assert all(w.state == "idle" and w.pids for w in workers)
+    assert "Ray cluster of 2 node(s)" in manager.status().reason
+
+
+def test_jobs_spread_over_both_nodes_in_arrival_order(manager, nodes):
+    started: list[tuple[int, str]] = []
+    results: dict[int, object] = {}
+    lock = threading.Lock()
+
+    def run(n: int) -> None:
+        def on_step(step, total):
+            with lock:
+                if step == 1:
+                    busy = {w.job_id: w.name for w in manager.status().workers if w.job_id}
+                    started.append((n, busy.get(f"job-{n}", "?")))
+
+        results[n] = manager.edit(request(prompt="[slow] make it red", request_id=f"job-{n}"), on_step=on_step)
+
+    threads = []
+    for n in range(3):
+        threads.append(threading.Thread(target=run, args=(n,)))
+        threads[-1].start()
+        time.sleep(0.3)
+        wait_for(lambda n=n: manager.waiting() == 0 or n == 2, 30)  # job n is taken before n+1 arrives
+        time.sleep(0.2)
+    for t in threads:
+        t.join(120)
+    assert sorted(results) == [0, 1, 2]
+    first, second = results[0].worker, results[1].worker
+    assert {node_of(manager, first, nodes), node_of(manager, second, nodes)} == {"node_a", "node_b"}
+    assert [n for n, _ in started][:2] == [0, 1]  # the third waited for whichever came free first
+    assert all(len(r.images) == 1 and r.images[0].size == (64, 64) for r in results.values())
+
+
+def test_progress_cancel_and_typed_errors_cross_the_cluster(manager):
+    steps = []
+    manager.edit(request(num_inference_steps=4), on_step=lambda s, t: steps.append((s, t)))
+    assert steps == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    cancel = threading.Event()
+
+    def on_step(step, total):
+        if step == 2:
+            cancel.set()
+
+    with pytest.raises(Cancelled, match="cancelled at step [23] of 30"):
+        manager.edit(request(prompt="[slow] make it red", num_inference_steps=30), on_step=on_step, cancel=cancel)
+    with pytest.raises(OutOfGpuMemory, match="out of GPU memory"):
+        manager.edit(request(prompt="[oom] make it red"))
+    assert all(w.state == "idle" and w.restarts == 0 for w in manager.status().workers)
+
+
+def test_a_killed_actor_fails_only_its_job_and_the_next_runs_on_the_other_node(manager, nodes):
+    nodes.remember()
+    victim = next(w for w in manager.status().workers if nodes.node_ids[w.node] == "node_b")
+    survivor = next(w for w in manager.status().workers if w.name != victim.name)
+    # Occupy the survivor first, so the job to be killed lands on node_b.
+    hold = threading.Thread(target=manager.edit, args=(request(prompt="[slow] hold", num_inference_steps=6),))
+    hold.start()
+    wait_for(lambda: any(w.name == survivor.name and w.state == "busy" for w in manager.status().workers), 30)
+    killed = threading.Event()
+
+    def on_step(step, total):
+        if step == 1 and not killed.is_set():
+            killed.set()
+            os.kill(victim.pids[0], signal.SIGKILL)
+
+    with pytest.raises(WorkerFailed, match=rf"{victim.name}'s Ray actor \(rank 0 on node .*\) stopped during the job"):
+        manager.edit(request(prompt="[slow] make it red", num_inference_steps=20), on_step=on_step)
+    hold.join(60)
+    lost = {w.name: w for w in manager.status().workers}[victim.name]
+    assert lost.state in ("loading", "restarting") and lost.restarts == 1
+    result = manager.edit(request())
+    assert result.worker == survivor.name  # the other node serves while the lost worker reloads
+    wait_for(lambda: {w.name: w for w in manager.status().workers}[victim.name].state == "idle", 90)
+    back = {w.name: w for w in manager.status().workers}[victim.name]
+    assert victim.pids[0] not in back.pids and nodes.node_ids[back.node] == "node_b"  # same node, new actor
+    assert not alive(victim.pids[0])
+
+
+def test_health_and_panel_show_a_lost_worker(manager, nodes):
+    from imgedit.gpus import panel_html
+
+    status = manager.status()
+    data = {"gpus": [], "message": "no GPU", "placement_mode": status.mode, "placement_reason": status.reason,
+            "waiting": 0, "ready": True, "workers": [asdict(w) for w in status.workers]}
+    html = panel_html(data)
+    assert "(Ray node " in html and "node1-worker-0" in html
+
+
+def test_an_unreachable_cluster_is_a_clear_error_not_a_hang(plus_ckpt):
+    code = (
+        "import time, sys; from conftest import make_manager; from imgedit.errors import NotReady\n"
+        "from imgedit.jobs import EditRequest; from conftest import picture\n"
+        "t = time.perf_counter()\n"
+        f"m = make_manager({str(plus_ckpt)!r}, WORKERS='ray', RAY_ADDRESS='127.0.0.1:1', RAY_CONNECT_TIMEOUT='5', "
+        "plan='planner', load=False).prepare()\n"
+        "print('seconds', round(time.perf_counter() - t, 1)); print('error', m.load_error)\n"
+        "try:\n    m.edit(EditRequest(images=(picture(),), prompt='x'))\n"
+        "except NotReady as exc:\n    print('edit', exc.message)\n"
+        "print('ready', m.status().ready, m.status().error is not None)\n")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+    assert "error" in lines, out.stderr[-3000:]
+    assert "cannot reach the Ray cluster at 127.0.0.1:1" in lines["error"]
+    assert float(lines["seconds"]) < 30
+    assert lines["edit"].startswith("no worker is available: cannot reach the Ray cluster")
+    assert lines["ready"] == "False True"
+
+
+def test_closing_leaves_no_ray_process(manager, nodes):
+    nodes.remember()
+    actors = {p for w in manager.status().workers for p in w.pids}
+    manager.close()
+    assert all(w.state == "stopped" for w in manager.status().workers)
+    nodes.shutdown()
+    assert nodes.processes and actors
+    wait_for(lambda: not any(alive(p) for p in nodes.processes | actors), 20)
