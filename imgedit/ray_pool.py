@@ -11,7 +11,6 @@ new actors wait for the cluster to have room. `ray` is imported only when WORKER
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import threading
@@ -30,8 +29,19 @@ POLL_S = 0.5
 
 
 def _ray():
+    # No auto-init: a ray call after ray.shutdown() must fail, not start a new local cluster.
+    os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
     import ray
 
+    return ray
+
+
+def _joined():
+    """ray, once connected. Any ray call made after ray.shutdown() would quietly start a new local
+    cluster (ray's auto-init): a handle stopped late, or twice, must fail instead."""
+    ray = _ray()
+    if not ray.is_initialized():
+        raise ConnectionError("not connected to the Ray cluster")
     return ray
 
 
@@ -40,18 +50,26 @@ def connect(address: str | None, timeout: float = CONNECT_TIMEOUT_S) -> None:
     ray = _ray()
     if ray.is_initialized():
         return
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ray-connect")
-    future = pool.submit(ray.init, address=address, ignore_reinit_error=True, log_to_driver=False,
-                         configure_logging=False)
-    pool.shutdown(wait=False)
-    try:
-        future.result(timeout)
-    except concurrent.futures.TimeoutError:
-        raise WorkerFailed(f"cannot reach the Ray cluster at {address or 'a new local cluster'} "
-                           f"within {timeout:.0f}s (RAY_ADDRESS)") from None
-    except Exception as exc:  # noqa: BLE001 - ray raises ConnectionError, RuntimeError, ... here
-        raise WorkerFailed(f"cannot reach the Ray cluster at {address or 'a new local cluster'}: "
-                           f"{type(exc).__name__}: {str(exc)[:300]} (RAY_ADDRESS)") from None
+    outcome: list[BaseException | None] = []
+
+    def join() -> None:
+        try:
+            ray.init(address=address, ignore_reinit_error=True, log_to_driver=False, configure_logging=False)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - ray raises ConnectionError, RuntimeError, ... here
+            outcome.append(exc)
+
+    # A daemon thread: one still retrying an unreachable address must not keep the process alive.
+    thread = threading.Thread(target=join, name="ray-connect", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    where = address or "a new local cluster"
+    if not outcome:
+        raise WorkerFailed(f"cannot reach the Ray cluster at {where} within {timeout:.0f}s (RAY_ADDRESS)")
+    if outcome[0] is not None:
+        exc = outcome[0]
+        raise WorkerFailed(f"cannot reach the Ray cluster at {where}: {type(exc).__name__}: {str(exc)[:300]} "
+                           "(RAY_ADDRESS)")
 
 
 # ---- planning: per node, from what Ray reports ----
@@ -153,7 +171,7 @@ class _ActorInbox:
         self.actor = actor
 
     def put(self, message) -> None:
-        _ray().get(self.actor.put.remote(message), timeout=10)
+        _joined().get(self.actor.put.remote(message), timeout=10)
 
     def close(self) -> None:
         pass
@@ -178,7 +196,7 @@ class RayWorkerHandle(WorkerHandle):
         return bundles
 
     def _spawn(self) -> None:
-        ray = _ray()
+        ray = _joined()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -211,6 +229,9 @@ class RayWorkerHandle(WorkerHandle):
 
     def _reap(self, timeout: float) -> None:
         ray = _ray()
+        if not ray.is_initialized():  # the cluster connection is gone, and its actors with it
+            self._actors = []
+            return
         actors, self._actors = self._actors, []
         if actors and timeout > 0 and self._closing:
             try:  # a Stop was sent: give the worker loops a moment to end on their own
@@ -225,7 +246,7 @@ class RayWorkerHandle(WorkerHandle):
 
     def stop(self, timeout: float = 5.0) -> None:
         super().stop(timeout)
-        if self._group is not None:
+        if self._group is not None and _ray().is_initialized():
             from ray.util.placement_group import remove_placement_group
 
             try:
@@ -245,6 +266,10 @@ class RayWorkerHandle(WorkerHandle):
         pending: dict = {}
         generation = 0
         while not self._closing and self.state not in ("failed", "stopped"):
+            if not ray.is_initialized():
+                self.state, self.error = "failed", "disconnected from the Ray cluster"
+                self.on_change()
+                return
             if generation != self._generation:
                 generation, actors = self._generation, list(self._actors)
                 pending = {ref: ("start", rank) for rank, ref in enumerate(self._starts)}
@@ -252,7 +277,14 @@ class RayWorkerHandle(WorkerHandle):
             if not pending:
                 threading.Event().wait(POLL_S)
                 continue
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S * 2)
+            try:
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S * 2)
+            except BaseException:  # noqa: BLE001 - ray shut down under us (it raises SystemExit then)
+                if not ray.is_initialized():
+                    self.state, self.error = "failed", "disconnected from the Ray cluster"
+                    self.on_change()
+                    return
+                raise
             for ref in ready:
                 what, rank = pending.pop(ref)
                 try:
