@@ -26,6 +26,7 @@ from imgedit.settings import Settings
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 30.0  # ray.init retries an unreachable address for minutes; the server must not hang
 POLL_S = 0.5
+NODE_LEFT = "its node left the cluster"
 
 
 def _ray():
@@ -246,6 +247,9 @@ class RayWorkerHandle(WorkerHandle):
 
     def stop(self, timeout: float = 5.0) -> None:
         super().stop(timeout)
+        self._remove_group()
+
+    def _remove_group(self) -> None:
         if self._group is not None and _ray().is_initialized():
             from ray.util.placement_group import remove_placement_group
 
@@ -253,7 +257,7 @@ class RayWorkerHandle(WorkerHandle):
                 remove_placement_group(self._group)
             except Exception:  # noqa: BLE001 - the cluster is gone
                 pass
-            self._group = None
+        self._group = None
 
     def _handle(self, message) -> None:
         if isinstance(message, Ready):
@@ -324,6 +328,13 @@ class RayWorkerHandle(WorkerHandle):
         self.restarts += 1
         self.state, self.detail = "restarting", f"restart {self.restarts} of {self.max_restarts}"
         self.on_change()
+        node_gone = reason == NODE_LEFT or (self.node and self.node not in {n.node_id for n in alive_nodes()})
+        if self.node_id and node_gone:
+            # Its node left: place it again wherever the cluster has room (a node that comes back
+            # has a new id), not on the node that is gone.
+            log.warning("%s: its node %s left the cluster; placing it anew", self.name, self.node_id[:8])
+            self._remove_group()
+            self.node_id = None
         self._spawn()
         self.state = "loading"
         self.detail = f"restarting ({self.restarts} of {self.max_restarts}); waiting for room in the cluster"
@@ -336,7 +347,7 @@ class RayWorkerHandle(WorkerHandle):
 def _death_reason(exc: BaseException) -> str:
     text = str(exc)
     if "node" in text.lower() and ("died" in text.lower() or "dead" in text.lower()):
-        return "its node left the cluster"
+        return NODE_LEFT
     if "SIGKILL" in text or "killed" in text.lower() or "exit" in text.lower() or "died" in text.lower():
         return "its process died"
     return type(exc).__name__

@@ -3,13 +3,15 @@ the tiny checkpoint, one CPU worker planned per node.
 
 Jobs must go to both nodes in arrival order with the progress, cancel and typed errors of local
 workers; a worker whose actor is killed mid-job fails only that job (the next one runs on the other
-node) and comes back; an unreachable cluster gives a clear error, not a hang; nothing of Ray is left
+node) and comes back on its node; a node that leaves fails only its job and shows as a lost worker
+waiting for room; an unreachable cluster gives a clear error, not a hang; nothing of Ray is left
 running afterwards.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -78,7 +80,9 @@ class TwoNodes:
         # node would import its installed package.
         os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
         self.cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 1, "resources": {"node_a": 1}, "include_dashboard": False})
+            "num_cpus": 1, "resources": {"node_a": 1}, "include_dashboard": False,
+            # A node that stops answering is declared dead after ~1.5 s instead of ~30 s.
+            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3}})
         self.second = self.cluster.add_node(num_cpus=1, resources={"node_b": 1})
         self.cluster.wait_for_nodes()
         self.address = self.cluster.address
@@ -217,6 +221,43 @@ def test_health_and_panel_show_a_lost_worker(manager, nodes):
             "waiting": 0, "ready": True, "workers": [asdict(w) for w in status.workers]}
     html = panel_html(data)
     assert "(Ray node " in html and "node1-worker-0" in html
+
+
+def test_a_node_that_leaves_fails_only_its_job_and_health_shows_the_lost_worker(manager, nodes):
+    wait_for(lambda: all(w.state == "idle" for w in manager.status().workers), 90)
+    nodes.remember()
+    on_b = next(w for w in manager.status().workers if w.node == nodes.second.node_id)
+    other = next(w for w in manager.status().workers if w.name != on_b.name)
+    removed = threading.Event()
+    outcomes: dict[str, object] = {}
+
+    def run(n: int) -> None:
+        def on_step(step, total):
+            busy = {w.job_id: w.name for w in manager.status().workers if w.job_id}
+            if step == 1 and busy.get(f"pair-{n}") == on_b.name and not removed.is_set():
+                removed.set()
+                nodes.cluster.remove_node(nodes.second, allow_graceful=False)
+
+        try:
+            outcomes[f"pair-{n}"] = manager.edit(request(prompt="[slow] make it red", num_inference_steps=12,
+                                                         request_id=f"pair-{n}"), on_step=on_step)
+        except WorkerFailed as exc:
+            outcomes[f"pair-{n}"] = exc
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(2)]  # one job on each node
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert removed.is_set()
+    failed = [e for e in outcomes.values() if isinstance(e, WorkerFailed)]
+    done = [r for r in outcomes.values() if not isinstance(r, WorkerFailed)]
+    assert len(failed) == 1 and len(done) == 1 and done[0].worker == other.name
+    assert re.search(rf"{on_b.name}'s Ray actor \(rank 0 on node .*\) stopped during the job", failed[0].message)
+    assert manager.edit(request()).worker == other.name  # the rest keep serving
+    lost = {w.name: w for w in manager.status().workers}[on_b.name]
+    assert lost.state == "loading" and "waiting for room in the cluster" in lost.detail
+    assert manager.status().ready  # /health: ready, with the lost worker listed as loading
 
 
 def test_an_unreachable_cluster_is_a_clear_error_not_a_hang(plus_ckpt):
