@@ -94,11 +94,18 @@ def _node_gpus(node: Node) -> list:
     ray = _ray()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    task = ray.remote(num_cpus=0, num_gpus=0)(_discover_here).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False))
+    return ray.get(task.remote(node.gpus), timeout=60)
+
+
+def _discover_here(count: int) -> list:
+    """Runs on the node: NVML's view of its GPUs, the first `count` (as many as Ray offers there). A
+    task given no GPU may find CUDA_VISIBLE_DEVICES emptied by Ray, which would hide them all."""
     from imgedit.gpus import discover_gpus
 
-    task = ray.remote(num_cpus=0, num_gpus=0)(discover_gpus).options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False))
-    return ray.get(task.remote(), timeout=60)
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    return discover_gpus()[:count]
 
 
 def plan_cluster(components: Sequence[ComponentSpec], settings: Settings, nodes: Sequence[Node]) -> tuple[Plan, dict]:

@@ -96,7 +96,9 @@ def build_router(manager, metrics: Metrics, monitor: GpuMonitor) -> APIRouter:
     def health() -> JSONResponse:
         """Liveness + readiness: 200 once every worker has loaded and one is healthy; 503 otherwise."""
         status = manager.status()
-        loaded = bool(status.workers) and all(w.state != "loading" for w in status.workers)
+        # A worker loading again after a restart (its process or Ray node was lost) does not hold
+        # readiness back while another serves; the workers list shows it as loading.
+        loaded = bool(status.workers) and all(w.state != "loading" or w.restarts for w in status.workers)
         ready = status.ready and loaded
         state = "ok" if ready else ("failed" if status.error or (loaded and not status.healthy_workers) else "loading")
         body = snapshot(monitor, status)

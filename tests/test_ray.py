@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict
 
 import pytest
-from conftest import ROOT, make_manager, picture
+from conftest import ROOT, make_manager, picture, start_server
 
 from imgedit.errors import Cancelled, OutOfGpuMemory, WorkerFailed
 from imgedit.jobs import EditRequest
@@ -182,6 +182,24 @@ def test_progress_cancel_and_typed_errors_cross_the_cluster(manager):
     with pytest.raises(OutOfGpuMemory, match="out of GPU memory"):
         manager.edit(request(prompt="[oom] make it red"))
     assert all(w.state == "idle" and w.restarts == 0 for w in manager.status().workers)
+
+
+def test_page_api_and_rest_jobs_reach_the_cluster(manager, nodes, image_file):
+    import httpx
+    from gradio_client import Client, handle_file
+
+    with start_server(manager) as server:
+        health = httpx.get(f"{server.url}/health").json()
+        assert health["status"] == "ok"
+        assert {nodes.node_ids[w["node"]] for w in health["workers"]} == {"node_a", "node_b"}
+        rest = httpx.post(f"{server.url}/v1/images/edits", files={"image": image_file.read_bytes()}, timeout=120,
+                          data={"prompt": "make it red", "size": "64x64", "num_inference_steps": "2", "seed": "1"})
+        assert rest.status_code == 200 and rest.json()["data"][0]["b64_json"]
+        client = Client(server.url, verbose=False)
+        gallery, seed = client.predict([handle_file(str(image_file))], "make it red", "", 5, False, 2, 4.0, 1, 64, 64,
+                                       api_name="/edit")
+        assert len(gallery) == 1 and seed == 5
+        client.close()
 
 
 def test_a_killed_actor_fails_only_its_job_and_the_next_runs_on_the_other_node(manager, nodes):
