@@ -110,15 +110,20 @@ def _discover_here(count: int) -> list:
 
 def plan_cluster(components: Sequence[ComponentSpec], settings: Settings, nodes: Sequence[Node]) -> tuple[Plan, dict]:
     """One plan for the cluster: each node planned on its own GPUs with the usual planner (so a
-    group's GPUs are always on one node); on a node without GPUs, or with DEVICE_MAP=cpu, one CPU
-    worker. Returns the plan and each worker's node id."""
+    group's GPUs are always on one node). Without any GPU in the cluster, or with DEVICE_MAP=cpu, one
+    CPU worker per node; otherwise nodes without GPUs (the server's own, say) get none.
+    Returns the plan and each worker's node id."""
     workers: list[WorkerPlan] = []
     where: dict[str, str] = {}
     reasons = []
+    on_cpu = settings.device_map.mode == "cpu" or not any(n.gpus for n in nodes)
     for number, node in enumerate(nodes):
-        if settings.device_map.mode == "cpu" or node.gpus == 0:
+        if not on_cpu and node.gpus == 0:
+            reasons.append(f"node{number} ({node.address}, {node.node_id[:8]}): no GPU, no worker")
+            continue
+        if on_cpu:
             plan = Plan("cpu", (WorkerPlan("worker-0", {c.name: Placement("cpu") for c in components}),),
-                        "no GPU on this node")
+                        "one CPU worker")
         else:
             plan = plan_placement(components, _node_gpus(node), settings.device_map, settings.max_memory,
                                   settings.gpu_memory_reserve, settings.activation_reserve)
