@@ -363,3 +363,33 @@ def test_kuberay_raycluster(kuberay):
     (service,) = [d for d in kuberay if d["kind"] == "Service"]
     assert service["spec"]["selector"] == {"ray.io/cluster": cluster["metadata"]["name"], "ray.io/node-type": "head"}
     assert service["spec"]["ports"][0]["targetPort"] == PORT
+
+
+def _ray_compose_config(tmp_path: Path, extra_env: str) -> subprocess.CompletedProcess:
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("docker-compose is not installed")
+    (tmp_path / "deploy").mkdir()
+    shutil.copy(RAY_COMPOSE_FILE, tmp_path / "deploy" / RAY_COMPOSE_FILE.name)
+    for name in ("Dockerfile", ".dockerignore"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    (tmp_path / ".env").write_text((ROOT / ".env.example").read_text(encoding="utf-8") + extra_env)
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path)}
+    # The README's command, less `up`: --env-file .env from the project root, -f the file in deploy/.
+    return subprocess.run([binary, "--env-file", ".env", "-f", f"deploy/{RAY_COMPOSE_FILE.name}", "config"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_ray_compose_config_with_the_example_env(tmp_path):
+    done = _ray_compose_config(tmp_path, "RAY_AUTH_TOKEN=0123456789abcdef\nGPU_COUNT=2\n")
+    assert done.returncode == 0, done.stderr + done.stdout
+    services = yaml.safe_load(done.stdout)["services"]
+    assert services["imgedit"]["environment"]["WORKERS"] == "ray"  # the service wins over .env's WORKERS=local
+    assert services["gpu-node"]["environment"]["RAY_AUTH_TOKEN"] == "0123456789abcdef"
+    assert str(services["gpu-node"]["deploy"]["resources"]["reservations"]["devices"][0]["count"]) == "2"
+    assert services["imgedit"]["build"]["context"] == str(tmp_path)
+
+
+def test_ray_compose_refuses_to_start_without_a_token(tmp_path):
+    done = _ray_compose_config(tmp_path, "")
+    assert done.returncode != 0 and "RAY_AUTH_TOKEN" in done.stderr
