@@ -271,6 +271,15 @@ class RayWorkerHandle(WorkerHandle):
                 pass
         self._group = None
 
+    def submit(self, job):
+        try:
+            return super().submit(job)
+        except Exception as exc:  # noqa: BLE001 - the actor is gone or unreachable: fail this job only
+            log.error("%s: could not hand %s to its actor: %s", self.name, job.request_id, exc)
+            events = self._events
+            events.put(WorkerDied(f"{self.name}'s Ray actor could not take the job ({_death_reason(exc)})"))
+            return events
+
     def _handle(self, message) -> None:
         if isinstance(message, Ready):
             self.pids = tuple(sorted({*self.pids, message.pid}))
@@ -324,7 +333,9 @@ class RayWorkerHandle(WorkerHandle):
             return
         reason = _death_reason(exc)
         where = f"node {self.node[:8]}" if self.node else "its node"
-        was_loading = self.state == "loading" and not self._ready
+        # A first load that fails is a fault of the model or the code (no retry); a restart that dies
+        # while loading (its node going away, say) is one more restart.
+        was_loading = self.state == "loading" and not self._ready and self.restarts == 0
         log.error("%s: Ray actor of rank %d on %s ended (%s)%s", self.name, rank, where, reason,
                   f" during {self.job_id}" if self.job_id else "")
         self._reap(0)  # the other ranks of a group cannot go on alone
