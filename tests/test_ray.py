@@ -72,26 +72,51 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 class TwoNodes:
     """A head node and a second node, each its own raylet process with one CPU."""
 
     def __init__(self):
         # The nodes' Ray workers import imgedit and the fault hook (tests/faults.py) as a deployed
         # node would import its installed package.
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), saved or ""])
         self.cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={
             "num_cpus": 1, "resources": {"node_a": 1}, "include_dashboard": False,
             # A node that stops answering is declared dead after ~1.5 s instead of ~30 s.
             "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3}})
         self.second = self.cluster.add_node(num_cpus=1, resources={"node_b": 1})
         self.cluster.wait_for_nodes()
+        if saved is None:  # the raylets have it; nothing else in this session should
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = saved
         self.address = self.cluster.address
         self.node_ids = {self.cluster.head_node.node_id: "node_a", self.second.node_id: "node_b"}
         self.processes: set[int] = set()
 
     def remember(self) -> None:
-        """Every process the cluster started so far (raylets, GCS, Ray workers, actors)."""
-        self.processes |= _descendants(os.getpid()) - {os.getpid()}
+        """Every process the cluster started so far: the raylets and the GCS with all they started
+        (Ray workers, actors, agents), and Ray's own helpers (log monitor, ...). Not the local worker
+        processes of other tests' managers, which are this process's children too."""
+        ours = _descendants(os.getpid())
+        roots = {p for p in ours if _comm(p) in ("raylet", "gcs_server") or "/ray/" in _cmdline(p)}
+        self.processes |= roots.union(*(_descendants(p) for p in roots))
 
     def shutdown(self) -> None:
         self.remember()
@@ -99,7 +124,7 @@ class TwoNodes:
             ray.shutdown()
         self.cluster.shutdown()
         # The head's agents (dashboard, runtime env) outlive the raylet for a while as orphans: they
-        # were started for this cluster (descendants of this process), so stop them by their ids.
+        # were started for this cluster (remembered above), so stop them by their ids.
         deadline = time.time() + 5
         while any(alive(p) for p in self.processes) and time.time() < deadline:
             time.sleep(0.1)
