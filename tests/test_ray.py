@@ -256,7 +256,7 @@ def test_a_killed_actor_fails_only_its_job_and_the_next_runs_on_the_other_node(m
     assert not alive(victim.pids[0])
 
 
-def test_health_and_panel_show_a_lost_worker(manager, nodes):
+def test_the_panel_names_each_workers_node(manager, nodes):
     from imgedit.gpus import panel_html
 
     status = manager.status()
@@ -301,6 +301,12 @@ def test_a_node_that_leaves_fails_only_its_job_and_health_shows_the_lost_worker(
     lost = {w.name: w for w in manager.status().workers}[on_b.name]
     assert lost.state == "loading" and "waiting for room in the cluster" in lost.detail
     assert manager.status().ready  # /health: ready, with the lost worker listed as loading
+    from imgedit.gpus import panel_html
+
+    status = manager.status()
+    html = panel_html({"gpus": [], "message": "no GPU", "placement_mode": status.mode, "waiting": 0, "ready": True,
+                       "placement_reason": status.reason, "workers": [asdict(w) for w in status.workers]})
+    assert f"{on_b.name} on cpu: loading" in html and f"{other.name} on cpu (Ray node " in html
 
 
 def test_an_unreachable_cluster_is_a_clear_error_not_a_hang(plus_ckpt):
