@@ -189,13 +189,17 @@ def snapshot(monitor: GpuMonitor, status: ManagerStatus) -> dict:
 def panel_html(data: dict) -> str:
     """One bar per GPU: memory used of total, utilisation, what it holds, what it runs."""
     parts = ['<div class="gpu-panel">']
+    remote = any(w.get("node") for w in data["workers"])
     if not data["gpus"]:
         parts.append(f'<p class="gpu-none">{html.escape(data["message"] or "")}</p>')
+    if not data["gpus"] or remote:  # WORKERS=ray: the workers' GPUs are on other machines
         for w in data["workers"]:
             busy = w["state"] == "busy"
             step = f' — {html.escape(w["job_id"] or "")} step {w["step"]}/{w["total_steps"]}' if busy else ""
-            parts.append(f'<p>{html.escape(w["name"])} on {html.escape(", ".join(w["devices"]))}: '
-                         f'{html.escape(w["state"])}{step}</p>')
+            node = f' (Ray node {html.escape(w["node"][:8])})' if w.get("node") else ""
+            why = f' — {html.escape(w["error"] or w["detail"] or "")}' if w["state"] in ("failed", "restarting") else ""
+            parts.append(f'<p>{html.escape(w["name"])} on {html.escape(", ".join(w["devices"]))}{node}: '
+                         f'{html.escape(w["state"])}{step}{why}</p>')
     for g in data["gpus"]:
         pct = 100 * g["used_mib"] / g["total_mib"] if g["total_mib"] else 0
         util = "n/a" if g["utilization_percent"] is None else f'{g["utilization_percent"]:.0f}%'
