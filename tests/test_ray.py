@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict
 
 import pytest
-from conftest import ROOT, make_manager, picture, start_server
+from conftest import ROOT, alive, make_manager, picture, start_server, wait_for
 
 from imgedit.errors import Cancelled, OutOfGpuMemory, WorkerFailed
 from imgedit.jobs import EditRequest
@@ -36,21 +36,6 @@ def request(**kw) -> EditRequest:
     args = dict(images=(picture(),), prompt="make it red", seed=5, **FAST)
     args.update(kw)
     return EditRequest(**args)
-
-
-def wait_for(condition, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.05)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _descendants(pid: int) -> set[int]:
