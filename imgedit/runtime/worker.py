@@ -76,7 +76,7 @@ def _load(spec: WorkerSpec):
     pipe = loader.load_pipeline(spec.checkpoint, plan, dtype)
     install_token_type_fix(pipe.text_encoder)
     runner = Runner(pipe, spec.name, spec.devices or plan.devices, spec.rank, spec.world, spec.parallel, group,
-                    spec.auto_cleanup)
+                    spec.auto_cleanup, spec.ulysses, cuda)
     info: dict = {"compiled": False, "load_seconds": round(time.perf_counter() - started, 2)}
     if spec.hook:
         module, _, function = spec.hook.partition(":")
