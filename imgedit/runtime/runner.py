@@ -40,7 +40,7 @@ class FatalError(ImgEditError):
 
 class Runner:
     def __init__(self, pipe, name: str, devices: tuple[str, ...], rank: int = 0, world: int = 1,
-                 parallel: str = "none", group=None, auto_cleanup: bool = True):
+                 parallel: str = "none", group=None, auto_cleanup: bool = True, adapters=None):
         self.pipe = pipe
         self.name = name
         self.devices = devices
@@ -48,6 +48,7 @@ class Runner:
         self.group = group  # the CPU group the ranks agree on cancel over
         self.auto_cleanup = auto_cleanup
         self.cfg_pair = CfgPair(pipe.transformer, rank, None) if parallel == "cfg" else None
+        self.adapters = adapters  # imgedit.runtime.adapters.Adapters: the job's LoRAs and scheduler
 
     def takes_part(self, job: Job) -> bool:
         """With CFG off a pair has nothing to split: rank 0 runs the job alone."""
@@ -85,6 +86,10 @@ class Runner:
         generator = torch.Generator(device="cpu").manual_seed(params.seed)
         out_of_memory = False
         try:
+            if self.adapters is not None:
+                self.adapters.use(params.adapters, params.scheduler)
+            elif params.adapters or params.scheduler != "default":
+                raise ImgEditError("this worker has no LoRAs loaded")
             with torch.inference_mode():
                 output = self.pipe(
                     image=images, prompt=req.prompt, negative_prompt=params.negative_prompt,
@@ -107,6 +112,8 @@ class Runner:
         finally:
             if self.cfg_pair is not None:
                 self.cfg_pair.begin(False)
+            if self.adapters is not None:  # no adapter outlives its job (done, failed or cancelled)
+                self.adapters.reset()
         if out_of_memory:
             log.warning("%s: out of GPU memory on %s", req.request_id, ",".join(self.devices))
             self.cleanup(force=True)
