@@ -188,7 +188,7 @@ def check_state_dict(state_dict: dict, linears: dict[str, tuple[int, int]]) -> t
         layers.add(module)
     if not state_dict:
         problems.append("it holds no LoRA weights for the transformer")
-    return (max(ranks) if ranks else 0), len(layers), problems
+    return (max(ranks) if ranks else 0), len(layers), list(dict.fromkeys(problems))
 
 
 def check_all(configured: tuple[LoraEntry, ...], checkpoint_folder: Path) -> tuple[LoraFile, ...]:

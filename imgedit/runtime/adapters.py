@@ -24,13 +24,16 @@ class Adapters:
     def __init__(self, pipe, files: tuple[LoraFile, ...] = ()):
         self.pipe = pipe
         self.files = {f.name: f for f in files}
+        # peft adapter names end up as module names, which may not contain "." (a file stem such as
+        # ...-V1.0-bf16 does): each LoRA gets an internal name.
+        self.adapter_names = {f.name: f"lora_{i}" for i, f in enumerate(files)}
         self.default_scheduler = pipe.scheduler
         self._lightning = None
         self.active: tuple[tuple[str, float], ...] = ()
         for file in files:
             started = time.perf_counter()
             try:
-                pipe.load_lora_weights(file.path, adapter_name=file.name)
+                pipe.load_lora_weights(file.path, adapter_name=self.adapter_names[file.name])
             except Exception as exc:
                 raise ImgEditError(f"LoRA {file.name!r} ({file.path}) could not be loaded: "
                                    f"{type(exc).__name__}: {str(exc)[:200]}") from exc
@@ -55,7 +58,7 @@ class Adapters:
             raise ImgEditError(f"LoRA {unknown[0]!r} is not loaded in this worker")
         self.pipe.scheduler = self.lightning_scheduler if scheduler == "lightning" else self.default_scheduler
         if adapters:
-            names, weights = [n for n, _ in adapters], [w for _, w in adapters]
+            names, weights = [self.adapter_names[n] for n, _ in adapters], [w for _, w in adapters]
             self.pipe.set_adapters(names, weights)
             self.pipe.enable_lora()
         elif self.files:
