@@ -30,6 +30,7 @@ class Adapters:
         self.default_scheduler = pipe.scheduler
         self._lightning = None
         self.active: tuple[tuple[str, float], ...] = ()
+        self._configured: tuple[tuple[str, float], ...] = ()  # what set_adapters last set (kept while disabled)
         for file in files:
             started = time.perf_counter()
             try:
@@ -58,8 +59,10 @@ class Adapters:
             raise ImgEditError(f"LoRA {unknown[0]!r} is not loaded in this worker")
         self.pipe.scheduler = self.lightning_scheduler if scheduler == "lightning" else self.default_scheduler
         if adapters:
-            names, weights = [self.adapter_names[n] for n, _ in adapters], [w for _, w in adapters]
-            self.pipe.set_adapters(names, weights)
+            if adapters != self._configured:  # each call walks every module: skip it when nothing changes
+                names, weights = [self.adapter_names[n] for n, _ in adapters], [w for _, w in adapters]
+                self.pipe.set_adapters(names, weights)
+                self._configured = adapters
             self.pipe.enable_lora()
         elif self.files:
             self.pipe.disable_lora()
