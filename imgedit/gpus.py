@@ -186,6 +186,7 @@ def snapshot(monitor: GpuMonitor, status: ManagerStatus) -> dict:
         "workers": [asdict(w) for w in status.workers],
         "waiting": status.waiting,
         "ready": status.ready,
+        "loras": list(status.loras),
     }
 
 
@@ -214,6 +215,10 @@ def panel_html(data: dict) -> str:
             f'<div style="background:#ddd;height:12px;border-radius:4px">'
             f'<div style="background:#3b82f6;width:{pct:.1f}%;height:12px;border-radius:4px"></div></div>'
             f'<small>holds: {holds}<br>runs: {running}</small></div>')
+    if data.get("loras"):
+        names = ", ".join(lora["name"] + (f' (Lightning {n}-step)' if (n := lora["lightning_steps"]) else "")
+                          for lora in data["loras"])
+        parts.append(f'<small class="gpu-loras">LoRAs loaded: {html.escape(names)}</small><br>')
     parts.append(f'<small>placement: {html.escape(data["placement_mode"])} — '
                  f'{html.escape(data["placement_reason"])}; waiting: {data["waiting"]}</small></div>')
     return "".join(parts)

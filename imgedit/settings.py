@@ -96,6 +96,12 @@ def _size(raw: str) -> int:
     return parse_size(raw)
 
 
+def _loras(raw: str) -> tuple[tuple[str, str], ...]:
+    from imgedit.loras import parse_loras
+
+    return parse_loras(raw)
+
+
 def _max_memory(raw: str) -> tuple[int, ...]:
     if not raw.strip():
         return ()
@@ -185,6 +191,14 @@ REGISTRY: tuple[Var, ...] = (
     Var("BODY_READ_TIMEOUT", "30", _int_range(1, 3600),
         "Seconds a request body may stall (no bytes at all) before the server answers 408 and hangs up"),
     Var("MAX_IMAGES_PER_PROMPT", "4", _int_range(1, 16), "Largest number of images one request may ask for"),
+    Var("LORA_DIR", "", _optional_str,
+        "Folder whose *.safetensors LoRAs are offered, each named by its file name without .safetensors"),
+    Var("LORAS", "", _loras,
+        "More LoRAs as name=path pairs, comma-separated; a path may be a hub file owner/repo/file.safetensors"),
+    Var("FAST_LORA_4STEP", "", _optional_str,
+        "Name of the Lightning 4-step LoRA for speed=fastest; empty = the LoRA whose file name says Lightning-4steps"),
+    Var("FAST_LORA_8STEP", "", _optional_str,
+        "Name of the Lightning 8-step LoRA for speed=fast; empty = the LoRA whose file name says Lightning-8steps"),
     Var("COMPILE", "auto", _choice("auto", "on", "off"),
         "Compile the transformer's repeated blocks (torch.compile), warmed up at start-up; auto = on for GPUs"),
     Var("COMPILE_CACHE_DIR", "~/.cache/imgedit/compile", _str,
@@ -241,6 +255,11 @@ class Settings:
     max_file_size: int = 25_000_000
     body_read_timeout: int = 30
     max_images_per_prompt: int = 4
+    lora_dir: str | None = None
+    loras: tuple[tuple[str, str], ...] = ()
+    fast_lora_4step: str | None = None
+    fast_lora_8step: str | None = None
+    lora_entries: tuple = ()  # imgedit.loras.LoraEntry for each configured LoRA (built from the four above)
     compile: str = "auto"
     compile_cache_dir: str = "~/.cache/imgedit/compile"
     worker_restarts: int = 3
@@ -292,6 +311,14 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
         problems.append(f"DEFAULT_STEPS={steps} is above MAX_STEPS={most}")
     if values.get("gradio_auth") and ":" not in values["gradio_auth"]:
         problems.append(f"GRADIO_AUTH={values['gradio_auth']!r} is not valid: expected user:password")
+    if not problems:
+        from imgedit.loras import entries
+
+        try:
+            values["lora_entries"] = entries(values["lora_dir"], values["loras"], values["fast_lora_4step"],
+                                             values["fast_lora_8step"])
+        except ValueError as exc:
+            problems.append(str(exc))
     if problems:
         raise SettingsError("Bad configuration:\n  " + "\n  ".join(problems))
     values["cuda_visible_devices"] = env.get("CUDA_VISIBLE_DEVICES")

@@ -41,7 +41,7 @@ class FatalError(ImgEditError):
 class Runner:
     def __init__(self, pipe, name: str, devices: tuple[str, ...], rank: int = 0, world: int = 1,
                  parallel: str = "none", group=None, auto_cleanup: bool = True, ulysses: int = 1,
-                 cuda: bool = False):
+                 cuda: bool = False, adapters=None):
         self.pipe = pipe
         self.name = name
         self.devices = devices
@@ -52,6 +52,7 @@ class Runner:
             from imgedit.runtime.group import ParallelGroup
 
             self.group = ParallelGroup(pipe.transformer, parallel, rank, world, ulysses, cuda, group)
+        self.adapters = adapters  # imgedit.runtime.adapters.Adapters: the job's LoRAs and scheduler
 
     def takes_part(self, job: Job) -> bool:
         """With CFG off a CFG pair has nothing to split: its first rank (or half) runs the job."""
@@ -88,6 +89,10 @@ class Runner:
         generator = torch.Generator(device="cpu").manual_seed(params.seed)
         out_of_memory = False
         try:
+            if self.adapters is not None:
+                self.adapters.use(params.adapters, params.scheduler)
+            elif params.adapters or params.scheduler != "default":
+                raise ImgEditError("this worker has no LoRAs loaded")
             with torch.inference_mode():
                 output = self.pipe(
                     image=images, prompt=req.prompt, negative_prompt=params.negative_prompt,
@@ -110,6 +115,8 @@ class Runner:
         finally:
             if self.group is not None:
                 self.group.end()
+            if self.adapters is not None:  # no adapter outlives its job (done, failed or cancelled)
+                self.adapters.reset()
         if out_of_memory:
             log.warning("%s: out of GPU memory on %s", req.request_id, ",".join(self.devices))
             self.cleanup(force=True)
