@@ -133,7 +133,8 @@ class Runner:
         """Drop what the job left behind (the seed guides' AUTO_CLEANUP); always after an OOM."""
         if not (self.auto_cleanup or force):
             return
-        gc.collect()
+        if force:  # a full collection walks every object (compiled graphs included): only after an OOM
+            gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
