@@ -39,6 +39,7 @@ COPY app.py ./
 COPY imgedit/ ./imgedit/
 
 ENV HF_HOME=/models/hf \
+    COMPILE_CACHE_DIR=/models/compile \
     GRADIO_SERVER_NAME=0.0.0.0 \
     GRADIO_SERVER_PORT=7860 \
     CUDA_DEVICE_ORDER=PCI_BUS_ID

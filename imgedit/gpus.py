@@ -144,11 +144,23 @@ def _text(value) -> str:
 def _annotate(readings: list[GpuReading], status: ManagerStatus) -> None:
     by_device = {f"cuda:{r.index}": r for r in readings}
     for worker in status.workers:
-        for component, where in worker.placement.items():
-            for device in worker.devices:
-                if device in where and device in by_device:
-                    label = component if where == device else f"{component} ({_blocks_on(where, device)})"
-                    by_device[device].holds.append(f"{worker.name}: {label}")
+        compiled = ", compiled" if worker.compiled else ""
+        if worker.parallel != "none":  # every rank holds the whole pipeline on its GPU
+            for rank, device in enumerate(worker.devices):
+                if device in by_device:
+                    by_device[device].holds.append(
+                        f"{worker.name} rank {rank} of a CFG-parallel pair: the whole pipeline{compiled}")
+        else:
+            for component, where in worker.placement.items():
+                extra = compiled if component == "transformer" else ""
+                for device in worker.devices:
+                    if device not in by_device:
+                        continue
+                    if where == device:
+                        by_device[device].holds.append(f"{worker.name}: {component}{extra}")
+                    elif any(part.endswith(f" -> {device}") for part in where.split(", ")):
+                        label = f"{component} ({_blocks_on(where, device)}){extra}"
+                        by_device[device].holds.append(f"{worker.name}: {label}")
         if worker.state == "busy" and worker.job_id:
             for device in worker.devices:
                 if device in by_device:
@@ -157,7 +169,7 @@ def _annotate(readings: list[GpuReading], status: ManagerStatus) -> None:
 
 
 def _blocks_on(describe: str, device: str) -> str:
-    return ", ".join(part.split(" -> ")[0] for part in describe.split(", ") if part.endswith(device))
+    return ", ".join(part.split(" -> ")[0] for part in describe.split(", ") if part.endswith(f" -> {device}"))
 
 
 def snapshot(monitor: GpuMonitor, status: ManagerStatus) -> dict:
@@ -197,11 +209,15 @@ def _worker_doing(w: dict) -> str:
 def panel_html(data: dict) -> str:
     """One bar per GPU: memory used of total, utilisation, what it holds, what it runs."""
     parts = ['<div class="gpu-panel">', f'<p class="gpu-ready"><b>{_readiness(data)}</b></p>']
+    remote = any(w.get("node") for w in data["workers"])
     if not data["gpus"]:
         parts.append(f'<p class="gpu-none">{html.escape(data["message"] or "")}</p>')
+    if not data["gpus"] or remote:  # WORKERS=ray: the workers' GPUs are on other machines
         for w in data["workers"]:
-            parts.append(f'<p>{html.escape(w["name"])} on {html.escape(", ".join(w["devices"]))}: '
-                         f'{_worker_doing(w)}</p>')
+            node = f' (Ray node {html.escape(w["node"][:8])})' if w.get("node") else ""
+            why = f' — {html.escape(w["error"] or w["detail"] or "")}' if w["state"] in ("failed", "restarting") else ""
+            parts.append(f'<p>{html.escape(w["name"])} on {html.escape(", ".join(w["devices"]))}{node}: '
+                         f'{_worker_doing(w)}{why}</p>')
     for g in data["gpus"]:
         pct = 100 * g["used_mib"] / g["total_mib"] if g["total_mib"] else 0
         util = "n/a" if g["utilization_percent"] is None else f'{g["utilization_percent"]:.0f}%'

@@ -133,9 +133,9 @@ class HistoryStore:
         partial.mkdir()
         try:
             for i, image in enumerate(result.images):
-                image.save(partial / f"out-{i}.png", format="PNG")
+                image.save(partial / f"out-{i}.png", format="PNG", compress_level=1)
             for i, image in enumerate(req.images):
-                image.save(partial / f"in-{i}.png", format="PNG")
+                image.save(partial / f"in-{i}.png", format="PNG", compress_level=1)
             thumb = result.images[0].copy()
             thumb.thumbnail((THUMB_SIDE, THUMB_SIDE))
             thumb.save(partial / "thumb.png", format="PNG")

@@ -74,6 +74,7 @@ class WorkerStatus:
     restarts: int = 0
     compiled: bool = False
     detail: str | None = None  # what a loading worker is doing (loading weights, compiling, ...)
+    node: str | None = None  # WORKERS=ray: the id of the Ray node its actors run on
 
 
 @dataclass(frozen=True)

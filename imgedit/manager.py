@@ -53,6 +53,7 @@ class PipelineManager:
         self.listeners: list[Callable[[JobRecord], None]] = []
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._started = False
+        self._nodes: dict[str, str] = {}  # WORKERS=ray: each planned worker's Ray node id
 
     # ---- planning and start-up ----
     @property
@@ -82,14 +83,28 @@ class PipelineManager:
             return self
         try:
             self.checkpoint = open_checkpoint(self.settings.model_source)
+            if self.settings.workers == "ray":
+                from imgedit import ray_pool
+
+                try:
+                    ray_pool.connect(self.settings.ray_address, self.settings.ray_connect_timeout)
+                except WorkerFailed as exc:  # the page and /health still come up, and say why
+                    log.error("%s", exc.message)
+                    self.load_error = exc.message
+                    self._plan = Plan("ray", (), exc.message)
+                    return self
             if self._plan is None:
                 from imgedit import loader
-                from imgedit.gpus import discover_gpus
 
-                gpus = discover_gpus() if self._gpus is None else list(self._gpus)
                 specs = loader.component_specs(self.checkpoint, loader.DTYPES[self.settings.torch_dtype])
-                self._plan = plan_placement(specs, gpus, self.settings.device_map, self.settings.max_memory,
-                                            self.settings.gpu_memory_reserve, self.settings.activation_reserve)
+                if self.settings.workers == "ray":
+                    self._plan, self._nodes = ray_pool.plan_cluster(specs, self.settings, ray_pool.alive_nodes())
+                else:
+                    from imgedit.gpus import discover_gpus
+
+                    gpus = discover_gpus() if self._gpus is None else list(self._gpus)
+                    self._plan = plan_placement(specs, gpus, self.settings.device_map, self.settings.max_memory,
+                                                self.settings.gpu_memory_reserve, self.settings.activation_reserve)
         except Exception as exc:
             self.load_error = _safe_text(exc)
             raise
@@ -106,8 +121,13 @@ class PipelineManager:
         spec = WorkerSpec(name=plan.name, rank=0, world=plan.ranks, parallel=plan.parallel, plan=plan,
                           checkpoint=self.checkpoint, dtype=s.torch_dtype, compile=self.compile_enabled(plan),
                           hook=self.worker_hook, auto_cleanup=s.auto_cleanup, warmup_sizes=self.warmup_sizes)
-        return WorkerHandle(plan, spec, visible=s.cuda_visible_devices, cache_dir=s.compile_cache_dir,
-                            max_restarts=s.worker_restarts, log_level=s.log_level, on_change=self._changed)
+        common = dict(cache_dir=s.compile_cache_dir, max_restarts=s.worker_restarts, log_level=s.log_level,
+                      on_change=self._changed, max_memory=s.max_memory)
+        if s.workers == "ray":
+            from imgedit.ray_pool import RayWorkerHandle
+
+            return RayWorkerHandle(plan, spec, node_id=self._nodes.get(plan.name), visible=None, **common)
+        return WorkerHandle(plan, spec, visible=s.cuda_visible_devices, **common)
 
     def _changed(self) -> None:
         with self._cond:
@@ -131,6 +151,8 @@ class PipelineManager:
                 if time.monotonic() > deadline:
                     raise WorkerFailed(f"the workers did not load within {timeout:.0f}s")
                 self._cond.wait(0.1)
+        if self.load_error and not self.workers:
+            raise WorkerFailed(self.load_error)
         if not self.ready:
             errors = "; ".join(f"{w.name}: {w.error}" for w in self.workers)
             self.load_error = f"no worker could be loaded ({errors})"
@@ -225,6 +247,8 @@ class PipelineManager:
         try:
             restarting = any(w.state == "restarting" or (w.state == "loading" and w.restarts) for w in self.workers)
             if not self.ready and not restarting:  # a restarting worker is waited for, in line
+                if self.load_error and not self.workers:
+                    raise NotReady(f"no worker is available: {self.load_error}")
                 if self.load_error or (self.workers and not self._alive()):
                     raise NotReady("the model failed to load; see /health and the server log")
                 raise NotReady("the model is still loading; try again shortly")

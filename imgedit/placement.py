@@ -140,8 +140,16 @@ def _gpu(index: int) -> str:
     return f"cuda:{index}"
 
 
+# Memory a worker process holds on each GPU it uses outside torch's allocator, measured on the GPU
+# machine (2xH200, NVML process memory minus torch's reserved memory): the CUDA context 0.60 GiB; a
+# rank of a CFG-parallel pair 0.96 GiB (context plus NCCL's buffers). docs/BENCHMARKS.md.
+CUDA_CONTEXT = int(0.6 * GIB)
+NCCL_BUFFERS = int(0.4 * GIB)
+
+
 def budgets(gpus: Sequence[GpuSpec], max_memory: Sequence[int], reserve: int) -> dict[int, int]:
-    """Bytes of weights each GPU may take: min(cap, free) minus the activation reserve."""
+    """Bytes of weights each GPU may take: min(cap, free) minus the reserve and the worker process's
+    CUDA context (the activation reserve is taken where the latents live)."""
     if max_memory and len(max_memory) not in (1, len(gpus)):
         raise PlacementError(
             f"MAX_MEMORY has {len(max_memory)} values but {len(gpus)} GPUs are visible: "
@@ -150,7 +158,7 @@ def budgets(gpus: Sequence[GpuSpec], max_memory: Sequence[int], reserve: int) ->
     result = {}
     for i, gpu in enumerate(gpus):
         limit = min(gpu.free_bytes, caps[i]) if caps else gpu.free_bytes
-        result[gpu.index] = max(0, limit - reserve)
+        result[gpu.index] = max(0, limit - reserve - CUDA_CONTEXT)
     return result
 
 
@@ -210,7 +218,7 @@ def plan_placement(
                 f"{smallest / GIB:.1f} GiB; use DEVICE_MAP=balanced")
         return _replicas(components, budget, "replicas", f"one full pipeline on each of {len(budget)} GPUs")
     if mode == "cfg-parallel":
-        if len(budget) < 2 or not _fits_every_gpu(total, budget):
+        if len(budget) < 2 or not _fits_every_gpu(total + NCCL_BUFFERS, budget):
             smallest = min(budget.values())
             raise PlacementError(
                 f"DEVICE_MAP=cfg-parallel needs 2 or more GPUs that each take a full copy ({total / GIB:.1f} GiB); "
@@ -218,7 +226,7 @@ def plan_placement(
                 "DEVICE_MAP=balanced (or replicas with one GPU)")
         return _pairs(components, budget, "cfg-parallel")
     if mode == "auto":
-        if _fits_every_gpu(total, budget) and len(budget) >= 2:
+        if _fits_every_gpu(total + NCCL_BUFFERS, budget) and len(budget) >= 2:
             return _pairs(components, budget, "auto")
         if _fits_every_gpu(total, budget):
             return _replicas(components, budget, "auto",
@@ -288,7 +296,8 @@ def _balanced(components: Sequence[ComponentSpec], budget: Mapping[int, int], ac
     if need > sum(room.values()):
         raise PlacementError(
             f"the model needs {need / GIB:.1f} GiB (weights and activations) but the visible GPUs can take "
-            f"{sum(room.values()) / GIB:.1f} GiB in all (caps/free memory minus the per-GPU reserve); "
+            f"{sum(room.values()) / GIB:.1f} GiB in all (caps/free memory minus the per-GPU reserve and "
+            "CUDA context); "
             "add GPUs, raise MAX_MEMORY, or lower GPU_MEMORY_RESERVE")
     placed: dict[str, Placement] = {}
     to_split = []

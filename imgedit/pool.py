@@ -72,12 +72,14 @@ def free_port() -> int:
 
 class WorkerHandle:
     def __init__(self, plan: WorkerPlan, spec: WorkerSpec, *, visible: str | None, cache_dir: str | None,
-                 max_restarts: int, log_level: str = "INFO", on_change: Callable[[], None] = lambda: None):
+                 max_restarts: int, log_level: str = "INFO", on_change: Callable[[], None] = lambda: None,
+                 max_memory: tuple[int, ...] = ()):
         self.plan = plan
         self.name = plan.name
         self.spec = spec  # rank 0's spec with the plan as planned; each rank gets its own at spawn
         self.visible, self.cache_dir, self.log_level = visible, cache_dir, log_level
         self.max_restarts = max_restarts
+        self.max_memory = max_memory  # MAX_MEMORY as set: one value for all GPUs, or one per visible GPU
         self.on_change = on_change
         self.lock = threading.Lock()  # held by the job thread that owns the worker
         self.state = "loading"  # loading | idle | busy | restarting | failed | stopped
@@ -109,7 +111,7 @@ class WorkerHandle:
         for rank in range(self.plan.ranks):
             local, visible = localize(self.plan.for_rank(rank), self.visible)
             spec = replace(self.spec, rank=rank, world=self.plan.ranks, plan=local, master_port=port,
-                           devices=self.plan.devices)
+                           devices=self.plan.devices, memory_caps=self._caps(self.plan.for_rank(rank)))
             inbox_read, inbox_write = _CTX.Pipe(duplex=False)
             outbox_read, outbox_write = _CTX.Pipe(duplex=False)
             proc = _CTX.Process(target=_entry, name=f"imgedit-{self.name}-rank{rank}", daemon=True,
@@ -133,6 +135,14 @@ class WorkerHandle:
         self.pids = tuple(p.pid for p in self._procs)
         log.info("%s: started %d process(es) %s on %s", self.name, len(self._procs), self.pids,
                  self.plan.describe())
+
+    def _caps(self, plan: WorkerPlan) -> tuple[int, ...]:
+        """MAX_MEMORY of each GPU of this rank, in the order its process numbers them."""
+        if not self.max_memory:
+            return ()
+        gpus = [int(d[5:]) for d in plan.devices if d.startswith("cuda:")]
+        caps = self.max_memory
+        return tuple(caps[0] if len(caps) == 1 else caps[i] for i in gpus)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Ask every rank to stop, then terminate, then kill: no process outlives this call."""

@@ -183,6 +183,12 @@ REGISTRY: tuple[Var, ...] = (
         "Where the compiler keeps its cache, so a restart does not compile again (a volume in compose/k8s)"),
     Var("WORKER_RESTARTS", "3", _int_range(0, 100),
         "How many times a worker process that dies is restarted before it is reported failed"),
+    Var("WORKERS", "local", _choice("local", "ray"),
+        "local = worker processes on this machine | ray = Ray actors anywhere in the cluster at RAY_ADDRESS"),
+    Var("RAY_ADDRESS", "", _optional_str,
+        "With WORKERS=ray: the cluster to join (auto, host:6379 or ray://host:10001); empty = start a local one"),
+    Var("RAY_CONNECT_TIMEOUT", "30", _int_range(1, 3600),
+        "Seconds to reach the Ray cluster at start-up; then the server runs without workers and says why"),
     Var("AUTO_CLEANUP", "true", _bool, "Free cached GPU memory after each job"),
     Var("LOG_LEVEL", "INFO", _choice(*LOG_LEVELS, upper=True), "DEBUG | INFO | WARNING | ERROR"),
     Var("GRADIO_SERVER_NAME", "0.0.0.0", _str, "Address the server listens on"),
@@ -230,6 +236,9 @@ class Settings:
     compile: str = "auto"
     compile_cache_dir: str = "~/.cache/imgedit/compile"
     worker_restarts: int = 3
+    workers: str = "local"
+    ray_address: str | None = None
+    ray_connect_timeout: int = 30
     auto_cleanup: bool = True
     log_level: str = "INFO"
     gradio_server_name: str = "0.0.0.0"

@@ -292,3 +292,104 @@ def test_kubernetes_service_reaches_the_pods(manifests):
     assert service["selector"] and service["selector"].items() <= template["metadata"]["labels"].items()
     (container,) = template["spec"]["containers"]
     assert [_port(p.get("targetPort", p["port"]), container) for p in service["ports"]] == [PORT]
+
+
+# ---------------------------------------------------------------- WORKERS=ray: compose and KubeRay
+
+RAY_COMPOSE_FILE = ROOT / "deploy/docker-compose.ray.yml"
+KUBERAY = ROOT / "deploy/kuberay.yaml"
+
+
+def _ray_pin() -> str:
+    pins = [line.split("==")[1].strip() for line in (ROOT / "requirements.txt").read_text().splitlines()
+            if line.startswith("ray==")]
+    assert len(pins) == 1, "requirements.txt pins ray exactly once"
+    return pins[0]
+
+
+@pytest.fixture(scope="module")
+def ray_compose() -> dict:
+    return yaml.safe_load(RAY_COMPOSE_FILE.read_text(encoding="utf-8"))
+
+
+def test_ray_compose_file_matches_the_compose_spec_schema(ray_compose, compose_validator):
+    errors = sorted(compose_validator.iter_errors(ray_compose), key=lambda e: list(e.absolute_path))
+    assert not errors, "\n".join(f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors)
+    broken = copy.deepcopy(ray_compose)
+    broken["services"]["gpu-node"]["deploy"]["resources"]["reservations"]["devices"][0]["gpus"] = "all"
+    assert list(compose_validator.iter_errors(broken)), "the schema accepted an unknown device key"
+
+
+def test_ray_compose_server_is_the_head_and_the_nodes_hold_the_gpus(ray_compose):
+    server, node = ray_compose["services"]["imgedit"], ray_compose["services"]["gpu-node"]
+    assert server["environment"]["WORKERS"] == "ray" and server["environment"]["RAY_ADDRESS"] == "auto"
+    head = " ".join(server["command"])
+    assert "ray start --head --port=6379 --num-gpus=0" in head and head.endswith("exec python app.py")
+    assert "deploy" not in server, "the server holds no GPU"
+    assert f"${{GRADIO_SERVER_PORT:-{PORT}}}:{PORT}" in server["ports"]
+    assert "ray start --address=imgedit:6379" in " ".join(node["command"]) and "--block" in node["command"][-1]
+    assert node["image"] == server["image"] == "imgedit:latest"
+    assert node["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert node["environment"]["RAY_AUTH_TOKEN"] == server["environment"]["RAY_AUTH_TOKEN"]
+    assert any(v.endswith(":/models") for v in node["volumes"])
+
+
+@pytest.fixture(scope="module")
+def kuberay() -> list[dict]:
+    return [d for d in yaml.safe_load_all(KUBERAY.read_text(encoding="utf-8")) if d]
+
+
+def test_kuberay_raycluster(kuberay):
+    (cluster,) = [d for d in kuberay if d["kind"] == "RayCluster"]
+    assert cluster["apiVersion"] == "ray.io/v1"
+    assert cluster["spec"]["rayVersion"] == _ray_pin(), "the cluster's ray must be the pinned one"
+    assert cluster["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    head = cluster["spec"]["headGroupSpec"]
+    assert head["rayStartParams"]["num-gpus"] == "0"
+    (server,) = head["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in server["env"]}
+    assert env["WORKERS"] == "ray" and env["RAY_ADDRESS"] == "auto"
+    assert "${KUBERAY_GEN_RAY_START_CMD}" in server["args"][0] and server["args"][0].endswith("exec python app.py")
+    assert GPU not in server["resources"].get("limits", {})
+    assert {"containerPort": PORT, "name": "http"} in server["ports"]
+    (group,) = cluster["spec"]["workerGroupSpecs"]
+    (worker,) = group["template"]["spec"]["containers"]
+    assert worker["resources"]["limits"][GPU] >= 1 and worker["image"] == server["image"]
+    assert "${KUBERAY_GEN_RAY_START_CMD}" in worker["args"][0]
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in group["template"]["spec"]["volumes"]
+              if "persistentVolumeClaim" in v}
+    (pvc,) = [d for d in kuberay if d["kind"] == "PersistentVolumeClaim"]
+    assert claims == {pvc["metadata"]["name"]} and pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    (service,) = [d for d in kuberay if d["kind"] == "Service"]
+    assert service["spec"]["selector"] == {"ray.io/cluster": cluster["metadata"]["name"], "ray.io/node-type": "head"}
+    assert service["spec"]["ports"][0]["targetPort"] == PORT
+
+
+def _ray_compose_config(tmp_path: Path, extra_env: str) -> subprocess.CompletedProcess:
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("docker-compose is not installed")
+    (tmp_path / "deploy").mkdir()
+    shutil.copy(RAY_COMPOSE_FILE, tmp_path / "deploy" / RAY_COMPOSE_FILE.name)
+    for name in ("Dockerfile", ".dockerignore"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    (tmp_path / ".env").write_text((ROOT / ".env.example").read_text(encoding="utf-8") + extra_env)
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path)}
+    # The README's command, less `up`: --env-file .env from the project root, -f the file in deploy/.
+    return subprocess.run([binary, "--env-file", ".env", "-f", f"deploy/{RAY_COMPOSE_FILE.name}", "config"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_ray_compose_config_with_the_example_env(tmp_path):
+    done = _ray_compose_config(tmp_path, "RAY_AUTH_TOKEN=0123456789abcdef\nGPU_COUNT=2\n")
+    assert done.returncode == 0, done.stderr + done.stdout
+    services = yaml.safe_load(done.stdout)["services"]
+    assert services["imgedit"]["environment"]["WORKERS"] == "ray"  # the service wins over .env's WORKERS=local
+    assert services["gpu-node"]["environment"]["RAY_AUTH_TOKEN"] == "0123456789abcdef"
+    assert str(services["gpu-node"]["deploy"]["resources"]["reservations"]["devices"][0]["count"]) == "2"
+    assert services["imgedit"]["build"]["context"] == str(tmp_path)
+
+
+def test_ray_compose_refuses_to_start_without_a_token(tmp_path):
+    done = _ray_compose_config(tmp_path, "")
+    assert done.returncode != 0 and "RAY_AUTH_TOKEN" in done.stderr

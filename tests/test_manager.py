@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import numpy as np
 import pytest
-from conftest import ConcurrencyProbe, make_manager, picture
+from conftest import ConcurrencyProbe, alive, make_manager, picture, wait_for
 
 from imgedit.errors import Cancelled, ImgEditError, InvalidInput, OutOfGpuMemory, QueueFull, WorkerFailed
 from imgedit.jobs import EditRequest
@@ -93,21 +92,6 @@ def test_bad_requests_get_specific_errors(plus_manager, kw, error, message):
     with pytest.raises(error, match=message):
         plus_manager.edit(request(**kw))
     assert plus_manager.status().workers[0].jobs_done == before  # nothing ran
-
-
-def wait_for(condition, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return not open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
 
 def test_two_threads_on_one_worker_never_overlap(plus_manager):
@@ -214,7 +198,7 @@ def test_cuda_fault_restarts_the_worker_process_and_status_says_so(plus_ckpt):
     assert manager.edit(request()).images
     wait_for(lambda: manager.status().workers[0].state == "idle", 120)
     status = manager.status().workers[0]
-    assert status.restarts == 1 and status.pids != old and not any(_alive(p) for p in old)
+    assert status.restarts == 1 and status.pids != old and not any(alive(p) for p in old)
     manager.close()
 
 

@@ -54,8 +54,28 @@ def test_two_80gb_gpus_replicas_and_auto():
     p = plan("replicas", gpus(80, 80))
     assert [w.execution_device for w in p.workers] == ["cuda:0", "cuda:1"]
     assert all(len(w.devices) == 1 for w in p.workers)
-    auto = plan("auto", gpus(80, 80))
-    assert auto.mode == "auto" and len(auto.workers) == 2 and "replica" in auto.reason
+    auto = plan("auto", gpus(80, 80))  # a copy fits each: a CFG-parallel pair (half the latency)
+    assert auto.mode == "auto" and len(auto.workers) == 1 and "CFG-parallel pair" in auto.reason
+    assert auto.workers[0].parallel == "cfg" and auto.workers[0].rank_devices == ("cuda:0", "cuda:1")
+    assert plan("auto", gpus(80)).workers[0].parallel == "none"  # one GPU: one pipeline on it
+
+
+def test_cfg_parallel_pairs_gpus_and_an_odd_one_serves_alone():
+    p = plan("cfg-parallel", gpus(141, 141, 141))
+    assert [(w.parallel, w.rank_devices) for w in p.workers] == [("cfg", ("cuda:0", "cuda:1")), ("none", ())]
+    assert p.workers[1].devices == ("cuda:2",) and "left over" in p.reason
+    rank1 = p.workers[0].for_rank(1)
+    assert {pl.device for pl in rank1.components.values()} == {"cuda:1"}
+    eight = plan("cfg-parallel", gpus(*[141] * 8))
+    assert len(eight.workers) == 4 and all(w.ranks == 2 for w in eight.workers)
+
+
+def test_cfg_parallel_refuses_what_cannot_hold_a_copy_per_gpu():
+    with pytest.raises(PlacementError, match="cfg-parallel needs 2 or more GPUs"):
+        plan("cfg-parallel", gpus(141))
+    with pytest.raises(PlacementError, match="each take a full copy .* use DEVICE_MAP=balanced"):
+        plan("cfg-parallel", gpus(48, 48))
+    assert plan("auto", gpus(24, 24, 24, 24)).workers[0].parallel == "none"  # split instead
 
 
 def test_four_24gb_gpus_split_the_transformer_instead_of_falling_to_cpu():
@@ -82,16 +102,18 @@ def test_eight_141gb_gpus_replicas_gives_eight_workers():
 
 
 def test_uneven_caps_are_honoured():
-    p = plan("balanced", gpus(80, 80), max_memory=(40 * GIB, 20 * GIB))
-    usage = need(p)
-    assert usage["cuda:0"] <= 39 and usage["cuda:1"] <= 19, usage
+    p = plan("balanced", gpus(80, 80), max_memory=(42 * GIB, 21 * GIB))
+    usage = need(p)  # reserve 1 GiB and the CUDA context 0.6 GiB stay free under each cap
+    assert usage["cuda:0"] <= 42 - 1.6 and usage["cuda:1"] <= 21 - 1.6, usage
     assert p.workers[0].components["transformer"].is_split
 
 
-def test_caps_30gib_on_two_gpus_force_a_split():
-    p = plan("balanced", gpus(141, 141), max_memory=(30 * GIB,))
+def test_caps_31gib_on_two_gpus_force_a_split_and_30_do_not_fit():
+    p = plan("balanced", gpus(141, 141), max_memory=(31 * GIB,))
     assert p.workers[0].components["transformer"].is_split
-    assert all(v <= 29 for v in need(p).values()), need(p)
+    assert all(v <= 31 - 1.6 for v in need(p).values()), need(p)
+    with pytest.raises(PlacementError, match="can take 56.8 GiB in all"):
+        plan("balanced", gpus(141, 141), max_memory=(30 * GIB,))
 
 
 def test_too_small_fails_clearly():

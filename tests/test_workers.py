@@ -12,12 +12,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import numpy as np
 import pytest
-from conftest import ROOT, ConcurrencyProbe, cfg_plan, free_port, make_manager, picture
+from conftest import ROOT, ConcurrencyProbe, alive, cfg_plan, free_port, make_manager, picture, wait_for
 
 from imgedit.errors import Cancelled, OutOfGpuMemory, WorkerFailed
 from imgedit.jobs import EditRequest
@@ -33,21 +32,6 @@ def request(**kw) -> EditRequest:
 
 def pixels(result) -> np.ndarray:
     return np.asarray(result.images[0], dtype=np.int16)
-
-
-def wait_for(condition, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.05)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +154,20 @@ def test_stopping_the_server_leaves_no_worker_process(plus_ckpt, how):
             server.wait(10)
     if how == "SIGTERM":
         assert server.returncode == 0, server.stderr.read()[-3000:]
+
+
+def test_health_stays_ready_while_one_of_two_workers_restarts(plus_ckpt):
+    from conftest import start_server
+
+    manager = make_manager(plus_ckpt, workers=2)
+    with start_server(manager) as server:
+        victim = manager.status().workers[0].pids[0]
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: manager.status().workers[0].restarts == 1, 30)
+        health = httpx.get(f"{server.url}/health", timeout=10)
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        states = {w["name"]: (w["state"], w["restarts"]) for w in health.json()["workers"]}
+        assert states["worker-1"] == ("idle", 0) and states["worker-0"][1] == 1
+        wait_for(lambda: manager.status().workers[0].state == "idle", 120)
+        assert not alive(victim)
+    manager.close()

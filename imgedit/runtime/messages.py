@@ -59,6 +59,7 @@ class WorkerSpec:
     auto_cleanup: bool = True
     warmup_sizes: tuple[tuple[int, int], ...] = ()
     devices: tuple[str, ...] = ()  # the worker's GPUs as the server numbers them (for messages and results)
+    memory_caps: tuple[int, ...] = ()  # MAX_MEMORY for each GPU this rank sees (cuda:0, cuda:1, ...), bytes
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,8 @@ def _load(spec: WorkerSpec):
         from imgedit.runtime.cfg_parallel import init_group
 
         group = init_group(spec.rank, spec.world, spec.master_port, cuda)
+    if cuda and spec.memory_caps:
+        _cap_memory(spec.memory_caps)
     dtype = loader.DTYPES[spec.dtype]
     if not cuda and dtype != torch.float32:
         log.info("runs on the CPU: using float32 instead of %s", spec.dtype)  # bf16 convs are emulated, slow
@@ -92,6 +94,20 @@ def _load(spec: WorkerSpec):
         info["memory_reserved_gib"] = round(torch.cuda.memory_reserved() / 1024**3, 2)
     log.info("loaded on %s in %.1fs (%s)", ",".join(plan.devices), time.perf_counter() - started, info)
     return runner, info, time.perf_counter() - started
+
+
+def _cap_memory(caps: tuple[int, ...]) -> None:
+    """MAX_MEMORY is a promise about what nvidia-smi shows: let torch's allocator use at most the cap
+    minus the CUDA context (it frees its cache and retries before it gives up with out-of-memory)."""
+    import torch
+
+    from imgedit.placement import CUDA_CONTEXT
+
+    for index, cap in enumerate(caps):
+        total = torch.cuda.get_device_properties(index).total_memory
+        fraction = min(1.0, max(0.01, (cap - CUDA_CONTEXT) / total))
+        torch.cuda.set_per_process_memory_fraction(fraction, index)
+        log.info("cuda:%d: allocator capped at %.1f GiB (MAX_MEMORY)", index, fraction * total / 1024**3)
 
 
 def _warm_up(runner, spec: WorkerSpec) -> list[float]:

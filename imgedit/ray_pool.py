@@ -1,0 +1,376 @@
+"""Workers as Ray actors (WORKERS=ray): the same handle interface as imgedit.pool, ranks anywhere in a cluster.
+
+Each rank is one `RankActor`. The actor runs the worker process's own code (runtime.worker.main) in a
+thread of the actor's process, over a pipe pair inside that process; the handle relays the server's
+messages to it (`put`) and long-polls its outbox (`poll`), so progress, cancel within a step, results
+(through Ray's object store) and typed errors are those of a local worker. A worker's ranks share one
+placement group (STRICT_PACK: one node; pinned to the node the planner chose). An actor or a node that
+dies fails only the job it was running; the handle starts the group again (WORKER_RESTARTS), and the
+new actors wait for the cluster to have room. `ray` is imported only when WORKERS=ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from imgedit.errors import WorkerFailed
+from imgedit.placement import ComponentSpec, Placement, Plan, WorkerPlan, plan_placement
+from imgedit.pool import WorkerDied, WorkerHandle, free_port, localize
+from imgedit.runtime.messages import Ready
+from imgedit.settings import Settings
+
+log = logging.getLogger(__name__)
+CONNECT_TIMEOUT_S = 30.0  # ray.init retries an unreachable address for minutes; the server must not hang
+POLL_S = 0.5
+NODE_LEFT = "its node left the cluster"
+
+
+def _ray():
+    # No auto-init: a ray call after ray.shutdown() must fail, not start a new local cluster.
+    os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
+    import ray
+
+    return ray
+
+
+def _joined():
+    """ray, once connected. Any ray call made after ray.shutdown() would quietly start a new local
+    cluster (ray's auto-init): a handle stopped late, or twice, must fail instead."""
+    ray = _ray()
+    if not ray.is_initialized():
+        raise ConnectionError("not connected to the Ray cluster")
+    return ray
+
+
+def connect(address: str | None, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """Join the cluster at `address` (None: start a local one), or raise WorkerFailed within `timeout`."""
+    ray = _ray()
+    if ray.is_initialized():
+        return
+    outcome: list[BaseException | None] = []
+
+    def join() -> None:
+        try:
+            ray.init(address=address, ignore_reinit_error=True, log_to_driver=False, configure_logging=False)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - ray raises ConnectionError, RuntimeError, ... here
+            outcome.append(exc)
+
+    # A daemon thread: one still retrying an unreachable address must not keep the process alive.
+    thread = threading.Thread(target=join, name="ray-connect", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    where = address or "a new local cluster"
+    if not outcome:
+        raise WorkerFailed(f"cannot reach the Ray cluster at {where} within {timeout:.0f}s (RAY_ADDRESS)")
+    if outcome[0] is not None:
+        exc = outcome[0]
+        raise WorkerFailed(f"cannot reach the Ray cluster at {where}: {type(exc).__name__}: {str(exc)[:300]} "
+                           "(RAY_ADDRESS)")
+
+
+# ---- planning: per node, from what Ray reports ----
+
+@dataclass(frozen=True)
+class Node:
+    node_id: str
+    address: str
+    cpus: float
+    gpus: int
+
+
+def alive_nodes() -> list[Node]:
+    nodes = [Node(n["NodeID"], n.get("NodeManagerAddress", "?"), n["Resources"].get("CPU", 0.0),
+                  int(n["Resources"].get("GPU", 0))) for n in _ray().nodes() if n.get("Alive")]
+    return sorted(nodes, key=lambda n: n.node_id)
+
+
+def _node_gpus(node: Node) -> list:
+    """The GPUs of one node as that node's NVML sees them (Ray reports a count, not memory)."""
+    ray = _ray()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0, num_gpus=0)(_discover_here).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False))
+    return ray.get(task.remote(node.gpus), timeout=60)
+
+
+def _discover_here(count: int) -> list:
+    """Runs on the node: NVML's view of its GPUs, the first `count` (as many as Ray offers there). A
+    task given no GPU may find CUDA_VISIBLE_DEVICES emptied by Ray, which would hide them all."""
+    from imgedit.gpus import discover_gpus
+
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    return discover_gpus()[:count]
+
+
+def plan_cluster(components: Sequence[ComponentSpec], settings: Settings, nodes: Sequence[Node]) -> tuple[Plan, dict]:
+    """One plan for the cluster: each node planned on its own GPUs with the usual planner (so a
+    group's GPUs are always on one node). Without any GPU in the cluster, or with DEVICE_MAP=cpu, one
+    CPU worker per node; otherwise nodes without GPUs (the server's own, say) get none.
+    Returns the plan and each worker's node id."""
+    workers: list[WorkerPlan] = []
+    where: dict[str, str] = {}
+    reasons = []
+    on_cpu = settings.device_map.mode == "cpu" or not any(n.gpus for n in nodes)
+    for number, node in enumerate(nodes):
+        if not on_cpu and node.gpus == 0:
+            reasons.append(f"node{number} ({node.address}, {node.node_id[:8]}): no GPU, no worker")
+            continue
+        if on_cpu:
+            plan = Plan("cpu", (WorkerPlan("worker-0", {c.name: Placement("cpu") for c in components}),),
+                        "one CPU worker")
+        else:
+            plan = plan_placement(components, _node_gpus(node), settings.device_map, settings.max_memory,
+                                  settings.gpu_memory_reserve, settings.activation_reserve)
+        reasons.append(f"node{number} ({node.address}, {node.node_id[:8]}): {plan.reason}")
+        for worker in plan.workers:
+            named = replace(worker, name=f"node{number}-{worker.name}")
+            workers.append(named)
+            where[named.name] = node.node_id
+    mode = settings.device_map.mode
+    return Plan(mode, tuple(workers), f"Ray cluster of {len(nodes)} node(s): " + "; ".join(reasons)), where
+
+
+# ---- the actor (runs in a Ray worker process, anywhere) ----
+
+class RankActor:
+    """One rank: runtime.worker.main in a thread of this actor's process, fed through a pipe pair."""
+
+    def __init__(self):
+        import multiprocessing
+
+        from imgedit.runtime.messages import Channel
+
+        # Made here, not in start(): the actor's methods run in several threads, a poll may come first.
+        self._inbox_read, inbox_write = multiprocessing.Pipe(duplex=False)
+        self._outbox, self._outbox_write = multiprocessing.Pipe(duplex=False)
+        self._inbox = Channel(inbox_write)
+
+    def start(self, spec, cache_dir: str | None, log_level: str) -> dict:
+        from imgedit.runtime import worker
+
+        # visible_devices=None: Ray has set CUDA_VISIBLE_DEVICES to the GPUs it gave this actor.
+        threading.Thread(target=worker.main, name="imgedit-worker", daemon=True,
+                         args=(spec, self._inbox_read, self._outbox_write, None, cache_dir, log_level)).start()
+        ray = _ray()
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    def put(self, message) -> None:
+        self._inbox.put(message)
+
+    def poll(self, timeout: float) -> list:
+        """The messages the worker sent, waiting up to `timeout` for the first one."""
+        messages = []
+        if self._outbox.poll(timeout):
+            while self._outbox.poll(0):
+                try:
+                    messages.append(self._outbox.recv())
+                except EOFError:  # the worker loop ended (Stop or a load failure)
+                    break
+        return messages
+
+
+class _ActorInbox:
+    """What WorkerHandle puts jobs, cancels and stops into: one actor's `put`, in order (each put
+    waits for the actor to take it; a threaded actor does not keep the order of calls in flight)."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def put(self, message) -> None:
+        _joined().get(self.actor.put.remote(message), timeout=10)
+
+    def close(self) -> None:
+        pass
+
+
+class RayWorkerHandle(WorkerHandle):
+    """A WorkerHandle whose ranks are Ray actors in one placement group (see the module docstring)."""
+
+    def __init__(self, plan: WorkerPlan, spec, *, node_id: str | None = None, **kwargs):
+        super().__init__(plan, spec, **kwargs)
+        self.node_id = node_id  # where the planner put it; None: anywhere with room
+        self.node: str | None = None  # where its actors run now
+        self._group = None
+        self._actors: list = []
+        self._generation = 0
+
+    def _bundles(self) -> list[dict]:
+        bundles = []
+        for rank in range(self.plan.ranks):
+            gpus = sum(d.startswith("cuda:") for d in self.plan.for_rank(rank).devices)
+            bundles.append({"CPU": 1.0, "GPU": float(gpus)} if gpus else {"CPU": 1.0})
+        return bundles
+
+    def _spawn(self) -> None:
+        ray = _joined()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if self._group is None:
+            bundles = self._bundles()
+            selector = [{"ray.io/node-id": self.node_id}] * len(bundles) if self.node_id else None
+            self._group = placement_group(bundles, strategy="STRICT_PACK", name=f"imgedit-{self.name}",
+                                          bundle_label_selector=selector)
+        actor_class = ray.remote(RankActor)
+        # A group's ranks are on one node (STRICT_PACK); its gloo/NCCL rendezvous is on that node's
+        # loopback, at a port free here (a clash there fails the load, and the restart picks another).
+        port = free_port() if self.plan.ranks > 1 else 0
+        self._actors, self._starts, self._ready = [], [], set()
+        self._inboxes, self._outboxes, self._procs = [], [], []
+        for rank, bundle in enumerate(self._bundles()):
+            local, _ = localize(self.plan.for_rank(rank), None)
+            spec = replace(self.spec, rank=rank, world=self.plan.ranks, plan=local, master_port=port,
+                           devices=self.plan.devices, memory_caps=self._caps(self.plan.for_rank(rank)))
+            actor = actor_class.options(
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0), max_restarts=0, max_concurrency=4,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=rank),
+            ).remote()
+            self._actors.append(actor)
+            self._starts.append(actor.start.remote(spec, self.cache_dir, self.log_level))
+            self._inboxes.append(_ActorInbox(actor))
+        self.pids, self.node = (), None
+        self._generation += 1
+        log.info("%s: %d Ray actor(s) for %s (placement group %s)", self.name, len(self._actors),
+                 self.plan.describe(), self._group.id.hex()[:8])
+
+    def _reap(self, timeout: float) -> None:
+        ray = _ray()
+        if not ray.is_initialized():  # the cluster connection is gone, and its actors with it
+            self._actors = []
+            return
+        actors, self._actors = self._actors, []
+        if actors and timeout > 0 and self._closing:
+            try:  # a Stop was sent: give the worker loops a moment to end on their own
+                ray.wait([a.poll.remote(0) for a in actors], num_returns=len(actors), timeout=min(timeout, 1.0))
+            except Exception:  # noqa: BLE001 - dead already: killed below anyway
+                pass
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - gone already
+                pass
+
+    def stop(self, timeout: float = 5.0) -> None:
+        super().stop(timeout)
+        self._remove_group()
+
+    def _remove_group(self) -> None:
+        if self._group is not None and _ray().is_initialized():
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self._group)
+            except Exception:  # noqa: BLE001 - the cluster is gone
+                pass
+        self._group = None
+
+    def submit(self, job):
+        try:
+            return super().submit(job)
+        except Exception as exc:  # noqa: BLE001 - the actor is gone or unreachable: fail this job only
+            log.error("%s: could not hand %s to its actor: %s", self.name, job.request_id, exc)
+            events = self._events
+            events.put(WorkerDied(f"{self.name}'s Ray actor could not take the job ({_death_reason(exc)})"))
+            return events
+
+    def _handle(self, message) -> None:
+        if isinstance(message, Ready):
+            self.pids = tuple(sorted({*self.pids, message.pid}))
+        super()._handle(message)
+
+    # ---- the pump: long polls on every rank; an actor error is a death ----
+    def _run_pump(self) -> None:
+        ray = _ray()
+        pending: dict = {}
+        generation = 0
+        while not self._closing and self.state not in ("failed", "stopped"):
+            if not ray.is_initialized():
+                self.state, self.error = "failed", "disconnected from the Ray cluster"
+                self.on_change()
+                return
+            if generation != self._generation:
+                generation, actors = self._generation, list(self._actors)
+                pending = {ref: ("start", rank) for rank, ref in enumerate(self._starts)}
+                pending.update({a.poll.remote(POLL_S): ("poll", rank) for rank, a in enumerate(actors)})
+            if not pending:
+                threading.Event().wait(POLL_S)
+                continue
+            try:
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S * 2)
+            except BaseException:  # noqa: BLE001 - ray shut down under us (it raises SystemExit then)
+                if not ray.is_initialized():
+                    self.state, self.error = "failed", "disconnected from the Ray cluster"
+                    self.on_change()
+                    return
+                raise
+            for ref in ready:
+                what, rank = pending.pop(ref)
+                try:
+                    answer = ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 - RayActorError, ActorDiedError, node gone, ...
+                    if generation == self._generation and not self._closing:
+                        self._on_actor_death(rank, exc)
+                    pending = {}
+                    break
+                if what == "start":
+                    self.node = answer["node_id"]
+                    self.pids = tuple(sorted({*self.pids, answer["pid"]}))
+                    continue
+                for message in answer:
+                    self._handle(message)
+                if generation == self._generation and rank < len(actors) and not self._closing:
+                    pending[actors[rank].poll.remote(POLL_S)] = ("poll", rank)
+
+    def _on_actor_death(self, rank: int, exc: BaseException) -> None:
+        if self.state in ("failed", "stopped") or self._closing:
+            return
+        reason = _death_reason(exc)
+        where = f"node {self.node[:8]}" if self.node else "its node"
+        # A first load that fails is a fault of the model or the code (no retry); a restart that dies
+        # while loading (its node going away, say) is one more restart.
+        was_loading = self.state == "loading" and not self._ready and self.restarts == 0
+        log.error("%s: Ray actor of rank %d on %s ended (%s)%s", self.name, rank, where, reason,
+                  f" during {self.job_id}" if self.job_id else "")
+        self._reap(0)  # the other ranks of a group cannot go on alone
+        if self._events is not None:
+            self._events.put(WorkerDied(f"{self.name}'s Ray actor (rank {rank} on {where}) stopped during the job "
+                                        f"({reason}); the worker is being restarted"))
+        if was_loading or self.restarts >= self.max_restarts:
+            self.state, self.detail = "failed", None
+            self.error = (f"the Ray actor ended while loading ({reason})" if was_loading else
+                          f"the Ray actor ended {self.restarts + 1} times; last: {reason}")
+            self.on_change()
+            return
+        self.restarts += 1
+        self.state, self.detail = "restarting", f"restart {self.restarts} of {self.max_restarts}"
+        self.on_change()
+        node_gone = reason == NODE_LEFT or (self.node and self.node not in {n.node_id for n in alive_nodes()})
+        if self.node_id and node_gone:
+            # Its node left: place it again wherever the cluster has room (a node that comes back
+            # has a new id), not on the node that is gone.
+            log.warning("%s: its node %s left the cluster; placing it anew", self.name, self.node_id[:8])
+            self._remove_group()
+            self.node_id = None
+        self._spawn()
+        self.state = "loading"
+        self.detail = f"restarting ({self.restarts} of {self.max_restarts}); waiting for room in the cluster"
+
+    def status(self):
+        status = super().status()
+        return replace(status, node=self.node)
+
+
+def _death_reason(exc: BaseException) -> str:
+    text = str(exc)
+    if "node" in text.lower() and ("died" in text.lower() or "dead" in text.lower()):
+        return NODE_LEFT
+    if "SIGKILL" in text or "killed" in text.lower() or "exit" in text.lower() or "died" in text.lower():
+        return "its process died"
+    return type(exc).__name__

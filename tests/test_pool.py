@@ -1,0 +1,54 @@
+"""Pure parts of the worker pool: each rank's GPUs as its process sees them, and its memory caps."""
+
+from __future__ import annotations
+
+from imgedit.placement import Placement, WorkerPlan
+from imgedit.pool import WorkerHandle, localize
+from imgedit.settings import GIB
+
+COMPONENTS = ("transformer", "text_encoder", "vae")
+
+
+def test_a_split_worker_sees_only_its_gpus_renumbered():
+    plan = WorkerPlan("worker-0", {"transformer": Placement("cuda:2", ("cuda:2",) * 30 + ("cuda:3",) * 30),
+                                   "text_encoder": Placement("cuda:3"), "vae": Placement("cuda:2")})
+    local, visible = localize(plan, "4,5,GPU-aaa,GPU-bbb")
+    assert visible == "GPU-aaa,GPU-bbb"  # the server's CUDA_VISIBLE_DEVICES entries 2 and 3
+    assert local.components["transformer"].block_devices == ("cuda:0",) * 30 + ("cuda:1",) * 30
+    assert local.components["text_encoder"].device == "cuda:1" and local.execution_device == "cuda:0"
+    assert localize(plan, None)[1] == "2,3"
+
+
+def test_each_rank_of_a_pair_gets_one_gpu_and_its_cap():
+    pair = WorkerPlan("worker-1", {c: Placement("cuda:2") for c in COMPONENTS}, "cfg", ("cuda:2", "cuda:3"))
+    rank1, visible = localize(pair.for_rank(1), None)
+    assert visible == "3" and {p.device for p in rank1.components.values()} == {"cuda:0"}
+    handle = WorkerHandle(pair, None, visible=None, cache_dir=None, max_restarts=0,
+                          max_memory=(10 * GIB, 20 * GIB, 30 * GIB, 40 * GIB))
+    assert handle._caps(pair.for_rank(1)) == (40 * GIB,)
+    assert WorkerHandle(pair, None, visible=None, cache_dir=None, max_restarts=0,
+                        max_memory=(22 * GIB,))._caps(pair.for_rank(0)) == (22 * GIB,)
+
+
+def test_the_cluster_plan_keeps_each_group_on_one_node(monkeypatch):
+    from imgedit import ray_pool
+    from imgedit.placement import ComponentSpec, GpuSpec
+    from imgedit.settings import load_settings
+
+    gpus = {"aaa": [GpuSpec(i, "H200", 140 * GIB, 139 * GIB) for i in range(3)],
+            "bbb": [GpuSpec(i, "H200", 140 * GIB, 139 * GIB) for i in range(2)]}
+    monkeypatch.setattr(ray_pool, "_node_gpus", lambda node: gpus[node.node_id])  # each node's NVML reading
+    nodes = [ray_pool.Node("aaa", "10.0.0.1", 16, 3), ray_pool.Node("bbb", "10.0.0.2", 16, 2),
+             ray_pool.Node("ccc", "10.0.0.3", 8, 0)]
+    specs = [ComponentSpec("transformer", 40 * GIB, (GIB,) * 30), ComponentSpec("text_encoder", 16 * GIB),
+             ComponentSpec("vae", GIB // 4)]
+    plan, where = ray_pool.plan_cluster(specs, load_settings({"DEVICE_MAP": "cfg-parallel"}), nodes)
+    shape = [(w.name, w.parallel, w.rank_devices or w.devices, where[w.name]) for w in plan.workers]
+    assert shape == [("node0-worker-0", "cfg", ("cuda:0", "cuda:1"), "aaa"),
+                     ("node0-worker-1", "none", ("cuda:2",), "aaa"),  # the odd GPU serves alone, on its node
+                     ("node1-worker-0", "cfg", ("cuda:0", "cuda:1"), "bbb")]
+    assert "Ray cluster of 3 node(s)" in plan.reason and "no GPU, no worker" in plan.reason  # e.g. the server's
+    cpu_only = [ray_pool.Node(n, "10.0.0.9", 1, 0) for n in ("aaa", "bbb")]
+    plan, where = ray_pool.plan_cluster(specs, load_settings({}), cpu_only)  # the CPU tests' cluster
+    assert [(w.name, w.devices, where[w.name]) for w in plan.workers] == [
+        ("node0-worker-0", ("cpu",), "aaa"), ("node1-worker-0", ("cpu",), "bbb")]
