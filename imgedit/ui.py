@@ -21,12 +21,14 @@ import gradio as gr
 from PIL import Image
 
 from imgedit.errors import ImgEditError, InvalidInput
+from imgedit.examples import example_rows
 from imgedit.gpus import GpuMonitor, panel_html, snapshot
 from imgedit.identity import page_owner
-from imgedit.images import open_image
+from imgedit.images import open_image, read_settings
 from imgedit.jobs import EditRequest
 from imgedit.ui_progress import EditProgress
-from imgedit.uploads import gallery_paths, uploaded_paths
+from imgedit.ui_snippets import api_values, curl_snippet, gradio_snippet, openai_snippet
+from imgedit.uploads import gallery_paths, upload_folder, uploaded_paths
 from imgedit.validation import MAX_INPUT_IMAGES, check_counts, check_params, default_steps
 
 log = logging.getLogger(__name__)
@@ -186,7 +188,35 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
         for problem in problems:
             gr.Warning(html.escape(problem), title="left out")
         first = open_image(kept[0], settings.max_input_pixels) if kept else None
-        return kept, (first, first) if first else None
+        stored = next((found for path in kept if (found := read_settings(path))), {})
+        offer = gr.update(visible=bool(stored))  # a PNG this app made: offer its settings back
+        return kept, (first, first) if first else None, offer, stored
+
+    def restore_settings(stored):
+        """The settings a result PNG carries, back into the form (seed fixed, so it repeats)."""
+        if not isinstance(stored, dict) or not stored:
+            raise gr.Error("this PNG carries no settings of this app", title="nothing to restore")
+        gr.Info("Restored the prompt, seed, steps, CFG and size saved in the PNG.", title="settings restored")
+        keep = gr.update()
+        return (stored.get("prompt", keep), stored.get("negative_prompt", keep), stored.get("seed", keep),
+                False if "seed" in stored else keep, stored.get("num_inference_steps", keep),
+                stored.get("true_cfg_scale", keep), stored.get("width", keep), stored.get("height", keep),
+                gr.update(visible=False))
+
+    def api_call(images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
+                 num_images, width, height, request: gr.Request):
+        """Copy as API call: the form as gradio_client, curl and OpenAI-SDK code, for this server's address."""
+        try:
+            n_images = len(uploaded_paths(images))
+        except Exception:  # a snippet names files input-N.png anyway; the count is all that is used
+            n_images = 1
+        values = api_values(n_images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
+                            true_cfg_scale, num_images, width, height, family_steps, settings.default_true_cfg)
+        host = request.headers.get("host", "localhost:7860")
+        scheme = request.headers.get("x-forwarded-proto", "http")
+        url = f"{scheme}://{host}/"
+        return (gr.update(visible=True), gradio_snippet(url, values, settings.auth is not None),
+                curl_snippet(url, values), openai_snippet(url, values))
 
     def chosen_result(gallery, index) -> str:
         try:
@@ -217,12 +247,18 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
         try:
             paths, inputs = gallery_paths(gallery), uploaded_paths(images)
             if not paths or not inputs:
-                return evt.index, gr.update()
+                return evt.index, gr.update(), gr.update()
             after = open_image(paths[evt.index], settings.max_input_pixels)
             before = open_image(inputs[0], settings.max_input_pixels).resize(after.size, Image.Resampling.LANCZOS)
         except Exception as exc:
             raise user_error(exc) from None
-        return evt.index, (before, after)
+        return evt.index, (before, after), paths[evt.index]
+
+    def download_chosen(gallery, index):
+        """The Download button serves the chosen result's PNG (with its settings in text chunks)."""
+        paths = gallery_paths(gallery)
+        index = int(index or 0)
+        return paths[index if 0 <= index < len(paths) else 0] if paths else None
 
     def gpu_status() -> dict:
         """Per GPU: index, name, used/total MiB, utilisation, what is placed on it, which job/step it runs."""
@@ -242,9 +278,14 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
                 prompt = gr.Textbox(label="What to change", lines=2, elem_id="prompt",
                                     placeholder="e.g. make the sky a sunset, keep the people unchanged",
                                     info="Ctrl+Enter (⌘+Enter on a Mac) runs the edit")
+                restore = gr.Button("Restore the settings saved in this PNG", visible=False, size="sm",
+                                    elem_id="restore-settings")
+                stored = gr.State({})  # the settings found in the last uploaded PNG
                 with gr.Row():
                     run = gr.Button("Edit", variant="primary", elem_id="edit-button")
                     stop = gr.Button("Cancel", variant="stop", elem_id="cancel-button")
+                gr.Examples(example_rows(f"{upload_folder()}/imgedit-examples", MAX_INPUT_IMAGES[manager.family]),
+                            [files, prompt], label="Examples (click one to fill the form)", elem_id="examples")
                 with gr.Accordion("Advanced", open=False):
                     negative = gr.Textbox(label="Negative prompt", value="")
                     with gr.Row():
@@ -265,9 +306,16 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
                 with gr.Row():
                     again = gr.Button("Use this result as input", elem_id="use-result")
                     add = gr.Button("Add it as another input", elem_id="add-result")
+                    download = gr.DownloadButton("Download PNG", elem_id="download-result")
                 compare = gr.ImageSlider(label="Before / after (drag the handle)", format="png", type="pil",
                                          interactive=False, elem_id="compare", max_height=420)
                 chosen = gr.Number(value=0, visible=False)  # the result the buttons and the comparison use
+                copy_api = gr.Button("Copy as API call", size="sm", elem_id="copy-api")
+                with gr.Group(visible=False, elem_id="api-call") as snippets:
+                    snippet_code = [gr.Code(language=language, label=label, interactive=False, elem_id=f"api-{key}")
+                                    for key, language, label in (("gradio", "python", "gradio_client"),
+                                                                 ("curl", "shell", "curl (REST)"),
+                                                                 ("openai", "python", "OpenAI SDK (REST)"))]
         with gr.Accordion("GPUs", open=True):
             gpu_panel = gr.HTML(panel, elem_id="gpu-panel")  # a callable: fresh on every page load
         timer = gr.Timer(2.0)
@@ -281,7 +329,8 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
         # preprocess=False: our own code parses the raw values (junk gets our message, not a Gradio
         # processing error). Files were checked twice before a handler runs (imgedit.uploads.EventGuard,
         # then Gradio's upload check); the handlers check the paths they open or return once more.
-        files.upload(check_uploads, files, [files, compare], preprocess=False, api_visibility="private")
+        files.upload(check_uploads, files, [files, compare, restore, stored], preprocess=False,
+                     api_visibility="private")
         inputs = [files, prompt, negative, seed, randomize, steps, cfg, num, width, height]
         page_outputs = [result, status, compare, chosen]
         # No Gradio limit: every job goes straight to the manager's line, where UI, API and REST jobs
@@ -294,7 +343,14 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
                                      concurrency_limit=line, validator=validate, preprocess=False)
         stop.click(lambda: "Cancelled: nothing was kept from that run.", None, status, cancels=[event],
                    queue=False, api_visibility="private")
-        result.select(select_result, [files, result], [chosen, compare], preprocess=False, api_visibility="private")
+        event.success(download_chosen, [result, chosen], download, preprocess=False, queue=False,
+                      api_visibility="private")
+        result.select(select_result, [files, result], [chosen, compare, download], preprocess=False,
+                      api_visibility="private")
+        restore.click(restore_settings, stored, [prompt, negative, seed, randomize, steps, cfg, width, height, restore],
+                      queue=False, api_visibility="private")
+        copy_api.click(api_call, inputs, [snippets, *snippet_code], preprocess=False, queue=False,
+                       api_visibility="private")
         again.click(use_result, [result, chosen], files, preprocess=False, api_visibility="private")
         add.click(add_result, [files, result, chosen], files, preprocess=False, api_visibility="private")
         timer.tick(panel, None, gpu_panel, queue=False, api_visibility="private")

@@ -1,6 +1,6 @@
 """A real browser (Debian's Chromium, driven by Playwright) edits images through the page.
 
-Saves screenshots to artifacts/ and docs/ (desktop 1400x1000, phone 390x844; the README shows them).
+Saves screenshots to artifacts/ (the README's screenshots in docs/ come from benchmarks/screenshots.py).
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import shutil
 import time
 
 import pytest
-from conftest import ARTIFACTS, ROOT, make_manager, picture, start_server
+from conftest import ARTIFACTS, make_manager, picture, start_server
+from PIL import Image
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-DOCS = ROOT / "docs"
 pytestmark = pytest.mark.browser
 
 
@@ -92,8 +92,8 @@ def test_upload_prompt_ctrl_enter_progress_result_compare_and_add_as_input(brows
     page.wait_for_timeout(2500)  # the GPU panel ticks
     panel = page.locator("#gpu-panel").inner_text()
     assert "no GPU is visible" in panel and "ready" in panel and "step" not in panel, panel
-    DOCS.mkdir(exist_ok=True)
-    page.screenshot(path=str(DOCS / "screenshot-desktop.png"), full_page=True)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "browser-desktop.png"), full_page=True)
     assert jobs_done(manager) >= 1
 
 
@@ -152,7 +152,6 @@ def test_cancel_says_cancelled_and_the_worker_stops(browser, server, manager, ph
 
 def test_phone_view_shows_the_progress_after_edit(browser, server, photos):
     page = open_page(browser, server, width=390, height=844, small=False)
-    DOCS.mkdir(exist_ok=True)
     page.locator("#input-files input[type=file]").set_input_files(str(photos[0]))
     page.locator("#prompt textarea").fill("turn the yellow stripes blue")
     page.get_by_text("Advanced").click()
@@ -165,7 +164,8 @@ def test_phone_view_shows_the_progress_after_edit(browser, server, photos):
     box = page.locator("#result").bounding_box()
     assert box is not None and 0 <= box["y"] < 844, box  # the progress is on screen, not below the fold
     page.locator("#result img").first.wait_for(state="visible", timeout=120_000)
-    page.screenshot(path=str(DOCS / "screenshot-phone.png"), full_page=False)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "browser-phone.png"), full_page=False)
 
 
 def test_page_says_ready_and_seed_is_no_input_before_a_run(browser, server):
@@ -176,3 +176,42 @@ def test_page_says_ready_and_seed_is_no_input_before_a_run(browser, server):
     assert "Ctrl+Enter" in page.locator("body").inner_text()
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "browser-start.png"), full_page=True)
+
+
+def test_example_download_api_call_and_restoring_the_settings_of_a_result_png(browser, server, tmp_path):
+    """One click fills the form from an example; the result downloads as a PNG carrying its settings;
+    "Copy as API call" shows the form as code; uploading that PNG offers its settings back."""
+    page = open_page(browser, server)
+    page.locator("#examples").get_by_text("make the sky a warm sunset").first.click()
+    page.locator("#input-files").get_by_text("landscape").first.wait_for(timeout=30_000)
+    assert page.locator("#prompt textarea").input_value().startswith("make the sky a warm sunset")
+    page.get_by_label("Randomize seed").uncheck()
+    page.get_by_label("Seed", exact=True).fill("77")
+    page.get_by_label("Steps (1-").fill("3")
+    page.locator("#edit-button").click()
+    page.locator("#edit-status").get_by_text("Seed used: 77").wait_for(timeout=120_000)
+    with page.expect_download(timeout=30_000) as download:
+        page.locator("#download-result").click()
+    saved = tmp_path / "result.png"
+    download.value.save_as(saved)
+    text = Image.open(saved).text
+    assert text["prompt"].startswith("make the sky a warm sunset") and text["seed"] == "77", text
+    assert text["num_inference_steps"] == "3" and text["width"] == "64" and text["software"].startswith("imgedit")
+    page.locator("#copy-api").click()
+    page.locator("#api-gradio").get_by_text("api_name").wait_for(timeout=30_000)
+    gradio_code = page.locator("#api-gradio").inner_text()
+    assert "num_inference_steps=3" in gradio_code and "seed=77" in gradio_code, gradio_code
+    assert "randomize_seed=False" in gradio_code and "handle_file('input-1.png')" in gradio_code
+    curl = page.locator("#api-curl").inner_text()
+    assert "/v1/images/edits" in curl and "seed=77" in curl and "size=64x64" in curl, curl
+    assert "extra_body" in page.locator("#api-openai").inner_text()
+    page.reload(wait_until="networkidle")
+    assert page.locator("#restore-settings").count() == 0 or not page.locator("#restore-settings").is_visible()
+    page.locator("#input-files input[type=file]").set_input_files(str(saved))
+    page.locator("#restore-settings").click(timeout=30_000)
+    page.get_by_text("settings restored").first.wait_for(timeout=30_000)
+    assert page.locator("#prompt textarea").input_value().startswith("make the sky a warm sunset")
+    assert page.get_by_label("Seed", exact=True).input_value() == "77"
+    assert page.get_by_label("Steps (1-").input_value() == "3"
+    assert not page.get_by_label("Randomize seed").is_checked()
+    assert page.get_by_label("Width (0 = auto)").input_value() == "64"
