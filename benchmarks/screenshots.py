@@ -49,7 +49,7 @@ def wait_ready(url: str, server: subprocess.Popen, seconds: float = 300) -> None
 def shoot(browser, url: str, path: Path, width: int, height: int, full_page: bool) -> None:
     page = browser.new_page(viewport={"width": width, "height": height})
     page.goto(url, wait_until="networkidle")
-    page.locator("#examples button, #examples td, #examples .gallery-item").first.click()
+    page.locator("#examples").get_by_text("Landscape: sunset sky").first.click()
     page.locator("#input-files").get_by_text("landscape").first.wait_for(timeout=30_000)
     page.locator("#edit-button").click()
     page.locator("#edit-status").get_by_text("Seed used").wait_for(timeout=180_000)

@@ -50,16 +50,17 @@ def _ball() -> Image.Image:
 
 
 DRAWINGS = {"landscape.png": _landscape, "house.png": _house, "room.png": _room, "ball.png": _ball}
-# (input file names, prompt): the multi-image one only for models that take more than one input.
+# (label, input file names, prompt): the multi-image one only for models that take more than one input.
 EXAMPLES = (
-    (("landscape.png",), "make the sky a warm sunset, keep the hills unchanged"),
-    (("house.png",), "paint the door bright red and add flowers under the windows"),
-    (("room.png", "ball.png"), "put the red ball from image 2 on the table in image 1"),
+    ("Landscape: sunset sky", ("landscape.png",), "make the sky a warm sunset, keep the hills unchanged"),
+    ("House: red door, flowers", ("house.png",), "paint the door bright red and add flowers under the windows"),
+    ("Room + ball: combine two images", ("room.png", "ball.png"),
+     "put the red ball from image 2 on the table in image 1"),
 )
 
 
-def example_rows(folder: str | Path, max_inputs: int) -> list[list]:
-    """[files, prompt] rows for gr.Examples; draws the images into `folder` the first time."""
+def example_rows(folder: str | Path, max_inputs: int) -> tuple[list[list], list[str]]:
+    """[files, prompt] rows for gr.Examples and their labels; draws the images into `folder` the first time."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     for name, draw in DRAWINGS.items():
@@ -68,4 +69,5 @@ def example_rows(folder: str | Path, max_inputs: int) -> list[list]:
             partial = folder / f".{name}.{os.getpid()}"
             draw().save(partial, format="PNG")
             partial.replace(target)  # atomic: two servers starting at once never see half a file
-    return [[[str(folder / n) for n in names], prompt] for names, prompt in EXAMPLES if len(names) <= max_inputs]
+    chosen = [(label, names, prompt) for label, names, prompt in EXAMPLES if len(names) <= max_inputs]
+    return [[[str(folder / n) for n in names], prompt] for _, names, prompt in chosen], [c[0] for c in chosen]

@@ -280,12 +280,15 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
                                     info="Ctrl+Enter (⌘+Enter on a Mac) runs the edit")
                 restore = gr.Button("Restore the settings saved in this PNG", visible=False, size="sm",
                                     elem_id="restore-settings")
-                stored = gr.State({})  # the settings found in the last uploaded PNG
+                # The settings found in the last uploaded PNG. Not a gr.State: State makes every page
+                # hold a heartbeat connection open for the session's lifetime.
+                stored = gr.JSON({}, visible=False)
                 with gr.Row():
                     run = gr.Button("Edit", variant="primary", elem_id="edit-button")
                     stop = gr.Button("Cancel", variant="stop", elem_id="cancel-button")
-                gr.Examples(example_rows(f"{upload_folder()}/imgedit-examples", MAX_INPUT_IMAGES[manager.family]),
-                            [files, prompt], label="Examples (click one to fill the form)", elem_id="examples")
+                rows, labels = example_rows(f"{upload_folder()}/imgedit-examples", MAX_INPUT_IMAGES[manager.family])
+                gr.Examples(rows, [files, prompt], example_labels=labels, label="Examples (click one to fill the form)",
+                            elem_id="examples")
                 with gr.Accordion("Advanced", open=False):
                     negative = gr.Textbox(label="Negative prompt", value="")
                     with gr.Row():

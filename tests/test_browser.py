@@ -182,7 +182,7 @@ def test_example_download_api_call_and_restoring_the_settings_of_a_result_png(br
     """One click fills the form from an example; the result downloads as a PNG carrying its settings;
     "Copy as API call" shows the form as code; uploading that PNG offers its settings back."""
     page = open_page(browser, server)
-    page.locator("#examples").get_by_text("make the sky a warm sunset").first.click()
+    page.locator("#examples").get_by_text("Landscape: sunset sky").first.click()
     page.locator("#input-files").get_by_text("landscape").first.wait_for(timeout=30_000)
     assert page.locator("#prompt textarea").input_value().startswith("make the sky a warm sunset")
     page.get_by_label("Randomize seed").uncheck()
