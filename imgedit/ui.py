@@ -350,8 +350,9 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
                       api_visibility="private")
         result.select(select_result, [files, result], [chosen, compare, download], preprocess=False,
                       api_visibility="private")
+        # Queued (its own default group, never behind GPU jobs): only queued events can show a toast.
         restore.click(restore_settings, stored, [prompt, negative, seed, randomize, steps, cfg, width, height, restore],
-                      queue=False, api_visibility="private")
+                      api_visibility="private")
         copy_api.click(api_call, inputs, [snippets, *snippet_code], preprocess=False, queue=False,
                        api_visibility="private")
         again.click(use_result, [result, chosen], files, preprocess=False, api_visibility="private")

@@ -209,8 +209,9 @@ def test_example_download_api_call_and_restoring_the_settings_of_a_result_png(br
     assert page.locator("#restore-settings").count() == 0 or not page.locator("#restore-settings").is_visible()
     page.locator("#input-files input[type=file]").set_input_files(str(saved))
     page.locator("#restore-settings").click(timeout=30_000)
-    page.get_by_text("settings restored").first.wait_for(timeout=30_000)
+    page.get_by_text("Restored the prompt, seed").first.wait_for(timeout=30_000)
     assert page.locator("#prompt textarea").input_value().startswith("make the sky a warm sunset")
+    page.get_by_text("Advanced").click()
     assert page.get_by_label("Seed", exact=True).input_value() == "77"
     assert page.get_by_label("Steps (1-").input_value() == "3"
     assert not page.get_by_label("Randomize seed").is_checked()
