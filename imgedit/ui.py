@@ -24,11 +24,11 @@ from imgedit.errors import ImgEditError, InvalidInput
 from imgedit.examples import example_rows
 from imgedit.gpus import GpuMonitor, panel_html, snapshot
 from imgedit.identity import page_owner
-from imgedit.images import open_image, read_settings
+from imgedit.images import open_image
 from imgedit.jobs import EditRequest
 from imgedit.ui_progress import EditProgress
-from imgedit.ui_snippets import api_values, curl_snippet, gradio_snippet, openai_snippet
-from imgedit.uploads import gallery_paths, upload_folder, uploaded_paths
+from imgedit.ui_tools import PageTools, user_error
+from imgedit.uploads import upload_folder, uploaded_paths
 from imgedit.validation import MAX_INPUT_IMAGES, check_counts, check_params, default_steps
 
 log = logging.getLogger(__name__)
@@ -53,14 +53,6 @@ document.addEventListener('click', (e) => {
   }
 }, true);
 </script>"""
-
-
-def user_error(exc: BaseException) -> gr.Error:
-    """Only gr.Error text reaches users; it is rendered as HTML, so escape it."""
-    if isinstance(exc, ImgEditError):
-        return gr.Error(html.escape(exc.message), title=exc.kind.replace("_", " "))
-    log.exception("unexpected error in the UI handler", exc_info=exc)
-    return gr.Error("internal error: see the server log", title="internal error")
 
 
 def _number(value, name: str, default=None):
@@ -109,6 +101,7 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
     monitor = monitor or GpuMonitor()
     max_inputs = MAX_INPUT_IMAGES["plus"]
     family_steps = default_steps(settings, manager.family)
+    tools = PageTools(manager, family_steps)
 
     def validate(images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
                  num_images, width, height):
@@ -168,98 +161,6 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
                 "under Advanced and enter this seed).")
         return result.images, done, _compare(req, result.images[0]), 0
 
-    def check_uploads(images):
-        """At upload: unreadable files (or more than the model takes) are named and left out."""
-        try:
-            paths = uploaded_paths(images)
-        except Exception as exc:
-            raise user_error(exc) from None
-        kept, problems = [], []
-        for i, path in enumerate(paths):
-            try:
-                open_image(path, settings.max_input_pixels, f"image {i + 1}")
-                kept.append(path)
-            except ImgEditError as exc:
-                problems.append(exc.message)
-        allowed = MAX_INPUT_IMAGES[manager.family]
-        if len(kept) > allowed:
-            problems.append(f"this model takes at most {allowed} input image(s): only the first {allowed} are kept")
-            kept = kept[:allowed]
-        for problem in problems:
-            gr.Warning(html.escape(problem), title="left out")
-        first = open_image(kept[0], settings.max_input_pixels) if kept else None
-        stored = next((found for path in kept if (found := read_settings(path))), {})
-        offer = gr.update(visible=bool(stored))  # a PNG this app made: offer its settings back
-        return kept, (first, first) if first else None, offer, stored
-
-    def restore_settings(stored):
-        """The settings a result PNG carries, back into the form (seed fixed, so it repeats)."""
-        if not isinstance(stored, dict) or not stored:
-            raise gr.Error("this PNG carries no settings of this app", title="nothing to restore")
-        gr.Info("Restored the prompt, seed, steps, CFG and size saved in the PNG.", title="settings restored")
-        keep = gr.update()
-        return (stored.get("prompt", keep), stored.get("negative_prompt", keep), stored.get("seed", keep),
-                False if "seed" in stored else keep, stored.get("num_inference_steps", keep),
-                stored.get("true_cfg_scale", keep), stored.get("width", keep), stored.get("height", keep),
-                gr.update(visible=False))
-
-    def api_call(images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
-                 num_images, width, height, request: gr.Request):
-        """Copy as API call: the form as gradio_client, curl and OpenAI-SDK code, for this server's address."""
-        try:
-            n_images = len(uploaded_paths(images))
-        except Exception:  # a snippet names files input-N.png anyway; the count is all that is used
-            n_images = 1
-        values = api_values(n_images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
-                            true_cfg_scale, num_images, width, height, family_steps, settings.default_true_cfg)
-        host = request.headers.get("host", "localhost:7860")
-        scheme = request.headers.get("x-forwarded-proto", "http")
-        url = f"{scheme}://{host}/"
-        return (gr.update(visible=True), gradio_snippet(url, values, settings.auth is not None),
-                curl_snippet(url, values), openai_snippet(url, values))
-
-    def chosen_result(gallery, index) -> str:
-        try:
-            paths = gallery_paths(gallery)
-        except Exception as exc:
-            raise user_error(exc) from None
-        if not paths:
-            raise gr.Error("there is no result yet: run an edit first, then choose a result", title="no result")
-        index = int(index or 0)
-        return paths[index if 0 <= index < len(paths) else 0]
-
-    def use_result(gallery, index) -> list[str]:
-        return [chosen_result(gallery, index)]
-
-    def add_result(images, gallery, index) -> list[str]:
-        path = chosen_result(gallery, index)
-        try:
-            paths = uploaded_paths(images)
-        except Exception as exc:
-            raise user_error(exc) from None
-        allowed = MAX_INPUT_IMAGES[manager.family]
-        if len(paths) >= allowed:
-            raise gr.Error(f"this model takes at most {allowed} input image(s); remove one first", title="too many")
-        return [*paths, path]
-
-    def select_result(images, gallery, evt: gr.SelectData):
-        """The chosen result becomes the 'after' of the comparison and the one the buttons use."""
-        try:
-            paths, inputs = gallery_paths(gallery), uploaded_paths(images)
-            if not paths or not inputs:
-                return evt.index, gr.update(), gr.update()
-            after = open_image(paths[evt.index], settings.max_input_pixels)
-            before = open_image(inputs[0], settings.max_input_pixels).resize(after.size, Image.Resampling.LANCZOS)
-        except Exception as exc:
-            raise user_error(exc) from None
-        return evt.index, (before, after), paths[evt.index]
-
-    def download_chosen(gallery, index):
-        """The Download button serves the chosen result's PNG (with its settings in text chunks)."""
-        paths = gallery_paths(gallery)
-        index = int(index or 0)
-        return paths[index if 0 <= index < len(paths) else 0] if paths else None
-
     def gpu_status() -> dict:
         """Per GPU: index, name, used/total MiB, utilisation, what is placed on it, which job/step it runs."""
         return snapshot(monitor, manager.status())
@@ -309,7 +210,7 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
                 with gr.Row():
                     again = gr.Button("Use this result as input", elem_id="use-result")
                     add = gr.Button("Add it as another input", elem_id="add-result")
-                    download = gr.DownloadButton("Download PNG", elem_id="download-result")
+                    download = gr.DownloadButton("Download PNG", elem_id="download-result", interactive=False)
                 compare = gr.ImageSlider(label="Before / after (drag the handle)", format="png", type="pil",
                                          interactive=False, elem_id="compare", max_height=420)
                 chosen = gr.Number(value=0, visible=False)  # the result the buttons and the comparison use
@@ -332,7 +233,7 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
         # preprocess=False: our own code parses the raw values (junk gets our message, not a Gradio
         # processing error). Files were checked twice before a handler runs (imgedit.uploads.EventGuard,
         # then Gradio's upload check); the handlers check the paths they open or return once more.
-        files.upload(check_uploads, files, [files, compare, restore, stored], preprocess=False,
+        files.upload(tools.check_uploads, files, [files, compare, restore, stored], preprocess=False,
                      api_visibility="private")
         inputs = [files, prompt, negative, seed, randomize, steps, cfg, num, width, height]
         page_outputs = [result, status, compare, chosen]
@@ -346,17 +247,17 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
                                      concurrency_limit=line, validator=validate, preprocess=False)
         stop.click(lambda: "Cancelled: nothing was kept from that run.", None, status, cancels=[event],
                    queue=False, api_visibility="private")
-        event.success(download_chosen, [result, chosen], download, preprocess=False, queue=False,
+        event.success(tools.download_chosen, [result, chosen], download, preprocess=False, queue=False,
                       api_visibility="private")
-        result.select(select_result, [files, result], [chosen, compare, download], preprocess=False,
+        result.select(tools.select_result, [files, result], [chosen, compare, download], preprocess=False,
                       api_visibility="private")
         # Queued (its own default group, never behind GPU jobs): only queued events can show a toast.
-        restore.click(restore_settings, stored, [prompt, negative, seed, randomize, steps, cfg, width, height, restore],
-                      api_visibility="private")
-        copy_api.click(api_call, inputs, [snippets, *snippet_code], preprocess=False, queue=False,
+        restore.click(tools.restore_settings, stored,
+                      [prompt, negative, seed, randomize, steps, cfg, width, height, restore], api_visibility="private")
+        copy_api.click(tools.api_call, inputs, [snippets, *snippet_code], preprocess=False, queue=False,
                        api_visibility="private")
-        again.click(use_result, [result, chosen], files, preprocess=False, api_visibility="private")
-        add.click(add_result, [files, result, chosen], files, preprocess=False, api_visibility="private")
+        again.click(tools.use_result, [result, chosen], files, preprocess=False, api_visibility="private")
+        add.click(tools.add_result, [files, result, chosen], files, preprocess=False, api_visibility="private")
         timer.tick(panel, None, gpu_panel, queue=False, api_visibility="private")
         gr.api(gpu_status, api_name="gpu_status", queue=False)
         if jobs is not None:  # Batch and History tabs (imgedit.ui_batch, imgedit.ui_history)

@@ -125,6 +125,7 @@ def test_too_many_images_and_out_of_range_values_get_our_message(browser, server
 
 def test_use_result_before_any_result_says_so(browser, server):
     page = open_page(browser, server, small=False)
+    assert page.locator("#download-result").is_disabled()  # nothing to download yet
     page.locator("#use-result").click()
     page.get_by_text("there is no result yet").first.wait_for(timeout=30_000)
     page.locator("#add-result").click()
@@ -136,6 +137,7 @@ def test_cancel_says_cancelled_and_the_worker_stops(browser, server, manager, ph
     page = open_page(browser, server)
     page.get_by_label("Steps (1-").fill("60")
     page.locator("#input-files input[type=file]").set_input_files(str(photos[0]))
+    page.locator("#compare img").first.wait_for(state="visible", timeout=30_000)  # the upload check is done
     page.locator("#prompt textarea").fill("anything")
     page.locator("#edit-button").click()
     page.get_by_text("denoising").first.wait_for(timeout=60_000)
@@ -153,6 +155,7 @@ def test_cancel_says_cancelled_and_the_worker_stops(browser, server, manager, ph
 def test_phone_view_shows_the_progress_after_edit(browser, server, photos):
     page = open_page(browser, server, width=390, height=844, small=False)
     page.locator("#input-files input[type=file]").set_input_files(str(photos[0]))
+    page.locator("#compare img").first.wait_for(state="visible", timeout=30_000)  # the upload check is done
     page.locator("#prompt textarea").fill("turn the yellow stripes blue")
     page.get_by_text("Advanced").click()
     page.get_by_label("Width (0 = auto)").fill("64")
