@@ -262,3 +262,21 @@ def test_every_returned_png_carries_its_settings(live_server, client, image_file
     rest = Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))).text
     assert rest["prompt"] == "rest edit" and rest["seed"] == "4" and rest["width"] == "64"
     assert read_settings(image_file) == {}  # a PNG we did not make offers nothing
+
+
+def test_api_call_snippets_are_valid_code_for_the_form():
+    """"Copy as API call": the gradio_client and OpenAI snippets compile; quotes in a prompt stay quoted."""
+    import shlex
+
+    from imgedit.ui_snippets import api_values, curl_snippet, gradio_snippet, openai_snippet
+
+    values = api_values(2, "it's \"red\"", "", "7", False, None, "4.5", 2, 64, 0, 40, 4.0)
+    assert values["seed"] == 7 and values["num_inference_steps"] == 40 and values["true_cfg_scale"] == 4.5
+    code = gradio_snippet("http://host:7860/", values, auth=False)
+    compile(code, "gradio_snippet", "exec")
+    assert "images=[handle_file('input-1.png'), handle_file('input-2.png')]" in code and "seed=7," in code
+    compile(openai_snippet("http://host:7860/", values), "openai_snippet", "exec")
+    curl = curl_snippet("http://host:7860/", values)
+    words = shlex.split(curl.split("| python3")[0].replace("\\\n", " "))
+    assert "prompt=it's \"red\"" in words and "size=auto" in words and "seed=7" in words, words
+    assert "seed" not in curl_snippet("http://h/", {**values, "randomize_seed": True})
