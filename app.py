@@ -19,7 +19,10 @@ from imgedit.settings import DeviceMap, load_settings
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Edit images with the Qwen image-edit models.")
+    parser = argparse.ArgumentParser(
+        description="Edit images with the Qwen image-edit models.",
+        epilog="Everything else is set by environment variables or a .env file (model, GPUs, port, limits, "
+               "auth): .env.example lists every one with its default, and README.md explains them.")
     parser.add_argument("--demo", action="store_true",
                         help="serve a tiny random-weight model on the CPU (no download; outputs are noise)")
     args = parser.parse_args(argv)
@@ -44,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.demo or (not settings.demo and no_model_chosen and not discover_gpus()):
         if not args.demo:
             log.warning("no GPU and no QWEN_MODEL/QWEN_MODEL_DIR set: serving the demo model (outputs are noise)")
-        settings = replace(settings, demo=True, device_map=DeviceMap("cpu"))
+        # A few steps (unless DEFAULT_STEPS says otherwise): the random demo model makes noise either way.
+        settings = replace(settings, demo=True, device_map=DeviceMap("cpu"), default_steps=settings.default_steps or 4)
     if settings.demo:
         from imgedit.demo_checkpoint import ensure_checkpoint
 

@@ -190,20 +190,38 @@ def snapshot(monitor: GpuMonitor, status: ManagerStatus) -> dict:
     }
 
 
+def _readiness(data: dict) -> str:
+    """The panel's first line: the same readiness /health reports."""
+    if data["ready"]:
+        return "ready"
+    if any(w["state"] == "failed" for w in data["workers"]):
+        return "not ready: a worker failed (see /health)"
+    return "loading the model"
+
+
+def _worker_doing(w: dict) -> str:
+    """A busy worker's job and step (or "preparing" before its first step); an idle one shows no stale step."""
+    state = html.escape(w["state"])
+    if w["state"] != "busy" or not w["job_id"]:
+        return state
+    job = html.escape(w["job_id"])
+    if not w["step"]:
+        return f"{state} — {job} preparing"
+    return f"{state} — {job} step {w['step']}/{w['total_steps']}"
+
+
 def panel_html(data: dict) -> str:
     """One bar per GPU: memory used of total, utilisation, what it holds, what it runs."""
-    parts = ['<div class="gpu-panel">']
+    parts = ['<div class="gpu-panel">', f'<p class="gpu-ready"><b>{_readiness(data)}</b></p>']
     remote = any(w.get("node") for w in data["workers"])
     if not data["gpus"]:
         parts.append(f'<p class="gpu-none">{html.escape(data["message"] or "")}</p>')
     if not data["gpus"] or remote:  # WORKERS=ray: the workers' GPUs are on other machines
         for w in data["workers"]:
-            busy = w["state"] == "busy"
-            step = f' — {html.escape(w["job_id"] or "")} step {w["step"]}/{w["total_steps"]}' if busy else ""
             node = f' (Ray node {html.escape(w["node"][:8])})' if w.get("node") else ""
             why = f' — {html.escape(w["error"] or w["detail"] or "")}' if w["state"] in ("failed", "restarting") else ""
             parts.append(f'<p>{html.escape(w["name"])} on {html.escape(", ".join(w["devices"]))}{node}: '
-                         f'{html.escape(w["state"])}{step}{why}</p>')
+                         f'{_worker_doing(w)}{why}</p>')
     for g in data["gpus"]:
         pct = 100 * g["used_mib"] / g["total_mib"] if g["total_mib"] else 0
         util = "n/a" if g["utilization_percent"] is None else f'{g["utilization_percent"]:.0f}%'

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from imgedit.images import save_png
 from imgedit.jobs import EditRequest, EditResult
 from imgedit.settings import Settings
 
@@ -133,7 +134,7 @@ class HistoryStore:
         partial.mkdir()
         try:
             for i, image in enumerate(result.images):
-                image.save(partial / f"out-{i}.png", format="PNG", compress_level=1)
+                save_png(image, partial / f"out-{i}.png")  # with the settings that made it
             for i, image in enumerate(req.images):
                 image.save(partial / f"in-{i}.png", format="PNG", compress_level=1)
             thumb = result.images[0].copy()

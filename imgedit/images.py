@@ -10,7 +10,7 @@ import io
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, PngImagePlugin
 
 from imgedit.errors import InputTooLarge, InvalidInput
 
@@ -72,3 +72,75 @@ def to_rgb(image: Image.Image) -> Image.Image:
         background = Image.new("RGBA", image.size, (255, 255, 255, 255))
         image = Image.alpha_composite(background, image.convert("RGBA"))
     return image.convert("RGB") if image.mode != "RGB" else image
+
+
+# ---- settings carried in the PNGs we return (tEXt chunks) ----
+# Key names are the API's parameter names, so a stored PNG reads like the call that made it.
+SETTING_KEYS = ("prompt", "negative_prompt", "seed", "num_inference_steps", "true_cfg_scale", "width", "height",
+                "model", "lora", "lora_scale", "software")
+RESTORABLE = {"prompt": str, "negative_prompt": str, "seed": int, "num_inference_steps": int,
+              "true_cfg_scale": float, "width": int, "height": int}
+MAX_CHUNK = 4000  # validation.MAX_PROMPT_CHARS: a longer value is not one of ours
+
+
+def settings_text(req, params, model: str, size: tuple[int, int]) -> dict[str, str]:
+    """What produced an image, as text: the request's prompts, the parameters the pipeline really got
+    (`validation.Resolved`), the output size, the model, the LoRA (none until a request carries one)."""
+    from imgedit import __version__
+
+    lora = getattr(req, "lora", None)
+    text = {"prompt": req.prompt, "negative_prompt": req.negative_prompt or "", "seed": str(params.seed),
+            "num_inference_steps": str(params.steps), "true_cfg_scale": f"{params.true_cfg_scale:g}",
+            "width": str(size[0]), "height": str(size[1]), "model": model, "lora": lora or "none",
+            "software": f"imgedit {__version__}"}
+    if lora:
+        text["lora_scale"] = f"{getattr(req, 'lora_scale', 1.0):g}"
+    return text
+
+
+def stamp(images: list[Image.Image], text: dict[str, str]) -> None:
+    """Attach the settings to each image's `info`: `png_bytes` here and Gradio's own PNG encoder
+    (`gradio.processing_utils.get_pil_metadata`) write every text entry of `info` as a tEXt/iTXt chunk."""
+    for image in images:
+        image.info.update(text)
+
+
+def png_info(image: Image.Image) -> PngImagePlugin.PngInfo:
+    info = PngImagePlugin.PngInfo()
+    for key, value in image.info.items():
+        if isinstance(key, str) and isinstance(value, str):
+            info.add_text(key, value)  # Pillow writes iTXt for non-Latin-1 text (prompts in any language)
+    return info
+
+
+def save_png(image: Image.Image, target, compress_level: int = 1) -> None:
+    """Save as PNG with the settings attached by `stamp` (a path or a binary file object)."""
+    image.save(target, format="PNG", compress_level=compress_level, pnginfo=png_info(image))
+
+
+def png_bytes(image: Image.Image, compress_level: int = 1) -> bytes:
+    buffer = io.BytesIO()
+    save_png(image, buffer, compress_level)
+    return buffer.getvalue()
+
+
+def read_settings(path: str | Path) -> dict[str, str | int | float]:
+    """The restorable settings stored in a PNG we made ({} for any other file). Reads the header
+    chunks only; values that do not parse are left out, never trusted as given."""
+    try:
+        with Image.open(path, formats=["PNG"]) as image:
+            chunks = dict(image.text) if hasattr(image, "text") else {}
+    except Exception:  # not a PNG, or not readable: there is nothing to restore
+        return {}
+    if not str(chunks.get("software", "")).startswith("imgedit"):
+        return {}
+    restored: dict[str, str | int | float] = {}
+    for key, kind in RESTORABLE.items():
+        value = chunks.get(key)
+        if not isinstance(value, str) or len(value) > MAX_CHUNK:
+            continue
+        try:
+            restored[key] = kind(value)
+        except ValueError:
+            continue
+    return restored

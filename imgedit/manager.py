@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 from imgedit.checkpoint import Checkpoint, open_checkpoint
 from imgedit.errors import Cancelled, ImgEditError, NotReady, OutOfGpuMemory, QueueFull, WorkerFailed
+from imgedit.images import settings_text, stamp
 from imgedit.jobs import EditRequest, EditResult, JobRecord, ManagerStatus
 from imgedit.placement import GpuSpec, Plan, plan_placement
 from imgedit.pool import WorkerHandle, wait_result
@@ -269,7 +270,10 @@ class PipelineManager:
             if not isinstance(answer, Done):
                 raise ERRORS.get(answer.kind, ImgEditError)(answer.message)
             outcome = "ok"
-            return answer.result
+            result = answer.result
+            # The one place every edge's results pass: each PNG returned or stored carries its settings.
+            stamp(result.images, settings_text(req, params, self.settings.model_source, (result.width, result.height)))
+            return result
         except ImgEditError as exc:
             outcome = exc.kind
             raise

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import hmac
-import io
 import logging
 import threading
 import time
@@ -23,7 +22,7 @@ from starlette.datastructures import UploadFile
 
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.gpus import GpuMonitor, snapshot
-from imgedit.images import open_image
+from imgedit.images import open_image, png_bytes
 from imgedit.jobs import EditRequest
 from imgedit.metrics import CONTENT_TYPE, Metrics
 from imgedit.validation import check_counts, check_params
@@ -175,9 +174,8 @@ def build_router(manager, metrics: Metrics, monitor: GpuMonitor) -> APIRouter:
 def _b64_pngs(images) -> list[dict]:
     data = []
     for image in images:
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG", compress_level=PNG_LEVEL)
-        data.append({"b64_json": base64.b64encode(buffer.getvalue()).decode(), "revised_prompt": None})
+        png = png_bytes(image, PNG_LEVEL)  # with the settings that made it
+        data.append({"b64_json": base64.b64encode(png).decode(), "revised_prompt": None})
     return data
 
 

@@ -22,7 +22,7 @@ from imgedit.rest import build_router
 from imgedit.settings import Settings
 from imgedit.shutdown import Shutdown, ShutdownGate, drainable
 from imgedit.timeouts import BodyReadTimeout
-from imgedit.ui import GPU_GROUP, build_blocks
+from imgedit.ui import GPU_GROUP, PAGE_HEAD, build_blocks
 from imgedit.uploads import EventGuard
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def build_app(settings: Settings, manager, demo: bool | None = None) -> FastAPI:
     # show_error=False: only gr.Error text (our own messages) reaches users, never Gradio's or Python's.
     app = gr.mount_gradio_app(
         app, blocks, path="/", auth=settings.auth, show_error=False, max_file_size=settings.max_file_size,
-        ssr_mode=False, allowed_paths=[], server_name=settings.gradio_server_name,
+        ssr_mode=False, allowed_paths=[], head=PAGE_HEAD, server_name=settings.gradio_server_name,
         server_port=settings.gradio_server_port)
     # Gradio checks that an event's input files were uploaded (and that outputs lie in allowed places)
     # only once `has_launched` is set, which launch() does and mount_gradio_app does not: without this

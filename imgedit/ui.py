@@ -5,37 +5,56 @@ where UI, gradio API and REST jobs wait together in arrival order (the page show
 ahead); the line, not Gradio, bounds the wait (QUEUE_MAX_SIZE) and each worker's lock keeps its
 GPUs to one job. The edit handler is async: when a user (or gradio_client) cancels, Gradio cancels
 the task, `manager.run` sets the job's cancel flag, and the pipeline stops within one step.
+
+The page's Edit button and the `/edit` API are two events on one handler: the API's inputs are
+hidden components without ranges (so gradio_client's values reach our own checks and messages),
+and the page raises every problem as a gr.Error, which the page always shows.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import html
 import logging
 
 import gradio as gr
+from PIL import Image
 
 from imgedit.errors import ImgEditError, InvalidInput
+from imgedit.examples import example_rows
 from imgedit.gpus import GpuMonitor, panel_html, snapshot
 from imgedit.identity import page_owner
 from imgedit.images import open_image
 from imgedit.jobs import EditRequest
 from imgedit.ui_fast import build_speed_controls, parse_speed_inputs
-from imgedit.uploads import gallery_paths, uploaded_paths
+from imgedit.ui_progress import EditProgress
+from imgedit.ui_tools import PageTools, user_error
+from imgedit.uploads import upload_folder, uploaded_paths
 from imgedit.validation import MAX_INPUT_IMAGES, check_counts, check_params, default_steps
 
 log = logging.getLogger(__name__)
 GPU_GROUP = "gpu"
 DEMO_BANNER = ("**Demo mode**: a tiny random-weight model runs on the CPU, so outputs are noise. "
                "Set `QWEN_MODEL` or `QWEN_MODEL_DIR` to serve a real checkpoint.")
-
-
-def user_error(exc: BaseException) -> gr.Error:
-    """Only gr.Error text reaches users; it is rendered as HTML, so escape it."""
-    if isinstance(exc, ImgEditError):
-        return gr.Error(html.escape(exc.message), title=exc.kind.replace("_", " "))
-    log.exception("unexpected error in the UI handler", exc_info=exc)
-    return gr.Error("internal error: see the server log")
+DEMO_SIZE, DEMO_STEPS = 256, 4  # a first-time visitor of the demo sees a result in seconds
+# The `/edit` API's parameters, in order (README documents them).
+FIELDS = ("images", "prompt", "negative_prompt", "seed", "randomize_seed", "num_inference_steps",
+          "true_cfg_scale", "num_images", "width", "height", "speed", "lora", "lora_scale")
+# Ctrl/Cmd+Enter in the prompt runs the edit; on a phone the result (with its progress) scrolls into view.
+PAGE_HEAD = """<script>
+document.addEventListener('keydown', (e) => {
+  if (e.key === 'Enter' && (e.ctrlKey || e.metaKey) && e.target.closest && e.target.closest('#prompt')) {
+    e.preventDefault();
+    document.getElementById('edit-button')?.click();
+  }
+});
+document.addEventListener('click', (e) => {
+  if (window.innerWidth < 900 && e.target.closest && e.target.closest('#edit-button')) {
+    setTimeout(() => document.getElementById('result')?.scrollIntoView({block: 'start'}), 150);
+  }
+}, true);
+</script>"""
 
 
 def _number(value, name: str, default=None):
@@ -59,21 +78,27 @@ def _text(value, name: str) -> str:
     return value
 
 
-def build_request(manager, files, prompt, negative_prompt, seed, randomize_seed, steps, cfg, num_images,
-                  width, height, source: str, speed=None, lora=None, lora_scale=None) -> EditRequest:
+def build_request(manager, images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
+                  true_cfg_scale, num_images, width, height, speed=None, lora=None, lora_scale=None, *,
+                  source: str) -> EditRequest:
     """Parse one event's raw values. Every file must lie in Gradio's upload cache (imgedit.uploads)."""
     settings = manager.settings
-    paths = uploaded_paths(files)
+    paths = uploaded_paths(images)
     check_counts(len(paths), manager.family)
-    images = tuple(open_image(p, settings.max_input_pixels, f"image {i + 1}") for i, p in enumerate(paths))
+    decoded = tuple(open_image(p, settings.max_input_pixels, f"image {i + 1}") for i, p in enumerate(paths))
     speed, lora, lora_scale = parse_speed_inputs(speed, lora, lora_scale)
     return EditRequest(
-        images=images, prompt=_text(prompt, "prompt"), negative_prompt=_text(negative_prompt, "negative_prompt"),
+        images=decoded, prompt=_text(prompt, "prompt"), negative_prompt=_text(negative_prompt, "negative_prompt"),
         seed=None if randomize_seed else _number(seed, "seed", 0),
-        num_inference_steps=_number(steps, "num_inference_steps"),
-        true_cfg_scale=_number(cfg, "true_cfg_scale"), num_images=_number(num_images, "num_images", 1),
+        num_inference_steps=_number(num_inference_steps, "num_inference_steps"),
+        true_cfg_scale=_number(true_cfg_scale, "true_cfg_scale"), num_images=_number(num_images, "num_images", 1),
         width=_number(width, "width", 0) or None, height=_number(height, "height", 0) or None, speed=speed,
         lora=lora, lora_scale=lora_scale, source=source)
+
+
+def _compare(req: EditRequest, image: Image.Image) -> tuple[Image.Image, Image.Image]:
+    """Before/after at the result's size (the slider needs two images of one size)."""
+    return req.images[0].resize(image.size, Image.Resampling.LANCZOS), image
 
 
 def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None, history=None, jobs=None) -> gr.Blocks:
@@ -81,68 +106,70 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
     monitor = monitor or GpuMonitor()
     max_inputs = MAX_INPUT_IMAGES["plus"]
     family_steps = default_steps(settings, manager.family)
+    tools = PageTools(manager, family_steps)
 
-    fields = ("images", "prompt", "negative_prompt", "seed", "randomize_seed", "num_inference_steps",
-              "true_cfg_scale", "num_images", "width", "height", "speed", "lora", "lora_scale")
-
-    def validate(files, prompt, negative_prompt, seed, randomize_seed, steps, cfg, num_images, width, height,
-                 *speed_values):
-        """Runs before the job enters the queue: bad input costs nothing else. The message goes to
+    def validate(images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
+                 num_images, width, height, speed=None, lora=None, lora_scale=None):
+        """Runs before an API job enters the queue: bad input costs nothing else. The message goes to
         the input at fault."""
-        n_inputs = len(fields) - 3 + len(speed_values)  # the History tab's re-run sends no speed values
-        speed, lora, lora_scale = (*speed_values, None, None, None)[:3]
-        verdicts = [gr.validate(True, "")] * len(fields)
+        verdicts = [gr.validate(True, "")] * len(FIELDS)
         try:
-            req = build_request(manager, files, prompt, negative_prompt, seed, randomize_seed, steps, cfg,
-                                num_images, width, height, "validator", speed, lora, lora_scale)
+            req = build_request(manager, images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
+                                true_cfg_scale, num_images, width, height, speed, lora, lora_scale,
+                                source="validator")
             check_params(req, settings, manager.family)
         except ImgEditError as exc:
-            at = fields.index(exc.field) if exc.field in fields else 0
+            at = FIELDS.index(exc.field) if exc.field in FIELDS else 0
             verdicts[at] = gr.validate(False, html.escape(exc.message))
         except Exception:
             log.exception("validator failed")
             verdicts[0] = gr.validate(False, "these inputs could not be read")
-        return verdicts[:n_inputs]
+        return verdicts
 
-    async def edit(files, prompt, negative_prompt, seed, randomize_seed, steps, cfg, num_images, width, height,
-                   speed=None, lora=None, lora_scale=None, request: gr.Request = None, progress=gr.Progress()):
+    async def run_edit(values: tuple, request: gr.Request | None, progress: gr.Progress):
         source = "ui" if request is not None and request.headers.get("referer") else "api"
         try:  # decoding up to three large images: off the event loop
-            req = await asyncio.to_thread(build_request, manager, files, prompt, negative_prompt, seed,
-                                          randomize_seed, steps, cfg, num_images, width, height, source, speed, lora,
-                                          lora_scale)
+            req = await asyncio.to_thread(functools.partial(build_request, manager, *values, source=source))
+            check_params(req, settings, manager.family)
         except Exception as exc:
             raise user_error(exc) from None
-        progress(0, desc="waiting for a free GPU worker")
-
-        def on_wait(ahead: int) -> None:
-            progress(0, desc=f"in line: {ahead} job(s) ahead of yours")
-
-        def on_step(step: int, total: int) -> None:
-            progress((step, total), desc="denoising", unit="steps")
-
+        track = EditProgress(req.request_id)
+        job = asyncio.ensure_future(manager.run(req, on_step=track.on_step, on_wait=track.on_wait))
         try:
-            result = await manager.run(req, on_step=on_step, on_wait=on_wait)
+            while not job.done():
+                value, desc = track.render(manager.status())
+                progress(value, desc=desc, unit="steps")
+                await asyncio.wait({job}, timeout=0.25)
+            result = job.result()
+        except asyncio.CancelledError:
+            job.cancel()  # manager.run sets the job's cancel flag: the worker stops at its next step
+            raise
         except Exception as exc:
             raise user_error(exc) from None
         if history is not None and (owner := page_owner(request, settings.auth is not None)):
             await history.record(owner, req.request_id, 0, req, result)
+        return req, result
+
+    async def edit(images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
+                   num_images, width, height, speed="quality", lora="none", lora_scale=1.0,
+                   request: gr.Request = None, progress=gr.Progress()):
+        """Edit the images as the prompt says; returns the result images and the seed used."""
+        _, result = await run_edit((images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
+                                    true_cfg_scale, num_images, width, height, speed, lora, lora_scale),
+                                   request, progress)
         return result.images, result.seed
 
-    def preview_inputs(files) -> list[str]:
-        try:
-            return uploaded_paths(files)
-        except Exception as exc:
-            raise user_error(exc) from None
-
-    def use_result(gallery) -> list[str]:
-        try:
-            paths = gallery_paths(gallery)
-        except Exception as exc:
-            raise user_error(exc) from None
-        if not paths:
-            raise gr.Error("there is no result yet")
-        return paths[:1]
+    async def edit_page(images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
+                        num_images, width, height, speed=None, lora=None, lora_scale=None,
+                        request: gr.Request = None, progress=gr.Progress()):
+        """The Edit button: result, a status line with the seed used, the comparison, the chosen result."""
+        req, result = await run_edit((images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
+                                      true_cfg_scale, num_images, width, height, speed, lora, lora_scale),
+                                     request, progress)
+        done = (f"Done in {result.seconds:.1f} s: {len(result.images)} image(s), {result.width}x{result.height}, "
+                f"{result.steps} steps. **Seed used: {result.seed}** (to repeat it, untick *Randomize seed* "
+                "under Advanced and enter this seed).")
+        return result.images, done, _compare(req, result.images[0]), 0
 
     def gpu_status() -> dict:
         """Per GPU: index, name, used/total MiB, utilisation, what is placed on it, which job/step it runs."""
@@ -159,49 +186,91 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
             with gr.Column():
                 files = gr.File(label=f"Input images (1 for Qwen-Image-Edit, up to {max_inputs} for 2509/2511)",
                                 file_count="multiple", file_types=["image"], elem_id="input-files")
-                preview = gr.Gallery(label="Inputs", height=160, columns=3, interactive=False, format="png")
                 prompt = gr.Textbox(label="What to change", lines=2, elem_id="prompt",
-                                    placeholder="e.g. make the sky a sunset, keep the people unchanged")
+                                    placeholder="e.g. make the sky a sunset, keep the people unchanged",
+                                    info="Ctrl+Enter (⌘+Enter on a Mac) runs the edit")
+                restore = gr.Button("Restore the settings saved in this PNG", visible=False, size="sm",
+                                    elem_id="restore-settings")
+                # The settings found in the last uploaded PNG. Not a gr.State: State makes every page
+                # hold a heartbeat connection open for the session's lifetime.
+                stored = gr.JSON({}, visible=False)
                 with gr.Row():
                     run = gr.Button("Edit", variant="primary", elem_id="edit-button")
                     stop = gr.Button("Cancel", variant="stop", elem_id="cancel-button")
+                rows, labels = example_rows(f"{upload_folder()}/imgedit-examples", MAX_INPUT_IMAGES[manager.family])
+                gr.Examples(rows, [files, prompt], example_labels=labels, label="Examples (click one to fill the form)",
+                            elem_id="examples")
+                speed_inputs = build_speed_controls(settings)  # Speed, LoRA, strength (imgedit.ui_fast)
                 with gr.Accordion("Advanced", open=False):
                     negative = gr.Textbox(label="Negative prompt", value="")
                     with gr.Row():
                         seed = gr.Number(label="Seed", value=0, precision=0, minimum=0)
                         randomize = gr.Checkbox(label="Randomize seed", value=True)
-                    steps = gr.Number(label=f"Steps (1-{settings.max_steps})", value=family_steps, precision=0)
+                    steps = gr.Number(label=f"Steps (1-{settings.max_steps})", precision=0,
+                                      value=min(DEMO_STEPS, family_steps) if demo else family_steps)
                     cfg = gr.Slider(1.0, 20.0, value=settings.default_true_cfg, step=0.5, label="True CFG scale")
                     num = gr.Slider(1, settings.max_images_per_prompt, value=1, step=1, label="Images per prompt")
                     with gr.Row():
-                        width = gr.Number(label="Width (0 = auto)", value=0, precision=0, minimum=0)
-                        height = gr.Number(label="Height (0 = auto)", value=0, precision=0, minimum=0)
-                speed_inputs = build_speed_controls(settings)  # Speed, LoRA, strength (imgedit.ui_fast)
+                        size = DEMO_SIZE if demo else 0
+                        width = gr.Number(label="Width (0 = auto)", value=size, precision=0, minimum=0)
+                        height = gr.Number(label="Height (0 = auto)", value=size, precision=0, minimum=0)
             with gr.Column():
-                result = gr.Gallery(label="Result", format="png", columns=2, elem_id="result", interactive=False)
-                used_seed = gr.Number(label="Seed used", precision=0, interactive=False)
-                again = gr.Button("Use result as input")
+                result = gr.Gallery(label="Result", format="png", columns=2, elem_id="result", interactive=False,
+                                    object_fit="contain", height="auto", buttons=["download", "fullscreen"])
+                status = gr.Markdown("Results appear here.", elem_id="edit-status")
+                with gr.Row():
+                    again = gr.Button("Use this result as input", elem_id="use-result")
+                    add = gr.Button("Add it as another input", elem_id="add-result")
+                    download = gr.DownloadButton("Download PNG", elem_id="download-result", interactive=False)
+                compare = gr.ImageSlider(label="Before / after (drag the handle)", format="png", type="pil",
+                                         interactive=False, elem_id="compare", max_height=420)
+                chosen = gr.Number(value=0, visible=False)  # the result the buttons and the comparison use
+                copy_api = gr.Button("Copy as API call", size="sm", elem_id="copy-api")
+                with gr.Group(visible=False, elem_id="api-call") as snippets:
+                    snippet_code = [gr.Code(language=language, label=label, interactive=False, elem_id=f"api-{key}")
+                                    for key, language, label in (("gradio", "python", "gradio_client"),
+                                                                 ("curl", "shell", "curl (REST)"),
+                                                                 ("openai", "python", "OpenAI SDK (REST)"))]
         with gr.Accordion("GPUs", open=True):
-            gpu_panel = gr.HTML(panel(), elem_id="gpu-panel")
+            gpu_panel = gr.HTML(panel, elem_id="gpu-panel")  # a callable: fresh on every page load
         timer = gr.Timer(2.0)
+        # The `/edit` API: hidden inputs without ranges, so every value reaches the validator and our messages.
+        with gr.Row(visible=False):
+            api_inputs = [gr.File(file_count="multiple"), gr.Textbox(), gr.Textbox(), gr.Number(0), gr.Checkbox(True),
+                          gr.Number(None), gr.Number(None), gr.Number(1), gr.Number(0), gr.Number(0),
+                          gr.Textbox("quality"), gr.Textbox("none"), gr.Number(1.0)]
+            api_outputs = [gr.Gallery(format="png"), gr.Number()]
+            api_button = gr.Button()
 
         # preprocess=False: our own code parses the raw values (junk gets our message, not a Gradio
         # processing error). Files were checked twice before a handler runs (imgedit.uploads.EventGuard,
         # then Gradio's upload check); the handlers check the paths they open or return once more.
-        files.change(preview_inputs, files, preview, queue=False, preprocess=False, api_visibility="private")
+        files.upload(tools.check_uploads, files, [files, compare, restore, stored], preprocess=False,
+                     api_visibility="private")
         inputs = [files, prompt, negative, seed, randomize, steps, cfg, num, width, height]
-        edit_inputs = inputs + speed_inputs  # the History tab re-fills `inputs` only: speed stays as chosen
+        page_outputs = [result, status, compare, chosen]
         # No Gradio limit: every job goes straight to the manager's line, where UI, API and REST jobs
         # wait together in arrival order and QUEUE_MAX_SIZE is enforced once; the workers' locks keep
         # each GPU to one job.
         line = None
-        event = run.click(edit, edit_inputs, [result, used_seed], api_name="edit", concurrency_id=GPU_GROUP,
-                          concurrency_limit=line, validator=validate, preprocess=False)
-        submitted = prompt.submit(edit, edit_inputs, [result, used_seed], api_visibility="private",
-                                  concurrency_id=GPU_GROUP, concurrency_limit=line, validator=validate,
-                                  preprocess=False)
-        stop.click(None, None, None, cancels=[event, submitted], queue=False, api_visibility="private")
-        again.click(use_result, result, files, queue=False, preprocess=False, api_visibility="private")
+        edit_inputs = inputs + speed_inputs  # the History tab re-fills `inputs` only: speed stays as chosen
+        event = run.click(edit_page, edit_inputs, page_outputs, api_visibility="private", concurrency_id=GPU_GROUP,
+                          concurrency_limit=line, preprocess=False, show_progress_on=[result])
+        api_button.click(edit, api_inputs, api_outputs, api_name="edit", concurrency_id=GPU_GROUP,
+                                     concurrency_limit=line, validator=validate, preprocess=False)
+        stop.click(lambda: "Cancelled: nothing was kept from that run.", None, status, cancels=[event],
+                   queue=False, api_visibility="private")
+        event.success(tools.download_chosen, [result, chosen], download, preprocess=False, queue=False,
+                      api_visibility="private")
+        result.select(tools.select_result, [files, result], [chosen, compare, download], preprocess=False,
+                      api_visibility="private")
+        # Queued (its own default group, never behind GPU jobs): only queued events can show a toast.
+        restore.click(tools.restore_settings, stored,
+                      [prompt, negative, seed, randomize, steps, cfg, width, height, restore], api_visibility="private")
+        copy_api.click(tools.api_call, edit_inputs, [snippets, *snippet_code], preprocess=False, queue=False,
+                       api_visibility="private")
+        again.click(tools.use_result, [result, chosen], files, preprocess=False, api_visibility="private")
+        add.click(tools.add_result, [files, result, chosen], files, preprocess=False, api_visibility="private")
         timer.tick(panel, None, gpu_panel, queue=False, api_visibility="private")
         gr.api(gpu_status, api_name="gpu_status", queue=False)
         if jobs is not None:  # Batch and History tabs (imgedit.ui_batch, imgedit.ui_history)
@@ -210,7 +279,6 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
 
             with gr.Tabs():
                 build_batch_tab(manager, jobs, inputs[2:])
-                history_api = build_history_tab(manager, history, inputs, result, used_seed, edit, GPU_GROUP,
-                                                validate)
+                history_api = build_history_tab(manager, history, inputs, page_outputs, edit_page, GPU_GROUP)
             gr.api(history_api, api_name="history", queue=False)
     return blocks

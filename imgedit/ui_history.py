@@ -48,11 +48,10 @@ def _export(paths: list[Path], name: str) -> str:
     return str(target)
 
 
-def build_history_tab(manager, history: HistoryStore, edit_inputs: list, result, used_seed, edit, gpu_group: str,
-                      validator):
-    """Inside a `gr.Tabs`: the History tab. `edit_inputs`, `edit` and `validator` are the Edit tab's,
-    so a re-run is an ordinary edit (same line, same checks, stored again). Returns the `/history`
-    API function, to be registered outside the tabs."""
+def build_history_tab(manager, history: HistoryStore, edit_inputs: list, edit_outputs: list, edit, gpu_group: str):
+    """Inside a `gr.Tabs`: the History tab. `edit_inputs`, `edit_outputs` and `edit` are the Edit tab's
+    button's, so a re-run is an ordinary edit (same line, same checks and messages, stored again).
+    Returns the `/history` API function, to be registered outside the tabs."""
     settings = manager.settings
     auth = settings.auth is not None
 
@@ -116,6 +115,6 @@ def build_history_tab(manager, history: HistoryStore, edit_inputs: list, result,
     listing.select(pick, ids, [chosen, details, outputs, download], queue=False, api_visibility="private")
     reopen.click(fill, chosen, edit_inputs, queue=False, api_visibility="private")
     rerun.click(fill, chosen, edit_inputs, queue=False, api_visibility="private").success(
-        edit, edit_inputs, [result, used_seed], concurrency_id=gpu_group, concurrency_limit=None,
-        validator=validator, api_visibility="private")
+        edit, edit_inputs, edit_outputs, concurrency_id=gpu_group, concurrency_limit=None, preprocess=False,
+        show_progress_on=edit_outputs[:1], api_visibility="private")
     return history_api

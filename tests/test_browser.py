@@ -1,14 +1,16 @@
-"""A real browser (Debian's Chromium, driven by Playwright) edits an image through the page.
+"""A real browser (Debian's Chromium, driven by Playwright) edits images through the page.
 
-Saves a screenshot to artifacts/browser-edit.png (the README shows it).
+Saves screenshots to artifacts/ (the README's screenshots in docs/ come from benchmarks/screenshots.py).
 """
 
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 from conftest import ARTIFACTS, make_manager, picture, start_server
+from PIL import Image
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 pytestmark = pytest.mark.browser
@@ -27,39 +29,193 @@ def browser():
         browser.close()
 
 
-def test_upload_prompt_edit_and_see_the_result(browser, plus_ckpt, tmp_path):
-    manager = make_manager(plus_ckpt, DEFAULT_STEPS="3")
-    source = tmp_path / "photo.png"
-    picture(120, 90).save(source)
+@pytest.fixture(scope="module")
+def manager(plus_ckpt):
+    return make_manager(plus_ckpt, DEFAULT_STEPS="2")
+
+
+@pytest.fixture(scope="module")
+def server(manager):
     with start_server(manager) as server:
-        page = browser.new_page(viewport={"width": 1280, "height": 1100})
-        page.goto(server.url, wait_until="networkidle")
-        page.locator("#input-files input[type=file]").set_input_files(str(source))
-        page.locator("#prompt textarea").fill("turn the yellow stripes blue")
+        yield server
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("photos")
+    wide, other = folder / "wide.png", folder / "other.png"
+    picture(128, 96).save(wide)
+    picture(96, 96, (200, 60, 60)).save(other)
+    return wide, other
+
+
+def open_page(browser, server, width=1400, height=1000, small=True):
+    page = browser.new_page(viewport={"width": width, "height": height})
+    page.goto(server.url, wait_until="networkidle")
+    if small:  # the tiny model on 2 CPU cores: keep every test edit at 64x64
         page.get_by_text("Advanced").click()
         page.get_by_label("Width (0 = auto)").fill("64")
         page.get_by_label("Height (0 = auto)").fill("64")
-        page.locator("#edit-button").click()
-        page.locator("#result img").first.wait_for(state="visible", timeout=120_000)
-        page.wait_for_timeout(2500)  # let the GPU panel tick once more
-        assert "no GPU is visible" in page.locator("#gpu-panel").inner_text()
-        ARTIFACTS.mkdir(exist_ok=True)
-        page.screenshot(path=str(ARTIFACTS / "browser-edit.png"), full_page=True)
-        src = page.locator("#result img").first.get_attribute("src")
-        assert src and (".png" in src or src.startswith("data:image/png"))
-        assert manager.workers[0].jobs_done == 1
+    return page
 
 
-def test_bad_upload_shows_a_clear_message(browser, plus_ckpt, tmp_path):
-    manager = make_manager(plus_ckpt, DEFAULT_STEPS="2")
+def jobs_done(manager) -> int:
+    return sum(w.jobs_done for w in manager.workers)
+
+
+def test_upload_prompt_ctrl_enter_progress_result_compare_and_add_as_input(browser, server, manager, photos):
+    page = open_page(browser, server)
+    page.get_by_label("number input for Images per prompt").fill("2")
+    page.get_by_label("number input for Images per prompt").press("Enter")
+    page.get_by_label("Steps (1-").fill("6")
+    page.locator("#input-files input[type=file]").set_input_files(str(photos[0]))
+    page.locator("#compare img").first.wait_for(state="visible", timeout=30_000)  # the input, uncropped
+    page.locator("#prompt textarea").fill("turn the yellow stripes blue")
+    page.locator("#prompt textarea").press("Control+Enter")  # runs, does not add a newline
+    page.get_by_text("preparing: encoding the prompt and images").or_(page.get_by_text("denoising")).first.wait_for(
+        timeout=60_000)
+    page.locator("#result img").first.wait_for(state="visible", timeout=120_000)
+    assert page.locator("#prompt textarea").input_value() == "turn the yellow stripes blue"
+    status = page.locator("#edit-status").inner_text()
+    assert "Seed used:" in status and "2 image(s)" in status, status
+    assert page.locator("#result").get_by_text("Seed used").count() == 0
+    fit = page.locator("#result img").first.evaluate("img => getComputedStyle(img).objectFit")
+    assert fit == "contain", fit
+    src = page.locator("#result img").first.get_attribute("src")
+    assert src and (".png" in src or src.startswith("data:image/png"))
+    assert page.locator("#compare img").count() == 2  # before and after
+    page.locator("#result img").nth(1).click()  # choose the second result
+    page.keyboard.press("Escape")
+    page.locator("#add-result").click()
+    page.locator("#input-files").get_by_text(".png").nth(1).wait_for(timeout=30_000)
+    assert page.locator("#input-files").get_by_text("wide").count() == 1  # the first input is kept
+    page.wait_for_timeout(2500)  # the GPU panel ticks
+    panel = page.locator("#gpu-panel").inner_text()
+    assert "no GPU is visible" in panel and "ready" in panel and "step" not in panel, panel
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "browser-desktop.png"), full_page=True)
+    assert jobs_done(manager) >= 1
+
+
+def test_bad_upload_shows_a_clear_message(browser, server, manager, tmp_path):
     notes = tmp_path / "notes.png"
     notes.write_text("not an image at all")
-    with start_server(manager) as server:
-        page = browser.new_page()
-        page.goto(server.url, wait_until="networkidle")
-        page.locator("#input-files input[type=file]").set_input_files(str(notes))
-        page.locator("#prompt textarea").fill("anything")
-        page.locator("#edit-button").click()
-        page.get_by_text("is not a readable image").first.wait_for(timeout=30_000)
-        assert "Traceback" not in page.content()
-        assert manager.workers[0].jobs_done == 0
+    before = jobs_done(manager)
+    page = open_page(browser, server, small=False)
+    page.locator("#input-files input[type=file]").set_input_files(str(notes))
+    page.get_by_text("is not a readable image").first.wait_for(timeout=30_000)  # said at upload
+    page.locator("#prompt textarea").fill("anything")
+    page.locator("#edit-button").click()
+    page.get_by_text("no input image").first.wait_for(timeout=30_000)  # it was left out
+    assert "Traceback" not in page.content()
+    assert jobs_done(manager) == before
+
+
+def test_too_many_images_and_out_of_range_values_get_our_message(browser, server, manager, photos):
+    before = jobs_done(manager)
+    page = open_page(browser, server)
+    page.locator("#input-files input[type=file]").set_input_files([str(photos[0]), str(photos[1])] * 2)
+    page.get_by_text("takes at most 3 input image(s)").first.wait_for(timeout=30_000)
+    page.locator("#prompt textarea").fill("anything")
+    page.get_by_label("Steps (1-").fill("100000")
+    page.locator("#edit-button").click()
+    page.get_by_text("num_inference_steps 100000 is out of range").first.wait_for(timeout=30_000)
+    assert jobs_done(manager) == before
+
+
+def test_use_result_before_any_result_says_so(browser, server):
+    page = open_page(browser, server, small=False)
+    assert page.locator("#download-result").is_disabled()  # nothing to download yet
+    page.locator("#use-result").click()
+    page.get_by_text("there is no result yet").first.wait_for(timeout=30_000)
+    page.locator("#add-result").click()
+    page.get_by_text("there is no result yet").first.wait_for(timeout=30_000)
+    assert "Traceback" not in page.content()
+
+
+def test_cancel_says_cancelled_and_the_worker_stops(browser, server, manager, photos):
+    page = open_page(browser, server)
+    page.get_by_label("Steps (1-").fill("60")
+    page.locator("#input-files input[type=file]").set_input_files(str(photos[0]))
+    page.locator("#compare img").first.wait_for(state="visible", timeout=30_000)  # the upload check is done
+    page.locator("#prompt textarea").fill("anything")
+    page.locator("#edit-button").click()
+    page.get_by_text("denoising").first.wait_for(timeout=60_000)
+    assert page.locator(".progress-text, .progress-level").count() <= 2  # one progress bar, on the result
+    page.locator("#cancel-button").click()
+    page.locator("#edit-status").get_by_text("Cancelled").wait_for(timeout=10_000)
+    page.wait_for_function("() => !document.body.innerText.includes('denoising')", timeout=30_000)
+    deadline = time.time() + 20
+    while not all(w.state == "idle" for w in manager.workers):  # the pipeline stops within a step
+        assert time.time() < deadline, "cancel did not stop the worker"
+        time.sleep(0.05)
+    assert all(w.step < 60 for w in manager.workers)
+
+
+def test_phone_view_shows_the_progress_after_edit(browser, server, photos):
+    page = open_page(browser, server, width=390, height=844, small=False)
+    page.locator("#input-files input[type=file]").set_input_files(str(photos[0]))
+    page.locator("#compare img").first.wait_for(state="visible", timeout=30_000)  # the upload check is done
+    page.locator("#prompt textarea").fill("turn the yellow stripes blue")
+    page.get_by_text("Advanced").click()
+    page.get_by_label("Width (0 = auto)").fill("64")
+    page.get_by_label("Height (0 = auto)").fill("64")
+    page.get_by_label("Steps (1-").fill("30")
+    page.locator("#edit-button").click()
+    page.get_by_text("denoising").first.wait_for(timeout=60_000)
+    page.wait_for_timeout(800)  # the smooth scroll
+    box = page.locator("#result").bounding_box()
+    assert box is not None and 0 <= box["y"] < 844, box  # the progress is on screen, not below the fold
+    page.locator("#result img").first.wait_for(state="visible", timeout=120_000)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "browser-phone.png"), full_page=False)
+
+
+def test_page_says_ready_and_seed_is_no_input_before_a_run(browser, server):
+    page = open_page(browser, server, small=False)
+    panel = page.locator("#gpu-panel").inner_text()
+    assert panel.startswith("ready"), panel
+    assert page.get_by_label("Seed used").count() == 0
+    assert "Ctrl+Enter" in page.locator("body").inner_text()
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "browser-start.png"), full_page=True)
+
+
+def test_example_download_api_call_and_restoring_the_settings_of_a_result_png(browser, server, tmp_path):
+    """One click fills the form from an example; the result downloads as a PNG carrying its settings;
+    "Copy as API call" shows the form as code; uploading that PNG offers its settings back."""
+    page = open_page(browser, server)
+    page.locator("#examples").get_by_text("Landscape: sunset sky").first.click()
+    page.locator("#input-files").get_by_text("landscape").first.wait_for(timeout=30_000)
+    assert page.locator("#prompt textarea").input_value().startswith("make the sky a warm sunset")
+    page.get_by_label("Randomize seed").uncheck()
+    page.get_by_label("Seed", exact=True).fill("77")
+    page.get_by_label("Steps (1-").fill("3")
+    page.locator("#edit-button").click()
+    page.locator("#edit-status").get_by_text("Seed used: 77").wait_for(timeout=120_000)
+    with page.expect_download(timeout=30_000) as download:
+        page.locator("#download-result").click()
+    saved = tmp_path / "result.png"
+    download.value.save_as(saved)
+    text = Image.open(saved).text
+    assert text["prompt"].startswith("make the sky a warm sunset") and text["seed"] == "77", text
+    assert text["num_inference_steps"] == "3" and text["width"] == "64" and text["software"].startswith("imgedit")
+    page.locator("#copy-api").click()
+    page.locator("#api-gradio").get_by_text("api_name").wait_for(timeout=30_000)
+    gradio_code = page.locator("#api-gradio").inner_text()
+    assert "num_inference_steps=3" in gradio_code and "seed=77" in gradio_code, gradio_code
+    assert "randomize_seed=False" in gradio_code and "handle_file('input-1.png')" in gradio_code
+    curl = page.locator("#api-curl").inner_text()
+    assert "/v1/images/edits" in curl and "seed=77" in curl and "size=64x64" in curl, curl
+    assert "extra_body" in page.locator("#api-openai").inner_text()
+    page.reload(wait_until="networkidle")
+    assert page.locator("#restore-settings").count() == 0 or not page.locator("#restore-settings").is_visible()
+    page.locator("#input-files input[type=file]").set_input_files(str(saved))
+    page.locator("#restore-settings").click(timeout=30_000)
+    page.get_by_text("Restored the prompt, seed").first.wait_for(timeout=30_000)
+    assert page.locator("#prompt textarea").input_value().startswith("make the sky a warm sunset")
+    page.get_by_text("Advanced").click()
+    assert page.get_by_label("Seed", exact=True).input_value() == "77"
+    assert page.get_by_label("Steps (1-").input_value() == "3"
+    assert not page.get_by_label("Randomize seed").is_checked()
+    assert page.get_by_label("Width (0 = auto)").input_value() == "64"

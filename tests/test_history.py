@@ -76,6 +76,8 @@ def test_save_writes_pngs_inputs_and_a_thumbnail(tmp_path, result):
     store = HistoryStore(tmp_path)
     entry = store.save("browser:x", "job-1", 0, req, res, "photo.png")
     assert [Image.open(p).size for p in entry.output_paths] == [(64, 64)]
+    stored = Image.open(entry.output_paths[0]).text  # the settings travel with the stored PNG
+    assert (stored["prompt"], stored["seed"], stored["num_inference_steps"]) == ("p", "5", "2")
     assert [Image.open(p).size for p in entry.input_paths] == [(80, 60)]
     assert entry.thumb_path.exists() and entry.bytes == sum(p.stat().st_size for p in entry.folder.iterdir())
     assert store.get("browser:x", entry.id) == entry

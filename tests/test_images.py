@@ -99,3 +99,20 @@ def test_big_endian_16_bit_and_float_tiffs_are_scaled():
     floats = Image.fromarray(np.linspace(0, 1, 256, dtype=np.float32).reshape(16, 16), mode="F")
     out = np.asarray(open_image(encode(floats, "TIFF"), LIMIT))
     assert out.min() == 0 and out.max() == 255
+
+
+def test_settings_chunks_round_trip_and_junk_is_left_out(tmp_path):
+    """PNG text chunks: what stamp/save_png write, read_settings gives back typed; junk is dropped."""
+    from imgedit.images import read_settings, save_png, stamp
+
+    image = Image.new("RGB", (8, 8))
+    stamp([image], {"prompt": "说 hello", "seed": "12", "num_inference_steps": "many", "true_cfg_scale": "4.5",
+                    "width": "8", "height": "8", "software": "imgedit 0.1.0", "lora": "none"})
+    save_png(image, tmp_path / "ours.png")
+    assert read_settings(tmp_path / "ours.png") == {"prompt": "说 hello", "seed": 12, "true_cfg_scale": 4.5,
+                                                    "width": 8, "height": 8}
+    other = Image.new("RGB", (8, 8))
+    stamp([other], {"prompt": "x", "software": "another app"})
+    save_png(other, tmp_path / "theirs.png")
+    (tmp_path / "text.png").write_text("not an image")
+    assert read_settings(tmp_path / "theirs.png") == {} and read_settings(tmp_path / "text.png") == {}

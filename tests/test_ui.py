@@ -213,3 +213,70 @@ def test_metrics_after_ui_edits(live_server, client, image_file):
     ok = [s for s in families["imgedit_requests"].samples
           if s.name == "imgedit_requests_total" and s.labels == {"source": "api", "outcome": "ok"}]
     assert ok and ok[0].value >= 1
+
+
+def test_edit_api_takes_the_documented_keyword_names_and_explains_out_of_range_values(client, server_manager,
+                                                                                      image_file):
+    """Issue #14 defect 5: the README's names work as keywords; out-of-range values get our reason."""
+    params = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/edit"]["parameters"]
+    assert [p["parameter_name"] for p in params] == ["images", "prompt", "negative_prompt", "seed", "randomize_seed",
+                                                     "num_inference_steps", "true_cfg_scale", "num_images", "width",
+                                                     "height"]
+    call = dict(images=[handle_file(str(image_file))], prompt="make it red", negative_prompt="", seed=3,
+                randomize_seed=False, num_inference_steps=2, true_cfg_scale=4.0, num_images=1, width=64, height=64)
+    gallery, seed = client.predict(**call, api_name="/edit")
+    assert seed == 3 and len(gallery) == 1
+    done_before = sum(w.jobs_done for w in server_manager.workers)
+    for change, message in (({"true_cfg_scale": -5}, "true_cfg_scale -5 is out of range: 1 to 20"),
+                            ({"num_images": 1000}, "num_images 1000 is out of range: 1 to")):
+        with pytest.raises((ValidationError, AppError)) as info:
+            client.predict(**{**call, **change}, api_name="/edit")
+        assert message in str(info.value) and "Bad Request" not in str(info.value), str(info.value)
+    assert sum(w.jobs_done for w in server_manager.workers) == done_before
+
+
+def test_every_returned_png_carries_its_settings(live_server, client, image_file):
+    """gradio API and REST PNGs carry prompt, seed, steps, CFG, size, model, LoRA and version in text chunks."""
+    import base64
+    import io
+
+    import httpx
+
+    from imgedit import __version__
+    from imgedit.images import read_settings
+
+    gallery, _ = client.predict(*edit_args([image_file], seed=11, steps=3, prompt="make it ünicode red"),
+                                api_name="/edit")
+    text = Image.open(gallery[0]["image"]).text
+    assert text["prompt"] == "make it ünicode red" and text["seed"] == "11" and text["num_inference_steps"] == "3"
+    assert text["true_cfg_scale"] == "4" and (text["width"], text["height"]) == ("64", "64")
+    assert text["lora"] == "none" and text["software"] == f"imgedit {__version__}" and text["model"]
+    assert read_settings(gallery[0]["image"]) == {
+        "prompt": "make it ünicode red", "negative_prompt": "", "seed": 11, "num_inference_steps": 3,
+        "true_cfg_scale": 4.0, "width": 64, "height": 64}
+    with open(image_file, "rb") as f:
+        r = httpx.post(f"{live_server.url}/v1/images/edits", files={"image": ("in.png", f, "image/png")},
+                       data={"prompt": "rest edit", "size": "64x64", "num_inference_steps": "2", "seed": "4"},
+                       timeout=120)
+    assert r.status_code == 200, r.text[:300]
+    rest = Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))).text
+    assert rest["prompt"] == "rest edit" and rest["seed"] == "4" and rest["width"] == "64"
+    assert read_settings(image_file) == {}  # a PNG we did not make offers nothing
+
+
+def test_api_call_snippets_are_valid_code_for_the_form():
+    """"Copy as API call": the gradio_client and OpenAI snippets compile; quotes in a prompt stay quoted."""
+    import shlex
+
+    from imgedit.ui_snippets import api_values, curl_snippet, gradio_snippet, openai_snippet
+
+    values = api_values(2, "it's \"red\"", "", "7", False, None, "4.5", 2, 64, 0, 40, 4.0)
+    assert values["seed"] == 7 and values["num_inference_steps"] == 40 and values["true_cfg_scale"] == 4.5
+    code = gradio_snippet("http://host:7860/", values, auth=False)
+    compile(code, "gradio_snippet", "exec")
+    assert "images=[handle_file('input-1.png'), handle_file('input-2.png')]" in code and "seed=7," in code
+    compile(openai_snippet("http://host:7860/", values), "openai_snippet", "exec")
+    curl = curl_snippet("http://host:7860/", values)
+    words = shlex.split(curl.split("| python3")[0].replace("\\\n", " "))
+    assert "prompt=it's \"red\"" in words and "size=auto" in words and "seed=7" in words, words
+    assert "seed" not in curl_snippet("http://h/", {**values, "randomize_seed": True})

@@ -1,0 +1,139 @@
+"""The page's tools around one edit: upload checks (and a PNG's stored settings offered back), the
+chosen result for use / add / download / compare, and "Copy as API call". Handlers run with
+preprocess=False, so every value is raw event data: parsed here, problems raised as our own gr.Error.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+
+import gradio as gr
+from PIL import Image
+
+from imgedit.errors import ImgEditError
+from imgedit.images import open_image, read_settings
+from imgedit.ui_snippets import api_values, curl_snippet, gradio_snippet, openai_snippet
+from imgedit.uploads import gallery_paths, uploaded_paths
+from imgedit.validation import MAX_INPUT_IMAGES
+
+log = logging.getLogger(__name__)
+
+
+def user_error(exc: BaseException) -> gr.Error:
+    """Only gr.Error text reaches users; it is rendered as HTML, so escape it."""
+    if isinstance(exc, ImgEditError):
+        return gr.Error(html.escape(exc.message), title=exc.kind.replace("_", " "))
+    log.exception("unexpected error in the UI handler", exc_info=exc)
+    return gr.Error("internal error: see the server log", title="internal error")
+
+
+def _index(value) -> int:
+    """The chosen result's index from a hidden Number's raw value (0 when it is not a whole number)."""
+    try:
+        return int(float(value or 0))
+    except (TypeError, ValueError, OverflowError):
+        return 0
+
+
+class PageTools:
+    def __init__(self, manager, default_steps: int):
+        self.settings = manager.settings
+        self.allowed = MAX_INPUT_IMAGES[manager.family]
+        self.default_steps = default_steps
+
+    def _paths(self, images) -> list[str]:
+        try:
+            return uploaded_paths(images)
+        except Exception as exc:
+            raise user_error(exc) from None
+
+    def check_uploads(self, images):
+        """At upload: unreadable files (or more than the model takes) are named and left out; a PNG
+        this app made offers its settings back."""
+        kept, problems = [], []
+        for i, path in enumerate(self._paths(images)):
+            try:
+                open_image(path, self.settings.max_input_pixels, f"image {i + 1}")
+                kept.append(path)
+            except ImgEditError as exc:
+                problems.append(exc.message)
+        if len(kept) > self.allowed:
+            problems.append(f"this model takes at most {self.allowed} input image(s): "
+                            f"only the first {self.allowed} are kept")
+            kept = kept[:self.allowed]
+        for problem in problems:
+            gr.Warning(html.escape(problem), title="left out")
+        first = open_image(kept[0], self.settings.max_input_pixels) if kept else None
+        stored = next((found for path in kept if (found := read_settings(path))), {})
+        return kept, (first, first) if first else None, gr.update(visible=bool(stored)), stored
+
+    def restore_settings(self, stored):
+        """The settings a result PNG carries, back into the form (seed fixed, so the edit repeats)."""
+        if not isinstance(stored, dict) or not stored:
+            raise gr.Error("this PNG carries no settings of this app", title="nothing to restore")
+        gr.Info("Restored the prompt, seed, steps, CFG and size saved in the PNG.", title="settings restored")
+        keep = gr.update()
+        return (stored.get("prompt", keep), stored.get("negative_prompt", keep), stored.get("seed", keep),
+                False if "seed" in stored else keep, stored.get("num_inference_steps", keep),
+                stored.get("true_cfg_scale", keep), stored.get("width", keep), stored.get("height", keep),
+                gr.update(visible=False))
+
+    def api_call(self, images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
+                 num_images, width, height, speed=None, lora=None, lora_scale=None, request: gr.Request = None):
+        """Copy as API call: the form as gradio_client, curl and OpenAI-SDK code, for this server's address."""
+        try:
+            n_images = len(uploaded_paths(images))
+        except Exception:  # a snippet names its files input-N.png: only the count is used
+            n_images = 1
+        values = api_values(n_images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
+                            true_cfg_scale, num_images, width, height, self.default_steps,
+                            self.settings.default_true_cfg, speed, lora, lora_scale)
+        host = request.headers.get("host", "localhost:7860")
+        url = f"{request.headers.get('x-forwarded-proto', 'http')}://{host}/"
+        return (gr.update(visible=True), gradio_snippet(url, values, self.settings.auth is not None),
+                curl_snippet(url, values), openai_snippet(url, values))
+
+    def chosen_result(self, gallery, index) -> str:
+        try:
+            paths = gallery_paths(gallery)
+        except Exception as exc:
+            raise user_error(exc) from None
+        if not paths:
+            raise gr.Error("there is no result yet: run an edit first, then choose a result", title="no result")
+        index = _index(index)
+        return paths[index if 0 <= index < len(paths) else 0]
+
+    def use_result(self, gallery, index) -> list[str]:
+        return [self.chosen_result(gallery, index)]
+
+    def add_result(self, images, gallery, index) -> list[str]:
+        path = self.chosen_result(gallery, index)
+        paths = self._paths(images)
+        if len(paths) >= self.allowed:
+            raise gr.Error(f"this model takes at most {self.allowed} input image(s); remove one first",
+                           title="too many")
+        return [*paths, path]
+
+    def select_result(self, images, gallery, evt: gr.SelectData):
+        """The chosen result becomes the 'after' of the comparison and the one the buttons use."""
+        try:
+            paths, inputs = gallery_paths(gallery), uploaded_paths(images)
+            if not paths or not inputs:
+                return evt.index, gr.update(), gr.update()
+            after = open_image(paths[evt.index], self.settings.max_input_pixels)
+            before = open_image(inputs[0], self.settings.max_input_pixels)
+        except Exception as exc:
+            raise user_error(exc) from None
+        compare = (before.resize(after.size, Image.Resampling.LANCZOS), after)
+        return evt.index, compare, gr.update(value=paths[evt.index], interactive=True)
+
+    def download_chosen(self, gallery, index):
+        """The Download button serves the chosen result's PNG (its settings in its text chunks)."""
+        try:
+            paths = gallery_paths(gallery)
+        except Exception as exc:
+            raise user_error(exc) from None
+        index = _index(index)
+        chosen = paths[index if 0 <= index < len(paths) else 0] if paths else None
+        return gr.update(value=chosen, interactive=chosen is not None)
