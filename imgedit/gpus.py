@@ -72,8 +72,18 @@ def discover_gpus() -> list[GpuSpec]:
     gpus = []
     for index, handle in handles.items():
         memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-        gpus.append(GpuSpec(index, _text(nvml.nvmlDeviceGetName(handle)), int(memory.total), int(memory.free)))
+        gpus.append(GpuSpec(index, _text(nvml.nvmlDeviceGetName(handle)), int(memory.total), int(memory.free),
+                            _capability(nvml, handle)))
     return gpus
+
+
+def _capability(nvml, handle) -> tuple[int, int] | None:
+    """CUDA compute capability through NVML (QUANTIZE=fp8 needs 8.9+); None when the driver cannot say."""
+    try:
+        major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+        return (int(major), int(minor))
+    except Exception:
+        return None
 
 
 class GpuMonitor:

@@ -13,9 +13,13 @@ import logging
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from imgedit.errors import PlacementError
 from imgedit.settings import GIB, DeviceMap
+
+if TYPE_CHECKING:
+    from imgedit.quantize import MemoryMode
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,7 @@ class GpuSpec:
     name: str
     total_bytes: int
     free_bytes: int
+    capability: tuple[int, int] | None = None  # CUDA compute capability (NVML); None = unknown
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,7 @@ class WorkerPlan:
     components: Mapping[str, Placement]
     parallel: str = "none"  # none | cfg (CFG-parallel: rank r runs branch r of every step)
     rank_devices: tuple[str, ...] = ()
+    memory: MemoryMode | None = None  # quantized / offloaded weights (imgedit.quantize); None = bf16, resident
 
     @property
     def ranks(self) -> int:
@@ -104,7 +110,8 @@ class WorkerPlan:
         if self.ranks == 1:
             return self
         device = self.rank_devices[rank]
-        return WorkerPlan(f"{self.name}.rank{rank}", {n: Placement(device) for n in self.components})
+        return WorkerPlan(f"{self.name}.rank{rank}", {n: Placement(device) for n in self.components},
+                          memory=self.memory)
 
     def describe(self) -> str:
         if self.parallel == "cfg":
@@ -131,6 +138,8 @@ class Plan:
                 continue
             for name, placement in worker.components.items():
                 lines.append(f"  {worker.name}: {name} -> {placement.describe()}")
+            if worker.memory is not None:
+                lines.append(f"  {worker.name}: memory: {worker.memory.describe()}")
         for device, nbytes in sorted(self.bytes_per_device.items()):
             lines.append(f"  weights on {device}: {nbytes / GIB:.2f} GiB")
         return lines

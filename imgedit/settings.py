@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from imgedit.errors import SettingsError
+from imgedit.quantize import parse_offload, parse_quantize, parse_skip
 
 GIB = 1024**3
 DEVICE_MAP_MODES = ("balanced", "auto", "replicas", "cfg-parallel", "cuda", "cpu")
@@ -177,6 +178,14 @@ REGISTRY: tuple[Var, ...] = (
     Var("BODY_READ_TIMEOUT", "30", _int_range(1, 3600),
         "Seconds a request body may stall (no bytes at all) before the server answers 408 and hangs up"),
     Var("MAX_IMAGES_PER_PROMPT", "4", _int_range(1, 16), "Largest number of images one request may ask for"),
+    Var("QUANTIZE", "auto", parse_quantize,
+        "auto (bf16 when it fits, else what fits) | none | fp8 | int8 | nf4 (the transformer) | "
+        "component=mode pairs, e.g. transformer=fp8,text_encoder=int8; fp8 needs compute capability 8.9+"),
+    Var("QUANTIZE_SKIP", "img_mlp", parse_skip,
+        "Transformer submodules whose Linear layers stay bf16 when it is quantized (comma-separated; empty = none)"),
+    Var("OFFLOAD", "auto", parse_offload,
+        "auto (only when nothing fits otherwise) | none | text_encoder (on the CPU, streamed per prompt) | "
+        "blocks (transformer blocks that do not fit streamed from the CPU) | text_encoder,blocks"),
     Var("COMPILE", "auto", _choice("auto", "on", "off"),
         "Compile the transformer's repeated blocks (torch.compile), warmed up at start-up; auto = on for GPUs"),
     Var("COMPILE_CACHE_DIR", "~/.cache/imgedit/compile", _str,
@@ -233,6 +242,9 @@ class Settings:
     max_file_size: int = 25_000_000
     body_read_timeout: int = 30
     max_images_per_prompt: int = 4
+    quantize: tuple[tuple[str, str], ...] | None = None  # None = auto
+    quantize_skip: tuple[str, ...] = ("img_mlp",)
+    offload: tuple[str, ...] | None = None  # None = auto
     compile: str = "auto"
     compile_cache_dir: str = "~/.cache/imgedit/compile"
     worker_restarts: int = 3
