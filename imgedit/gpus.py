@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 from imgedit.jobs import ManagerStatus
 from imgedit.placement import GpuSpec
+from imgedit.quantize import summary as components_line
 
 log = logging.getLogger(__name__)
 MIB = 1024**2
@@ -221,6 +222,10 @@ def panel_html(data: dict) -> str:
             f'<div style="background:#ddd;height:12px;border-radius:4px">'
             f'<div style="background:#3b82f6;width:{pct:.1f}%;height:12px;border-radius:4px"></div></div>'
             f'<small>holds: {holds}<br>runs: {running}</small></div>')
+    for w in data["workers"]:  # one line per worker: each component's dtype/quantization and where it lives
+        if line := components_line(w.get("components")):
+            name = html.escape(w["name"])
+            parts.append(f'<small class="worker-weights">{name} weights: {html.escape(line)}</small><br>')
     parts.append(f'<small>placement: {html.escape(data["placement_mode"])} — '
                  f'{html.escape(data["placement_reason"])}; waiting: {data["waiting"]}</small></div>')
     return "".join(parts)

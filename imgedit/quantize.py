@@ -8,7 +8,7 @@ The worker side (torchao, diffusers' offload hooks) is imgedit/offload.py.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -103,7 +103,7 @@ class MemoryMode:
 
     def describe(self, blocks: int | None = None) -> str:
         parts = [f"{n} {m}" + (f" (kept {', '.join(self.skip)} in bf16)" if n == "transformer" and self.skip else "")
-                 for n, m in self.quantize] or ["bf16 weights"]
+                 for n, m in self.quantize] or ["unquantized weights"]
         if self.offload_text_encoder:
             parts.append("text encoder on the CPU, streamed to the GPU for each prompt")
         if self.streams_blocks:
@@ -329,3 +329,14 @@ def component_specs(sizes: Sequence[ComponentSizes], quant, off, settings: Setti
 
 def bytes_item(dtype: str) -> int:
     return {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
+
+
+def summary(components: dict[str, dict] | None) -> str:
+    """One short line for the panel (from a worker's status data: transformer fp8 @ GPU 0 + CPU (streamed); ..."""
+    if not components:
+        return ""
+    parts = []
+    for name, c in components.items():
+        quant = c["quantization"].split(":")[0] if c["quantization"] != "none" else c["dtype"]
+        parts.append(f"{name} {quant} @ {c['location']}")
+    return "; ".join(parts)
