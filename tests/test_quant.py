@@ -8,16 +8,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import COMPONENTS, make_manager, picture
+
 from imgedit import loader
 from imgedit.demo_checkpoint import build_checkpoint
 from imgedit.errors import PlacementError, SettingsError
 from imgedit.gpus import GpuMonitor, panel_html, snapshot
 from imgedit.jobs import EditRequest
 from imgedit.placement import GpuSpec, Placement, WorkerPlan
-from imgedit.quantize import (BYTES_PER_WEIGHT, MemoryMode, check_device, layer_sizes, parse_offload,
-                              parse_quantize, plan_memory)
+from imgedit.quantize import (
+    BYTES_PER_WEIGHT,
+    MemoryMode,
+    check_device,
+    layer_sizes,
+    parse_offload,
+    parse_quantize,
+    plan_memory,
+)
 from imgedit.settings import GIB, load_settings
 
 ADA, AMPERE = (8, 9), (8, 6)
@@ -37,7 +44,8 @@ def test_quantize_values(raw, expected):
 
 
 @pytest.mark.parametrize("raw, expected", [
-    ("auto", None), ("none", ()), ("text_encoder", ("text_encoder",)), ("blocks,text_encoder", ("text_encoder", "blocks")),
+    ("auto", None), ("none", ()), ("text_encoder", ("text_encoder",)),
+    ("blocks,text_encoder", ("text_encoder", "blocks")),
 ])
 def test_offload_values(raw, expected):
     assert parse_offload(raw) == expected
@@ -222,23 +230,25 @@ def test_kept_layers_are_not_quantized(plus_ckpt):
     assert all(k == "Int8Tensor" for n, k in kinds.items() if "img_mlp" not in n.split("."))
 
 
-def test_offload_hooks_keep_resident_blocks_and_stream_the_rest(plus_ckpt):
+def test_offload_hooks_keep_resident_blocks_and_stream_the_rest(plus_ckpt, plus_pipe):
     """The hooks on the CPU (the onload device is the CPU here, so nothing moves, but every hook
     runs): the same edit as without them, block 0 resident, block 1 and the text encoder hooked."""
     from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
 
+    from imgedit.encoding import install_token_type_fix
+
     checkpoint = loader.open_checkpoint(str(plus_ckpt))
 
-    def edit(memory):
-        plan = WorkerPlan("local", {c: Placement("cpu") for c in COMPONENTS}, memory=memory)
-        pipe = loader.load_pipeline(checkpoint, plan, torch.float32)
-        out = pipe(image=[picture()], prompt="make it blue", negative_prompt=" ", true_cfg_scale=4.0,
-                   num_inference_steps=2, height=64, width=64, output_type="np",
-                   generator=torch.Generator().manual_seed(0)).images[0]
-        return pipe, out
+    def edit(pipe):
+        return pipe(image=[picture()], prompt="make it blue", negative_prompt=" ", true_cfg_scale=4.0,
+                    num_inference_steps=2, height=64, width=64, output_type="np",
+                    generator=torch.Generator().manual_seed(0)).images[0]
 
-    _, reference = edit(None)
-    pipe, streamed = edit(MemoryMode(offload_text_encoder=True, resident_blocks=1))
+    memory = MemoryMode(offload_text_encoder=True, resident_blocks=1)
+    plan = WorkerPlan("local", {c: Placement("cpu") for c in COMPONENTS}, memory=memory)
+    pipe = loader.load_pipeline(checkpoint, plan, torch.float32)
+    install_token_type_fix(pipe.text_encoder)  # as the worker does, and as plus_pipe has
+    reference, streamed = edit(plus_pipe.pipe), edit(pipe)  # the same weights, with and without the hooks
     blocks = pipe.transformer.transformer_blocks
 
     def hooked(module):
