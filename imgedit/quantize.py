@@ -102,8 +102,8 @@ class MemoryMode:
                 or (component == "transformer" and self.streams_blocks))
 
     def describe(self, blocks: int | None = None) -> str:
-        parts = [f"{n} {m}" + (f" (kept {', '.join(self.skip)} in bf16)" if n == "transformer" and self.skip else "")
-                 for n, m in self.quantize] or ["unquantized weights"]
+        kept = f" ({', '.join(self.skip)} kept unquantized)" if self.skip else ""
+        parts = [f"{n} {m}" + (kept if n == "transformer" else "") for n, m in self.quantize] or ["unquantized weights"]
         if self.offload_text_encoder:
             parts.append("text encoder on the CPU, streamed to the GPU for each prompt")
         if self.streams_blocks:
