@@ -218,16 +218,30 @@ def test_quantized_worker_edits_and_reports_its_weights(quantized_manager, plus_
     assert "worker-0 weights: transformer int8 @ CPU" in html and "text_encoder nf4 @ CPU" in html
 
 
-def test_kept_layers_are_not_quantized(plus_ckpt):
+@pytest.mark.parametrize("mode, kind", [("int8", "Int8Tensor"), ("nf4", "NF4Tensor")])
+def test_kept_layers_are_not_quantized_and_the_rest_still_computes(plus_ckpt, mode, kind):
     from imgedit.offload import quantize_module
 
     model = loader._load_component("transformer", loader.open_checkpoint(str(plus_ckpt)), Placement("cpu"),
                                    torch.float32)
-    changed = quantize_module(model, "int8", ("img_mlp",))
+    x = torch.randn(3, model.img_in.in_features)
+    before = model.img_in(x)
+    changed = quantize_module(model, mode, ("img_mlp",))
     kinds = {name: type(m.weight).__name__ for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert changed == sum(1 for n in kinds if "img_mlp" not in n.split("."))
     assert all(k == "Parameter" for n, k in kinds.items() if "img_mlp" in n.split("."))
-    assert all(k == "Int8Tensor" for n, k in kinds.items() if "img_mlp" not in n.split("."))
+    assert all(k == kind for n, k in kinds.items() if "img_mlp" not in n.split("."))
+    after = model.img_in(x)
+    assert torch.nn.functional.cosine_similarity(before.flatten(), after.flatten(), dim=0) > 0.98
+    assert not torch.equal(before, after)
+
+
+def test_a_worker_on_the_cpu_refuses_fp8():
+    from imgedit.offload import check_device as worker_check
+
+    with pytest.raises(PlacementError, match="fp8 needs a CUDA GPU .* this worker runs on the CPU"):
+        worker_check(MemoryMode((("transformer", "fp8"),)), "cpu")
+    worker_check(MemoryMode((("transformer", "int8"),)), "cpu")  # int8 runs there
 
 
 def test_offload_hooks_keep_resident_blocks_and_stream_the_rest(plus_ckpt, plus_pipe):
