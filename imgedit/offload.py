@@ -108,8 +108,7 @@ def load_component(name: str, checkpoint, placement: Placement, dtype: torch.dty
         model = loader._load_component(name, checkpoint, placement, dtype).eval().requires_grad_(False)
         if mode != "none":
             quantize_module(model, mode, skip)
-        if streamed:
-            model.to("cpu")
+        # streamed parts go to the CPU when the offload hooks are set up (below)
     else:
         model = loader._load_component(name, checkpoint, Placement("cpu"), dtype).eval().requires_grad_(False)
         work = placement.device  # fp8 is made on the GPU (torchao checks the capability there)
@@ -148,7 +147,6 @@ def stream(model: torch.nn.Module, device: str, resident: int | None) -> None:
     taken out of the scheme and kept on the GPU: diffusers streams all or nothing, and a 24 GB card
     has room for most blocks (measured: everything streamed peaks at 2.1 GiB of 22)."""
     from diffusers.hooks import apply_group_offloading
-    from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
 
     from imgedit.loader import block_container
 
@@ -156,12 +154,20 @@ def stream(model: torch.nn.Module, device: str, resident: int | None) -> None:
     if resident is None:
         apply_group_offloading(model, onload_device=device, offload_type="leaf_level", use_stream=cuda)
         return
-    apply_group_offloading(model, onload_device=device, offload_type="block_level", num_blocks_per_group=1,
-                           use_stream=cuda)
-    for block in model.get_submodule(block_container(model))[:resident]:
-        # Removing the hook leaves a plain block; the lazy prefetching that streams chain together
-        # is traced on the first forward over the blocks that still have one.
-        block._diffusers_hook.remove_hook(_GROUP_OFFLOADING, recurse=False)
+    path = block_container(model)
+    owner_path, _, attr = path.rpartition(".")
+    owner = model.get_submodule(owner_path) if owner_path else model
+    blocks = getattr(owner, attr)
+    # diffusers groups every block of a top-level block list: show it only the streamed ones while it
+    # sets up its hooks (and traces the prefetch order on the first forward), then put the whole list
+    # back. The resident blocks carry no hook and never leave the GPU.
+    setattr(owner, attr, torch.nn.ModuleList(list(blocks)[resident:]))
+    try:
+        apply_group_offloading(model, onload_device=device, offload_type="block_level", num_blocks_per_group=1,
+                               use_stream=cuda)
+    finally:
+        setattr(owner, attr, blocks)
+    for block in list(blocks)[:resident]:
         block.to(device)
 
 

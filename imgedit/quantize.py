@@ -237,9 +237,9 @@ def candidates(quantize, offload, gpus: Sequence[GpuSpec], on_cpu: bool) -> list
     out = []
     for off in offloads:
         for q in quants:
-            if "text_encoder" in off and dict(q).get("text_encoder"):
+            if "text_encoder" in off and dict(q).get("text_encoder") and quantize is None:
                 continue  # streaming the text encoder already frees its GPU memory
-            if "blocks" in off and not dict(q).get("transformer") and quantize is None:
+            if "blocks" in off and not dict(q).get("transformer") and quantize is None and offload is None:
                 continue  # quantize before streaming: fewer bytes cross the bus every step
             out.append((q, off))
     return out
@@ -254,8 +254,8 @@ def plan_memory(sizes: Sequence[ComponentSizes], gpus: Sequence[GpuSpec], settin
     check_platform(settings.quantize, settings.offload, gpus, on_cpu)
     tried = []
     for quant, off in candidates(settings.quantize, settings.offload, gpus, on_cpu):
-        check_platform(quant, off, gpus, on_cpu)
         try:
+            check_platform(quant, off, gpus, on_cpu)
             specs, mode = component_specs(sizes, quant, off, settings, gpus, item)
             plan = plan_placement(specs, gpus, settings.device_map, settings.max_memory,
                                   settings.gpu_memory_reserve, settings.activation_reserve)

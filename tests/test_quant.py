@@ -171,6 +171,14 @@ def test_explicit_modes_and_refusals(real_sizes):
     assert dict(p.workers[0].memory.quantize) == {"transformer": "int8"} and p.workers[0].memory.skip == ()
     p = plan_for(sizes, gpus(141), OFFLOAD="none", QUANTIZE="none")
     assert p.workers[0].memory is None
+    # explicit quantization, offload left to auto: the int8 text encoder is streamed too (it runs once
+    # per prompt, the blocks every step: its room goes to resident blocks)
+    m = plan_for(sizes, gpus(24), MAX_MEMORY="22GiB", QUANTIZE="transformer=int8,text_encoder=int8").workers[0].memory
+    assert dict(m.quantize) == {"transformer": "int8", "text_encoder": "int8"}
+    assert m.offload_text_encoder and 35 <= m.resident_blocks <= 40
+    # explicit streaming, quantization left to auto: bf16 streamed first (lossless), nothing quantized
+    m = plan_for(sizes, gpus(24), MAX_MEMORY="22GiB", OFFLOAD="text_encoder,blocks").workers[0].memory
+    assert m.quantize == () and m.offload_text_encoder and 5 < m.resident_blocks < 30
     with pytest.raises(PlacementError, match="OFFLOAD=blocks with QUANTIZE transformer=nf4 is not supported"):
         plan_for(sizes, gpus(24), QUANTIZE="nf4", OFFLOAD="blocks")
     with pytest.raises(PlacementError, match="QUANTIZE=fp8 needs a CUDA GPU .* runs on the CPU here"):
