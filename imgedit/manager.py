@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from imgedit.checkpoint import Checkpoint, open_checkpoint
-from imgedit.errors import Cancelled, ImgEditError, NotReady, OutOfGpuMemory, QueueFull, WorkerFailed
+from imgedit.errors import Cancelled, ImgEditError, NotReady, OutOfGpuMemory, PlacementError, QueueFull, WorkerFailed
 from imgedit.jobs import EditRequest, EditResult, JobRecord, ManagerStatus
 from imgedit.placement import GpuSpec, Plan
 from imgedit.pool import WorkerHandle, wait_result
@@ -84,6 +84,9 @@ class PipelineManager:
         try:
             self.checkpoint = open_checkpoint(self.settings.model_source)
             if self.settings.workers == "ray":
+                if self.settings.quantize or self.settings.offload:
+                    raise PlacementError("QUANTIZE and OFFLOAD work with WORKERS=local only for now; "
+                                         "leave them at auto (or none) with WORKERS=ray")
                 from imgedit import ray_pool
 
                 try:

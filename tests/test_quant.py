@@ -279,3 +279,11 @@ def test_offload_hooks_keep_resident_blocks_and_stream_the_rest(plus_ckpt, plus_
     assert not hooked(blocks[0]) and hooked(blocks[1])
     assert any(hooked(m) for m in pipe.text_encoder.modules())
     np.testing.assert_array_equal(streamed, reference)
+
+
+def test_ray_workers_refuse_quantize_before_joining_a_cluster(plus_ckpt):
+    from imgedit.manager import PipelineManager
+
+    settings = load_settings({"QWEN_MODEL_DIR": str(plus_ckpt), "WORKERS": "ray", "QUANTIZE": "int8"})
+    with pytest.raises(PlacementError, match="QUANTIZE and OFFLOAD work with WORKERS=local only"):
+        PipelineManager(settings).prepare()
