@@ -162,7 +162,8 @@ def layer_sizes(checkpoint, item: int, skip: Sequence[str] = ()) -> list[Compone
             own = list(module.parameters(recurse=False))
             if not own:
                 continue
-            largest = max(largest, sum(p.numel() for p in own)) if not list(module.children()) else largest
+            if not list(module.children()):  # a leaf: what leaf-level streaming moves at once
+                largest = max(largest, sum(p.numel() for p in own))
             where = heads
             if container and fqn.startswith(container + "."):
                 where = blocks[int(fqn[len(container) + 1:].split(".")[0])]
@@ -177,8 +178,7 @@ def layer_sizes(checkpoint, item: int, skip: Sequence[str] = ()) -> list[Compone
 
 def is_skipped(fqn: str, skip: Sequence[str]) -> bool:
     """QUANTIZE_SKIP names match whole dotted segments (`img_mlp` matches blocks.3.img_mlp.net.0)."""
-    segments = fqn.split(".")
-    return any(s in segments or fqn.startswith(s + ".") or ("." in s and f".{s}." in f".{fqn}.") for s in skip)
+    return any(f".{s}." in f".{fqn}." for s in skip)
 
 
 # ---- start-up checks ----
@@ -200,10 +200,10 @@ def check_platform(quantize: Sequence[tuple[str, str]] | None, offload: Sequence
     if offload and (on_cpu or not gpus):
         raise PlacementError(f"OFFLOAD={','.join(offload)} moves weights between the CPU and a GPU, but the model "
                              "runs on the CPU here; use OFFLOAD=none (or auto)")
-    if offload and "text_encoder" in offload and modes.get("text_encoder") in ("fp8", "nf4"):
+    if offload and "text_encoder" in offload and modes.get("text_encoder") == "nf4":
         raise PlacementError(
-            f"OFFLOAD=text_encoder with QUANTIZE text_encoder={modes['text_encoder']} is not supported: the offload "
-            "hooks stream only bf16 and int8 weights; use text_encoder=int8 or none")
+            "OFFLOAD=text_encoder with QUANTIZE text_encoder=nf4 is not supported: diffusers' offload hooks move "
+            "torchao's fp8/int8 tensors but not NF4 ones; use text_encoder=int8 with OFFLOAD=text_encoder")
     if offload and "blocks" in offload and modes.get("transformer") == "nf4":
         raise PlacementError(
             "OFFLOAD=blocks with QUANTIZE transformer=nf4 is not supported: diffusers' offload hooks move torchao's "
