@@ -102,7 +102,7 @@ def load_component(name: str, checkpoint, placement: Placement, dtype: torch.dty
     skip = memory.skip if name == "transformer" else ()
     streamed = ((name == "text_encoder" and memory.offload_text_encoder)
                 or (name == "transformer" and memory.streams_blocks))
-    resident = memory.resident_blocks if name == "transformer" and memory.streams_blocks else None
+    streams_blocks = name == "transformer" and memory.streams_blocks
     if checkpoint.random_weights:
         # Same weights as the bf16 reference (same build, same seed), then quantized in place.
         model = loader._load_component(name, checkpoint, placement, dtype).eval().requires_grad_(False)
@@ -113,7 +113,7 @@ def load_component(name: str, checkpoint, placement: Placement, dtype: torch.dty
         model = loader._load_component(name, checkpoint, Placement("cpu"), dtype).eval().requires_grad_(False)
         work = placement.device  # fp8 is made on the GPU (torchao checks the capability there)
         for part, device in _parts(model, placement):
-            home = "cpu" if streamed and (resident is None or not _is_block(model, part, resident)) else device
+            home = "cpu" if streamed and (not streams_blocks or not _is_resident(model, part, memory)) else device
             moved = _move(model, part, work if mode != "none" else home)
             if moved is not None and mode != "none":
                 quantize_module(moved, mode, skip, prefix=part + ".")
@@ -124,51 +124,56 @@ def load_component(name: str, checkpoint, placement: Placement, dtype: torch.dty
 
             dispatch_model(model, device_map=loader.module_device_map(model, placement))
     if streamed:
-        stream(model, placement.device, resident)
+        stream(model, placement.device, memory if streams_blocks else None)
     return model
 
 
-def _is_block(model: torch.nn.Module, part: str, resident: int) -> bool:
-    """True for the first `resident` repeated blocks: the ones that stay on the GPU."""
+def _is_resident(model: torch.nn.Module, part: str, memory: MemoryMode) -> bool:
+    """True for the repeated blocks that stay on the GPU (not in memory.streamed)."""
     from imgedit.loader import block_container
 
     container = block_container(model)
     if not part.startswith(container + "."):
         return False
-    return int(part[len(container) + 1:].split(".")[0]) < resident
+    index = int(part[len(container) + 1:].split(".")[0])
+    return index not in memory.streamed(len(model.get_submodule(container)))
 
 
-def stream(model: torch.nn.Module, device: str, resident: int | None) -> None:
+def stream(model: torch.nn.Module, device: str, memory: MemoryMode | None) -> None:
     """diffusers' group offloading: weights stay in (pinned) CPU memory and reach `device` just in
     time, the next group fetched on a CUDA stream while the current one computes.
 
-    resident=None: the text encoder, leaf by leaf (it has no top-level block list, and runs only to
-    encode the prompt). resident=N: the transformer block by block, then the first N blocks are
-    taken out of the scheme and kept on the GPU: diffusers streams all or nothing, and a 24 GB card
-    has room for most blocks (measured: everything streamed peaks at 2.1 GiB of 22)."""
+    memory=None: the text encoder, leaf by leaf (it has no top-level block list, and runs only to
+    encode the prompt). Otherwise the transformer, block by block, but only the blocks in
+    memory.streamed: diffusers streams all or nothing, and a 24 GB card has room for most blocks
+    (measured: everything streamed peaks at 2.1 GiB of 22 and runs 2.17x slower)."""
     from diffusers.hooks import apply_group_offloading
 
     from imgedit.loader import block_container
 
     cuda = torch.device(device).type == "cuda"
-    if resident is None:
-        apply_group_offloading(model, onload_device=device, offload_type="leaf_level", use_stream=cuda)
+    # record_stream: no device-wide synchronize after every streamed group (3 blocks of room are
+    # planned for it, imgedit.quantize.component_specs)
+    options = dict(onload_device=device, use_stream=cuda, record_stream=cuda)
+    if memory is None:
+        apply_group_offloading(model, offload_type="leaf_level", **options)
         return
     path = block_container(model)
     owner_path, _, attr = path.rpartition(".")
     owner = model.get_submodule(owner_path) if owner_path else model
     blocks = getattr(owner, attr)
+    streamed = set(memory.streamed(len(blocks)))
     # diffusers groups every block of a top-level block list: show it only the streamed ones while it
-    # sets up its hooks (and traces the prefetch order on the first forward), then put the whole list
-    # back. The resident blocks carry no hook and never leave the GPU.
-    setattr(owner, attr, torch.nn.ModuleList(list(blocks)[resident:]))
+    # sets up its hooks, then put the whole list back. The prefetch order it traces on the first
+    # forward follows the hooked blocks; the resident ones carry no hook and never leave the GPU.
+    setattr(owner, attr, torch.nn.ModuleList([b for i, b in enumerate(blocks) if i in streamed]))
     try:
-        apply_group_offloading(model, onload_device=device, offload_type="block_level", num_blocks_per_group=1,
-                               use_stream=cuda)
+        apply_group_offloading(model, offload_type="block_level", num_blocks_per_group=1, **options)
     finally:
         setattr(owner, attr, blocks)
-    for block in list(blocks)[:resident]:
-        block.to(device)
+    for i, block in enumerate(blocks):
+        if i not in streamed:
+            block.to(device)
 
 
 def check_device(memory: MemoryMode | None, device: str) -> None:
@@ -193,8 +198,11 @@ def compile_transformer(transformer: torch.nn.Module, memory: MemoryMode | None)
         return
     from imgedit.loader import block_container
 
-    for block in transformer.get_submodule(block_container(transformer))[:memory.resident_blocks]:
-        block.compile(fullgraph=True)
+    blocks = transformer.get_submodule(block_container(transformer))
+    streamed = set(memory.streamed(len(blocks)))
+    for i, block in enumerate(blocks):
+        if i not in streamed:
+            block.compile(fullgraph=True)
     log.info("compiled the %d resident transformer blocks; streamed blocks run eager", memory.resident_blocks)
 
 

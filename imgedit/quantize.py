@@ -97,6 +97,15 @@ class MemoryMode:
     def trivial(self) -> bool:
         return not self.quantize and not self.offload_text_encoder and not self.streams_blocks
 
+    def streamed(self, total: int) -> list[int]:
+        """Indices of the streamed blocks, spread evenly among the resident ones: each streamed
+        block is fetched while the blocks before it compute (diffusers prefetches one streamed
+        group ahead), so the copies hide behind resident compute instead of queueing at the end."""
+        if self.resident_blocks is None:
+            return []
+        count = total - self.resident_blocks
+        return [k * total // count for k in range(count)] if count > 0 else []
+
     def touches(self, component: str) -> bool:
         return (self.mode_of(component) != "none" or (component == "text_encoder" and self.offload_text_encoder)
                 or (component == "transformer" and self.streams_blocks))
@@ -108,7 +117,7 @@ class MemoryMode:
             parts.append("text encoder on the CPU, streamed to the GPU for each prompt")
         if self.streams_blocks:
             of = f" of {blocks}" if blocks else ""
-            parts.append(f"{self.resident_blocks}{of} transformer blocks resident, the rest streamed from the CPU")
+            parts.append(f"{self.resident_blocks}{of} transformer blocks resident, the others streamed from the CPU")
         return "; ".join(parts)
 
 
@@ -304,7 +313,9 @@ def component_specs(sizes: Sequence[ComponentSizes], quant, off, settings: Setti
         t = by_name["transformer"]
         mode = modes.get("transformer", "none")
         block_bytes = [b.nbytes(mode, item) for b in t.blocks]
-        buffer = 2 * max(block_bytes)  # the block running and the block being prefetched (CUDA streams)
+        # the block running, the one being prefetched on the copy stream, and the one just used whose
+        # memory the allocator takes back only once the compute stream is past it (record_stream)
+        buffer = 3 * max(block_bytes)
         room = min(budgets(gpus, settings.max_memory, settings.gpu_memory_reserve).values())
         others = sum(sp.nbytes for sp in specs if sp.name != "transformer")
         free = room - settings.activation_reserve - others - t.head.nbytes(mode, item) - buffer
