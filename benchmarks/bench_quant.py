@@ -10,7 +10,9 @@ MAX_MEMORY=NNGiB (the worker caps torch's allocator there) and QUANTIZE/OFFLOAD=
 24 / 32 / 48 GB card: the planner picks the mode. Reported per mode: the plan, peak memory per GPU
 (NVML, whole process, sampled during the edits, after loading), s/step, s/image, and fidelity
 against the bf16 run with the same seed: cosine similarity and max abs error of the transformer's
-noise prediction (cond and uncond) at several steps, and the PSNR of the final image.
+noise prediction (cond and uncond) at several steps, and the PSNR of the final image. Step 0 sees the
+same latents and prompt embeddings as bf16 (unless the text encoder is quantized): its figures are
+the one-forward error; later steps add the drift of the whole edit.
 
 Caveats, to print next to any figure: the weights are random (trained-like N(0, 0.02)) and lack the
 outlier channels of trained weights, which are what makes fp8/int8 lose accuracy: fidelity here is
@@ -137,13 +139,16 @@ def edit(manager, image, steps: int, size: int, folder: Path) -> tuple[dict, obj
 def run_mode(name: str, args, ckpt: Path, image, monitor, folder: Path, ref) -> tuple[dict, object, dict]:
     env = {"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cpu" if args.tiny else "cuda:0",
            "COMPILE_CACHE_DIR": args.cache, "LOG_LEVEL": "INFO", "MAX_STEPS": "200", **MODES[name]}
+    if args.skip is not None and "QUANTIZE_SKIP" not in MODES[name]:
+        env["QUANTIZE_SKIP"] = args.skip  # another layer set kept in bf16 (the -all modes keep none)
     if args.tiny:
         env.pop("MAX_MEMORY", None)
         env["OFFLOAD"] = "none"  # the CPU has nothing to offload to
     t0 = time.perf_counter()
     manager = PipelineManager(load_settings(env), worker_hook="bench_quant:record",
                               warmup_sizes=((args.size, args.size),)).load(timeout=900)
-    out: dict = {"mode": name, "settings": MODES[name], "plan": manager.plan.describe(),
+    out: dict = {"mode": name, "settings": {k: v for k, v in env.items() if k != "QWEN_MODEL_DIR"},
+                 "plan": manager.plan.describe(),
                  "startup_s": round(time.perf_counter() - t0, 1),
                  "worker_info": {w.name: w.info for w in manager.workers}}
     stop, peaks = threading.Event(), {}
@@ -192,6 +197,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--record-steps", default="0,10,20,30,39")
     parser.add_argument("--modes", default="bf16,cap22,cap30,cap46")
+    parser.add_argument("--skip", default=None, help="QUANTIZE_SKIP for the modes that do not set it "
+                        "(default: the setting's default, img_mlp), e.g. img_mlp,txt_mlp")
     parser.add_argument("--json", default="")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run on the tiny checkpoint")
     args = parser.parse_args()
