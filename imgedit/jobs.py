@@ -68,7 +68,7 @@ class WorkerStatus:
     total_steps: int
     jobs_done: int
     error: str | None
-    parallel: str = "none"  # none | cfg
+    parallel: str = "none"  # none | cfg | ulysses
     ranks: int = 1
     pids: tuple[int, ...] = ()
     restarts: int = 0

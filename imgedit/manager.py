@@ -125,7 +125,8 @@ class PipelineManager:
         s = self.settings
         spec = WorkerSpec(name=plan.name, rank=0, world=plan.ranks, parallel=plan.parallel, plan=plan,
                           checkpoint=self.checkpoint, dtype=s.torch_dtype, compile=self.compile_enabled(plan),
-                          hook=self.worker_hook, auto_cleanup=s.auto_cleanup, warmup_sizes=self.warmup_sizes)
+                          hook=self.worker_hook, auto_cleanup=s.auto_cleanup, warmup_sizes=self.warmup_sizes,
+                          ulysses=plan.ulysses)
         common = dict(cache_dir=s.compile_cache_dir, max_restarts=s.worker_restarts, log_level=s.log_level,
                       on_change=self._changed, max_memory=s.max_memory)
         if s.workers == "ray":

@@ -19,7 +19,8 @@ from imgedit.errors import SettingsError
 from imgedit.quantize import parse_offload, parse_quantize, parse_skip
 
 GIB = 1024**3
-DEVICE_MAP_MODES = ("balanced", "auto", "replicas", "cfg-parallel", "cuda", "cpu")
+DEVICE_MAP_MODES = ("balanced", "auto", "replicas", "cfg-parallel", "ulysses", "cuda", "cpu")
+GROUP_SIZES = (2, 4, 8)  # GPUs in one parallel group: cfg-parallel[:N], ulysses[:N]
 DTYPES = ("bfloat16", "float16", "float32")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -109,14 +110,16 @@ def _max_memory(raw: str) -> tuple[int, ...]:
 class DeviceMap:
     """DEVICE_MAP parsed: a mode, a single GPU (`cuda:N`) or a manual map."""
 
-    mode: str  # balanced | auto | replicas | cuda | cpu | manual
+    mode: str  # balanced | auto | replicas | cfg-parallel | ulysses | cuda | cpu | manual
     gpu: int | None = None  # for cuda / cuda:N
     manual: Mapping[str, Any] = field(default_factory=dict)
+    group: int = 2  # GPUs per parallel group (cfg-parallel:N, ulysses:N)
 
 
 def parse_device_map(raw: str) -> DeviceMap:
     text = raw.strip()
-    allowed = ("balanced, auto, replicas, cfg-parallel, cuda, cuda:N, cpu, or a JSON object such as "
+    allowed = ("balanced, auto, replicas, cfg-parallel, cfg-parallel:4, cfg-parallel:8, ulysses:2, ulysses:4, "
+               "ulysses:8, cuda, cuda:N, cpu, or a JSON object such as "
                '{"transformer": {"0-29": "cuda:0", "30-59": "cuda:1"}, "text_encoder": "cuda:1", "vae": "cuda:0"}')
     if text.startswith("{"):
         try:
@@ -136,6 +139,10 @@ def parse_device_map(raw: str) -> DeviceMap:
         return DeviceMap(value, gpu=0 if value == "cuda" else None)
     if match := re.fullmatch(r"cuda:(\d+)", value):
         return DeviceMap("cuda", gpu=int(match.group(1)))
+    if match := re.fullmatch(r"(cfg-parallel|ulysses):(\d+)", value):
+        if int(match.group(2)) not in GROUP_SIZES:
+            raise ValueError(f"a group of 2, 4 or 8 GPUs after {match.group(1)}:; allowed: {allowed}")
+        return DeviceMap(match.group(1), group=int(match.group(2)))
     raise ValueError(allowed)
 
 
@@ -157,7 +164,8 @@ REGISTRY: tuple[Var, ...] = (
         "Serve the tiny random-weight demo checkpoint (built locally, no download); outputs are noise"),
     Var("DEMO_DIR", "~/.cache/imgedit/demo", _str, "Where the demo checkpoint is built and cached"),
     Var("DEVICE_MAP", "balanced", parse_device_map,
-        "balanced | auto | replicas | cfg-parallel | cuda | cuda:N | cpu | JSON manual map (see README)"),
+        "balanced | auto | replicas | cfg-parallel | cfg-parallel:4|8 | ulysses[:2|4|8] | cuda | cuda:N | cpu | "
+        "JSON map (see README)"),
     Var("MAX_MEMORY", "", _max_memory,
         "Per-GPU memory caps, e.g. 75GiB,75GiB (one per visible GPU, or one for all); empty = free memory"),
     Var("GPU_MEMORY_RESERVE", "1.5GiB", _size,

@@ -82,7 +82,7 @@ def _load(spec: WorkerSpec):
     pipe = loader.load_pipeline(spec.checkpoint, plan, dtype)
     install_token_type_fix(pipe.text_encoder)
     runner = Runner(pipe, spec.name, spec.devices or plan.devices, spec.rank, spec.world, spec.parallel, group,
-                    spec.auto_cleanup)
+                    spec.auto_cleanup, spec.ulysses, cuda)
     if cuda and spec.memory_caps and late_cap:
         torch.cuda.empty_cache()
         _cap_memory(spec.memory_caps)
