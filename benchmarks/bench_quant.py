@@ -174,7 +174,7 @@ def summarize(results: list[dict]) -> list[str]:
     lines = []
     for name, r in by.items():
         step = r["edit"]["s_per_step"]
-        ratios = [f"{by[b]['edit']['s_per_step'] / step:.2f}x {b}" for b in ("bf16", "bf16-compiled")
+        ratios = [f"{by[b]['edit']['s_per_step'] / step:.2f}x the speed of {b}" for b in ("bf16", "bf16-compiled")
                   if b in by and b != name]
         cosines = [v["cosine"] for v in r.get("fidelity_vs_bf16", {}).values() if isinstance(v, dict)]
         fid = (f"cos min {min(cosines):.4f}, PSNR {r['psnr_vs_bf16_db']} dB" if cosines else "")
