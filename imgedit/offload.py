@@ -218,6 +218,11 @@ def _kind(t: torch.Tensor) -> str:
     return type(t).__name__ if type(t) not in (torch.Tensor, torch.nn.Parameter) else ""
 
 
+def _where(device: str) -> str:
+    """cuda:1 -> GPU 1, cpu -> CPU (as the panel names them)."""
+    return f"GPU {device.partition(':')[2] or 0}" if device.startswith("cuda") else device.upper()
+
+
 def describe(pipe, memory: MemoryMode | None) -> dict[str, dict]:
     """Each component's dtype, quantization and where its weights are now (read from the tensors)."""
     out = {}
@@ -240,8 +245,7 @@ def describe(pipe, memory: MemoryMode | None) -> dict[str, dict]:
         mode = memory.mode_of(name) if memory is not None else "none"
         streamed = memory is not None and ((name == "text_encoder" and memory.offload_text_encoder)
                                            or (name == "transformer" and memory.streams_blocks))
-        locations = ", ".join(f"{'GPU ' if d.startswith('cuda') else 'CPU'}{d[4:] if d.startswith('cuda') else ''} "
-                              f"{n / GIB:.2f} GiB" for d, n in sorted(where.items()))
+        locations = ", ".join(f"{_where(d)} {n / GIB:.2f} GiB" for d, n in sorted(where.items()))
         out[name] = {
             "dtype": dtypes.most_common(1)[0][0] if dtypes else "",
             "quantization": (f"{mode}: {quantized} of {linear} Linear layers ({', '.join(kinds)})" if quantized

@@ -291,3 +291,9 @@ def test_ray_workers_refuse_quantize_before_joining_a_cluster(plus_ckpt):
     settings = load_settings({"QWEN_MODEL_DIR": str(plus_ckpt), "WORKERS": "ray", "QUANTIZE": "int8"})
     with pytest.raises(PlacementError, match="QUANTIZE and OFFLOAD work with WORKERS=local only"):
         PipelineManager(settings).prepare()
+
+
+def test_locations_are_named_as_the_panel_names_gpus():
+    from imgedit.offload import _where
+
+    assert (_where("cuda:1"), _where("cuda"), _where("cpu")) == ("GPU 1", "GPU 0", "CPU")
