@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 from imgedit.jobs import ManagerStatus
 from imgedit.placement import GpuSpec
+from imgedit.quantize import summary as components_line
 
 log = logging.getLogger(__name__)
 MIB = 1024**2
@@ -72,8 +73,18 @@ def discover_gpus() -> list[GpuSpec]:
     gpus = []
     for index, handle in handles.items():
         memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-        gpus.append(GpuSpec(index, _text(nvml.nvmlDeviceGetName(handle)), int(memory.total), int(memory.free)))
+        gpus.append(GpuSpec(index, _text(nvml.nvmlDeviceGetName(handle)), int(memory.total), int(memory.free),
+                            _capability(nvml, handle)))
     return gpus
+
+
+def _capability(nvml, handle) -> tuple[int, int] | None:
+    """CUDA compute capability through NVML (QUANTIZE=fp8 needs 8.9+); None when the driver cannot say."""
+    try:
+        major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+        return (int(major), int(minor))
+    except Exception:
+        return None
 
 
 class GpuMonitor:
@@ -237,6 +248,10 @@ def panel_html(data: dict) -> str:
         names = ", ".join(lora["name"] + (f' (Lightning {n}-step)' if (n := lora["lightning_steps"]) else "")
                           for lora in data["loras"])
         parts.append(f'<small class="gpu-loras">LoRAs loaded: {html.escape(names)}</small><br>')
+    for w in data["workers"]:  # one line per worker: each component's dtype/quantization and where it lives
+        if line := components_line(w.get("components")):
+            name = html.escape(w["name"])
+            parts.append(f'<small class="worker-weights">{name} weights: {html.escape(line)}</small><br>')
     parts.append(f'<small>placement: {html.escape(data["placement_mode"])} — '
                  f'{html.escape(data["placement_reason"])}; waiting: {data["waiting"]}</small></div>')
     return "".join(parts)

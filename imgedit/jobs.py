@@ -78,6 +78,7 @@ class WorkerStatus:
     compiled: bool = False
     detail: str | None = None  # what a loading worker is doing (loading weights, compiling, ...)
     node: str | None = None  # WORKERS=ray: the id of the Ray node its actors run on
+    components: dict | None = None  # per component: dtype, quantization, location (imgedit.offload.describe)
 
 
 @dataclass(frozen=True)

@@ -165,7 +165,12 @@ def load_pipeline(checkpoint: Checkpoint, worker: WorkerPlan, dtype: torch.dtype
     parts = {}
     for name in MODEL_COMPONENTS:
         placement = worker.components[name]
-        model = _load_component(name, checkpoint, placement, dtype)
+        if worker.memory is not None and worker.memory.touches(name):  # QUANTIZE / OFFLOAD
+            from imgedit.offload import load_component
+
+            model = load_component(name, checkpoint, placement, dtype, worker.memory)
+        else:
+            model = _load_component(name, checkpoint, placement, dtype)
         if not placement.is_split and placement.device != worker.execution_device:
             _move_inputs(model, placement.device)
         parts[name] = model.eval().requires_grad_(False)

@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable, Sequence
 
 from imgedit.checkpoint import Checkpoint, open_checkpoint
-from imgedit.errors import Cancelled, ImgEditError, NotReady, OutOfGpuMemory, QueueFull, WorkerFailed
+from imgedit.errors import Cancelled, ImgEditError, NotReady, OutOfGpuMemory, PlacementError, QueueFull, WorkerFailed
 from imgedit.images import settings_text, stamp
 from imgedit.jobs import EditRequest, EditResult, JobRecord, ManagerStatus
-from imgedit.placement import GpuSpec, Plan, plan_placement
+from imgedit.placement import GpuSpec, Plan
 from imgedit.pool import WorkerHandle, wait_result
 from imgedit.runtime.messages import Done, Job, WorkerSpec
 from imgedit.settings import Settings
@@ -90,6 +90,9 @@ class PipelineManager:
 
                 self.loras = check_all(self.settings.lora_entries, self.checkpoint.folder)
             if self.settings.workers == "ray":
+                if self.settings.quantize or self.settings.offload:
+                    raise PlacementError("QUANTIZE and OFFLOAD work with WORKERS=local only for now; "
+                                         "leave them at auto (or none) with WORKERS=ray")
                 from imgedit import ray_pool
 
                 try:
@@ -102,15 +105,17 @@ class PipelineManager:
             if self._plan is None:
                 from imgedit import loader
 
-                specs = loader.component_specs(self.checkpoint, loader.DTYPES[self.settings.torch_dtype])
                 if self.settings.workers == "ray":
+                    specs = loader.component_specs(self.checkpoint, loader.DTYPES[self.settings.torch_dtype])
                     self._plan, self._nodes = ray_pool.plan_cluster(specs, self.settings, ray_pool.alive_nodes())
                 else:
                     from imgedit.gpus import discover_gpus
+                    from imgedit.quantize import bytes_item, layer_sizes, plan_memory
 
                     gpus = discover_gpus() if self._gpus is None else list(self._gpus)
-                    self._plan = plan_placement(specs, gpus, self.settings.device_map, self.settings.max_memory,
-                                                self.settings.gpu_memory_reserve, self.settings.activation_reserve)
+                    item = bytes_item(self.settings.torch_dtype)  # QUANTIZE / OFFLOAD: the planner sizes each mode
+                    sizes = layer_sizes(self.checkpoint, item, self.settings.quantize_skip)
+                    self._plan = plan_memory(sizes, gpus, self.settings, item)
         except Exception as exc:
             self.load_error = _safe_text(exc)
             raise

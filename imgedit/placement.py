@@ -13,9 +13,13 @@ import logging
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from imgedit.errors import PlacementError
 from imgedit.settings import GIB, DeviceMap
+
+if TYPE_CHECKING:
+    from imgedit.quantize import MemoryMode
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,7 @@ class GpuSpec:
     name: str
     total_bytes: int
     free_bytes: int
+    capability: tuple[int, int] | None = None  # CUDA compute capability (NVML); None = unknown
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,7 @@ class WorkerPlan:
     parallel: str = "none"  # none | cfg (the group's halves run the two CFG branches) | ulysses
     rank_devices: tuple[str, ...] = ()
     ulysses: int = 1  # ranks that split each forward's sequence (Ulysses): the half of a cfg group, or all
+    memory: MemoryMode | None = None  # quantized / offloaded weights (imgedit.quantize); None = bf16, resident
 
     @property
     def cfg(self) -> int:
@@ -110,7 +116,8 @@ class WorkerPlan:
         if self.ranks == 1:
             return self
         device = self.rank_devices[rank]
-        return WorkerPlan(f"{self.name}.rank{rank}", {n: Placement(device) for n in self.components})
+        return WorkerPlan(f"{self.name}.rank{rank}", {n: Placement(device) for n in self.components},
+                          memory=self.memory)
 
     def describe(self) -> str:
         on = ", ".join(self.rank_devices)
@@ -142,6 +149,8 @@ class Plan:
                 continue
             for name, placement in worker.components.items():
                 lines.append(f"  {worker.name}: {name} -> {placement.describe()}")
+            if worker.memory is not None:
+                lines.append(f"  {worker.name}: memory: {worker.memory.describe()}")
         for device, nbytes in sorted(self.bytes_per_device.items()):
             lines.append(f"  weights on {device}: {nbytes / GIB:.2f} GiB")
         return lines

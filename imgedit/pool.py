@@ -288,7 +288,8 @@ class WorkerHandle:
         return WorkerStatus(self.name, self.plan.devices, placement, self.state, self.job_id, self.step,
                             self.total_steps, self.jobs_done, self.error, parallel=self.plan.parallel,
                             ranks=self.plan.ranks, pids=self.pids, restarts=self.restarts,
-                            compiled=bool(self.info.get("compiled")), detail=self.detail)
+                            compiled=bool(self.info.get("compiled")), detail=self.detail,
+                            components=self.info.get("components"))
 
 
 def wait_result(handle: WorkerHandle, events: queue.Queue, cancel: threading.Event,

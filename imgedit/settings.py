@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from imgedit.errors import SettingsError
+from imgedit.quantize import parse_offload, parse_quantize, parse_skip
 
 GIB = 1024**3
 DEVICE_MAP_MODES = ("balanced", "auto", "replicas", "cfg-parallel", "ulysses", "cuda", "cpu")
@@ -199,6 +200,14 @@ REGISTRY: tuple[Var, ...] = (
         "Name of the Lightning 4-step LoRA for speed=fastest; empty = the LoRA whose file name says Lightning-4steps"),
     Var("FAST_LORA_8STEP", "", _optional_str,
         "Name of the Lightning 8-step LoRA for speed=fast; empty = the LoRA whose file name says Lightning-8steps"),
+    Var("QUANTIZE", "auto", parse_quantize,
+        "auto (bf16 when it fits, else what fits) | none | fp8 | int8 | nf4 (the transformer) | "
+        "component=mode pairs, e.g. transformer=fp8,text_encoder=int8; fp8 needs compute capability 8.9+"),
+    Var("QUANTIZE_SKIP", "img_mlp", parse_skip,
+        "Transformer submodules whose Linear layers stay bf16 when it is quantized (comma-separated; empty = none)"),
+    Var("OFFLOAD", "auto", parse_offload,
+        "auto (only when nothing fits otherwise) | none | text_encoder (on the CPU, streamed per prompt) | "
+        "blocks (transformer blocks that do not fit streamed from the CPU) | text_encoder,blocks"),
     Var("COMPILE", "auto", _choice("auto", "on", "off"),
         "Compile the transformer's repeated blocks (torch.compile), warmed up at start-up; auto = on for GPUs"),
     Var("COMPILE_CACHE_DIR", "~/.cache/imgedit/compile", _str,
@@ -260,6 +269,9 @@ class Settings:
     fast_lora_4step: str | None = None
     fast_lora_8step: str | None = None
     lora_entries: tuple = ()  # imgedit.loras.LoraEntry for each configured LoRA (built from the four above)
+    quantize: tuple[tuple[str, str], ...] | None = None  # None = auto
+    quantize_skip: tuple[str, ...] = ("img_mlp",)
+    offload: tuple[str, ...] | None = None  # None = auto
     compile: str = "auto"
     compile_cache_dir: str = "~/.cache/imgedit/compile"
     worker_restarts: int = 3

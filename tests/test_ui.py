@@ -221,7 +221,7 @@ def test_edit_api_takes_the_documented_keyword_names_and_explains_out_of_range_v
     params = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/edit"]["parameters"]
     assert [p["parameter_name"] for p in params] == ["images", "prompt", "negative_prompt", "seed", "randomize_seed",
                                                      "num_inference_steps", "true_cfg_scale", "num_images", "width",
-                                                     "height"]
+                                                     "height", "speed", "lora", "lora_scale"]
     call = dict(images=[handle_file(str(image_file))], prompt="make it red", negative_prompt="", seed=3,
                 randomize_seed=False, num_inference_steps=2, true_cfg_scale=4.0, num_images=1, width=64, height=64)
     gallery, seed = client.predict(**call, api_name="/edit")

@@ -67,7 +67,13 @@ def _load(spec: WorkerSpec):
         from imgedit.runtime.cfg_parallel import init_group
 
         group = init_group(spec.rank, spec.world, spec.master_port, cuda)
-    if cuda and spec.memory_caps:
+    from imgedit import offload
+
+    offload.check_device(plan.memory, plan.execution_device)
+    # A random-weight benchmark checkpoint is built in bf16 on the GPU before it is quantized or
+    # offloaded: cap the allocator once loading is done (the cap still holds for every job).
+    late_cap = plan.memory is not None and spec.checkpoint.random_weights
+    if cuda and spec.memory_caps and not late_cap:
         _cap_memory(spec.memory_caps)
     dtype = loader.DTYPES[spec.dtype]
     if not cuda and dtype != torch.float32:
@@ -80,8 +86,11 @@ def _load(spec: WorkerSpec):
     adapters = Adapters(pipe, spec.loras)  # every rank loads the same LoRAs, all disabled
     runner = Runner(pipe, spec.name, spec.devices or plan.devices, spec.rank, spec.world, spec.parallel, group,
                     spec.auto_cleanup, spec.ulysses, cuda, adapters)
+    if cuda and spec.memory_caps and late_cap:
+        torch.cuda.empty_cache()
+        _cap_memory(spec.memory_caps)
     info: dict = {"compiled": False, "load_seconds": round(time.perf_counter() - started, 2),
-                  "loras": [f.name for f in spec.loras]}
+                  "loras": [f.name for f in spec.loras], "components": offload.describe(pipe, plan.memory)}
     if spec.hook:
         module, _, function = spec.hook.partition(":")
         import importlib
@@ -92,7 +101,7 @@ def _load(spec: WorkerSpec):
         if spec.loras:  # each adapter set is one more compiled variant of the block (guards on peft's state)
             limit = 8 + 2 * len(spec.loras)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-        pipe.transformer.compile_repeated_blocks(fullgraph=True)
+        offload.compile_transformer(pipe.transformer, plan.memory)
         info["compiled"] = True
         info["warmup_seconds"] = _warm_up(runner, spec)
         info["compile_seconds"] = round(time.perf_counter() - compile_started, 2)

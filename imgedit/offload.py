@@ -1,0 +1,257 @@
+"""Quantized weights and offloading, worker side: load a component quantized with torchao and/or held
+on the CPU and streamed to the GPU with diffusers' group offloading, compile what can be compiled,
+and report each component's dtype, quantization and location (the panel and /health show it).
+
+The planner side (settings, sizes, the choice) is imgedit/quantize.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+
+from imgedit.errors import PlacementError
+from imgedit.placement import Placement
+from imgedit.quantize import MemoryMode, is_skipped
+
+log = logging.getLogger(__name__)
+GIB = 1024**3
+
+
+def torchao_config(mode: str):
+    """The torchao config of a QUANTIZE mode (fp8: dynamic per-row activations and weights, the
+    setting measured on the H200; int8: weight-only, per output row, runs on the CPU too)."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, Int8WeightOnlyConfig, PerRow
+
+    if mode == "fp8":
+        return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    if mode == "int8":
+        return Int8WeightOnlyConfig()
+    raise ValueError(mode)
+
+
+def _nf4_scaler_block(n_weights: int, block: int = 64) -> int | None:
+    """torchao's NF4Tensor needs the weights in blocks of 64 and the block scalers in groups; the
+    real model's layers take the default group of 256, tiny test layers a smaller divisor."""
+    if n_weights % block:
+        return None
+    scalers = n_weights // block
+    return next((s for s in (256, 128, 64, 32, 16, 8, 4, 2, 1) if scalers % s == 0), None)
+
+
+def quantize_module(model: torch.nn.Module, mode: str, skip: tuple[str, ...] = (), prefix: str = "") -> int:
+    """Quantize the Linear weights of `model` in place on the device they are on; `skip` names
+    submodules kept in the model dtype (QUANTIZE_SKIP). Returns how many Linear layers changed."""
+    def wanted(module: torch.nn.Module, fqn: str) -> bool:
+        return isinstance(module, torch.nn.Linear) and not is_skipped(prefix + fqn, skip)
+
+    if mode in ("fp8", "int8"):
+        from torchao.quantization import quantize_
+
+        before = sum(wanted(m, n) for n, m in model.named_modules())
+        quantize_(model, torchao_config(mode), filter_fn=wanted)
+        return before
+    if mode == "nf4":
+        # torchao 0.18 has no quantize_ config for NF4; its NF4Tensor (the QLoRA format) replaces the
+        # weight and dispatches F.linear to a dequantize-then-matmul, on the CPU and the GPU alike.
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+        changed = 0
+        for fqn, module in model.named_modules():
+            if not wanted(module, fqn):
+                continue
+            group = _nf4_scaler_block(module.weight.numel())
+            if group is None:
+                continue
+            module.weight = torch.nn.Parameter(to_nf4(module.weight.data, 64, group), requires_grad=False)
+            changed += 1
+        return changed
+    raise ValueError(mode)
+
+
+def _parts(model: torch.nn.Module, placement: Placement):
+    """(module or parameter name, device) covering the whole component: every block on its
+    planned device, the rest on the first one (the loader's device map for a split)."""
+    from imgedit.loader import block_container, module_device_map
+
+    blocks = len(model.get_submodule(block_container(model)))
+    whole = placement.block_devices or (placement.device,) * blocks
+    return module_device_map(model, Placement(whole[0], tuple(whole))).items()
+
+
+def _move(model: torch.nn.Module, name: str, device: str) -> torch.nn.Module | None:
+    try:
+        part = model.get_submodule(name)
+    except AttributeError:  # a parameter held directly by an intermediate module
+        owner, _, pname = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        module._parameters[pname] = torch.nn.Parameter(module._parameters[pname].to(device), requires_grad=False)
+        return None
+    return part.to(device)
+
+
+def load_component(name: str, checkpoint, placement: Placement, dtype: torch.dtype, memory: MemoryMode):
+    """Load one component quantized and/or offloaded as `memory` says, never holding more than its
+    quantized size plus one part in the model dtype on a GPU (random-weight benchmark checkpoints
+    excepted: they are built whole in the model dtype on the GPU, as the reference is)."""
+    from imgedit import loader
+
+    mode = memory.mode_of(name)
+    skip = memory.skip if name == "transformer" else ()
+    streamed = ((name == "text_encoder" and memory.offload_text_encoder)
+                or (name == "transformer" and memory.streams_blocks))
+    streams_blocks = name == "transformer" and memory.streams_blocks
+    if checkpoint.random_weights:
+        # Same weights as the bf16 reference (same build, same seed), then quantized in place.
+        model = loader._load_component(name, checkpoint, placement, dtype).eval().requires_grad_(False)
+        if mode != "none":
+            quantize_module(model, mode, skip)
+        # streamed parts go to the CPU when the offload hooks are set up (below)
+    else:
+        model = loader._load_component(name, checkpoint, Placement("cpu"), dtype).eval().requires_grad_(False)
+        work = placement.device  # fp8 is made on the GPU (torchao checks the capability there)
+        for part, device in _parts(model, placement):
+            home = "cpu" if streamed and (not streams_blocks or not _is_resident(model, part, memory)) else device
+            moved = _move(model, part, work if mode != "none" else home)
+            if moved is not None and mode != "none":
+                quantize_module(moved, mode, skip, prefix=part + ".")
+            if moved is not None and home != work:
+                moved.to(home)
+        if placement.is_split:
+            from accelerate import dispatch_model
+
+            dispatch_model(model, device_map=loader.module_device_map(model, placement))
+    if streamed:
+        stream(model, placement.device, memory if streams_blocks else None)
+    return model
+
+
+def _is_resident(model: torch.nn.Module, part: str, memory: MemoryMode) -> bool:
+    """True for the repeated blocks that stay on the GPU (not in memory.streamed)."""
+    from imgedit.loader import block_container
+
+    container = block_container(model)
+    if not part.startswith(container + "."):
+        return False
+    index = int(part[len(container) + 1:].split(".")[0])
+    return index not in memory.streamed(len(model.get_submodule(container)))
+
+
+def stream(model: torch.nn.Module, device: str, memory: MemoryMode | None) -> None:
+    """diffusers' group offloading: weights stay in (pinned) CPU memory and reach `device` just in
+    time, the next group fetched on a CUDA stream while the current one computes.
+
+    memory=None: the text encoder, leaf by leaf (it has no top-level block list, and runs only to
+    encode the prompt). Otherwise the transformer, block by block, but only the blocks in
+    memory.streamed: diffusers streams all or nothing, and a 24 GB card has room for most blocks
+    (measured: everything streamed peaks at 2.1 GiB of 22 and runs 2.17x slower)."""
+    from diffusers.hooks import apply_group_offloading
+
+    from imgedit.loader import block_container
+
+    cuda = torch.device(device).type == "cuda"
+    # record_stream: no device-wide synchronize after every streamed group (3 blocks of room are
+    # planned for it, imgedit.quantize.component_specs)
+    options = dict(onload_device=device, use_stream=cuda, record_stream=cuda)
+    if memory is None:
+        apply_group_offloading(model, offload_type="leaf_level", **options)
+        return
+    path = block_container(model)
+    owner_path, _, attr = path.rpartition(".")
+    owner = model.get_submodule(owner_path) if owner_path else model
+    blocks = getattr(owner, attr)
+    streamed = set(memory.streamed(len(blocks)))
+    # diffusers groups every block of a top-level block list: show it only the streamed ones while it
+    # sets up its hooks, then put the whole list back. The prefetch order it traces on the first
+    # forward follows the hooked blocks; the resident ones carry no hook and never leave the GPU.
+    setattr(owner, attr, torch.nn.ModuleList([b for i, b in enumerate(blocks) if i in streamed]))
+    try:
+        apply_group_offloading(model, offload_type="block_level", num_blocks_per_group=1, **options)
+    finally:
+        setattr(owner, attr, blocks)
+    for i, block in enumerate(blocks):
+        if i not in streamed:
+            block.to(device)
+
+
+def check_device(memory: MemoryMode | None, device: str) -> None:
+    """fp8 needs compute capability 8.9+: say which GPU this worker has and what it lacks."""
+    from imgedit.quantize import check_device as check
+
+    if memory is None or not device.startswith("cuda"):
+        if memory is not None and "fp8" in dict(memory.quantize).values():
+            raise PlacementError("QUANTIZE=fp8 needs a CUDA GPU of compute capability 8.9 or newer, but this "
+                                 "worker runs on the CPU; use int8 or nf4 on the CPU")
+        return
+    index = torch.device(device).index or 0
+    check(memory, index, torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index))
+
+
+def compile_transformer(transformer: torch.nn.Module, memory: MemoryMode | None) -> None:
+    """COMPILE: the repeated blocks, as diffusers' compile_repeated_blocks does. Streamed blocks
+    stay eager: their offload hooks move weights in functions torch.compile must not trace
+    (diffusers marks them torch.compiler.disable, which fullgraph=True refuses)."""
+    if memory is None or not memory.streams_blocks:
+        transformer.compile_repeated_blocks(fullgraph=True)
+        return
+    from imgedit.loader import block_container
+
+    blocks = transformer.get_submodule(block_container(transformer))
+    streamed = set(memory.streamed(len(blocks)))
+    for i, block in enumerate(blocks):
+        if i not in streamed:
+            block.compile(fullgraph=True)
+    log.info("compiled the %d resident transformer blocks; streamed blocks run eager", memory.resident_blocks)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """Bytes a (possibly quantized, tensor-subclass) weight really holds."""
+    if hasattr(t, "__tensor_flatten__") and type(t) not in (torch.Tensor, torch.nn.Parameter):
+        names, _ = t.__tensor_flatten__()
+        return sum(_nbytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def _kind(t: torch.Tensor) -> str:
+    return type(t).__name__ if type(t) not in (torch.Tensor, torch.nn.Parameter) else ""
+
+
+def _where(device: str) -> str:
+    """cuda:1 -> GPU 1, cpu -> CPU (as the panel names them)."""
+    return f"GPU {device.partition(':')[2] or 0}" if device.startswith("cuda") else device.upper()
+
+
+def describe(pipe, memory: MemoryMode | None) -> dict[str, dict]:
+    """Each component's dtype, quantization and where its weights are now (read from the tensors)."""
+    out = {}
+    for name in ("transformer", "text_encoder", "vae"):
+        model = getattr(pipe, name)
+        where: Counter = Counter()
+        dtypes: Counter = Counter()
+        linear = quantized = 0
+        kinds: Counter = Counter()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                linear += 1
+                if _kind(module.weight):
+                    quantized += 1
+                    kinds[_kind(module.weight)] += 1
+        for p in model.parameters():
+            where[str(p.device)] += _nbytes(p)
+            if not _kind(p):
+                dtypes[str(p.dtype).replace("torch.", "")] += p.numel()
+        mode = memory.mode_of(name) if memory is not None else "none"
+        streamed = memory is not None and ((name == "text_encoder" and memory.offload_text_encoder)
+                                           or (name == "transformer" and memory.streams_blocks))
+        locations = ", ".join(f"{_where(d)} {n / GIB:.2f} GiB" for d, n in sorted(where.items()))
+        out[name] = {
+            "dtype": dtypes.most_common(1)[0][0] if dtypes else "",
+            "quantization": (f"{mode}: {quantized} of {linear} Linear layers ({', '.join(kinds)})" if quantized
+                             else "none"),
+            "location": locations + (" (streamed to the GPU when it runs)" if streamed else ""),
+            "bytes": {d: n for d, n in where.items()},
+        }
+    return out
+

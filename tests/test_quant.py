@@ -1,0 +1,299 @@
+"""QUANTIZE / OFFLOAD: the settings, the sizes the planner works from (real parameter counts of the
+full-size configs), its choices for made-up GPUs, the refusals, and real edits on the CPU with the
+tiny checkpoint quantized (int8, nf4) and with the offload hooks (streamed blocks and text encoder).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import COMPONENTS, make_manager, picture
+
+from imgedit import loader
+from imgedit.demo_checkpoint import build_checkpoint
+from imgedit.errors import PlacementError, SettingsError
+from imgedit.gpus import GpuMonitor, panel_html, snapshot
+from imgedit.jobs import EditRequest
+from imgedit.placement import GpuSpec, Placement, WorkerPlan
+from imgedit.quantize import (
+    BYTES_PER_WEIGHT,
+    MemoryMode,
+    check_device,
+    layer_sizes,
+    parse_offload,
+    parse_quantize,
+    plan_memory,
+)
+from imgedit.settings import GIB, load_settings
+
+ADA, AMPERE = (8, 9), (8, 6)
+
+
+# ---- settings ----
+
+@pytest.mark.parametrize("raw, expected", [
+    ("auto", None), ("", None), ("none", ()), ("fp8", (("transformer", "fp8"),)),
+    ("INT8", (("transformer", "int8"),)),
+    ("transformer=fp8,text_encoder=int8", (("transformer", "fp8"), ("text_encoder", "int8"))),
+    ("text_encoder=nf4, transformer=none", (("text_encoder", "nf4"),)),
+])
+def test_quantize_values(raw, expected):
+    assert parse_quantize(raw) == expected
+    assert load_settings({"QUANTIZE": raw}).quantize == expected
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ("auto", None), ("none", ()), ("text_encoder", ("text_encoder",)),
+    ("blocks,text_encoder", ("text_encoder", "blocks")),
+])
+def test_offload_values(raw, expected):
+    assert parse_offload(raw) == expected
+
+
+@pytest.mark.parametrize("var, raw, says", [
+    ("QUANTIZE", "fp4", "auto, none, fp8, int8, nf4"),
+    ("QUANTIZE", "vae=int8", "components: transformer, text_encoder"),
+    ("QUANTIZE", "transformer=fp8,transformer=int8", "component=mode pairs"),
+    ("QUANTIZE", "transformer:fp8", "component=mode pairs"),
+    ("OFFLOAD", "gpu", "auto, none, text_encoder, blocks"),
+    ("OFFLOAD", "blocks,blocks", "text_encoder,blocks"),
+    ("QUANTIZE_SKIP", "img_mlp;rm -rf", "module names such as img_mlp"),
+])
+def test_bad_values_stop_start_up_naming_variable_value_and_allowed(var, raw, says):
+    with pytest.raises(SettingsError) as err:
+        load_settings({var: raw})
+    assert f"{var}={raw!r} is not valid" in err.value.message and says in err.value.message
+
+
+# ---- sizes from the real configs ----
+
+@pytest.fixture(scope="module")
+def real_sizes(tmp_path_factory):
+    folder = build_checkpoint(tmp_path_factory.mktemp("real") / "plus", size="real")  # configs only
+    checkpoint = loader.open_checkpoint(str(folder))
+    return checkpoint, layer_sizes(checkpoint, 2, ("img_mlp",))
+
+
+def test_sizes_match_the_loader_and_the_published_model(real_sizes):
+    checkpoint, sizes = real_sizes
+    by = {s.name: s for s in sizes}
+    plain = {s.name: s for s in loader.component_specs(checkpoint, torch.bfloat16)}
+    for name in COMPONENTS:  # unquantized, the planner sees exactly what it saw before QUANTIZE existed
+        assert by[name].spec("none", 2) == plain[name]
+    t = by["transformer"]
+    params = (t.head.linear + t.head.kept + t.head.other
+              + sum(b.linear + b.kept + b.other for b in t.blocks))
+    assert 20.0e9 < params < 20.6e9 and len(t.blocks) == 60  # 20.4 B, 60 blocks
+    block = t.blocks[0]
+    # one block: img_mlp is 2 x 3072 x 12288 weights, kept in bf16 by default
+    assert block.kept == 2 * 3072 * 12288
+    fp8 = block.nbytes("fp8", 2)
+    assert fp8 == int(block.linear * BYTES_PER_WEIGHT["fp8"]) + (block.kept + block.other) * 2
+    assert 0.38 * GIB < fp8 < 0.40 * GIB  # vs 0.633 GiB in bf16
+    assert 23.0 * GIB < t.spec("fp8", 2).nbytes < 23.6 * GIB  # transformer fp8, img_mlp bf16
+    assert 15.3 * GIB < by["text_encoder"].spec("none", 2).nbytes < 15.6 * GIB
+    assert 7.8 * GIB < by["text_encoder"].spec("int8", 2).nbytes < 8.5 * GIB  # embeddings stay bf16
+
+
+def gpus(*sizes_gib: float, capability=ADA) -> list[GpuSpec]:
+    return [GpuSpec(i, f"GPU{i}", int(s * GIB), int((s - 0.5) * GIB), capability) for i, s in enumerate(sizes_gib)]
+
+
+def plan_for(sizes, gpu_list, **env):
+    env = {"DEVICE_MAP": "auto", **env}
+    return plan_memory(sizes, gpu_list, load_settings(env), 2)
+
+
+def test_one_24gb_card_arithmetic(real_sizes):
+    """22 GiB cap: 22 - 1.5 reserve - 0.6 CUDA context = 19.9 GiB; minus 4 GiB of activations, the
+    VAE, the transformer's head and three blocks in flight: what is left holds the resident blocks."""
+    _, sizes = real_sizes
+    p = plan_for(sizes, gpus(24), MAX_MEMORY="22GiB")
+    mode = p.workers[0].memory
+    assert dict(mode.quantize) == {"transformer": "fp8"} and mode.skip == ("img_mlp",)
+    assert mode.offload_text_encoder
+    t = next(s for s in sizes if s.name == "transformer")
+    vae = next(s for s in sizes if s.name == "vae").spec("none", 2).nbytes
+    block = t.blocks[0].nbytes("fp8", 2)
+    room = int(22 * GIB) - int(1.5 * GIB) - int(0.6 * GIB) - 4 * GIB - vae - t.head.nbytes("fp8", 2) - 3 * block
+    assert mode.resident_blocks == room // block
+    assert 35 <= mode.resident_blocks <= 40  # about 38 of 60 stay on the GPU, 22 are streamed
+    assert p.bytes_per_device["cuda:0"] + 4 * GIB <= 19.9 * GIB
+    assert f"{mode.resident_blocks} of 60 transformer blocks resident" in p.reason
+    streamed = mode.streamed(60)  # spread out, so each copy overlaps the resident blocks before it
+    assert len(streamed) == 60 - mode.resident_blocks and len(set(streamed)) == len(streamed)
+    assert max(b - a for a, b in zip(streamed, streamed[1:], strict=False)) <= 3
+
+
+@pytest.mark.parametrize("card, cap, quant, te_offload, streams", [
+    ((32,), "30GiB", {"transformer": "fp8"}, True, False),
+    ((48,), "46GiB", {"transformer": "fp8"}, False, False),
+    ((24, 24), "22GiB", {"transformer": "fp8", "text_encoder": "int8"}, False, False),
+    ((24, 24, 24, 24), "22GiB", {}, False, False),
+    ((80,), "", {}, False, False),
+])
+def test_auto_picks_the_least_lossy_mode_that_fits(real_sizes, card, cap, quant, te_offload, streams):
+    _, sizes = real_sizes
+    p = plan_for(sizes, gpus(*card), MAX_MEMORY=cap)
+    mode = p.workers[0].memory or MemoryMode()
+    assert dict(mode.quantize) == quant
+    assert mode.offload_text_encoder == te_offload and mode.streams_blocks == streams
+    if quant:
+        assert "memory:" in p.reason and "did not fit" in p.reason  # the log and the panel say why
+    if card == (24, 24):
+        assert p.workers[0].components["transformer"].is_split  # fp8 blocks over both cards
+    if card == (24, 24, 24, 24):
+        assert p.workers[0].components["transformer"].is_split and p.workers[0].memory is None  # bf16 fits split
+
+
+def test_fp8_only_where_the_gpu_runs_it(real_sizes):
+    _, sizes = real_sizes
+    p = plan_for(sizes, gpus(24, capability=AMPERE), MAX_MEMORY="22GiB")
+    assert dict(p.workers[0].memory.quantize) == {"transformer": "int8"}  # an RTX 3090: int8 instead
+    with pytest.raises(PlacementError) as err:
+        plan_for(sizes, gpus(24, capability=AMPERE), QUANTIZE="fp8")
+    assert "GPU 0 (GPU0) has 8.6" in err.value.message and "8.9" in err.value.message
+    with pytest.raises(PlacementError) as err:
+        check_device(MemoryMode((("transformer", "fp8"),)), 0, "NVIDIA A100-SXM4-80GB", (8, 0))
+    assert "cuda:0 (NVIDIA A100-SXM4-80GB) has 8.0" in err.value.message
+
+
+def test_nothing_fits_is_refused_with_what_was_tried(real_sizes):
+    _, sizes = real_sizes
+    with pytest.raises(PlacementError) as err:
+        plan_for(sizes, gpus(8), MAX_MEMORY="6GiB")
+    message = err.value.message
+    assert message.startswith("nothing fits, even quantized and offloaded")
+    assert "streamed blocks" in message and "transformer fp8" in message
+
+
+def test_explicit_modes_and_refusals(real_sizes):
+    _, sizes = real_sizes
+    p = plan_for(sizes, gpus(141), QUANTIZE="transformer=int8", QUANTIZE_SKIP="")
+    assert dict(p.workers[0].memory.quantize) == {"transformer": "int8"} and p.workers[0].memory.skip == ()
+    p = plan_for(sizes, gpus(141), OFFLOAD="none", QUANTIZE="none")
+    assert p.workers[0].memory is None
+    # explicit quantization, offload left to auto: the int8 text encoder is streamed too (it runs once
+    # per prompt, the blocks every step: its room goes to resident blocks)
+    m = plan_for(sizes, gpus(24), MAX_MEMORY="22GiB", QUANTIZE="transformer=int8,text_encoder=int8").workers[0].memory
+    assert dict(m.quantize) == {"transformer": "int8", "text_encoder": "int8"}
+    assert m.offload_text_encoder and 35 <= m.resident_blocks <= 40
+    # explicit streaming, quantization left to auto: bf16 streamed first (lossless), nothing quantized
+    m = plan_for(sizes, gpus(24), MAX_MEMORY="22GiB", OFFLOAD="text_encoder,blocks").workers[0].memory
+    assert m.quantize == () and m.offload_text_encoder and 5 < m.resident_blocks < 30
+    with pytest.raises(PlacementError, match="OFFLOAD=blocks with QUANTIZE transformer=nf4 is not supported"):
+        plan_for(sizes, gpus(24), QUANTIZE="nf4", OFFLOAD="blocks")
+    with pytest.raises(PlacementError, match="QUANTIZE=fp8 needs a CUDA GPU .* runs on the CPU here"):
+        plan_for(sizes, [], QUANTIZE="fp8")
+    with pytest.raises(PlacementError, match="OFFLOAD=text_encoder moves weights between the CPU and a GPU"):
+        plan_for(sizes, [], OFFLOAD="text_encoder")
+    p = plan_for(sizes, [], QUANTIZE="int8")  # the CPU runs int8 weight-only
+    assert p.workers[0].execution_device == "cpu" and dict(p.workers[0].memory.quantize) == {"transformer": "int8"}
+
+
+# ---- real edits on the CPU ----
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(((a.astype(np.float64) - b.astype(np.float64)) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def request(seed: int = 3) -> EditRequest:
+    return EditRequest(images=(picture(),), prompt="make it blue", seed=seed, num_inference_steps=3,
+                       width=64, height=64, source="test")
+
+
+@pytest.fixture(scope="module")
+def quantized_manager(plus_ckpt):
+    return make_manager(plus_ckpt, plan="planner", QUANTIZE="transformer=int8,text_encoder=nf4")
+
+
+def test_quantized_worker_edits_and_reports_its_weights(quantized_manager, plus_manager):
+    result = quantized_manager.edit(request())
+    reference = plus_manager.edit(request())
+    a, b = np.asarray(result.images[0]), np.asarray(reference.images[0])
+    assert a.shape == b.shape
+    assert 25 < psnr(a, b) < float("inf")  # close to the unquantized edit, but not the same weights
+    status = quantized_manager.status()
+    components = status.workers[0].components
+    assert components["transformer"]["quantization"].startswith("int8: ")
+    assert "Int8Tensor" in components["transformer"]["quantization"]
+    assert "img_mlp" in quantized_manager.plan.reason  # kept in full precision by default
+    assert components["text_encoder"]["quantization"].startswith("nf4: ")
+    assert components["vae"]["quantization"] == "none" and components["vae"]["dtype"] == "float32"
+    assert components["transformer"]["location"].startswith("CPU ")
+    data = snapshot(GpuMonitor(), status)  # /health and /gpu_status carry the same data
+    assert data["workers"][0]["components"]["transformer"]["quantization"].startswith("int8")
+    html = panel_html(data)
+    assert "worker-0 weights: transformer int8 @ CPU" in html and "text_encoder nf4 @ CPU" in html
+
+
+@pytest.mark.parametrize("mode, kind", [("int8", "Int8Tensor"), ("nf4", "NF4Tensor")])
+def test_kept_layers_are_not_quantized_and_the_rest_still_computes(plus_ckpt, mode, kind):
+    from imgedit.offload import quantize_module
+
+    model = loader._load_component("transformer", loader.open_checkpoint(str(plus_ckpt)), Placement("cpu"),
+                                   torch.float32)
+    x = torch.randn(3, model.img_in.in_features)
+    before = model.img_in(x)
+    changed = quantize_module(model, mode, ("img_mlp",))
+    kinds = {name: type(m.weight).__name__ for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert changed == sum(1 for n in kinds if "img_mlp" not in n.split("."))
+    assert all(k == "Parameter" for n, k in kinds.items() if "img_mlp" in n.split("."))
+    assert all(k == kind for n, k in kinds.items() if "img_mlp" not in n.split("."))
+    after = model.img_in(x)
+    assert torch.nn.functional.cosine_similarity(before.flatten(), after.flatten(), dim=0) > 0.98
+    assert not torch.equal(before, after)
+
+
+def test_a_worker_on_the_cpu_refuses_fp8():
+    from imgedit.offload import check_device as worker_check
+
+    with pytest.raises(PlacementError, match="fp8 needs a CUDA GPU .* this worker runs on the CPU"):
+        worker_check(MemoryMode((("transformer", "fp8"),)), "cpu")
+    worker_check(MemoryMode((("transformer", "int8"),)), "cpu")  # int8 runs there
+
+
+def test_offload_hooks_keep_resident_blocks_and_stream_the_rest(plus_ckpt, plus_pipe):
+    """The hooks on the CPU (the onload device is the CPU here, so nothing moves, but every hook
+    runs): the same edit as without them, block 0 and the text encoder hooked, block 1 resident."""
+    from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
+
+    from imgedit.encoding import install_token_type_fix
+
+    checkpoint = loader.open_checkpoint(str(plus_ckpt))
+
+    def edit(pipe):
+        return pipe(image=[picture()], prompt="make it blue", negative_prompt=" ", true_cfg_scale=4.0,
+                    num_inference_steps=2, height=64, width=64, output_type="np",
+                    generator=torch.Generator().manual_seed(0)).images[0]
+
+    memory = MemoryMode(offload_text_encoder=True, resident_blocks=1)
+    assert memory.streamed(2) == [0]  # of the tiny model's two blocks, block 0 is streamed
+    plan = WorkerPlan("local", {c: Placement("cpu") for c in COMPONENTS}, memory=memory)
+    pipe = loader.load_pipeline(checkpoint, plan, torch.float32)
+    install_token_type_fix(pipe.text_encoder)  # as the worker does, and as plus_pipe has
+    reference, streamed = edit(plus_pipe.pipe), edit(pipe)  # the same weights, with and without the hooks
+    blocks = pipe.transformer.transformer_blocks
+
+    def hooked(module):
+        return hasattr(module, "_diffusers_hook") and module._diffusers_hook.get_hook(_GROUP_OFFLOADING) is not None
+
+    assert hooked(blocks[0]) and not hooked(blocks[1])
+    assert any(hooked(m) for m in pipe.text_encoder.modules())
+    np.testing.assert_array_equal(streamed, reference)
+
+
+def test_ray_workers_refuse_quantize_before_joining_a_cluster(plus_ckpt):
+    from imgedit.manager import PipelineManager
+
+    settings = load_settings({"QWEN_MODEL_DIR": str(plus_ckpt), "WORKERS": "ray", "QUANTIZE": "int8"})
+    with pytest.raises(PlacementError, match="QUANTIZE and OFFLOAD work with WORKERS=local only"):
+        PipelineManager(settings).prepare()
+
+
+def test_locations_are_named_as_the_panel_names_gpus():
+    from imgedit.offload import _where
+
+    assert (_where("cuda:1"), _where("cuda"), _where("cpu")) == ("GPU 1", "GPU 0", "CPU")
