@@ -65,6 +65,8 @@ MODES: dict[str, dict[str, str]] = {  # settings per mode (DEVICE_MAP=cuda:0 unl
     "cap22-compiled": {**_AUTO, "MAX_MEMORY": "22GiB", "COMPILE": "on"},
     "cap22-all": {**_AUTO, "QUANTIZE_SKIP": "", "MAX_MEMORY": "22GiB", "COMPILE": "off"},
     "cap22-nf4": {"QUANTIZE": "nf4", "OFFLOAD": "text_encoder", "MAX_MEMORY": "22GiB", "COMPILE": "off"},
+    "nf4": {"QUANTIZE": "nf4", "OFFLOAD": "none", "COMPILE": "off"},  # cap22-nf4's reference: the same, uncapped
+    "cap22-bf16": {"QUANTIZE": "none", "OFFLOAD": "text_encoder,blocks", "MAX_MEMORY": "22GiB", "COMPILE": "off"},
     "cap30": {**_AUTO, "MAX_MEMORY": "30GiB", "COMPILE": "off"},  # a 32 GB card
     "cap46": {**_AUTO, "MAX_MEMORY": "46GiB", "COMPILE": "off"},  # a 48 GB card
 }
