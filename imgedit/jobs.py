@@ -75,6 +75,7 @@ class WorkerStatus:
     compiled: bool = False
     detail: str | None = None  # what a loading worker is doing (loading weights, compiling, ...)
     node: str | None = None  # WORKERS=ray: the id of the Ray node its actors run on
+    weights_mib: dict[str, float] = field(default_factory=dict)  # per GPU, measured by its ranks after loading
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class ManagerStatus:
     waiting: int
     workers: tuple[WorkerStatus, ...]
     error: str | None = None
+    weights_mib: dict[str, float] = field(default_factory=dict)  # per GPU, as planned (the placement's sizes)
 
     @property
     def healthy_workers(self) -> int:

@@ -16,7 +16,8 @@ import logging
 import gradio as gr
 
 from imgedit.errors import ImgEditError, InvalidInput
-from imgedit.gpus import GpuMonitor, panel_html, snapshot
+from imgedit.gpu_panel import panel_html
+from imgedit.gpus import GpuMonitor, snapshot
 from imgedit.identity import page_owner
 from imgedit.images import open_image
 from imgedit.jobs import EditRequest
@@ -142,7 +143,7 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
         return snapshot(monitor, manager.status())
 
     def panel() -> str:
-        return panel_html(snapshot(monitor, manager.status()))
+        return panel_html(snapshot(monitor, manager.status(), history=True))
 
     with gr.Blocks(title="imgedit") as blocks:
         gr.Markdown("# imgedit — edit images with Qwen-Image-Edit")
