@@ -35,9 +35,11 @@ STYLE = """<style>
 .gpu-panel .gp-seg{display:block;height:100%;flex:none}
 .gpu-panel .gp-legend{display:flex;flex-wrap:wrap;gap:0 12px;font-size:12px;font-variant-numeric:tabular-nums}
 .gpu-panel .gp-key{display:inline-block;width:9px;height:9px;border-radius:2px;margin-right:4px}
-.gpu-panel .gp-holds{display:flex;flex-wrap:wrap;gap:4px;list-style:none;padding:0;margin:6px 0 4px}
-.gpu-panel .gp-holds li{background:var(--background-fill-secondary,#f3f4f6);border-radius:10px;padding:0 8px;
- font-size:12px;overflow-wrap:anywhere;margin:0}
+.gpu-panel ul.gp-holds{display:flex;flex-wrap:wrap;gap:4px;list-style:none;padding:0;margin:6px 0 4px}
+.gpu-panel ul.gp-holds li{background:var(--background-fill-secondary,#f3f4f6);border-radius:10px;padding:0 8px;
+ font-size:12px;overflow-wrap:anywhere;margin:0;list-style:none}
+.gpu-panel ul.gp-holds li::before,.gpu-panel ul.gp-holds li::marker{content:none}
+.gpu-panel ul.gp-holds li.gp-empty{background:none;padding:0;color:var(--body-text-color-subdued,#6b7280)}
 .gpu-panel .gp-run{margin:2px 0;overflow-wrap:anywhere}
 .gpu-panel .gp-progress{display:block;height:4px;border-radius:2px;background:#e5e7eb;overflow:hidden;margin-top:2px}
 .gpu-panel .gp-progress span{display:block;height:100%;background:#2563eb}
@@ -165,7 +167,8 @@ def _card(gpu: dict, workers: list[dict], window_s: float, interval_s: float) ->
     util_text = "util n/a" if util is None else f"util {util:.0f}%"
     meter = "" if util is None else f'<span class="gp-meter"><span style="width:{min(100.0, util):.0f}%"></span></span>'
     used = f'{gpu["used_mib"] * GIB_PER_MIB:.1f} / {gpu["total_mib"] * GIB_PER_MIB:.1f} GiB'
-    holds = "".join(f"<li>{escape(h)}</li>" for h in gpu.get("holds") or ()) or "<li>nothing of ours</li>"
+    holds = "".join(f"<li>{escape(h)}</li>" for h in gpu.get("holds") or ())
+    holds = holds or '<li class="gp-empty">nothing of ours</li>'
     return (f'<section class="gp-card gpu" data-index="{int(gpu["index"])}">'
             f'<div class="gp-head"><span><b>GPU {int(gpu["index"])}</b> '
             f'<span class="gp-name">{escape(gpu["name"])}</span></span>'
