@@ -134,14 +134,15 @@ def peak_sampler(monitor, stop: threading.Event, peaks: dict) -> None:
             peaks[key] = max(peaks.get(key, 0.0), round(r.used_mib / 1024, 2))
 
 
-def run_mode(name: str, args, ckpt: Path, image, monitor) -> dict:
+def run_mode(name: str, args, ckpt: Path, image, monitor, workers: str = "local") -> dict:
     device_map, compile_mode = MODES[name]
     settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": device_map, "COMPILE": compile_mode,
                               "COMPILE_CACHE_DIR": args.cache, "LOG_LEVEL": "INFO", "MAX_STEPS": "200",
-                              "QUEUE_MAX_SIZE": "32"})
+                              "QUEUE_MAX_SIZE": "32", "WORKERS": workers})
     t0 = time.perf_counter()
     manager = PipelineManager(settings, worker_hook="bench:finite_check").load(timeout=540)
-    out: dict = {"mode": name, "device_map": device_map, "compile": compile_mode, "plan": manager.plan.describe(),
+    out: dict = {"mode": name, "workers": workers, "device_map": device_map, "compile": compile_mode,
+                 "plan": manager.plan.describe(),
                  "startup_s": round(time.perf_counter() - t0, 1),
                  "worker_info": {w.name: w.info for w in manager.workers}}
     size = (args.size, args.size)
@@ -177,6 +178,9 @@ def run_mode(name: str, args, ckpt: Path, image, monitor) -> dict:
             if compile_mode == "off":
                 manager.edit(request(image, 2, size))  # warm-up (compiled workers warmed up at start)
             out["edit"] = timed(manager, request(image, args.steps, size))
+            if args.repeat > 1:  # more timed edits of the same request: the spread says what a difference means
+                out["edit_repeats"] = [out["edit"]] + [timed(manager, request(image, args.steps, size))
+                                                       for _ in range(args.repeat - 1)]
             if compile_mode == "on":  # a size the warm-up did not see: how long does its first request take?
                 new = (1216, 832)
                 out["new_size_first"] = timed(manager, request(image, args.short_steps, new, seed=1))
@@ -251,6 +255,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--json", default="")
+    parser.add_argument("--workers", default="local", help="local, ray, or both (local,ray): WORKERS for each mode")
+    parser.add_argument("--repeat", type=int, default=1, help="timed edits per mode")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     ckpt = Path(args.ckpt)
@@ -260,12 +266,13 @@ def main() -> None:
     monitor = GpuMonitor()
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "gpus": [r.name for r in monitor.read()], "command": " ".join(sys.argv), "results": []}
-    for name in args.modes.split(","):
+    runs = [(name, workers) for name in args.modes.split(",") for workers in args.workers.split(",")]
+    for name, workers in runs:
         try:
-            res = run_mode(name, args, ckpt, image, monitor)
+            res = run_mode(name, args, ckpt, image, monitor, workers)
         except Exception as exc:
-            log.exception("mode %s failed", name)
-            res = {"mode": name, "error": repr(exc)}
+            log.exception("mode %s (WORKERS=%s) failed", name, workers)
+            res = {"mode": name, "workers": workers, "error": repr(exc)}
         report["results"].append(res)
         print(json.dumps(res), flush=True)
         if args.json:

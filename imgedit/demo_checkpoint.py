@@ -132,8 +132,10 @@ def text_encoder_config(size: str):
     )
 
 
-def build_checkpoint(out: str | Path, kind: str = "plus", seed: int = 0, size: str = "tiny") -> Path:
-    """Write the checkpoint folder (model_index.json + one subfolder per component) and return it."""
+def build_checkpoint(out: str | Path, kind: str = "plus", seed: int = 0, size: str = "tiny",
+                     heads: int | None = None) -> Path:
+    """Write the checkpoint folder (model_index.json + one subfolder per component) and return it.
+    `heads`: the transformer's attention heads, when not the size's own (Ulysses splits heads)."""
     import torch
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLForConditionalGeneration
@@ -143,6 +145,8 @@ def build_checkpoint(out: str | Path, kind: str = "plus", seed: int = 0, size: s
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = _configs(size)
+    if heads is not None:
+        cfg["transformer"]["num_attention_heads"] = heads
     tokenizer = build_tokenizer()
     tokenizer.save_pretrained(out / "tokenizer")
     _processor(tokenizer).save_pretrained(out / "processor")

@@ -202,6 +202,10 @@ def panel_html(data: dict) -> str:
         parts.append('<div class="gp-grid">')
         parts.extend(_card(g, local, window_s, interval_s) for g in data["gpus"])
         parts.append("</div>")
+    if data.get("loras"):
+        names = ", ".join(lora["name"] + (f' (Lightning {n}-step)' if (n := lora["lightning_steps"]) else "")
+                          for lora in data["loras"])
+        parts.append(f'<small class="gp-foot gpu-loras">LoRAs loaded: {escape(names)}</small>')
     parts.append(f'<small class="gp-foot">placement: {escape(str(data.get("placement_mode", "")))} — '
                  f'{escape(str(data.get("placement_reason", "")))}; waiting: {int(data.get("waiting") or 0)}</small>')
     parts.append("</div>")

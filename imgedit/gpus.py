@@ -193,10 +193,13 @@ def _annotate(readings: list[GpuReading], status: ManagerStatus) -> None:
     for worker in status.workers:
         compiled = ", compiled" if worker.compiled else ""
         if worker.parallel != "none":  # every rank holds the whole pipeline on its GPU
+            size = len(worker.devices)
+            group = ("a CFG-parallel pair" if worker.parallel == "cfg" and size == 2 else
+                     f"a {'CFG-parallel' if worker.parallel == 'cfg' else 'Ulysses'} group of {size}")
             for rank, device in enumerate(worker.devices):
                 if device in by_device:
                     by_device[device].holds.append(
-                        f"{worker.name} rank {rank} of a CFG-parallel pair: the whole pipeline{compiled}")
+                        f"{worker.name} rank {rank} of {group}: the whole pipeline{compiled}")
         else:
             for component, where in worker.placement.items():
                 extra = compiled if component == "transformer" else ""
@@ -266,7 +269,7 @@ def snapshot(monitor: GpuMonitor, status: ManagerStatus, history: bool = False, 
         "workers": [asdict(w) for w in status.workers],
         "waiting": status.waiting,
         "ready": status.ready,
+        "loras": list(status.loras),
         "history_window_s": monitor.history.window_s,
         "history_interval_s": monitor.history.interval_s,
     }
-

@@ -28,6 +28,9 @@ class EditRequest:
     num_images: int = 1
     width: int | None = None
     height: int | None = None
+    speed: str | None = None  # quality | fast (Lightning 8 steps) | fastest (Lightning 4 steps); None = quality
+    lora: str | None = None  # a configured LoRA's name; None or "none" = no LoRA
+    lora_scale: float | None = None  # that LoRA's strength, 0 to 2; None = 1
     request_id: str = field(default_factory=new_request_id)
     source: str = "ui"  # ui | api | rest: for logs and metrics
 
@@ -68,7 +71,7 @@ class WorkerStatus:
     total_steps: int
     jobs_done: int
     error: str | None
-    parallel: str = "none"  # none | cfg
+    parallel: str = "none"  # none | cfg | ulysses
     ranks: int = 1
     pids: tuple[int, ...] = ()
     restarts: int = 0
@@ -88,6 +91,7 @@ class ManagerStatus:
     waiting: int
     workers: tuple[WorkerStatus, ...]
     error: str | None = None
+    loras: tuple[dict, ...] = ()  # the LoRAs every worker loaded: name, lightning_steps, rank, layers, file
     weights_mib: dict[str, float] = field(default_factory=dict)  # per GPU, as planned (the placement's sizes)
 
     @property

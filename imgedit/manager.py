@@ -54,6 +54,7 @@ class PipelineManager:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._started = False
         self._nodes: dict[str, str] = {}  # WORKERS=ray: each planned worker's Ray node id
+        self.loras: tuple = ()  # imgedit.loras.LoraFile: the LoRAs every worker loads, checked in prepare()
 
     # ---- planning and start-up ----
     @property
@@ -83,6 +84,10 @@ class PipelineManager:
             return self
         try:
             self.checkpoint = open_checkpoint(self.settings.model_source)
+            if self.settings.lora_entries:
+                from imgedit.loras import check_all
+
+                self.loras = check_all(self.settings.lora_entries, self.checkpoint.folder)
             if self.settings.workers == "ray":
                 from imgedit import ray_pool
 
@@ -120,7 +125,8 @@ class PipelineManager:
         s = self.settings
         spec = WorkerSpec(name=plan.name, rank=0, world=plan.ranks, parallel=plan.parallel, plan=plan,
                           checkpoint=self.checkpoint, dtype=s.torch_dtype, compile=self.compile_enabled(plan),
-                          hook=self.worker_hook, auto_cleanup=s.auto_cleanup, warmup_sizes=self.warmup_sizes)
+                          hook=self.worker_hook, auto_cleanup=s.auto_cleanup, warmup_sizes=self.warmup_sizes,
+                          ulysses=plan.ulysses, loras=self.loras)
         common = dict(cache_dir=s.compile_cache_dir, max_restarts=s.worker_restarts, log_level=s.log_level,
                       on_change=self._changed, max_memory=s.max_memory)
         if s.workers == "ray":
@@ -284,7 +290,7 @@ class PipelineManager:
             ready=self.ready, model=self.settings.model_source, family=self.family,
             mode=plan.mode if plan else "-", reason=plan.reason if plan else "planning",
             waiting=self.waiting(), workers=tuple(w.status() for w in self.workers), error=self.load_error,
-            weights_mib=self._planned_weights())
+            loras=tuple(f.describe() for f in self.loras), weights_mib=self._planned_weights())
 
     def _planned_weights(self) -> dict[str, float]:
         """MiB of weights the plan put on each local GPU (the panel uses it until a worker measured

@@ -81,8 +81,14 @@ class WorkerPlan:
 
     name: str
     components: Mapping[str, Placement]
-    parallel: str = "none"  # none | cfg (CFG-parallel: rank r runs branch r of every step)
+    parallel: str = "none"  # none | cfg (the group's halves run the two CFG branches) | ulysses
     rank_devices: tuple[str, ...] = ()
+    ulysses: int = 1  # ranks that split each forward's sequence (Ulysses): the half of a cfg group, or all
+
+    @property
+    def cfg(self) -> int:
+        """Ways the CFG branches are split: 2 for a cfg group, else 1."""
+        return 2 if self.parallel == "cfg" else 1
 
     @property
     def ranks(self) -> int:
@@ -107,8 +113,13 @@ class WorkerPlan:
         return WorkerPlan(f"{self.name}.rank{rank}", {n: Placement(device) for n in self.components})
 
     def describe(self) -> str:
+        on = ", ".join(self.rank_devices)
+        if self.parallel == "cfg" and self.ulysses > 1:
+            return f"CFG-parallel group of {self.ranks} (2 halves x Ulysses-{self.ulysses}) on {on}"
         if self.parallel == "cfg":
-            return f"CFG-parallel group of {self.ranks} on {', '.join(self.rank_devices)}"
+            return f"CFG-parallel group of {self.ranks} on {on}"
+        if self.parallel == "ulysses":
+            return f"Ulysses group of {self.ranks} on {on}"
         return ", ".join(self.devices)
 
 
@@ -217,13 +228,21 @@ def plan_placement(
                 f"DEVICE_MAP=replicas needs {total / GIB:.1f} GiB on every GPU but the smallest can take "
                 f"{smallest / GIB:.1f} GiB; use DEVICE_MAP=balanced")
         return _replicas(components, budget, "replicas", f"one full pipeline on each of {len(budget)} GPUs")
-    if mode == "cfg-parallel":
-        if len(budget) < 2 or not _fits_every_gpu(total + NCCL_BUFFERS, budget):
+    if mode in ("cfg-parallel", "ulysses"):
+        size = device_map.group
+        name = mode if size == 2 else f"{mode}:{size}"
+        if len(budget) < size:
+            raise PlacementError(f"DEVICE_MAP={name} needs groups of {size} GPUs but {len(budget)} are visible; "
+                                 + ("use DEVICE_MAP=cuda or balanced" if size == 2 else
+                                    "use DEVICE_MAP=cfg-parallel (pairs) or a smaller group"))
+        if not _fits_every_gpu(total + NCCL_BUFFERS, budget):
             smallest = min(budget.values())
             raise PlacementError(
-                f"DEVICE_MAP=cfg-parallel needs 2 or more GPUs that each take a full copy ({total / GIB:.1f} GiB); "
+                f"DEVICE_MAP={name} needs {size} or more GPUs that each take a full copy ({total / GIB:.1f} GiB); "
                 f"{len(budget)} GPU(s) visible, the smallest can take {smallest / GIB:.1f} GiB; use "
                 "DEVICE_MAP=balanced (or replicas with one GPU)")
+        if mode == "ulysses" or size > 2:
+            return _groups(components, budget, name, mode, size)
         return _pairs(components, budget, "cfg-parallel")
     if mode == "auto":
         if _fits_every_gpu(total + NCCL_BUFFERS, budget) and len(budget) >= 2:
@@ -268,6 +287,34 @@ def _pairs(components: Sequence[ComponentSpec], budget: Mapping[int, int], mode:
               "the throughput of two replicas)")
     if len(indices) % 2:
         reason += f"; cuda:{indices[-1]} is left over and serves alone"
+    return Plan(mode, tuple(workers), reason, {_gpu(i): _total(components) for i in indices})
+
+
+def _groups(components: Sequence[ComponentSpec], budget: Mapping[int, int], mode: str, kind: str,
+            size: int) -> Plan:
+    """Groups of `size` GPUs, a full pipeline on each. `cfg`: the two halves run the two CFG branches
+    and each half splits every forward's sequence over its GPUs (Ulysses); `ulysses`: all GPUs of the
+    group split every forward (CFG off runs on all of them too). GPUs left over form CFG pairs, then
+    one-GPU workers."""
+    indices = sorted(budget)
+    whole = len(indices) // size * size
+    workers = []
+    for start in range(0, whole, size):
+        devices = tuple(_gpu(i) for i in indices[start:start + size])
+        ulysses = size // 2 if kind == "cfg-parallel" else size
+        workers.append(WorkerPlan(f"worker-{len(workers)}", _whole(components, devices[0]),
+                                  "cfg" if kind == "cfg-parallel" else "ulysses", devices, ulysses))
+    rest = indices[whole:]
+    for i in range(0, len(rest) - 1, 2):
+        devices = (_gpu(rest[i]), _gpu(rest[i + 1]))
+        workers.append(WorkerPlan(f"worker-{len(workers)}", _whole(components, devices[0]), "cfg", devices))
+    if len(rest) % 2:
+        workers.append(WorkerPlan(f"worker-{len(workers)}", _whole(components, _gpu(rest[-1]))))
+    what = ("2 halves running the two CFG branches, each half splitting the sequence (Ulysses-"
+            f"{size // 2})" if kind == "cfg-parallel" else f"every forward split over its {size} GPUs (Ulysses-{size})")
+    reason = f"{whole // size} group(s) of {size} GPUs, {what}"
+    if rest:
+        reason += f"; {', '.join(_gpu(i) for i in rest)} left over (CFG pairs, then one-GPU workers)"
     return Plan(mode, tuple(workers), reason, {_gpu(i): _total(components) for i in indices})
 
 

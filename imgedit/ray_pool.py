@@ -26,6 +26,7 @@ from imgedit.settings import Settings
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 30.0  # ray.init retries an unreachable address for minutes; the server must not hang
 POLL_S = 0.5
+_STAY = threading.Event()  # never set: see connect()
 NODE_LEFT = "its node left the cluster"
 
 
@@ -59,6 +60,12 @@ def connect(address: str | None, timeout: float = CONNECT_TIMEOUT_S) -> None:
             outcome.append(None)
         except BaseException as exc:  # noqa: BLE001 - ray raises ConnectionError, RuntimeError, ... here
             outcome.append(exc)
+            return
+        # Without an address ray.init starts a local cluster whose GCS and raylet are tied to the
+        # *thread* that started them (Linux PR_SET_PDEATHSIG, Ray's kernel fate-sharing): had this
+        # thread ended, they would be killed at once and every later Ray call would hang for 60 s,
+        # then kill the server. So the thread lives as long as the process.
+        _STAY.wait()
 
     # A daemon thread: one still retrying an unreachable address must not keep the process alive.
     thread = threading.Thread(target=join, name="ray-connect", daemon=True)

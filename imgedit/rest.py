@@ -2,7 +2,8 @@
 
 `/v1/images/edits` speaks OpenAI's Images API (multipart; `image` or `image[]`, `prompt`, `n`, `size`,
 `response_format=b64_json`) plus the extensions `negative_prompt`, `seed`, `num_inference_steps`,
-`true_cfg_scale`. Jobs go to the same manager line and workers as the UI. Errors come back in
+`true_cfg_scale`, `speed` (quality | fast | fastest), `lora` and `lora_scale` (the openai SDK sends
+extensions through `extra_body`). Jobs go to the same manager line and workers as the UI. Errors come back in
 OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 """
 
@@ -220,10 +221,15 @@ async def _parse(request: Request, manager) -> EditRequest:
         raise InvalidInput("prompt is required (a text field)")
     width, height = _size(form.get("size"))
     negative = form.get("negative_prompt")
+    speed, lora = form.get("speed"), form.get("lora")
+    for name, value in (("speed", speed), ("lora", lora)):
+        if value is not None and not isinstance(value, str):
+            raise InvalidInput(f"{name} must be a text field", name)
     req = EditRequest(
         images=tuple(images), prompt=prompt, negative_prompt=negative if isinstance(negative, str) else "",
         seed=_int(form, "seed", None), num_inference_steps=_int(form, "num_inference_steps", None),
         true_cfg_scale=_float(form, "true_cfg_scale"), num_images=_int(form, "n", 1),
-        width=width, height=height, source="rest")
+        width=width, height=height, speed=speed or None, lora=lora or None,
+        lora_scale=_float(form, "lora_scale"), source="rest")
     check_params(req, settings, manager.family)
     return req

@@ -18,7 +18,8 @@ from typing import Any
 from imgedit.errors import SettingsError
 
 GIB = 1024**3
-DEVICE_MAP_MODES = ("balanced", "auto", "replicas", "cfg-parallel", "cuda", "cpu")
+DEVICE_MAP_MODES = ("balanced", "auto", "replicas", "cfg-parallel", "ulysses", "cuda", "cpu")
+GROUP_SIZES = (2, 4, 8)  # GPUs in one parallel group: cfg-parallel[:N], ulysses[:N]
 DTYPES = ("bfloat16", "float16", "float32")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -95,6 +96,12 @@ def _size(raw: str) -> int:
     return parse_size(raw)
 
 
+def _loras(raw: str) -> tuple[tuple[str, str], ...]:
+    from imgedit.loras import parse_loras
+
+    return parse_loras(raw)
+
+
 def _max_memory(raw: str) -> tuple[int, ...]:
     if not raw.strip():
         return ()
@@ -108,14 +115,16 @@ def _max_memory(raw: str) -> tuple[int, ...]:
 class DeviceMap:
     """DEVICE_MAP parsed: a mode, a single GPU (`cuda:N`) or a manual map."""
 
-    mode: str  # balanced | auto | replicas | cuda | cpu | manual
+    mode: str  # balanced | auto | replicas | cfg-parallel | ulysses | cuda | cpu | manual
     gpu: int | None = None  # for cuda / cuda:N
     manual: Mapping[str, Any] = field(default_factory=dict)
+    group: int = 2  # GPUs per parallel group (cfg-parallel:N, ulysses:N)
 
 
 def parse_device_map(raw: str) -> DeviceMap:
     text = raw.strip()
-    allowed = ("balanced, auto, replicas, cfg-parallel, cuda, cuda:N, cpu, or a JSON object such as "
+    allowed = ("balanced, auto, replicas, cfg-parallel, cfg-parallel:4, cfg-parallel:8, ulysses:2, ulysses:4, "
+               "ulysses:8, cuda, cuda:N, cpu, or a JSON object such as "
                '{"transformer": {"0-29": "cuda:0", "30-59": "cuda:1"}, "text_encoder": "cuda:1", "vae": "cuda:0"}')
     if text.startswith("{"):
         try:
@@ -135,6 +144,10 @@ def parse_device_map(raw: str) -> DeviceMap:
         return DeviceMap(value, gpu=0 if value == "cuda" else None)
     if match := re.fullmatch(r"cuda:(\d+)", value):
         return DeviceMap("cuda", gpu=int(match.group(1)))
+    if match := re.fullmatch(r"(cfg-parallel|ulysses):(\d+)", value):
+        if int(match.group(2)) not in GROUP_SIZES:
+            raise ValueError(f"a group of 2, 4 or 8 GPUs after {match.group(1)}:; allowed: {allowed}")
+        return DeviceMap(match.group(1), group=int(match.group(2)))
     raise ValueError(allowed)
 
 
@@ -156,7 +169,8 @@ REGISTRY: tuple[Var, ...] = (
         "Serve the tiny random-weight demo checkpoint (built locally, no download); outputs are noise"),
     Var("DEMO_DIR", "~/.cache/imgedit/demo", _str, "Where the demo checkpoint is built and cached"),
     Var("DEVICE_MAP", "balanced", parse_device_map,
-        "balanced | auto | replicas | cfg-parallel | cuda | cuda:N | cpu | JSON manual map (see README)"),
+        "balanced | auto | replicas | cfg-parallel | cfg-parallel:4|8 | ulysses[:2|4|8] | cuda | cuda:N | cpu | "
+        "JSON map (see README)"),
     Var("MAX_MEMORY", "", _max_memory,
         "Per-GPU memory caps, e.g. 75GiB,75GiB (one per visible GPU, or one for all); empty = free memory"),
     Var("GPU_MEMORY_RESERVE", "1.5GiB", _size,
@@ -177,6 +191,14 @@ REGISTRY: tuple[Var, ...] = (
     Var("BODY_READ_TIMEOUT", "30", _int_range(1, 3600),
         "Seconds a request body may stall (no bytes at all) before the server answers 408 and hangs up"),
     Var("MAX_IMAGES_PER_PROMPT", "4", _int_range(1, 16), "Largest number of images one request may ask for"),
+    Var("LORA_DIR", "", _optional_str,
+        "Folder whose *.safetensors LoRAs are offered, each named by its file name without .safetensors"),
+    Var("LORAS", "", _loras,
+        "More LoRAs as name=path pairs, comma-separated; a path may be a hub file owner/repo/file.safetensors"),
+    Var("FAST_LORA_4STEP", "", _optional_str,
+        "Name of the Lightning 4-step LoRA for speed=fastest; empty = the LoRA whose file name says Lightning-4steps"),
+    Var("FAST_LORA_8STEP", "", _optional_str,
+        "Name of the Lightning 8-step LoRA for speed=fast; empty = the LoRA whose file name says Lightning-8steps"),
     Var("COMPILE", "auto", _choice("auto", "on", "off"),
         "Compile the transformer's repeated blocks (torch.compile), warmed up at start-up; auto = on for GPUs"),
     Var("COMPILE_CACHE_DIR", "~/.cache/imgedit/compile", _str,
@@ -233,6 +255,11 @@ class Settings:
     max_file_size: int = 25_000_000
     body_read_timeout: int = 30
     max_images_per_prompt: int = 4
+    lora_dir: str | None = None
+    loras: tuple[tuple[str, str], ...] = ()
+    fast_lora_4step: str | None = None
+    fast_lora_8step: str | None = None
+    lora_entries: tuple = ()  # imgedit.loras.LoraEntry for each configured LoRA (built from the four above)
     compile: str = "auto"
     compile_cache_dir: str = "~/.cache/imgedit/compile"
     worker_restarts: int = 3
@@ -284,6 +311,14 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
         problems.append(f"DEFAULT_STEPS={steps} is above MAX_STEPS={most}")
     if values.get("gradio_auth") and ":" not in values["gradio_auth"]:
         problems.append(f"GRADIO_AUTH={values['gradio_auth']!r} is not valid: expected user:password")
+    if not problems:
+        from imgedit.loras import entries
+
+        try:
+            values["lora_entries"] = entries(values["lora_dir"], values["loras"], values["fast_lora_4step"],
+                                             values["fast_lora_8step"])
+        except ValueError as exc:
+            problems.append(str(exc))
     if problems:
         raise SettingsError("Bad configuration:\n  " + "\n  ".join(problems))
     values["cuda_visible_devices"] = env.get("CUDA_VISIBLE_DEVICES")

@@ -21,6 +21,7 @@ from imgedit.gpus import GpuMonitor, snapshot
 from imgedit.identity import page_owner
 from imgedit.images import open_image
 from imgedit.jobs import EditRequest
+from imgedit.ui_fast import build_speed_controls, parse_speed_inputs
 from imgedit.uploads import gallery_paths, uploaded_paths
 from imgedit.validation import MAX_INPUT_IMAGES, check_counts, check_params, default_steps
 
@@ -60,18 +61,20 @@ def _text(value, name: str) -> str:
 
 
 def build_request(manager, files, prompt, negative_prompt, seed, randomize_seed, steps, cfg, num_images,
-                  width, height, source: str) -> EditRequest:
+                  width, height, source: str, speed=None, lora=None, lora_scale=None) -> EditRequest:
     """Parse one event's raw values. Every file must lie in Gradio's upload cache (imgedit.uploads)."""
     settings = manager.settings
     paths = uploaded_paths(files)
     check_counts(len(paths), manager.family)
     images = tuple(open_image(p, settings.max_input_pixels, f"image {i + 1}") for i, p in enumerate(paths))
+    speed, lora, lora_scale = parse_speed_inputs(speed, lora, lora_scale)
     return EditRequest(
         images=images, prompt=_text(prompt, "prompt"), negative_prompt=_text(negative_prompt, "negative_prompt"),
         seed=None if randomize_seed else _number(seed, "seed", 0),
         num_inference_steps=_number(steps, "num_inference_steps"),
         true_cfg_scale=_number(cfg, "true_cfg_scale"), num_images=_number(num_images, "num_images", 1),
-        width=_number(width, "width", 0) or None, height=_number(height, "height", 0) or None, source=source)
+        width=_number(width, "width", 0) or None, height=_number(height, "height", 0) or None, speed=speed,
+        lora=lora, lora_scale=lora_scale, source=source)
 
 
 def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None, history=None, jobs=None) -> gr.Blocks:
@@ -81,15 +84,18 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
     family_steps = default_steps(settings, manager.family)
 
     fields = ("images", "prompt", "negative_prompt", "seed", "randomize_seed", "num_inference_steps",
-              "true_cfg_scale", "num_images", "width", "height")
+              "true_cfg_scale", "num_images", "width", "height", "speed", "lora", "lora_scale")
 
-    def validate(files, prompt, negative_prompt, seed, randomize_seed, steps, cfg, num_images, width, height):
+    def validate(files, prompt, negative_prompt, seed, randomize_seed, steps, cfg, num_images, width, height,
+                 *speed_values):
         """Runs before the job enters the queue: bad input costs nothing else. The message goes to
         the input at fault."""
+        n_inputs = len(fields) - 3 + len(speed_values)  # the History tab's re-run sends no speed values
+        speed, lora, lora_scale = (*speed_values, None, None, None)[:3]
         verdicts = [gr.validate(True, "")] * len(fields)
         try:
             req = build_request(manager, files, prompt, negative_prompt, seed, randomize_seed, steps, cfg,
-                                num_images, width, height, "validator")
+                                num_images, width, height, "validator", speed, lora, lora_scale)
             check_params(req, settings, manager.family)
         except ImgEditError as exc:
             at = fields.index(exc.field) if exc.field in fields else 0
@@ -97,14 +103,15 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
         except Exception:
             log.exception("validator failed")
             verdicts[0] = gr.validate(False, "these inputs could not be read")
-        return verdicts
+        return verdicts[:n_inputs]
 
     async def edit(files, prompt, negative_prompt, seed, randomize_seed, steps, cfg, num_images, width, height,
-                   request: gr.Request, progress=gr.Progress()):
+                   speed=None, lora=None, lora_scale=None, request: gr.Request = None, progress=gr.Progress()):
         source = "ui" if request is not None and request.headers.get("referer") else "api"
         try:  # decoding up to three large images: off the event loop
             req = await asyncio.to_thread(build_request, manager, files, prompt, negative_prompt, seed,
-                                          randomize_seed, steps, cfg, num_images, width, height, source)
+                                          randomize_seed, steps, cfg, num_images, width, height, source, speed, lora,
+                                          lora_scale)
         except Exception as exc:
             raise user_error(exc) from None
         progress(0, desc="waiting for a free GPU worker")
@@ -170,6 +177,7 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
                     with gr.Row():
                         width = gr.Number(label="Width (0 = auto)", value=0, precision=0, minimum=0)
                         height = gr.Number(label="Height (0 = auto)", value=0, precision=0, minimum=0)
+                speed_inputs = build_speed_controls(settings)  # Speed, LoRA, strength (imgedit.ui_fast)
             with gr.Column():
                 result = gr.Gallery(label="Result", format="png", columns=2, elem_id="result", interactive=False)
                 used_seed = gr.Number(label="Seed used", precision=0, interactive=False)
@@ -183,14 +191,16 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
         # then Gradio's upload check); the handlers check the paths they open or return once more.
         files.change(preview_inputs, files, preview, queue=False, preprocess=False, api_visibility="private")
         inputs = [files, prompt, negative, seed, randomize, steps, cfg, num, width, height]
+        edit_inputs = inputs + speed_inputs  # the History tab re-fills `inputs` only: speed stays as chosen
         # No Gradio limit: every job goes straight to the manager's line, where UI, API and REST jobs
         # wait together in arrival order and QUEUE_MAX_SIZE is enforced once; the workers' locks keep
         # each GPU to one job.
         line = None
-        event = run.click(edit, inputs, [result, used_seed], api_name="edit", concurrency_id=GPU_GROUP,
+        event = run.click(edit, edit_inputs, [result, used_seed], api_name="edit", concurrency_id=GPU_GROUP,
                           concurrency_limit=line, validator=validate, preprocess=False)
-        submitted = prompt.submit(edit, inputs, [result, used_seed], api_visibility="private", concurrency_id=GPU_GROUP,
-                                  concurrency_limit=line, validator=validate, preprocess=False)
+        submitted = prompt.submit(edit, edit_inputs, [result, used_seed], api_visibility="private",
+                                  concurrency_id=GPU_GROUP, concurrency_limit=line, validator=validate,
+                                  preprocess=False)
         stop.click(None, None, None, cancels=[event, submitted], queue=False, api_visibility="private")
         again.click(use_result, result, files, queue=False, preprocess=False, api_visibility="private")
         timer.tick(panel, None, gpu_panel, queue=False, api_visibility="private")

@@ -41,6 +41,8 @@ class Resolved:
     num_images: int
     width: int | None
     height: int | None
+    adapters: tuple[tuple[str, float], ...] = ()  # (LoRA name, strength) active for this job
+    scheduler: str = "default"  # default | lightning (imgedit.loras.LIGHTNING_SCHEDULER)
 
 
 def check_counts(n_images: int, family: str) -> None:
@@ -128,7 +130,8 @@ def resolve(req: EditRequest, settings: Settings, family: str,
         raise InvalidInput("the prompt is empty: say what to change", "prompt")
     if len(req.prompt) > MAX_PROMPT_CHARS or len(req.negative_prompt or "") > MAX_PROMPT_CHARS:
         raise InvalidInput(f"the prompt is longer than {MAX_PROMPT_CHARS} characters", "prompt")
-    steps = req.num_inference_steps
+    preset = speed_preset(req, settings)  # a Lightning preset sets its steps and turns CFG off
+    steps = req.num_inference_steps if preset is None else preset.steps
     if steps is None:
         steps = default_steps(settings, family)
     _whole("num_inference_steps", steps)
@@ -136,6 +139,8 @@ def resolve(req: EditRequest, settings: Settings, family: str,
         raise InvalidInput(f"num_inference_steps {steps} is out of range: 1 to {settings.max_steps}",
                            "num_inference_steps")
     cfg = settings.default_true_cfg if req.true_cfg_scale is None else req.true_cfg_scale
+    if preset is not None:
+        cfg = 1.0
     if not 1.0 <= cfg <= 20.0:
         raise InvalidInput(f"true_cfg_scale {cfg} is out of range: 1 to 20 (1 turns CFG off)", "true_cfg_scale")
     _whole("num_images", req.num_images)
@@ -149,7 +154,9 @@ def resolve(req: EditRequest, settings: Settings, family: str,
     width, height = _size(req.width, req.height, last_image_size, settings)
     # True CFG runs only when a negative prompt is passed: always pass one (" " when empty).
     negative = req.negative_prompt if (req.negative_prompt or "").strip() else " "
-    return Resolved(int(steps), float(cfg), negative, int(seed), int(req.num_images), width, height)
+    adapters = lora_adapters(req, settings, preset)
+    return Resolved(int(steps), float(cfg), negative, int(seed), int(req.num_images), width, height, adapters,
+                    "default" if preset is None else "lightning")
 
 
 def default_steps(settings: Settings, family: str) -> int:
@@ -160,3 +167,42 @@ def _whole(name: str, value) -> None:
     if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()) \
             or isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidInput(f"{name} must be a whole number, got {value!r}", name)
+
+
+def speed_preset(req: EditRequest, settings: Settings):
+    """The Lightning LoRA entry a fast/fastest request runs with; None for quality."""
+    from imgedit.loras import SPEEDS, lightning_for
+
+    speed = "quality" if req.speed in (None, "") else req.speed
+    if not isinstance(speed, str) or speed.lower() not in SPEEDS:
+        raise InvalidInput(f"speed must be one of {', '.join(SPEEDS)}, got {str(speed)[:40]!r}", "speed")
+    steps = SPEEDS[speed.lower()]
+    if steps is None:
+        return None
+    entry = lightning_for(settings.lora_entries, steps)
+    if entry is None:
+        raise InvalidInput(f"speed {speed.lower()} needs a Lightning {steps}-step LoRA and none is configured: "
+                           f"set FAST_LORA_{steps}STEP (or add a ...Lightning-{steps}steps... file to LORA_DIR/LORAS)",
+                           "speed")
+    return entry
+
+
+def lora_adapters(req: EditRequest, settings: Settings, preset) -> tuple[tuple[str, float], ...]:
+    """(name, strength) of every adapter the job runs with: the speed preset's Lightning LoRA at 1,
+    then the picked LoRA at its strength."""
+    from imgedit.loras import MAX_LORA_SCALE
+
+    adapters = [(preset.name, 1.0)] if preset is not None else []
+    name = req.lora
+    if name in (None, "", "none"):
+        return tuple(adapters)
+    known = [e.name for e in settings.lora_entries]
+    if not isinstance(name, str) or name not in known:
+        offered = ", ".join(known) if known else "none (set LORA_DIR or LORAS)"
+        raise InvalidInput(f"unknown LoRA {str(name)[:64]!r}; configured LoRAs: {offered}", "lora")
+    scale = 1.0 if req.lora_scale is None else req.lora_scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0.0 <= scale <= MAX_LORA_SCALE:
+        raise InvalidInput(f"lora_scale {scale!r} is out of range: 0 to {MAX_LORA_SCALE:g}", "lora_scale")
+    if adapters and adapters[0][0] == name:  # the preset's LoRA picked again: one adapter, the picked strength
+        return ((name, float(scale)),)
+    return (*adapters, (name, float(scale)))

@@ -234,3 +234,10 @@ def test_planned_weights_reach_the_status_and_measured_ones_are_per_gpu(plus_ckp
     by_name = {w.name: w for w in manager.status().workers}
     assert by_name["worker-1"].weights_mib == {"cuda:1": 500.0, "cuda:0": 400.0}
     assert by_name["worker-0"].weights_mib == {"cuda:2": 2000.0, "cuda:3": 900.0}
+
+
+def test_loaded_loras_are_listed_under_the_cards():
+    mon, st = one_gpu_busy()
+    data = snapshot(mon, st)
+    data["loras"] = [{"name": "<fast>", "lightning_steps": 4}, {"name": "style", "lightning_steps": None}]
+    assert "LoRAs loaded: &lt;fast&gt; (Lightning 4-step), style</small>" in panel_html(data)

@@ -71,7 +71,7 @@ def test_cfg_parallel_pairs_gpus_and_an_odd_one_serves_alone():
 
 
 def test_cfg_parallel_refuses_what_cannot_hold_a_copy_per_gpu():
-    with pytest.raises(PlacementError, match="cfg-parallel needs 2 or more GPUs"):
+    with pytest.raises(PlacementError, match="cfg-parallel needs groups of 2 GPUs but 1 are visible"):
         plan("cfg-parallel", gpus(141))
     with pytest.raises(PlacementError, match="each take a full copy .* use DEVICE_MAP=balanced"):
         plan("cfg-parallel", gpus(48, 48))

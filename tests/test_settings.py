@@ -56,7 +56,7 @@ def test_dtype_aliases():
 
 
 @pytest.mark.parametrize("name, value, allowed", [
-    ("DEVICE_MAP", "gpu", "balanced, auto, replicas, cfg-parallel, cuda, cuda:N, cpu"),
+    ("DEVICE_MAP", "gpu", "balanced, auto, replicas, cfg-parallel, cfg-parallel:4, cfg-parallel:8, ulysses:2"),
     ("DEVICE_MAP", "{not json", "valid JSON"),
     ("MAX_MEMORY", "75 gigs", "comma-separated sizes"),
     ("TORCH_DTYPE", "int8", "bfloat16, float16, float32"),

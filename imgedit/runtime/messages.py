@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from imgedit.checkpoint import Checkpoint
 from imgedit.jobs import EditRequest, EditResult
+from imgedit.loras import LoraFile
 from imgedit.placement import WorkerPlan
 from imgedit.validation import Resolved
 
@@ -49,7 +50,7 @@ class WorkerSpec:
     name: str
     rank: int
     world: int
-    parallel: str  # none | cfg
+    parallel: str  # none | cfg | ulysses (imgedit.runtime.group)
     plan: WorkerPlan
     checkpoint: Checkpoint
     dtype: str
@@ -60,6 +61,8 @@ class WorkerSpec:
     warmup_sizes: tuple[tuple[int, int], ...] = ()
     devices: tuple[str, ...] = ()  # the worker's GPUs as the server numbers them (for messages and results)
     memory_caps: tuple[int, ...] = ()  # MAX_MEMORY for each GPU this rank sees (cuda:0, cuda:1, ...), bytes
+    ulysses: int = 1  # ranks splitting each forward's sequence (the half of a cfg group, or all of a ulysses one)
+    loras: tuple[LoraFile, ...] = ()  # checked at start-up (imgedit.loras.check_all); every rank loads them all
 
 
 @dataclass(frozen=True)

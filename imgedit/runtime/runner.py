@@ -16,7 +16,7 @@ import torch
 
 from imgedit.errors import Cancelled, ImgEditError, OutOfGpuMemory, WorkerFailed
 from imgedit.jobs import EditResult
-from imgedit.runtime.cfg_parallel import CfgPair, agree_to_stop
+from imgedit.runtime.cfg_parallel import agree_to_stop
 from imgedit.runtime.messages import Job
 
 log = logging.getLogger(__name__)
@@ -40,18 +40,23 @@ class FatalError(ImgEditError):
 
 class Runner:
     def __init__(self, pipe, name: str, devices: tuple[str, ...], rank: int = 0, world: int = 1,
-                 parallel: str = "none", group=None, auto_cleanup: bool = True):
+                 parallel: str = "none", group=None, auto_cleanup: bool = True, ulysses: int = 1,
+                 cuda: bool = False, adapters=None):
         self.pipe = pipe
         self.name = name
         self.devices = devices
         self.rank, self.world, self.parallel = rank, world, parallel
-        self.group = group  # the CPU group the ranks agree on cancel over
         self.auto_cleanup = auto_cleanup
-        self.cfg_pair = CfgPair(pipe.transformer, rank, None) if parallel == "cfg" else None
+        self.group = None
+        if parallel != "none":
+            from imgedit.runtime.group import ParallelGroup
+
+            self.group = ParallelGroup(pipe.transformer, parallel, rank, world, ulysses, cuda, group)
+        self.adapters = adapters  # imgedit.runtime.adapters.Adapters: the job's LoRAs and scheduler
 
     def takes_part(self, job: Job) -> bool:
-        """With CFG off a pair has nothing to split: rank 0 runs the job alone."""
-        return self.rank == 0 or self._cfg_on(job)
+        """With CFG off a CFG pair has nothing to split: its first rank (or half) runs the job."""
+        return self.group is None or self.group.takes_part(self._cfg_on(job))
 
     @staticmethod
     def _cfg_on(job: Job) -> bool:
@@ -61,9 +66,8 @@ class Runner:
         """Run one job. Raises Cancelled, OutOfGpuMemory, ImgEditError, or FatalError."""
         started = time.perf_counter()
         params, req = job.params, job.request
-        collective = self.cfg_pair is not None and self._cfg_on(job)
-        if self.cfg_pair is not None:
-            self.cfg_pair.begin(collective)
+        together = self.group.begin(self._cfg_on(job)) if self.group is not None else None
+        collective = together is not None  # ranks that run this job together agree on cancel each step
         reached = 0
 
         def step_end(pipe, step, timestep, callback_kwargs):
@@ -71,7 +75,7 @@ class Runner:
             reached = step + 1
             stop = cancel.is_set()
             if collective:
-                stop = agree_to_stop(stop, self.group)
+                stop = agree_to_stop(stop, together)
             if on_step is not None:
                 on_step(step + 1, params.steps)
             if stop:
@@ -85,6 +89,10 @@ class Runner:
         generator = torch.Generator(device="cpu").manual_seed(params.seed)
         out_of_memory = False
         try:
+            if self.adapters is not None:
+                self.adapters.use(params.adapters, params.scheduler)
+            elif params.adapters or params.scheduler != "default":
+                raise ImgEditError("this worker has no LoRAs loaded")
             with torch.inference_mode():
                 output = self.pipe(
                     image=images, prompt=req.prompt, negative_prompt=params.negative_prompt,
@@ -105,8 +113,10 @@ class Runner:
             error = ImgEditError(f"the edit failed with an internal error (request {req.request_id})")
             raise FatalError(error) if collective else error from None
         finally:
-            if self.cfg_pair is not None:
-                self.cfg_pair.begin(False)
+            if self.group is not None:
+                self.group.end()
+            if self.adapters is not None:  # no adapter outlives its job (done, failed or cancelled)
+                self.adapters.reset()
         if out_of_memory:
             log.warning("%s: out of GPU memory on %s", req.request_id, ",".join(self.devices))
             self.cleanup(force=True)

@@ -75,11 +75,15 @@ def _load(spec: WorkerSpec):
         log.info("runs on the CPU: using float32 instead of %s", spec.dtype)  # bf16 convs are emulated, slow
         dtype = torch.float32
     pipe = loader.load_pipeline(spec.checkpoint, plan, dtype)
-    weights = _weights_per_gpu() if cuda else {}
     install_token_type_fix(pipe.text_encoder)
+    from imgedit.runtime.adapters import Adapters
+
+    adapters = Adapters(pipe, spec.loras)  # every rank loads the same LoRAs, all disabled
+    weights = _weights_per_gpu() if cuda else {}  # the LoRAs' weights included
     runner = Runner(pipe, spec.name, spec.devices or plan.devices, spec.rank, spec.world, spec.parallel, group,
-                    spec.auto_cleanup)
-    info: dict = {"compiled": False, "load_seconds": round(time.perf_counter() - started, 2), "weights_mib": weights}
+                    spec.auto_cleanup, spec.ulysses, cuda, adapters)
+    info: dict = {"compiled": False, "load_seconds": round(time.perf_counter() - started, 2),
+                  "loras": [f.name for f in spec.loras], "weights_mib": weights}
     if spec.hook:
         module, _, function = spec.hook.partition(":")
         import importlib
@@ -87,6 +91,9 @@ def _load(spec: WorkerSpec):
         getattr(importlib.import_module(module), function)(pipe, spec)
     if spec.compile:
         compile_started = time.perf_counter()
+        if spec.loras:  # each adapter set is one more compiled variant of the block (guards on peft's state)
+            limit = 8 + 2 * len(spec.loras)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
         pipe.transformer.compile_repeated_blocks(fullgraph=True)
         info["compiled"] = True
         info["warmup_seconds"] = _warm_up(runner, spec)
@@ -137,6 +144,17 @@ def _warm_up(runner, spec: WorkerSpec) -> list[float]:
                           width=width, height=height)
         started = time.perf_counter()
         runner.run(Job(req, params, family), threading.Event())
+        times.append(round(time.perf_counter() - started, 2))
+    # Lightning jobs run their adapter with CFG off: compile that variant now too, at the first size.
+    for lora in (f for f in spec.loras if f.steps):
+        width, height = spec.warmup_sizes[0] if spec.warmup_sizes else (1024, 1024)
+        image = Image.new("RGB", (width, height), (120, 130, 140))
+        req = EditRequest(images=(image,), prompt="warm up", request_id=f"warmup-{lora.name}", source="warmup")
+        params = Resolved(steps=2, true_cfg_scale=1.0, negative_prompt=" ", seed=0, num_images=1, width=width,
+                          height=height, adapters=((lora.name, 1.0),), scheduler="lightning")
+        started = time.perf_counter()
+        if runner.takes_part(Job(req, params, family)):
+            runner.run(Job(req, params, family), threading.Event())
         times.append(round(time.perf_counter() - started, 2))
     return times
 

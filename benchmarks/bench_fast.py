@@ -1,0 +1,267 @@
+"""Benchmark fast mode: Lightning-shaped LoRAs at 4 and 8 steps, CFG off, through the app's own path.
+
+    python benchmarks/bench_fast.py [--sections eager,compiled] [--size 1024] [--json out.json]
+    python benchmarks/bench_fast.py --tiny          # CPU smoke run of every section on the tiny model
+
+Every job goes through imgedit's PipelineManager and a worker process, as in the app, on one GPU
+(DEVICE_MAP=cuda:0), with a real-size random-weight checkpoint (trained-like init) and two random
+LoRAs of the published Lightning shape (rank 64 on the 12 attention and MLP Linear layers of each of
+the 60 blocks; imgedit.lora_random), registered through LORA_DIR by their Lightning file names. The
+worker hook checks that every transformer output is finite (bench.finite_check): NaN runs faster.
+
+Sections (each loads the model once; --sections picks them):
+  eager     COMPILE=off: 4-step and 8-step edits end to end (speed=fastest / fast), per-step time
+            with no LoRA vs the adapter unfused (as the app runs it) vs fused into the weights
+            (pipe.fuse_lora, bench-only: a prompt marker makes the worker fuse before denoising),
+            the cost of switching LoRA between jobs vs a 40-step quality edit, and that 40-step edit.
+  compiled  COMPILE=on (regional compile, warmed up at start-up, Lightning variants included): the
+            same edits, switching, the 40-step quality edit, and a 4-step edit through the HTTP
+            server (REST), which is what the <= 2 s target is about.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import contrast, finite_check, reference_image  # noqa: E402
+
+from imgedit.demo_checkpoint import build_checkpoint  # noqa: E402
+from imgedit.jobs import EditRequest  # noqa: E402
+from imgedit.lora_random import LIGHTNING_RANK, random_lora  # noqa: E402
+from imgedit.loras import transformer_linears  # noqa: E402
+from imgedit.manager import PipelineManager  # noqa: E402
+from imgedit.settings import load_settings  # noqa: E402
+
+log = logging.getLogger("bench_fast")
+FOUR = "Bench-Lightning-4steps-V1.0-bf16"
+EIGHT = "Bench-Lightning-8steps-V1.0-bf16"
+STYLE = "bench-style"
+FUSE_MARK = "[fused]"
+
+
+def hook(pipe, spec) -> None:
+    """Worker hook: the finite check, plus fusing for the fused-adapter measurement. A prompt with
+    FUSE_MARK fuses the job's (already active) adapters into the weights before denoising; the next
+    job without it unfuses them first. The app itself never fuses (see imgedit.runtime.adapters)."""
+    finite_check(pipe, spec)
+    encode = pipe.encode_prompt
+    state = {"fused": False, "locked": False}
+
+    def encode_prompt(*args, **kwargs):
+        prompt = kwargs.get("prompt", args[0] if args else "")
+        if isinstance(prompt, str) and not state["locked"]:  # the prompt is encoded before the negative one
+            state["locked"] = True
+            if FUSE_MARK in prompt and not state["fused"]:
+                pipe.fuse_lora(components=["transformer"], adapter_names=pipe.get_active_adapters())
+                state["fused"] = True
+            elif FUSE_MARK not in prompt and state["fused"]:
+                pipe.unfuse_lora(components=["transformer"])
+                state["fused"] = False
+        return encode(*args, **kwargs)
+
+    def release(module, args):  # one pipeline call = one prompt decision
+        state["locked"] = False
+
+    pipe.encode_prompt = encode_prompt
+    pipe.vae.decoder.register_forward_pre_hook(release)
+
+
+class StepClock:
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, step: int, total: int) -> None:
+        self.times.append(time.perf_counter())
+
+    @property
+    def per_step(self) -> float:
+        """Seconds per step, first step excluded (it holds the prompt encoding and VAE encode)."""
+        return (self.times[-1] - self.times[0]) / max(1, len(self.times) - 1)
+
+
+def edit(manager, image, size, seed=0, prompt="turn the sky into a sunset", **kw) -> dict:
+    req = EditRequest(images=(image,), prompt=prompt, seed=seed, width=size, height=size, source="bench", **kw)
+    clock = StepClock()
+    t0 = time.perf_counter()
+    result = manager.edit(req, on_step=clock)
+    wall = time.perf_counter() - t0
+    if contrast(result.images[0]) < 1.0:
+        raise RuntimeError("a flat (black/NaN) image came back")
+    return {"wall_s": round(wall, 3), "worker_s": round(result.seconds, 3), "steps": result.steps,
+            "s_per_step": round(clock.per_step, 4), "outside_loop_s": round(wall - clock.per_step * result.steps, 3)}
+
+
+def best(runs: list[dict]) -> dict:
+    """The median run by wall time, with every wall time listed."""
+    ordered = sorted(runs, key=lambda r: r["wall_s"])
+    return {**ordered[len(ordered) // 2], "walls": [r["wall_s"] for r in runs]}
+
+
+def make_loras(folder: Path, ckpt: Path, rank: int) -> None:
+    linears = transformer_linears(ckpt)
+    for seed, name in enumerate((FOUR, EIGHT, STYLE)):
+        path = folder / f"{name}.safetensors"
+        if not path.is_file():
+            t0 = time.perf_counter()
+            random_lora(path, linears, rank=rank, std=0.02, seed=seed + 1)
+            log.info("wrote %s (%.0f MiB) in %.1fs", path.name, path.stat().st_size / 2**20, time.perf_counter() - t0)
+
+
+def manager_for(args, ckpt: Path, lora_dir: Path, compile_mode: str) -> tuple[PipelineManager, float]:
+    settings = load_settings({
+        "QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": args.device_map, "COMPILE": compile_mode,
+        "COMPILE_CACHE_DIR": args.cache, "LOG_LEVEL": "INFO", "MAX_STEPS": "200", "LORA_DIR": str(lora_dir)})
+    t0 = time.perf_counter()
+    sizes = ((args.size, args.size), (args.size - 192, args.size + 224))  # the app's two warm-up shapes at 1024
+    manager = PipelineManager(settings, worker_hook="bench_fast:hook", warmup_sizes=sizes).load(timeout=540)
+    return manager, round(time.perf_counter() - t0, 1)
+
+
+def switching(manager, image, size, repeats: int) -> dict:
+    """Fastest jobs with the same LoRA set every time vs alternating with another LoRA on top: the
+    difference per job is what a LoRA switch costs."""
+    same = [edit(manager, image, size, seed=i, speed="fastest")["wall_s"] for i in range(repeats)]
+    mixed = []
+    for i in range(repeats):
+        kw = {"lora": STYLE, "lora_scale": 0.8} if i % 2 else {}
+        mixed.append(edit(manager, image, size, seed=i, speed="fastest", **kw)["wall_s"])
+    cost = statistics.median(mixed) - statistics.median(same)
+    return {"same_lora_walls": same, "alternating_walls": mixed, "switch_cost_s": round(cost, 3)}
+
+
+def section(name: str, args, ckpt: Path, lora_dir: Path, image) -> dict:
+    compile_mode = "on" if name == "compiled" else "off"
+    manager, startup = manager_for(args, ckpt, lora_dir, compile_mode)
+    out: dict = {"section": name, "compile": compile_mode, "startup_s": startup,
+                 "worker_info": {w.name: w.info for w in manager.workers}, "loras": [dict(x) for x in
+                                                                                     manager.status().loras]}
+    size, reps = args.size, args.repeats
+    try:
+        if compile_mode == "off":
+            edit(manager, image, size, num_inference_steps=2)  # warm-up (compiled workers warm up at start)
+            edit(manager, image, size, speed="fastest")
+        out["fastest_4_step"] = best([edit(manager, image, size, seed=i, speed="fastest") for i in range(reps)])
+        out["fast_8_step"] = best([edit(manager, image, size, seed=i, speed="fast") for i in range(reps)])
+        n = args.per_step_steps
+        # Per step, CFG off in all three: the base transformer, + the unfused adapter, + the fused one.
+        out["per_step"] = {
+            "no_lora": edit(manager, image, size, num_inference_steps=n, true_cfg_scale=1.0)["s_per_step"],
+            "unfused": edit(manager, image, size, num_inference_steps=n, true_cfg_scale=1.0, lora=EIGHT)["s_per_step"],
+        }
+        if compile_mode == "off":  # fusing flips peft's state: under compile it would recompile mid-run
+            fused = edit(manager, image, size, num_inference_steps=n, true_cfg_scale=1.0, lora=EIGHT,
+                         prompt=f"{FUSE_MARK} turn the sky into a sunset")
+            out["per_step"]["fused"] = fused["s_per_step"]
+            edit(manager, image, size, num_inference_steps=2)  # unfuse again before the next measurement
+        base = out["per_step"]["no_lora"]
+        out["per_step"]["unfused_overhead"] = round(out["per_step"]["unfused"] / base - 1, 4)
+        if "fused" in out["per_step"]:
+            out["per_step"]["fused_overhead"] = round(out["per_step"]["fused"] / base - 1, 4)
+        out["switching"] = switching(manager, image, size, max(2, reps))
+        out["quality"] = edit(manager, image, size, num_inference_steps=args.quality_steps, negative_prompt=" ")
+        out["switching"]["fraction_of_quality_edit"] = round(
+            out["switching"]["switch_cost_s"] / out["quality"]["wall_s"], 4)
+        if name == "compiled" or args.tiny:
+            out["rest_fastest"] = rest_fastest(manager, image, size, reps)
+    finally:
+        manager.close()
+    return out
+
+
+def rest_fastest(manager, image, size: int, repeats: int) -> dict:
+    """A 4-step fast edit through the HTTP server (REST), as a client sees it."""
+    import socket
+
+    import httpx
+    import uvicorn
+    from PIL import Image
+
+    from imgedit.server import build_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(manager.settings, manager), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    form = {"prompt": "turn the sky into a sunset", "size": f"{size}x{size}", "seed": "0", "speed": "fastest"}
+    walls = []
+    try:
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/images/edits", data=form,
+                           files={"image": ("in.png", buf.getvalue(), "image/png")}, timeout=600)
+            walls.append(round(time.perf_counter() - t0, 3))
+            r.raise_for_status()
+            out = Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"])))
+            if contrast(out) < 1.0:
+                raise RuntimeError("a flat image came back over REST")
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    return {"walls": walls, "median_after_first_s": statistics.median(walls[1:])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", default="eager,compiled")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, rank-4 LoRAs, 64x64")
+    parser.add_argument("--ckpt", default="/tmp/qwen-image-edit-real-random")
+    parser.add_argument("--loras", default="/tmp/imgedit-bench-loras")
+    parser.add_argument("--cache", default="/tmp/imgedit-compile-cache")
+    parser.add_argument("--device-map", default="cuda:0")
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--per-step-steps", type=int, default=8)
+    parser.add_argument("--quality-steps", type=int, default=40)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    rank = LIGHTNING_RANK
+    if args.tiny:
+        tmp = Path(tempfile.mkdtemp(prefix="bench-fast-"))
+        args.ckpt, args.loras, args.device_map, rank = str(tmp / "ckpt"), str(tmp / "loras"), "cpu", 4
+        args.size, args.repeats, args.per_step_steps, args.quality_steps = 64, 2, 3, 4
+        args.sections = args.sections if args.sections != "eager,compiled" else "eager"
+    ckpt, lora_dir = Path(args.ckpt), Path(args.loras)
+    if not (ckpt / "model_index.json").is_file():
+        build_checkpoint(ckpt, kind="plus", size="tiny" if args.tiny else "real")
+    lora_dir.mkdir(parents=True, exist_ok=True)
+    make_loras(lora_dir, ckpt, rank)
+    image = reference_image(max(args.size, 64))
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
+              "lora_rank": rank, "results": []}
+    failed = False
+    for name in args.sections.split(","):
+        try:
+            res = section(name, args, ckpt, lora_dir, image)
+        except Exception as exc:
+            log.exception("section %s failed", name)
+            res, failed = {"section": name, "error": repr(exc)}, True
+        report["results"].append(res)
+        print(json.dumps(res), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

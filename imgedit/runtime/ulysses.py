@@ -1,0 +1,117 @@
+"""Ulysses sequence parallelism inside a worker group, with text padded to the degree.
+
+diffusers' context parallelism (`transformer.enable_parallelism(ContextParallelConfig(...))`) splits
+the image and text sequences over the Ulysses ranks and swaps sequence shards for head shards around
+every attention (all-to-all). Plain Ulysses needs each sequence divisible by the degree; the image
+sequence always is (whole 2x2 patches of a size divisible by 32), the text sequence (the prompt's
+length) is not. `ulysses_anything=True` lifts that but costs a `.item()` per attention, which breaks
+`torch.compile(fullgraph=True)` and measured only 1.27-1.36x on 2 GPUs instead of 1.45x eager /
+2.11x compiled (FACTS.md).
+
+So the text is padded to the next multiple of the degree, and the padding is masked out:
+`encoder_hidden_states_mask` is False on the padded positions, the attention processor turns it
+into a joint mask, and no real token (text or image) attends to a padded one. Real text tokens keep
+their rotary positions (QwenEmbedRope counts text positions from the start), so the prediction
+equals the unpadded one up to floating-point rounding (tests/test_parallel_groups.py and the GPU
+probe benchmarks/probe_ulysses.py check it). A mask makes SDPA leave its flash/cuDNN kernels for the
+memory-efficient one: the probe measures what that costs.
+
+Group layout: a group of `cfg * ulysses` ranks; rank = cfg_index * ulysses + ulysses_index. The
+ranks with the same cfg_index form one Ulysses half (one branch of true CFG); ranks with the same
+ulysses_index exchange the two branches' predictions (runtime.cfg_parallel.CfgPair over that group).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def pad_text(hidden: torch.Tensor, mask: torch.Tensor | None,
+             multiple: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pad the text sequence (dim 1) with zeros to a multiple of `multiple`, masked out.
+    Returns the inputs unchanged when they already divide."""
+    length = hidden.shape[1]
+    extra = -length % multiple
+    if extra == 0:
+        return hidden, mask
+    batch = hidden.shape[0]
+    if mask is None:
+        mask = torch.ones((batch, length), dtype=torch.bool, device=hidden.device)
+    pad = hidden.new_zeros((batch, extra, hidden.shape[2]))
+    hidden = torch.cat([hidden, pad], dim=1)
+    mask = torch.cat([mask.to(torch.bool), mask.new_zeros((batch, extra), dtype=torch.bool)], dim=1)
+    return hidden, mask
+
+
+def install_text_padding(transformer: torch.nn.Module, multiple: int) -> None:
+    """Wrap this transformer instance's forward so the text always divides by `multiple`."""
+    inner = transformer.forward
+
+    def forward(module, *args, **kwargs):
+        hidden = kwargs.get("encoder_hidden_states")
+        if hidden is not None:
+            kwargs["encoder_hidden_states"], kwargs["encoder_hidden_states_mask"] = pad_text(
+                hidden, kwargs.get("encoder_hidden_states_mask"), multiple)
+        return inner(*args, **kwargs)
+
+    transformer.forward = types.MethodType(forward, transformer)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a rank sits in a group of cfg x ulysses ranks."""
+
+    cfg: int
+    ulysses: int
+    rank: int
+
+    @property
+    def cfg_index(self) -> int:
+        return self.rank // self.ulysses
+
+    @property
+    def ulysses_index(self) -> int:
+        return self.rank % self.ulysses
+
+    def half(self, cfg_index: int) -> list[int]:
+        """The ranks of one Ulysses half (one CFG branch)."""
+        return [cfg_index * self.ulysses + u for u in range(self.ulysses)]
+
+    def exchange_peers(self, ulysses_index: int) -> list[int]:
+        """The ranks that exchange the two branches' predictions (same place in each half)."""
+        return [c * self.ulysses + ulysses_index for c in range(self.cfg)]
+
+
+def enable_ulysses(transformer: torch.nn.Module, layout: Layout, device_type: str) -> None:
+    """Turn on diffusers' Ulysses attention for this rank's half of the group, over a
+    (cfg, ring=1, ulysses) device mesh (the layout the 4-GPU probe ran: FACTS.md)."""
+    from diffusers import ContextParallelConfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (layout.cfg, 1, layout.ulysses), mesh_dim_names=("cfg", "ring", "ulysses"))
+    config = ContextParallelConfig(ulysses_degree=layout.ulysses, mesh=mesh)
+    if device_type == "cpu":
+        # diffusers picks the rank's device as `rank % torch.accelerator.device_count()`, which is a
+        # division by zero on a machine without an accelerator (CPU tests over gloo). Each rank's
+        # tensors stay on the CPU either way; only that lookup needs a non-zero count.
+        real = torch.accelerator.device_count
+        torch.accelerator.device_count = lambda: 1
+        try:
+            transformer.enable_parallelism(config=config)
+        finally:
+            torch.accelerator.device_count = real
+    else:
+        transformer.enable_parallelism(config=config)
+    install_text_padding(transformer, layout.ulysses)
+
+
+def subgroups(layout: Layout, backend: str | None = None) -> tuple[dict[int, object], dict[int, object]]:
+    """Every half's and every exchange set's process group, made on every rank in the same order
+    (torch.distributed.new_group is collective). Returns ({cfg_index: group}, {ulysses_index: group})."""
+    halves = {c: dist.new_group(layout.half(c), backend=backend) for c in range(layout.cfg)}
+    peers = {u: dist.new_group(layout.exchange_peers(u), backend=backend) for u in range(layout.ulysses)}
+    return halves, peers

@@ -1,0 +1,57 @@
+"""The page's speed and LoRA controls: "Speed" (quality / fast / fastest), shown only when a Lightning
+LoRA for that speed is configured, and a LoRA picker with a strength, shown only when LoRAs are.
+
+The values go to the /edit event as `speed`, `lora`, `lora_scale`, the same names REST takes.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from imgedit.loras import MAX_LORA_SCALE, SPEEDS, lightning_for
+from imgedit.settings import Settings
+
+SPEED_LABELS = {"quality": "Quality (the model's steps, CFG on)", "fast": "Fast (Lightning, 8 steps)",
+                "fastest": "Fastest (Lightning, 4 steps)"}
+NO_LORA = "none"
+
+
+def speed_choices(settings: Settings) -> list[tuple[str, str]]:
+    """Quality, plus each Lightning speed whose LoRA is configured."""
+    return [(SPEED_LABELS[speed], speed) for speed, steps in SPEEDS.items()
+            if steps is None or lightning_for(settings.lora_entries, steps) is not None]
+
+
+def lora_choices(settings: Settings) -> list[str]:
+    return [NO_LORA, *(e.name for e in settings.lora_entries)]
+
+
+def parse_speed_inputs(speed, lora, lora_scale) -> tuple[str | None, str | None, float | None]:
+    """Raw event values (preprocess=False) -> EditRequest fields; validation.resolve checks them."""
+    from imgedit.errors import InvalidInput
+
+    if speed is not None and not isinstance(speed, str):
+        raise InvalidInput("speed must be text", "speed")
+    if lora is not None and not isinstance(lora, str):
+        raise InvalidInput("lora must be text", "lora")
+    scale = None
+    if lora_scale not in (None, ""):
+        if isinstance(lora_scale, bool) or not isinstance(lora_scale, (int, float, str)):
+            raise InvalidInput("lora_scale must be a number", "lora_scale")
+        try:
+            scale = float(lora_scale)
+        except ValueError:
+            raise InvalidInput(f"lora_scale must be a number, got {str(lora_scale)[:40]!r}", "lora_scale") from None
+    return speed or None, None if lora in (None, "", NO_LORA) else lora, scale
+
+
+def build_speed_controls(settings: Settings) -> list:
+    """[speed, lora, lora_scale] components, for the edit event's inputs."""
+    choices = speed_choices(settings)
+    speed = gr.Radio(choices, value="quality", label="Speed", elem_id="speed", visible=len(choices) > 1,
+                     info="Lightning presets set their own steps and turn CFG off")
+    has_loras = bool(settings.lora_entries)
+    with gr.Row(visible=has_loras):
+        lora = gr.Dropdown(lora_choices(settings), value=NO_LORA, label="LoRA", elem_id="lora")
+        scale = gr.Slider(0.0, MAX_LORA_SCALE, value=1.0, step=0.05, label="LoRA strength", elem_id="lora-scale")
+    return [speed, lora, scale]

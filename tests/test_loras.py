@@ -1,0 +1,347 @@
+"""LoRAs and the Lightning speed presets: the registry, the start-up check, the per-job adapter and
+scheduler in the runner, and the same fields through REST and the gradio API.
+
+The LoRA files are written here (imgedit.lora_random): the published Lightning layout
+(`lora_down`/`lora_up`/`alpha`) and diffusers' own (`transformer.*.lora_A/B`), for the tiny checkpoint.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+import threading
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from conftest import LocalPipeline, cfg_plan, make_manager, picture, start_server
+from gradio_client import Client, handle_file
+from gradio_client.exceptions import ValidationError
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from imgedit.errors import Cancelled, ImgEditError, InvalidInput, SettingsError
+from imgedit.jobs import EditRequest
+from imgedit.lora_random import random_lora
+from imgedit.loras import LoraError, transformer_linears
+from imgedit.runtime.adapters import Adapters
+from imgedit.runtime.messages import Job
+from imgedit.runtime.runner import Runner
+from imgedit.settings import load_settings
+from imgedit.validation import resolve
+
+STD = 0.2  # strong enough that the tiny model's pixels change visibly
+
+
+@pytest.fixture(scope="module")
+def linears(plus_ckpt):
+    return transformer_linears(plus_ckpt)
+
+
+@pytest.fixture(scope="module")
+def lora_dir(tmp_path_factory, linears):
+    folder = tmp_path_factory.mktemp("loras")
+    random_lora(folder / "Tiny-Edit-Lightning-4steps-V1.0-bf16.safetensors", linears, rank=4, std=STD, seed=1)
+    random_lora(folder / "Tiny-Edit-Lightning-8steps-V1.0-bf16.safetensors", linears, rank=4, std=STD, seed=2)
+    random_lora(folder / "style.safetensors", linears, rank=4, std=STD, seed=3, style="diffusers")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bad_loras(tmp_path_factory, linears, lora_dir):
+    folder = tmp_path_factory.mktemp("bad-loras")
+    (folder / "garbage.safetensors").write_bytes(b"this is not a safetensors file" * 10)
+    good = load_file(str(lora_dir / "style.safetensors"))
+    # Keys of another architecture (Flux's single blocks), shapes as ours: diffusers would only warn.
+    save_file({k.replace("transformer_blocks", "single_transformer_blocks"): v for k, v in good.items()},
+              str(folder / "flux-like.safetensors"))
+    # Our layer names, another model's width.
+    save_file({k: torch.zeros(v.shape[0], v.shape[1] * 2) if "lora_A" in k else v for k, v in good.items()},
+              str(folder / "wider-model.safetensors"))
+    return folder
+
+
+def env(lora_dir, **more) -> dict:
+    return {"QWEN_MODEL_DIR": "/nonexistent", "DEVICE_MAP": "cpu", "LORA_DIR": str(lora_dir), **more}
+
+
+FOUR, EIGHT = "Tiny-Edit-Lightning-4steps-V1.0-bf16", "Tiny-Edit-Lightning-8steps-V1.0-bf16"
+
+
+# ---- settings and request fields (pure) ----
+
+def test_registry_names_files_and_finds_the_lightning_loras(lora_dir, tmp_path):
+    settings = load_settings(env(lora_dir, LORAS=f"extra={lora_dir / 'style.safetensors'}"))
+    assert {e.name: e.steps for e in settings.lora_entries} == {FOUR: 4, EIGHT: 8, "style": None, "extra": None}
+    chosen = load_settings(env(lora_dir, FAST_LORA_8STEP="style", LORAS=""))
+    assert {e.name: e.steps for e in chosen.lora_entries} == {FOUR: 4, EIGHT: None, "style": 8}
+    for variable, value, says in (("FAST_LORA_4STEP", "nope", "FAST_LORA_4STEP='nope' names no configured LoRA"),
+                                  ("LORAS", "justapath.safetensors", "LORAS='justapath.safetensors' is not valid"),
+                                  ("LORAS", f"style={tmp_path}/x.safetensors", "LORAS names 'style' twice"),
+                                  ("LORA_DIR", str(tmp_path / "missing"), "is not a folder")):
+        with pytest.raises(SettingsError) as caught:
+            load_settings(env(lora_dir, **{variable: value}))
+        assert says in caught.value.message
+
+
+def test_speed_and_lora_fields_are_checked_in_one_place(lora_dir):
+    settings = load_settings(env(lora_dir))
+
+    def ask(**kw):
+        return resolve(EditRequest(images=(picture(),), prompt="make it red", seed=1, **kw), settings, "plus",
+                       None, 1)
+
+    quality = ask(num_inference_steps=7, true_cfg_scale=3.0)
+    assert (quality.steps, quality.true_cfg_scale, quality.adapters, quality.scheduler) == (7, 3.0, (), "default")
+    fast = ask(speed="fast", num_inference_steps=30, true_cfg_scale=4.0)  # the preset wins
+    assert (fast.steps, fast.true_cfg_scale, fast.adapters, fast.scheduler) == (8, 1.0, ((EIGHT, 1.0),), "lightning")
+    fastest = ask(speed="fastest", lora="style", lora_scale=0.5)
+    assert (fastest.steps, fastest.adapters) == (4, ((FOUR, 1.0), ("style", 0.5)))
+    assert ask(lora="style").adapters == (("style", 1.0),) and ask(lora="none").adapters == ()
+    for kw, field, says in (
+            (dict(lora="nope"), "lora", f"unknown LoRA 'nope'; configured LoRAs: {FOUR}, {EIGHT}, style"),
+            (dict(lora="style", lora_scale=2.5), "lora_scale", "lora_scale 2.5 is out of range: 0 to 2"),
+            (dict(lora="style", lora_scale=math.nan), "lora_scale", "out of range"),
+            (dict(speed="turbo"), "speed", "speed must be one of quality, fast, fastest")):
+        with pytest.raises(InvalidInput) as caught:
+            ask(**kw)
+        assert caught.value.field == field and says in caught.value.message
+    only_style = load_settings(env(lora_dir.parent, LORA_DIR="", LORAS=f"style={lora_dir / 'style.safetensors'}"))
+    with pytest.raises(InvalidInput) as caught:
+        resolve(EditRequest(images=(picture(),), prompt="x", speed="fast"), only_style, "plus", None, 1)
+    assert "needs a Lightning 8-step LoRA" in caught.value.message and "FAST_LORA_8STEP" in caught.value.message
+
+
+# ---- the start-up check ----
+
+@pytest.mark.parametrize("file, says", [
+    ("garbage.safetensors", "cannot be read as a LoRA file"),
+    ("flux-like.safetensors", "single_transformer_blocks.0.attn.add_k_proj is not a layer of this model's"),
+    ("wider-model.safetensors", "lora_A has shape"),
+])
+def test_a_bad_lora_stops_start_up_naming_the_file(plus_ckpt, bad_loras, file, says):
+    manager = make_manager(plus_ckpt, load=False, LORAS=f"bad={bad_loras / file}")
+    with pytest.raises(LoraError) as caught:
+        manager.prepare()
+    assert file in caught.value.message and "LoRA 'bad'" in caught.value.message and says in caught.value.message
+    assert manager.workers == [] and manager.load_error == caught.value.message  # no process was started
+
+
+def test_a_missing_hub_file_stops_start_up_offline(plus_ckpt, monkeypatch):
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # read at import: HF_HUB_OFFLINE=1
+    manager = make_manager(plus_ckpt, load=False, LORAS="hub=someone/some-loras/not-cached.safetensors")
+    with pytest.raises(LoraError) as caught:
+        manager.prepare()
+    assert "LoRA 'hub': could not fetch someone/some-loras/not-cached.safetensors" in caught.value.message
+
+
+# ---- the runner, in this process, on a pipeline of its own ----
+
+class Local:
+    """A fresh tiny pipeline: a baseline image before any LoRA exists, then the LoRAs loaded."""
+
+    def __init__(self, ckpt, lora_dir):
+        from imgedit.loras import check_all
+
+        self.pipe = LocalPipeline(ckpt).pipe
+        self.settings = load_settings(env(lora_dir, QWEN_MODEL_DIR=str(ckpt)))
+        self.baseline = self.run(Runner(self.pipe, "local", ("cpu",)), EditRequest(**self.ask()))
+        self.adapters = Adapters(self.pipe, check_all(self.settings.lora_entries, ckpt))
+        self.runner = Runner(self.pipe, "local", ("cpu",), adapters=self.adapters)
+
+    @staticmethod
+    def ask(**kw) -> dict:
+        return {**dict(images=(picture(),), prompt="make it red", seed=3, num_inference_steps=2, width=64, height=64),
+                **kw}
+
+    def run(self, runner, req, cancel=None, on_step=None) -> np.ndarray:
+        params = resolve(req, self.settings, "plus", req.images[-1].size, len(req.images))
+        result = runner.run(Job(req, params, "plus"), cancel or threading.Event(), on_step)
+        return np.asarray(result.images[0], dtype=np.int16)
+
+    def edit(self, **kw) -> np.ndarray:
+        return self.run(self.runner, EditRequest(**self.ask(**kw)))
+
+    def any_adapter_active(self) -> bool:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        return any(isinstance(m, BaseTunerLayer) and not m.disable_adapters for m in self.pipe.transformer.modules())
+
+
+@pytest.fixture(scope="module")
+def local(plus_ckpt, lora_dir):
+    return Local(plus_ckpt, lora_dir)
+
+
+def test_no_lora_gives_todays_pixels_a_lora_changes_them_and_nothing_leaks(local):
+    assert np.array_equal(local.edit(), local.baseline)  # LoRAs loaded, none asked for
+    styled = local.edit(lora="style")
+    assert np.abs(styled - local.baseline).mean() > 1.0
+    assert np.abs(local.edit(lora="style", lora_scale=0.3) - styled).mean() > 0.1  # strength matters
+    fast = local.edit(speed="fastest")
+    assert np.abs(fast - local.baseline).mean() > 1.0
+    assert not local.any_adapter_active() and local.pipe.scheduler is local.adapters.default_scheduler
+    assert np.array_equal(local.edit(), local.baseline)
+
+
+def test_lightning_preset_runs_its_steps_with_cfg_off_and_its_scheduler(local):
+    seen = []
+
+    def record(module, args, kwargs):
+        scheduler = local.pipe.scheduler
+        seen.append((scheduler.config.base_shift, scheduler.config.max_shift, scheduler.config.shift,
+                     scheduler.config.shift_terminal, scheduler.config.time_shift_type, len(scheduler.timesteps)))
+
+    hook = local.pipe.transformer.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        steps = []
+        local.edit(speed="fastest", num_inference_steps=40, true_cfg_scale=4.0,
+                   negative_prompt="blurry")  # the preset overrides steps and CFG
+        local.run(local.runner, EditRequest(**local.ask(speed="fast")), on_step=lambda s, t: steps.append((s, t)))
+        quality = len(seen)
+        local.edit(num_inference_steps=1, true_cfg_scale=4.0)
+    finally:
+        hook.remove()
+    # 4 then 8 steps, one forward each (CFG off), on log-3 exponential shift without shift_terminal
+    assert seen[:quality] == [(math.log(3), math.log(3), 1.0, None, "exponential", 4)] * 4 + \
+        [(math.log(3), math.log(3), 1.0, None, "exponential", 8)] * 8
+    assert steps == [(i, 8) for i in range(1, 9)]
+    default = local.adapters.default_scheduler.config
+    assert seen[quality:] == [(default.base_shift, default.max_shift, default.shift, default.shift_terminal,
+                               default.time_shift_type, 1)] * 2  # quality: 1 step x 2 forwards (CFG)
+    assert default.shift_terminal == 0.02 or default.base_shift != math.log(3)  # the recipe really differs
+
+
+def test_a_failed_or_cancelled_lora_job_leaves_no_adapter_behind(local):
+    def fail(module, args):
+        if local.any_adapter_active():
+            raise KeyError("fault injected inside a LoRA job")
+
+    hook = local.pipe.transformer.register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(ImgEditError) as caught:
+            local.edit(lora="style")
+        assert "internal error" in caught.value.message
+    finally:
+        hook.remove()
+    assert not local.any_adapter_active() and local.pipe.scheduler is local.adapters.default_scheduler
+    cancel = threading.Event()
+    with pytest.raises(Cancelled):
+        local.run(local.runner, EditRequest(**local.ask(speed="fast")), cancel=cancel,
+                  on_step=lambda step, total: cancel.set())
+    assert not local.any_adapter_active() and local.pipe.scheduler is local.adapters.default_scheduler
+    assert np.array_equal(local.edit(), local.baseline)
+
+
+# ---- worker processes, REST and the gradio API ----
+
+@pytest.fixture(scope="module")
+def lora_server(plus_ckpt, lora_dir):
+    manager = make_manager(plus_ckpt, LORA_DIR=str(lora_dir))
+    with start_server(manager) as server:
+        yield manager, server
+
+
+def png_bytes() -> bytes:
+    buffer = io.BytesIO()
+    picture().save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def rest_edit(url: str, **fields) -> httpx.Response:
+    data = {"prompt": "make it red", "size": "64x64", "num_inference_steps": "2", "seed": "4", **fields}
+    return httpx.post(f"{url}/v1/images/edits", files={"image": ("in.png", png_bytes(), "image/png")}, data=data,
+                      timeout=120)
+
+
+def rest_pixels(response: httpx.Response) -> np.ndarray:
+    assert response.status_code == 200, response.text
+    raw = base64.b64decode(response.json()["data"][0]["b64_json"])
+    return np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"), dtype=np.int16)
+
+
+def test_jobs_with_different_loras_share_a_worker_without_leaking(lora_server):
+    manager, server = lora_server
+    plain = rest_edit(server.url)
+    styled = rest_edit(server.url, lora="style", lora_scale="0.8")
+    fastest = rest_edit(server.url, speed="fastest")
+    again = rest_edit(server.url)
+    assert np.array_equal(rest_pixels(again), rest_pixels(plain))
+    assert np.abs(rest_pixels(styled) - rest_pixels(plain)).mean() > 1.0
+    assert np.abs(rest_pixels(fastest) - rest_pixels(plain)).mean() > 1.0
+    with open_sdk(server.url) as client:  # the openai SDK sends the extensions through extra_body
+        sdk = client.images.edit(model="qwen-image-edit", image=[("in.png", png_bytes(), "image/png")],
+                                 prompt="make it red", size="64x64", response_format="b64_json",
+                                 extra_body={"num_inference_steps": 2, "seed": 4, "lora": "style", "lora_scale": 0.8})
+    sdk_pixels = np.asarray(Image.open(io.BytesIO(base64.b64decode(sdk.data[0].b64_json))).convert("RGB"), np.int16)
+    assert np.array_equal(sdk_pixels, rest_pixels(styled))  # the same LoRA job again: the same image
+    health = httpx.get(f"{server.url}/health").json()
+    assert {lora["name"]: lora["lightning_steps"] for lora in health["loras"]} == {FOUR: 4, EIGHT: 8, "style": None}
+    assert all(lora["rank"] == 4 for lora in health["loras"])
+    assert [w["jobs_done"] for w in health["workers"]] == [5]  # one worker ran them all, one after another
+    from imgedit.gpu_panel import panel_html
+    from imgedit.gpus import GpuMonitor, snapshot
+
+    assert f"LoRAs loaded: {FOUR} (Lightning 4-step), {EIGHT} (Lightning 8-step), style" in \
+        panel_html(snapshot(GpuMonitor(), manager.status()))
+
+
+def open_sdk(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def test_bad_lora_fields_get_specific_errors_and_cost_nothing(lora_server, tmp_path):
+    manager, server = lora_server
+    done = sum(w.jobs_done for w in manager.status().workers)
+    for fields, says in (({"lora": "nope"}, "unknown LoRA 'nope'; configured LoRAs:"),
+                         ({"lora": "style", "lora_scale": "9"}, "lora_scale 9.0 is out of range"),
+                         ({"speed": "warp"}, "speed must be one of quality, fast, fastest")):
+        response = rest_edit(server.url, **fields)
+        assert response.status_code == 400 and says in response.json()["error"]["message"]
+    image = tmp_path / "in.png"
+    image.write_bytes(png_bytes())
+    client = Client(server.url, verbose=False)
+    args = ([handle_file(str(image))], "make it red", "", 4, False, 2, 4.0, 1, 64, 64)
+    with pytest.raises(ValidationError) as caught:
+        client.predict(*args, "quality", "nope", 1.0, api_name="/edit")
+    assert "unknown LoRA" in str(caught.value)
+    assert sum(w.jobs_done for w in manager.status().workers) == done  # nothing ran
+    gallery, seed = client.predict(*args, "fastest", "style", 0.8, api_name="/edit")
+    fastest_styled = np.asarray(Image.open(gallery[0]["image"]).convert("RGB"), np.int16)
+    rest = rest_pixels(rest_edit(server.url, speed="fastest", lora="style", lora_scale="0.8"))
+    assert seed == 4 and np.array_equal(fastest_styled, rest)
+    gallery, _ = client.predict(*args, api_name="/edit")  # old clients: no speed fields, quality, no LoRA
+    plain = np.asarray(Image.open(gallery[0]["image"]).convert("RGB"), np.int16)
+    assert np.array_equal(plain, rest_pixels(rest_edit(server.url)))
+
+
+def test_page_shows_speed_and_lora_controls_only_when_configured(lora_dir):
+    from imgedit.ui_fast import lora_choices, speed_choices
+
+    configured, bare = load_settings(env(lora_dir)), load_settings(env(lora_dir, LORA_DIR=""))
+    assert [value for _, value in speed_choices(configured)] == ["quality", "fast", "fastest"]
+    assert lora_choices(configured) == ["none", FOUR, EIGHT, "style"]
+    only_four = load_settings(env(lora_dir, FAST_LORA_8STEP="", LORA_DIR="",
+                                  LORAS=f"four={lora_dir / (FOUR + '.safetensors')}"))
+    assert [value for _, value in speed_choices(only_four)] == ["quality", "fastest"]
+    assert [value for _, value in speed_choices(bare)] == ["quality"] and lora_choices(bare) == ["none"]
+
+
+def test_lightning_job_on_a_cfg_pair_runs_on_rank_zero_only(plus_ckpt, lora_dir):
+    import os
+
+    from conftest import PROBE_FILE
+
+    pair = make_manager(plus_ckpt, plan=cfg_plan(), LORA_DIR=str(lora_dir))
+    start = PROBE_FILE.stat().st_size if PROBE_FILE.exists() else 0
+    result = pair.edit(EditRequest(**Local.ask(speed="fastest", negative_prompt="blurry")))
+    with PROBE_FILE.open() as f:
+        f.seek(start)
+        forwards = [line.split()[0] for line in f if line.split()[1:] == ["enter", "transformer"]]
+    pids = pair.status().workers[0].pids
+    assert os.environ.get("IMGEDIT_TEST_PROBE") and result.steps == 4
+    assert forwards.count(str(pids[0])) == 4 and forwards.count(str(pids[1])) == 0
+    pair.close()

@@ -1,0 +1,156 @@
+"""Parallel groups larger than a pair, on the CPU over gloo: a `cfg-parallel:4` group (two halves
+running the two CFG branches, each half splitting every forward's sequence with Ulysses-2) and a
+`ulysses:2` group. Real worker processes, real pipeline calls on a tiny checkpoint with 4 heads
+(Ulysses splits heads); each group's image is compared with one process's image for the same seed.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from conftest import COMPONENTS, ConcurrencyProbe, make_manager, picture
+
+from imgedit.demo_checkpoint import build_checkpoint
+from imgedit.errors import Cancelled, SettingsError, WorkerFailed
+from imgedit.jobs import EditRequest
+from imgedit.placement import GIB, ComponentSpec, GpuSpec, Placement, PlacementError, Plan, WorkerPlan, plan_placement
+from imgedit.runtime.ulysses import Layout, pad_text
+from imgedit.settings import load_settings, parse_device_map
+
+FAST = dict(num_inference_steps=3, width=64, height=64)
+# Prompts of several lengths: the text sequence is odd for some (padded for Ulysses-2, masked),
+# not a multiple of 4 for others.
+PROMPTS = ("red", "make it red", "make the sky a deep red at dusk", "turn the whole picture into a pencil sketch")
+
+
+def request(**kw) -> EditRequest:
+    args = dict(images=(picture(),), prompt="make it red", seed=5, negative_prompt="blurry", **FAST)
+    args.update(kw)
+    return EditRequest(**args)
+
+
+def pixels(result) -> np.ndarray:
+    return np.asarray(result.images[0], dtype=np.int16)
+
+
+def group_plan(parallel: str, ranks: int, ulysses: int) -> Plan:
+    worker = WorkerPlan("worker-0", {c: Placement("cpu") for c in COMPONENTS}, parallel, ("cpu",) * ranks, ulysses)
+    return Plan(parallel, (worker,), f"a CPU {parallel} group of {ranks} for tests")
+
+
+@pytest.fixture(scope="module")
+def ckpt4(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "plus4", kind="plus", seed=0, heads=4)
+
+
+@pytest.fixture(scope="module")
+def one(ckpt4):
+    return make_manager(ckpt4)
+
+
+@pytest.fixture(scope="module")
+def cfg4(ckpt4):
+    return make_manager(ckpt4, plan=group_plan("cfg", 4, 2))
+
+
+@pytest.fixture(scope="module")
+def ulysses2(ckpt4):
+    return make_manager(ckpt4, plan=group_plan("ulysses", 2, 2))
+
+
+def test_padding_is_masked_and_only_when_needed():
+    import torch
+
+    hidden = torch.randn(1, 7, 5)
+    padded, mask = pad_text(hidden, None, 4)
+    assert padded.shape == (1, 8, 5) and mask.tolist() == [[True] * 7 + [False]]
+    assert torch.equal(padded[:, :7], hidden) and not padded[:, 7].any()
+    same, none = pad_text(hidden, None, 7)
+    assert same is hidden and none is None
+    layout = Layout(cfg=2, ulysses=2, rank=3)
+    assert (layout.cfg_index, layout.ulysses_index, layout.half(1), layout.exchange_peers(1)) == (1, 1, [2, 3], [1, 3])
+
+
+@pytest.mark.parametrize("cfg_scale", [4.0, 1.0], ids=["cfg-on", "cfg-off"])
+def test_a_cfg4_group_gives_the_one_process_image(one, cfg4, cfg_scale):
+    probe = ConcurrencyProbe(cfg4)
+    grouped = [cfg4.edit(request(prompt=p, true_cfg_scale=cfg_scale)) for p in PROMPTS]
+    probe.close()
+    single = [one.edit(request(prompt=p, true_cfg_scale=cfg_scale)) for p in PROMPTS]
+    for g, s in zip(grouped, single, strict=True):
+        # float32 on the CPU: the split attention sums in another order, so allow one level of rounding.
+        assert np.abs(pixels(g) - pixels(s)).max() <= 1
+    # 3 steps per edit. CFG on: all 4 ranks run one forward per step (their half's branch, a quarter
+    # each of the sequence); CFG off: only the first half's 2 ranks run, one forward per step.
+    per_edit = 4 * 3 if cfg_scale > 1 else 2 * 3
+    assert probe.forwards["transformer"] == per_edit * len(PROMPTS)
+    status = cfg4.status().workers[0]
+    assert status.parallel == "cfg" and status.ranks == 4 and len(set(status.pids)) == 4
+
+
+def test_a_ulysses2_group_gives_the_one_process_image_with_and_without_cfg(one, ulysses2):
+    for cfg_scale in (4.0, 1.0):
+        grouped = [ulysses2.edit(request(prompt=p, true_cfg_scale=cfg_scale, seed=7)) for p in PROMPTS[:3]]
+        single = [one.edit(request(prompt=p, true_cfg_scale=cfg_scale, seed=7)) for p in PROMPTS[:3]]
+        for g, s in zip(grouped, single, strict=True):
+            assert np.abs(pixels(g) - pixels(s)).max() <= 1
+    assert ulysses2.status().workers[0].parallel == "ulysses"
+
+
+@pytest.mark.parametrize("cfg_scale", [4.0, 1.0], ids=["cfg-on", "cfg-off"])
+def test_cancel_stops_every_rank_at_the_same_step_and_the_group_serves_on(cfg4, cfg_scale):
+    cancel = threading.Event()
+
+    def on_step(step, total):
+        if step == 2:
+            cancel.set()
+
+    with pytest.raises(Cancelled, match="cancelled at step [23] of 30"):
+        cfg4.edit(request(num_inference_steps=30, true_cfg_scale=cfg_scale), on_step=on_step, cancel=cancel)
+    status = cfg4.status().workers[0]
+    assert status.state == "idle" and status.restarts == 0  # no rank left waiting in a collective
+    assert cfg4.edit(request(true_cfg_scale=cfg_scale)).images
+
+
+def test_ulysses_refuses_a_transformer_whose_heads_it_cannot_split(plus_ckpt):
+    manager = make_manager(plus_ckpt, plan=group_plan("ulysses", 2, 2), load=False)
+    message = "Ulysses-2 splits the attention heads over 2 GPUs, but this transformer has 3 heads"
+    with pytest.raises(WorkerFailed, match=message):
+        manager.load(timeout=120)
+    manager.close()
+
+
+SPECS = [ComponentSpec("transformer", int(38.1 * GIB), tuple([int(38.1 * GIB / 60)] * 60)),
+         ComponentSpec("text_encoder", int(15.4 * GIB)), ComponentSpec("vae", int(0.24 * GIB))]
+
+
+def gpus(n: int, gib: float = 141) -> list[GpuSpec]:
+    return [GpuSpec(i, "H200", int(gib * GIB), int(gib * GIB)) for i in range(n)]
+
+
+@pytest.mark.parametrize("device_map, n, expect", [
+    ("cfg-parallel:4", 4, [("cfg", 4, 2)]),
+    ("cfg-parallel:4", 6, [("cfg", 4, 2), ("cfg", 2, 1)]),
+    ("cfg-parallel:4", 8, [("cfg", 4, 2), ("cfg", 4, 2)]),
+    ("cfg-parallel:8", 8, [("cfg", 8, 4)]),
+    ("ulysses", 2, [("ulysses", 2, 2)]),
+    ("ulysses:4", 5, [("ulysses", 4, 4), ("none", 1, 1)]),
+    ("cfg-parallel", 4, [("cfg", 2, 1), ("cfg", 2, 1)]),
+    ("auto", 4, [("cfg", 2, 1), ("cfg", 2, 1)]),  # 4/8-GPU groups are not measured yet: auto keeps pairs
+])
+def test_the_planner_makes_groups(device_map, n, expect):
+    plan = plan_placement(SPECS, gpus(n), parse_device_map(device_map))
+    assert [(w.parallel, w.ranks, w.ulysses) for w in plan.workers] == expect
+    used = [d for w in plan.workers for d in (w.rank_devices or w.devices)]
+    assert sorted(used) == sorted(f"cuda:{i}" for i in range(n))  # every GPU used once
+
+
+def test_groups_refused_clearly():
+    with pytest.raises(PlacementError, match="needs groups of 4 GPUs but 2 are visible"):
+        plan_placement(SPECS, gpus(2), parse_device_map("cfg-parallel:4"))
+    with pytest.raises(PlacementError, match="each take a full copy"):
+        plan_placement(SPECS, gpus(4, gib=48), parse_device_map("cfg-parallel:4"))
+    with pytest.raises(SettingsError, match="DEVICE_MAP='ulysses:3' is not valid: expected a group of 2, 4 or 8"):
+        load_settings({"DEVICE_MAP": "ulysses:3"})
