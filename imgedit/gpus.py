@@ -7,18 +7,19 @@ CUDA indices are mapped to NVML handles through CUDA_VISIBLE_DEVICES (indices or
 
 from __future__ import annotations
 
-import html
+import collections
 import logging
 import os
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 
 from imgedit.jobs import ManagerStatus
 from imgedit.placement import GpuSpec
-from imgedit.quantize import summary as components_line
 
 log = logging.getLogger(__name__)
 MIB = 1024**2
+NO_GPU = "no GPU is visible: the model runs on the CPU"
 
 
 @dataclass
@@ -32,6 +33,12 @@ class GpuReading:
     workers_mib: float  # held by our worker processes (NVML per-process reading)
     holds: list[str] = field(default_factory=list)
     running: list[str] = field(default_factory=list)
+    # The memory bar: used = weights + activations + other; weights + activations + other + free = total.
+    weights_mib: float = 0.0  # our weights on this GPU (what the workers measured after loading, else planned)
+    activations_mib: float = 0.0  # the rest of our processes' memory: activations, allocator cache, CUDA context
+    other_mib: float = 0.0  # other processes (and the driver)
+    free_mib: float = 0.0
+    weights_source: str | None = None  # measured | planned | None (nothing of ours is planned here)
 
 
 def _nvml():
@@ -87,13 +94,46 @@ def _capability(nvml, handle) -> tuple[int, int] | None:
         return None
 
 
-class GpuMonitor:
-    """Reads NVML; one instance per process (NVML is initialised once)."""
+class MemoryHistory:
+    """A short ring buffer of memory readings per GPU for the panel's plot: at most one sample per
+    `interval_s` (however many pages poll), none older than `window_s`. Pure: the caller gives the time."""
 
-    def __init__(self):
+    def __init__(self, window_s: float = 300.0, interval_s: float = 2.0):
+        self.window_s, self.interval_s = window_s, interval_s
+        # Pages tick every interval_s, with jitter: a sample ~10 % early still counts.
+        self._min_gap = 0.9 * interval_s
+        self._samples: dict[int, collections.deque] = {}
+        self._lock = threading.Lock()
+
+    def add(self, index: int, now: float, weights: float, activations: float, other: float, total: float) -> bool:
+        """Record a reading (MiB) of GPU `index` taken at `now` (seconds); False when one was taken less
+        than an interval ago."""
+        with self._lock:
+            size = int(self.window_s / self.interval_s) + 2
+            samples = self._samples.setdefault(index, collections.deque(maxlen=size))
+            if samples and now - samples[-1][0] < self._min_gap:
+                return False
+            samples.append((now, weights, activations, other, total))
+            while samples and now - samples[0][0] > self.window_s:
+                samples.popleft()
+            return True
+
+    def series(self, index: int, now: float) -> list[list[float]]:
+        """[seconds ago, weights, activations, other, total] per sample within the window, oldest first."""
+        with self._lock:
+            samples = list(self._samples.get(index, ()))
+        return [[round(now - t, 1), w, a, o, total] for t, w, a, o, total in samples if now - t <= self.window_s]
+
+
+class GpuMonitor:
+    """Reads NVML; one instance per process (NVML is initialised once). `nvml` replaces the pynvml
+    module (tests hand in made-up GPUs); `history` keeps the readings the panel plots."""
+
+    def __init__(self, nvml=None, history: MemoryHistory | None = None):
         self._lock = threading.Lock()
         self._handles: dict[int, object] | None = None
-        self._nvml = None
+        self._nvml = nvml
+        self.history = history or MemoryHistory()
         self.problem: str | None = None
 
     def _init(self) -> dict[int, object]:
@@ -101,16 +141,19 @@ class GpuMonitor:
             return self._handles
         self._handles = {}
         try:
-            self._nvml = _nvml()
+            if self._nvml is None:
+                self._nvml = _nvml()
             self._handles = visible_handles(self._nvml)
             if not self._handles:
-                self.problem = "no GPU is visible: the model runs on the CPU"
+                self.problem = NO_GPU
         except Exception as exc:  # NVML missing or no driver: the panel says so instead of failing
             log.info("GPU readings unavailable: %s", exc)
-            self.problem = "no GPU is visible: the model runs on the CPU"
+            self.problem = NO_GPU
         return self._handles
 
-    def read(self, status: ManagerStatus | None = None) -> list[GpuReading]:
+    def read(self, status: ManagerStatus | None = None, now: float | None = None) -> list[GpuReading]:
+        """One reading per visible GPU; with `status`, what each holds and runs and its memory split
+        into weights / activations / other / free, also recorded in `history`."""
         pids = {pid for w in status.workers for pid in w.pids} if status is not None else set()
         with self._lock:
             handles = self._init()
@@ -134,6 +177,9 @@ class GpuMonitor:
                     workers_mib=round(_process_memory(nvml, handle, pids) / MIB, 1)))
         if status is not None:
             _annotate(readings, status)
+            now = time.monotonic() if now is None else now
+            for r in readings:
+                self.history.add(r.index, now, r.weights_mib, r.activations_mib, r.other_mib, r.total_mib)
         return readings
 
 
@@ -180,78 +226,60 @@ def _annotate(readings: list[GpuReading], status: ManagerStatus) -> None:
                 if device in by_device:
                     by_device[device].running.append(
                         f"{worker.name}: {worker.job_id} step {worker.step}/{worker.total_steps}")
+    _split_memory(by_device, status)
+
+
+def _split_memory(by_device: dict[str, GpuReading], status: ManagerStatus) -> None:
+    """Split each GPU's memory into our weights, our activations, other processes and free.
+
+    Weights: what the workers measured right after loading (torch's allocated bytes per GPU), else
+    what the plan put there. Activations: the rest of our processes' NVML memory (never negative).
+    Where NVML lists none of our processes although a loaded worker uses the GPU (a container with
+    its own PID namespace), the weights are still counted as ours rather than as another process's.
+    """
+    measured: dict[str, float] = {}
+    for worker in status.workers:
+        for device, mib in worker.weights_mib.items():
+            measured[device] = measured.get(device, 0.0) + mib
+    loaded = {d for w in status.workers if w.state in ("idle", "busy") for d in w.devices}
+    for device, r in by_device.items():
+        if device in measured:
+            weights, r.weights_source = measured[device], "measured"
+        elif device in status.weights_mib:
+            weights, r.weights_source = status.weights_mib[device], "planned"
+        else:
+            weights = 0.0
+        used = max(0.0, min(r.used_mib, r.total_mib))
+        ours = r.workers_mib if r.workers_mib > 0 or device not in loaded else weights
+        ours = min(ours, used)
+        r.weights_mib = round(min(weights, ours), 1)
+        r.activations_mib = round(ours - r.weights_mib, 1)
+        r.other_mib = round(used - ours, 1)
+        r.free_mib = round(max(0.0, r.total_mib - used), 1)
 
 
 def _blocks_on(describe: str, device: str) -> str:
     return ", ".join(part.split(" -> ")[0] for part in describe.split(", ") if part.endswith(f" -> {device}"))
 
 
-def snapshot(monitor: GpuMonitor, status: ManagerStatus) -> dict:
-    """The panel's data as JSON-able dict (the /gpu_status API and /health use it)."""
-    readings = monitor.read(status)
+def snapshot(monitor: GpuMonitor, status: ManagerStatus, history: bool = False, now: float | None = None) -> dict:
+    """The panel's data as JSON-able dict (the /gpu_status API and /health use it). `history` adds
+    each GPU's recent memory readings (the panel's plot; left out of the APIs to keep them small)."""
+    now = time.monotonic() if now is None else now
+    readings = monitor.read(status, now)
+    gpus = [asdict(r) for r in readings]
+    if history:
+        for g in gpus:
+            g["history"] = monitor.history.series(g["index"], now)
     return {
-        "gpus": [asdict(r) for r in readings],
-        "message": None if readings else (monitor.problem or "no GPU is visible: the model runs on the CPU"),
+        "gpus": gpus,
+        "message": None if readings else (monitor.problem or NO_GPU),
         "placement_mode": status.mode,
         "placement_reason": status.reason,
         "workers": [asdict(w) for w in status.workers],
         "waiting": status.waiting,
         "ready": status.ready,
         "loras": list(status.loras),
+        "history_window_s": monitor.history.window_s,
+        "history_interval_s": monitor.history.interval_s,
     }
-
-
-def _readiness(data: dict) -> str:
-    """The panel's first line: the same readiness /health reports."""
-    if data["ready"]:
-        return "ready"
-    if any(w["state"] == "failed" for w in data["workers"]):
-        return "not ready: a worker failed (see /health)"
-    return "loading the model"
-
-
-def _worker_doing(w: dict) -> str:
-    """A busy worker's job and step (or "preparing" before its first step); an idle one shows no stale step."""
-    state = html.escape(w["state"])
-    if w["state"] != "busy" or not w["job_id"]:
-        return state
-    job = html.escape(w["job_id"])
-    if not w["step"]:
-        return f"{state} — {job} preparing"
-    return f"{state} — {job} step {w['step']}/{w['total_steps']}"
-
-
-def panel_html(data: dict) -> str:
-    """One bar per GPU: memory used of total, utilisation, what it holds, what it runs."""
-    parts = ['<div class="gpu-panel">', f'<p class="gpu-ready"><b>{_readiness(data)}</b></p>']
-    remote = any(w.get("node") for w in data["workers"])
-    if not data["gpus"]:
-        parts.append(f'<p class="gpu-none">{html.escape(data["message"] or "")}</p>')
-    if not data["gpus"] or remote:  # WORKERS=ray: the workers' GPUs are on other machines
-        for w in data["workers"]:
-            node = f' (Ray node {html.escape(w["node"][:8])})' if w.get("node") else ""
-            why = f' — {html.escape(w["error"] or w["detail"] or "")}' if w["state"] in ("failed", "restarting") else ""
-            parts.append(f'<p>{html.escape(w["name"])} on {html.escape(", ".join(w["devices"]))}{node}: '
-                         f'{_worker_doing(w)}{why}</p>')
-    for g in data["gpus"]:
-        pct = 100 * g["used_mib"] / g["total_mib"] if g["total_mib"] else 0
-        util = "n/a" if g["utilization_percent"] is None else f'{g["utilization_percent"]:.0f}%'
-        holds = html.escape("; ".join(g["holds"]) or "nothing of ours")
-        running = html.escape("; ".join(g["running"]) or "idle")
-        parts.append(
-            f'<div class="gpu" data-index="{g["index"]}"><b>GPU {g["index"]}</b> {html.escape(g["name"])} — '
-            f'{g["used_mib"] / 1024:.1f} / {g["total_mib"] / 1024:.1f} GiB, util {util}'
-            f'<div style="background:#ddd;height:12px;border-radius:4px">'
-            f'<div style="background:#3b82f6;width:{pct:.1f}%;height:12px;border-radius:4px"></div></div>'
-            f'<small>holds: {holds}<br>runs: {running}</small></div>')
-    if data.get("loras"):
-        names = ", ".join(lora["name"] + (f' (Lightning {n}-step)' if (n := lora["lightning_steps"]) else "")
-                          for lora in data["loras"])
-        parts.append(f'<small class="gpu-loras">LoRAs loaded: {html.escape(names)}</small><br>')
-    for w in data["workers"]:  # one line per worker: each component's dtype/quantization and where it lives
-        if line := components_line(w.get("components")):
-            name = html.escape(w["name"])
-            parts.append(f'<small class="worker-weights">{name} weights: {html.escape(line)}</small><br>')
-    parts.append(f'<small>placement: {html.escape(data["placement_mode"])} — '
-                 f'{html.escape(data["placement_reason"])}; waiting: {data["waiting"]}</small></div>')
-    return "".join(parts)

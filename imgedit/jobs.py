@@ -79,6 +79,7 @@ class WorkerStatus:
     detail: str | None = None  # what a loading worker is doing (loading weights, compiling, ...)
     node: str | None = None  # WORKERS=ray: the id of the Ray node its actors run on
     components: dict | None = None  # per component: dtype, quantization, location (imgedit.offload.describe)
+    weights_mib: dict[str, float] = field(default_factory=dict)  # per GPU, measured by its ranks after loading
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class ManagerStatus:
     workers: tuple[WorkerStatus, ...]
     error: str | None = None
     loras: tuple[dict, ...] = ()  # the LoRAs every worker loaded: name, lightning_steps, rank, layers, file
+    weights_mib: dict[str, float] = field(default_factory=dict)  # per GPU, as planned (the placement's sizes)
 
     @property
     def healthy_workers(self) -> int:

@@ -299,7 +299,14 @@ class PipelineManager:
             ready=self.ready, model=self.settings.model_source, family=self.family,
             mode=plan.mode if plan else "-", reason=plan.reason if plan else "planning",
             waiting=self.waiting(), workers=tuple(w.status() for w in self.workers), error=self.load_error,
-            loras=tuple(f.describe() for f in self.loras))
+            loras=tuple(f.describe() for f in self.loras), weights_mib=self._planned_weights())
+
+    def _planned_weights(self) -> dict[str, float]:
+        """MiB of weights the plan put on each local GPU (the panel uses it until a worker measured
+        its own). Ray plans name GPUs of other machines: not these."""
+        if self._plan is None or self.settings.workers == "ray":
+            return {}
+        return {d: round(n / 1024**2, 1) for d, n in self._plan.bytes_per_device.items() if d.startswith("cuda:")}
 
 
 def _safe_text(exc: BaseException) -> str:

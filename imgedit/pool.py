@@ -49,7 +49,7 @@ def localize(plan: WorkerPlan, visible: str | None) -> tuple[WorkerPlan, str | N
     """A rank's plan with its GPUs renumbered cuda:0.. as its process sees them, and the
     CUDA_VISIBLE_DEVICES that makes it so (diffusers and NCCL pick `cuda:rank % count`, and a
     process that sees other GPUs may create contexts there)."""
-    gpus = [d for d in plan.devices if d.startswith("cuda:")]
+    gpus = rank_gpus(plan)
     if not gpus:
         return plan, visible
     physical = physical_devices(visible)
@@ -62,6 +62,11 @@ def localize(plan: WorkerPlan, visible: str | None) -> tuple[WorkerPlan, str | N
     local = replace(plan, components={n: move(p) for n, p in plan.components.items()},
                     rank_devices=tuple(mapping.get(d, d) for d in plan.rank_devices))
     return local, ",".join(ids)
+
+
+def rank_gpus(plan: WorkerPlan) -> list[str]:
+    """A rank's GPUs as the server numbers them; its process sees them as cuda:0, cuda:1, ... in this order."""
+    return [d for d in plan.devices if d.startswith("cuda:")]
 
 
 def free_port() -> int:
@@ -90,6 +95,7 @@ class WorkerHandle:
         self.jobs_done = 0
         self.restarts = 0
         self.info: dict = {}
+        self.weights_mib: dict[str, float] = {}  # per GPU (server numbering), as the ranks measured after loading
         self.pids: tuple[int, ...] = ()
         self._procs: list = []
         self._inboxes: list[Channel] = []
@@ -108,6 +114,7 @@ class WorkerHandle:
     def _spawn(self) -> None:
         port = free_port() if self.plan.ranks > 1 else 0
         self._inboxes, self._outboxes, self._procs, self._ready = [], [], [], set()
+        self.weights_mib = {}
         for rank in range(self.plan.ranks):
             local, visible = localize(self.plan.for_rank(rank), self.visible)
             spec = replace(self.spec, rank=rank, world=self.plan.ranks, plan=local, master_port=port,
@@ -225,6 +232,11 @@ class WorkerHandle:
             self._ready.add(message.rank)
             if message.rank == 0:
                 self.info = dict(message.info)
+            gpus = rank_gpus(self.plan.for_rank(message.rank))
+            for local, mib in (message.info.get("weights_mib") or {}).items():
+                index = int(local[5:])  # the rank's own numbering: cuda:0 is its first GPU
+                if index < len(gpus):
+                    self.weights_mib[gpus[index]] = mib
             if len(self._ready) == self.plan.ranks:
                 self.state, self.detail = "idle", None
                 log.info("%s ready in %.1fs %s", self.name, message.seconds, self.info)
@@ -289,7 +301,7 @@ class WorkerHandle:
                             self.total_steps, self.jobs_done, self.error, parallel=self.plan.parallel,
                             ranks=self.plan.ranks, pids=self.pids, restarts=self.restarts,
                             compiled=bool(self.info.get("compiled")), detail=self.detail,
-                            components=self.info.get("components"))
+                            components=self.info.get("components"), weights_mib=dict(self.weights_mib))
 
 
 def wait_result(handle: WorkerHandle, events: queue.Queue, cancel: threading.Event,

@@ -28,8 +28,8 @@ from imgedit.uploads import EventGuard
 log = logging.getLogger(__name__)
 
 
-def build_app(settings: Settings, manager, demo: bool | None = None) -> FastAPI:
-    monitor = GpuMonitor()
+def build_app(settings: Settings, manager, demo: bool | None = None, monitor: GpuMonitor | None = None) -> FastAPI:
+    monitor = monitor or GpuMonitor()  # tests hand in one reading made-up GPUs
     manager = drainable(manager)  # stop_accepting / wait_idle / close for the SIGTERM drain
     history = HistoryStore.from_settings(settings)
     jobs = JobService(manager, history)

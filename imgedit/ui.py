@@ -23,7 +23,8 @@ from PIL import Image
 
 from imgedit.errors import ImgEditError, InvalidInput
 from imgedit.examples import example_rows
-from imgedit.gpus import GpuMonitor, panel_html, snapshot
+from imgedit.gpu_panel import panel_html
+from imgedit.gpus import GpuMonitor, snapshot
 from imgedit.identity import page_owner
 from imgedit.images import open_image
 from imgedit.jobs import EditRequest
@@ -176,7 +177,7 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
         return snapshot(monitor, manager.status())
 
     def panel() -> str:
-        return panel_html(snapshot(monitor, manager.status()))
+        return panel_html(snapshot(monitor, manager.status(), history=True))
 
     with gr.Blocks(title="imgedit") as blocks:
         gr.Markdown("# imgedit — edit images with Qwen-Image-Edit")

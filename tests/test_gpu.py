@@ -13,11 +13,12 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import make_manager, picture
+from conftest import ARTIFACTS, make_manager, picture
 
 from imgedit.demo_checkpoint import build_checkpoint
 from imgedit.errors import OutOfGpuMemory
-from imgedit.gpus import GpuMonitor, discover_gpus
+from imgedit.gpu_panel import panel_html
+from imgedit.gpus import GpuMonitor, discover_gpus, snapshot
 from imgedit.jobs import EditRequest
 
 
@@ -69,6 +70,7 @@ def test_placements_run_without_device_errors(real_ckpt, device_map, max_memory,
         assert split == expect_split
         if device_map == "replicas":
             assert len(manager.workers) == len(discover_gpus())
+        check_panel_weights(manager, f"{device_map}-{max_memory or 'nocap'}")
         with PeakSampler() as sampler:
             for n in (1, 2, 3):  # the latents, masks and rotary embeddings must follow every block
                 assert edit(manager, n_images=n).images[0].size == (512, 512)
@@ -77,6 +79,27 @@ def test_placements_run_without_device_errors(real_ckpt, device_map, max_memory,
                 assert peak < 31, f"cuda:{index} went over its cap: {peak:.1f} GiB"
     finally:
         manager.close()
+
+
+def check_panel_weights(manager, name: str) -> None:
+    """The panel's "our weights" per GPU (what each rank measured right after loading) match what the
+    plan put there; the bar's four parts add up to the GPU's memory. Saves the panel as HTML."""
+    status = manager.status()
+    measured = {d: mib for w in status.workers for d, mib in w.weights_mib.items()}
+    assert set(measured) == set(status.weights_mib), (measured, status.weights_mib)
+    for device, planned in sorted(status.weights_mib.items()):
+        print(f"{name} {device}: weights planned {planned / 1024:.2f} GiB, measured {measured[device] / 1024:.2f} GiB")
+        assert abs(measured[device] - planned) <= 0.03 * planned + 512
+    monitor = GpuMonitor()
+    for r in monitor.read(status):
+        print(f"{name} cuda:{r.index}: weights {r.weights_mib:.0f} activations {r.activations_mib:.0f} "
+              f"other {r.other_mib:.0f} free {r.free_mib:.0f} MiB")
+        assert min(r.weights_mib, r.activations_mib, r.other_mib, r.free_mib) >= 0
+        assert abs(r.weights_mib + r.activations_mib + r.other_mib + r.free_mib - r.total_mib) <= 1
+        if f"cuda:{r.index}" in measured:
+            assert r.weights_source == "measured" and r.activations_mib < 3 * 1024  # context, NCCL, cache
+    ARTIFACTS.mkdir(exist_ok=True)
+    (ARTIFACTS / f"gpu-panel-{name}.html").write_text(panel_html(snapshot(monitor, status, history=True)))
 
 
 @pytest.mark.multi_gpu
@@ -123,6 +146,8 @@ def test_panel_memory_matches_nvidia_smi(real_ckpt):
             assert abs(r.total_mib - total) <= 0.02 * total
         assert any("transformer" in h for r in readings for h in r.holds)
         assert sum(r.workers_mib for r in readings) > 50 * 1024  # the workers' memory, per process
+        assert sum(r.weights_mib for r in readings) > 50 * 1024  # 53.7 GiB of bf16 weights
+        check_panel_weights(manager, "one-gpu")
     finally:
         manager.close()
 

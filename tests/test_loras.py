@@ -282,7 +282,8 @@ def test_jobs_with_different_loras_share_a_worker_without_leaking(lora_server):
     assert {lora["name"]: lora["lightning_steps"] for lora in health["loras"]} == {FOUR: 4, EIGHT: 8, "style": None}
     assert all(lora["rank"] == 4 for lora in health["loras"])
     assert [w["jobs_done"] for w in health["workers"]] == [5]  # one worker ran them all, one after another
-    from imgedit.gpus import GpuMonitor, panel_html, snapshot
+    from imgedit.gpu_panel import panel_html
+    from imgedit.gpus import GpuMonitor, snapshot
 
     assert f"LoRAs loaded: {FOUR} (Lightning 4-step), {EIGHT} (Lightning 8-step), style" in \
         panel_html(snapshot(GpuMonitor(), manager.status()))

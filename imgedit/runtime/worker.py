@@ -34,7 +34,8 @@ def main(spec: WorkerSpec, inbox, outbox, visible_devices: str | None, cache_dir
         runner, info, seconds = _load(spec)
     except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
         log.error("loading failed:\n%s", traceback.format_exc())
-        message = exc.message if isinstance(exc, ImgEditError) else f"{type(exc).__name__}: {str(exc)[:300]}"
+        # Only our own words leave the process (the panel and /health show them): details are in the log above.
+        message = exc.message if isinstance(exc, ImgEditError) else f"{type(exc).__name__} (see the server log)"
         outbox.put(LoadFailed(spec.rank, message))
         return
     outbox.put(Ready(spec.rank, os.getpid(), seconds, info))
@@ -84,13 +85,15 @@ def _load(spec: WorkerSpec):
     from imgedit.runtime.adapters import Adapters
 
     adapters = Adapters(pipe, spec.loras)  # every rank loads the same LoRAs, all disabled
+    weights = _weights_per_gpu() if cuda else {}  # the LoRAs' weights included
     runner = Runner(pipe, spec.name, spec.devices or plan.devices, spec.rank, spec.world, spec.parallel, group,
                     spec.auto_cleanup, spec.ulysses, cuda, adapters)
     if cuda and spec.memory_caps and late_cap:
         torch.cuda.empty_cache()
         _cap_memory(spec.memory_caps)
     info: dict = {"compiled": False, "load_seconds": round(time.perf_counter() - started, 2),
-                  "loras": [f.name for f in spec.loras], "components": offload.describe(pipe, plan.memory)}
+                  "loras": [f.name for f in spec.loras], "components": offload.describe(pipe, plan.memory),
+                  "weights_mib": weights}
     if spec.hook:
         module, _, function = spec.hook.partition(":")
         import importlib
@@ -110,6 +113,14 @@ def _load(spec: WorkerSpec):
         info["memory_reserved_gib"] = round(torch.cuda.memory_reserved() / 1024**3, 2)
     log.info("loaded on %s in %.1fs (%s)", ",".join(plan.devices), time.perf_counter() - started, info)
     return runner, info, time.perf_counter() - started
+
+
+def _weights_per_gpu() -> dict[str, float]:
+    """MiB torch holds on each of this rank's GPUs right after loading, before any job or warm-up: the
+    weights (the GPU panel's "our weights"; keyed cuda:0.. as this process numbers its GPUs)."""
+    import torch
+
+    return {f"cuda:{i}": round(torch.cuda.memory_allocated(i) / 1024**2, 1) for i in range(torch.cuda.device_count())}
 
 
 def _cap_memory(caps: tuple[int, ...]) -> None:
