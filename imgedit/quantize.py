@@ -213,10 +213,14 @@ def check_platform(quantize: Sequence[tuple[str, str]] | None, offload: Sequence
         raise PlacementError(
             "OFFLOAD=text_encoder with QUANTIZE text_encoder=nf4 is not supported: diffusers' offload hooks move "
             "torchao's fp8/int8 tensors but not NF4 ones; use text_encoder=int8 with OFFLOAD=text_encoder")
-    if offload and "blocks" in offload and modes.get("transformer") == "nf4":
+    if offload and "blocks" in offload and modes.get("transformer") not in (None, "none"):
+        # Measured on the GPU machine (H200, torch 2.11, torchao 0.18, diffusers 0.42.1): streaming fp8
+        # blocks fails in diffusers' group offloading ("Attempted to set the storage of a tensor on
+        # device cuda:0 to a storage on different device cpu" when it moves a torchao tensor).
         raise PlacementError(
-            "OFFLOAD=blocks with QUANTIZE transformer=nf4 is not supported: diffusers' offload hooks move torchao's "
-            "fp8/int8 tensors but not NF4 ones; use fp8 or int8 with OFFLOAD=blocks, or nf4 without it")
+            f"OFFLOAD=blocks with QUANTIZE transformer={modes['transformer']} is not supported: diffusers' group "
+            "offloading cannot move torchao's quantized tensors to the GPU; stream bf16 blocks (QUANTIZE=none "
+            "with OFFLOAD=text_encoder,blocks) or keep a quantized transformer resident")
 
 
 def check_device(mode: MemoryMode, index: int, name: str, capability: tuple[int, int]) -> None:
@@ -248,8 +252,6 @@ def candidates(quantize, offload, gpus: Sequence[GpuSpec], on_cpu: bool) -> list
         for q in quants:
             if "text_encoder" in off and dict(q).get("text_encoder") and quantize is None:
                 continue  # streaming the text encoder already frees its GPU memory
-            if "blocks" in off and not dict(q).get("transformer") and quantize is None and offload is None:
-                continue  # quantize before streaming: fewer bytes cross the bus every step
             out.append((q, off))
     return out
 

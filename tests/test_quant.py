@@ -13,7 +13,8 @@ from conftest import COMPONENTS, make_manager, picture
 from imgedit import loader
 from imgedit.demo_checkpoint import build_checkpoint
 from imgedit.errors import PlacementError, SettingsError
-from imgedit.gpus import GpuMonitor, panel_html, snapshot
+from imgedit.gpu_panel import panel_html
+from imgedit.gpus import GpuMonitor, snapshot
 from imgedit.jobs import EditRequest
 from imgedit.placement import GpuSpec, Placement, WorkerPlan
 from imgedit.quantize import (
@@ -107,23 +108,24 @@ def plan_for(sizes, gpu_list, **env):
 
 def test_one_24gb_card_arithmetic(real_sizes):
     """22 GiB cap: 22 - 1.5 reserve - 0.6 CUDA context = 19.9 GiB; minus 4 GiB of activations, the
-    VAE, the transformer's head and three blocks in flight: what is left holds the resident blocks."""
+    VAE, the transformer's head and three blocks in flight: what is left holds the resident blocks.
+    The blocks stream in bf16: streaming torchao-quantized blocks failed on the GPU machine, and bf16
+    streaming measured 1.12 s/step there (docs/BENCHMARKS.md), lossless."""
     _, sizes = real_sizes
     p = plan_for(sizes, gpus(24), MAX_MEMORY="22GiB")
     mode = p.workers[0].memory
-    assert dict(mode.quantize) == {"transformer": "fp8"} and mode.skip == ("img_mlp",)
-    assert mode.offload_text_encoder
+    assert dict(mode.quantize) == {} and mode.offload_text_encoder and mode.streams_blocks
     t = next(s for s in sizes if s.name == "transformer")
     vae = next(s for s in sizes if s.name == "vae").spec("none", 2).nbytes
-    block = t.blocks[0].nbytes("fp8", 2)
-    room = int(22 * GIB) - int(1.5 * GIB) - int(0.6 * GIB) - 4 * GIB - vae - t.head.nbytes("fp8", 2) - 3 * block
+    block = t.blocks[0].nbytes("none", 2)
+    room = int(22 * GIB) - int(1.5 * GIB) - int(0.6 * GIB) - 4 * GIB - vae - t.head.nbytes("none", 2) - 3 * block
     assert mode.resident_blocks == room // block
-    assert 35 <= mode.resident_blocks <= 40  # about 38 of 60 stay on the GPU, 22 are streamed
+    assert 18 <= mode.resident_blocks <= 24  # 21 of 60 stayed on the GPU in the measured run
     assert p.bytes_per_device["cuda:0"] + 4 * GIB <= 19.9 * GIB
     assert f"{mode.resident_blocks} of 60 transformer blocks resident" in p.reason
+    assert "transformer fp8" in p.reason  # what was tried first, and why it was not taken
     streamed = mode.streamed(60)  # spread out, so each copy overlaps the resident blocks before it
     assert len(streamed) == 60 - mode.resident_blocks and len(set(streamed)) == len(streamed)
-    assert max(b - a for a, b in zip(streamed, streamed[1:], strict=False)) <= 3
 
 
 @pytest.mark.parametrize("card, cap, quant, te_offload, streams", [
@@ -149,8 +151,8 @@ def test_auto_picks_the_least_lossy_mode_that_fits(real_sizes, card, cap, quant,
 
 def test_fp8_only_where_the_gpu_runs_it(real_sizes):
     _, sizes = real_sizes
-    p = plan_for(sizes, gpus(24, capability=AMPERE), MAX_MEMORY="22GiB")
-    assert dict(p.workers[0].memory.quantize) == {"transformer": "int8"}  # an RTX 3090: int8 instead
+    p = plan_for(sizes, gpus(32, capability=AMPERE), MAX_MEMORY="30GiB")
+    assert dict(p.workers[0].memory.quantize) == {"transformer": "int8"}  # a 32 GB Ampere card: int8 instead
     with pytest.raises(PlacementError) as err:
         plan_for(sizes, gpus(24, capability=AMPERE), QUANTIZE="fp8")
     assert "GPU 0 (GPU0) has 8.6" in err.value.message and "8.9" in err.value.message
@@ -176,9 +178,11 @@ def test_explicit_modes_and_refusals(real_sizes):
     assert p.workers[0].memory is None
     # explicit quantization, offload left to auto: the int8 text encoder is streamed too (it runs once
     # per prompt, the blocks every step: its room goes to resident blocks)
-    m = plan_for(sizes, gpus(24), MAX_MEMORY="22GiB", QUANTIZE="transformer=int8,text_encoder=int8").workers[0].memory
-    assert dict(m.quantize) == {"transformer": "int8", "text_encoder": "int8"}
-    assert m.offload_text_encoder and 35 <= m.resident_blocks <= 40
+    # (an int8 transformer does not fit a 22 GiB card resident, and quantized blocks cannot be streamed)
+    m = plan_for(sizes, gpus(32), MAX_MEMORY="30GiB", QUANTIZE="transformer=int8,text_encoder=int8").workers[0].memory
+    assert dict(m.quantize) == {"transformer": "int8", "text_encoder": "int8"} and not m.streams_blocks
+    with pytest.raises(PlacementError, match="diffusers' group offloading cannot move torchao's quantized tensors"):
+        plan_for(sizes, gpus(24), MAX_MEMORY="22GiB", QUANTIZE="transformer=int8,text_encoder=int8")
     # explicit streaming, quantization left to auto: bf16 streamed first (lossless), nothing quantized
     m = plan_for(sizes, gpus(24), MAX_MEMORY="22GiB", OFFLOAD="text_encoder,blocks").workers[0].memory
     assert m.quantize == () and m.offload_text_encoder and 5 < m.resident_blocks < 30
