@@ -124,7 +124,8 @@ def manager_for(args, ckpt: Path, lora_dir: Path, compile_mode: str) -> tuple[Pi
         "QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": args.device_map, "COMPILE": compile_mode,
         "COMPILE_CACHE_DIR": args.cache, "LOG_LEVEL": "INFO", "MAX_STEPS": "200", "LORA_DIR": str(lora_dir)})
     t0 = time.perf_counter()
-    sizes = ((args.size, args.size), (args.size - 192, args.size + 224))  # the app's two warm-up shapes at 1024
+    portrait = tuple(max(64, round(args.size * f / 16) * 16) for f in (0.8125, 1.21875))  # 832x1248 at 1024
+    sizes = ((args.size, args.size), portrait)  # the app's two warm-up shapes (imgedit.manager.WARMUP_SIZES)
     manager = PipelineManager(settings, worker_hook="bench_fast:hook", warmup_sizes=sizes).load(timeout=540)
     return manager, round(time.perf_counter() - t0, 1)
 
