@@ -154,7 +154,7 @@ class Local:
 
     @staticmethod
     def ask(**kw) -> dict:
-        return {**dict(images=(picture(),), prompt="make it red", seed=3, num_inference_steps=1, width=64, height=64),
+        return {**dict(images=(picture(),), prompt="make it red", seed=3, num_inference_steps=2, width=64, height=64),
                 **kw}
 
     def run(self, runner, req, cancel=None, on_step=None) -> np.ndarray:
@@ -252,7 +252,7 @@ def png_bytes() -> bytes:
 
 
 def rest_edit(url: str, **fields) -> httpx.Response:
-    data = {"prompt": "make it red", "size": "64x64", "num_inference_steps": "1", "seed": "4", **fields}
+    data = {"prompt": "make it red", "size": "64x64", "num_inference_steps": "2", "seed": "4", **fields}
     return httpx.post(f"{url}/v1/images/edits", files={"image": ("in.png", png_bytes(), "image/png")}, data=data,
                       timeout=120)
 
@@ -275,7 +275,7 @@ def test_jobs_with_different_loras_share_a_worker_without_leaking(lora_server):
     with open_sdk(server.url) as client:  # the openai SDK sends the extensions through extra_body
         sdk = client.images.edit(model="qwen-image-edit", image=[("in.png", png_bytes(), "image/png")],
                                  prompt="make it red", size="64x64", response_format="b64_json",
-                                 extra_body={"num_inference_steps": 1, "seed": 4, "lora": "style", "lora_scale": 0.8})
+                                 extra_body={"num_inference_steps": 2, "seed": 4, "lora": "style", "lora_scale": 0.8})
     sdk_pixels = np.asarray(Image.open(io.BytesIO(base64.b64decode(sdk.data[0].b64_json))).convert("RGB"), np.int16)
     assert np.array_equal(sdk_pixels, rest_pixels(styled))  # the same LoRA job again: the same image
     health = httpx.get(f"{server.url}/health").json()
@@ -303,7 +303,7 @@ def test_bad_lora_fields_get_specific_errors_and_cost_nothing(lora_server, tmp_p
     image = tmp_path / "in.png"
     image.write_bytes(png_bytes())
     client = Client(server.url, verbose=False)
-    args = ([handle_file(str(image))], "make it red", "", 4, False, 1, 4.0, 1, 64, 64)
+    args = ([handle_file(str(image))], "make it red", "", 4, False, 2, 4.0, 1, 64, 64)
     with pytest.raises(ValidationError) as caught:
         client.predict(*args, "quality", "nope", 1.0, api_name="/edit")
     assert "unknown LoRA" in str(caught.value)
