@@ -58,6 +58,7 @@ class Adapters:
         if unknown:  # the server checked the name against the same settings: only a bug gets here
             raise ImgEditError(f"LoRA {unknown[0]!r} is not loaded in this worker")
         self.pipe.scheduler = self.lightning_scheduler if scheduler == "lightning" else self.default_scheduler
+        self.active = adapters  # first: should enabling fail half-way, reset() still disables
         if adapters:
             if adapters != self._configured:  # each call walks every module: skip it when nothing changes
                 names, weights = [self.adapter_names[n] for n, _ in adapters], [w for _, w in adapters]
@@ -66,7 +67,6 @@ class Adapters:
             self.pipe.enable_lora()
         elif self.files:
             self.pipe.disable_lora()
-        self.active = adapters
 
     def reset(self) -> None:
         """No adapter active and the default scheduler: the state every job starts from."""
@@ -74,6 +74,3 @@ class Adapters:
         if self.files and self.active:
             self.pipe.disable_lora()
         self.active = ()
-
-    def loaded(self) -> list[dict]:
-        return [f.describe() for f in self.files.values()]
