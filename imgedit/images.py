@@ -77,7 +77,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
 # ---- settings carried in the PNGs we return (tEXt chunks) ----
 # Key names are the API's parameter names, so a stored PNG reads like the call that made it.
 SETTING_KEYS = ("prompt", "negative_prompt", "seed", "num_inference_steps", "true_cfg_scale", "width", "height",
-                "model", "lora", "lora_scale", "software")
+                "model", "lora", "lora_scale", "speed", "software")
 RESTORABLE = {"prompt": str, "negative_prompt": str, "seed": int, "num_inference_steps": int,
               "true_cfg_scale": float, "width": int, "height": int}
 MAX_CHUNK = 4000  # validation.MAX_PROMPT_CHARS: a longer value is not one of ours
@@ -88,13 +88,15 @@ def settings_text(req, params, model: str, size: tuple[int, int]) -> dict[str, s
     (`validation.Resolved`), the output size, the model, the LoRA (none until a request carries one)."""
     from imgedit import __version__
 
-    lora = getattr(req, "lora", None)
+    adapters = getattr(params, "adapters", ())  # what the job really ran with, a speed preset's LoRA included
     text = {"prompt": req.prompt, "negative_prompt": req.negative_prompt or "", "seed": str(params.seed),
             "num_inference_steps": str(params.steps), "true_cfg_scale": f"{params.true_cfg_scale:g}",
-            "width": str(size[0]), "height": str(size[1]), "model": model, "lora": lora or "none",
-            "software": f"imgedit {__version__}"}
-    if lora:
-        text["lora_scale"] = f"{getattr(req, 'lora_scale', 1.0):g}"
+            "width": str(size[0]), "height": str(size[1]), "model": model,
+            "lora": ",".join(name for name, _ in adapters) or "none", "software": f"imgedit {__version__}"}
+    if adapters:
+        text["lora_scale"] = ",".join(f"{scale:g}" for _, scale in adapters)
+    if getattr(req, "speed", None):
+        text["speed"] = req.speed
     return text
 
 

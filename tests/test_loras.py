@@ -272,6 +272,17 @@ def test_jobs_with_different_loras_share_a_worker_without_leaking(lora_server):
     assert np.array_equal(rest_pixels(again), rest_pixels(plain))
     assert np.abs(rest_pixels(styled) - rest_pixels(plain)).mean() > 1.0
     assert np.abs(rest_pixels(fastest) - rest_pixels(plain)).mean() > 1.0
+    # The PNG says what the job ran with (a LoRA without lora_scale: strength 1; a preset: its LoRA).
+    default_scale = rest_edit(server.url, lora="style")
+    assert np.array_equal(rest_pixels(default_scale), rest_pixels(rest_edit(server.url, lora="style", lora_scale="1")))
+
+    def chunks(response):
+        return Image.open(io.BytesIO(base64.b64decode(response.json()["data"][0]["b64_json"]))).text
+
+    assert (chunks(default_scale)["lora"], chunks(default_scale)["lora_scale"]) == ("style", "1")
+    fast = chunks(fastest)
+    assert (fast["lora"], fast["speed"], fast["num_inference_steps"]) == (FOUR, "fastest", "4")
+    assert chunks(plain)["lora"] == "none" and "lora_scale" not in chunks(plain)
     with open_sdk(server.url) as client:  # the openai SDK sends the extensions through extra_body
         sdk = client.images.edit(model="qwen-image-edit", image=[("in.png", png_bytes(), "image/png")],
                                  prompt="make it red", size="64x64", response_format="b64_json",
@@ -281,7 +292,7 @@ def test_jobs_with_different_loras_share_a_worker_without_leaking(lora_server):
     health = httpx.get(f"{server.url}/health").json()
     assert {lora["name"]: lora["lightning_steps"] for lora in health["loras"]} == {FOUR: 4, EIGHT: 8, "style": None}
     assert all(lora["rank"] == 4 for lora in health["loras"])
-    assert [w["jobs_done"] for w in health["workers"]] == [5]  # one worker ran them all, one after another
+    assert [w["jobs_done"] for w in health["workers"]] == [7]  # one worker ran them all, one after another
     from imgedit.gpu_panel import panel_html
     from imgedit.gpus import GpuMonitor, snapshot
 
