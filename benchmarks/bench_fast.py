@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import contrast, finite_check, reference_image  # noqa: E402
+from bench import StepClock, contrast, finite_check, reference_image  # noqa: E402
 
 from imgedit.demo_checkpoint import build_checkpoint  # noqa: E402
 from imgedit.jobs import EditRequest  # noqa: E402
@@ -76,19 +76,6 @@ def hook(pipe, spec) -> None:
 
     pipe.encode_prompt = encode_prompt
     pipe.vae.decoder.register_forward_pre_hook(release)
-
-
-class StepClock:
-    def __init__(self):
-        self.times: list[float] = []
-
-    def __call__(self, step: int, total: int) -> None:
-        self.times.append(time.perf_counter())
-
-    @property
-    def per_step(self) -> float:
-        """Seconds per step, first step excluded (it holds the prompt encoding and VAE encode)."""
-        return (self.times[-1] - self.times[0]) / max(1, len(self.times) - 1)
 
 
 def edit(manager, image, size, seed=0, prompt="turn the sky into a sunset", **kw) -> dict:

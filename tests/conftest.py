@@ -7,6 +7,7 @@ image-edit model, loaded through our own settings, planner and loader.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -226,3 +227,17 @@ def image_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("img") / "input.png"
     picture().save(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's Chromium through Playwright, one per test module (the browser tests)."""
+    playwright = pytest.importorskip("playwright.sync_api")
+    if not shutil.which("chromium"):
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update"])
+        yield browser
+        browser.close()

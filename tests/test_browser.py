@@ -5,28 +5,13 @@ Saves screenshots to artifacts/ (the README's screenshots in docs/ come from ben
 
 from __future__ import annotations
 
-import shutil
 import time
 
 import pytest
 from conftest import ARTIFACTS, make_manager, picture, start_server
 from PIL import Image
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 pytestmark = pytest.mark.browser
-
-
-@pytest.fixture(scope="module")
-def browser():
-    playwright = pytest.importorskip("playwright.sync_api")
-    if not shutil.which("chromium"):
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update"])
-        yield browser
-        browser.close()
 
 
 @pytest.fixture(scope="module")

@@ -5,26 +5,10 @@ Saves a screenshot to artifacts/browser-batch.png.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 from conftest import ARTIFACTS, make_manager, picture, start_server
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 pytestmark = pytest.mark.browser
-
-
-@pytest.fixture(scope="module")
-def browser():
-    playwright = pytest.importorskip("playwright.sync_api")
-    if not shutil.which("chromium"):
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update"])
-        yield browser
-        browser.close()
 
 
 def test_batch_in_the_page_then_history_per_browser(browser, plus_ckpt, tmp_path):

@@ -8,8 +8,6 @@ and a running job is laid out with sensible sizes. Saves artifacts/browser-panel
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 from conftest import ARTIFACTS, LiveServer, free_port, make_manager, start_server
 from fake_nvml import FakeGpu, FakeNvml
@@ -19,22 +17,8 @@ from imgedit.gpus import GpuMonitor, discover_gpus, snapshot
 from imgedit.jobs import ManagerStatus, WorkerStatus
 from imgedit.server import build_app
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 pytestmark = pytest.mark.browser
 VIEWPORTS = {"desktop": {"width": 1400, "height": 1000}, "phone": {"width": 390, "height": 844}}
-
-
-@pytest.fixture(scope="module")
-def browser():
-    playwright = pytest.importorskip("playwright.sync_api")
-    if not shutil.which("chromium"):
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update"])
-        yield browser
-        browser.close()
 
 
 @pytest.fixture(scope="module")
