@@ -28,7 +28,7 @@ EDIT_REST = {"prompt": "make it red", "size": "64x64", "num_inference_steps": "2
 
 
 def edit_data(files, steps=2, seed=1, width=64, height=64) -> list:
-    return [files, "make it red", "", seed, False, steps, 4.0, 1, width, height]
+    return [files, "make it red", "", seed, False, steps, 4.0, 1, width, height, "quality", "none", 1.0]
 
 
 def png(w: int, h: int, color=(10, 200, 90)) -> bytes:
@@ -80,13 +80,13 @@ def outside_paths(secret: Path) -> list[str]:
 
 
 def test_private_events_neither_open_nor_serve_a_file_not_uploaded(live_server, raw, secret):
-    preview = raw.fn_index(trigger=("input-files", "change"))
-    again = raw.fn_index(trigger=("Use result as input", "click"))
-    for path in outside_paths(secret):
-        for fn, data in ((preview, [[file_data(path)]]), (again, [[{"image": file_data(path), "caption": None}]])):
-            r = raw.predict(fn, data)
+    preview = raw.fn_index(trigger=("input-files", "upload"))
+    again = raw.fn_index(trigger=("use-result", "click"))
+    for path in outside_paths(secret):  # both events are queued (their warnings are toasts): the guard stops the join
+        for fn, data in ((preview, [[file_data(path)]]), (again, [[{"image": file_data(path), "caption": None}], 0])):
+            r = raw.join(fn, data)
             assert r.status_code == 400, (path, r.text)
-            assert "was not uploaded to this server" in r.json()["error"]
+            assert "was not uploaded to this server" in r.json()["detail"]
             assert "/gradio_api/file=" not in r.text
     assert copies_in_cache(secret) == []
     r = httpx.get(f"{live_server.url}/gradio_api/file={secret}", timeout=30)
@@ -105,17 +105,21 @@ def test_edit_over_the_queue_does_not_open_a_file_not_uploaded(live_server, raw,
 
 def test_uploaded_files_and_results_still_work_by_hand(live_server, raw, secret):
     cached = upload(live_server.url, secret)
-    r = raw.predict(raw.fn_index(trigger=("input-files", "change")), [[file_data(cached)]])
+    r = raw.join(raw.fn_index(trigger=("input-files", "upload")), [[file_data(cached)]])
     assert r.status_code == 200, r.text
+    done = [m for m in raw.messages() if m.get("msg") == "process_completed"]
+    assert done and done[0]["success"], done
     r = raw.join(raw.fn_index(api_name="edit"), edit_data([file_data(cached)], seed=3))
     assert r.status_code == 200, r.text
     done = [m for m in raw.messages() if m.get("msg") == "process_completed"]
     assert done and done[0]["success"], done
     gallery, seed = done[0]["output"]["data"]
     assert seed == 3
-    r = raw.predict(raw.fn_index(trigger=("Use result as input", "click")), [gallery])
+    r = raw.join(raw.fn_index(trigger=("use-result", "click")), [gallery, 0])
     assert r.status_code == 200, r.text
-    assert Image.open(r.json()["data"][0][0]["path"]).size == (64, 64)
+    done = [m for m in raw.messages() if m.get("msg") == "process_completed"]
+    assert done and done[0]["success"], done
+    assert Image.open(done[0]["output"]["data"][0][0]["path"]).size == (64, 64)
 
 
 def test_gradio_itself_refuses_files_not_uploaded(live_server, secret):
@@ -124,7 +128,9 @@ def test_gradio_itself_refuses_files_not_uploaded(live_server, secret):
     app = live_server.server.config.app
     gradio_app = next(route.app for route in app.routes if isinstance(route, Mount))
     raw = RawGradio("http://testserver", TestClient(gradio_app, raise_server_exceptions=False))
-    r = raw.predict(raw.fn_index(trigger=("input-files", "change")), [[file_data(str(secret))]])
+    # "Copy as API call" runs unqueued and takes the file input as it is (it only counts the files).
+    data = [[file_data(str(secret))], "p", "", 0, True, 4, 4, 1, 0, 0, "quality", "none", 1]
+    r = raw.predict(raw.fn_index(trigger=("copy-api", "click")), data)
     assert r.status_code == 500 and "/gradio_api/file=" not in r.text, r.text
     assert copies_in_cache(secret) == []
 

@@ -1,0 +1,25 @@
+"""WORKERS=ray without RAY_ADDRESS: the server starts its own one-node Ray cluster. In a module of
+its own so that test_ray.py's two-node cluster is gone before this one starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_without_an_address_the_server_starts_a_local_cluster_that_outlives_the_connect(plus_ckpt):
+    """RAY_ADDRESS unset: ray.init starts a local cluster from the connecting thread, and Linux kills
+    its GCS when that thread ends unless it stays (found on the GPU machine: every later call hung)."""
+    code = (
+        "import time; from conftest import make_manager, picture; from imgedit.jobs import EditRequest\n"
+        f"m = make_manager({str(plus_ckpt)!r}, WORKERS='ray', RAY_CONNECT_TIMEOUT='60', plan='planner')\n"
+        "time.sleep(2)\n"
+        "r = m.edit(EditRequest(images=(picture(),), prompt='x', num_inference_steps=2, width=64, height=64))\n"
+        "print('edited', r.worker, r.images[0].size); m.close()\n"
+        "import ray; ray.shutdown()\n")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    assert "edited node0-worker-0 (64, 64)" in out.stdout, out.stderr[-3000:]
