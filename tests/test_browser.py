@@ -39,8 +39,11 @@ def open_page(browser, server, width=1400, height=1000, small=True):
     page.goto(server.url, wait_until="networkidle")
     if small:  # the tiny model on 2 CPU cores: keep every test edit at 64x64
         page.get_by_text("Advanced").click()
-        page.get_by_label("Width (0 = auto)").fill("64")
-        page.get_by_label("Height (0 = auto)").fill("64")
+        for label in ("Width (0 = auto)", "Height (0 = auto)"):
+            field = page.get_by_label(label)
+            field.fill("64")
+            field.press("Tab")  # commit the value (a Number updates on blur) before anything else happens
+        page.wait_for_timeout(300)
     return page
 
 
