@@ -18,6 +18,7 @@ reserved memory), and the fraction of the compute floor (167 TFLOP per forward a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -198,13 +199,11 @@ def run_mode(name: str, args, ckpt: Path, image, monitor, workers: str = "local"
     return out
 
 
-def run_app(manager, settings, image, args) -> dict:
-    """The same edit through the HTTP server (REST) and straight through the manager."""
-    import base64
-    import io
+@contextlib.contextmanager
+def served(settings, manager):
+    """The app's HTTP server (REST + page) on a free local port, in a thread; yields its base URL."""
     import socket
 
-    import httpx
     import uvicorn
 
     from imgedit.server import build_app
@@ -218,26 +217,42 @@ def run_app(manager, settings, image, args) -> dict:
     thread.start()
     while not server.started:
         time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def rest_edit(url: str, png: bytes, form: dict) -> float:
+    """One edit through REST; its wall time. Fails on an error or a flat (NaN) image."""
+    import base64
+    import io
+
+    import httpx
+
+    t0 = time.perf_counter()
+    r = httpx.post(f"{url}/v1/images/edits", data=form, files={"image": ("in.png", png, "image/png")}, timeout=600)
+    wall = time.perf_counter() - t0
+    r.raise_for_status()
+    if contrast(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"])))) < 1.0:
+        raise RuntimeError("a flat image came back over REST")
+    return round(wall, 3)
+
+
+def run_app(manager, settings, image, args) -> dict:
+    """The same edit through the HTTP server (REST) and straight through the manager."""
+    import io
+
+    import httpx
+
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     form = {"prompt": "turn the sky into a sunset", "size": f"{args.size}x{args.size}", "seed": "0",
             "num_inference_steps": str(args.steps), "true_cfg_scale": "4"}
-    rest = []
-    try:
-        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
-        for _ in range(2):
-            t0 = time.perf_counter()
-            r = httpx.post(f"http://127.0.0.1:{port}/v1/images/edits", data=form,
-                           files={"image": ("in.png", buf.getvalue(), "image/png")}, timeout=600)
-            wall = time.perf_counter() - t0
-            r.raise_for_status()
-            out_image = Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"])))
-            if contrast(out_image) < 1.0:
-                raise RuntimeError("a flat image came back over REST")
-            rest.append(round(wall, 3))
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with served(settings, manager) as url:
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        rest = [rest_edit(url, buf.getvalue(), form) for _ in range(2)]
     direct = [timed(manager, request(image, args.steps, (args.size, args.size))) for _ in range(2)]
     worker = min(d["worker_s"] for d in direct)
     return {"rest_wall_s": rest, "direct": direct,

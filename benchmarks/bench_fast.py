@@ -22,20 +22,18 @@ Sections (each loads the model once; --sections picks them):
 from __future__ import annotations
 
 import argparse
-import base64
 import io
 import json
 import logging
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import StepClock, contrast, finite_check, reference_image  # noqa: E402
+from bench import StepClock, contrast, finite_check, reference_image, rest_edit, served  # noqa: E402
 
 from imgedit.demo_checkpoint import build_checkpoint  # noqa: E402
 from imgedit.jobs import EditRequest  # noqa: E402
@@ -175,40 +173,11 @@ def section(name: str, args, ckpt: Path, lora_dir: Path, image) -> dict:
 
 def rest_fastest(manager, image, size: int, repeats: int) -> dict:
     """A 4-step fast edit through the HTTP server (REST), as a client sees it."""
-    import socket
-
-    import httpx
-    import uvicorn
-    from PIL import Image
-
-    from imgedit.server import build_app
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(manager.settings, manager), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     form = {"prompt": "turn the sky into a sunset", "size": f"{size}x{size}", "seed": "0", "speed": "fastest"}
-    walls = []
-    try:
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            r = httpx.post(f"http://127.0.0.1:{port}/v1/images/edits", data=form,
-                           files={"image": ("in.png", buf.getvalue(), "image/png")}, timeout=600)
-            walls.append(round(time.perf_counter() - t0, 3))
-            r.raise_for_status()
-            out = Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"])))
-            if contrast(out) < 1.0:
-                raise RuntimeError("a flat image came back over REST")
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with served(manager.settings, manager) as url:
+        walls = [rest_edit(url, buf.getvalue(), form) for _ in range(repeats + 1)]
     return {"walls": walls, "median_after_first_s": statistics.median(walls[1:])}
 
 
