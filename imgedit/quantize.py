@@ -85,6 +85,7 @@ class MemoryMode:
     skip: tuple[str, ...] = ()
     offload_text_encoder: bool = False
     resident_blocks: int | None = None  # None: every block on the GPU
+    batch_cfg: bool = False  # both true-CFG branches in one forward of batch 2 (runtime.cfg_batch)
 
     def mode_of(self, component: str) -> str:
         return dict(self.quantize).get(component, "none")
@@ -95,7 +96,7 @@ class MemoryMode:
 
     @property
     def trivial(self) -> bool:
-        return not self.quantize and not self.offload_text_encoder and not self.streams_blocks
+        return not self.quantize and not self.offload_text_encoder and not self.streams_blocks and not self.batch_cfg
 
     def streamed(self, total: int) -> list[int]:
         """Indices of the streamed blocks, spread evenly among the resident ones: each streamed
@@ -118,6 +119,8 @@ class MemoryMode:
         if self.streams_blocks:
             of = f" of {blocks}" if blocks else ""
             parts.append(f"{self.resident_blocks}{of} transformer blocks resident, the others streamed from the CPU")
+        if self.batch_cfg:
+            parts.append("both CFG branches in one forward (batch 2)")
         return "; ".join(parts)
 
 
@@ -318,6 +321,10 @@ def component_specs(sizes: Sequence[ComponentSizes], quant, off, settings: Setti
         # the block running, the one being prefetched on the copy stream, and the one just used whose
         # memory the allocator takes back only once the compute stream is past it (record_stream)
         buffer = 3 * max(block_bytes)
+        if settings.batch_cfg != "off":
+            # a forward of batch 2 holds twice the activations; two more streamed blocks cost nothing
+            # there, since one forward per step leaves the copies time to spare (BENCHMARKS.md)
+            buffer += 2 * max(block_bytes)
         room = min(budgets(gpus, settings.max_memory, settings.gpu_memory_reserve).values())
         others = sum(sp.nbytes for sp in specs if sp.name != "transformer")
         free = room - settings.activation_reserve - others - t.head.nbytes(mode, item) - buffer
@@ -335,8 +342,9 @@ def component_specs(sizes: Sequence[ComponentSizes], quant, off, settings: Setti
             head = t.head.nbytes(mode, item)
             specs = [ComponentSpec("transformer", head + used + buffer) if sp.name == "transformer" else sp
                      for sp in specs]
+    batch = settings.batch_cfg == "on" or (settings.batch_cfg == "auto" and resident is not None)
     memory = MemoryMode(tuple(quant), settings.quantize_skip if modes.get("transformer") else (),
-                        "text_encoder" in off, resident)
+                        "text_encoder" in off, resident, batch)
     return specs, memory
 
 

@@ -208,6 +208,9 @@ REGISTRY: tuple[Var, ...] = (
     Var("OFFLOAD", "auto", parse_offload,
         "auto (only when nothing fits otherwise) | none | text_encoder (on the CPU, streamed per prompt) | "
         "blocks (transformer blocks that do not fit streamed from the CPU) | text_encoder,blocks"),
+    Var("BATCH_CFG", "auto", _choice("auto", "on", "off"),
+        "Run both true-CFG branches in one transformer forward of batch 2; auto = on when transformer blocks "
+        "are streamed from the CPU (each streamed block then crosses to the GPU once per step, not twice)"),
     Var("COMPILE", "auto", _choice("auto", "on", "off"),
         "Compile the transformer's repeated blocks (torch.compile), warmed up at start-up; auto = on for GPUs"),
     Var("COMPILE_CACHE_DIR", "~/.cache/imgedit/compile", _str,
@@ -272,6 +275,7 @@ class Settings:
     quantize: tuple[tuple[str, str], ...] | None = None  # None = auto
     quantize_skip: tuple[str, ...] = ("img_mlp",)
     offload: tuple[str, ...] | None = None  # None = auto
+    batch_cfg: str = "auto"
     compile: str = "auto"
     compile_cache_dir: str = "~/.cache/imgedit/compile"
     worker_restarts: int = 3
@@ -321,6 +325,10 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
     steps, most = values.get("default_steps"), values.get("max_steps")
     if steps is not None and most is not None and steps > most:
         problems.append(f"DEFAULT_STEPS={steps} is above MAX_STEPS={most}")
+    device_map = values.get("device_map")
+    if values.get("batch_cfg") == "on" and device_map is not None and device_map.mode in ("cfg-parallel", "ulysses"):
+        problems.append(f"BATCH_CFG=on runs both CFG branches in one forward on one GPU, but DEVICE_MAP="
+                        f"{env.get('DEVICE_MAP')} splits each job over a group of GPUs; use BATCH_CFG=auto or off")
     if values.get("gradio_auth") and ":" not in values["gradio_auth"]:
         problems.append(f"GRADIO_AUTH={values['gradio_auth']!r} is not valid: expected user:password")
     if not problems:

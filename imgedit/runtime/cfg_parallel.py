@@ -64,7 +64,7 @@ class CfgPair:
             hidden = kwargs["hidden_states"]
             self._buffer = torch.empty(hidden.shape[:-1] + (self._out_channels(hidden),),
                                        dtype=hidden.dtype, device=hidden.device)
-            return self._wrap(self._buffer, return_dict)
+            return wrap_output(self._buffer, return_dict)
         if branch == 0:  # rank 0, cond call: compute it, keep it for the exchange
             out = self._forward(*args, **kwargs)
             self._buffer = out[0] if isinstance(out, tuple) else out.sample
@@ -72,7 +72,7 @@ class CfgPair:
         if self.rank == 0:  # uncond call on rank 0: send cond, receive uncond
             mine = self._buffer
             theirs = self._exchange(mine)
-            return self._wrap(theirs, return_dict)
+            return wrap_output(theirs, return_dict)
         out = self._forward(*args, **kwargs)  # uncond call on rank 1: compute it, send it, receive cond
         mine = out[0] if isinstance(out, tuple) else out.sample
         cond = self._exchange(mine)
@@ -90,13 +90,15 @@ class CfgPair:
         proj = getattr(self._forward.__self__, "proj_out", None)
         return proj.out_features if proj is not None else hidden.shape[-1]
 
-    @staticmethod
-    def _wrap(tensor: torch.Tensor, return_dict: bool):
-        if return_dict:
-            from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
-            return Transformer2DModelOutput(sample=tensor)
-        return (tensor,)
+
+def wrap_output(tensor: torch.Tensor, return_dict: bool):
+    """A transformer call's answer, as the pipeline asked for it (return_dict or a tuple)."""
+    if return_dict:
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+        return Transformer2DModelOutput(sample=tensor)
+    return (tensor,)
 
 
 def init_group(rank: int, world: int, port: int, cuda: bool):

@@ -41,7 +41,7 @@ class FatalError(ImgEditError):
 class Runner:
     def __init__(self, pipe, name: str, devices: tuple[str, ...], rank: int = 0, world: int = 1,
                  parallel: str = "none", group=None, auto_cleanup: bool = True, ulysses: int = 1,
-                 cuda: bool = False, adapters=None):
+                 cuda: bool = False, adapters=None, batch_cfg: bool = False):
         self.pipe = pipe
         self.name = name
         self.devices = devices
@@ -53,6 +53,11 @@ class Runner:
 
             self.group = ParallelGroup(pipe.transformer, parallel, rank, world, ulysses, cuda, group)
         self.adapters = adapters  # imgedit.runtime.adapters.Adapters: the job's LoRAs and scheduler
+        self.cfg_batch = None  # BATCH_CFG: both CFG branches in one forward (a group splits them instead)
+        if batch_cfg and self.group is None:
+            from imgedit.runtime.cfg_batch import CfgBatch
+
+            self.cfg_batch = CfgBatch(pipe.transformer)
 
     def takes_part(self, job: Job) -> bool:
         """With CFG off a CFG pair has nothing to split: its first rank (or half) runs the job."""
@@ -93,6 +98,8 @@ class Runner:
                 self.adapters.use(params.adapters, params.scheduler)
             elif params.adapters or params.scheduler != "default":
                 raise ImgEditError("this worker has no LoRAs loaded")
+            if self.cfg_batch is not None:
+                self.cfg_batch.begin(self._cfg_on(job))
             with torch.inference_mode():
                 output = self.pipe(
                     image=images, prompt=req.prompt, negative_prompt=params.negative_prompt,
@@ -115,6 +122,8 @@ class Runner:
         finally:
             if self.group is not None:
                 self.group.end()
+            if self.cfg_batch is not None:
+                self.cfg_batch.begin(False)
             if self.adapters is not None:  # no adapter outlives its job (done, failed or cancelled)
                 self.adapters.reset()
         if out_of_memory:

@@ -30,17 +30,17 @@ import torch
 import torch.distributed as dist
 
 
-def pad_text(hidden: torch.Tensor, mask: torch.Tensor | None,
-             multiple: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Pad the text sequence (dim 1) with zeros to a multiple of `multiple`, masked out.
-    Returns the inputs unchanged when they already divide."""
-    length = hidden.shape[1]
-    extra = -length % multiple
+def pad_text(hidden: torch.Tensor, mask: torch.Tensor | None, multiple: int = 1,
+             length: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pad the text sequence (dim 1) with zeros to a multiple of `multiple` (or to `length`), masked
+    out. Returns the inputs unchanged when nothing needs padding."""
+    length, current = length or hidden.shape[1], hidden.shape[1]
+    extra = length - current + (-length % multiple)
     if extra == 0:
         return hidden, mask
     batch = hidden.shape[0]
     if mask is None:
-        mask = torch.ones((batch, length), dtype=torch.bool, device=hidden.device)
+        mask = torch.ones((batch, current), dtype=torch.bool, device=hidden.device)
     pad = hidden.new_zeros((batch, extra, hidden.shape[2]))
     hidden = torch.cat([hidden, pad], dim=1)
     mask = torch.cat([mask.to(torch.bool), mask.new_zeros((batch, extra), dtype=torch.bool)], dim=1)

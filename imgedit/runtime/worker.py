@@ -87,11 +87,13 @@ def _load(spec: WorkerSpec):
     adapters = Adapters(pipe, spec.loras)  # every rank loads the same LoRAs, all disabled
     weights = _weights_per_gpu() if cuda else {}  # the LoRAs' weights included
     runner = Runner(pipe, spec.name, spec.devices or plan.devices, spec.rank, spec.world, spec.parallel, group,
-                    spec.auto_cleanup, spec.ulysses, cuda, adapters)
+                    spec.auto_cleanup, spec.ulysses, cuda, adapters,
+                    batch_cfg=plan.memory is not None and plan.memory.batch_cfg)
     if cuda and spec.memory_caps and late_cap:
         torch.cuda.empty_cache()
         _cap_memory(spec.memory_caps)
-    info: dict = {"compiled": False, "load_seconds": round(time.perf_counter() - started, 2),
+    info: dict = {"compiled": False, "batch_cfg": runner.cfg_batch is not None,
+                  "load_seconds": round(time.perf_counter() - started, 2),
                   "loras": [f.name for f in spec.loras], "components": offload.describe(pipe, plan.memory),
                   "weights_mib": weights}
     if spec.hook:

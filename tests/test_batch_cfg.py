@@ -1,0 +1,119 @@
+"""BATCH_CFG: both true-CFG branches in one transformer forward of batch 2 (imgedit.runtime.cfg_batch).
+
+The runner runs real edits on its own tiny pipeline in this process, with and without batching,
+and the transformer's forwards are counted at its output layer. One worker process checks the
+setting's way from the environment to the worker, and the planner tests are in test_quant.py.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from conftest import LocalPipeline, make_manager, picture
+
+from imgedit.errors import Cancelled, ImgEditError, SettingsError
+from imgedit.jobs import EditRequest
+from imgedit.runtime.messages import Job
+from imgedit.runtime.runner import Runner
+from imgedit.settings import load_settings
+from imgedit.validation import resolve
+
+LONG_NEGATIVE = "blurry, low quality, washed out colours, jpeg artefacts, text, watermark, extra fingers"
+
+
+class Local:
+    """One fresh tiny pipeline (the batching forward stays installed on it) and two runners."""
+
+    def __init__(self, ckpt):
+        self.pipe = LocalPipeline(ckpt).pipe
+        self.settings = load_settings({"QWEN_MODEL_DIR": str(ckpt)})
+        self.plain = Runner(self.pipe, "plain", ("cpu",))
+        self.batched = Runner(self.pipe, "batched", ("cpu",), batch_cfg=True)
+        self.forwards: list[int] = []  # batch size of every transformer forward (at its output layer)
+        self.pipe.transformer.proj_out.register_forward_hook(
+            lambda module, args, out: self.forwards.append(out.shape[0]))
+
+    def run(self, runner, cancel=None, on_step=None, **kw) -> np.ndarray:
+        ask = dict(images=(picture(),), prompt="make the sky a warm orange sunset", seed=5,
+                   num_inference_steps=2, width=64, height=64, negative_prompt=" ")
+        req = EditRequest(**{**ask, **kw})
+        params = resolve(req, self.settings, "plus", req.images[-1].size, len(req.images))
+        self.forwards.clear()
+        result = runner.run(Job(req, params, "plus"), cancel or threading.Event(), on_step)
+        return np.stack([np.asarray(image, dtype=np.int16) for image in result.images])
+
+
+@pytest.fixture(scope="module")
+def local(plus_ckpt):
+    return Local(plus_ckpt)
+
+
+@pytest.mark.parametrize("kw", [
+    {},  # the prompt is longer than the negative prompt: the negative one is padded and masked
+    {"negative_prompt": LONG_NEGATIVE},  # the other way round
+    {"prompt": "x", "negative_prompt": "y"},  # the same length: no padding, no mask
+    {"num_images": 2},  # two images per prompt: a batch of 4
+])
+def test_one_forward_per_step_gives_the_same_image(local, kw):
+    plain = local.run(local.plain, **kw)
+    images = plain.shape[0]
+    assert local.forwards == [images] * 4  # 2 steps x (cond, uncond)
+    batched = local.run(local.batched, **kw)
+    assert local.forwards == [2 * images] * 2  # one forward per step, both branches in it
+    assert batched.shape == plain.shape
+    # float32 on the CPU: a batch of two and a masked attention round differently, nothing more
+    assert np.abs(batched - plain).max() <= 1, np.abs(batched - plain).max()
+    assert np.abs(plain - local.run(local.plain, **{**kw, "seed": 6})).mean() > 1  # the check can fail
+
+
+def test_cfg_off_runs_as_before(local):
+    plain = local.run(local.plain, true_cfg_scale=1.0)
+    batched = local.run(local.batched, true_cfg_scale=1.0)
+    assert local.forwards == [1, 1]
+    assert np.array_equal(batched, plain)
+
+
+def test_a_cancelled_or_failed_job_leaves_no_half_batch_behind(local):
+    reference = local.run(local.batched)
+    cancel = threading.Event()
+
+    def on_step(step, total):
+        cancel.set()  # read at the end of the next step
+
+    with pytest.raises(Cancelled, match="cancelled at step 2 of 2"):
+        local.run(local.batched, cancel=cancel, on_step=on_step)
+
+    def fail(module, args):
+        raise RuntimeError("injected fault in the batched forward")
+
+    hook = local.pipe.transformer.transformer_blocks[0].register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(ImgEditError, match="internal error") as caught:
+            local.run(local.batched)
+        assert "injected" not in caught.value.message  # our words only
+    finally:
+        hook.remove()
+    assert np.array_equal(local.run(local.batched), reference)
+    assert np.abs(local.run(local.plain) - reference).max() <= 1  # the plain runner is not batched either
+
+
+def test_the_setting_reaches_the_worker_and_the_status(plus_ckpt):
+    manager = make_manager(plus_ckpt, plan="planner", BATCH_CFG="on")
+    try:
+        worker = manager.workers[0]
+        assert worker.info["batch_cfg"] is True
+        assert "both CFG branches in one forward (batch 2)" in manager.status().reason
+        result = manager.edit(EditRequest(images=(picture(),), prompt="make it red", seed=1, num_inference_steps=2,
+                                          width=64, height=64, source="test"))
+        assert result.steps == 2 and result.images[0].size == (64, 64)
+    finally:
+        manager.close()
+
+
+def test_batch_cfg_on_with_a_gpu_group_is_refused():
+    with pytest.raises(SettingsError, match="BATCH_CFG=on runs both CFG branches in one forward on one GPU"):
+        load_settings({"BATCH_CFG": "on", "DEVICE_MAP": "cfg-parallel"})
+    with pytest.raises(SettingsError, match="BATCH_CFG='sometimes' is not valid: expected one of auto, on, off"):
+        load_settings({"BATCH_CFG": "sometimes"})
