@@ -123,8 +123,9 @@ class HistoryStore:
 
     # ---- writing ----
     def save(self, owner: str, job_id: str, item: int, req: EditRequest, result: EditResult,
-             name: str = "") -> HistoryEntry:
-        """Write the result's PNGs, the inputs (for a re-run) and a thumbnail, then index them."""
+             name: str = "", pngs: list[bytes] | None = None) -> HistoryEntry:
+        """Write the result's PNGs, the inputs (for a re-run) and a thumbnail, then index them.
+        `pngs`: the results already encoded (with their settings), written as they are."""
         entry_id = secrets.token_hex(8)  # request ids repeat across restarts; these never collide
         created = time.time()
         day = self.root / time.strftime("%Y-%m-%d", time.gmtime(created))
@@ -134,7 +135,10 @@ class HistoryStore:
         partial.mkdir()
         try:
             for i, image in enumerate(result.images):
-                save_png(image, partial / f"out-{i}.png")  # with the settings that made it
+                if pngs is not None:
+                    (partial / f"out-{i}.png").write_bytes(pngs[i])
+                else:
+                    save_png(image, partial / f"out-{i}.png")  # with the settings that made it
             for i, image in enumerate(req.images):
                 image.save(partial / f"in-{i}.png", format="PNG", compress_level=1)
             thumb = result.images[0].copy()
@@ -161,10 +165,10 @@ class HistoryStore:
         return entry
 
     async def record(self, owner: str, job_id: str, item: int, req: EditRequest, result: EditResult,
-                     name: str = "") -> HistoryEntry | None:
+                     name: str = "", pngs: list[bytes] | None = None) -> HistoryEntry | None:
         """`save` off the event loop; a full disk is logged, never turned into a failed edit."""
         try:
-            return await asyncio.to_thread(self.save, owner, job_id, item, req, result, name)
+            return await asyncio.to_thread(self.save, owner, job_id, item, req, result, name, pngs)
         except Exception:
             log.exception("%s: storing the result failed", job_id)
             return None

@@ -26,11 +26,11 @@ LONG_NEGATIVE = "blurry, low quality, washed out colours, jpeg artefacts, text, 
 class Local:
     """One fresh tiny pipeline (the batching forward stays installed on it) and two runners."""
 
-    def __init__(self, ckpt):
+    def __init__(self, ckpt, batched: bool = True):
         self.pipe = LocalPipeline(ckpt).pipe
         self.settings = load_settings({"QWEN_MODEL_DIR": str(ckpt)})
         self.plain = Runner(self.pipe, "plain", ("cpu",))
-        self.batched = Runner(self.pipe, "batched", ("cpu",), batch_cfg=True)
+        self.batched = Runner(self.pipe, "batched", ("cpu",), batch_cfg=True) if batched else None
         self.forwards: list[int] = []  # batch size of every transformer forward (at its output layer)
         self.pipe.transformer.proj_out.register_forward_hook(
             lambda module, args, out: self.forwards.append(out.shape[0]))
@@ -97,6 +97,27 @@ def test_a_cancelled_or_failed_job_leaves_no_half_batch_behind(local):
         hook.remove()
     assert np.array_equal(local.run(local.batched), reference)
     assert np.abs(local.run(local.plain) - reference).max() <= 1  # the plain runner is not batched either
+
+
+def test_batching_survives_the_offload_hook_that_removes_itself(plus_ckpt):
+    """diffusers' group offloading with streams (GPU only) traces the first forward through a hook that
+    then removes itself, which sets `forward` back to what it was before that hook: the same removal,
+    here on the CPU, must not drop the batching from the second step on (the GPU machine found it)."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    class RemovesItself(ModelHook):
+        def post_forward(self, module, output):
+            module._diffusers_hook.remove_hook("removes-itself", recurse=False)
+            return output
+
+    fresh = Local(plus_ckpt, batched=False)
+    reference = fresh.run(fresh.plain)
+    HookRegistry.check_if_exists_or_initialize(fresh.pipe.transformer).register_hook(RemovesItself(), "removes-itself")
+    runner = Runner(fresh.pipe, "hooked", ("cpu",), batch_cfg=True)  # installed over the hook, as in a worker
+    image = fresh.run(runner)
+    assert fresh.forwards == [2, 2]  # [2, 1, 1] when the removal dropped the batching
+    assert np.abs(image - reference).max() <= 1
+    assert fresh.run(runner).shape == reference.shape and fresh.forwards == [2, 2]
 
 
 def test_the_setting_reaches_the_worker_and_the_status(plus_ckpt):

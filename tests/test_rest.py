@@ -11,11 +11,12 @@ import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from conftest import ConcurrencyProbe, make_manager, picture, start_server
+from conftest import ConcurrencyProbe, make_manager, picture, start_server, wait_for
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -341,3 +342,16 @@ def test_a_client_that_goes_away_stops_its_gpu_work(plus_ckpt, image_file):
             assert time.time() < deadline, "the abandoned job kept running"
             time.sleep(0.1)
         assert manager.workers[0].jobs_done == 0 and manager.workers[0].step < 60
+
+
+def test_the_reply_and_the_stored_result_are_the_same_png(live_server, server_manager, image_file):
+    """The PNG is encoded once for both; the reply does not wait for the store, which follows it."""
+    response = post_edit(live_server.url, files={"image": ("in.png", image_file.read_bytes(), "image/png")},
+                         data={"prompt": "keep me", "size": "64x64", "num_inference_steps": "2", "seed": "4242"},
+                         headers={"Authorization": "Bearer history-probe"})
+    assert response.status_code == 200, response.text
+    png = base64.b64decode(response.json()["data"][0]["b64_json"])
+    chunks = Image.open(io.BytesIO(png)).text
+    assert (chunks["prompt"], chunks["seed"]) == ("keep me", "4242")  # the settings travel with it
+    root = Path(server_manager.settings.output_dir).expanduser()
+    wait_for(lambda: any(p.read_bytes() == png for p in root.glob("*/*/out-0.png")), 30)

@@ -19,10 +19,9 @@ on the CPU, benchmarks/bench_quant.py measures it on the GPU).
 
 from __future__ import annotations
 
-import types
-
 import torch
 
+from imgedit.runtime.cfg_parallel import ForwardOverride
 from imgedit.runtime.cfg_parallel import wrap_output as _wrap
 from imgedit.runtime.ulysses import pad_text
 
@@ -37,11 +36,11 @@ class CfgBatch:
         self._cond: dict | None = None
         self._buffer: torch.Tensor | None = None
         self._out_features = transformer.proj_out.out_features
-        self._forward = transformer.forward  # the original (offload hooks included)
-        transformer.forward = types.MethodType(self._make_forward(), transformer)
+        self._override = ForwardOverride(transformer, self._make_forward())
 
     def begin(self, active: bool) -> None:
         """active: this job runs true CFG (two calls per step). Off, the transformer behaves as usual."""
+        self._override.keep()
         self.active = active
         self._calls = 0
         self._cond = self._buffer = None
@@ -51,7 +50,7 @@ class CfgBatch:
 
         def forward(module, *args, **kwargs):
             if not batch.active or args:  # the pipelines pass keywords only; anything else runs as it is
-                return batch._forward(*args, **kwargs)
+                return batch._override.call(*args, **kwargs)
             branch = batch._calls % 2  # 0: cond call, 1: uncond call
             batch._calls += 1
             return batch._cond_call(kwargs) if branch == 0 else batch._uncond_call(kwargs)
@@ -69,7 +68,7 @@ class CfgBatch:
     def _uncond_call(self, uncond: dict):
         cond, self._cond = self._cond, None
         n = cond["hidden_states"].shape[0]
-        out = self._forward(**merge(cond, uncond))
+        out = self._override.call(**merge(cond, uncond))
         self.forwards += 1
         both = out[0] if isinstance(out, tuple) else out.sample
         self._buffer.copy_(both[:n])

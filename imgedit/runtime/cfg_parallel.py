@@ -36,11 +36,12 @@ class CfgPair:
         self.active = False
         self._calls = 0
         self._buffer: torch.Tensor | None = None
-        self._forward = transformer.forward  # the bound original
-        transformer.forward = types.MethodType(self._make_forward(), transformer)
+        self._proj_out = getattr(transformer, "proj_out", None)
+        self._override = ForwardOverride(transformer, self._make_forward())
 
     def begin(self, active: bool) -> None:
         """active: this job runs true CFG on both ranks. Off, the transformer behaves as usual."""
+        self._override.keep()
         self.active = active
         self._calls = 0
         self._buffer = None
@@ -50,7 +51,7 @@ class CfgPair:
 
         def forward(module, *args, **kwargs):
             if not pair.active:
-                return pair._forward(*args, **kwargs)
+                return pair._override.call(*args, **kwargs)
             branch = pair._calls % 2  # 0: cond call, 1: uncond call
             pair._calls += 1
             return pair._call(branch, args, kwargs)
@@ -66,14 +67,14 @@ class CfgPair:
                                        dtype=hidden.dtype, device=hidden.device)
             return wrap_output(self._buffer, return_dict)
         if branch == 0:  # rank 0, cond call: compute it, keep it for the exchange
-            out = self._forward(*args, **kwargs)
+            out = self._override.call(*args, **kwargs)
             self._buffer = out[0] if isinstance(out, tuple) else out.sample
             return out
         if self.rank == 0:  # uncond call on rank 0: send cond, receive uncond
             mine = self._buffer
             theirs = self._exchange(mine)
             return wrap_output(theirs, return_dict)
-        out = self._forward(*args, **kwargs)  # uncond call on rank 1: compute it, send it, receive cond
+        out = self._override.call(*args, **kwargs)  # uncond call on rank 1: compute it, send it, receive cond
         mine = out[0] if isinstance(out, tuple) else out.sample
         cond = self._exchange(mine)
         self._buffer.copy_(cond)
@@ -87,9 +88,36 @@ class CfgPair:
         return parts[1 - self.rank]
 
     def _out_channels(self, hidden: torch.Tensor) -> int:
-        proj = getattr(self._forward.__self__, "proj_out", None)
-        return proj.out_features if proj is not None else hidden.shape[-1]
+        return self._proj_out.out_features if self._proj_out is not None else hidden.shape[-1]
 
+
+
+class ForwardOverride:
+    """This instance's `forward` replaced by `function(module, *args, **kwargs)`, which calls the
+    original through `call`. It stays in place: diffusers' group offloading with streams traces the
+    first forward through a hook that then removes itself, and removing a hook sets `forward` back
+    to what it was when that hook was registered, dropping any override made since (found on the
+    GPU: a batched-CFG worker ran unbatched from its second step on). `keep()` takes the restored
+    forward as the original and overrides it again; `call` does so after every original call.
+    Only the outermost override of a module may use it (CfgPair or CfgBatch; the Ulysses text
+    padding under a CfgPair wraps plainly): two of them would keep re-installing over each other."""
+
+    def __init__(self, module: torch.nn.Module, function):
+        self.module = module
+        self.installed = types.MethodType(function, module)
+        self.original = module.forward
+        module.forward = self.installed
+
+    def keep(self) -> None:
+        if self.module.forward is not self.installed:
+            self.original = self.module.forward
+            self.module.forward = self.installed
+
+    def call(self, *args, **kwargs):
+        try:
+            return self.original(*args, **kwargs)
+        finally:
+            self.keep()
 
 
 def wrap_output(tensor: torch.Tensor, return_dict: bool):
