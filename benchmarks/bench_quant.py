@@ -102,8 +102,15 @@ def record(pipe, spec) -> None:
         torch.save(state["saved"], os.path.join(folder, "last.pt"))
         state["n"], state["saved"] = 0, {}
 
+    def after_decode(module, args, output):  # the decode is the job's last GPU work: its peaks, then reset
+        if torch.cuda.is_available():
+            log.info("torch peak this job: allocated %.2f GiB, reserved %.2f GiB",
+                     torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30)
+            torch.cuda.reset_peak_memory_stats()
+
     pipe.transformer.proj_out.register_forward_hook(after_proj)
     pipe.vae.decoder.register_forward_pre_hook(before_decode)
+    pipe.vae.decoder.register_forward_hook(after_decode)
 
 
 # ---- measuring ----

@@ -165,6 +165,11 @@ def _gpu(index: int) -> str:
 # rank of a CFG-parallel pair 0.96 GiB (context plus NCCL's buffers). docs/BENCHMARKS.md.
 CUDA_CONTEXT = int(0.6 * GIB)
 NCCL_BUFFERS = int(0.4 * GIB)
+# ...and what it adds while jobs run: CUDA loads kernels lazily, on first use, and each loaded module
+# takes GPU memory outside torch's allocator. Measured on an H200 under MAX_MEMORY=22GiB with the
+# allocator capped at the cap minus CUDA_CONTEXT: NVML's peak for the process reached 22.3 GiB.
+# The worker caps its allocator this much lower again (runtime.worker._cap_memory).
+LAZY_KERNELS = int(0.4 * GIB)
 
 
 def budgets(gpus: Sequence[GpuSpec], max_memory: Sequence[int], reserve: int) -> dict[int, int]:

@@ -171,19 +171,20 @@ def test_out_of_memory_on_a_real_oversize_request_then_recovery(real_ckpt):
 @pytest.mark.gpu
 @pytest.mark.parametrize("compile_mode", ["off", "on"])
 def test_a_24gb_card_runs_quantized_and_streamed_under_its_cap(real_ckpt, compile_mode):
-    """MAX_MEMORY=22GiB emulates an RTX 4090: the planner picks fp8 (int8 below compute capability
-    8.9), the text encoder on the CPU and part of the blocks streamed; the edit stays under the cap.
-    Compiled, only the resident blocks are compiled (the streamed ones run eager)."""
+    """MAX_MEMORY=22GiB emulates an RTX 4090: the planner keeps the weights in bf16 (streaming
+    quantized blocks fails in diffusers' offloading), puts the text encoder on the CPU, streams part
+    of the blocks and batches the two CFG branches; the edits (one image, and two: a batch of four)
+    stay under the cap. Compiled, only the resident blocks are compiled (the streamed ones run eager)."""
     manager = load(real_ckpt, DEVICE_MAP="cuda:0", MAX_MEMORY="22GiB", COMPILE=compile_mode)
     try:
         memory = manager.plan.workers[0].memory
-        assert memory is not None and memory.offload_text_encoder and memory.streams_blocks
+        assert memory is not None and memory.offload_text_encoder and memory.streams_blocks and memory.batch_cfg
         with PeakSampler() as sampler:
             for n in (1, 2):
                 assert edit(manager, n_images=n, size=1024).images[0].size == (1024, 1024)
         assert sampler.peaks and all(peak < 22 for peak in sampler.peaks.values()), sampler.peaks
         components = manager.status().workers[0].components
-        assert components["transformer"]["quantization"].split(":")[0] in ("fp8", "int8")
+        assert components["transformer"]["quantization"] == "none" and manager.workers[0].info["batch_cfg"]
         assert "GPU 0" in components["transformer"]["location"] and "CPU" in components["transformer"]["location"]
         assert components["text_encoder"]["location"].startswith("CPU")
     finally:

@@ -127,14 +127,15 @@ def _weights_per_gpu() -> dict[str, float]:
 
 def _cap_memory(caps: tuple[int, ...]) -> None:
     """MAX_MEMORY is a promise about what nvidia-smi shows: let torch's allocator use at most the cap
-    minus the CUDA context (it frees its cache and retries before it gives up with out-of-memory)."""
+    minus the CUDA context and the kernels loaded as jobs run (it frees its cache and retries before it
+    gives up with out-of-memory)."""
     import torch
 
-    from imgedit.placement import CUDA_CONTEXT
+    from imgedit.placement import CUDA_CONTEXT, LAZY_KERNELS
 
     for index, cap in enumerate(caps):
         total = torch.cuda.get_device_properties(index).total_memory
-        fraction = min(1.0, max(0.01, (cap - CUDA_CONTEXT) / total))
+        fraction = min(1.0, max(0.01, (cap - CUDA_CONTEXT - LAZY_KERNELS) / total))
         torch.cuda.set_per_process_memory_fraction(fraction, index)
         log.info("cuda:%d: allocator capped at %.1f GiB (MAX_MEMORY)", index, fraction * total / 1024**3)
 
