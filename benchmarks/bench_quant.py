@@ -69,6 +69,7 @@ MODES: dict[str, dict[str, str]] = {  # settings per mode (DEVICE_MAP=cuda:0 unl
     "cap22-nf4": {"QUANTIZE": "nf4", "OFFLOAD": "text_encoder", "MAX_MEMORY": "22GiB", "COMPILE": "off"},
     "nf4": {"QUANTIZE": "nf4", "OFFLOAD": "none", "COMPILE": "off"},  # cap22-nf4's reference: the same, uncapped
     "cap22-bf16": {"QUANTIZE": "none", "OFFLOAD": "text_encoder,blocks", "MAX_MEMORY": "22GiB", "COMPILE": "off"},
+    "2x24": {**_AUTO, "MAX_MEMORY": "22GiB", "DEVICE_MAP": "auto", "COMPILE": "off"},  # two 24 GB cards (2 GPUs)
     "cap30": {**_AUTO, "MAX_MEMORY": "30GiB", "COMPILE": "off"},  # a 32 GB card
     "cap46": {**_AUTO, "MAX_MEMORY": "46GiB", "COMPILE": "off"},  # a 48 GB card
 }
