@@ -65,7 +65,8 @@ def test_one_forward_per_step_gives_the_same_image(local, kw):
     assert batched.shape == plain.shape
     # float32 on the CPU: a batch of two and a masked attention round differently, nothing more
     assert np.abs(batched - plain).max() <= 1, np.abs(batched - plain).max()
-    assert np.abs(plain - local.run(local.plain, **{**kw, "seed": 6})).mean() > 1  # the check can fail
+    if not kw:  # the bound can fail: another seed moves the pixels far more than that
+        assert np.abs(plain - local.run(local.plain, seed=6)).mean() > 1
 
 
 def test_cfg_off_runs_as_before(local):
