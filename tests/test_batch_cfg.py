@@ -119,6 +119,15 @@ def test_batching_survives_the_offload_hook_that_removes_itself(plus_ckpt):
     assert fresh.forwards == [2, 2]  # [2, 1, 1] when the removal dropped the batching
     assert np.abs(image - reference).max() <= 1
     assert fresh.run(runner).shape == reference.shape and fresh.forwards == [2, 2]
+    calls = []
+
+    class Counts(ModelHook):  # a hook registered over the batching one wraps it, and stays
+        def pre_forward(self, module, *args, **kwargs):
+            calls.append(1)
+            return args, kwargs
+
+    HookRegistry.check_if_exists_or_initialize(fresh.pipe.transformer).register_hook(Counts(), "counts")
+    assert np.array_equal(fresh.run(runner), image) and fresh.forwards == [2, 2] and len(calls) == 4
 
 
 def test_the_setting_reaches_the_worker_and_the_status(plus_ckpt):

@@ -91,7 +91,6 @@ class CfgPair:
         return self._proj_out.out_features if self._proj_out is not None else hidden.shape[-1]
 
 
-
 class ForwardOverride:
     """This instance's `forward` replaced by `function(module, *args, **kwargs)`, which calls the
     original through `call`. It stays in place: diffusers' group offloading with streams traces the
@@ -109,9 +108,12 @@ class ForwardOverride:
         module.forward = self.installed
 
     def keep(self) -> None:
-        if self.module.forward is not self.installed:
-            self.original = self.module.forward
-            self.module.forward = self.installed
+        current = self.module.forward
+        # a diffusers hook registered over this override wraps it (functools.update_wrapper): leave it
+        if current is self.installed or getattr(current, "__wrapped__", None) is self.installed:
+            return
+        self.original = current
+        self.module.forward = self.installed
 
     def call(self, *args, **kwargs):
         try:
