@@ -238,8 +238,28 @@ def test_rerun_repeats_the_speed_and_lora_and_a_retired_lora_is_a_clear_error(lo
     history._db.execute("UPDATE results SET lora = 'retired' WHERE id = ?", (listed["id"],))
     jobs_done = server.manager.status().workers[0].jobs_done
     refused = raw.predict(fill, [listed["id"]])
-    assert "unknown LoRA &#x27;retired&#x27;; configured LoRAs:" in refused.text or \
-        "unknown LoRA 'retired'; configured LoRAs:" in refused.text, refused.text
-    assert "Traceback" not in refused.text
+    assert refused.json()["error"].startswith("unknown LoRA &#x27;retired&#x27;; configured LoRAs: "), refused.text
+    assert server.manager.status().workers[0].jobs_done == jobs_done
+    # Open in the editor still fills the form, with quality and no LoRA, and says why.
+    assert raw.join(raw.fn_index(trigger=("history-open", "click")), [listed["id"]]).status_code == 200
+    messages = raw.messages()
+    done = [m for m in messages if m.get("msg") == "process_completed"][0]
+    assert done["success"] and done["output"]["data"][1:] == [
+        "make it blue", "", 12, False, 4, 4.0, 1, 64, 64, "quality", "none", 1.0], done
+    notices = [m["log"] for m in messages if m.get("msg") == "log" and m.get("level") == "warning"]
+    assert notices and "unknown LoRA" in notices[0] and "quality and no LoRA instead" in notices[0], messages
     assert server.manager.status().workers[0].jobs_done == jobs_done
     raw.close()
+
+
+def test_page_batch_runs_with_the_pages_speed_and_lora(lora_server, image_file):
+    client = Client(lora_server.url, verbose=False)
+    args = (*edit_args([image_file], seed=13), "fastest", "style", 0.5)
+    gallery, _ = client.predict(*args, api_name="/edit")
+    single = Image.open(gallery[0]["image"])
+    batch, report, _ = client.predict(*args, api_name="/batch")
+    assert "1 of 1 done" in report
+    item = Image.open(batch[0]["image"])
+    assert (item.text["speed"], item.text["lora"], item.text["lora_scale"], item.text["num_inference_steps"]) == (
+        "fastest", "Tiny-Edit-Lightning-4steps-V1.0-bf16,style", "1,0.5", "4")
+    assert np.array_equal(np.asarray(item.convert("RGB")), np.asarray(single.convert("RGB")))
