@@ -209,8 +209,8 @@ def lora_server(plus_ckpt, tmp_path_factory):
 
 def test_rerun_repeats_the_speed_and_lora_and_a_retired_lora_is_a_clear_error(lora_server, image_file):
     """The History tab's Re-run (the page's own two events, as the browser sends them) of an edit made
-    with speed=fastest and a LoRA gives the same pixels; once that LoRA is no longer configured it
-    gives the usual "unknown LoRA" message and runs nothing."""
+    with speed=fastest and a LoRA gives the same pixels, as does the Batch tab with those settings; once
+    that LoRA is no longer configured a re-run gives the usual "unknown LoRA" message and runs nothing."""
     from raw_gradio import RawGradio
 
     server = lora_server
@@ -233,6 +233,12 @@ def test_rerun_repeats_the_speed_and_lora_and_a_retired_lora_is_a_clear_error(lo
     rerun_path = done["output"]["data"][0][0]["image"]["path"]
     assert np.array_equal(np.asarray(Image.open(rerun_path).convert("RGB")), original)
     assert "Seed used: 12" in done["output"]["data"][1] and "4 steps" in done["output"]["data"][1]
+    # The page's Batch tab takes the page's Speed / LoRA / strength too: the same edit as one item.
+    batch, report, _ = browser.predict(*edit_args([image_file], seed=12), "fastest", "style", 0.5, api_name="/batch")
+    item = Image.open(batch[0]["image"])
+    assert "1 of 1 done" in report and np.array_equal(np.asarray(item.convert("RGB")), original)
+    assert (item.text["speed"], item.text["lora"], item.text["lora_scale"], item.text["num_inference_steps"]) == (
+        "fastest", "Tiny-Edit-Lightning-4steps-V1.0-bf16,style", "1,0.5", "4")
 
     history = server.server.config.app.state.history
     history._db.execute("UPDATE results SET lora = 'retired' WHERE id = ?", (listed["id"],))
@@ -251,15 +257,3 @@ def test_rerun_repeats_the_speed_and_lora_and_a_retired_lora_is_a_clear_error(lo
     assert server.manager.status().workers[0].jobs_done == jobs_done
     raw.close()
 
-
-def test_page_batch_runs_with_the_pages_speed_and_lora(lora_server, image_file):
-    client = Client(lora_server.url, verbose=False)
-    args = (*edit_args([image_file], seed=13), "fastest", "style", 0.5)
-    gallery, _ = client.predict(*args, api_name="/edit")
-    single = Image.open(gallery[0]["image"])
-    batch, report, _ = client.predict(*args, api_name="/batch")
-    assert "1 of 1 done" in report
-    item = Image.open(batch[0]["image"])
-    assert (item.text["speed"], item.text["lora"], item.text["lora_scale"], item.text["num_inference_steps"]) == (
-        "fastest", "Tiny-Edit-Lightning-4steps-V1.0-bf16,style", "1,0.5", "4")
-    assert np.array_equal(np.asarray(item.convert("RGB")), np.asarray(single.convert("RGB")))
