@@ -217,6 +217,7 @@ def test_rerun_repeats_the_speed_and_lora_and_a_retired_lora_is_a_clear_error(lo
     browser = Client(server.url, verbose=False)
     gallery, seed = browser.predict(*edit_args([image_file], seed=12), "fastest", "style", 0.5, api_name="/edit")
     original = np.asarray(Image.open(gallery[0]["image"]).convert("RGB"))
+    assert original.std() > 5  # a real picture, not a black (NaN) one: equal pixels below mean something
     [listed] = browser.predict(api_name="/history")
     assert (listed["speed"], listed["lora"], listed["lora_scale"], listed["num_inference_steps"]) == (
         "fastest", "style", 0.5, 4)

@@ -262,6 +262,7 @@ def test_speed_and_lora_reach_every_item_of_a_job(server):
     assert single.status_code == 200, single.text
     same = Image.open(io.BytesIO(base64.b64decode(single.json()["data"][0]["b64_json"])))
     assert np.array_equal(np.asarray(same), np.asarray(Image.open(archive.open(archive.namelist()[0]))))
+    assert np.asarray(same).std() > 5  # a real picture, not a black (NaN) one
     lora_only = httpx.post(f"{server.url}/v1/jobs", files=files[:1], data={**FIELDS, "lora": "style"}, headers=A,
                            timeout=60)
     view = wait_finished(server.url, lora_only.json()["id"])
