@@ -2,8 +2,9 @@
 
 Same fields (speed, lora and lora_scale included: every item runs with them), API key and limits as
 /v1/images/edits. Input sets: `image` (1-3 files) is one set; each `batch` file is one set of one
-image (a zip gives one set per image inside); `set1`, `set2`, ... are sets of 1-3 images each. A job belongs to the bearer token that created it: any other
-token gets 404 for it. Finished jobs are answered from the history after a restart.
+image (a zip gives one set per image inside); `set1`, `set2`, ... are sets of 1-3 images each. A job
+belongs to the bearer token that created it: any other token gets 404 for it. Finished jobs are
+answered from the history after a restart.
 """
 
 from __future__ import annotations

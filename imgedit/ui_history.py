@@ -109,7 +109,10 @@ def build_history_tab(manager, history: HistoryStore, edit_inputs: list, edit_ou
         entry = history.get(who, ids[evt.index]) if who and 0 <= evt.index < len(ids) else None
         if entry is None:
             raise gr.Error("that entry is gone (deleted by the retention rules)")
-        text = (f"**{html.escape(entry.prompt)}**  \nseed {entry.seed} · {entry.steps} steps · "
+        speed, lora, scale = speed_values(entry)
+        made_with = (f" · {speed}" if speed != "quality" else "") + \
+            (f" · LoRA {html.escape(lora)} ({scale:g})" if lora != NO_LORA else "")
+        text = (f"**{html.escape(entry.prompt)}**  \nseed {entry.seed} · {entry.steps} steps{made_with} · "
                 f"{entry.out_width}x{entry.out_height} · {entry.outputs} image(s) · {_when(entry.created)}")
         images = [Image.open(p) for p in entry.output_paths]
         return entry.id, text, images, _export(entry.output_paths, f"imgedit-{entry.id}")
