@@ -98,7 +98,8 @@ class Job:
         t = self.template
         return {"id": self.id, "object": "job", "state": self.state, "created": int(self.created),
                 "position": self.position, "prompt": t.prompt, "num_inference_steps": t.num_inference_steps,
-                "n": t.num_images, "items": [i.view() for i in self.items],
+                "n": t.num_images, "speed": t.speed, "lora": t.lora, "lora_scale": t.lora_scale,
+                "items": [i.view() for i in self.items],
                 "done": sum(i.state == "succeeded" for i in self.items),
                 "failed": sum(i.state in ("failed", "cancelled") for i in self.items)}
 
@@ -243,6 +244,7 @@ class JobService:
                 raise Cancelled("cancelled before it started")
             images = await asyncio.to_thread(
                 lambda: tuple(open_image(raw, settings.max_input_pixels, f"{item.name}") for raw in item.inputs))
+            # The template's prompt and every setting (speed, lora and lora_scale included) carry over.
             req = replace(job.template, images=images, request_id=new_request_id(), source=job.source)
 
             def on_wait(ahead: int) -> None:

@@ -48,14 +48,20 @@ CREATE TABLE IF NOT EXISTS results (
     outputs INTEGER NOT NULL,
     inputs INTEGER NOT NULL,
     folder TEXT NOT NULL,
-    bytes INTEGER NOT NULL
+    bytes INTEGER NOT NULL,
+    speed TEXT,
+    lora TEXT,
+    lora_scale REAL
 );
 CREATE INDEX IF NOT EXISTS results_owner ON results (owner, created);
 CREATE INDEX IF NOT EXISTS results_job ON results (job_id, item);
 CREATE INDEX IF NOT EXISTS results_created ON results (created);
 """
 _COLUMNS = ("id, job_id, item, owner, created, source, name, prompt, negative_prompt, seed, steps, true_cfg_scale, "
-            "num_images, width, height, out_width, out_height, outputs, inputs, folder, bytes")
+            "num_images, width, height, out_width, out_height, outputs, inputs, folder, bytes, speed, lora, lora_scale")
+# Columns added after the first release, with their types: a database written by an older version gets
+# them at start-up (its rows read back as None: quality, no LoRA, which is what made them).
+_ADDED_COLUMNS = {"speed": "TEXT", "lora": "TEXT", "lora_scale": "REAL"}
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,9 @@ class HistoryEntry:
     inputs: int
     folder: Path
     bytes: int
+    speed: str | None = None  # as asked for: None = quality
+    lora: str | None = None  # the picked LoRA's name; None = none
+    lora_scale: float | None = None  # its strength as asked for; None = 1
 
     @property
     def output_paths(self) -> list[Path]:
@@ -111,11 +120,24 @@ class HistoryStore:
         self._db = sqlite3.connect(self.root / DB_NAME, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(_SCHEMA)
+        self._add_missing_columns()
         self.prune()
 
     @classmethod
     def from_settings(cls, settings: Settings) -> HistoryStore:
         return cls(settings.output_dir, settings.output_retention_hours, int(settings.output_max_gb * 1e9))
+
+    def _add_missing_columns(self) -> None:
+        """CREATE TABLE IF NOT EXISTS leaves an older version's table as it was: add what it lacks."""
+        have = {row[1] for row in self._db.execute("PRAGMA table_info(results)")}
+        for name, kind in _ADDED_COLUMNS.items():
+            if name not in have:
+                try:
+                    self._db.execute(f"ALTER TABLE results ADD COLUMN {name} {kind}")
+                except sqlite3.OperationalError as exc:  # another process opening the same folder added it
+                    if "duplicate column" not in str(exc):
+                        raise
+                log.info("history: added column %s to %s", name, self.root / DB_NAME)
 
     def close(self) -> None:
         with self._lock:
@@ -154,13 +176,15 @@ class HistoryStore:
         entry = HistoryEntry(
             entry_id, job_id, item, owner, created, req.source, name or f"item {item + 1}", req.prompt,
             req.negative_prompt or "", result.seed, result.steps, req.true_cfg_scale, len(result.images),
-            req.width, req.height, result.width, result.height, len(result.images), len(req.images), folder, size)
+            req.width, req.height, result.width, result.height, len(result.images), len(req.images), folder, size,
+            req.speed or None, None if req.lora in (None, "", "none") else req.lora, req.lora_scale)
         row = (entry.id, entry.job_id, entry.item, entry.owner, entry.created, entry.source, entry.name, entry.prompt,
                entry.negative_prompt, entry.seed, entry.steps, entry.true_cfg_scale, entry.num_images, entry.width,
                entry.height, entry.out_width, entry.out_height, entry.outputs, entry.inputs,
-               str(folder.relative_to(self.root)), entry.bytes)
+               str(folder.relative_to(self.root)), entry.bytes, entry.speed, entry.lora, entry.lora_scale)
         with self._lock:
-            self._db.execute(f"INSERT OR REPLACE INTO results ({_COLUMNS}) VALUES ({', '.join('?' * 21)})", row)
+            self._db.execute(f"INSERT OR REPLACE INTO results ({_COLUMNS}) VALUES ({', '.join('?' * len(row))})",
+                             row)
         self.prune()
         return entry
 
@@ -193,7 +217,7 @@ class HistoryStore:
     def _select(self, where: str, args: tuple) -> list[HistoryEntry]:
         with self._lock:
             rows = self._db.execute(f"SELECT {_COLUMNS} FROM results {where}", args).fetchall()
-        return [HistoryEntry(*row[:19], self.root / row[19], row[20]) for row in rows]
+        return [HistoryEntry(*row[:19], self.root / row[19], *row[20:]) for row in rows]
 
     # ---- pruning ----
     def total_bytes(self) -> int:

@@ -1,9 +1,10 @@
 """The async jobs API: POST /v1/jobs (202), GET /v1/jobs/{id}, GET /v1/jobs/{id}/result, DELETE.
 
-Same fields, API key and limits as /v1/images/edits. Input sets: `image` (1-3 files) is one set;
-each `batch` file is one set of one image (a zip gives one set per image inside); `set1`, `set2`,
-... are sets of 1-3 images each. A job belongs to the bearer token that created it: any other
-token gets 404 for it. Finished jobs are answered from the history after a restart.
+Same fields (speed, lora and lora_scale included: every item runs with them), API key and limits as
+/v1/images/edits. Input sets: `image` (1-3 files) is one set; each `batch` file is one set of one
+image (a zip gives one set per image inside); `set1`, `set2`, ... are sets of 1-3 images each. A job
+belongs to the bearer token that created it: any other token gets 404 for it. Finished jobs are
+answered from the history after a restart.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from imgedit.identity import rest_owner
 from imgedit.images import open_image
 from imgedit.jobs import EditRequest
 from imgedit.metrics import Metrics
-from imgedit.rest import IMAGE_FIELDS, STATUS, _authorized, _float, _int, _size
+from imgedit.rest import IMAGE_FIELDS, STATUS, _authorized, _float, _int, _size, speed_fields
 from imgedit.validation import check_counts, check_params
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,8 @@ def _restored_view(job_id: str, entries: list[HistoryEntry]) -> dict:
     items = [{"index": e.item, "name": e.name, "state": "succeeded", "seed": e.seed, "step": e.steps,
               "total_steps": e.steps, "error": None, "outputs": e.outputs} for e in entries]
     return {"id": job_id, "object": "job", "state": "succeeded", "created": int(first.created), "position": None,
-            "prompt": first.prompt, "num_inference_steps": first.steps, "n": first.num_images, "items": items,
+            "prompt": first.prompt, "num_inference_steps": first.steps, "n": first.num_images, "speed": first.speed,
+            "lora": first.lora, "lora_scale": first.lora_scale, "items": items,
             "done": len(items), "failed": 0, "restored": True}
 
 
@@ -198,6 +200,6 @@ async def _parse(request: Request, manager) -> tuple[EditRequest, list[tuple[str
         images=(), prompt=prompt, negative_prompt=negative if isinstance(negative, str) else "",
         seed=_int(form, "seed", None), num_inference_steps=_int(form, "num_inference_steps", None),
         true_cfg_scale=_float(form, "true_cfg_scale"), num_images=_int(form, "n", 1),
-        width=width, height=height, source="rest")
+        width=width, height=height, **speed_fields(form), source="rest")  # every item runs with these
     check_params(template, settings, manager.family)
     return template, sets

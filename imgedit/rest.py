@@ -79,6 +79,16 @@ def _float(form, name: str) -> float | None:
         raise InvalidInput(f"{name} must be a number, got {str(raw)[:40]!r}") from None
 
 
+def speed_fields(form) -> dict:
+    """`speed`, `lora`, `lora_scale` of a form as EditRequest fields (validation.resolve checks the values);
+    shared by /v1/images/edits and /v1/jobs."""
+    speed, lora = form.get("speed"), form.get("lora")
+    for name, value in (("speed", speed), ("lora", lora)):
+        if value is not None and not isinstance(value, str):
+            raise InvalidInput(f"{name} must be a text field", name)
+    return {"speed": speed or None, "lora": lora or None, "lora_scale": _float(form, "lora_scale")}
+
+
 def _size(raw: str | None) -> tuple[int | None, int | None]:
     if raw is None or raw in ("", "auto"):
         return None, None
@@ -222,15 +232,10 @@ async def _parse(request: Request, manager) -> EditRequest:
         raise InvalidInput("prompt is required (a text field)")
     width, height = _size(form.get("size"))
     negative = form.get("negative_prompt")
-    speed, lora = form.get("speed"), form.get("lora")
-    for name, value in (("speed", speed), ("lora", lora)):
-        if value is not None and not isinstance(value, str):
-            raise InvalidInput(f"{name} must be a text field", name)
     req = EditRequest(
         images=tuple(images), prompt=prompt, negative_prompt=negative if isinstance(negative, str) else "",
         seed=_int(form, "seed", None), num_inference_steps=_int(form, "num_inference_steps", None),
         true_cfg_scale=_float(form, "true_cfg_scale"), num_images=_int(form, "n", 1),
-        width=width, height=height, speed=speed or None, lora=lora or None,
-        lora_scale=_float(form, "lora_scale"), source="rest")
+        width=width, height=height, **speed_fields(form), source="rest")
     check_params(req, settings, manager.family)
     return req

@@ -254,7 +254,7 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
         # wait together in arrival order and QUEUE_MAX_SIZE is enforced once; the workers' locks keep
         # each GPU to one job.
         line = None
-        edit_inputs = inputs + speed_inputs  # the History tab re-fills `inputs` only: speed stays as chosen
+        edit_inputs = inputs + speed_inputs
         event = run.click(edit_page, edit_inputs, page_outputs, api_visibility="private", concurrency_id=GPU_GROUP,
                           concurrency_limit=line, preprocess=False, show_progress_on=[result])
         api_button.click(edit, api_inputs, api_outputs, api_name="edit", concurrency_id=GPU_GROUP,
@@ -279,7 +279,7 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
             from imgedit.ui_history import build_history_tab
 
             with gr.Tabs():
-                build_batch_tab(manager, jobs, inputs[2:])
-                history_api = build_history_tab(manager, history, inputs, page_outputs, edit_page, GPU_GROUP)
+                build_batch_tab(manager, jobs, inputs[2:] + speed_inputs)
+                history_api = build_history_tab(manager, history, edit_inputs, page_outputs, edit_page, GPU_GROUP)
             gr.api(history_api, api_name="history", queue=False)
     return blocks

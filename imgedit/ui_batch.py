@@ -18,6 +18,7 @@ from imgedit.batch import Job, JobService, expand_uploads, results_zip
 from imgedit.errors import ImgEditError
 from imgedit.identity import page_owner
 from imgedit.jobs import EditRequest
+from imgedit.ui_fast import parse_speed_inputs
 from imgedit.validation import check_params
 
 BATCH_GROUP = "batch"  # unlimited in Gradio: the manager's line and JOBS_MAX_PENDING bound batches
@@ -44,11 +45,12 @@ def _report(job: Job) -> str:
 
 def build_batch_tab(manager, jobs: JobService, settings_inputs: list) -> None:
     """Inside a `gr.Tabs`: the Batch tab. `settings_inputs` are the Edit tab's advanced settings
-    (negative prompt, seed, randomize, steps, cfg, images per prompt, width, height)."""
+    (negative prompt, seed, randomize, steps, cfg, images per prompt, width, height), then its Speed,
+    LoRA and strength (imgedit.ui_fast): every item runs with them, as a single edit would."""
     settings = manager.settings
     with gr.Tab("Batch", id="batch"):
-        gr.Markdown("One prompt over many images, with the editor's settings above (steps, seed, size). Each image is "
-                    "its own edit in the shared line, so single edits are not held up by a batch.")
+        gr.Markdown("One prompt over many images, with the editor's settings above (speed, LoRA, steps, seed, size). "
+                    "Each image is its own edit in the shared line, so single edits are not held up by a batch.")
         files = gr.File(label=f"Images or a .zip of images (up to {settings.batch_max_items})",
                         file_count="multiple", file_types=["image", ".zip"], elem_id="batch-files")
         prompt = gr.Textbox(label="What to change in every image", lines=2, elem_id="batch-prompt")
@@ -60,18 +62,21 @@ def build_batch_tab(manager, jobs: JobService, settings_inputs: list) -> None:
         download = gr.File(label="All results (zip)", elem_id="batch-zip", interactive=False)
 
     async def run_batch(files, prompt, negative_prompt, seed, randomize_seed, steps, cfg, num_images, width, height,
-                        request: gr.Request, progress=gr.Progress()):
+                        speed="quality", lora="none", lora_scale=1.0, request: gr.Request = None,
+                        progress=gr.Progress()):
         """Run one prompt over every uploaded image; yields (gallery, report, zip) as items finish."""
         try:
             paths = [f if isinstance(f, str) else getattr(f, "path", None) or getattr(f, "name", str(f))
                      for f in (files or [])]
             uploads = await asyncio.to_thread(lambda: [(Path(p).name, Path(p).read_bytes()) for p in paths])
             items = expand_uploads(uploads, settings.batch_max_items, settings.max_file_size)
+            speed, lora, lora_scale = parse_speed_inputs(speed, lora, lora_scale)
             template = EditRequest(
                 images=(), prompt=prompt or "", negative_prompt=negative_prompt or "",
                 seed=None if randomize_seed else _number(seed, 0), num_inference_steps=_number(steps),
                 true_cfg_scale=None if cfg is None else float(cfg), num_images=_number(num_images, 1),
-                width=_number(width, 0) or None, height=_number(height, 0) or None, source="ui")
+                width=_number(width, 0) or None, height=_number(height, 0) or None, speed=speed, lora=lora,
+                lora_scale=lora_scale, source="ui")
             check_params(template, settings, manager.family)
             owner = page_owner(request, settings.auth is not None) or f"session:{request.session_hash}"
             job = jobs.submit(owner, template, [(name, [raw]) for name, raw in items], source="ui")

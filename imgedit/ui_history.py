@@ -17,8 +17,13 @@ from pathlib import Path
 import gradio as gr
 from PIL import Image
 
+from imgedit.errors import ImgEditError
 from imgedit.history import HistoryEntry, HistoryStore
 from imgedit.identity import page_owner
+from imgedit.jobs import EditRequest
+from imgedit.ui_fast import NO_LORA
+from imgedit.ui_tools import user_error
+from imgedit.validation import lora_adapters, speed_preset
 
 NO_OWNER = "History needs cookies (or sign-in): this browser sent none, so nothing is kept for it."
 
@@ -31,7 +36,20 @@ def _describe(entry: HistoryEntry) -> dict:
     return {"id": entry.id, "created": entry.created, "prompt": entry.prompt, "negative_prompt": entry.negative_prompt,
             "seed": entry.seed, "num_inference_steps": entry.steps, "true_cfg_scale": entry.true_cfg_scale,
             "num_images": entry.num_images, "width": entry.out_width, "height": entry.out_height,
-            "source": entry.source, "name": entry.name}
+            "source": entry.source, "name": entry.name, "speed": entry.speed or "quality", "lora": entry.lora,
+            "lora_scale": entry.lora_scale}
+
+
+def check_still_offered(entry: HistoryEntry, settings) -> None:
+    """Raise the usual InvalidInput ("unknown LoRA ...", "speed fast needs a Lightning ...") when the
+    speed preset or LoRA this entry was made with is no longer configured."""
+    req = EditRequest(images=(), prompt=entry.prompt, speed=entry.speed, lora=entry.lora, lora_scale=entry.lora_scale)
+    lora_adapters(req, settings, speed_preset(req, settings))
+
+
+def speed_values(entry: HistoryEntry) -> tuple[str, str, float]:
+    """The Speed / LoRA / strength controls' values that repeat this entry."""
+    return (entry.speed or "quality", entry.lora or NO_LORA, 1.0 if entry.lora_scale is None else entry.lora_scale)
 
 
 def _export(paths: list[Path], name: str) -> str:
@@ -50,8 +68,9 @@ def _export(paths: list[Path], name: str) -> str:
 
 def build_history_tab(manager, history: HistoryStore, edit_inputs: list, edit_outputs: list, edit, gpu_group: str):
     """Inside a `gr.Tabs`: the History tab. `edit_inputs`, `edit_outputs` and `edit` are the Edit tab's
-    button's, so a re-run is an ordinary edit (same line, same checks and messages, stored again).
-    Returns the `/history` API function, to be registered outside the tabs."""
+    button's (the advanced settings, then Speed, LoRA and strength), so a re-run is an ordinary edit (same
+    line, same checks and messages, stored again). Returns the `/history` API function, to be registered
+    outside the tabs."""
     settings = manager.settings
     auth = settings.auth is not None
 
@@ -90,19 +109,46 @@ def build_history_tab(manager, history: HistoryStore, edit_inputs: list, edit_ou
         entry = history.get(who, ids[evt.index]) if who and 0 <= evt.index < len(ids) else None
         if entry is None:
             raise gr.Error("that entry is gone (deleted by the retention rules)")
-        text = (f"**{html.escape(entry.prompt)}**  \nseed {entry.seed} · {entry.steps} steps · "
+        speed, lora, scale = speed_values(entry)
+        made_with = (f" · {speed}" if speed != "quality" else "") + \
+            (f" · LoRA {html.escape(lora)} ({scale:g})" if lora != NO_LORA else "")
+        text = (f"**{html.escape(entry.prompt)}**  \nseed {entry.seed} · {entry.steps} steps{made_with} · "
                 f"{entry.out_width}x{entry.out_height} · {entry.outputs} image(s) · {_when(entry.created)}")
         images = [Image.open(p) for p in entry.output_paths]
         return entry.id, text, images, _export(entry.output_paths, f"imgedit-{entry.id}")
 
-    def fill(entry_id: str | None, request: gr.Request):
-        entry = history.get(owner(request), entry_id) if entry_id and owner(request) else None
-        if entry is None:
-            raise gr.Error("choose an entry in the history first")
+    def values(entry: HistoryEntry, speed: tuple) -> tuple:
         inputs = [_export([p], f"input-{k + 1}") for k, p in enumerate(entry.input_paths)]
         cfg = settings.default_true_cfg if entry.true_cfg_scale is None else entry.true_cfg_scale
         return (inputs, entry.prompt, entry.negative_prompt, entry.seed, False, entry.steps, cfg, entry.num_images,
-                entry.width or 0, entry.height or 0)
+                entry.width or 0, entry.height or 0, *speed)
+
+    def chosen_entry(entry_id: str | None, request: gr.Request) -> HistoryEntry:
+        entry = history.get(owner(request), entry_id) if entry_id and owner(request) else None
+        if entry is None:
+            raise gr.Error("choose an entry in the history first")
+        return entry
+
+    def fill(entry_id: str | None, request: gr.Request):
+        """Open in the editor: a speed or LoRA no longer offered falls back to quality / none, with a notice."""
+        entry = chosen_entry(entry_id, request)
+        speed = speed_values(entry)
+        try:
+            check_still_offered(entry, settings)
+        except ImgEditError as exc:
+            gr.Warning(f"{html.escape(exc.message)}; the editor uses quality and no LoRA instead")
+            speed = ("quality", NO_LORA, 1.0)
+        return values(entry, speed)
+
+    def fill_for_rerun(entry_id: str | None, request: gr.Request):
+        """Re-run: exactly the stored settings, or the usual error when the LoRA or speed is gone (the
+        edit then does not start)."""
+        entry = chosen_entry(entry_id, request)
+        try:
+            check_still_offered(entry, settings)
+        except ImgEditError as exc:
+            raise user_error(exc) from None
+        return values(entry, speed_values(entry))
 
     def history_api(request: gr.Request) -> list[dict]:
         """This caller's stored edits, newest first: id, created, prompt, seed, steps, size, ..."""
@@ -113,8 +159,9 @@ def build_history_tab(manager, history: HistoryStore, edit_inputs: list, edit_ou
     refresh.click(load, None, shown, queue=False, api_visibility="private")
     tab.select(load, None, shown, queue=False, api_visibility="private")
     listing.select(pick, ids, [chosen, details, outputs, download], queue=False, api_visibility="private")
-    reopen.click(fill, chosen, edit_inputs, queue=False, api_visibility="private")
-    rerun.click(fill, chosen, edit_inputs, queue=False, api_visibility="private").success(
+    # Queued (its own default group, never behind GPU jobs): only queued events can show fill's notice.
+    reopen.click(fill, chosen, edit_inputs, api_visibility="private")
+    rerun.click(fill_for_rerun, chosen, edit_inputs, queue=False, api_visibility="private").success(
         edit, edit_inputs, edit_outputs, concurrency_id=gpu_group, concurrency_limit=None, preprocess=False,
         show_progress_on=edit_outputs[:1], api_visibility="private")
     return history_api

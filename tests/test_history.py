@@ -8,6 +8,7 @@ import zipfile
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from conftest import make_manager, picture, start_server
 from gradio_client import Client, handle_file
@@ -144,3 +145,116 @@ def test_page_batch_of_five_fills_in_with_per_item_errors_and_a_zip(plus_ckpt, t
                              "006-photo4.png", "errors.txt"]
             assert "notes.png" in z.read("errors.txt").decode()
         assert len(client.predict(api_name="/history")) == 5  # stored per item, for this browser
+
+
+OLD_SCHEMA = """
+CREATE TABLE results (
+    id TEXT PRIMARY KEY, job_id TEXT NOT NULL, item INTEGER NOT NULL, owner TEXT NOT NULL, created REAL NOT NULL,
+    source TEXT NOT NULL, name TEXT NOT NULL, prompt TEXT NOT NULL, negative_prompt TEXT NOT NULL,
+    seed INTEGER NOT NULL, steps INTEGER NOT NULL, true_cfg_scale REAL, num_images INTEGER NOT NULL, width INTEGER,
+    height INTEGER, out_width INTEGER NOT NULL, out_height INTEGER NOT NULL, outputs INTEGER NOT NULL,
+    inputs INTEGER NOT NULL, folder TEXT NOT NULL, bytes INTEGER NOT NULL
+);
+CREATE INDEX results_owner ON results (owner, created);
+CREATE INDEX results_job ON results (job_id, item);
+CREATE INDEX results_created ON results (created);
+"""
+
+
+def test_a_database_of_the_previous_version_opens_lists_and_takes_lora_rows(tmp_path, result):
+    """The table as the version before speed/LoRA columns wrote it: the columns are added at start-up,
+    its rows read back as quality without a LoRA, new rows keep their speed and LoRA."""
+    import sqlite3
+    from dataclasses import replace
+
+    req, res = result
+    folder = tmp_path / "2026-11-01" / "0123456789abcdef"
+    folder.mkdir(parents=True)
+    (folder / "out-0.png").write_bytes(png())
+    old = sqlite3.connect(tmp_path / "history.sqlite3")
+    old.executescript(OLD_SCHEMA)
+    old.execute("INSERT INTO results VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                ("0123456789abcdef", "job-old", 0, "browser:x", time.time() - 60, "ui", "item 1", "old prompt", "",
+                 9, 2, 4.0, 1, 64, 64, 64, 64, 1, 0, "2026-11-01/0123456789abcdef", 100))
+    old.commit()
+    old.close()
+    store = HistoryStore(tmp_path)
+    [entry] = store.list("browser:x")
+    assert (entry.prompt, entry.seed, entry.folder, entry.speed, entry.lora, entry.lora_scale) == (
+        "old prompt", 9, folder, None, None, None)
+    made = store.save("browser:x", "job-new", 0, replace(req, speed="fastest", lora="style", lora_scale=0.5), res)
+    store.close()
+    again = HistoryStore(tmp_path)  # opening twice adds nothing twice
+    assert [(e.job_id, e.speed, e.lora, e.lora_scale) for e in again.list("browser:x")] == [
+        ("job-new", "fastest", "style", 0.5), ("job-old", None, None, None)]
+    assert again.get("browser:x", made.id) == made
+    columns = [row[1] for row in again._db.execute("PRAGMA table_info(results)")]
+    assert columns[-3:] == ["speed", "lora", "lora_scale"] and len(columns) == 24
+
+
+@pytest.fixture(scope="module")
+def lora_server(plus_ckpt, tmp_path_factory):
+    from imgedit.lora_random import random_lora
+    from imgedit.loras import transformer_linears
+
+    folder = tmp_path_factory.mktemp("loras")
+    linears = transformer_linears(plus_ckpt)
+    random_lora(folder / "Tiny-Edit-Lightning-4steps-V1.0-bf16.safetensors", linears, rank=4, std=0.2, seed=1)
+    random_lora(folder / "style.safetensors", linears, rank=4, std=0.2, seed=3, style="diffusers")
+    manager = make_manager(plus_ckpt, LORA_DIR=str(folder))
+    with start_server(manager) as server:
+        server.manager = manager
+        yield server
+
+
+def test_rerun_repeats_the_speed_and_lora_and_a_retired_lora_is_a_clear_error(lora_server, image_file):
+    """The History tab's Re-run (the page's own two events, as the browser sends them) of an edit made
+    with speed=fastest and a LoRA gives the same pixels, as does the Batch tab with those settings; once
+    that LoRA is no longer configured a re-run gives the usual "unknown LoRA" message and runs nothing."""
+    from raw_gradio import RawGradio
+
+    server = lora_server
+    browser = Client(server.url, verbose=False)
+    gallery, seed = browser.predict(*edit_args([image_file], seed=12), "fastest", "style", 0.5, api_name="/edit")
+    original = np.asarray(Image.open(gallery[0]["image"]).convert("RGB"))
+    assert original.std() > 5  # a real picture, not a black (NaN) one: equal pixels below mean something
+    [listed] = browser.predict(api_name="/history")
+    assert (listed["speed"], listed["lora"], listed["lora_scale"], listed["num_inference_steps"]) == (
+        "fastest", "style", 0.5, 4)
+    raw = RawGradio(server.url, httpx.Client(timeout=60, cookies={COOKIE: browser.cookies[COOKIE]}))
+    fill = raw.fn_index(trigger=("history-rerun", "click"))
+    rerun = next(d["id"] for d in raw.config["dependencies"] if d.get("trigger_after") == fill)
+    filled = raw.predict(fill, [listed["id"]])
+    assert filled.status_code == 200, filled.text
+    values = filled.json()["data"]
+    assert values[1:] == ["make it blue", "", 12, False, 4, 4.0, 1, 64, 64, "fastest", "style", 0.5]
+    assert raw.join(rerun, values).status_code == 200
+    done = [m for m in raw.messages() if m.get("msg") == "process_completed"][0]
+    assert done["success"], done
+    rerun_path = done["output"]["data"][0][0]["image"]["path"]
+    assert np.array_equal(np.asarray(Image.open(rerun_path).convert("RGB")), original)
+    assert "Seed used: 12" in done["output"]["data"][1] and "4 steps" in done["output"]["data"][1]
+    # The page's Batch tab takes the page's Speed / LoRA / strength too: the same edit as one item.
+    batch, report, _ = browser.predict(*edit_args([image_file], seed=12), "fastest", "style", 0.5, api_name="/batch")
+    item = Image.open(batch[0]["image"])
+    assert "1 of 1 done" in report and np.array_equal(np.asarray(item.convert("RGB")), original)
+    assert (item.text["speed"], item.text["lora"], item.text["lora_scale"], item.text["num_inference_steps"]) == (
+        "fastest", "Tiny-Edit-Lightning-4steps-V1.0-bf16,style", "1,0.5", "4")
+
+    history = server.server.config.app.state.history
+    history._db.execute("UPDATE results SET lora = 'retired' WHERE id = ?", (listed["id"],))
+    jobs_done = server.manager.status().workers[0].jobs_done
+    refused = raw.predict(fill, [listed["id"]])
+    assert refused.json()["error"].startswith("unknown LoRA &#x27;retired&#x27;; configured LoRAs: "), refused.text
+    assert server.manager.status().workers[0].jobs_done == jobs_done
+    # Open in the editor still fills the form, with quality and no LoRA, and says why.
+    assert raw.join(raw.fn_index(trigger=("history-open", "click")), [listed["id"]]).status_code == 200
+    messages = raw.messages()
+    done = [m for m in messages if m.get("msg") == "process_completed"][0]
+    assert done["success"] and done["output"]["data"][1:] == [
+        "make it blue", "", 12, False, 4, 4.0, 1, 64, 64, "quality", "none", 1.0], done
+    notices = [m["log"] for m in messages if m.get("msg") == "log" and m.get("level") == "warning"]
+    assert notices and "unknown LoRA" in notices[0] and "quality and no LoRA instead" in notices[0], messages
+    assert server.manager.status().workers[0].jobs_done == jobs_done
+    raw.close()
+

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import threading
 import time
 import zipfile
 
 import httpx
+import numpy as np
 import pytest
 from conftest import make_manager, picture, start_server
 from PIL import Image
@@ -43,9 +45,24 @@ def wait_finished(url: str, job_id: str, headers=A, timeout: float = 300) -> dic
         time.sleep(0.2)
 
 
+FOUR = "Tiny-Edit-Lightning-4steps-V1.0-bf16"
+
+
 @pytest.fixture(scope="module")
-def server(plus_ckpt):
-    manager = make_manager(plus_ckpt)
+def lora_dir(tmp_path_factory, plus_ckpt):
+    from imgedit.lora_random import random_lora
+    from imgedit.loras import transformer_linears
+
+    folder = tmp_path_factory.mktemp("loras")
+    linears = transformer_linears(plus_ckpt)
+    random_lora(folder / f"{FOUR}.safetensors", linears, rank=4, std=0.2, seed=1)
+    random_lora(folder / "style.safetensors", linears, rank=4, std=0.2, seed=3, style="diffusers")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(plus_ckpt, lora_dir):
+    manager = make_manager(plus_ckpt, LORA_DIR=str(lora_dir))  # LoRAs loaded; jobs without one run as before
     with start_server(manager) as live:
         live.manager = manager
         yield live
@@ -223,3 +240,50 @@ def test_many_clients_at_once(server):
     for seed, job_id in ids:
         view = wait_finished(server.url, job_id)
         assert view["state"] == "succeeded" and {i["seed"] for i in view["items"]} == {seed}
+
+
+def test_speed_and_lora_reach_every_item_of_a_job(server):
+    """Two items with speed=fastest (and a LoRA): each runs the Lightning preset's 4 steps, and its PNG
+    says so; the same settings through /v1/images/edits give the same pixels."""
+    files = [("batch", (f"p{i}.png", png(), "image/png")) for i in range(2)]
+    fields = {**FIELDS, "num_inference_steps": "6", "speed": "fastest", "lora": "style", "lora_scale": "0.5"}
+    r = httpx.post(f"{server.url}/v1/jobs", files=files, data=fields, headers=A, timeout=60)
+    assert r.status_code == 202, r.text
+    assert (r.json()["speed"], r.json()["lora"], r.json()["lora_scale"]) == ("fastest", "style", 0.5)
+    view = wait_finished(server.url, r.json()["id"])
+    assert view["state"] == "succeeded" and [i["total_steps"] for i in view["items"]] == [4, 4], view
+    archive = zipfile.ZipFile(io.BytesIO(httpx.get(f"{server.url}/v1/jobs/{view['id']}/result", headers=A,
+                                                   timeout=30).content))
+    chunks = [Image.open(archive.open(name)).text for name in archive.namelist()]
+    assert [(c["speed"], c["lora"], c["lora_scale"], c["num_inference_steps"]) for c in chunks] == \
+        [("fastest", f"{FOUR},style", "1,0.5", "4")] * 2
+    single = httpx.post(f"{server.url}/v1/images/edits", files=[("image", ("s.png", png(), "image/png"))],
+                        data=fields, headers=B, timeout=120)
+    assert single.status_code == 200, single.text
+    same = Image.open(io.BytesIO(base64.b64decode(single.json()["data"][0]["b64_json"])))
+    assert np.array_equal(np.asarray(same), np.asarray(Image.open(archive.open(archive.namelist()[0]))))
+    assert np.asarray(same).std() > 5  # a real picture, not a black (NaN) one
+    lora_only = httpx.post(f"{server.url}/v1/jobs", files=files[:1], data={**FIELDS, "lora": "style"}, headers=A,
+                           timeout=60)
+    view = wait_finished(server.url, lora_only.json()["id"])
+    assert view["state"] == "succeeded" and view["items"][0]["total_steps"] == 2  # quality: the asked-for steps
+    png_text = Image.open(io.BytesIO(httpx.get(f"{server.url}/v1/jobs/{view['id']}/result", headers=A,
+                                               timeout=30).content)).text
+    assert (png_text["lora"], png_text["lora_scale"], "speed" in png_text) == ("style", "1", False)
+
+
+@pytest.mark.parametrize("fields, param, says", [
+    ({"lora": "nope"}, "lora", "unknown LoRA 'nope'; configured LoRAs: " + FOUR + ", style"),
+    ({"speed": "fast"}, "speed", "speed fast needs a Lightning 8-step LoRA"),
+    ({"speed": "warp"}, "speed", "speed must be one of quality, fast, fastest"),
+    ({"lora": "style", "lora_scale": "many"}, None, "lora_scale must be a number"),
+])
+def test_bad_speed_or_lora_is_a_400_before_anything_runs(server, fields, param, says):
+    done = server.manager.status().workers[0].jobs_done
+    r = httpx.post(f"{server.url}/v1/jobs", files=[("batch", ("p.png", png(), "image/png"))] * 2,
+                   data={**FIELDS, **fields}, headers=A, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "invalid_input", param)
+    assert says in error["message"] and "Traceback" not in r.text
+    assert server.manager.status().workers[0].jobs_done == done  # nothing ran
