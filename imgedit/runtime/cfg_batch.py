@@ -35,6 +35,7 @@ class CfgBatch:
         self._calls = 0
         self._cond: dict | None = None
         self._buffer: torch.Tensor | None = None
+        self._text: tuple | None = None  # this job's merged prompts (merge_text)
         self._out_features = transformer.proj_out.out_features
         self._override = ForwardOverride(transformer, self._make_forward())
 
@@ -43,7 +44,7 @@ class CfgBatch:
         self._override.keep()
         self.active = active
         self._calls = 0
-        self._cond = self._buffer = None
+        self._cond = self._buffer = self._text = None
 
     def _make_forward(self):
         batch = self
@@ -68,28 +69,23 @@ class CfgBatch:
     def _uncond_call(self, uncond: dict):
         cond, self._cond = self._cond, None
         n = cond["hidden_states"].shape[0]
-        out = self._override.call(**merge(cond, uncond))
+        if self._text is None:
+            self._text = merge_text(cond, uncond)
+        out = self._override.call(**merge(cond, uncond, self._text))
         self.forwards += 1
         both = out[0] if isinstance(out, tuple) else out.sample
         self._buffer.copy_(both[:n])
         return _wrap(both[n:], uncond.get("return_dict", True))
 
 
-def merge(cond: dict, uncond: dict) -> dict:
-    """One forward's keyword arguments for both branches: batch = cond's samples, then uncond's."""
-    texts = [cond["encoder_hidden_states"], uncond["encoder_hidden_states"]]
-    masks = [cond.get("encoder_hidden_states_mask"), uncond.get("encoder_hidden_states_mask")]
-    length = max(t.shape[1] for t in texts)
-    padded = [pad_text(t, m, length=length) for t, m in zip(texts, masks, strict=True)]
-    if any(m is not None for _, m in padded):
-        mask = torch.cat([_ones(t) if m is None else m.to(torch.bool) for t, m in padded])
-        mask = None if bool(mask.all()) else mask  # no padding anywhere: no mask, the fast attention kernels
-    else:
-        mask = None
+def merge(cond: dict, uncond: dict, text: tuple | None = None) -> dict:
+    """One forward's keyword arguments for both branches: batch = cond's samples, then uncond's.
+    `text`: merge_text's result for this job, when already made (the prompts do not change per step)."""
+    hidden, mask = text or merge_text(cond, uncond)
     merged = dict(uncond)
     merged.update(
         hidden_states=torch.cat([cond["hidden_states"], uncond["hidden_states"]]),
-        encoder_hidden_states=torch.cat([t for t, _ in padded]),
+        encoder_hidden_states=hidden,
         encoder_hidden_states_mask=mask,
         timestep=torch.cat([cond["timestep"], uncond["timestep"]]),
         return_dict=False,
@@ -99,6 +95,21 @@ def merge(cond: dict, uncond: dict) -> dict:
     if cond.get("guidance") is not None:
         merged["guidance"] = torch.cat([cond["guidance"], uncond["guidance"]])
     return merged
+
+
+def merge_text(cond: dict, uncond: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Both prompts' embeddings padded to one length and stacked, with the mask (None when nothing
+    is padded). Once per job: `mask.all()` waits for the GPU."""
+    texts = [cond["encoder_hidden_states"], uncond["encoder_hidden_states"]]
+    masks = [cond.get("encoder_hidden_states_mask"), uncond.get("encoder_hidden_states_mask")]
+    length = max(t.shape[1] for t in texts)
+    padded = [pad_text(t, m, length=length) for t, m in zip(texts, masks, strict=True)]
+    if any(m is not None for _, m in padded):
+        mask = torch.cat([_ones(t) if m is None else m.to(torch.bool) for t, m in padded])
+        mask = None if bool(mask.all()) else mask  # no padding anywhere: no mask, the fast attention kernels
+    else:
+        mask = None
+    return torch.cat([t for t, _ in padded]), mask
 
 
 def _ones(text: torch.Tensor) -> torch.Tensor:
