@@ -1,6 +1,8 @@
 """imgedit: `python app.py` serves the UI, the gradio API and REST on one port.
 
 `python app.py --demo` builds (once, cached) and serves the tiny random-weight demo checkpoint.
+This process is the server: it never imports torch and never holds a CUDA context; the worker
+processes it starts own the GPUs (imgedit/engine/pool.py, imgedit/runtime/worker.py).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from dataclasses import replace
 
 from dotenv import load_dotenv
 
+from imgedit.config.parsers import DeviceMap
+from imgedit.config.settings import load_settings
 from imgedit.errors import ImgEditError, SettingsError
-from imgedit.settings import DeviceMap, load_settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,11 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     if settings.torch_dtype == "float16":
         log.warning("TORCH_DTYPE=float16: Qwen-Image-Edit is known to give NaN/black images in fp16; use bfloat16")
 
-    # Heavy imports only after the settings are known to be good. The server process never touches
-    # CUDA (GPUs are read through NVML); the worker processes own the GPUs.
-    from imgedit.gpus import discover_gpus
-    from imgedit.manager import PipelineManager
-    from imgedit.server import build_app, serve
+    # Heavy imports only after the settings are known to be good. The server process never imports
+    # torch nor touches CUDA (GPUs are read through NVML); the worker processes own the GPUs.
+    from imgedit.engine.gpus import discover_gpus
+    from imgedit.engine.inspection import ensure_demo_checkpoint
+    from imgedit.engine.manager import PipelineManager
+    from imgedit.web.app import build_app, serve
 
     no_model_chosen = not settings.qwen_model_dir and "QWEN_MODEL" not in os.environ
     if args.demo or (not settings.demo and no_model_chosen and not discover_gpus()):
@@ -49,12 +53,10 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("no GPU and no QWEN_MODEL/QWEN_MODEL_DIR set: serving the demo model (outputs are noise)")
         # A few steps (unless DEFAULT_STEPS says otherwise): the random demo model makes noise either way.
         settings = replace(settings, demo=True, device_map=DeviceMap("cpu"), default_steps=settings.default_steps or 4)
-    if settings.demo:
-        from imgedit.demo_checkpoint import ensure_checkpoint
-
-        ensure_checkpoint(settings.model_source)
     manager = PipelineManager(settings)
     try:
+        if settings.demo:
+            ensure_demo_checkpoint(settings.model_source)  # built in a subprocess (it needs torch)
         manager.prepare()  # checkpoint and placement plan: the page needs the model family and workers
     except ImgEditError as exc:
         log.error("%s", exc.message)

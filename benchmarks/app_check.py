@@ -27,10 +27,10 @@ import uvicorn  # noqa: E402
 from gradio_client import Client, handle_file  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from imgedit.demo_checkpoint import build_checkpoint  # noqa: E402
-from imgedit.manager import PipelineManager  # noqa: E402
-from imgedit.server import build_app  # noqa: E402
-from imgedit.settings import load_settings  # noqa: E402
+from imgedit.config.settings import load_settings  # noqa: E402
+from imgedit.engine.manager import PipelineManager  # noqa: E402
+from imgedit.model.demo_checkpoint import build_checkpoint  # noqa: E402
+from imgedit.web.app import build_app  # noqa: E402
 
 
 def smi() -> dict[str, float]:

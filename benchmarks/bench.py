@@ -6,7 +6,7 @@
 Every mode goes through imgedit's PipelineManager and its worker processes, exactly as the app does;
 `app` also goes through the HTTP server (REST), to measure what the server adds. Workload: a Plus
 edit of one 1024x1024 reference image, true CFG 4, 40 steps. Weights are random but trained-like
-(imgedit.loader.trained_like_init), and every worker checks that every transformer output is finite
+(imgedit.model.components.trained_like_init), and every worker checks that every transformer output is finite
 and the benchmark that every image has contrast: NaN data runs a power-capped GPU faster.
 
 Reports per mode: start-up seconds (spawn, weights, compile and warm-up), seconds per step and per
@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from PIL import Image, ImageStat  # noqa: E402
 
-from imgedit.demo_checkpoint import build_checkpoint  # noqa: E402
-from imgedit.gpus import GpuMonitor  # noqa: E402
-from imgedit.jobs import EditRequest  # noqa: E402
-from imgedit.manager import PipelineManager  # noqa: E402
-from imgedit.settings import load_settings  # noqa: E402
+from imgedit.config.settings import load_settings  # noqa: E402
+from imgedit.engine.gpus import GpuMonitor  # noqa: E402
+from imgedit.engine.manager import PipelineManager  # noqa: E402
+from imgedit.model.demo_checkpoint import build_checkpoint  # noqa: E402
+from imgedit.protocol import EditRequest  # noqa: E402
 
 FORWARD_TFLOP = 167.0
 PEAK_TFLOPS = 790.0
@@ -206,7 +206,7 @@ def served(settings, manager):
 
     import uvicorn
 
-    from imgedit.server import build_app
+    from imgedit.web.app import build_app
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

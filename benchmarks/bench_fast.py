@@ -6,7 +6,7 @@
 Every job goes through imgedit's PipelineManager and a worker process, as in the app, on one GPU
 (DEVICE_MAP=cuda:0), with a real-size random-weight checkpoint (trained-like init) and two random
 LoRAs of the published Lightning shape (rank 64 on the 12 attention and MLP Linear layers of each of
-the 60 blocks; imgedit.lora_random), registered through LORA_DIR by their Lightning file names. The
+the 60 blocks; imgedit.model.lora_random), registered through LORA_DIR by their Lightning file names. The
 worker hook checks that every transformer output is finite (bench.finite_check): NaN runs faster.
 
 Sections (each loads the model once; --sections picks them):
@@ -35,12 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import StepClock, contrast, finite_check, reference_image, rest_edit, served  # noqa: E402
 
-from imgedit.demo_checkpoint import build_checkpoint  # noqa: E402
-from imgedit.jobs import EditRequest  # noqa: E402
-from imgedit.lora_random import LIGHTNING_RANK, random_lora  # noqa: E402
-from imgedit.loras import transformer_linears  # noqa: E402
-from imgedit.manager import PipelineManager  # noqa: E402
-from imgedit.settings import load_settings  # noqa: E402
+from imgedit.config.settings import load_settings  # noqa: E402
+from imgedit.engine.manager import PipelineManager  # noqa: E402
+from imgedit.model.demo_checkpoint import build_checkpoint  # noqa: E402
+from imgedit.model.lora_random import LIGHTNING_RANK, random_lora  # noqa: E402
+from imgedit.model.loras import transformer_linears  # noqa: E402
+from imgedit.protocol import EditRequest  # noqa: E402
 
 log = logging.getLogger("bench_fast")
 FOUR = "Bench-Lightning-4steps-V1.0-bf16"
@@ -110,7 +110,7 @@ def manager_for(args, ckpt: Path, lora_dir: Path, compile_mode: str) -> tuple[Pi
         "COMPILE_CACHE_DIR": args.cache, "LOG_LEVEL": "INFO", "MAX_STEPS": "200", "LORA_DIR": str(lora_dir)})
     t0 = time.perf_counter()
     portrait = tuple(max(64, round(args.size * f / 16) * 16) for f in (0.8125, 1.21875))  # 832x1248 at 1024
-    sizes = ((args.size, args.size), portrait)  # the app's two warm-up shapes (imgedit.manager.WARMUP_SIZES)
+    sizes = ((args.size, args.size), portrait)  # the app's two warm-up shapes (imgedit.engine.manager.WARMUP_SIZES)
     manager = PipelineManager(settings, worker_hook="bench_fast:hook", warmup_sizes=sizes).load(timeout=540)
     return manager, round(time.perf_counter() - t0, 1)
 

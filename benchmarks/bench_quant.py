@@ -41,10 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 from bench import StepClock, contrast, finite_check, peak_sampler, reference_image, request  # noqa: E402
 
-from imgedit.demo_checkpoint import build_checkpoint  # noqa: E402
-from imgedit.gpus import GpuMonitor  # noqa: E402
-from imgedit.manager import PipelineManager  # noqa: E402
-from imgedit.settings import load_settings  # noqa: E402
+from imgedit.config.settings import load_settings  # noqa: E402
+from imgedit.engine.gpus import GpuMonitor  # noqa: E402
+from imgedit.engine.manager import PipelineManager  # noqa: E402
+from imgedit.model.demo_checkpoint import build_checkpoint  # noqa: E402
 
 log = logging.getLogger("bench_quant")
 RECORD_DIR = "IMGEDIT_BENCH_RECORD_DIR"

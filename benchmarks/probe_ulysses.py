@@ -35,8 +35,8 @@ IMAGE_TOKENS = 4096  # 1024^2 / (8 * 2)^2 per image
 def build(device):
     from diffusers import QwenImageTransformer2DModel
 
-    from imgedit.demo_checkpoint import _configs
-    from imgedit.loader import trained_like_init
+    from imgedit.model.components import trained_like_init
+    from imgedit.model.demo_checkpoint import _configs
 
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     args = parser.parse_args()
-    from imgedit.pool import free_port
+    from imgedit.engine.pool import free_port
 
     port = free_port()
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/inductor-probe")

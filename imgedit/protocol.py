@@ -1,4 +1,7 @@
-"""Typed messages between the edges and the manager: what a user asks for and what comes back."""
+"""The typed requests, results and statuses both sides speak: what a user asks for (`EditRequest`),
+the exact parameters the pipeline gets (`Resolved`), what comes back (`EditResult`) and what the
+manager and its workers report. Below the server and the worker side alike; imports no torch.
+"""
 
 from __future__ import annotations
 
@@ -78,7 +81,7 @@ class WorkerStatus:
     compiled: bool = False
     detail: str | None = None  # what a loading worker is doing (loading weights, compiling, ...)
     node: str | None = None  # WORKERS=ray: the id of the Ray node its actors run on
-    components: dict | None = None  # per component: dtype, quantization, location (imgedit.offload.describe)
+    components: dict | None = None  # per component: dtype, quantization, location (imgedit.runtime.offload.describe)
     weights_mib: dict[str, float] = field(default_factory=dict)  # per GPU, measured by its ranks after loading
 
 
@@ -98,3 +101,18 @@ class ManagerStatus:
     @property
     def healthy_workers(self) -> int:
         return sum(w.state in ("idle", "busy") for w in self.workers)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The exact parameters the pipeline gets."""
+
+    steps: int
+    true_cfg_scale: float
+    negative_prompt: str
+    seed: int
+    num_images: int
+    width: int | None
+    height: int | None
+    adapters: tuple[tuple[str, float], ...] = ()  # (LoRA name, strength) active for this job
+    scheduler: str = "default"  # default | lightning (imgedit.config.loras.LIGHTNING_SCHEDULER)

@@ -19,10 +19,10 @@ import pytest
 import torch
 from PIL import Image
 
-from imgedit.demo_checkpoint import build_checkpoint
-from imgedit.manager import PipelineManager
-from imgedit.placement import Placement, Plan, WorkerPlan
-from imgedit.settings import load_settings
+from imgedit.config.settings import load_settings
+from imgedit.engine.manager import PipelineManager
+from imgedit.model.demo_checkpoint import build_checkpoint
+from imgedit.planning.plan import Placement, Plan, WorkerPlan
 
 torch.set_num_threads(2)
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,8 +98,8 @@ class LocalPipeline:
     the encoding fix; jobs always run in worker processes)."""
 
     def __init__(self, ckpt: Path):
-        from imgedit import loader
-        from imgedit.encoding import install_token_type_fix
+        from imgedit.model.encoding import install_token_type_fix
+        from imgedit.runtime import loader
 
         plan = WorkerPlan("local", {c: Placement("cpu") for c in COMPONENTS})
         self.pipe = loader.load_pipeline(loader.open_checkpoint(str(ckpt)), plan, torch.float32)
@@ -205,7 +205,7 @@ class LiveServer:
 
 def start_server(manager) -> LiveServer:
     """A LiveServer for `manager` (use as a context manager); its settings decide auth, limits, ..."""
-    from imgedit.server import build_app
+    from imgedit.web.app import build_app
 
     return LiveServer(build_app(manager.settings, manager), free_port())
 

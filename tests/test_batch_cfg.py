@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from conftest import LocalPipeline, make_manager, picture
 
+from imgedit.config.settings import load_settings
+from imgedit.engine.validation import resolve
 from imgedit.errors import Cancelled, ImgEditError, SettingsError
-from imgedit.jobs import EditRequest
+from imgedit.protocol import EditRequest
 from imgedit.runtime.messages import Job
 from imgedit.runtime.runner import Runner
-from imgedit.settings import load_settings
-from imgedit.validation import resolve
 
 LONG_NEGATIVE = "blurry, low quality, washed out colours, jpeg artefacts, text, watermark, extra fingers"
 

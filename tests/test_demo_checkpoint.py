@@ -9,8 +9,8 @@ import sys
 
 from conftest import ROOT
 
-from imgedit.demo_checkpoint import FIRST_SPECIAL_ID, SPECIAL_TOKENS, build_checkpoint, build_tokenizer
-from imgedit.loader import open_checkpoint
+from imgedit.model.demo_checkpoint import FIRST_SPECIAL_ID, SPECIAL_TOKENS, build_checkpoint, build_tokenizer
+from imgedit.runtime.loader import open_checkpoint
 
 
 def digest(folder) -> dict[str, str]:
@@ -44,7 +44,7 @@ def test_tokenizer_has_qwens_special_tokens_at_their_real_ids():
 
 def test_module_command_writes_a_checkpoint(tmp_path):
     out = tmp_path / "cli"
-    proc = subprocess.run([sys.executable, "-m", "imgedit.demo_checkpoint", str(out), "--kind", "edit"],
+    proc = subprocess.run([sys.executable, "-m", "imgedit.model.demo_checkpoint", str(out), "--kind", "edit"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((out / "model_index.json").read_text())["_class_name"] == "QwenImageEditPipeline"

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from imgedit.settings import REGISTRY
+from imgedit.config.settings import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_SCHEMA = Path(__file__).resolve().parents[2] / "shared/schemas/compose-spec.json"
@@ -34,7 +34,7 @@ GPU = "nvidia.com/gpu"
 def test_app_port_and_health_route_are_what_the_deploy_files_assume():
     defaults = {var.name: var.default for var in REGISTRY}
     assert defaults["GRADIO_SERVER_PORT"] == str(PORT)
-    assert '@router.get("/health")' in (ROOT / "imgedit/rest.py").read_text(encoding="utf-8")
+    assert '@router.get("/health")' in (ROOT / "imgedit/web/rest.py").read_text(encoding="utf-8")
 
 
 # ---------------------------------------------------------------- docker-compose.yml
@@ -227,7 +227,7 @@ def test_dockerignore_keeps_secrets_and_clutter_out_but_not_what_the_image_copie
     copied = [src for kind, args in _instructions() if kind == "COPY"
               for src in args.split()[:-1] if not src.startswith("--")]
     assert copied
-    for src in [*copied, "imgedit/settings.py"]:
+    for src in [*copied, "imgedit/config/settings.py"]:
         assert not _dockerignore_excludes(src.rstrip("/")), f"{src} is copied by the Dockerfile but ignored"
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import picture
 
-from imgedit.encoding import install_token_type_fix, token_type_ids
+from imgedit.model.encoding import install_token_type_fix, token_type_ids
 
 
 class RecordingProcessor:

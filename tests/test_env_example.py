@@ -1,4 +1,4 @@
-""".env.example stays in step with imgedit.settings.REGISTRY: same names, same order, same defaults.
+""".env.example stays in step with imgedit.config.settings.REGISTRY: same names, same order, same defaults.
 
 Uncommented `NAME=value` lines are the registry block; docker-only extras (GPU_COUNT, HF_HOME, ...) must
 stay commented out so they can be told apart.
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from dotenv import dotenv_values
 
-from imgedit.settings import REGISTRY, load_settings
+from imgedit.config.settings import REGISTRY, load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV_EXAMPLE = ROOT / ".env.example"
@@ -53,7 +53,7 @@ def test_every_registry_var_once_in_registry_order(entries):
     assert not missing, f"registry variables missing from .env.example: {missing}"
     unknown = [name for name in names if name not in registry]
     assert not unknown, f"uncommented variables that are not in the registry (comment them out): {unknown}"
-    assert names == registry, "order differs from imgedit.settings.REGISTRY"
+    assert names == registry, "order differs from imgedit.config.settings.REGISTRY"
 
 
 def test_defaults_match_registry(entries):

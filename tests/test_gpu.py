@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from conftest import ARTIFACTS, make_manager, picture
 
-from imgedit.demo_checkpoint import build_checkpoint
+from imgedit.engine.gpus import GpuMonitor, discover_gpus, snapshot
 from imgedit.errors import OutOfGpuMemory
-from imgedit.gpu_panel import panel_html
-from imgedit.gpus import GpuMonitor, discover_gpus, snapshot
-from imgedit.jobs import EditRequest
+from imgedit.model.demo_checkpoint import build_checkpoint
+from imgedit.protocol import EditRequest
+from imgedit.web.panel import panel_html
 
 
 @pytest.fixture(scope="module")

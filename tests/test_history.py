@@ -14,9 +14,9 @@ from conftest import make_manager, picture, start_server
 from gradio_client import Client, handle_file
 from PIL import Image
 
-from imgedit.history import HistoryStore
-from imgedit.identity import COOKIE
-from imgedit.jobs import EditRequest
+from imgedit.engine.history import HistoryStore
+from imgedit.protocol import EditRequest
+from imgedit.web.identity import COOKIE
 
 FIELDS = {"prompt": "make it red", "size": "64x64", "num_inference_steps": "2", "seed": "7"}
 A = {"Authorization": "Bearer token-a"}
@@ -194,8 +194,8 @@ def test_a_database_of_the_previous_version_opens_lists_and_takes_lora_rows(tmp_
 
 @pytest.fixture(scope="module")
 def lora_server(plus_ckpt, tmp_path_factory):
-    from imgedit.lora_random import random_lora
-    from imgedit.loras import transformer_linears
+    from imgedit.model.lora_random import random_lora
+    from imgedit.model.loras import transformer_linears
 
     folder = tmp_path_factory.mktemp("loras")
     linears = transformer_linears(plus_ckpt)

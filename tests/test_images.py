@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from imgedit.engine.images import open_image
 from imgedit.errors import InputTooLarge, InvalidInput
-from imgedit.images import open_image
 
 LIMIT = 4096 * 4096
 
@@ -103,7 +103,7 @@ def test_big_endian_16_bit_and_float_tiffs_are_scaled():
 
 def test_settings_chunks_round_trip_and_junk_is_left_out(tmp_path):
     """PNG text chunks: what stamp/save_png write, read_settings gives back typed; junk is dropped."""
-    from imgedit.images import read_settings, save_png, stamp
+    from imgedit.engine.images import read_settings, save_png, stamp
 
     image = Image.new("RGB", (8, 8))
     stamp([image], {"prompt": "说 hello", "seed": "12", "num_inference_steps": "many", "true_cfg_scale": "4.5",

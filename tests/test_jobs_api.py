@@ -50,8 +50,8 @@ FOUR = "Tiny-Edit-Lightning-4steps-V1.0-bf16"
 
 @pytest.fixture(scope="module")
 def lora_dir(tmp_path_factory, plus_ckpt):
-    from imgedit.lora_random import random_lora
-    from imgedit.loras import transformer_linears
+    from imgedit.model.lora_random import random_lora
+    from imgedit.model.loras import transformer_linears
 
     folder = tmp_path_factory.mktemp("loras")
     linears = transformer_linears(plus_ckpt)
@@ -139,7 +139,7 @@ def test_result_before_the_end_is_409_and_delete_cancels(server):
 
 
 def owner_of(token: str) -> str:
-    from imgedit.identity import rest_owner
+    from imgedit.web.identity import rest_owner
 
     return rest_owner(httpx.Request("GET", "http://x", headers={"Authorization": f"Bearer {token}"}))
 

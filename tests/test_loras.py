@@ -1,7 +1,7 @@
 """LoRAs and the Lightning speed presets: the registry, the start-up check, the per-job adapter and
 scheduler in the runner, and the same fields through REST and the gradio API.
 
-The LoRA files are written here (imgedit.lora_random): the published Lightning layout
+The LoRA files are written here (imgedit.model.lora_random): the published Lightning layout
 (`lora_down`/`lora_up`/`alpha`) and diffusers' own (`transformer.*.lora_A/B`), for the tiny checkpoint.
 """
 
@@ -23,15 +23,16 @@ from gradio_client.exceptions import ValidationError
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
+from imgedit.config.loras import LoraError
+from imgedit.config.settings import load_settings
+from imgedit.engine.validation import resolve
 from imgedit.errors import Cancelled, ImgEditError, InvalidInput, SettingsError
-from imgedit.jobs import EditRequest
-from imgedit.lora_random import random_lora
-from imgedit.loras import LoraError, transformer_linears
+from imgedit.model.lora_random import random_lora
+from imgedit.model.loras import transformer_linears
+from imgedit.protocol import EditRequest
 from imgedit.runtime.adapters import Adapters
 from imgedit.runtime.messages import Job
 from imgedit.runtime.runner import Runner
-from imgedit.settings import load_settings
-from imgedit.validation import resolve
 
 STD = 0.2  # strong enough that the tiny model's pixels change visibly
 
@@ -131,7 +132,7 @@ def test_a_bad_lora_stops_start_up_naming_the_file(plus_ckpt, bad_loras, file, s
 
 
 def test_a_missing_hub_file_stops_start_up_offline(plus_ckpt, monkeypatch):
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # read at import: HF_HUB_OFFLINE=1
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the LoRA check runs in a subprocess (imgedit.model.inspect)
     manager = make_manager(plus_ckpt, load=False, LORAS="hub=someone/some-loras/not-cached.safetensors")
     with pytest.raises(LoraError) as caught:
         manager.prepare()
@@ -144,7 +145,7 @@ class Local:
     """A fresh tiny pipeline: a baseline image before any LoRA exists, then the LoRAs loaded."""
 
     def __init__(self, ckpt, lora_dir):
-        from imgedit.loras import check_all
+        from imgedit.model.loras import check_all
 
         self.pipe = LocalPipeline(ckpt).pipe
         self.settings = load_settings(env(lora_dir, QWEN_MODEL_DIR=str(ckpt)))
@@ -293,8 +294,8 @@ def test_jobs_with_different_loras_share_a_worker_without_leaking(lora_server):
     assert {lora["name"]: lora["lightning_steps"] for lora in health["loras"]} == {FOUR: 4, EIGHT: 8, "style": None}
     assert all(lora["rank"] == 4 for lora in health["loras"])
     assert [w["jobs_done"] for w in health["workers"]] == [7]  # one worker ran them all, one after another
-    from imgedit.gpu_panel import panel_html
-    from imgedit.gpus import GpuMonitor, snapshot
+    from imgedit.engine.gpus import GpuMonitor, snapshot
+    from imgedit.web.panel import panel_html
 
     assert f"LoRAs loaded: {FOUR} (Lightning 4-step), {EIGHT} (Lightning 8-step), style" in \
         panel_html(snapshot(GpuMonitor(), manager.status()))
@@ -330,7 +331,7 @@ def test_bad_lora_fields_get_specific_errors_and_cost_nothing(lora_server, tmp_p
 
 
 def test_page_shows_speed_and_lora_controls_only_when_configured(lora_dir):
-    from imgedit.ui_fast import lora_choices, speed_choices
+    from imgedit.web.speed import lora_choices, speed_choices
 
     configured, bare = load_settings(env(lora_dir)), load_settings(env(lora_dir, LORA_DIR=""))
     assert [value for _, value in speed_choices(configured)] == ["quality", "fast", "fastest"]

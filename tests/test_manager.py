@@ -10,7 +10,7 @@ import pytest
 from conftest import ConcurrencyProbe, alive, make_manager, picture, wait_for
 
 from imgedit.errors import Cancelled, ImgEditError, InvalidInput, OutOfGpuMemory, QueueFull, WorkerFailed
-from imgedit.jobs import EditRequest
+from imgedit.protocol import EditRequest
 
 FAST = dict(num_inference_steps=2, width=64, height=64)
 
@@ -211,9 +211,9 @@ def test_other_errors_are_reported_without_internals(plus_manager):
 
 
 def test_not_ready_before_loading(plus_ckpt):
+    from imgedit.config.settings import load_settings
+    from imgedit.engine.manager import PipelineManager
     from imgedit.errors import NotReady
-    from imgedit.manager import PipelineManager
-    from imgedit.settings import load_settings
 
     manager = PipelineManager(load_settings({"QWEN_MODEL_DIR": str(plus_ckpt), "DEVICE_MAP": "cpu"}))
     with pytest.raises(NotReady, match="still loading"):
@@ -223,7 +223,7 @@ def test_not_ready_before_loading(plus_ckpt):
 
 
 def test_one_side_only_passes_the_early_check_and_follows_the_aspect(plus_manager):
-    from imgedit.validation import check_params
+    from imgedit.engine.validation import check_params
 
     check_params(request(width=None, height=128), plus_manager.settings, "plus")  # no images decoded yet
     result = plus_manager.edit(request(images=(picture(120, 60),), width=None, height=64))

@@ -9,11 +9,11 @@ import pytest
 from conftest import make_manager
 from fake_nvml import FakeGpu, FakeNvml
 
-from imgedit.gpu_panel import panel_html
-from imgedit.gpus import GpuMonitor, GpuReading, MemoryHistory, _annotate, snapshot
-from imgedit.jobs import ManagerStatus, WorkerStatus
-from imgedit.placement import Placement, Plan, WorkerPlan
+from imgedit.engine.gpus import GpuMonitor, GpuReading, MemoryHistory, _annotate, snapshot
+from imgedit.planning.plan import Placement, Plan, WorkerPlan
+from imgedit.protocol import ManagerStatus, WorkerStatus
 from imgedit.runtime.messages import Ready
+from imgedit.web.panel import panel_html
 
 
 def reading(i: int) -> GpuReading:

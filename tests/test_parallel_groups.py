@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 from conftest import COMPONENTS, ConcurrencyProbe, make_manager, picture
 
-from imgedit.demo_checkpoint import build_checkpoint
+from imgedit.config.settings import load_settings, parse_device_map
 from imgedit.errors import Cancelled, SettingsError, WorkerFailed
-from imgedit.jobs import EditRequest
-from imgedit.placement import GIB, ComponentSpec, GpuSpec, Placement, PlacementError, Plan, WorkerPlan, plan_placement
+from imgedit.model.demo_checkpoint import build_checkpoint
+from imgedit.planning.placement import GIB, PlacementError, plan_placement
+from imgedit.planning.plan import ComponentSpec, GpuSpec, Placement, Plan, WorkerPlan
+from imgedit.protocol import EditRequest
 from imgedit.runtime.ulysses import Layout, pad_text
-from imgedit.settings import load_settings, parse_device_map
 
 FAST = dict(num_inference_steps=3, width=64, height=64)
 # Prompts of several lengths: the text sequence is odd for some (padded for Ulysses-2, masked),

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from imgedit.config.parsers import GIB, parse_device_map
 from imgedit.errors import PlacementError
-from imgedit.placement import ComponentSpec, GpuSpec, plan_placement
-from imgedit.settings import GIB, parse_device_map
+from imgedit.planning.placement import plan_placement
+from imgedit.planning.plan import ComponentSpec, GpuSpec
 
 # Real bf16 sizes of Qwen-Image-Edit (GiB): transformer 60 blocks, text encoder 28 layers, VAE whole.
 TRANSFORMER = ComponentSpec("transformer", int(38.05 * GIB), (int(0.633 * GIB),) * 60)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from imgedit.placement import Placement, WorkerPlan
-from imgedit.pool import WorkerHandle, localize
-from imgedit.settings import GIB
+from imgedit.config.parsers import GIB
+from imgedit.engine.pool import WorkerHandle, localize
+from imgedit.planning.plan import Placement, WorkerPlan
 
 COMPONENTS = ("transformer", "text_encoder", "vae")
 
@@ -31,9 +31,9 @@ def test_each_rank_of_a_pair_gets_one_gpu_and_its_cap():
 
 
 def test_the_cluster_plan_keeps_each_group_on_one_node(monkeypatch):
-    from imgedit import ray_pool
-    from imgedit.placement import ComponentSpec, GpuSpec
-    from imgedit.settings import load_settings
+    from imgedit.config.settings import load_settings
+    from imgedit.engine import ray_pool
+    from imgedit.planning.plan import ComponentSpec, GpuSpec
 
     gpus = {"aaa": [GpuSpec(i, "H200", 140 * GIB, 139 * GIB) for i in range(3)],
             "bbb": [GpuSpec(i, "H200", 140 * GIB, 139 * GIB) for i in range(2)]}

@@ -10,23 +10,22 @@ import pytest
 import torch
 from conftest import COMPONENTS, make_manager, picture
 
-from imgedit import loader
-from imgedit.demo_checkpoint import build_checkpoint
+from imgedit.config.parsers import GIB, parse_offload, parse_quantize
+from imgedit.config.settings import load_settings
+from imgedit.engine.gpus import GpuMonitor, snapshot
+from imgedit.engine.inspection import inspect_checkpoint
 from imgedit.errors import PlacementError, SettingsError
-from imgedit.gpu_panel import panel_html
-from imgedit.gpus import GpuMonitor, snapshot
-from imgedit.jobs import EditRequest
-from imgedit.placement import GpuSpec, Placement, WorkerPlan
-from imgedit.quantize import (
+from imgedit.model.demo_checkpoint import build_checkpoint
+from imgedit.planning.memory import (
     BYTES_PER_WEIGHT,
     MemoryMode,
     check_device,
-    layer_sizes,
-    parse_offload,
-    parse_quantize,
     plan_memory,
 )
-from imgedit.settings import GIB, load_settings
+from imgedit.planning.plan import ComponentSpec, GpuSpec, Placement, WorkerPlan
+from imgedit.protocol import EditRequest
+from imgedit.runtime import loader, weights
+from imgedit.web.panel import panel_html
 
 ADA, AMPERE = (8, 9), (8, 6)
 
@@ -73,13 +72,31 @@ def test_bad_values_stop_start_up_naming_variable_value_and_allowed(var, raw, sa
 def real_sizes(tmp_path_factory):
     folder = build_checkpoint(tmp_path_factory.mktemp("real") / "plus", size="real")  # configs only
     checkpoint = loader.open_checkpoint(str(folder))
-    return checkpoint, layer_sizes(checkpoint, 2, ("img_mlp",))
+    return checkpoint, inspect_checkpoint(checkpoint, ("img_mlp",))[0]  # as the server plans: in a subprocess
+
+
+def component_specs(checkpoint, item: int) -> dict[str, ComponentSpec]:
+    """The loader's sizes before QUANTIZE existed: every parameter at `item` bytes, blocks by container."""
+    from accelerate import init_empty_weights
+
+    from imgedit.model.components import MODEL_COMPONENTS, block_container, from_config
+
+    specs = {}
+    for name in MODEL_COMPONENTS:
+        with init_empty_weights():
+            model = from_config(name, checkpoint.folder)
+        blocks: tuple[int, ...] = ()
+        if name != "vae":
+            container = model.get_submodule(block_container(model))
+            blocks = tuple(sum(p.numel() for p in b.parameters()) * item for b in container)
+        specs[name] = ComponentSpec(name, sum(p.numel() for p in model.parameters()) * item, blocks)
+    return specs
 
 
 def test_sizes_match_the_loader_and_the_published_model(real_sizes):
     checkpoint, sizes = real_sizes
     by = {s.name: s for s in sizes}
-    plain = {s.name: s for s in loader.component_specs(checkpoint, torch.bfloat16)}
+    plain = component_specs(checkpoint, 2)
     for name in COMPONENTS:  # unquantized, the planner sees exactly what it saw before QUANTIZE existed
         assert by[name].spec("none", 2) == plain[name]
     t = by["transformer"]
@@ -238,9 +255,9 @@ def test_quantized_worker_edits_and_reports_its_weights(quantized_manager, plus_
 
 @pytest.mark.parametrize("mode, kind", [("int8", "Int8Tensor"), ("nf4", "NF4Tensor")])
 def test_kept_layers_are_not_quantized_and_the_rest_still_computes(plus_ckpt, mode, kind):
-    from imgedit.offload import quantize_module
+    from imgedit.runtime.offload import quantize_module
 
-    model = loader._load_component("transformer", loader.open_checkpoint(str(plus_ckpt)), Placement("cpu"),
+    model = weights.load_component("transformer", loader.open_checkpoint(str(plus_ckpt)), Placement("cpu"),
                                    torch.float32)
     x = torch.randn(3, model.img_in.in_features)
     before = model.img_in(x)
@@ -255,7 +272,7 @@ def test_kept_layers_are_not_quantized_and_the_rest_still_computes(plus_ckpt, mo
 
 
 def test_a_worker_on_the_cpu_refuses_fp8():
-    from imgedit.offload import check_device as worker_check
+    from imgedit.runtime.offload import check_device as worker_check
 
     with pytest.raises(PlacementError, match="fp8 needs a CUDA GPU .* this worker runs on the CPU"):
         worker_check(MemoryMode((("transformer", "fp8"),)), "cpu")
@@ -267,7 +284,7 @@ def test_offload_hooks_keep_resident_blocks_and_stream_the_rest(plus_ckpt, plus_
     runs): the same edit as without them, block 0 and the text encoder hooked, block 1 resident."""
     from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
 
-    from imgedit.encoding import install_token_type_fix
+    from imgedit.model.encoding import install_token_type_fix
 
     checkpoint = loader.open_checkpoint(str(plus_ckpt))
 
@@ -301,7 +318,7 @@ def test_offload_hooks_keep_resident_blocks_and_stream_the_rest(plus_ckpt, plus_
 
 
 def test_ray_workers_refuse_quantize_before_joining_a_cluster(plus_ckpt):
-    from imgedit.manager import PipelineManager
+    from imgedit.engine.manager import PipelineManager
 
     settings = load_settings({"QWEN_MODEL_DIR": str(plus_ckpt), "WORKERS": "ray", "QUANTIZE": "int8"})
     with pytest.raises(PlacementError, match="QUANTIZE and OFFLOAD work with WORKERS=local only"):
@@ -309,6 +326,6 @@ def test_ray_workers_refuse_quantize_before_joining_a_cluster(plus_ckpt):
 
 
 def test_locations_are_named_as_the_panel_names_gpus():
-    from imgedit.offload import _where
+    from imgedit.runtime.offload import _where
 
     assert (_where("cuda:1"), _where("cuda"), _where("cpu")) == ("GPU 1", "GPU 0", "CPU")

@@ -23,7 +23,7 @@ import pytest
 from conftest import ROOT, alive, make_manager, picture, start_server, wait_for
 
 from imgedit.errors import Cancelled, OutOfGpuMemory, WorkerFailed
-from imgedit.jobs import EditRequest
+from imgedit.protocol import EditRequest
 
 os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")  # a late ray call must not start a cluster of its own
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install -r requirements.txt)")
@@ -242,7 +242,7 @@ def test_a_killed_actor_fails_only_its_job_and_the_next_runs_on_the_other_node(m
 
 
 def test_the_panel_names_each_workers_node(manager, nodes):
-    from imgedit.gpu_panel import panel_html
+    from imgedit.web.panel import panel_html
 
     status = manager.status()
     data = {"gpus": [], "message": "no GPU", "placement_mode": status.mode, "placement_reason": status.reason,
@@ -286,7 +286,7 @@ def test_a_node_that_leaves_fails_only_its_job_and_health_shows_the_lost_worker(
     lost = {w.name: w for w in manager.status().workers}[on_b.name]
     assert lost.state == "loading" and "waiting for room in the cluster" in lost.detail
     assert manager.status().ready  # /health: ready, with the lost worker listed as loading
-    from imgedit.gpu_panel import panel_html
+    from imgedit.web.panel import panel_html
 
     status = manager.status()
     html = panel_html({"gpus": [], "message": "no GPU", "placement_mode": status.mode, "waiting": 0, "ready": True,
@@ -297,7 +297,7 @@ def test_a_node_that_leaves_fails_only_its_job_and_health_shows_the_lost_worker(
 def test_an_unreachable_cluster_is_a_clear_error_not_a_hang(plus_ckpt):
     code = (
         "import time, sys; from conftest import make_manager; from imgedit.errors import NotReady\n"
-        "from imgedit.jobs import EditRequest; from conftest import picture\n"
+        "from imgedit.protocol import EditRequest; from conftest import picture\n"
         "t = time.perf_counter()\n"
         f"m = make_manager({str(plus_ckpt)!r}, WORKERS='ray', RAY_ADDRESS='127.0.0.1:1', RAY_CONNECT_TIMEOUT='5', "
         "plan='planner', load=False).prepare()\n"

@@ -14,7 +14,7 @@ def test_without_an_address_the_server_starts_a_local_cluster_that_outlives_the_
     """RAY_ADDRESS unset: ray.init starts a local cluster from the connecting thread, and Linux kills
     its GCS when that thread ends unless it stays (found on the GPU machine: every later call hung)."""
     code = (
-        "import time; from conftest import make_manager, picture; from imgedit.jobs import EditRequest\n"
+        "import time; from conftest import make_manager, picture; from imgedit.protocol import EditRequest\n"
         f"m = make_manager({str(plus_ckpt)!r}, WORKERS='ray', RAY_CONNECT_TIMEOUT='60', plan='planner')\n"
         "time.sleep(2)\n"
         "r = m.edit(EditRequest(images=(picture(),), prompt='x', num_inference_steps=2, width=64, height=64))\n"

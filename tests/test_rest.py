@@ -20,8 +20,8 @@ from conftest import ConcurrencyProbe, make_manager, picture, start_server, wait
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from imgedit.manager import PipelineManager
-from imgedit.settings import load_settings
+from imgedit.config.settings import load_settings
+from imgedit.engine.manager import PipelineManager
 
 EXTRA = {"num_inference_steps": 2}
 GOOD_FIELDS = {"prompt": "make it red", "size": "64x64", "num_inference_steps": "2", "seed": "1"}

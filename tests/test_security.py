@@ -22,7 +22,7 @@ from raw_gradio import RawGradio, file_data
 from starlette.routing import Mount
 from starlette.testclient import TestClient
 
-from imgedit.uploads import upload_folder
+from imgedit.web.uploads import upload_folder
 
 EDIT_REST = {"prompt": "make it red", "size": "64x64", "num_inference_steps": "2", "seed": "1"}
 
@@ -190,9 +190,9 @@ def test_elongated_image_is_a_validation_error_over_gradio(live_server, tmp_path
 @pytest.mark.parametrize("family", ["plus", "edit"])
 def test_the_aspect_limit_is_the_pipelines_own(family, plus_manager, edit_manager, plus_pipe, edit_pipe):
     """At the limit the real pipeline edits; one step past it the pipeline itself fails, and we refuse."""
+    from imgedit.engine.validation import max_aspect
     from imgedit.errors import InvalidInput
-    from imgedit.jobs import EditRequest
-    from imgedit.validation import max_aspect
+    from imgedit.protocol import EditRequest
 
     manager = plus_manager if family == "plus" else edit_manager
     limit = max_aspect(family)

@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
+from imgedit.config.parsers import GIB, DeviceMap, parse_size
+from imgedit.config.settings import REGISTRY, load_settings
 from imgedit.errors import SettingsError
-from imgedit.settings import GIB, REGISTRY, DeviceMap, load_settings, parse_size
 
 
 def test_defaults():
@@ -104,8 +105,8 @@ def test_app_refuses_to_start_on_a_bad_setting():
 
 
 def test_light_modules_import_without_torch_or_gradio():
-    code = ("import sys, imgedit.settings, imgedit.placement, imgedit.validation, imgedit.errors, imgedit.jobs; "
-            "print('torch' in sys.modules, 'gradio' in sys.modules)")
+    code = ("import sys, imgedit.config.settings, imgedit.planning.memory, imgedit.engine.validation, imgedit.errors, "
+            "imgedit.protocol; print('torch' in sys.modules, 'gradio' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          cwd=__import__("pathlib").Path(__file__).resolve().parents[1])
     assert out.stdout.split() == ["False", "False"], out.stderr
@@ -118,8 +119,9 @@ def test_readme_documents_every_setting():
 
 
 def test_the_edges_do_not_import_torch():
-    """UI and REST stay light: torch is only imported by the manager side (and lazily by the panel)."""
-    code = "import sys, imgedit.ui, imgedit.rest, imgedit.server, imgedit.metrics; print('torch' in sys.modules)"
+    """The whole server side (web, engine, planning, config) imports no torch."""
+    code = ("import sys, imgedit.web.app, imgedit.engine.manager, imgedit.engine.ray_pool, imgedit.engine.inspection; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=__import__("pathlib").Path(__file__).resolve().parents[1])
     assert out.stdout.strip() == "False", out.stderr[-2000:]

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from conftest import ROOT, free_port, picture
 
-from imgedit.settings import load_settings
+from imgedit.config.settings import load_settings
 
 FIELDS = {"prompt": "make it red", "size": "64x64", "seed": "1"}
 
@@ -174,7 +174,8 @@ def test_a_job_longer_than_the_grace_period_is_stopped_with_a_clear_error(app_pr
 def test_platform_grace_periods_cover_the_drain():
     """Compose and Kubernetes must wait longer than SHUTDOWN_GRACE_S plus the straggler and
     connection-close time, or their SIGKILL cuts the drain short."""
-    from imgedit.shutdown import STRAGGLER_S, UVICORN_CLOSE_S
+    from imgedit.engine.shutdown import STRAGGLER_S
+    from imgedit.web.serving import UVICORN_CLOSE_S
 
     needed = load_settings({}).shutdown_grace_s + STRAGGLER_S + UVICORN_CLOSE_S
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["imgedit"]

@@ -176,7 +176,7 @@ def test_demo_banner_and_page(plus_ckpt):
     import httpx
 
     manager = make_manager(plus_ckpt)
-    from imgedit.server import build_app
+    from imgedit.web.app import build_app
 
     app = build_app(manager.settings, manager, demo=True)
     from conftest import LiveServer, free_port
@@ -243,7 +243,7 @@ def test_every_returned_png_carries_its_settings(live_server, client, image_file
     import httpx
 
     from imgedit import __version__
-    from imgedit.images import read_settings
+    from imgedit.engine.images import read_settings
 
     gallery, _ = client.predict(*edit_args([image_file], seed=11, steps=3, prompt="make it ünicode red"),
                                 api_name="/edit")
@@ -268,7 +268,7 @@ def test_api_call_snippets_are_valid_code_for_the_form():
     """"Copy as API call": the gradio_client and OpenAI snippets compile; quotes in a prompt stay quoted."""
     import shlex
 
-    from imgedit.ui_snippets import api_values, curl_snippet, gradio_snippet, openai_snippet
+    from imgedit.web.snippets import api_values, curl_snippet, gradio_snippet, openai_snippet
 
     values = api_values(2, "it's \"red\"", "", "7", False, None, "4.5", 2, 64, 0, 40, 4.0)
     assert values["seed"] == 7 and values["num_inference_steps"] == 40 and values["true_cfg_scale"] == 4.5

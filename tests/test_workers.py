@@ -19,7 +19,7 @@ import pytest
 from conftest import ROOT, ConcurrencyProbe, alive, cfg_plan, free_port, make_manager, picture, wait_for
 
 from imgedit.errors import Cancelled, OutOfGpuMemory, WorkerFailed
-from imgedit.jobs import EditRequest
+from imgedit.protocol import EditRequest
 
 FAST = dict(num_inference_steps=3, width=64, height=64)
 
@@ -115,7 +115,7 @@ def test_server_process_holds_no_cuda_or_distributed_state(pair, plus_manager):
 
     assert not torch.cuda.is_initialized()
     assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
-    code = ("import sys, imgedit.manager, imgedit.pool, imgedit.server, imgedit.gpus; "
+    code = ("import sys, imgedit.engine.manager, imgedit.engine.pool, imgedit.web.app, imgedit.engine.gpus; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr[-2000:]

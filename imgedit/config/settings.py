@@ -7,149 +7,32 @@ value stops start-up with a message naming the variable, the value and what is a
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from imgedit.config.loras import entries, parse_loras
+from imgedit.config.parsers import (
+    DTYPES,
+    GIB,
+    LOG_LEVELS,
+    DeviceMap,
+    _bool,
+    _choice,
+    _float_range,
+    _int_range,
+    _max_memory,
+    _optional_str,
+    _size,
+    _str,
+    parse_device_map,
+    parse_offload,
+    parse_quantize,
+    parse_skip,
+)
 from imgedit.errors import SettingsError
-from imgedit.quantize import parse_offload, parse_quantize, parse_skip
-
-GIB = 1024**3
-DEVICE_MAP_MODES = ("balanced", "auto", "replicas", "cfg-parallel", "ulysses", "cuda", "cpu")
-GROUP_SIZES = (2, 4, 8)  # GPUs in one parallel group: cfg-parallel[:N], ulysses[:N]
-DTYPES = ("bfloat16", "float16", "float32")
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-# ---- parsers: each takes the raw string and returns a value or raises ValueError(allowed) ----
-
-def _str(raw: str) -> str:
-    return raw.strip()
-
-
-def _optional_str(raw: str) -> str | None:
-    return raw.strip() or None
-
-
-def _bool(raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError("one of true/false, 1/0, yes/no, on/off")
-
-
-def _int_range(low: int, high: int) -> Callable[[str], int]:
-    def parse(raw: str) -> int:
-        try:
-            value = int(raw.strip())
-        except ValueError:
-            raise ValueError(f"a whole number from {low} to {high}") from None
-        if not low <= value <= high:
-            raise ValueError(f"a whole number from {low} to {high}")
-        return value
-
-    return parse
-
-
-def _float_range(low: float, high: float) -> Callable[[str], float]:
-    def parse(raw: str) -> float:
-        try:
-            value = float(raw.strip())
-        except ValueError:
-            raise ValueError(f"a number from {low} to {high}") from None
-        if not low <= value <= high:
-            raise ValueError(f"a number from {low} to {high}")
-        return value
-
-    return parse
-
-
-def _choice(*allowed: str, upper: bool = False) -> Callable[[str], str]:
-    def parse(raw: str) -> str:
-        value = raw.strip().upper() if upper else raw.strip().lower()
-        aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16"}
-        value = aliases.get(value, value)
-        if value not in allowed:
-            raise ValueError("one of " + ", ".join(allowed))
-        return value
-
-    return parse
-
-
-def parse_size(raw: str) -> int:
-    """'75GiB', '30GB', '512MiB', '1073741824' -> bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", raw)
-    unit = match.group(2).upper() if match else None
-    if not match or unit not in _SIZE_UNITS:
-        raise ValueError("a size such as 75GiB, 30GB or 512MiB")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
-
-
-def _size(raw: str) -> int:
-    return parse_size(raw)
-
-
-def _loras(raw: str) -> tuple[tuple[str, str], ...]:
-    from imgedit.loras import parse_loras
-
-    return parse_loras(raw)
-
-
-def _max_memory(raw: str) -> tuple[int, ...]:
-    if not raw.strip():
-        return ()
-    try:
-        return tuple(parse_size(part) for part in raw.split(","))
-    except ValueError:
-        raise ValueError("comma-separated sizes, one per visible GPU or one for all, e.g. 75GiB,75GiB") from None
-
-
-@dataclass(frozen=True)
-class DeviceMap:
-    """DEVICE_MAP parsed: a mode, a single GPU (`cuda:N`) or a manual map."""
-
-    mode: str  # balanced | auto | replicas | cfg-parallel | ulysses | cuda | cpu | manual
-    gpu: int | None = None  # for cuda / cuda:N
-    manual: Mapping[str, Any] = field(default_factory=dict)
-    group: int = 2  # GPUs per parallel group (cfg-parallel:N, ulysses:N)
-
-
-def parse_device_map(raw: str) -> DeviceMap:
-    text = raw.strip()
-    allowed = ("balanced, auto, replicas, cfg-parallel, cfg-parallel:4, cfg-parallel:8, ulysses:2, ulysses:4, "
-               "ulysses:8, cuda, cuda:N, cpu, or a JSON object such as "
-               '{"transformer": {"0-29": "cuda:0", "30-59": "cuda:1"}, "text_encoder": "cuda:1", "vae": "cuda:0"}')
-    if text.startswith("{"):
-        try:
-            manual = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"valid JSON ({exc.msg} at position {exc.pos}); allowed: {allowed}") from None
-        if not isinstance(manual, dict):
-            raise ValueError(f"a JSON object; allowed: {allowed}")
-        for name, where in manual.items():
-            if not isinstance(where, (str, dict)):
-                raise ValueError(f"a device string or a block-range object for {name!r}; allowed: {allowed}")
-            if isinstance(where, dict) and not all(isinstance(d, str) for d in where.values()):
-                raise ValueError(f"device strings such as \"cuda:0\" for the block ranges of {name!r}")
-        return DeviceMap("manual", manual=manual)
-    value = text.lower()
-    if value in DEVICE_MAP_MODES:
-        return DeviceMap(value, gpu=0 if value == "cuda" else None)
-    if match := re.fullmatch(r"cuda:(\d+)", value):
-        return DeviceMap("cuda", gpu=int(match.group(1)))
-    if match := re.fullmatch(r"(cfg-parallel|ulysses):(\d+)", value):
-        if int(match.group(2)) not in GROUP_SIZES:
-            raise ValueError(f"a group of 2, 4 or 8 GPUs after {match.group(1)}:; allowed: {allowed}")
-        return DeviceMap(match.group(1), group=int(match.group(2)))
-    raise ValueError(allowed)
 
 
 @dataclass(frozen=True)
@@ -194,7 +77,7 @@ REGISTRY: tuple[Var, ...] = (
     Var("MAX_IMAGES_PER_PROMPT", "4", _int_range(1, 16), "Largest number of images one request may ask for"),
     Var("LORA_DIR", "", _optional_str,
         "Folder whose *.safetensors LoRAs are offered, each named by its file name without .safetensors"),
-    Var("LORAS", "", _loras,
+    Var("LORAS", "", parse_loras,
         "More LoRAs as name=path pairs, comma-separated; a path may be a hub file owner/repo/file.safetensors"),
     Var("FAST_LORA_4STEP", "", _optional_str,
         "Name of the Lightning 4-step LoRA for speed=fastest; empty = the LoRA whose file name says Lightning-4steps"),
@@ -271,7 +154,7 @@ class Settings:
     loras: tuple[tuple[str, str], ...] = ()
     fast_lora_4step: str | None = None
     fast_lora_8step: str | None = None
-    lora_entries: tuple = ()  # imgedit.loras.LoraEntry for each configured LoRA (built from the four above)
+    lora_entries: tuple = ()  # imgedit.config.loras.LoraEntry for each configured LoRA (built from the four above)
     quantize: tuple[tuple[str, str], ...] | None = None  # None = auto
     quantize_skip: tuple[str, ...] = ("img_mlp",)
     offload: tuple[str, ...] | None = None  # None = auto
@@ -332,8 +215,6 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
     if values.get("gradio_auth") and ":" not in values["gradio_auth"]:
         problems.append(f"GRADIO_AUTH={values['gradio_auth']!r} is not valid: expected user:password")
     if not problems:
-        from imgedit.loras import entries
-
         try:
             values["lora_entries"] = entries(values["lora_dir"], values["loras"], values["fast_lora_4step"],
                                              values["fast_lora_8step"])

@@ -21,10 +21,11 @@ import zipfile
 from dataclasses import dataclass, field, replace
 from pathlib import PurePosixPath
 
+from imgedit.config.settings import Settings
+from imgedit.engine.history import HistoryEntry, HistoryStore
+from imgedit.engine.images import open_image
 from imgedit.errors import Cancelled, ImgEditError, InputTooLarge, InvalidInput, QueueFull
-from imgedit.history import HistoryEntry, HistoryStore
-from imgedit.images import open_image
-from imgedit.jobs import EditRequest, new_request_id
+from imgedit.protocol import EditRequest, new_request_id
 
 log = logging.getLogger(__name__)
 
@@ -175,9 +176,9 @@ def results_zip(items: list[tuple[str, HistoryEntry | None, str | None]]) -> byt
 class JobService:
     """Accepts jobs, runs their items through the manager and keeps them (by owner) for lookups."""
 
-    def __init__(self, manager, history: HistoryStore):
+    def __init__(self, settings: Settings, manager, history: HistoryStore):
         self.manager = manager
-        self.settings = manager.settings
+        self.settings = settings
         self.history = history
         self._jobs: dict[str, Job] = {}
         self._tasks: set[asyncio.Task] = set()

@@ -14,8 +14,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from imgedit.jobs import ManagerStatus
-from imgedit.placement import GpuSpec
+from imgedit.planning.plan import GpuSpec
+from imgedit.protocol import ManagerStatus
 
 log = logging.getLogger(__name__)
 MIB = 1024**2

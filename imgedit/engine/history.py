@@ -2,7 +2,7 @@
 
 One folder per stored item (`<day>/<id>/`: `out-N.png`, `in-N.png`, `thumb.png`) and one row in
 `history.sqlite3`. Rows are keyed by an owner (a browser, a user or an API token, see
-`imgedit.identity`), so a lookup always names the owner too: another owner's id is simply not found.
+`imgedit.web.identity`), so a lookup always names the owner too: another owner's id is simply not found.
 Only successful jobs are stored; nothing is written for a failed or cancelled one.
 """
 
@@ -18,9 +18,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from imgedit.images import save_png
-from imgedit.jobs import EditRequest, EditResult
-from imgedit.settings import Settings
+from imgedit.config.settings import Settings
+from imgedit.engine.images import save_png
+from imgedit.protocol import EditRequest, EditResult
 
 log = logging.getLogger(__name__)
 

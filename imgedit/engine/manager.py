@@ -1,7 +1,7 @@
 """The manager: the one FIFO line in front of the worker processes. No torch, no CUDA context.
 
 `prepare()` opens the checkpoint and plans the placement; `start()` spawns one worker per planned
-worker (imgedit.pool) and returns at once (the workers load in their own processes, /health says
+worker (imgedit.engine.pool) and returns at once (the workers load in their own processes, /health says
 503 until they are ready). Jobs from the page, the gradio API and REST wait together in arrival
 order for a free worker; one job per worker at a time; cancel, progress, results and typed errors
 cross the process boundary as small messages (imgedit.runtime.messages).
@@ -18,15 +18,17 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from imgedit.checkpoint import Checkpoint, open_checkpoint
+from imgedit.config.settings import Settings
+from imgedit.engine.images import settings_text, stamp
+from imgedit.engine.inspection import inspect_checkpoint
+from imgedit.engine.pool import WorkerHandle, wait_result
+from imgedit.engine.validation import resolve
 from imgedit.errors import Cancelled, ImgEditError, NotReady, OutOfGpuMemory, PlacementError, QueueFull, WorkerFailed
-from imgedit.images import settings_text, stamp
-from imgedit.jobs import EditRequest, EditResult, JobRecord, ManagerStatus
-from imgedit.placement import GpuSpec, Plan
-from imgedit.pool import WorkerHandle, wait_result
+from imgedit.planning.checkpoint import Checkpoint, open_checkpoint
+from imgedit.planning.memory import bytes_item, plan_memory
+from imgedit.planning.plan import GpuSpec, Plan
+from imgedit.protocol import EditRequest, EditResult, JobRecord, ManagerStatus
 from imgedit.runtime.messages import Done, Job, WorkerSpec
-from imgedit.settings import Settings
-from imgedit.validation import resolve
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ class PipelineManager:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._started = False
         self._nodes: dict[str, str] = {}  # WORKERS=ray: each planned worker's Ray node id
-        self.loras: tuple = ()  # imgedit.loras.LoraFile: the LoRAs every worker loads, checked in prepare()
+        self.loras: tuple = ()  # imgedit.config.loras.LoraFile: the LoRAs every worker loads, checked in prepare()
 
     # ---- planning and start-up ----
     @property
@@ -85,37 +87,34 @@ class PipelineManager:
             return self
         try:
             self.checkpoint = open_checkpoint(self.settings.model_source)
-            if self.settings.lora_entries:
-                from imgedit.loras import check_all
-
-                self.loras = check_all(self.settings.lora_entries, self.checkpoint.folder)
-            if self.settings.workers == "ray":
-                if self.settings.quantize or self.settings.offload:
+            s = self.settings
+            if s.workers == "ray":
+                if s.quantize or s.offload:
                     raise PlacementError("QUANTIZE and OFFLOAD work with WORKERS=local only for now; "
                                          "leave them at auto (or none) with WORKERS=ray")
-                from imgedit import ray_pool
+                from imgedit.engine import ray_pool
 
                 try:
-                    ray_pool.connect(self.settings.ray_address, self.settings.ray_connect_timeout)
+                    ray_pool.connect(s.ray_address, s.ray_connect_timeout)
                 except WorkerFailed as exc:  # the page and /health still come up, and say why
                     log.error("%s", exc.message)
                     self.load_error = exc.message
                     self._plan = Plan("ray", (), exc.message)
                     return self
+            # Sizes (from the configs) and the LoRA check, measured on the worker side in a subprocess:
+            # this process never imports torch.
+            sizes, self.loras = inspect_checkpoint(self.checkpoint, s.quantize_skip, s.lora_entries,
+                                                   sizes=self._plan is None)
             if self._plan is None:
-                from imgedit import loader
-
-                if self.settings.workers == "ray":
-                    specs = loader.component_specs(self.checkpoint, loader.DTYPES[self.settings.torch_dtype])
-                    self._plan, self._nodes = ray_pool.plan_cluster(specs, self.settings, ray_pool.alive_nodes())
+                item = bytes_item(s.torch_dtype)  # QUANTIZE / OFFLOAD: the planner sizes each mode
+                if s.workers == "ray":
+                    specs = [c.spec("none", item) for c in sizes]
+                    self._plan, self._nodes = ray_pool.plan_cluster(specs, s, ray_pool.alive_nodes())
                 else:
-                    from imgedit.gpus import discover_gpus
-                    from imgedit.quantize import bytes_item, layer_sizes, plan_memory
+                    from imgedit.engine.gpus import discover_gpus
 
                     gpus = discover_gpus() if self._gpus is None else list(self._gpus)
-                    item = bytes_item(self.settings.torch_dtype)  # QUANTIZE / OFFLOAD: the planner sizes each mode
-                    sizes = layer_sizes(self.checkpoint, item, self.settings.quantize_skip)
-                    self._plan = plan_memory(sizes, gpus, self.settings, item)
+                    self._plan = plan_memory(sizes, gpus, s, item)
         except Exception as exc:
             self.load_error = _safe_text(exc)
             raise
@@ -136,7 +135,7 @@ class PipelineManager:
         common = dict(cache_dir=s.compile_cache_dir, max_restarts=s.worker_restarts, log_level=s.log_level,
                       on_change=self._changed, max_memory=s.max_memory)
         if s.workers == "ray":
-            from imgedit.ray_pool import RayWorkerHandle
+            from imgedit.engine.ray_pool import RayWorkerHandle
 
             return RayWorkerHandle(plan, spec, node_id=self._nodes.get(plan.name), visible=None, **common)
         return WorkerHandle(plan, spec, visible=s.cuda_visible_devices, **common)

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from imgedit.errors import WorkerFailed
-from imgedit.jobs import WorkerStatus
-from imgedit.placement import Placement, WorkerPlan
+from imgedit.planning.plan import Placement, WorkerPlan
+from imgedit.protocol import WorkerStatus
 from imgedit.runtime.messages import Cancel, Channel, Done, Failed, Job, LoadFailed, Ready, Step, Stop, WorkerSpec
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Workers as Ray actors (WORKERS=ray): the same handle interface as imgedit.pool, ranks anywhere in a cluster.
+"""Workers as Ray actors (WORKERS=ray): the same handle interface as imgedit.engine.pool, ranks anywhere in a cluster.
 
 Each rank is one `RankActor`. The actor runs the worker process's own code (runtime.worker.main) in a
 thread of the actor's process, over a pipe pair inside that process; the handle relays the server's
@@ -17,11 +17,12 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from imgedit.config.settings import Settings
+from imgedit.engine.pool import WorkerDied, WorkerHandle, free_port, localize
 from imgedit.errors import WorkerFailed
-from imgedit.placement import ComponentSpec, Placement, Plan, WorkerPlan, plan_placement
-from imgedit.pool import WorkerDied, WorkerHandle, free_port, localize
+from imgedit.planning.placement import plan_placement
+from imgedit.planning.plan import ComponentSpec, Placement, Plan, WorkerPlan
 from imgedit.runtime.messages import Ready
-from imgedit.settings import Settings
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 30.0  # ray.init retries an unreachable address for minutes; the server must not hang
@@ -109,7 +110,7 @@ def _node_gpus(node: Node) -> list:
 def _discover_here(count: int) -> list:
     """Runs on the node: NVML's view of its GPUs, the first `count` (as many as Ray offers there). A
     task given no GPU may find CUDA_VISIBLE_DEVICES emptied by Ray, which would hide them all."""
-    from imgedit.gpus import discover_gpus
+    from imgedit.engine.gpus import discover_gpus
 
     os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     return discover_gpus()[:count]

@@ -11,7 +11,7 @@ has them natively is used as is:
   `ShuttingDown(message)`. Only used when the grace period ran out.
 - `close()`: stop and join every worker process (no orphans); idempotent.
 
-Order on SIGTERM (`Shutdown.run`): the edges answer 503 (`ShutdownGate`), the manager stops
+Order on SIGTERM (`Shutdown.run`): the edges answer 503 (`imgedit.web.serving.ShutdownGate`), the manager stops
 accepting, running jobs get SHUTDOWN_GRACE_S, stragglers are cancelled, the manager is closed,
 then uvicorn exits (closing connections within 5 s). Compose and Kubernetes grace periods must
 exceed SHUTDOWN_GRACE_S + 20 s, or the platform's SIGKILL comes first.
@@ -20,22 +20,18 @@ exceed SHUTDOWN_GRACE_S + 20 s, or the platform's SIGKILL comes first.
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from typing import Protocol
 
-from starlette.responses import JSONResponse
-
 from imgedit.errors import Cancelled, ImgEditError
-from imgedit.jobs import EditRequest, EditResult
+from imgedit.protocol import EditRequest, EditResult
 
 log = logging.getLogger(__name__)
 
 NOT_STARTED = "the server is shutting down; this job was not started: submit it again in a minute"
 STOPPED = "the server shut down before this job finished (SHUTDOWN_GRACE_S ran out)"
 REFUSED = "the server is shutting down and takes no new jobs: try again in a minute"
-UVICORN_CLOSE_S = 5  # uvicorn's timeout_graceful_shutdown: open connections after the drain
 STRAGGLER_S = 10  # after the grace period: time for cancelled jobs to reach their next step
 
 
@@ -186,44 +182,3 @@ class Shutdown:
         finally:
             self.finished.set()
             then()
-
-
-class ShutdownGate:
-    """ASGI middleware: while draining, `/health` says 503 and new REST jobs get a 503 JSON error.
-    Reads (job status, results) still work; the page's own calls reach the handlers, which answer
-    with the ShuttingDown message."""
-
-    def __init__(self, app, shutdown: Shutdown):
-        self.app = app
-        self.shutdown = shutdown
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.shutdown.draining:
-            path, method = scope.get("path", ""), scope.get("method", "GET")
-            if path == "/health":
-                response = JSONResponse({"status": "shutting_down", "message": REFUSED}, status_code=503)
-                return await response(scope, receive, send)
-            if path.startswith("/v1/") and method in ("POST", "PUT", "PATCH"):
-                body = {"error": {"message": REFUSED, "type": "server_error", "param": None, "code": "shutting_down"}}
-                response = JSONResponse(body, status_code=503, headers={"Retry-After": "60"})
-                return await response(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
-def serve(app, settings, shutdown: Shutdown) -> None:
-    """uvicorn, except that the first SIGTERM/SIGINT starts the drain instead of closing at once;
-    a second SIGINT (Ctrl-C twice) quits without waiting."""
-    import uvicorn
-
-    class GracefulServer(uvicorn.Server):
-        def handle_exit(self, sig: int, frame) -> None:
-            if shutdown.draining:
-                if sig == signal.SIGINT:
-                    self.should_exit = self.force_exit = True
-                return
-            log.info("received %s", signal.Signals(sig).name)
-            shutdown.begin(then=lambda: setattr(self, "should_exit", True))
-
-    config = uvicorn.Config(app, host=settings.gradio_server_name, port=settings.gradio_server_port,
-                            log_level=settings.log_level.lower(), timeout_graceful_shutdown=UVICORN_CLOSE_S)
-    GracefulServer(config).run()

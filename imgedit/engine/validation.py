@@ -9,11 +9,11 @@ from __future__ import annotations
 import functools
 import math
 import random
-from dataclasses import dataclass
 
+from imgedit.config.loras import MAX_LORA_SCALE, SPEEDS, lightning_for
+from imgedit.config.settings import Settings
 from imgedit.errors import InvalidInput
-from imgedit.jobs import EditRequest
-from imgedit.settings import Settings
+from imgedit.protocol import EditRequest, Resolved  # noqa: F401  (Resolved: re-exported for the edges)
 
 MAX_INPUT_IMAGES = {"edit": 1, "plus": 3}
 DEFAULT_STEPS = {"edit": 50, "plus": 40}
@@ -28,21 +28,6 @@ MAX_SEED = 2**32 - 1
 VL_AREA = {"edit": 1024 * 1024, "plus": 384 * 384}
 VAE_AREA = 1024 * 1024
 VL_MAX_ASPECT = 200
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """The exact parameters the pipeline gets."""
-
-    steps: int
-    true_cfg_scale: float
-    negative_prompt: str
-    seed: int
-    num_images: int
-    width: int | None
-    height: int | None
-    adapters: tuple[tuple[str, float], ...] = ()  # (LoRA name, strength) active for this job
-    scheduler: str = "default"  # default | lightning (imgedit.loras.LIGHTNING_SCHEDULER)
 
 
 def check_counts(n_images: int, family: str) -> None:
@@ -171,8 +156,6 @@ def _whole(name: str, value) -> None:
 
 def speed_preset(req: EditRequest, settings: Settings):
     """The Lightning LoRA entry a fast/fastest request runs with; None for quality."""
-    from imgedit.loras import SPEEDS, lightning_for
-
     speed = "quality" if req.speed in (None, "") else req.speed
     if not isinstance(speed, str) or speed.lower() not in SPEEDS:
         raise InvalidInput(f"speed must be one of {', '.join(SPEEDS)}, got {str(speed)[:40]!r}", "speed")
@@ -190,8 +173,6 @@ def speed_preset(req: EditRequest, settings: Settings):
 def lora_adapters(req: EditRequest, settings: Settings, preset) -> tuple[tuple[str, float], ...]:
     """(name, strength) of every adapter the job runs with: the speed preset's Lightning LoRA at 1,
     then the picked LoRA at its strength."""
-    from imgedit.loras import MAX_LORA_SCALE
-
     adapters = [(preset.name, 1.0)] if preset is not None else []
     name = req.lora
     if name in (None, "", "none"):

@@ -1,11 +1,11 @@
 """Write a random-weight Qwen image-edit checkpoint folder, fully offline.
 
-    python -m imgedit.demo_checkpoint OUT_DIR [--kind plus|edit] [--seed 0] [--size tiny|real]
+    python -m imgedit.model.demo_checkpoint OUT_DIR [--kind plus|edit] [--seed 0] [--size tiny|real]
 
 `tiny` (the default) is a 2-layer model of about a megabyte that runs an edit on a CPU in seconds:
 the demo mode and the tests load it exactly like a real checkpoint. `real` writes the published
 configs of the full model (60-block 20.4 B transformer, Qwen2.5-VL-7B text encoder, the real VAE)
-with no weight files; `imgedit.loader` can materialise random weights for it directly on the GPUs,
+with no weight files; `imgedit.runtime.loader` can materialise random weights for it directly on the GPUs,
 for benchmarks (speed and memory do not depend on the weights' values).
 The tokenizer is a byte-level BPE trained here on a few sentences, with Qwen's special tokens at
 their real ids.
@@ -113,7 +113,7 @@ def _processor(tokenizer):
 
         return Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(), tokenizer=tokenizer,
                                 video_processor=Qwen2VLVideoProcessor())
-    from imgedit.processor import ImageOnlyProcessor
+    from imgedit.model.processor import ImageOnlyProcessor
 
     return ImageOnlyProcessor(image_processor=Qwen2VLImageProcessorPil(), tokenizer=tokenizer)
 
@@ -159,7 +159,7 @@ def build_checkpoint(out: str | Path, kind: str = "plus", seed: int = 0, size: s
         AutoencoderKLQwenImage(**cfg["vae"]).save_pretrained(out / "vae")
         torch.manual_seed(seed)
         Qwen2_5_VLForConditionalGeneration(te_config).save_pretrained(out / "text_encoder")
-    else:  # configs only: weights are materialised at load time (imgedit.loader, random_weights=True)
+    else:  # configs only: weights are materialised at load time (imgedit.runtime.loader, random_weights=True)
         _write_json(out / "transformer" / "config.json",
                     {"_class_name": "QwenImageTransformer2DModel", **_jsonable(cfg["transformer"])})
         _write_json(out / "vae" / "config.json", {"_class_name": "AutoencoderKLQwenImage", **cfg["vae"]})
@@ -208,8 +208,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kind", choices=sorted(PIPELINE_CLASS), default="plus")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--size", choices=("tiny", "real"), default="tiny")
+    parser.add_argument("--if-missing", action="store_true",
+                        help="keep a checkpoint already at OUT (the server's demo mode builds it this way, once)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
+    if args.if_missing:
+        ensure_checkpoint(args.out, kind=args.kind, seed=args.seed)
+        return
     build_checkpoint(args.out, kind=args.kind, seed=args.seed, size=args.size)
 
 

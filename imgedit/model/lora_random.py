@@ -30,7 +30,7 @@ def lightning_modules(linears: dict[str, tuple[int, int]]) -> dict[str, tuple[in
 def random_lora(path: Path, linears: dict[str, tuple[int, int]], rank: int = LIGHTNING_RANK, std: float = 0.02,
                 seed: int = 0, style: str = "lightning", dtype: torch.dtype = torch.bfloat16,
                 device: str = "cpu") -> Path:
-    """Write a random LoRA for the Lightning targets of `linears` (imgedit.loras.transformer_linears).
+    """Write a random LoRA for the Lightning targets of `linears` (imgedit.config.loras.transformer_linears).
     Both factors are N(0, std), alpha = rank (scale 1): with std 0.02, as trained-like base weights,
     the update B @ A has entries ~ std^2 * sqrt(rank) and activations stay finite."""
     from safetensors.torch import save_file

@@ -1,6 +1,7 @@
 """Which checkpoint to serve: a local folder or a hub id, and the pipeline class its model_index.json names.
 
-Torch-free, so the server process and the worker messages can name a checkpoint without loading anything.
+Torch-free, so the server process and the worker messages can name a checkpoint without loading anything;
+a hub id is fetched with huggingface_hub (no diffusers).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
 MODEL_COMPONENTS = ("transformer", "text_encoder", "vae")
+# What a diffusers checkpoint of these pipelines holds (the weights as safetensors, no .bin copies).
+DOWNLOAD_PATTERNS = ["model_index.json", "*/*.json", "*/*.safetensors", "*/*.txt", "*/*.model", "*/*.jinja"]
 
 
 @dataclass(frozen=True)
@@ -33,15 +36,16 @@ def open_checkpoint(source: str) -> Checkpoint:
     """Resolve a local folder or hub id (downloaded to the HF cache) and read model_index.json."""
     folder = Path(source).expanduser()
     if not folder.is_dir():
-        from diffusers import DiffusionPipeline
+        from huggingface_hub import snapshot_download  # torch-free: the server process fetches it
 
         log.info("fetching %s into the Hugging Face cache (HF_HOME) ...", source)
         try:
-            folder = Path(DiffusionPipeline.download(source))
+            folder = Path(snapshot_download(source, allow_patterns=DOWNLOAD_PATTERNS))
         except Exception as exc:
             raise PlacementError(
                 f"could not find or download {source!r} ({type(exc).__name__}: {str(exc)[:200]}); "
-                "set QWEN_MODEL_DIR to a local checkpoint folder, or check HF_HOME / HF_HUB_OFFLINE") from exc
+                "set QWEN_MODEL_DIR to a local checkpoint folder, check HF_HOME / HF_HUB_OFFLINE, "
+                "or run `python app.py --demo` for the built-in demo model") from exc
     index_file = folder / "model_index.json"
     if not index_file.is_file():
         raise PlacementError(f"{folder} has no model_index.json: is it a diffusers checkpoint folder?")

@@ -9,9 +9,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
+from imgedit.config.parsers import GIB
 from imgedit.errors import PlacementError
-from imgedit.placement import ANCHOR, FOLLOWER, ComponentSpec, Placement, Plan, WorkerPlan, bytes_per_device
-from imgedit.settings import GIB
+from imgedit.planning.plan import ANCHOR, FOLLOWER, ComponentSpec, Placement, Plan, WorkerPlan, bytes_per_device
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 

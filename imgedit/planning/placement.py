@@ -11,149 +11,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from imgedit.config.parsers import GIB, DeviceMap
 from imgedit.errors import PlacementError
-from imgedit.settings import GIB, DeviceMap
-
-if TYPE_CHECKING:
-    from imgedit.quantize import MemoryMode
+from imgedit.planning.manual_map import manual_plan
+from imgedit.planning.plan import (
+    ANCHOR,
+    FOLLOWER,
+    ComponentSpec,
+    GpuSpec,
+    Placement,
+    Plan,
+    WorkerPlan,
+    bytes_per_device,
+)
 
 log = logging.getLogger(__name__)
-
-# The component the latents live with; the VAE follows it.
-ANCHOR = "transformer"
-FOLLOWER = "vae"
-
-
-@dataclass(frozen=True)
-class ComponentSpec:
-    """What the planner knows of one component: total bytes and the sizes of its splittable blocks."""
-
-    name: str
-    nbytes: int
-    blocks: tuple[int, ...] = ()  # bytes of each repeated block, in order; () = cannot be split
-
-    @property
-    def head_bytes(self) -> int:
-        """Bytes outside the repeated blocks (embeddings, norms, heads)."""
-        return self.nbytes - sum(self.blocks)
-
-
-@dataclass(frozen=True)
-class GpuSpec:
-    index: int
-    name: str
-    total_bytes: int
-    free_bytes: int
-    capability: tuple[int, int] | None = None  # CUDA compute capability (NVML); None = unknown
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where one component lives: one device, or one device per block (the parts outside the
-    blocks go with the first block)."""
-
-    device: str
-    block_devices: tuple[str, ...] = ()
-
-    @property
-    def devices(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys((self.device, *self.block_devices)))
-
-    @property
-    def is_split(self) -> bool:
-        return len(self.devices) > 1
-
-    def describe(self) -> str:
-        if not self.is_split:
-            return self.device
-        runs, start = [], 0
-        for i in range(1, len(self.block_devices) + 1):
-            if i == len(self.block_devices) or self.block_devices[i] != self.block_devices[start]:
-                runs.append(f"blocks {start}-{i - 1} -> {self.block_devices[start]}")
-                start = i
-        return ", ".join(runs)
-
-
-@dataclass(frozen=True)
-class WorkerPlan:
-    """One worker: one pipeline and the devices it owns. A parallel worker is a group of ranks, one
-    process each, every rank holding a full pipeline on one GPU (`rank_devices`); `components`
-    then describes rank 0 and `for_rank(r)` the others."""
-
-    name: str
-    components: Mapping[str, Placement]
-    parallel: str = "none"  # none | cfg (the group's halves run the two CFG branches) | ulysses
-    rank_devices: tuple[str, ...] = ()
-    ulysses: int = 1  # ranks that split each forward's sequence (Ulysses): the half of a cfg group, or all
-    memory: MemoryMode | None = None  # quantized / offloaded weights (imgedit.quantize); None = bf16, resident
-
-    @property
-    def cfg(self) -> int:
-        """Ways the CFG branches are split: 2 for a cfg group, else 1."""
-        return 2 if self.parallel == "cfg" else 1
-
-    @property
-    def ranks(self) -> int:
-        return max(1, len(self.rank_devices))
-
-    @property
-    def execution_device(self) -> str:
-        return self.components[ANCHOR].device
-
-    @property
-    def devices(self) -> tuple[str, ...]:
-        found: dict[str, None] = dict.fromkeys(self.rank_devices)
-        for placement in self.components.values():
-            found.update(dict.fromkeys(placement.devices))
-        return tuple(sorted(found, key=_device_key))
-
-    def for_rank(self, rank: int) -> WorkerPlan:
-        """The single-process plan of one rank (everything on that rank's GPU)."""
-        if self.ranks == 1:
-            return self
-        device = self.rank_devices[rank]
-        return WorkerPlan(f"{self.name}.rank{rank}", {n: Placement(device) for n in self.components},
-                          memory=self.memory)
-
-    def describe(self) -> str:
-        on = ", ".join(self.rank_devices)
-        if self.parallel == "cfg" and self.ulysses > 1:
-            return f"CFG-parallel group of {self.ranks} (2 halves x Ulysses-{self.ulysses}) on {on}"
-        if self.parallel == "cfg":
-            return f"CFG-parallel group of {self.ranks} on {on}"
-        if self.parallel == "ulysses":
-            return f"Ulysses group of {self.ranks} on {on}"
-        return ", ".join(self.devices)
-
-
-def _device_key(device: str) -> tuple[int, int]:
-    return (0, int(device[5:])) if device.startswith("cuda:") else (1, 0)
-
-
-@dataclass(frozen=True)
-class Plan:
-    mode: str
-    workers: tuple[WorkerPlan, ...]
-    reason: str
-    bytes_per_device: Mapping[str, int] = field(default_factory=dict)
-
-    def describe(self) -> list[str]:
-        lines = [f"placement mode={self.mode}: {self.reason}"]
-        for worker in self.workers:
-            if worker.parallel != "none":
-                lines.append(f"  {worker.name}: {worker.describe()}, a full pipeline on each")
-                continue
-            for name, placement in worker.components.items():
-                lines.append(f"  {worker.name}: {name} -> {placement.describe()}")
-            if worker.memory is not None:
-                lines.append(f"  {worker.name}: memory: {worker.memory.describe()}")
-        for device, nbytes in sorted(self.bytes_per_device.items()):
-            lines.append(f"  weights on {device}: {nbytes / GIB:.2f} GiB")
-        return lines
-
 
 def _gpu(index: int) -> str:
     return f"cuda:{index}"
@@ -270,8 +143,6 @@ def plan_placement(
     if mode == "balanced":
         return _balanced(components, budget, activation_reserve)
     if mode == "manual":
-        from imgedit.manual_map import manual_plan  # it builds on this module's types
-
         return manual_plan(components, budget, device_map.manual, activation_reserve)
     raise PlacementError(f"unknown DEVICE_MAP mode {mode!r}")
 
@@ -411,16 +282,3 @@ def _split(unit: ComponentSpec, room: dict[int, int]) -> Placement:
         f"{unit.name} ({unit.nbytes / GIB:.1f} GiB) does not fit even when split: "
         f"{len(unit.blocks) - pos} of {len(unit.blocks)} blocks find no room "
         "(add GPUs, raise MAX_MEMORY, or lower GPU_MEMORY_RESERVE)")
-
-
-def bytes_per_device(components: Sequence[ComponentSpec], placed: Mapping[str, Placement]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for c in components:
-        p = placed[c.name]
-        if not p.is_split:
-            out[p.device] = out.get(p.device, 0) + c.nbytes
-            continue
-        out[p.device] = out.get(p.device, 0) + c.head_bytes
-        for size, dev in zip(c.blocks, p.block_devices, strict=True):
-            out[dev] = out.get(dev, 0) + size
-    return out

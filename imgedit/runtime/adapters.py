@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 import time
 
+from imgedit.config.loras import LIGHTNING_SCHEDULER, LoraFile
 from imgedit.errors import ImgEditError
-from imgedit.loras import LIGHTNING_SCHEDULER, LoraFile
 
 log = logging.getLogger(__name__)
 

@@ -12,11 +12,10 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from imgedit.checkpoint import Checkpoint
-from imgedit.jobs import EditRequest, EditResult
-from imgedit.loras import LoraFile
-from imgedit.placement import WorkerPlan
-from imgedit.validation import Resolved
+from imgedit.config.loras import LoraFile
+from imgedit.planning.checkpoint import Checkpoint
+from imgedit.planning.plan import WorkerPlan
+from imgedit.protocol import EditRequest, EditResult, Resolved
 
 
 class Channel:
@@ -62,7 +61,7 @@ class WorkerSpec:
     devices: tuple[str, ...] = ()  # the worker's GPUs as the server numbers them (for messages and results)
     memory_caps: tuple[int, ...] = ()  # MAX_MEMORY for each GPU this rank sees (cuda:0, cuda:1, ...), bytes
     ulysses: int = 1  # ranks splitting each forward's sequence (the half of a cfg group, or all of a ulysses one)
-    loras: tuple[LoraFile, ...] = ()  # checked at start-up (imgedit.loras.check_all); every rank loads them all
+    loras: tuple[LoraFile, ...] = ()  # checked at start-up (imgedit.config.loras.check_all); every rank loads them all
 
 
 @dataclass(frozen=True)

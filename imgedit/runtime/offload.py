@@ -2,7 +2,7 @@
 on the CPU and streamed to the GPU with diffusers' group offloading, compile what can be compiled,
 and report each component's dtype, quantization and location (the panel and /health show it).
 
-The planner side (settings, sizes, the choice) is imgedit/quantize.py.
+The planner side (settings, sizes, the choice) is imgedit/planning/memory.py.
 """
 
 from __future__ import annotations
@@ -12,9 +12,12 @@ from collections import Counter
 
 import torch
 
+from imgedit.config.parsers import is_skipped
 from imgedit.errors import PlacementError
-from imgedit.placement import Placement
-from imgedit.quantize import MemoryMode, is_skipped
+from imgedit.model.components import block_container
+from imgedit.planning.memory import check_device as check_capability
+from imgedit.planning.plan import MemoryMode, Placement
+from imgedit.runtime import weights
 
 log = logging.getLogger(__name__)
 GIB = 1024**3
@@ -74,11 +77,9 @@ def quantize_module(model: torch.nn.Module, mode: str, skip: tuple[str, ...] = (
 def _parts(model: torch.nn.Module, placement: Placement):
     """(module or parameter name, device) covering the whole component: every block on its
     planned device, the rest on the first one (the loader's device map for a split)."""
-    from imgedit.loader import block_container, module_device_map
-
     blocks = len(model.get_submodule(block_container(model)))
     whole = placement.block_devices or (placement.device,) * blocks
-    return module_device_map(model, Placement(whole[0], tuple(whole))).items()
+    return weights.module_device_map(model, Placement(whole[0], tuple(whole))).items()
 
 
 def _move(model: torch.nn.Module, name: str, device: str) -> torch.nn.Module | None:
@@ -96,8 +97,6 @@ def load_component(name: str, checkpoint, placement: Placement, dtype: torch.dty
     """Load one component quantized and/or offloaded as `memory` says, never holding more than its
     quantized size plus one part in the model dtype on a GPU (random-weight benchmark checkpoints
     excepted: they are built whole in the model dtype on the GPU, as the reference is)."""
-    from imgedit import loader
-
     mode = memory.mode_of(name)
     skip = memory.skip if name == "transformer" else ()
     streamed = ((name == "text_encoder" and memory.offload_text_encoder)
@@ -105,12 +104,12 @@ def load_component(name: str, checkpoint, placement: Placement, dtype: torch.dty
     streams_blocks = name == "transformer" and memory.streams_blocks
     if checkpoint.random_weights:
         # Same weights as the bf16 reference (same build, same seed), then quantized in place.
-        model = loader._load_component(name, checkpoint, placement, dtype).eval().requires_grad_(False)
+        model = weights.load_component(name, checkpoint, placement, dtype).eval().requires_grad_(False)
         if mode != "none":
             quantize_module(model, mode, skip)
         # streamed parts go to the CPU when the offload hooks are set up (below)
     else:
-        model = loader._load_component(name, checkpoint, Placement("cpu"), dtype).eval().requires_grad_(False)
+        model = weights.load_component(name, checkpoint, Placement("cpu"), dtype).eval().requires_grad_(False)
         work = placement.device  # fp8 is made on the GPU (torchao checks the capability there)
         for part, device in _parts(model, placement):
             home = "cpu" if streamed and (not streams_blocks or not _is_resident(model, part, memory)) else device
@@ -122,7 +121,7 @@ def load_component(name: str, checkpoint, placement: Placement, dtype: torch.dty
         if placement.is_split:
             from accelerate import dispatch_model
 
-            dispatch_model(model, device_map=loader.module_device_map(model, placement))
+            dispatch_model(model, device_map=weights.module_device_map(model, placement))
     if streamed:
         stream(model, placement.device, memory if streams_blocks else None)
     return model
@@ -130,8 +129,6 @@ def load_component(name: str, checkpoint, placement: Placement, dtype: torch.dty
 
 def _is_resident(model: torch.nn.Module, part: str, memory: MemoryMode) -> bool:
     """True for the repeated blocks that stay on the GPU (not in memory.streamed)."""
-    from imgedit.loader import block_container
-
     container = block_container(model)
     if not part.startswith(container + "."):
         return False
@@ -149,11 +146,9 @@ def stream(model: torch.nn.Module, device: str, memory: MemoryMode | None) -> No
     (measured: everything streamed peaks at 2.1 GiB of 22 and runs 2.17x slower)."""
     from diffusers.hooks import apply_group_offloading
 
-    from imgedit.loader import block_container
-
     cuda = torch.device(device).type == "cuda"
     # record_stream: no device-wide synchronize after every streamed group (3 blocks of room are
-    # planned for it, imgedit.quantize.component_specs)
+    # planned for it, imgedit.planning.memory.component_specs)
     options = dict(onload_device=device, use_stream=cuda, record_stream=cuda)
     if memory is None:
         apply_group_offloading(model, offload_type="leaf_level", **options)
@@ -178,15 +173,13 @@ def stream(model: torch.nn.Module, device: str, memory: MemoryMode | None) -> No
 
 def check_device(memory: MemoryMode | None, device: str) -> None:
     """fp8 needs compute capability 8.9+: say which GPU this worker has and what it lacks."""
-    from imgedit.quantize import check_device as check
-
     if memory is None or not device.startswith("cuda"):
         if memory is not None and "fp8" in dict(memory.quantize).values():
             raise PlacementError("QUANTIZE=fp8 needs a CUDA GPU of compute capability 8.9 or newer, but this "
                                  "worker runs on the CPU; use int8 or nf4 on the CPU")
         return
     index = torch.device(device).index or 0
-    check(memory, index, torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index))
+    check_capability(memory, index, torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index))
 
 
 def compile_transformer(transformer: torch.nn.Module, memory: MemoryMode | None) -> None:
@@ -196,8 +189,6 @@ def compile_transformer(transformer: torch.nn.Module, memory: MemoryMode | None)
     if memory is None or not memory.streams_blocks:
         transformer.compile_repeated_blocks(fullgraph=True)
         return
-    from imgedit.loader import block_container
-
     blocks = transformer.get_submodule(block_container(transformer))
     streamed = set(memory.streamed(len(blocks)))
     for i, block in enumerate(blocks):

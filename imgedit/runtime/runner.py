@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from imgedit.errors import Cancelled, ImgEditError, OutOfGpuMemory, WorkerFailed
-from imgedit.jobs import EditResult
+from imgedit.protocol import EditResult
 from imgedit.runtime.cfg_parallel import agree_to_stop
 from imgedit.runtime.messages import Job
 

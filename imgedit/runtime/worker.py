@@ -1,6 +1,6 @@
 """A worker process (one rank): load the pipeline onto its GPUs, warm it up, then serve jobs.
 
-Started by imgedit.pool with the spawn method and CUDA_VISIBLE_DEVICES holding only this rank's
+Started by imgedit.engine.pool with the spawn method and CUDA_VISIBLE_DEVICES holding only this rank's
 GPUs. A reader thread takes messages off the inbox (jobs to a local queue, cancels to flags) so a
 cancel reaches a running job at its next step. The process exits on Stop, on a fatal error (the
 pool restarts it) and when its parent, the server, is gone (no orphans even after a SIGKILL).
@@ -55,8 +55,8 @@ def _watch_parent(parent: int) -> None:
 def _load(spec: WorkerSpec):
     import torch
 
-    from imgedit import loader
-    from imgedit.encoding import install_token_type_fix
+    from imgedit.model.encoding import install_token_type_fix
+    from imgedit.runtime import loader
     from imgedit.runtime.runner import Runner
 
     started = time.perf_counter()
@@ -68,7 +68,7 @@ def _load(spec: WorkerSpec):
         from imgedit.runtime.cfg_parallel import init_group
 
         group = init_group(spec.rank, spec.world, spec.master_port, cuda)
-    from imgedit import offload
+    from imgedit.runtime import offload
 
     offload.check_device(plan.memory, plan.execution_device)
     # A random-weight benchmark checkpoint is built in bf16 on the GPU before it is quantized or
@@ -131,7 +131,7 @@ def _cap_memory(caps: tuple[int, ...]) -> None:
     gives up with out-of-memory)."""
     import torch
 
-    from imgedit.placement import CUDA_CONTEXT, LAZY_KERNELS
+    from imgedit.planning.placement import CUDA_CONTEXT, LAZY_KERNELS
 
     for index, cap in enumerate(caps):
         total = torch.cuda.get_device_properties(index).total_memory
@@ -145,8 +145,7 @@ def _warm_up(runner, spec: WorkerSpec) -> list[float]:
     compiler mark the sequence lengths dynamic, so later sizes do not recompile from scratch)."""
     from PIL import Image
 
-    from imgedit.jobs import EditRequest
-    from imgedit.validation import Resolved
+    from imgedit.protocol import EditRequest, Resolved
 
     family = spec.checkpoint.family
     times = []

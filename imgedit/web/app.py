@@ -1,61 +1,85 @@
-"""Assemble the web app: REST routes first, then the Gradio Blocks mounted at "/" on the same port.
+"""The application: the one place that wires the server's parts. `Application.build` makes the job
+store, history, metrics, GPU monitor and shutdown around the engine (the line and its pool of
+workers); `build_app` hands each web part only what it uses and returns the ASGI app (REST routes
+first, then the Gradio Blocks mounted at "/" on the same port).
 
-`build_app(settings, manager)` takes the manager from outside, so tests hand in one built on the
-tiny checkpoint; `serve()` runs it with uvicorn.
+The engine comes from outside (`app.py` builds it from the settings; tests hand in one built on the
+tiny checkpoint); `serve()` runs the app with uvicorn and the SIGTERM drain.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import gradio as gr
 from fastapi import FastAPI
 
-from imgedit.batch import JobService
-from imgedit.cancel import build_cancel_router
-from imgedit.gpus import GpuMonitor
-from imgedit.history import HistoryStore
-from imgedit.identity import BrowserCookie
-from imgedit.jobs_api import build_jobs_router
-from imgedit.metrics import Metrics
-from imgedit.rest import build_router
-from imgedit.settings import Settings
-from imgedit.shutdown import Shutdown, ShutdownGate, drainable
-from imgedit.timeouts import BodyReadTimeout
-from imgedit.ui import GPU_GROUP, PAGE_HEAD, build_blocks
-from imgedit.uploads import EventGuard
+from imgedit.config.settings import Settings
+from imgedit.engine.batch import JobService
+from imgedit.engine.gpus import GpuMonitor
+from imgedit.engine.history import HistoryStore
+from imgedit.engine.shutdown import Drainable, Shutdown, drainable
+from imgedit.web.cancel import build_cancel_router
+from imgedit.web.identity import BrowserCookie
+from imgedit.web.jobs_api import build_jobs_router
+from imgedit.web.metrics import Metrics
+from imgedit.web.page import GPU_GROUP, PAGE_HEAD, build_blocks
+from imgedit.web.rest import build_router
+from imgedit.web.serving import ShutdownGate
+from imgedit.web.serving import serve as serve_until_drained
+from imgedit.web.timeouts import BodyReadTimeout
+from imgedit.web.uploads import EventGuard
 
 log = logging.getLogger(__name__)
 
 
-def build_app(settings: Settings, manager, demo: bool | None = None, monitor: GpuMonitor | None = None) -> FastAPI:
-    monitor = monitor or GpuMonitor()  # tests hand in one reading made-up GPUs
-    manager = drainable(manager)  # stop_accepting / wait_idle / close for the SIGTERM drain
-    history = HistoryStore.from_settings(settings)
-    jobs = JobService(manager, history)
-    blocks = build_blocks(manager, demo=settings.demo if demo is None else demo, monitor=monitor,
-                          history=history, jobs=jobs)
+@dataclass(frozen=True)
+class Application:
+    """The server's parts, built once. Nothing reaches through another part for settings: each part
+    was handed the settings (or the values) it uses when it was built."""
+
+    settings: Settings
+    engine: Drainable  # the line in front of the workers (engine.manager.PipelineManager), drainable
+    monitor: GpuMonitor  # NVML readings (no CUDA context)
+    history: HistoryStore
+    jobs: JobService  # batch and /v1/jobs items, through the engine's line
+    shutdown: Shutdown
+
+    @classmethod
+    def build(cls, settings: Settings, engine, monitor: GpuMonitor | None = None) -> Application:
+        engine = drainable(engine)  # stop_accepting / wait_idle / close for the SIGTERM drain
+        history = HistoryStore.from_settings(settings)
+        return cls(settings=settings, engine=engine, monitor=monitor or GpuMonitor(), history=history,
+                   jobs=JobService(settings, engine, history), shutdown=Shutdown(engine, settings.shutdown_grace_s))
+
+
+def build_app(settings: Settings, engine, demo: bool | None = None, monitor: GpuMonitor | None = None) -> FastAPI:
+    """The ASGI app for `engine` (tests hand in a monitor reading made-up GPUs)."""
+    parts = Application.build(settings, engine, monitor)
+    blocks = build_blocks(settings, parts.engine, demo=settings.demo if demo is None else demo, monitor=parts.monitor,
+                          history=parts.history, jobs=parts.jobs)
     # api_open=False: a raw POST to /gradio_api/api/<name> must not skip the line.
     blocks.queue(api_open=False, max_size=settings.queue_max_size)
 
     def gradio_waiting() -> int:
-        """Jobs Gradio still holds before they reach the manager's line (normally none)."""
+        """Jobs Gradio still holds before they reach the engine's line (normally none)."""
         queues = getattr(getattr(blocks, "_queue", None), "event_queue_per_concurrency_id", {})
         event_queue = queues.get(GPU_GROUP)
         return len(event_queue.queue) if event_queue is not None else 0
 
-    metrics = Metrics(manager, monitor, gradio_waiting)
+    metrics = Metrics(parts.engine, parts.monitor, gradio_waiting)
     app = FastAPI(title="imgedit", docs_url=None, redoc_url=None)
     app.add_middleware(EventGuard)  # every Gradio event's file paths, before Gradio sees them
     app.add_middleware(BodyReadTimeout, seconds=settings.body_read_timeout)  # outermost: times every read
-    app.include_router(build_jobs_router(jobs, metrics))  # before REST's /v1 catch-all (404/405 fallback)
-    app.include_router(build_router(manager, metrics, monitor))
+    # before REST's /v1 catch-all (404/405 fallback)
+    app.include_router(build_jobs_router(settings, parts.engine, parts.jobs, metrics))
+    app.include_router(build_router(settings, parts.engine, metrics, parts.monitor))
     app.include_router(build_cancel_router(blocks))  # ahead of the mount: it replaces Gradio's cancel route
-    app.state.metrics = metrics
-    app.state.manager = manager
-    app.state.history, app.state.jobs = history, jobs
-    app.state.shutdown = Shutdown(manager, settings.shutdown_grace_s)
-    app.add_middleware(ShutdownGate, shutdown=app.state.shutdown)
+    app.state.imgedit = parts
+    app.state.metrics, app.state.manager, app.state.shutdown = metrics, parts.engine, parts.shutdown
+    app.state.history, app.state.jobs = parts.history, parts.jobs
+    app.add_middleware(ShutdownGate, shutdown=parts.shutdown)
     app.add_middleware(BrowserCookie)
     # show_error=False: only gr.Error text (our own messages) reaches users, never Gradio's or Python's.
     app = gr.mount_gradio_app(
@@ -70,7 +94,5 @@ def build_app(settings: Settings, manager, demo: bool | None = None, monitor: Gp
 
 
 def serve(app: FastAPI, settings: Settings) -> None:
-    from imgedit.shutdown import serve as serve_until_drained
-
     log.info("serving on http://%s:%d", settings.gradio_server_name, settings.gradio_server_port)
     serve_until_drained(app, settings, app.state.shutdown)  # SIGTERM: drain, then exit

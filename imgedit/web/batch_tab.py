@@ -14,12 +14,13 @@ from pathlib import Path
 
 import gradio as gr
 
-from imgedit.batch import Job, JobService, expand_uploads, results_zip
+from imgedit.config.settings import Settings
+from imgedit.engine.batch import Job, JobService, expand_uploads, results_zip
+from imgedit.engine.validation import check_params
 from imgedit.errors import ImgEditError
-from imgedit.identity import page_owner
-from imgedit.jobs import EditRequest
-from imgedit.ui_fast import parse_speed_inputs
-from imgedit.validation import check_params
+from imgedit.protocol import EditRequest
+from imgedit.web.identity import page_owner
+from imgedit.web.speed import parse_speed_inputs
 
 BATCH_GROUP = "batch"  # unlimited in Gradio: the manager's line and JOBS_MAX_PENDING bound batches
 
@@ -43,11 +44,10 @@ def _report(job: Job) -> str:
     return "\n".join(lines)
 
 
-def build_batch_tab(manager, jobs: JobService, settings_inputs: list) -> None:
+def build_batch_tab(settings: Settings, manager, jobs: JobService, settings_inputs: list) -> None:
     """Inside a `gr.Tabs`: the Batch tab. `settings_inputs` are the Edit tab's advanced settings
     (negative prompt, seed, randomize, steps, cfg, images per prompt, width, height), then its Speed,
-    LoRA and strength (imgedit.ui_fast): every item runs with them, as a single edit would."""
-    settings = manager.settings
+    LoRA and strength (imgedit.web.speed): every item runs with them, as a single edit would."""
     with gr.Tab("Batch", id="batch"):
         gr.Markdown("One prompt over many images, with the editor's settings above (speed, LoRA, steps, seed, size). "
                     "Each image is its own edit in the shared line, so single edits are not held up by a batch.")

@@ -2,7 +2,7 @@
 
 Lists thumbnails with prompt, seed and time; a chosen entry can be re-opened (its result and a
 download), loaded into the editor, or re-run with the same settings. Every lookup names the caller's
-owner (`imgedit.identity`), so another browser's entries are never found.
+owner (`imgedit.web.identity`), so another browser's entries are never found.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ from pathlib import Path
 import gradio as gr
 from PIL import Image
 
+from imgedit.config.settings import Settings
+from imgedit.engine.history import HistoryEntry, HistoryStore
+from imgedit.engine.validation import lora_adapters, speed_preset
 from imgedit.errors import ImgEditError
-from imgedit.history import HistoryEntry, HistoryStore
-from imgedit.identity import page_owner
-from imgedit.jobs import EditRequest
-from imgedit.ui_fast import NO_LORA
-from imgedit.ui_tools import user_error
-from imgedit.validation import lora_adapters, speed_preset
+from imgedit.protocol import EditRequest
+from imgedit.web.identity import page_owner
+from imgedit.web.speed import NO_LORA
+from imgedit.web.tools import user_error
 
 NO_OWNER = "History needs cookies (or sign-in): this browser sent none, so nothing is kept for it."
 
@@ -66,12 +67,12 @@ def _export(paths: list[Path], name: str) -> str:
     return str(target)
 
 
-def build_history_tab(manager, history: HistoryStore, edit_inputs: list, edit_outputs: list, edit, gpu_group: str):
+def build_history_tab(settings: Settings, history: HistoryStore, edit_inputs: list, edit_outputs: list, edit,
+                      gpu_group: str):
     """Inside a `gr.Tabs`: the History tab. `edit_inputs`, `edit_outputs` and `edit` are the Edit tab's
     button's (the advanced settings, then Speed, LoRA and strength), so a re-run is an ordinary edit (same
     line, same checks and messages, stored again). Returns the `/history` API function, to be registered
     outside the tabs."""
-    settings = manager.settings
     auth = settings.auth is not None
 
     def owner(request: gr.Request | None) -> str | None:

@@ -17,15 +17,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
 
-from imgedit.batch import JobService, clean_name, expand_uploads, results_zip
+from imgedit.config.settings import Settings
+from imgedit.engine.batch import JobService, clean_name, expand_uploads, results_zip
+from imgedit.engine.history import HistoryEntry
+from imgedit.engine.images import open_image
+from imgedit.engine.validation import check_counts, check_params
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
-from imgedit.history import HistoryEntry
-from imgedit.identity import rest_owner
-from imgedit.images import open_image
-from imgedit.jobs import EditRequest
-from imgedit.metrics import Metrics
-from imgedit.rest import IMAGE_FIELDS, STATUS, _authorized, _float, _int, _size, speed_fields
-from imgedit.validation import check_counts, check_params
+from imgedit.protocol import EditRequest
+from imgedit.web.identity import rest_owner
+from imgedit.web.metrics import Metrics
+from imgedit.web.rest import IMAGE_FIELDS, STATUS, _authorized, _float, _int, _size, speed_fields
 
 log = logging.getLogger(__name__)
 SET_FIELD = re.compile(r"set(\d{1,4})(\[\])?")
@@ -60,9 +61,7 @@ def _restored_view(job_id: str, entries: list[HistoryEntry]) -> dict:
             "done": len(items), "failed": 0, "restored": True}
 
 
-def build_jobs_router(jobs: JobService, metrics: Metrics) -> APIRouter:
-    manager = jobs.manager
-    settings = manager.settings
+def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Metrics) -> APIRouter:
     router = APIRouter()
 
     def denied(request: Request) -> JSONResponse | None:
@@ -75,7 +74,7 @@ def build_jobs_router(jobs: JobService, metrics: Metrics) -> APIRouter:
         if (refused := denied(request)) is not None:
             return refused
         try:
-            template, inputs = await _parse(request, manager)
+            template, inputs = await _parse(request, settings, manager)
             job = jobs.submit(rest_owner(request), template, inputs, source="rest")
         except ImgEditError as exc:
             metrics.record_rejected("rest", exc.kind)
@@ -144,8 +143,7 @@ def build_jobs_router(jobs: JobService, metrics: Metrics) -> APIRouter:
     return router
 
 
-async def _parse(request: Request, manager) -> tuple[EditRequest, list[tuple[str, list[bytes]]]]:
-    settings = manager.settings
+async def _parse(request: Request, settings: Settings, manager) -> tuple[EditRequest, list[tuple[str, list[bytes]]]]:
     length = request.headers.get("content-length", "")
     limit = settings.max_file_size * (settings.batch_max_items + 2) + 1_000_000
     if not length.isdecimal() or len(length) > 15:

@@ -21,18 +21,19 @@ import logging
 import gradio as gr
 from PIL import Image
 
+from imgedit.config.settings import Settings
+from imgedit.engine.gpus import GpuMonitor, snapshot
+from imgedit.engine.images import open_image
+from imgedit.engine.validation import MAX_INPUT_IMAGES, check_counts, check_params, default_steps
 from imgedit.errors import ImgEditError, InvalidInput
-from imgedit.examples import example_rows
-from imgedit.gpu_panel import panel_html
-from imgedit.gpus import GpuMonitor, snapshot
-from imgedit.identity import page_owner
-from imgedit.images import open_image
-from imgedit.jobs import EditRequest
-from imgedit.ui_fast import build_speed_controls, parse_speed_inputs
-from imgedit.ui_progress import EditProgress
-from imgedit.ui_tools import PageTools, user_error
-from imgedit.uploads import upload_folder, uploaded_paths
-from imgedit.validation import MAX_INPUT_IMAGES, check_counts, check_params, default_steps
+from imgedit.protocol import EditRequest
+from imgedit.web.examples import example_rows
+from imgedit.web.identity import page_owner
+from imgedit.web.panel import panel_html
+from imgedit.web.progress import EditProgress
+from imgedit.web.speed import build_speed_controls, parse_speed_inputs
+from imgedit.web.tools import PageTools, user_error
+from imgedit.web.uploads import upload_folder, uploaded_paths
 
 log = logging.getLogger(__name__)
 GPU_GROUP = "gpu"
@@ -79,13 +80,12 @@ def _text(value, name: str) -> str:
     return value
 
 
-def build_request(manager, images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
-                  true_cfg_scale, num_images, width, height, speed=None, lora=None, lora_scale=None, *,
-                  source: str) -> EditRequest:
-    """Parse one event's raw values. Every file must lie in Gradio's upload cache (imgedit.uploads)."""
-    settings = manager.settings
+def build_request(settings: Settings, family: str, images, prompt, negative_prompt, seed, randomize_seed,
+                  num_inference_steps, true_cfg_scale, num_images, width, height, speed=None, lora=None,
+                  lora_scale=None, *, source: str) -> EditRequest:
+    """Parse one event's raw values. Every file must lie in Gradio's upload cache (imgedit.web.uploads)."""
     paths = uploaded_paths(images)
-    check_counts(len(paths), manager.family)
+    check_counts(len(paths), family)
     decoded = tuple(open_image(p, settings.max_input_pixels, f"image {i + 1}") for i, p in enumerate(paths))
     speed, lora, lora_scale = parse_speed_inputs(speed, lora, lora_scale)
     return EditRequest(
@@ -102,12 +102,12 @@ def _compare(req: EditRequest, image: Image.Image) -> tuple[Image.Image, Image.I
     return req.images[0].resize(image.size, Image.Resampling.LANCZOS), image
 
 
-def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None, history=None, jobs=None) -> gr.Blocks:
-    settings = manager.settings
+def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMonitor | None = None, history=None,
+                 jobs=None) -> gr.Blocks:
     monitor = monitor or GpuMonitor()
     max_inputs = MAX_INPUT_IMAGES["plus"]
     family_steps = default_steps(settings, manager.family)
-    tools = PageTools(manager, family_steps)
+    tools = PageTools(settings, manager.family, family_steps)
 
     def validate(images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
                  num_images, width, height, speed=None, lora=None, lora_scale=None):
@@ -115,8 +115,8 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
         the input at fault."""
         verdicts = [gr.validate(True, "")] * len(FIELDS)
         try:
-            req = build_request(manager, images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
-                                true_cfg_scale, num_images, width, height, speed, lora, lora_scale,
+            req = build_request(settings, manager.family, images, prompt, negative_prompt, seed, randomize_seed,
+                                num_inference_steps, true_cfg_scale, num_images, width, height, speed, lora, lora_scale,
                                 source="validator")
             check_params(req, settings, manager.family)
         except ImgEditError as exc:
@@ -130,7 +130,8 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
     async def run_edit(values: tuple, request: gr.Request | None, progress: gr.Progress):
         source = "ui" if request is not None and request.headers.get("referer") else "api"
         try:  # decoding up to three large images: off the event loop
-            req = await asyncio.to_thread(functools.partial(build_request, manager, *values, source=source))
+            parse = functools.partial(build_request, settings, manager.family, *values, source=source)
+            req = await asyncio.to_thread(parse)
             check_params(req, settings, manager.family)
         except Exception as exc:
             raise user_error(exc) from None
@@ -201,7 +202,7 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
                 rows, labels = example_rows(f"{upload_folder()}/imgedit-examples", MAX_INPUT_IMAGES[manager.family])
                 gr.Examples(rows, [files, prompt], example_labels=labels, label="Examples (click one to fill the form)",
                             elem_id="examples")
-                speed_inputs = build_speed_controls(settings)  # Speed, LoRA, strength (imgedit.ui_fast)
+                speed_inputs = build_speed_controls(settings)  # Speed, LoRA, strength (imgedit.web.speed)
                 with gr.Accordion("Advanced", open=False):
                     negative = gr.Textbox(label="Negative prompt", value="")
                     with gr.Row():
@@ -244,7 +245,7 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
             api_button = gr.Button()
 
         # preprocess=False: our own code parses the raw values (junk gets our message, not a Gradio
-        # processing error). Files were checked twice before a handler runs (imgedit.uploads.EventGuard,
+        # processing error). Files were checked twice before a handler runs (imgedit.web.uploads.EventGuard,
         # then Gradio's upload check); the handlers check the paths they open or return once more.
         files.upload(tools.check_uploads, files, [files, compare, restore, stored], preprocess=False,
                      api_visibility="private")
@@ -274,12 +275,12 @@ def build_blocks(manager, demo: bool = False, monitor: GpuMonitor | None = None,
         add.click(tools.add_result, [files, result, chosen], files, preprocess=False, api_visibility="private")
         timer.tick(panel, None, gpu_panel, queue=False, api_visibility="private")
         gr.api(gpu_status, api_name="gpu_status", queue=False)
-        if jobs is not None:  # Batch and History tabs (imgedit.ui_batch, imgedit.ui_history)
-            from imgedit.ui_batch import build_batch_tab
-            from imgedit.ui_history import build_history_tab
+        if jobs is not None:  # Batch and History tabs (imgedit.web.batch_tab, imgedit.web.history_tab)
+            from imgedit.web.batch_tab import build_batch_tab
+            from imgedit.web.history_tab import build_history_tab
 
             with gr.Tabs():
-                build_batch_tab(manager, jobs, inputs[2:] + speed_inputs)
-                history_api = build_history_tab(manager, history, edit_inputs, page_outputs, edit_page, GPU_GROUP)
+                build_batch_tab(settings, manager, jobs, inputs[2:] + speed_inputs)
+                history_api = build_history_tab(settings, history, edit_inputs, page_outputs, edit_page, GPU_GROUP)
             gr.api(history_api, api_name="history", queue=False)
     return blocks

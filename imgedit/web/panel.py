@@ -1,4 +1,4 @@
-"""The GPU panel's HTML, rendered from `imgedit.gpus.snapshot(..., history=True)`: pure, no I/O.
+"""The GPU panel's HTML, rendered from `imgedit.engine.gpus.snapshot(..., history=True)`: pure, no I/O.
 
 Per GPU a card: a stacked memory bar (our weights / activations / other processes / free), the
 utilisation, what the GPU holds (components or block ranges), which job and step it runs, and a
@@ -10,8 +10,6 @@ ids, placement text) is escaped.
 from __future__ import annotations
 
 from html import escape
-
-from imgedit.quantize import summary as components_line
 
 GIB_PER_MIB = 1 / 1024
 # (key in a GPU's reading, label, colour); the bar and the plot use the same colours.
@@ -228,3 +226,14 @@ def panel_html(data: dict) -> str:
                  f'{escape(str(data.get("placement_reason", "")))}; waiting: {int(data.get("waiting") or 0)}</small>')
     parts.append("</div>")
     return "".join(parts)
+
+
+def components_line(components: dict[str, dict] | None) -> str:
+    """One short line for the panel (from a worker's status data: transformer fp8 @ GPU 0 + CPU (streamed); ..."""
+    if not components:
+        return ""
+    parts = []
+    for name, c in components.items():
+        quant = c["quantization"].split(":")[0] if c["quantization"] != "none" else c["dtype"]
+        parts.append(f"{name} {quant} @ {c['location']}")
+    return "; ".join(parts)

@@ -20,12 +20,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
 
+from imgedit.config.settings import Settings
+from imgedit.engine.gpus import GpuMonitor, snapshot
+from imgedit.engine.images import open_image, png_bytes
+from imgedit.engine.validation import check_counts, check_params
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
-from imgedit.gpus import GpuMonitor, snapshot
-from imgedit.images import open_image, png_bytes
-from imgedit.jobs import EditRequest
-from imgedit.metrics import CONTENT_TYPE, Metrics
-from imgedit.validation import check_counts, check_params
+from imgedit.protocol import EditRequest
+from imgedit.web.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +99,7 @@ def _size(raw: str | None) -> tuple[int | None, int | None]:
     return int(w), int(h)
 
 
-def build_router(manager, metrics: Metrics, monitor: GpuMonitor) -> APIRouter:
-    settings = manager.settings
+def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMonitor) -> APIRouter:
     router = APIRouter()
 
     @router.get("/health")
@@ -133,7 +133,7 @@ def build_router(manager, metrics: Metrics, monitor: GpuMonitor) -> APIRouter:
         if not _authorized(request, settings.api_key):
             return openai_error(401, "missing or wrong API key (Authorization: Bearer <key>)", "invalid_api_key")
         try:
-            req = await _parse(request, manager)
+            req = await _parse(request, settings, manager)
         except ImgEditError as exc:
             metrics.record_rejected("rest", exc.kind)
             return openai_error(STATUS.get(exc.kind, 400), exc.message, exc.kind, exc.field)
@@ -153,11 +153,11 @@ def build_router(manager, metrics: Metrics, monitor: GpuMonitor) -> APIRouter:
         finally:
             watcher.cancel()
         # The PNGs are encoded once, off the event loop, for the reply and for the stored result
-        # (imgedit.history). The reply does not wait for the store (inputs, thumbnail, disk): on the
+        # (imgedit.engine.history). The reply does not wait for the store (inputs, thumbnail, disk): on the
         # GPU machine that wait was most of the ~0.35 s a REST edit took over the edit itself.
         pngs = await asyncio.to_thread(lambda: [png_bytes(image, PNG_LEVEL) for image in result.images])
         if (history := getattr(request.app.state, "history", None)) is not None:
-            from imgedit.identity import rest_owner
+            from imgedit.web.identity import rest_owner
 
             _in_background(history.record(rest_owner(request), req.request_id, 0, req, result, pngs=pngs))
         data = [{"b64_json": base64.b64encode(png).decode(), "revised_prompt": None} for png in pngs]
@@ -200,8 +200,7 @@ async def _cancel_on_disconnect(request: Request, cancel: threading.Event) -> No
     cancel.set()
 
 
-async def _parse(request: Request, manager) -> EditRequest:
-    settings = manager.settings
+async def _parse(request: Request, settings: Settings, manager) -> EditRequest:
     length = request.headers.get("content-length", "")
     limit = settings.max_file_size * 3 + 1_000_000  # up to three images plus the text fields
     if not length.isdecimal() or len(length) > 15:

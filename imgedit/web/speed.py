@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import gradio as gr
 
-from imgedit.loras import MAX_LORA_SCALE, SPEEDS, lightning_for
-from imgedit.settings import Settings
+from imgedit.config.loras import MAX_LORA_SCALE, SPEEDS, lightning_for
+from imgedit.config.settings import Settings
 
 SPEED_LABELS = {"quality": "Quality (the model's steps, CFG on)", "fast": "Fast (Lightning, 8 steps)",
                 "fastest": "Fastest (Lightning, 4 steps)"}

@@ -11,11 +11,12 @@ import logging
 import gradio as gr
 from PIL import Image
 
+from imgedit.config.settings import Settings
+from imgedit.engine.images import open_image, read_settings
+from imgedit.engine.validation import MAX_INPUT_IMAGES
 from imgedit.errors import ImgEditError
-from imgedit.images import open_image, read_settings
-from imgedit.ui_snippets import api_values, curl_snippet, gradio_snippet, openai_snippet
-from imgedit.uploads import gallery_paths, uploaded_paths
-from imgedit.validation import MAX_INPUT_IMAGES
+from imgedit.web.snippets import api_values, curl_snippet, gradio_snippet, openai_snippet
+from imgedit.web.uploads import gallery_paths, uploaded_paths
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +38,9 @@ def _index(value) -> int:
 
 
 class PageTools:
-    def __init__(self, manager, default_steps: int):
-        self.settings = manager.settings
-        self.allowed = MAX_INPUT_IMAGES[manager.family]
+    def __init__(self, settings: Settings, family: str, default_steps: int):
+        self.settings = settings
+        self.allowed = MAX_INPUT_IMAGES[family]
         self.default_steps = default_steps
 
     def _paths(self, images) -> list[str]:

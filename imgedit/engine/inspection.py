@@ -1,0 +1,99 @@
+"""The server's view of a checkpoint's sizes and LoRA files, asked of the worker side in a
+subprocess (`python -m imgedit.model.inspect`) so that the server process never imports torch.
+
+Sizes depend only on the components' config files and QUANTIZE_SKIP: they are cached on disk
+(~/.cache/imgedit/sizes, keyed by a hash of both), so a restart plans without the subprocess.
+LoRA files are checked on every start (they may have changed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from imgedit.config.loras import LoraEntry, LoraError, LoraFile
+from imgedit.errors import PlacementError
+from imgedit.planning.checkpoint import MODEL_COMPONENTS, Checkpoint
+from imgedit.planning.memory import ComponentSizes, sizes_from_json
+
+log = logging.getLogger(__name__)
+
+CACHE_DIR = Path(os.environ.get("IMGEDIT_SIZES_CACHE", "~/.cache/imgedit/sizes")).expanduser()
+TIMEOUT_S = 600  # a hub LoRA may be downloaded
+
+
+def _key(checkpoint: Checkpoint, skip: tuple[str, ...]) -> str:
+    digest = hashlib.sha256(json.dumps(list(skip)).encode())
+    for name in MODEL_COMPONENTS:
+        config = checkpoint.folder / name / "config.json"
+        digest.update(config.read_bytes() if config.is_file() else b"-")
+    return digest.hexdigest()[:32]
+
+
+def inspect_checkpoint(checkpoint: Checkpoint, skip: tuple[str, ...] = (),
+                       loras: tuple[LoraEntry, ...] = (), sizes: bool = True,
+                       ) -> tuple[list[ComponentSizes] | None, tuple[LoraFile, ...]]:
+    """(sizes of every component, the checked LoRA files). Raises LoraError for a bad LoRA and
+    PlacementError when the inspection itself fails (the log has its output)."""
+    cached = CACHE_DIR / f"{_key(checkpoint, skip)}.json" if sizes else None
+    known = None
+    if cached is not None and cached.is_file():
+        try:
+            known = sizes_from_json(json.loads(cached.read_text()))
+        except (ValueError, KeyError, TypeError):
+            known = None
+    if (known is not None or not sizes) and not loras:
+        return known, ()
+    request = {"folder": str(checkpoint.folder), "skip": list(skip), "sizes": sizes and known is None,
+               "loras": [[e.name, e.source, e.steps] for e in loras]}
+    answer = _run(request)
+    if "error" in answer:
+        raise LoraError(answer["error"]["message"])
+    files = tuple(LoraFile(**f) for f in answer["loras"])
+    if answer["sizes"] is not None:
+        known = sizes_from_json(answer["sizes"])
+        if cached is not None:
+            try:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(answer["sizes"]))
+                tmp.replace(cached)
+            except OSError as exc:  # a read-only home: plan without the cache
+                log.warning("could not cache the checkpoint's sizes in %s: %s", CACHE_DIR, exc)
+    return known, files
+
+
+def _run(request: dict) -> dict:
+    try:
+        done = subprocess.run([sys.executable, "-m", "imgedit.model.inspect"], input=json.dumps(request),
+                              capture_output=True, text=True, timeout=TIMEOUT_S, check=False, env=_env())
+    except subprocess.TimeoutExpired:
+        raise PlacementError(f"inspecting the checkpoint took over {TIMEOUT_S}s") from None
+    if done.returncode != 0:
+        log.error("checkpoint inspection failed (exit %d):\n%s", done.returncode, done.stderr[-4000:])
+        raise PlacementError("could not read the checkpoint's component configs (see the server log)")
+    return json.loads(done.stdout)
+
+
+def _env() -> dict[str, str]:
+    """The server's environment with this copy of imgedit importable whatever the working directory."""
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+
+
+def ensure_demo_checkpoint(folder: str) -> None:
+    """Build the tiny demo checkpoint once, in a subprocess (building it needs torch)."""
+    if (Path(folder).expanduser() / "model_index.json").is_file():
+        return
+    log.info("building the demo checkpoint in %s", folder)
+    done = subprocess.run([sys.executable, "-m", "imgedit.model.demo_checkpoint", folder, "--if-missing"],
+                          capture_output=True, text=True, timeout=TIMEOUT_S, check=False, env=_env())
+    if done.returncode != 0:
+        log.error("building the demo checkpoint failed (exit %d):\n%s", done.returncode, done.stderr[-4000:])
+        raise PlacementError(f"could not build the demo checkpoint in {folder} (see the server log)")

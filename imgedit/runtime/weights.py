@@ -1,0 +1,71 @@
+"""One component's weights onto the devices its placement names: whole on one device, or its
+repeated blocks split over several (accelerate's device hooks), from the checkpoint's files or, for
+a random-weight benchmark checkpoint, built from the config directly on the GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from imgedit.model.components import block_container, component_classes, from_config, trained_like_init
+from imgedit.planning.checkpoint import Checkpoint
+from imgedit.planning.plan import Placement
+
+
+def module_device_map(model: torch.nn.Module, placement: Placement) -> dict[str, str]:
+    """An accelerate device map for a split component: blocks as planned; every module outside the
+    block list (embeddings, norms, heads) on the first block's device, where the planner counts
+    their bytes and where the component's inputs and outputs live anyway."""
+    path = block_container(model)
+    first = placement.block_devices[0]
+    device_map: dict[str, str] = {}
+    node, prefix = model, ""
+    for part in path.split("."):
+        for pname, _ in node.named_parameters(recurse=False):
+            device_map[prefix + pname] = first
+        for cname, _ in node.named_children():
+            if cname != part:
+                device_map[prefix + cname] = first
+        node, prefix = getattr(node, part), prefix + part + "."
+    for i, device in enumerate(placement.block_devices):
+        device_map[f"{path}.{i}"] = device
+    return device_map
+
+
+def load_component(name: str, checkpoint: Checkpoint, placement: Placement, dtype: torch.dtype):
+    cls = component_classes()[name]
+    if placement.is_split:
+        from accelerate import init_empty_weights
+
+        with init_empty_weights():
+            device_map = module_device_map(from_config(name, checkpoint.folder), placement)
+    else:
+        device_map = {"": placement.device}
+    if checkpoint.random_weights:
+        return random_component(name, checkpoint.folder, device_map, dtype)
+    kwargs = {"dtype" if name == "text_encoder" else "torch_dtype": dtype}
+    if name == "text_encoder":
+        return cls.from_pretrained(checkpoint.folder / name, device_map=device_map, **kwargs)
+    return cls.from_pretrained(checkpoint.folder, subfolder=name, device_map=device_map, **kwargs)
+
+
+def random_component(name: str, folder: Path, device_map: dict[str, str], dtype: torch.dtype):
+    """Build on the first device in `dtype` (fast on a GPU), then dispatch like from_pretrained does."""
+    from accelerate import dispatch_model
+
+    first = next(iter(device_map.values()))
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    torch.manual_seed(0)  # every rank and replica builds the same weights (conv layers keep the default init)
+    try:
+        with torch.device(first):
+            model = from_config(name, folder)
+    finally:
+        torch.set_default_dtype(previous)
+    trained_like_init(model)
+    model.eval()
+    if len(set(device_map.values())) > 1:
+        dispatch_model(model, device_map=device_map)
+    return model
