@@ -160,10 +160,10 @@ class RankActor:
         self._inbox = Channel(inbox_write)
 
     def start(self, spec, cache_dir: str | None, log_level: str) -> dict:
-        from imgedit.runtime import worker
+        from imgedit.runtime.worker import main  # in the actor's process, never the server's
 
         # visible_devices=None: Ray has set CUDA_VISIBLE_DEVICES to the GPUs it gave this actor.
-        threading.Thread(target=worker.main, name="imgedit-worker", daemon=True,
+        threading.Thread(target=main, name="imgedit-worker", daemon=True,
                          args=(spec, self._inbox_read, self._outbox_write, None, cache_dir, log_level)).start()
         ray = _ray()
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),

@@ -1,0 +1,231 @@
+"""The package's shape holds: no import cycles, imports run down the layers only, small modules, and
+the server process (python app.py) never imports torch.
+
+Layers (docs/ARCHITECTURE.md): errors and protocol below everything; config a leaf; planning above
+config; server side web -> engine -> planning; worker side runtime -> model -> config, and runtime
+-> planning. The engine meets the runtime only through its typed messages (and the worker process's
+entry point, imported inside the function that runs in the child).
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import ROOT, free_port, picture, wait_for
+
+PACKAGE = ROOT / "imgedit"
+BASE = {"imgedit", "imgedit.errors", "imgedit.protocol"}
+# package -> the packages (besides itself and BASE) its modules may import
+ALLOWED = {
+    "imgedit.config": set(),
+    "imgedit.planning": {"imgedit.config"},
+    "imgedit.model": {"imgedit.config"},
+    "imgedit.runtime": {"imgedit.model", "imgedit.planning", "imgedit.config"},
+    "imgedit.engine": {"imgedit.planning", "imgedit.config"},
+    "imgedit.web": {"imgedit.engine", "imgedit.planning", "imgedit.config"},
+}
+# The engine's only ways into the runtime: the typed messages, and the worker process's entry point
+# (imported inside the function the child process runs, never at the server's import time).
+BOUNDARY = {"imgedit.runtime.messages"}
+CHILD_ENTRIES = {("imgedit.engine.pool", "imgedit.runtime.worker"),
+                 ("imgedit.engine.ray_pool", "imgedit.runtime.worker")}
+TOP_LEVEL_MAX = 6
+LINES_MAX = 400
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> list[tuple[str, bool]]:
+    """(imported module of ours, at module level?) for every import in the file, functions included."""
+    tree = ast.parse(path.read_text())
+    top = {id(n) for n in tree.body} | {id(n) for s in tree.body if isinstance(s, (ast.If, ast.Try))
+                                         for n in ast.walk(s)}
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        for target in targets:
+            if target in known and target != name:
+                out.append((target, id(node) in top))
+    return out
+
+
+def layer(module: str) -> str:
+    for package in ALLOWED:
+        if module == package or module.startswith(package + "."):
+            return package
+    return module  # imgedit, imgedit.errors, imgedit.protocol
+
+
+def graph() -> dict[str, list[tuple[str, bool]]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def test_no_import_cycles_between_our_modules():
+    edges = {m: {t for t, _ in deps} for m, deps in graph().items()}
+    index, low, stack, on_stack, cycles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    assert cycles == [], f"import cycles: {cycles}"
+
+
+def test_imports_run_down_the_layers_only():
+    wrong = []
+    for module, deps in graph().items():
+        source = layer(module)
+        for target, at_top in deps:
+            dest = layer(target)
+            if dest in BASE or dest == source or target in BASE:
+                continue
+            if source in BASE:
+                wrong.append(f"{module} -> {target} (errors/protocol import nothing of ours)")
+            elif target in BOUNDARY and source == "imgedit.engine":
+                continue
+            elif (module, target) in CHILD_ENTRIES and not at_top:
+                continue
+            elif dest not in ALLOWED[source]:
+                wrong.append(f"{module} -> {target}")
+    assert wrong == [], "imports against the layers:\n  " + "\n  ".join(wrong)
+
+
+def test_base_modules_import_only_each_other():
+    for module in ("imgedit.errors", "imgedit.protocol"):
+        deps = {t for t, _ in graph()[module]}
+        assert deps <= BASE, f"{module} imports {deps - BASE}"
+
+
+def test_the_layout_stays_small():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= TOP_LEVEL_MAX, f"{len(top)} modules directly under imgedit/: {top}"
+    lines = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    long = {name: n for name, n in lines.items() if n > LINES_MAX}
+    assert long == {}, f"modules over {LINES_MAX} lines: {long}"
+    for package in ALLOWED:
+        doc = ast.get_docstring(ast.parse((ROOT / package.replace(".", "/") / "__init__.py").read_text()))
+        assert doc and "import" in doc.lower(), f"{package} must say in its docstring what it owns and may import"
+
+
+def test_the_checker_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
+    """The two checks above can fail: a made-up package with a cycle and an upward import trips them."""
+    fake = tmp_path / "imgedit"
+    for package in ALLOWED:
+        (fake / package.split(".")[1]).mkdir(parents=True)
+        (fake / package.split(".")[1] / "__init__.py").write_text('"""Owns things; may import nothing."""\n')
+    (fake / "__init__.py").write_text("")
+    (fake / "config" / "a.py").write_text("from imgedit.config import b\n")
+    (fake / "config" / "b.py").write_text("def f():\n    from imgedit.config import a\n")
+    (fake / "config" / "c.py").write_text("from imgedit.web import page\n")
+    (fake / "web" / "page.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    with pytest.raises(AssertionError, match=r"import cycles: \[\['imgedit.config.a', 'imgedit.config.b'\]\]"):
+        test_no_import_cycles_between_our_modules()
+    with pytest.raises(AssertionError, match="imgedit.config.c -> imgedit.web.page"):
+        test_imports_run_down_the_layers_only()
+
+
+# Written into a folder on PYTHONPATH: Python imports `sitecustomize` at start-up in every process it
+# starts (the server and its workers); at exit each one lists the heavy modules it had imported.
+SITECUSTOMIZE = textwrap.dedent("""
+    import atexit, os, sys
+
+    def _report():
+        heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "diffusers", "transformers"))
+        with open(os.path.join(os.environ["IMGEDIT_MODULES_DIR"], f"{os.getpid()}.txt"), "w") as f:
+            f.write("\\n".join(heavy))
+
+    atexit.register(_report)
+""")
+
+
+def test_the_server_process_never_imports_torch(tmp_path):
+    """`python app.py --demo` (demo checkpoint built on the way, one real edit through REST): the
+    server's own process never maps libtorch nor lists torch, diffusers or transformers in
+    sys.modules, while its worker process does (the check can see torch where it is)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    reports = tmp_path / "modules"
+    reports.mkdir()
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}", "IMGEDIT_MODULES_DIR": str(reports),
+           "DEMO_DIR": str(tmp_path / "demo"), "OUTPUT_DIR": str(tmp_path / "outputs"), "GRADIO_SERVER_PORT": str(port),
+           "GRADIO_SERVER_NAME": "127.0.0.1", "LOG_LEVEL": "WARNING", "IMGEDIT_SIZES_CACHE": str(tmp_path / "sizes")}
+    server = subprocess.Popen([sys.executable, "app.py", "--demo"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def healthy():
+            assert server.poll() is None, server.stderr.read()[-3000:]
+            try:
+                return httpx.get(f"{url}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(healthy, 180)
+        png = io.BytesIO()
+        picture().save(png, format="PNG")
+        edit = httpx.post(f"{url}/v1/images/edits", data={"prompt": "make it red", "size": "64x64"},
+                          files={"image": ("in.png", png.getvalue(), "image/png")}, timeout=120)
+        assert edit.status_code == 200, edit.text
+        maps = Path(f"/proc/{server.pid}/maps").read_text()
+        assert "libtorch" not in maps, "the server process has libtorch mapped"
+        workers = [p for w in httpx.get(f"{url}/health").json()["workers"] for p in w["pids"]]
+        assert workers and all("libtorch" in Path(f"/proc/{p}/maps").read_text() for p in workers)
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0, server.stderr.read()[-3000:]
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)
+    assert (reports / f"{server.pid}.txt").read_text() == "", "the server imported torch/diffusers/transformers"
+    assert (tmp_path / "demo" / "model_index.json").is_file()  # built by a subprocess on the way
