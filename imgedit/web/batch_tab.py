@@ -17,7 +17,7 @@ import gradio as gr
 from imgedit.config.settings import Settings
 from imgedit.engine.batch import Job, JobService, expand_uploads, results_zip
 from imgedit.engine.validation import check_params
-from imgedit.errors import ImgEditError
+from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.protocol import EditRequest
 from imgedit.web.identity import page_owner
 from imgedit.web.speed import parse_speed_inputs
@@ -66,10 +66,6 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, settings_inpu
                         progress=gr.Progress()):
         """Run one prompt over every uploaded image; yields (gallery, report, zip) as items finish."""
         try:
-            paths = [f if isinstance(f, str) else getattr(f, "path", None) or getattr(f, "name", str(f))
-                     for f in (files or [])]
-            uploads = await asyncio.to_thread(lambda: [(Path(p).name, Path(p).read_bytes()) for p in paths])
-            items = expand_uploads(uploads, settings.batch_max_items, settings.max_file_size)
             speed, lora, lora_scale = parse_speed_inputs(speed, lora, lora_scale)
             template = EditRequest(
                 images=(), prompt=prompt or "", negative_prompt=negative_prompt or "",
@@ -77,7 +73,9 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, settings_inpu
                 true_cfg_scale=None if cfg is None else float(cfg), num_images=_number(num_images, 1),
                 width=_number(width, 0) or None, height=_number(height, 0) or None, speed=speed, lora=lora,
                 lora_scale=lora_scale, source="ui")
-            check_params(template, settings, manager.family)
+            check_params(template, settings, manager.family)  # the cheap fields before any file is read
+            uploads = await asyncio.to_thread(read_uploads, files, settings.batch_max_items, settings.max_file_size)
+            items = expand_uploads(uploads, settings.batch_max_items, settings.max_file_size)
             owner = page_owner(request, settings.auth is not None) or f"session:{request.session_hash}"
             job = jobs.submit(owner, template, [(name, [raw]) for name, raw in items], source="ui")
         except ImgEditError as exc:
@@ -108,6 +106,22 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, settings_inpu
     event = run.click(run_batch, [files, prompt, *settings_inputs], [gallery, report, download], api_name="batch",
                       concurrency_id=BATCH_GROUP, concurrency_limit=None)
     stop.click(None, None, None, cancels=[event], queue=False, api_visibility="private")
+
+
+def read_uploads(files, max_items: int, max_file_size: int) -> list[tuple[str, bytes]]:
+    """The event's files as (name, bytes), counted before any is read (one upload named 150 times in
+    one event is refused unread); a file named several times is read once and its bytes shared."""
+    paths = [f if isinstance(f, str) else getattr(f, "path", None) or getattr(f, "name", str(f)) for f in files or []]
+    if len(paths) > max_items:
+        raise InvalidInput(f"{len(paths)} files; a batch takes at most {max_items} images (BATCH_MAX_ITEMS)", "images")
+    read: dict[str, bytes] = {}
+    for path in dict.fromkeys(str(p) for p in paths):
+        with open(path, "rb") as f:
+            raw = f.read(max_file_size + 1)
+        if len(raw) > max_file_size:
+            raise InputTooLarge(f"{Path(path).name} is larger than {max_file_size:,} bytes (MAX_FILE_SIZE)")
+        read[path] = raw
+    return [(Path(p).name, read[str(p)]) for p in paths]
 
 
 def _export(job: Job, folder: Path) -> list[tuple[str, str]]:

@@ -21,7 +21,7 @@ from imgedit.config.settings import Settings
 from imgedit.engine.batch import JobService, clean_name, expand_uploads, results_zip
 from imgedit.engine.history import HistoryEntry
 from imgedit.engine.images import open_image
-from imgedit.engine.validation import check_counts, check_params
+from imgedit.engine.validation import check_aspect, check_counts, check_params
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.protocol import EditRequest
 from imgedit.web.identity import rest_owner
@@ -157,38 +157,7 @@ async def _parse(request: Request, settings: Settings, manager) -> tuple[EditReq
     except Exception as exc:
         raise InvalidInput(f"malformed multipart body ({type(exc).__name__})") from None
 
-    async def read(upload) -> tuple[str, bytes]:
-        if not isinstance(upload, UploadFile):
-            raise InvalidInput("images must be file uploads, not text fields", "images")
-        raw = await upload.read(settings.max_file_size + 1)
-        name = clean_name(upload.filename or "", 0)
-        if len(raw) > settings.max_file_size:
-            raise InputTooLarge(f"{name} is larger than {settings.max_file_size:,} bytes (MAX_FILE_SIZE)")
-        return name, raw
-
-    sets: list[tuple[str, list[bytes]]] = []
-    single = [await read(u) for key in IMAGE_FIELDS for u in form.getlist(key)]
-    if single:
-        sets.append((single[0][0], [raw for _, raw in single]))
-    batch = [await read(u) for key in BATCH_FIELDS for u in form.getlist(key)]
-    if batch:
-        room = settings.batch_max_items - len(sets)
-        sets += [(name, [raw]) for name, raw in expand_uploads(batch, room, settings.max_file_size)]
-    numbered = sorted((int(m.group(1)), key) for key in set(form.keys()) if (m := SET_FIELD.fullmatch(key)))
-    for _, key in numbered:
-        files = [await read(u) for u in form.getlist(key)]
-        sets.append((files[0][0], [raw for _, raw in files]))
-    if not sets:
-        raise InvalidInput("no input image: send 'image', 'batch' or 'set1', 'set2', ... files", "images")
-    if len(sets) > settings.batch_max_items:
-        raise InvalidInput(f"{len(sets)} input sets; a job takes at most {settings.batch_max_items} "
-                           "(BATCH_MAX_ITEMS)", "images")
-    for _, raws in sets:
-        check_counts(len(raws), manager.family)
-    # Decode every image once now, so a bad file is refused before anything runs (then dropped:
-    # the bytes are kept, not the pixels, while items wait).
-    await asyncio.to_thread(lambda: [open_image(raw, settings.max_input_pixels, name)
-                                     for name, raws in sets for raw in raws])
+    # The cheap fields first: a request without a prompt (or with a bad number) costs no file read.
     prompt = form.get("prompt")
     if not isinstance(prompt, str):
         raise InvalidInput("prompt is required (a text field)", "prompt")
@@ -200,4 +169,54 @@ async def _parse(request: Request, settings: Settings, manager) -> tuple[EditReq
         true_cfg_scale=_float(form, "true_cfg_scale"), num_images=_int(form, "n", 1),
         width=width, height=height, **speed_fields(form), source="rest")  # every item runs with these
     check_params(template, settings, manager.family)
+    # Then count the input sets from the field names alone (a zip counts once here, its members below).
+    numbered = sorted((int(m.group(1)), key) for key in set(form.keys()) if (m := SET_FIELD.fullmatch(key)))
+    singles = [u for key in IMAGE_FIELDS for u in form.getlist(key)]
+    batches = [u for key in BATCH_FIELDS for u in form.getlist(key)]
+    counted = bool(singles) + len(batches) + len(numbered)
+    if counted > settings.batch_max_items:
+        raise InvalidInput(f"{counted} input sets; a job takes at most {settings.batch_max_items} "
+                           "(BATCH_MAX_ITEMS)", "images")
+
+    async def read(upload) -> tuple[str, bytes]:
+        if not isinstance(upload, UploadFile):
+            raise InvalidInput("images must be file uploads, not text fields", "images")
+        raw = await upload.read(settings.max_file_size + 1)
+        name = clean_name(upload.filename or "", 0)
+        if len(raw) > settings.max_file_size:
+            raise InputTooLarge(f"{name} is larger than {settings.max_file_size:,} bytes (MAX_FILE_SIZE)")
+        return name, raw
+
+    sets: list[tuple[str, list[bytes]]] = []
+    single = [await read(u) for u in singles]
+    if single:
+        sets.append((single[0][0], [raw for _, raw in single]))
+    batch = [await read(u) for u in batches]
+    if batch:
+        room = settings.batch_max_items - len(sets) - len(numbered)
+        sets += [(name, [raw]) for name, raw in expand_uploads(batch, room, settings.max_file_size)]
+    for _, key in numbered:
+        files = [await read(u) for u in form.getlist(key)]
+        sets.append((files[0][0], [raw for _, raw in files]))
+    if not sets:
+        raise InvalidInput("no input image: send 'image', 'batch' or 'set1', 'set2', ... files", "images")
+    if len(sets) > settings.batch_max_items:
+        raise InvalidInput(f"{len(sets)} input sets; a job takes at most {settings.batch_max_items} "
+                           "(BATCH_MAX_ITEMS)", "images")
+    for _, raws in sets:
+        check_counts(len(raws), manager.family)
+    # Check every image now, so a bad file is refused before anything runs: one at a time, its
+    # pixels dropped at once (the bytes are kept, not the pixels, while items wait).
+    await asyncio.to_thread(check_images, sets, settings, manager.family)
     return template, sets
+
+
+def check_images(sets: list[tuple[str, list[bytes]]], settings: Settings, family: str) -> None:
+    """Decode each image alone (its header is checked against MAX_INPUT_PIXELS before any pixel is
+    decoded) and check its aspect as /v1/images/edits does; never more than one image in memory."""
+    for name, raws in sets:
+        for k, raw in enumerate(raws):
+            label = name if len(raws) == 1 else f"{name} (image {k + 1})"
+            image = open_image(raw, settings.max_input_pixels, label)
+            check_aspect(image.size, family, label)
+            del image
