@@ -2,6 +2,7 @@
 
     python benchmarks/bench.py [--steps 40] [--size 1024] [--modes one-eager,one-compiled,pair-eager,
                                pair-compiled,replicas-eager,pairs-throughput,app] [--json out.json]
+    python benchmarks/bench.py --quick   # one GPU, eager and compiled, 10 steps
 
 Every mode goes through imgedit's PipelineManager and its worker processes, exactly as the app does;
 `app` also goes through the HTTP server (REST), to measure what the server adds. Workload: a Plus
@@ -272,7 +273,12 @@ def main() -> None:
     parser.add_argument("--json", default="")
     parser.add_argument("--workers", default="local", help="local, ray, or both (local,ray): WORKERS for each mode")
     parser.add_argument("--repeat", type=int, default=1, help="timed edits per mode")
+    parser.add_argument("--quick", action="store_true",
+                        help="one GPU, eager and compiled, 10 steps, 2 timed edits each: "
+                             "--modes one-eager,one-compiled --steps 10 --repeat 2 (a check that nothing got slower)")
     args = parser.parse_args()
+    if args.quick:
+        args.modes, args.steps, args.repeat = "one-eager,one-compiled", 10, 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     ckpt = Path(args.ckpt)
     if not (ckpt / "model_index.json").is_file():

@@ -31,7 +31,17 @@ ARTIFACTS = ROOT / "artifacts"
 COMPONENTS = ("transformer", "text_encoder", "vae")
 
 
+# pytest-xdist (`-n 2 --dist loadgroup`, the README's test command) runs whole modules on one worker each,
+# so a module's shared server and worker pool start once; the two Ray modules share one group, so one
+# Ray cluster at a time exists on this machine.
+XDIST_GROUPS = {"test_ray": "ray", "test_ray_local": "ray"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.path.stem
+        item.add_marker(pytest.mark.xdist_group(XDIST_GROUPS.get(module, module)))
     gpus = torch.cuda.device_count()
     for item in items:
         if "multi_gpu" in item.keywords and gpus < 2:
@@ -124,7 +134,12 @@ def picture(w: int = 80, h: int = 60, color=(30, 120, 200)) -> Image.Image:
     return image
 
 
-PROBE_FILE = Path(os.environ.setdefault("IMGEDIT_TEST_PROBE", tempfile.mktemp(prefix="imgedit-probe-")))
+# One probe file per test process: each xdist worker its own; its children (worker processes, scripts
+# importing conftest) inherit the name.
+_TEST_PROCESS = os.environ.get("PYTEST_XDIST_WORKER", "main")
+if f"-{_TEST_PROCESS}-" not in os.environ.get("IMGEDIT_TEST_PROBE", ""):
+    os.environ["IMGEDIT_TEST_PROBE"] = tempfile.mktemp(prefix=f"imgedit-probe-{_TEST_PROCESS}-")
+PROBE_FILE = Path(os.environ["IMGEDIT_TEST_PROBE"])
 
 
 class ConcurrencyProbe:
