@@ -15,7 +15,6 @@ import hmac
 import logging
 import threading
 import time
-from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -214,6 +213,16 @@ async def _parse(request: Request, settings: Settings, manager) -> EditRequest:
         form = await request.form(max_files=8, max_fields=64)
     except Exception as exc:
         raise InvalidInput(f"malformed multipart body ({type(exc).__name__})") from None
+    uploads = [v for key in IMAGE_FIELDS for v in form.getlist(key)]
+    if any(not isinstance(u, UploadFile) for u in uploads):
+        raise InvalidInput("'image' must be a file upload, not a text field")
+    check_counts(len(uploads), manager.family)
+    images = []
+    for i, upload in enumerate(uploads):
+        raw = await upload.read(settings.max_file_size + 1)
+        if len(raw) > settings.max_file_size:
+                raise InputTooLarge(f"image {i + 1} is larger than {settings.max_file_size:,} bytes (MAX_FILE_SIZE)")
+        images.append(await asyncio.to_thread(open_image, raw, settings.max_input_pixels, f"image {i + 1}"))
     response_format = str(form.get("response_format") or "b64_json")
     if response_format != "b64_json":
         raise InvalidInput("response_format must be b64_json (this server does not host image URLs)")
@@ -223,21 +232,9 @@ async def _parse(request: Request, settings: Settings, manager) -> EditRequest:
     width, height = _size(form.get("size"))
     negative = form.get("negative_prompt")
     req = EditRequest(
-        images=(), prompt=prompt, negative_prompt=negative if isinstance(negative, str) else "",
+        images=tuple(images), prompt=prompt, negative_prompt=negative if isinstance(negative, str) else "",
         seed=_int(form, "seed", None), num_inference_steps=_int(form, "num_inference_steps", None),
         true_cfg_scale=_float(form, "true_cfg_scale"), num_images=_int(form, "n", 1),
         width=width, height=height, **speed_fields(form), source="rest")
-    check_params(req, settings, manager.family)  # the cheap fields before any image is read
-    uploads = [v for key in IMAGE_FIELDS for v in form.getlist(key)]
-    if any(not isinstance(u, UploadFile) for u in uploads):
-        raise InvalidInput("'image' must be a file upload, not a text field")
-    check_counts(len(uploads), manager.family)
-    images = []
-    for i, upload in enumerate(uploads):
-        raw = await upload.read(settings.max_file_size + 1)
-        if len(raw) > settings.max_file_size:
-            raise InputTooLarge(f"image {i + 1} is larger than {settings.max_file_size:,} bytes (MAX_FILE_SIZE)")
-        images.append(await asyncio.to_thread(open_image, raw, settings.max_input_pixels, f"image {i + 1}"))
-    req = replace(req, images=tuple(images))
     check_params(req, settings, manager.family)
     return req
