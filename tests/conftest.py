@@ -16,7 +16,12 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+
+# Two test processes (xdist) on a 2-core machine, each with worker processes of its own: one compute
+# thread per process. Measured on this machine: two processes of two threads each edit 2.5x slower
+# than one alone (OpenMP threads spin while they wait for a core); with one thread each, 2x.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads at import)
 from PIL import Image
 
 from imgedit.config.settings import load_settings
@@ -24,7 +29,7 @@ from imgedit.engine.manager import PipelineManager
 from imgedit.model.demo_checkpoint import build_checkpoint
 from imgedit.planning.plan import Placement, Plan, WorkerPlan
 
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ['OMP_NUM_THREADS']))
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # worker processes import tests/faults.py as "faults"
 ARTIFACTS = ROOT / "artifacts"
