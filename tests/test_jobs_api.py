@@ -287,3 +287,48 @@ def test_bad_speed_or_lora_is_a_400_before_anything_runs(server, fields, param, 
     assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "invalid_input", param)
     assert says in error["message"] and "Traceback" not in r.text
     assert server.manager.status().workers[0].jobs_done == done  # nothing ran
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "1e400"])
+@pytest.mark.parametrize("path", ["/v1/jobs", "/v1/images/edits"])
+def test_a_non_finite_lora_scale_is_a_400_everywhere_even_without_a_lora(server, path, raw):
+    """Before: /v1/jobs answered 500 in plain text and still ran the job; /v1/images/edits gave 200."""
+    done = server.manager.status().workers[0].jobs_done
+    field = "batch" if path == "/v1/jobs" else "image"
+    r = httpx.post(f"{server.url}{path}", files=[(field, ("p.png", png(), "image/png"))],
+                   data={**FIELDS, "lora_scale": raw}, headers=A, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "lora_scale must be a finite number" in r.json()["error"]["message"]
+    assert server.manager.status().workers[0].jobs_done == done  # nothing ran
+
+
+def test_a_lora_scale_out_of_range_is_refused_without_a_lora_too(server):
+    r = httpx.post(f"{server.url}/v1/jobs", files=[("batch", ("p.png", png(), "image/png"))],
+                   data={**FIELDS, "lora_scale": "7"}, headers=A, timeout=60)
+    assert r.status_code == 400 and "lora_scale 7.0 is out of range: 0 to 2" in r.json()["error"]["message"]
+
+
+def test_v1_jobs_refuses_the_elongated_image_v1_images_edits_refuses(server):
+    """A 1000x1 image: both entry points answer 400 up front, naming the image (before: /v1/jobs took
+    it and the item failed later)."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (1000, 1)).save(buffer, format="PNG")
+    for path, field in (("/v1/images/edits", "image"), ("/v1/jobs", "batch")):
+        r = httpx.post(f"{server.url}{path}", files=[(field, ("thin.png", buffer.getvalue(), "image/png"))],
+                       data=FIELDS, headers=A, timeout=60)
+        assert r.status_code == 400, (path, r.text)
+        assert "aspect" in r.json()["error"]["message"], (path, r.text)
+
+
+def test_a_result_item_that_is_not_a_number_is_an_openai_shaped_400(server):
+    job = httpx.post(f"{server.url}/v1/jobs", files=[("image", ("p.png", png(), "image/png"))], data=FIELDS,
+                     headers=A, timeout=60).json()
+    wait_finished(server.url, job["id"])
+    for raw in ("abc", "-1", "1.5", "9" * 30):
+        r = httpx.get(f"{server.url}/v1/jobs/{job['id']}/result", params={"item": raw}, headers=A, timeout=30)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "invalid_input", "item")
+        assert "item must be a whole number" in error["message"] and "Input should be" not in r.text
+    assert httpx.get(f"{server.url}/v1/jobs/{job['id']}/result", params={"item": "1"}, headers=A,
+                     timeout=30).status_code == 200

@@ -174,6 +174,10 @@ def lora_adapters(req: EditRequest, settings: Settings, preset) -> tuple[tuple[s
     """(name, strength) of every adapter the job runs with: the speed preset's Lightning LoRA at 1,
     then the picked LoRA at its strength."""
     adapters = [(preset.name, 1.0)] if preset is not None else []
+    scale = 1.0 if req.lora_scale is None else req.lora_scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0.0 <= scale <= MAX_LORA_SCALE:
+        # checked with or without a LoRA: a value no LoRA could run with is refused, never stored
+        raise InvalidInput(f"lora_scale {scale!r} is out of range: 0 to {MAX_LORA_SCALE:g}", "lora_scale")
     name = req.lora
     if name in (None, "", "none"):
         return tuple(adapters)
@@ -181,9 +185,6 @@ def lora_adapters(req: EditRequest, settings: Settings, preset) -> tuple[tuple[s
     if not isinstance(name, str) or name not in known:
         offered = ", ".join(known) if known else "none (set LORA_DIR or LORAS)"
         raise InvalidInput(f"unknown LoRA {str(name)[:64]!r}; configured LoRAs: {offered}", "lora")
-    scale = 1.0 if req.lora_scale is None else req.lora_scale
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0.0 <= scale <= MAX_LORA_SCALE:
-        raise InvalidInput(f"lora_scale {scale!r} is out of range: 0 to {MAX_LORA_SCALE:g}", "lora_scale")
     if adapters and adapters[0][0] == name:  # the preset's LoRA picked again: one adapter, the picked strength
         return ((name, float(scale)),)
     return (*adapters, (name, float(scale)))

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import gradio as gr
 from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 
 from imgedit.config.settings import Settings
 from imgedit.engine.batch import JobService
@@ -25,7 +27,7 @@ from imgedit.web.identity import BrowserCookie
 from imgedit.web.jobs_api import build_jobs_router
 from imgedit.web.metrics import Metrics
 from imgedit.web.page import GPU_GROUP, PAGE_HEAD, build_blocks
-from imgedit.web.rest import build_router
+from imgedit.web.rest import build_router, openai_error
 from imgedit.web.serving import ShutdownGate
 from imgedit.web.serving import serve as serve_until_drained
 from imgedit.web.timeouts import BodyReadTimeout
@@ -70,6 +72,7 @@ def build_app(settings: Settings, engine, demo: bool | None = None, monitor: Gpu
 
     metrics = Metrics(parts.engine, parts.monitor, gradio_waiting)
     app = FastAPI(title="imgedit", docs_url=None, redoc_url=None)
+    app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_middleware(EventGuard)  # every Gradio event's file paths, before Gradio sees them
     app.add_middleware(BodyReadTimeout, seconds=settings.body_read_timeout)  # outermost: times every read
     # before REST's /v1 catch-all (404/405 fallback)
@@ -91,6 +94,14 @@ def build_app(settings: Settings, engine, demo: bool | None = None, monitor: Gpu
     # a hand-made request could have any server file copied into the cache and served back.
     blocks.has_launched = True
     return app
+
+
+async def _invalid_request(request, exc: RequestValidationError) -> JSONResponse:
+    """A path or query value FastAPI could not convert: our OpenAI-shaped 400, not its 422 (whose
+    text is the framework's)."""
+    where = next((e.get("loc", ()) for e in exc.errors()), ())
+    param = str(where[-1]) if where else None
+    return openai_error(400, f"{param or 'a request value'} is not valid", "invalid_input", param)
 
 
 def serve(app: FastAPI, settings: Settings) -> None:

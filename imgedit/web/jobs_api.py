@@ -97,7 +97,7 @@ def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Me
         return JSONResponse(_links(_restored_view(job_id, entries))) if entries else _not_found(job_id)
 
     @router.get("/v1/jobs/{job_id}/result")
-    async def job_result(job_id: str, request: Request, item: int | None = None) -> Response:
+    async def job_result(job_id: str, request: Request, item: str | None = None) -> Response:
         if (refused := denied(request)) is not None:
             return refused
         owner = rest_owner(request)
@@ -113,6 +113,9 @@ def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Me
                 return _not_found(job_id)
             rows = [(e.name, e, None) for e in entries]
         if item is not None:
+            if not (item.isdecimal() and len(item) <= 9):
+                return _error(400, f"item must be a whole number from 1, got {item[:40]!r}", "invalid_input", "item")
+            item = int(item)
             if not 1 <= item <= len(rows):
                 return _error(404, f"item {item} is out of range: 1 to {len(rows)}", "not_found", "item")
             rows = [rows[item - 1]]

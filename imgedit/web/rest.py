@@ -13,6 +13,7 @@ import asyncio
 import base64
 import hmac
 import logging
+import math
 import threading
 import time
 
@@ -75,9 +76,12 @@ def _float(form, name: str) -> float | None:
     if raw is None or raw == "":
         return None
     try:
-        return float(str(raw))
+        value = float(str(raw))
     except ValueError:
         raise InvalidInput(f"{name} must be a number, got {str(raw)[:40]!r}") from None
+    if not math.isfinite(value):  # nan, inf, 1e400: no setting takes them, and JSON cannot carry them
+        raise InvalidInput(f"{name} must be a finite number, got {str(raw)[:40]!r}", name)
+    return value
 
 
 def speed_fields(form) -> dict:

@@ -6,6 +6,8 @@ The values go to the /edit event as `speed`, `lora`, `lora_scale`, the same name
 
 from __future__ import annotations
 
+import math
+
 import gradio as gr
 
 from imgedit.config.loras import MAX_LORA_SCALE, SPEEDS, lightning_for
@@ -42,6 +44,8 @@ def parse_speed_inputs(speed, lora, lora_scale) -> tuple[str | None, str | None,
             scale = float(lora_scale)
         except ValueError:
             raise InvalidInput(f"lora_scale must be a number, got {str(lora_scale)[:40]!r}", "lora_scale") from None
+        if not math.isfinite(scale):
+            raise InvalidInput(f"lora_scale must be a finite number, got {str(lora_scale)[:40]!r}", "lora_scale")
     return speed or None, None if lora in (None, "", NO_LORA) else lora, scale
 
 
