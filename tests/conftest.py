@@ -40,13 +40,21 @@ COMPONENTS = ("transformer", "text_encoder", "vae")
 # so a module's shared server and worker pool start once; the two Ray modules share one group, so one
 # Ray cluster at a time exists on this machine.
 XDIST_GROUPS = {"test_ray": "ray", "test_ray_local": "ray"}
+# Longest groups first (their measured seconds under xdist, 2-core machine), so that no long group
+# starts last and runs alone at the end; the rest follow in file order.
+LONGEST_FIRST = ("ray", "test_parallel_groups", "test_browser", "test_jobs_api", "test_manager", "test_loras",
+                 "test_history", "test_ui", "test_rest", "test_batch_cfg", "test_workers", "test_browser_batch")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
 def pytest_collection_modifyitems(config, items):
+    def group(item) -> str:
+        return XDIST_GROUPS.get(item.path.stem, item.path.stem)
+
     for item in items:
-        module = item.path.stem
-        item.add_marker(pytest.mark.xdist_group(XDIST_GROUPS.get(module, module)))
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+    items.sort(key=lambda item: LONGEST_FIRST.index(group(item)) if group(item) in LONGEST_FIRST
+               else len(LONGEST_FIRST))  # stable: each module keeps its own order
     gpus = torch.cuda.device_count()
     for item in items:
         if "multi_gpu" in item.keywords and gpus < 2:
@@ -77,18 +85,35 @@ def cfg_plan(pairs: int = 1) -> Plan:
 
 
 _MANAGERS: list[PipelineManager] = []
+_SESSION_MANAGERS: list[PipelineManager] = []
 
 
 def make_manager(ckpt: Path, workers: int = 1, plan: Plan | str | None = None, load: bool = True,
                  **env) -> PipelineManager:
     """A real manager with real worker processes on the tiny checkpoint; faults.install runs in every
-    worker (prompts with markers inject faults). Closed at the end of the session at the latest."""
+    worker (prompts with markers inject faults). Closed at the end of the test module that made it
+    (the session fixtures' at the end of the session), so worker processes do not pile up."""
     env.setdefault("OUTPUT_DIR", tempfile.mkdtemp(prefix="imgedit-outputs-"))  # history: never ~/.cache
     settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cpu", **env})
     plan = None if plan == "planner" else plan or cpu_plan(workers)  # "planner": plan from the settings
     manager = PipelineManager(settings, plan=plan, worker_hook="faults:install")
     _MANAGERS.append(manager)
     return manager.load() if load else manager
+
+
+def session_manager(ckpt: Path, **kw) -> PipelineManager:
+    manager = make_manager(ckpt, **kw)
+    _SESSION_MANAGERS.append(manager)
+    return manager
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_module_managers():
+    """Set up before (so torn down after) the module's own fixtures: their servers are stopped by then."""
+    yield
+    for manager in [m for m in _MANAGERS if m not in _SESSION_MANAGERS]:
+        manager.close()
+        _MANAGERS.remove(manager)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -100,12 +125,12 @@ def _close_managers():
 
 @pytest.fixture(scope="session")
 def plus_manager(plus_ckpt) -> PipelineManager:
-    return make_manager(plus_ckpt)
+    return session_manager(plus_ckpt)
 
 
 @pytest.fixture(scope="session")
 def edit_manager(edit_ckpt) -> PipelineManager:
-    return make_manager(edit_ckpt)
+    return session_manager(edit_ckpt)
 
 
 class LocalPipeline:
@@ -233,7 +258,7 @@ def start_server(manager) -> LiveServer:
 @pytest.fixture(scope="session")
 def server_manager(plus_ckpt) -> PipelineManager:
     """Two CPU workers, so concurrency and the shared line are exercised."""
-    return make_manager(plus_ckpt, workers=2, QUEUE_MAX_SIZE="4")
+    return session_manager(plus_ckpt, workers=2, QUEUE_MAX_SIZE="4")
 
 
 @pytest.fixture(scope="session")
