@@ -147,6 +147,7 @@ def test_one_worker_per_node_planned_from_what_ray_reports(manager, nodes):
     assert "Ray cluster of 2 node(s)" in manager.status().reason
 
 
+@pytest.mark.slow
 def test_jobs_spread_over_both_nodes_in_arrival_order(manager, nodes):
     started: list[tuple[int, str]] = []
     results: dict[int, object] = {}
@@ -251,6 +252,7 @@ def test_the_panel_names_each_workers_node(manager, nodes):
     assert "(Ray node " in html and "node1-worker-0" in html
 
 
+@pytest.mark.slow
 def test_a_node_that_leaves_fails_only_its_job_and_health_shows_the_lost_worker(manager, nodes):
     wait_for(lambda: all(w.state == "idle" for w in manager.status().workers), 90)
     nodes.remember()

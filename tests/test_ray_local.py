@@ -7,9 +7,11 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
 
+@pytest.mark.slow
 def test_without_an_address_the_server_starts_a_local_cluster_that_outlives_the_connect(plus_ckpt):
     """RAY_ADDRESS unset: ray.init starts a local cluster from the connecting thread, and Linux kills
     its GCS when that thread ends unless it stays (found on the GPU machine: every later call hung)."""
