@@ -149,32 +149,30 @@ def test_one_worker_per_node_planned_from_what_ray_reports(manager, nodes):
 
 @pytest.mark.slow
 def test_jobs_spread_over_both_nodes_in_arrival_order(manager, nodes):
-    started: list[tuple[int, str]] = []
     results: dict[int, object] = {}
-    lock = threading.Lock()
+    taken_by: dict[int, str] = {}
 
     def run(n: int) -> None:
-        def on_step(step, total):
-            with lock:
-                if step == 1:
-                    busy = {w.job_id: w.name for w in manager.status().workers if w.job_id}
-                    started.append((n, busy.get(f"job-{n}", "?")))
+        results[n] = manager.edit(request(prompt="[slow] make it red", num_inference_steps=8, request_id=f"job-{n}"))
 
-        results[n] = manager.edit(request(prompt="[slow] make it red", request_id=f"job-{n}"), on_step=on_step)
+    def holder(n: int) -> str | None:
+        return next((w.name for w in manager.status().workers if w.job_id == f"job-{n}"), None)
 
-    threads = []
-    for n in range(3):
-        threads.append(threading.Thread(target=run, args=(n,)))
-        threads[-1].start()
-        time.sleep(0.3)
-        wait_for(lambda n=n: manager.waiting() == 0 or n == 2, 30)  # job n is taken before n+1 arrives
-        time.sleep(0.2)
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(3)]
+    for n in (0, 1):  # job n is taken by a worker before job n+1 arrives
+        threads[n].start()
+        wait_for(lambda n=n: holder(n) is not None, 60)
+        taken_by[n] = holder(n)
+    assert {node_of(manager, taken_by[0], nodes), node_of(manager, taken_by[1], nodes)} == {"node_a", "node_b"}
+    # Both workers are busy (8 steps of >= 0.3 s each): the third job waits in the line.
+    assert holder(0) == taken_by[0] and holder(1) == taken_by[1]
+    threads[2].start()
+    wait_for(lambda: manager.waiting() == 1, 10)
     for t in threads:
-        t.join(120)
+        t.join(180)
     assert sorted(results) == [0, 1, 2]
-    first, second = results[0].worker, results[1].worker
-    assert {node_of(manager, first, nodes), node_of(manager, second, nodes)} == {"node_a", "node_b"}
-    assert [n for n, _ in started][:2] == [0, 1]  # the third waited for whichever came free first
+    assert results[0].worker == taken_by[0] and results[1].worker == taken_by[1]
+    assert results[2].worker in (taken_by[0], taken_by[1])  # whichever came free first
     assert all(len(r.images) == 1 and r.images[0].size == (64, 64) for r in results.values())
 
 

@@ -54,6 +54,7 @@ def connect(address: str | None, timeout: float = CONNECT_TIMEOUT_S) -> None:
     if ray.is_initialized():
         return
     outcome: list[BaseException | None] = []
+    answered = threading.Event()
 
     def join() -> None:
         try:
@@ -62,6 +63,8 @@ def connect(address: str | None, timeout: float = CONNECT_TIMEOUT_S) -> None:
         except BaseException as exc:  # noqa: BLE001 - ray raises ConnectionError, RuntimeError, ... here
             outcome.append(exc)
             return
+        finally:
+            answered.set()
         # Without an address ray.init starts a local cluster whose GCS and raylet are tied to the
         # *thread* that started them (Linux PR_SET_PDEATHSIG, Ray's kernel fate-sharing): had this
         # thread ended, they would be killed at once and every later Ray call would hang for 60 s,
@@ -71,7 +74,7 @@ def connect(address: str | None, timeout: float = CONNECT_TIMEOUT_S) -> None:
     # A daemon thread: one still retrying an unreachable address must not keep the process alive.
     thread = threading.Thread(target=join, name="ray-connect", daemon=True)
     thread.start()
-    thread.join(timeout)
+    answered.wait(timeout)  # not thread.join: after a successful init the thread stays (above)
     where = address or "a new local cluster"
     if not outcome:
         raise WorkerFailed(f"cannot reach the Ray cluster at {where} within {timeout:.0f}s (RAY_ADDRESS)")
