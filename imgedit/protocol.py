@@ -5,17 +5,15 @@ manager and its workers report. Below the server and the worker side alike; impo
 
 from __future__ import annotations
 
-import itertools
-import time
+import secrets
 from dataclasses import dataclass, field
 
 from PIL import Image
 
-_ids = itertools.count(1)
-
 
 def new_request_id() -> str:
-    return f"job-{int(time.time()) % 100000:05d}-{next(_ids)}"
+    """Unguessable: a REST edit's id fetches its result from /v1/jobs/<id> (for its owner)."""
+    return "req_" + secrets.token_urlsafe(12)
 
 
 @dataclass(frozen=True)
@@ -36,6 +34,7 @@ class EditRequest:
     lora_scale: float | None = None  # that LoRA's strength, 0 to 2; None = 1
     request_id: str = field(default_factory=new_request_id)
     source: str = "ui"  # ui | api | rest: for logs and metrics
+    client: str | None = None  # who asked (imgedit.web.identity's owner): for each client's share of the line
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,8 @@ def make_manager(ckpt: Path, workers: int = 1, plan: Plan | str | None = None, l
     worker (prompts with markers inject faults). Closed at the end of the test module that made it
     (the session fixtures' at the end of the session), so worker processes do not pile up."""
     env.setdefault("OUTPUT_DIR", tempfile.mkdtemp(prefix="imgedit-outputs-"))  # history: never ~/.cache
+    if not torch.cuda.is_available():  # CPU runs: workers forked from one process that imported torch (fast)
+        env.setdefault("WORKER_START", "forkserver")
     settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cpu", **env})
     plan = None if plan == "planner" else plan or cpu_plan(workers)  # "planner": plan from the settings
     manager = PipelineManager(settings, plan=plan, worker_hook="faults:install")
@@ -258,7 +260,9 @@ def start_server(manager) -> LiveServer:
 @pytest.fixture(scope="session")
 def server_manager(plus_ckpt) -> PipelineManager:
     """Two CPU workers, so concurrency and the shared line are exercised."""
-    return session_manager(plus_ckpt, workers=2, QUEUE_MAX_SIZE="4")
+    # CLIENT_SHARE=1: tests here fill the line from one client on purpose (the share is tested in
+    # test_manager.py and test_jobs_api.py).
+    return session_manager(plus_ckpt, workers=2, QUEUE_MAX_SIZE="4", CLIENT_SHARE="1")
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import random
+import re
 import threading
 import time
 import uuid
@@ -17,7 +18,7 @@ import uuid
 import httpx
 import openai
 import pytest
-from conftest import ROOT, ConcurrencyProbe, make_manager, picture, start_server
+from conftest import ROOT, ConcurrencyProbe, make_manager, picture, start_server, wait_for
 from gradio_client import Client, handle_file
 from raw_gradio import RawGradio, file_data
 
@@ -184,7 +185,8 @@ def test_junk_over_rest_is_an_openai_error(live_server, server_manager):
 
 @pytest.fixture(scope="module")
 def keyed(plus_ckpt):
-    manager = make_manager(plus_ckpt, API_KEY="s3cret-key", GRADIO_AUTH="ann:pw-1")
+    manager = make_manager(plus_ckpt, API_KEY="s3cret-key", API_KEYS="ci:ci-key-0001,alice:alice-key-01",
+                           GRADIO_AUTH="ann:pw-1,bob:pw-2")
     with start_server(manager) as server:
         yield server, manager
 
@@ -218,6 +220,52 @@ def test_api_key_and_login_hold(keyed):
         Client(server.url, verbose=False)
     c = Client(server.url, auth=("ann", "pw-1"), verbose=False)
     assert c.predict(api_name="/gpu_status")["workers"]
+
+
+def test_owned_keys_and_logins_each_see_their_own_and_open_views_show_no_ids(keyed, image_file):
+    """#27 items 3, 4, 13: unguessable request ids; a named key (API_KEYS) reads only its own results;
+    /health and /gpu_status show neither job ids, process ids, the checkpoint's path nor LoRA files
+    (those are in /v1/status, for key holders); two logins have two Histories."""
+    server, manager = keyed
+    keys = {name: {"authorization": f"Bearer {key}"} for name, key in
+            (("ci", "ci-key-0001"), ("alice", "alice-key-01"), ("shared", "s3cret-key"))}
+    made = [httpx.post(f"{server.url}/v1/images/edits", files={"image": ("a.png", png(), "image/png")},
+                       data=FIELDS, headers=keys["ci"], timeout=120).json()["request_id"] for _ in range(2)]
+    assert all(re.fullmatch(r"req_[A-Za-z0-9_-]{16}", rid) for rid in made) and made[0] != made[1], made
+    wait_for(lambda: httpx.get(f"{server.url}/v1/jobs/{made[0]}", headers=keys["ci"], timeout=30).status_code == 200,
+             30)  # stored after the reply
+    for other in ("alice", "shared"):
+        r = httpx.get(f"{server.url}/v1/jobs/{made[0]}/result", headers=keys[other], timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (other, r.text)
+    assert httpx.get(f"{server.url}/v1/jobs/{made[0]}/result", timeout=30).status_code == 401
+
+    # While a job runs: the open views say "a job", /v1/status (any key) names it and the pids.
+    slow = threading.Thread(target=lambda: httpx.post(
+        f"{server.url}/v1/images/edits", files={"image": ("a.png", png(), "image/png")},
+        data={**FIELDS, "prompt": "[slow] make it red", "num_inference_steps": "8"}, headers=keys["alice"],
+        timeout=120))
+    slow.start()
+    assert httpx.get(f"{server.url}/v1/status", timeout=30).status_code == 401
+
+    def running() -> dict | None:
+        details = httpx.get(f"{server.url}/v1/status", headers=keys["alice"], timeout=30).json()
+        return next((w for w in details["workers"] if w["job_id"]), None)
+
+    wait_for(lambda: running() is not None, 60)
+    job_id, pids = running()["job_id"], running()["pids"]
+    health = httpx.get(f"{server.url}/health", timeout=30)
+    gpu_status = Client(server.url, auth=("bob", "pw-2"), verbose=False).predict(api_name="/gpu_status")
+    for open_view in (health.json(), gpu_status):
+        assert [w["job_id"] for w in open_view["workers"]] == ["a job"], open_view
+        assert all("pids" not in w for w in open_view["workers"])
+        assert "/" not in open_view["model"] and all("file" not in lora for lora in open_view["loras"])
+    assert job_id.startswith("req_") and job_id not in health.text and pids and str(pids[0]) not in health.text
+    slow.join(120)
+
+    # Two logins, two Histories: ann's edit is not in bob's.
+    ann, bob = (Client(server.url, auth=login, verbose=False) for login in (("ann", "pw-1"), ("bob", "pw-2")))
+    ann.predict([handle_file(str(image_file))], "x", "", 3, False, 2, 4.0, 1, 64, 64, api_name="/edit")
+    assert len(ann.predict(api_name="/history")) == 1 and bob.predict(api_name="/history") == []
 
 
 def test_concurrent_clients_of_every_kind_with_junk_between(live_server, server_manager, image_file, uploaded):

@@ -219,7 +219,7 @@ def test_the_server_process_never_imports_torch(tmp_path):
         assert edit.status_code == 200, edit.text
         maps = Path(f"/proc/{server.pid}/maps").read_text()
         assert "libtorch" not in maps, "the server process has libtorch mapped"
-        workers = [p for w in httpx.get(f"{url}/health").json()["workers"] for p in w["pids"]]
+        workers = [p for w in httpx.get(f"{url}/v1/status").json()["workers"] for p in w["pids"]]
         assert workers and all("libtorch" in Path(f"/proc/{p}/maps").read_text() for p in workers)
         server.send_signal(signal.SIGTERM)
         assert server.wait(60) == 0, server.stderr.read()[-3000:]

@@ -189,3 +189,4 @@ def test_a_24gb_card_runs_quantized_and_streamed_under_its_cap(real_ckpt, compil
         assert components["text_encoder"]["location"].startswith("CPU")
     finally:
         manager.close()
+

@@ -106,6 +106,19 @@ def test_pruned_by_age_and_by_size(tmp_path, result):
     assert sorted(p.name for p in Path(tmp_path).glob("*/*") if p.is_dir()) == sorted(e.folder.name for e in kept)
 
 
+def test_over_the_size_cap_the_heaviest_owner_loses_its_oldest_first(tmp_path, result):
+    """One client's edits must not push out everyone else's: the light owner's older result stays."""
+    req, res = result
+    store = HistoryStore(tmp_path)
+    light = store.save("light", "job-l", 0, req, res)
+    heavy = [store.save("heavy", "job-h", i, req, res) for i in range(3)]
+    capped = HistoryStore(tmp_path, max_bytes=int(light.bytes * 3.5))  # opening prunes
+    assert [e.id for e in capped.list("light")] == [light.id]
+    assert sorted(e.id for e in capped.list("heavy")) == sorted(e.id for e in heavy[1:])
+    store.close()
+    capped.close()
+
+
 def test_reopening_drops_a_half_written_folder(tmp_path, result):
     req, res = result
     HistoryStore(tmp_path).save("o", "job", 0, req, res)
@@ -258,3 +271,21 @@ def test_rerun_repeats_the_speed_and_lora_and_a_retired_lora_is_a_clear_error(lo
     assert server.manager.status().workers[0].jobs_done == jobs_done
     raw.close()
 
+
+
+def test_history_exports_are_swept_not_left_one_folder_a_click(tmp_path):
+    """#27 item 5: "pick" and "Open in the editor" hand Gradio a copy; 25 clicks once left 25 folders."""
+    import os
+
+    from imgedit.web import history_tab
+
+    source = tmp_path / "out-0.png"
+    picture().save(source)
+    made = [Path(history_tab._export([source], f"imgedit-{n}")) for n in range(25)]
+    assert all(p.exists() for p in made)  # fresh copies stay: Gradio is still copying them into its cache
+    old = time.time() - history_tab.EXPORT_KEEP_S - 1
+    for p in made:
+        os.utime(p.parent, (old, old))
+    latest = Path(history_tab._export([source, source], "imgedit-zip"))
+    assert latest.exists() and latest.suffix == ".zip"
+    assert not any(p.parent.exists() for p in made)  # (other tests' recent exports may be there too)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import io
+import math
 import struct
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -116,3 +118,39 @@ def test_settings_chunks_round_trip_and_junk_is_left_out(tmp_path):
     save_png(other, tmp_path / "theirs.png")
     (tmp_path / "text.png").write_text("not an image")
     assert read_settings(tmp_path / "theirs.png") == {} and read_settings(tmp_path / "text.png") == {}
+
+
+def test_restore_offers_only_what_a_request_could_carry_and_skips_bulky_chunks(tmp_path):
+    """#27 item 12: a seed over 2**64 (it once broke the upload event), a NaN CFG, an out-of-range size
+    are not offered; 2,000 text chunks, a 3 MB zTXt or an over-long chunk make the PNG not ours."""
+    from PIL import PngImagePlugin
+
+    from imgedit.config.settings import load_settings
+    from imgedit.engine.images import read_settings, save_png, stamp
+    from imgedit.web.tools import PageTools
+
+    ours = {"software": "imgedit 0.1.0", "prompt": "<b>make it red</b>", "seed": str(2**64 + 5),
+            "true_cfg_scale": "nan", "num_inference_steps": "8", "width": "99999", "height": "512"}
+    image = Image.new("RGB", (8, 8))
+    stamp([image], ours)
+    save_png(image, tmp_path / "odd.png")
+    stored = read_settings(tmp_path / "odd.png")
+    assert stored["seed"] == 2**64 + 5 and math.isnan(stored["true_cfg_scale"])  # parsed, not yet trusted
+    tools = PageTools(load_settings({}), "plus", 40)
+    assert tools.restorable(stored) == {"prompt": "<b>make it red</b>", "num_inference_steps": 8, "height": 512}
+
+    def png_with(add) -> Path:
+        info = PngImagePlugin.PngInfo()
+        info.add_text("software", "imgedit 0.1.0")
+        info.add_text("prompt", "x")
+        add(info)
+        path = tmp_path / f"bulky-{len(list(tmp_path.iterdir()))}.png"
+        Image.new("RGB", (8, 8)).save(path, pnginfo=info)
+        return path
+
+    assert read_settings(png_with(lambda info: None)) == {"prompt": "x"}
+    many = png_with(lambda info: [info.add_text(f"k{n}", "v") for n in range(2000)])
+    zipped = png_with(lambda info: info.add_text("junk", "a" * 3_000_000, zip=True))
+    long = png_with(lambda info: info.add_text("negative_prompt", "b" * 20_000))
+    squeezed = png_with(lambda info: info.add_itxt("note", "c" * 1000, zip=True))
+    assert [read_settings(p) for p in (many, zipped, long, squeezed)] == [{}, {}, {}, {}]

@@ -201,7 +201,8 @@ def test_bad_requests_are_refused_up_front(plus_ckpt, case, status, code, text, 
 
 @pytest.fixture(scope="module")
 def keyed_server(plus_ckpt):
-    manager = make_manager(plus_ckpt, API_KEY="secret", BATCH_MAX_ITEMS="3", JOBS_MAX_PENDING="4")
+    manager = make_manager(plus_ckpt, API_KEY="secret", API_KEYS="other:other-key-1", BATCH_MAX_ITEMS="3",
+                           JOBS_MAX_PENDING="4")
     with start_server(manager) as live:
         live.manager = manager
         yield live
@@ -210,12 +211,21 @@ def keyed_server(plus_ckpt):
 def test_pending_limit_gives_429(keyed_server):
     headers = {"Authorization": "Bearer secret"}
     files = [("batch", (f"p{i}.png", png(), "image/png")) for i in range(3)]
-    data = {**FIELDS, "num_inference_steps": "30"}
+    data = {**FIELDS, "num_inference_steps": "30", "prompt": "[slow] make it red"}  # >= 9 s an item: all stay pending
     first = httpx.post(f"{keyed_server.url}/v1/jobs", files=files, data=data, headers=headers, timeout=60)
     assert first.status_code == 202, first.text
     second = httpx.post(f"{keyed_server.url}/v1/jobs", files=files[:2], data=data, headers=headers, timeout=60)
     assert second.status_code == 429 and second.json()["error"]["code"] == "busy", second.text
+    # The fourth place is not for this client (it once took every place), but for another one.
+    one = files[:1]
+    mine = httpx.post(f"{keyed_server.url}/v1/jobs", files=one, data=data, headers=headers, timeout=60)
+    assert mine.status_code == 429 and "one client would hold more than 3 of the 4 places" in mine.text, mine.text
+    theirs = httpx.post(f"{keyed_server.url}/v1/jobs", files=one, data={**data, "num_inference_steps": "2"},
+                        headers={"Authorization": "Bearer other-key-1"}, timeout=60)
+    assert theirs.status_code == 202, theirs.text
     assert httpx.delete(f"{keyed_server.url}/v1/jobs/{first.json()['id']}", headers=headers).status_code == 200
+    assert wait_finished(keyed_server.url, theirs.json()["id"], headers={"Authorization": "Bearer other-key-1"},
+                         timeout=120)["state"] == "succeeded"
     wait_finished(keyed_server.url, first.json()["id"], headers=headers, timeout=60)
 
 

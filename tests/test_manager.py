@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -162,22 +163,28 @@ def test_cancel_while_waiting_leaves_the_line(plus_ckpt):
     assert outcome == {"error": "cancelled while waiting"} and manager.waiting() == 0
 
 
-def test_queue_full_answers_busy(plus_ckpt):
-    manager = make_manager(plus_ckpt, QUEUE_MAX_SIZE="1")
+def test_queue_full_answers_busy_and_one_client_holds_at_most_its_share(plus_ckpt):
+    """QUEUE_MAX_SIZE=2, CLIENT_SHARE=0.5: one place per client. A second waiting edit of the same
+    client is refused (it once took the whole line); another client still gets in; then the line is full."""
+    manager = make_manager(plus_ckpt, QUEUE_MAX_SIZE="2", CLIENT_SHARE="0.5")
     started = threading.Event()
-    runner = threading.Thread(target=lambda: manager.edit(request(num_inference_steps=6),
+    runner = threading.Thread(target=lambda: manager.edit(request(num_inference_steps=6, prompt="[slow] x"),
                                                           on_step=lambda s, t: started.set()))
     runner.start()
     started.wait(30)
-    waiter = threading.Thread(target=lambda: manager.edit(request()))
-    waiter.start()
-    deadline = time.time() + 10
-    while manager.waiting() != 1 and time.time() < deadline:
-        time.sleep(0.01)
-    with pytest.raises(QueueFull, match="busy"):
-        manager.edit(request())
-    runner.join(60)
-    waiter.join(60)
+    waiters = [threading.Thread(target=lambda c=c: manager.edit(replace(request(), client=c))) for c in ("a", "b")]
+    waiters[0].start()
+    wait_for(lambda: manager.waiting() == 1, 10)
+    with pytest.raises(QueueFull, match=r"you already have 1 edit\(s\) waiting; one client may hold at most 1 of "
+                                        r"the line's 2 places \(CLIENT_SHARE\)"):
+        manager.edit(replace(request(), client="a"))
+    waiters[1].start()  # another client is served
+    wait_for(lambda: manager.waiting() == 2, 10)
+    with pytest.raises(QueueFull, match=r"the server is busy \(2 jobs waiting\)"):
+        manager.edit(replace(request(), client="c"))
+    for t in (runner, *waiters):
+        t.join(60)
+    assert manager.waiting() == 0 and manager.workers[0].jobs_done == 3
 
 
 def test_out_of_memory_keeps_the_worker_in_service(plus_manager):

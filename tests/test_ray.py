@@ -83,8 +83,9 @@ class TwoNodes:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), saved or ""])
         self.cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={
             "num_cpus": 1, "resources": {"node_a": 1}, "include_dashboard": False,
-            # A node that stops answering is declared dead after ~1.5 s instead of ~30 s.
-            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3}})
+            # A node that stops answering is declared dead after ~10 s instead of ~30 s (1.5 s was too eager:
+            # on 2 loaded cores a live node missed it and was declared dead).
+            "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 10}})
         self.second = self.cluster.add_node(num_cpus=1, resources={"node_b": 1})
         self.cluster.wait_for_nodes()
         if saved is None:  # the raylets have it; nothing else in this session should

@@ -68,7 +68,6 @@ def test_dtype_aliases():
     ("AUTO_CLEANUP", "maybe", "true/false"),
     ("LOG_LEVEL", "LOUD", "DEBUG, INFO, WARNING, ERROR"),
     ("GPU_MEMORY_RESERVE", "lots", "a size such as"),
-    ("GRADIO_AUTH", "justuser", "user:password"),
     ("DEVICE_MAP", '{"transformer": {"0-59": 0}}', "device strings such as"),
     ("DEVICE_MAP", "[1, 2]", "a JSON object"),
 ])
@@ -76,6 +75,28 @@ def test_bad_values_name_variable_value_and_allowed(name, value, allowed):
     with pytest.raises(SettingsError) as info:
         load_settings({name: value})
     assert name in info.value.message and repr(value) in info.value.message and allowed in info.value.message
+
+
+@pytest.mark.parametrize("name, value", [
+    ("GRADIO_AUTH", "justuser-zqz"), ("API_KEYS", "ci:zqz"), ("API_KEYS", "a:zqz-one-1,a:zqz-two-2"),
+    ("API_KEYS", "a:zqz-key-1,b:zqz-key-1"), ("GRADIO_AUTH", "@/nonexistent/zqz")])
+def test_bad_credentials_are_refused_without_printing_them(name, value):
+    with pytest.raises(SettingsError) as info:
+        load_settings({name: value})
+    assert f"{name}=(hidden) is not valid" in info.value.message
+    assert "zqz" not in info.value.message
+
+
+def test_several_logins_and_owned_keys_from_text_or_a_file(tmp_path):
+    logins = tmp_path / "logins"
+    logins.write_text("# page users\nann:pw,with,commas\nbob:pa:ss\n")
+    s = load_settings({"GRADIO_AUTH": f"@{logins}", "API_KEYS": "ci:ci-key-123, alice:alice-key-456"})
+    assert s.auth == [("ann", "pw,with,commas"), ("bob", "pa:ss")]
+    assert s.api_keys == (("ci", "ci-key-123"), ("alice", "alice-key-456")) and s.keys_required
+    assert load_settings({"GRADIO_AUTH": "ann:pw-1,bob:pw-2"}).auth == [("ann", "pw-1"), ("bob", "pw-2")]
+    assert load_settings({}).auth is None and not load_settings({}).keys_required
+    with pytest.raises(SettingsError, match="API_KEY is also one of API_KEYS"):
+        load_settings({"API_KEY": "ci-key-123", "API_KEYS": "ci:ci-key-123"})
 
 
 def test_default_steps_above_max_steps_is_refused():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import sqlite3
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import httpx
@@ -152,6 +154,46 @@ def test_sigterm_lets_the_running_job_finish_fails_queued_ones_and_exits(app_pro
     assert "Traceback" not in log, log
     with sqlite3.connect(server.output_dir / "history.sqlite3") as db:  # the finished job was stored, only it
         assert db.execute("SELECT COUNT(*), MIN(steps) FROM results").fetchone() == (1, 12)
+        # The batch job's record on disk says what happened to each item (#27 item 7).
+        finished, items = db.execute("SELECT finished, items FROM jobs WHERE id = ?", (batch.json()["id"],)).fetchone()
+        assert finished is not None and [i["state"] for i in json.loads(items)] == ["failed", "failed"], items
+
+
+def test_after_kill_9_a_restarted_server_reports_every_item_of_an_unfinished_job(plus_ckpt, tmp_path):
+    """#27 item 7: a 3-item job killed (-9) while its second item runs reads back after a restart as
+    partial: one succeeded, two failed "the server stopped before this item finished" (they once vanished
+    and the job read back as succeeded)."""
+    first = AppProcess(plus_ckpt, tmp_path, 60)
+    try:
+        first.wait_ready()
+        files = [("batch", (f"p{i}.png", png(), "image/png")) for i in range(3)]
+        job = httpx.post(f"{first.url}/v1/jobs", files=files, data={**FIELDS, "num_inference_steps": "40"},
+                         timeout=60).json()
+
+        def second_item_runs() -> bool:
+            view = httpx.get(f"{first.url}/v1/jobs/{job['id']}", timeout=10).json()
+            return view["done"] == 1 and view["items"][1]["state"] == "running"
+
+        wait_for(second_item_runs, 180, "the second item never started")
+        first.proc.kill()
+        first.proc.wait(10)
+    finally:
+        first.stop()
+    again = AppProcess(plus_ckpt, tmp_path, 60)  # same OUTPUT_DIR
+    try:
+        again.wait_ready()
+        view = httpx.get(f"{again.url}/v1/jobs/{job['id']}", timeout=10).json()
+        assert (view["state"], view["done"], view["failed"], view["restored"]) == ("partial", 1, 2, True), view
+        assert [i["state"] for i in view["items"]] == ["succeeded", "failed", "failed"]
+        assert {i["error"] for i in view["items"][1:]} == {"the server stopped before this item finished"}
+        assert view["items"][0]["outputs"] == 1 and view["items"][0]["seed"] == 1
+        result = httpx.get(f"{again.url}/v1/jobs/{job['id']}/result", timeout=30)
+        names = zipfile.ZipFile(io.BytesIO(result.content)).namelist()
+        assert result.status_code == 200 and names == ["001-p0.png", "errors.txt"], names
+        other = httpx.get(f"{again.url}/v1/jobs/{job['id']}", headers={"Authorization": "Bearer b"}, timeout=10)
+        assert other.status_code == 404
+    finally:
+        again.stop()
 
 
 @pytest.mark.parametrize("app_process", [2], indirect=True)

@@ -142,8 +142,8 @@ def test_stopping_the_server_leaves_no_worker_process(plus_ckpt, how):
 
         wait_for(healthy, 180)
         workers = [p for c in _children(server.pid) for p in [c, *_children(c)]]
-        health = httpx.get(f"http://127.0.0.1:{port}/health").json()
-        pids = [p for w in health["workers"] for p in w["pids"]]
+        details = httpx.get(f"http://127.0.0.1:{port}/v1/status").json()  # /health shows no pids
+        pids = [p for w in details["workers"] for p in w["pids"]]
         assert pids and set(pids) <= set(workers)
         server.send_signal(getattr(signal, how))
         server.wait(30)

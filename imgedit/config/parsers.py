@@ -7,6 +7,7 @@ import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 GIB = 1024**3
@@ -185,3 +186,42 @@ def parse_skip(raw: str) -> tuple[str, ...]:
 def is_skipped(fqn: str, skip: tuple[str, ...] | list[str]) -> bool:
     """QUANTIZE_SKIP names match whole dotted segments (`img_mlp` matches blocks.3.img_mlp.net.0)."""
     return any(f".{s}." in f".{fqn}." for s in skip)
+
+
+_NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
+
+
+def _credentials(what: str, min_secret: int) -> Callable[[str], tuple[tuple[str, str], ...]]:
+    """`name:secret` pairs separated by commas or newlines, or `@/path/to/file` holding them one per
+    line (for secrets with commas, or a mounted secret). Names and secrets must be unique."""
+
+    def parse(raw: str) -> tuple[tuple[str, str], ...]:
+        text = raw.strip()
+        if text.startswith("@"):
+            try:
+                with open(Path(text[1:]).expanduser(), encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as exc:
+                raise ValueError(f"a readable file of {what} (one per line): {exc.strerror}") from None
+            parts = [line.strip() for line in text.splitlines()]
+        else:
+            parts = [part.strip() for part in re.split(r"[,\n]", text)]
+        pairs: list[tuple[str, str]] = []
+        for part in parts:
+            if not part or part.startswith("#"):
+                continue
+            name, sep, secret = part.partition(":")
+            if not sep or not _NAME.fullmatch(name.strip()) or len(secret.strip()) < min_secret:
+                raise ValueError(f"{what} as name:secret (name: letters, digits, _.@-; secret: at least "
+                                 f"{min_secret} characters), separated by commas, or @file with one per line")
+            pairs.append((name.strip(), secret.strip()))
+        names, secrets = [n for n, _ in pairs], [s for _, s in pairs]
+        if len(set(names)) < len(names) or len(set(secrets)) < len(secrets):
+            raise ValueError(f"{what} with unique names and unique secrets")
+        return tuple(pairs)
+
+    return parse
+
+
+parse_api_keys = _credentials("API keys", 8)
+parse_logins = _credentials("logins", 1)

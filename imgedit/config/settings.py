@@ -27,7 +27,9 @@ from imgedit.config.parsers import (
     _optional_str,
     _size,
     _str,
+    parse_api_keys,
     parse_device_map,
+    parse_logins,
     parse_offload,
     parse_quantize,
     parse_skip,
@@ -100,6 +102,9 @@ REGISTRY: tuple[Var, ...] = (
         "Where the compiler keeps its cache, so a restart does not compile again (a volume in compose/k8s)"),
     Var("WORKER_RESTARTS", "3", _int_range(0, 100),
         "How many times a worker process that dies is restarted before it is reported failed"),
+    Var("WORKER_START", "spawn", _choice("spawn", "forkserver"),
+        "How local worker processes start: spawn (a fresh interpreter each) | forkserver (torch imported once, "
+        "workers forked from it; CPU only for now: on the GPU machine a forked worker could not use CUDA)"),
     Var("WORKERS", "local", _choice("local", "ray"),
         "local = worker processes on this machine | ray = Ray actors anywhere in the cluster at RAY_ADDRESS"),
     Var("RAY_ADDRESS", "", _optional_str,
@@ -110,20 +115,29 @@ REGISTRY: tuple[Var, ...] = (
     Var("LOG_LEVEL", "INFO", _choice(*LOG_LEVELS, upper=True), "DEBUG | INFO | WARNING | ERROR"),
     Var("GRADIO_SERVER_NAME", "0.0.0.0", _str, "Address the server listens on"),
     Var("GRADIO_SERVER_PORT", "7860", _int_range(1, 65535), "Port the server listens on (UI, API, REST)"),
-    Var("API_KEY", "", _optional_str, "When set, /metrics and /v1/* need 'Authorization: Bearer <key>'"),
-    Var("GRADIO_AUTH", "", _optional_str, "Optional basic auth for the UI, as user:password"),
+    Var("API_KEY", "", _optional_str,
+        "When set, /metrics and /v1/* need 'Authorization: Bearer <key>'; every holder shares one set of jobs"),
+    Var("API_KEYS", "", parse_api_keys,
+        "Keys with owners, name:key,name2:key2 or @file (one per line): each key sees only its own jobs"),
+    Var("GRADIO_AUTH", "", parse_logins,
+        "Logins for the page, user:password,user2:password2 or @file (one per line); each user has a History"),
+    Var("CLIENT_SHARE", "0.5", _float_range(0.05, 1.0),
+        "The most of QUEUE_MAX_SIZE and of JOBS_MAX_PENDING one client (key, login or browser) may hold"),
     Var("OUTPUT_DIR", "~/.cache/imgedit/outputs", _str,
         "Where finished edits (PNGs, inputs for re-runs) and the history index (SQLite) are kept"),
     Var("OUTPUT_RETENTION_HOURS", "168", _float_range(0.0, 1_000_000.0),
         "Delete stored results older than this many hours; 0 = keep until OUTPUT_MAX_GB"),
     Var("OUTPUT_MAX_GB", "20", _float_range(0.0, 1_000_000.0),
-        "Most disk space stored results may take (GB); the oldest go first; 0 = no limit"),
+        "Most disk space stored results may take (GB); the oldest of whoever holds most go first; 0 = no limit"),
     Var("BATCH_MAX_ITEMS", "32", _int_range(1, 1000), "Most input sets (images) in one batch job"),
     Var("JOBS_MAX_PENDING", "128", _int_range(1, 100_000),
         "Most batch and async-job items held unfinished at once; more get 'busy, try later'"),
     Var("SHUTDOWN_GRACE_S", "60", _int_range(0, 3600),
         "On SIGTERM: seconds running jobs get to finish (keep compose/k8s grace periods above it)"),
 )
+
+
+SECRET = ("API_KEY", "API_KEYS", "GRADIO_AUTH")  # never printed
 
 
 def _attr(var: Var) -> str:
@@ -162,6 +176,7 @@ class Settings:
     compile: str = "auto"
     compile_cache_dir: str = "~/.cache/imgedit/compile"
     worker_restarts: int = 3
+    worker_start: str = "spawn"
     workers: str = "local"
     ray_address: str | None = None
     ray_connect_timeout: int = 30
@@ -170,7 +185,9 @@ class Settings:
     gradio_server_name: str = "0.0.0.0"
     gradio_server_port: int = 7860
     api_key: str | None = None
-    gradio_auth: str | None = None
+    api_keys: tuple[tuple[str, str], ...] = ()
+    gradio_auth: tuple[tuple[str, str], ...] = ()
+    client_share: float = 0.5
     output_dir: str = "~/.cache/imgedit/outputs"
     output_retention_hours: float = 168.0
     output_max_gb: float = 20.0
@@ -187,11 +204,13 @@ class Settings:
         return self.qwen_model_dir or self.qwen_model
 
     @property
-    def auth(self) -> tuple[str, str] | None:
-        if not self.gradio_auth:
-            return None
-        user, _, password = self.gradio_auth.partition(":")
-        return (user, password)
+    def auth(self) -> list[tuple[str, str]] | None:
+        """Gradio's `auth`: the logins, or None for an open page."""
+        return list(self.gradio_auth) or None
+
+    @property
+    def keys_required(self) -> bool:
+        return bool(self.api_key or self.api_keys)
 
 
 def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -204,7 +223,8 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
         try:
             values[_attr(var)] = var.parse(raw)
         except ValueError as exc:
-            problems.append(f"{var.name}={raw!r} is not valid: expected {exc}")
+            shown = "(hidden)" if var.name in SECRET else repr(raw)  # a typo must not print the keys
+            problems.append(f"{var.name}={shown} is not valid: expected {exc}")
     steps, most = values.get("default_steps"), values.get("max_steps")
     if steps is not None and most is not None and steps > most:
         problems.append(f"DEFAULT_STEPS={steps} is above MAX_STEPS={most}")
@@ -212,8 +232,8 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
     if values.get("batch_cfg") == "on" and device_map is not None and device_map.mode in ("cfg-parallel", "ulysses"):
         problems.append(f"BATCH_CFG=on runs both CFG branches in one forward on one GPU, but DEVICE_MAP="
                         f"{env.get('DEVICE_MAP')} splits each job over a group of GPUs; use BATCH_CFG=auto or off")
-    if values.get("gradio_auth") and ":" not in values["gradio_auth"]:
-        problems.append(f"GRADIO_AUTH={values['gradio_auth']!r} is not valid: expected user:password")
+    if values.get("api_key") and any(values["api_key"] == key for _, key in values.get("api_keys") or ()):
+        problems.append("API_KEY is also one of API_KEYS: give the shared key and the owned keys different values")
     if not problems:
         try:
             values["lora_entries"] = entries(values["lora_dir"], values["loras"], values["fast_lora_4step"],

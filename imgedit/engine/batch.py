@@ -24,6 +24,7 @@ from pathlib import PurePosixPath
 from imgedit.config.settings import Settings
 from imgedit.engine.history import HistoryEntry, HistoryStore
 from imgedit.engine.images import open_image
+from imgedit.engine.job_records import JobRecords, job_state
 from imgedit.errors import Cancelled, ImgEditError, InputTooLarge, InvalidInput, QueueFull
 from imgedit.protocol import EditRequest, new_request_id
 
@@ -68,13 +69,7 @@ class Job:
 
     @property
     def state(self) -> str:
-        states = [i.state for i in self.items]
-        if any(s in ("queued", "running") for s in states):
-            return "running" if any(s != "queued" for s in states) else "queued"
-        if self.cancel.is_set() and "succeeded" not in states:
-            return "cancelled"
-        ok = states.count("succeeded")
-        return "succeeded" if ok == len(states) else ("failed" if ok == 0 else "partial")
+        return job_state([i.state for i in self.items], self.cancel.is_set())
 
     @property
     def finished(self) -> bool:
@@ -95,17 +90,25 @@ class Job:
             pass
         self._changed.clear()
 
-    def view(self) -> dict:
+    def settings(self) -> dict:
         t = self.template
-        return {"id": self.id, "object": "job", "state": self.state, "created": int(self.created),
-                "position": self.position, "prompt": t.prompt, "num_inference_steps": t.num_inference_steps,
-                "n": t.num_images, "speed": t.speed, "lora": t.lora, "lora_scale": t.lora_scale,
-                "items": [i.view() for i in self.items],
-                "done": sum(i.state == "succeeded" for i in self.items),
-                "failed": sum(i.state in ("failed", "cancelled") for i in self.items)}
+        return {"prompt": t.prompt, "num_inference_steps": t.num_inference_steps, "n": t.num_images,
+                "speed": t.speed, "lora": t.lora, "lora_scale": t.lora_scale}
+
+    def view(self) -> dict:
+        return job_view(self.id, self.state, self.created, self.position, self.settings(),
+                        [i.view() for i in self.items])
 
     def entries(self) -> list[HistoryEntry]:
         return [i.entry for i in self.items if i.entry is not None]
+
+
+def job_view(job_id: str, state: str, created: float, position: int | None, settings: dict,
+             items: list[dict]) -> dict:
+    """What GET /v1/jobs/<id> answers, for a job in memory or one read back from disk."""
+    return {"id": job_id, "object": "job", "state": state, "created": int(created), "position": position,
+            **settings, "items": items, "done": sum(i["state"] == "succeeded" for i in items),
+            "failed": sum(i["state"] in ("failed", "cancelled") for i in items)}
 
 
 def expand_uploads(files: list[tuple[str, bytes]], max_items: int, max_file_size: int) -> list[tuple[str, bytes]]:
@@ -182,9 +185,19 @@ class JobService:
         self.history = history
         self._jobs: dict[str, Job] = {}
         self._tasks: set[asyncio.Task] = set()
+        self.records = JobRecords(history.root)  # every item's state on disk, for after a restart
 
-    def pending_items(self) -> int:
-        return sum(i.state in ("queued", "running") for j in self._jobs.values() for i in j.items)
+    def pending_items(self, owner: str | None = None) -> int:
+        return sum(i.state in ("queued", "running") for j in self._jobs.values() for i in j.items
+                   if owner is None or j.owner == owner)
+
+    def client_items(self) -> int:
+        """The most unfinished items one client may hold: CLIENT_SHARE of JOBS_MAX_PENDING, but never
+        less than one full job (BATCH_MAX_ITEMS) and, where there is room for two, always one place
+        left for somebody else."""
+        total = self.settings.jobs_max_pending
+        most = max(int(total * self.settings.client_share), min(self.settings.batch_max_items, total))
+        return min(most, total - 1) if total > 1 else total
 
     def submit(self, owner: str, template: EditRequest, inputs: list[tuple[str, list[bytes]]], source: str) -> Job:
         """Start a job (on the running event loop). Raises InvalidInput or QueueFull."""
@@ -196,6 +209,11 @@ class JobService:
         pending = self.pending_items()
         if pending + len(inputs) > settings.jobs_max_pending:
             raise QueueFull(f"the server is busy ({pending} batch items unfinished); try again later")
+        mine, most = self.pending_items(owner), self.client_items()
+        if mine + len(inputs) > most:
+            raise QueueFull(f"you already have {mine} batch item(s) unfinished; with these {len(inputs)} one client "
+                            f"would hold more than {most} of the {settings.jobs_max_pending} places (CLIENT_SHARE of "
+                            "JOBS_MAX_PENDING); try again when some have finished")
         status = self.manager.status()
         if status.waiting >= settings.queue_max_size and not any(w.state == "idle" for w in status.workers):
             raise QueueFull(f"the server is busy ({status.waiting} jobs waiting); try again later")
@@ -204,6 +222,7 @@ class JobService:
         ahead = status.waiting + sum(w.state == "busy" for w in status.workers)
         job.items[0].position = ahead
         self._jobs[job.id] = job
+        self._persist(job)
         task = asyncio.get_running_loop().create_task(self._run(job))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -214,10 +233,19 @@ class JobService:
         job = self._jobs.get(job_id)
         return job if job is not None and job.owner == owner else None
 
+    def _persist(self, job: Job) -> None:
+        try:
+            self.records.write(job.id, job.owner, job.source, job.created, job.settings(),
+                               [i.view() for i in job.items], job.finished_at, job.cancel.is_set())
+        except Exception:  # a full disk must not fail the job itself; its record is stale
+            log.exception("%s: writing the job's state failed", job.id)
+
     def _forget_old(self) -> None:
         now = time.time()
         for job_id in [j.id for j in self._jobs.values() if j.finished_at and now - j.finished_at > KEEP_FINISHED_S]:
             del self._jobs[job_id]
+        if self.settings.output_retention_hours > 0:  # their results are gone by then
+            self.records.forget_before(now - self.settings.output_retention_hours * 3600)
 
     async def _run(self, job: Job) -> None:
         slots = asyncio.Semaphore(max(1, len(self.manager.status().workers)))
@@ -226,6 +254,7 @@ class JobService:
             async with slots:  # FIFO: items join the line in order, one per worker at a time
                 await self._run_item(job, item)
                 job.touch()
+                await asyncio.to_thread(self._persist, job)
 
         try:
             await asyncio.gather(*(one(item) for item in job.items))
@@ -235,6 +264,7 @@ class JobService:
                     item.state, item.error, item.inputs = "cancelled", "stopped", None
             job.finished_at = time.time()
             job.touch()
+            self._persist(job)  # not in a thread: the task may be being cancelled (server stopping)
             log.info("%s %s: %d/%d succeeded", job.id, job.state, sum(i.state == "succeeded" for i in job.items),
                      len(job.items))
 
@@ -246,7 +276,7 @@ class JobService:
             images = await asyncio.to_thread(
                 lambda: tuple(open_image(raw, settings.max_input_pixels, f"{item.name}") for raw in item.inputs))
             # The template's prompt and every setting (speed, lora and lora_scale included) carry over.
-            req = replace(job.template, images=images, request_id=new_request_id(), source=job.source)
+            req = replace(job.template, images=images, request_id=new_request_id(), source=job.source, client=job.owner)
 
             def on_wait(ahead: int) -> None:
                 item.position = ahead

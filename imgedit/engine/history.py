@@ -9,6 +9,7 @@ Only successful jobs are stored; nothing is written for a failed or cancelled on
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import secrets
 import shutil
@@ -225,22 +226,29 @@ class HistoryStore:
             return self._db.execute("SELECT COALESCE(SUM(bytes), 0) FROM results").fetchone()[0]
 
     def prune(self, now: float | None = None) -> int:
-        """Drop items older than the retention, then the oldest until under the size cap. Returns
-        how many were removed."""
+        """Drop items older than the retention, then, until under the size cap, the oldest item of
+        whoever holds the most bytes. Returns how many were removed."""
         now = time.time() if now is None else now
         removed: list[HistoryEntry] = []
         if self.retention_s > 0:
             removed += self._select("WHERE created < ?", (now - self.retention_s,))
         if self.max_bytes > 0:
             over = self.total_bytes() - sum(e.bytes for e in removed) - self.max_bytes
-            if over > 0:
+            if over > 0:  # the heaviest owner's oldest first: one client's edits cannot push out everyone's
                 gone = {e.id for e in removed}
+                queues: dict[str, collections.deque[HistoryEntry]] = {}
                 for entry in self._select("ORDER BY created, item", ()):
-                    if over <= 0:
-                        break
                     if entry.id not in gone:
-                        removed.append(entry)
-                        over -= entry.bytes
+                        queues.setdefault(entry.owner, collections.deque()).append(entry)
+                weight = {owner: sum(e.bytes for e in queue) for owner, queue in queues.items()}
+                while over > 0 and weight:
+                    owner = max(weight, key=weight.__getitem__)
+                    entry = queues[owner].popleft()
+                    removed.append(entry)
+                    over -= entry.bytes
+                    weight[owner] -= entry.bytes
+                    if not queues[owner]:
+                        del weight[owner]
         if removed:
             self._remove(removed)
             log.info("history: pruned %d stored result(s)", len(removed))

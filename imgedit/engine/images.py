@@ -126,9 +126,48 @@ def png_bytes(image: Image.Image, compress_level: int = 1) -> bytes:
     return buffer.getvalue()
 
 
+MAX_TEXT_CHUNKS = 32  # ours carry about a dozen
+MAX_TEXT_CHUNK_BYTES = 4 * MAX_CHUNK + 256  # a prompt of MAX_CHUNK characters, as UTF-8, plus its keyword
+
+
+def _plain_text_chunks(path: str | Path) -> bool:
+    """Whether the PNG's text chunks look like ours before Pillow decodes any: at most MAX_TEXT_CHUNKS,
+    none over MAX_TEXT_CHUNK_BYTES, none compressed (we never write zTXt or compressed iTXt; a 3 MB
+    zTXt or 2,000 chunks are somebody else's, and Pillow would inflate them all)."""
+    count = 0
+    try:
+        with open(path, "rb") as f:
+            if f.read(8) != b"\x89PNG\r\n\x1a\n":
+                return False
+            while header := f.read(8):
+                if len(header) < 8:
+                    return False
+                length, kind = int.from_bytes(header[:4], "big"), header[4:]
+                if kind in (b"IDAT", b"IEND"):
+                    return True
+                if kind in (b"tEXt", b"zTXt", b"iTXt"):
+                    count += 1
+                    if kind == b"zTXt" or count > MAX_TEXT_CHUNKS or length > MAX_TEXT_CHUNK_BYTES:
+                        return False
+                    if kind == b"iTXt":
+                        data = f.read(length)
+                        keyword_end = data.find(b"\0")
+                        if keyword_end < 0 or data[keyword_end + 1:keyword_end + 2] != b"\0":
+                            return False  # compressed
+                        f.seek(4, 1)  # CRC
+                        continue
+                f.seek(length + 4, 1)
+    except OSError:
+        return False
+    return False
+
+
 def read_settings(path: str | Path) -> dict[str, str | int | float]:
     """The restorable settings stored in a PNG we made ({} for any other file). Reads the header
-    chunks only; values that do not parse are left out, never trusted as given."""
+    chunks only, and only when they look like ours; values that do not parse are left out, never
+    trusted as given (the page also checks each as a request field: imgedit.web.tools)."""
+    if not _plain_text_chunks(path):
+        return {}
     try:
         with Image.open(path, formats=["PNG"]) as image:
             chunks = dict(image.text) if hasattr(image, "text") else {}

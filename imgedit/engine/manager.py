@@ -40,6 +40,15 @@ ERRORS = {cls.kind: cls for cls in (Cancelled, OutOfGpuMemory, WorkerFailed, Not
 WARMUP_SIZES = ((1024, 1024), (832, 1248))
 
 
+class _Ticket:
+    """A place in the line (compared by identity), and whose it is."""
+
+    __slots__ = ("client",)
+
+    def __init__(self, client: str | None):
+        self.client = client
+
+
 class PipelineManager:
     def __init__(self, settings: Settings, plan: Plan | None = None, gpus: Sequence[GpuSpec] | None = None,
                  worker_hook: str | None = None, warmup_sizes: tuple[tuple[int, int], ...] = WARMUP_SIZES):
@@ -52,7 +61,7 @@ class PipelineManager:
         self.checkpoint: Checkpoint | None = None
         self.load_error: str | None = None
         self._cond = threading.Condition()
-        self._line: collections.deque[object] = collections.deque()
+        self._line: collections.deque[_Ticket] = collections.deque()
         self.listeners: list[Callable[[JobRecord], None]] = []
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._started = False
@@ -138,7 +147,7 @@ class PipelineManager:
             from imgedit.engine.ray_pool import RayWorkerHandle
 
             return RayWorkerHandle(plan, spec, node_id=self._nodes.get(plan.name), visible=None, **common)
-        return WorkerHandle(plan, spec, visible=s.cuda_visible_devices, **common)
+        return WorkerHandle(plan, spec, visible=s.cuda_visible_devices, start_method=s.worker_start, **common)
 
     def _changed(self) -> None:
         with self._cond:
@@ -190,12 +199,22 @@ class PipelineManager:
     def _alive(self) -> bool:
         return any(w.state in ("idle", "busy", "loading", "restarting") for w in self.workers)
 
-    def _acquire(self, cancel: threading.Event | None, on_wait: WaitCallback | None) -> WorkerHandle:
+    def client_places(self) -> int:
+        """The most places in the line one client may hold (CLIENT_SHARE of QUEUE_MAX_SIZE, at least one)."""
+        return max(1, int(self.settings.queue_max_size * self.settings.client_share))
+
+    def _acquire(self, cancel: threading.Event | None, on_wait: WaitCallback | None,
+                 client: str | None = None) -> WorkerHandle:
         with self._cond:
             idle = [w for w in self.workers if w.state == "idle"]
             if len(self._line) >= self.settings.queue_max_size and not idle:
                 raise QueueFull(f"the server is busy ({len(self._line)} jobs waiting); try again later")
-            ticket = object()
+            held = sum(t.client == client for t in self._line) if client is not None else 0
+            if held >= self.client_places() and not idle:
+                raise QueueFull(f"you already have {held} edit(s) waiting; one client may hold at most "
+                                f"{self.client_places()} of the line's {self.settings.queue_max_size} places "
+                                "(CLIENT_SHARE); try again when one has started")
+            ticket = _Ticket(client)
             self._line.append(ticket)
             reported = -1
             try:
@@ -266,7 +285,7 @@ class PipelineManager:
             params = resolve(req, self.settings, self.family, req.images[-1].size if req.images else None,
                              len(req.images))
             steps = params.steps
-            worker = self._acquire(cancel, on_wait)
+            worker = self._acquire(cancel, on_wait, req.client)
             if cancel.is_set():
                 raise Cancelled("cancelled before it started")
             events = worker.submit(Job(req, params, self.family))

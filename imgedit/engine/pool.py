@@ -27,8 +27,17 @@ from imgedit.protocol import WorkerStatus
 from imgedit.runtime.messages import Cancel, Channel, Done, Failed, Job, LoadFailed, Ready, Step, Stop, WorkerSpec
 
 log = logging.getLogger(__name__)
-_CTX = multiprocessing.get_context("spawn")
 _START_LOCK = threading.Lock()
+_PRELOAD = "imgedit.runtime.preload"  # named, not imported: the server process never imports torch
+
+
+def _context(how: str):
+    """WORKER_START: "forkserver" forks every worker from one process that imported torch, diffusers
+    and our worker code once (imgedit.runtime.preload); "spawn" starts a fresh interpreter each time."""
+    ctx = multiprocessing.get_context(how)
+    if how == "forkserver":
+        ctx.set_forkserver_preload([_PRELOAD])
+    return ctx
 
 
 class WorkerDied:
@@ -78,11 +87,12 @@ def free_port() -> int:
 class WorkerHandle:
     def __init__(self, plan: WorkerPlan, spec: WorkerSpec, *, visible: str | None, cache_dir: str | None,
                  max_restarts: int, log_level: str = "INFO", on_change: Callable[[], None] = lambda: None,
-                 max_memory: tuple[int, ...] = ()):
+                 max_memory: tuple[int, ...] = (), start_method: str = "spawn"):
         self.plan = plan
         self.name = plan.name
         self.spec = spec  # rank 0's spec with the plan as planned; each rank gets its own at spawn
         self.visible, self.cache_dir, self.log_level = visible, cache_dir, log_level
+        self.start_method = start_method  # WORKER_START
         self.max_restarts = max_restarts
         self.max_memory = max_memory  # MAX_MEMORY as set: one value for all GPUs, or one per visible GPU
         self.on_change = on_change
@@ -119,14 +129,17 @@ class WorkerHandle:
             local, visible = localize(self.plan.for_rank(rank), self.visible)
             spec = replace(self.spec, rank=rank, world=self.plan.ranks, plan=local, master_port=port,
                            devices=self.plan.devices, memory_caps=self._caps(self.plan.for_rank(rank)))
-            inbox_read, inbox_write = _CTX.Pipe(duplex=False)
-            outbox_read, outbox_write = _CTX.Pipe(duplex=False)
-            proc = _CTX.Process(target=_entry, name=f"imgedit-{self.name}-rank{rank}", daemon=True,
-                                args=(spec, inbox_read, outbox_write, visible, self.cache_dir, self.log_level))
+            ctx = _context(self.start_method)
+            inbox_read, inbox_write = ctx.Pipe(duplex=False)
+            outbox_read, outbox_write = ctx.Pipe(duplex=False)
             with _START_LOCK:  # CUDA_VISIBLE_DEVICES must be right before the child imports anything
                 saved = os.environ.get("CUDA_VISIBLE_DEVICES")
                 if visible is not None:
                     os.environ["CUDA_VISIBLE_DEVICES"] = visible
+                # A forked worker inherits the forkserver's environment, not ours: it gets ours as of now.
+                proc = ctx.Process(target=_entry, name=f"imgedit-{self.name}-rank{rank}", daemon=True,
+                                   args=(dict(os.environ), spec, inbox_read, outbox_write, visible, self.cache_dir,
+                                         self.log_level))
                 try:
                     proc.start()
                 finally:
@@ -327,7 +340,9 @@ def wait_result(handle: WorkerHandle, events: queue.Queue, cancel: threading.Eve
             return Failed(handle.job_id or "", WorkerFailed.kind, event.message)
 
 
-def _entry(*args) -> None:
+def _entry(environ: dict[str, str], *args) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     from imgedit.runtime.worker import main
 
     main(*args)

@@ -7,7 +7,9 @@ owner (`imgedit.web.identity`), so another browser's entries are never found.
 
 from __future__ import annotations
 
+import atexit
 import html
+import os
 import shutil
 import tempfile
 import time
@@ -53,9 +55,29 @@ def speed_values(entry: HistoryEntry) -> tuple[str, str, float]:
     return (entry.speed or "quality", entry.lora or NO_LORA, 1.0 if entry.lora_scale is None else entry.lora_scale)
 
 
+EXPORT_KEEP_S = 120.0  # Gradio has copied a returned file into its own cache long before this
+_EXPORTS = Path(tempfile.gettempdir()) / f"imgedit-history-{os.getpid()}"
+
+
+def _sweep_exports(now: float | None = None) -> None:
+    """Remove the copies earlier events handed to Gradio (they once stayed forever, one folder a click)."""
+    now = time.time() if now is None else now
+    for folder in _EXPORTS.glob("export-*"):
+        try:
+            if now - folder.stat().st_mtime > EXPORT_KEEP_S:
+                shutil.rmtree(folder, ignore_errors=True)
+        except FileNotFoundError:
+            continue
+
+
 def _export(paths: list[Path], name: str) -> str:
-    """A copy (or a zip) in a temp folder: Gradio serves it from its cache; OUTPUT_DIR stays private."""
-    folder = Path(tempfile.mkdtemp(prefix="imgedit-history-"))
+    """A copy (or a zip) in a temp folder: Gradio copies it into its cache and serves it from there;
+    OUTPUT_DIR stays private. The copies are swept after EXPORT_KEEP_S, and all at exit."""
+    _sweep_exports()
+    if not _EXPORTS.exists():
+        _EXPORTS.mkdir(mode=0o700, exist_ok=True)
+        atexit.register(shutil.rmtree, _EXPORTS, True)
+    folder = Path(tempfile.mkdtemp(prefix="export-", dir=_EXPORTS))
     if len(paths) == 1:
         target = folder / f"{name}.png"
         shutil.copyfile(paths[0], target)

@@ -2,13 +2,16 @@
 
 Browsers get a random `imgedit_browser` cookie (HttpOnly, set by `BrowserCookie` on the first
 response), so history is per browser without a login; with GRADIO_AUTH it is per user instead.
-REST callers are told apart by their bearer token. Owners are hashed before they are stored, so the
-database never holds a cookie or a key.
+REST callers are told apart by their key: with API_KEYS each named key is its own owner
+(`key:<name>`); with the one shared API_KEY every holder is one owner; with neither, any bearer
+token is accepted and names its owner (no token at all: the shared anonymous owner). Owners are
+hashed (or named) before they are stored, so the database never holds a cookie or a key.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 import secrets
 from http.cookies import SimpleCookie
@@ -45,10 +48,21 @@ def page_owner(request, auth_enabled: bool) -> str | None:
     return "browser:" + _digest(value) if value else None
 
 
-def rest_owner(request) -> str:
-    """The owner of a REST call: its bearer token (any text when API_KEY is unset), hashed."""
-    token = request.headers.get("authorization", "").partition(" ")[2].strip()
-    return "token:" + _digest(token)
+def bearer(request) -> str:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def rest_owner(request, api_key: str | None = None, api_keys: tuple[tuple[str, str], ...] = ()) -> str | None:
+    """The owner of a REST call, or None when it may not be served (keys are set and it has none of
+    them). Every configured key is compared, in constant time, whichever matches."""
+    token = bearer(request).encode()
+    named = [name for name, key in api_keys if hmac.compare_digest(token, key.encode())]
+    if named:
+        return "key:" + named[0]
+    if api_key:
+        return "token:" + _digest(token.decode()) if hmac.compare_digest(token, api_key.encode()) else None
+    return None if api_keys else "token:" + _digest(token.decode())
 
 
 class BrowserCookie:

@@ -3,7 +3,8 @@
 Same fields (speed, lora and lora_scale included: every item runs with them), API key and limits as
 /v1/images/edits. Input sets: `image` (1-3 files) is one set; each `batch` file is one set of one
 image (a zip gives one set per image inside); `set1`, `set2`, ... are sets of 1-3 images each. A job
-belongs to the bearer token that created it: any other token gets 404 for it. Finished jobs are
+belongs to the owner that created it (imgedit.web.identity: a named key of API_KEYS, the shared
+API_KEY, or without keys the bearer token sent): any other owner gets 404 for it. Finished jobs are
 answered from the history after a restart.
 """
 
@@ -18,15 +19,14 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
 
 from imgedit.config.settings import Settings
-from imgedit.engine.batch import JobService, clean_name, expand_uploads, results_zip
+from imgedit.engine.batch import JobService, clean_name, expand_uploads, job_view, results_zip
 from imgedit.engine.history import HistoryEntry
 from imgedit.engine.images import open_image
 from imgedit.engine.validation import check_aspect, check_counts, check_params
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.protocol import EditRequest
-from imgedit.web.identity import rest_owner
 from imgedit.web.metrics import Metrics
-from imgedit.web.rest import IMAGE_FIELDS, STATUS, _authorized, _float, _int, _size, speed_fields
+from imgedit.web.rest import IMAGE_FIELDS, STATUS, UNAUTHORIZED, _float, _int, _size, owner_of, speed_fields
 
 log = logging.getLogger(__name__)
 SET_FIELD = re.compile(r"set(\d{1,4})(\[\])?")
@@ -51,31 +51,34 @@ def _links(view: dict) -> dict:
 
 
 def _restored_view(job_id: str, entries: list[HistoryEntry]) -> dict:
-    """A finished job after a restart: the history holds its succeeded items (only those)."""
+    """A REST edit (/v1/images/edits), stored as a one-item job, or a job from before job records."""
     first = entries[0]
     items = [{"index": e.item, "name": e.name, "state": "succeeded", "seed": e.seed, "step": e.steps,
               "total_steps": e.steps, "error": None, "outputs": e.outputs} for e in entries]
-    return {"id": job_id, "object": "job", "state": "succeeded", "created": int(first.created), "position": None,
-            "prompt": first.prompt, "num_inference_steps": first.steps, "n": first.num_images, "speed": first.speed,
-            "lora": first.lora, "lora_scale": first.lora_scale, "items": items,
-            "done": len(items), "failed": 0, "restored": True}
+    settings = {"prompt": first.prompt, "num_inference_steps": first.steps, "n": first.num_images,
+                "speed": first.speed, "lora": first.lora, "lora_scale": first.lora_scale}
+    return {**job_view(job_id, "succeeded", first.created, None, settings, items), "restored": True}
+
+
+def _recorded_view(job_id: str, record: dict) -> dict:
+    """A job this server no longer holds in memory (it restarted): as its record on disk says."""
+    view = job_view(job_id, record["state"], record["created"], None, record["settings"], record["items"])
+    return {**view, "restored": True}
 
 
 def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Metrics) -> APIRouter:
     router = APIRouter()
 
-    def denied(request: Request) -> JSONResponse | None:
-        if _authorized(request, settings.api_key):
-            return None
-        return _error(401, "missing or wrong API key (Authorization: Bearer <key>)", "invalid_api_key")
+    def refused() -> JSONResponse:
+        return _error(401, UNAUTHORIZED, "invalid_api_key")
 
     @router.post("/v1/jobs")
     async def create_job(request: Request) -> Response:
-        if (refused := denied(request)) is not None:
-            return refused
+        if (owner := owner_of(request, settings)) is None:
+            return refused()
         try:
             template, inputs = await _parse(request, settings, manager)
-            job = jobs.submit(rest_owner(request), template, inputs, source="rest")
+            job = jobs.submit(owner, template, inputs, source="rest")
         except ImgEditError as exc:
             metrics.record_rejected("rest", exc.kind)
             return _error(STATUS.get(exc.kind, 400), exc.message, exc.kind, exc.field)
@@ -87,20 +90,21 @@ def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Me
 
     @router.get("/v1/jobs/{job_id}")
     async def job_status(job_id: str, request: Request) -> Response:
-        if (refused := denied(request)) is not None:
-            return refused
-        owner = rest_owner(request)
+        if (owner := owner_of(request, settings)) is None:
+            return refused()
         job = jobs.get(owner, job_id)
         if job is not None:
             return JSONResponse(_links(job.view()))
+        record = await asyncio.to_thread(jobs.records.read, owner, job_id)
+        if record is not None:
+            return JSONResponse(_links(_recorded_view(job_id, record)))
         entries = await asyncio.to_thread(jobs.history.job, owner, job_id)
         return JSONResponse(_links(_restored_view(job_id, entries))) if entries else _not_found(job_id)
 
     @router.get("/v1/jobs/{job_id}/result")
     async def job_result(job_id: str, request: Request, item: str | None = None) -> Response:
-        if (refused := denied(request)) is not None:
-            return refused
-        owner = rest_owner(request)
+        if (owner := owner_of(request, settings)) is None:
+            return refused()
         job = jobs.get(owner, job_id)
         if job is not None:
             if not job.finished:
@@ -108,10 +112,17 @@ def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Me
                               "not_finished")
             rows = [(i.name, i.entry, i.error) for i in job.items]
         else:
+            record = await asyncio.to_thread(jobs.records.read, owner, job_id)
             entries = await asyncio.to_thread(jobs.history.job, owner, job_id)
-            if not entries:
+            if record is not None:
+                if record["state"] in ("queued", "running"):  # another live server's (a shared folder)
+                    return _error(409, f"job {job_id} is {record['state']}", "not_finished")
+                stored = {e.item: e for e in entries}
+                rows = [(i["name"], stored.get(i["index"]), i["error"]) for i in record["items"]]
+            elif entries:
+                rows = [(e.name, e, None) for e in entries]
+            else:
                 return _not_found(job_id)
-            rows = [(e.name, e, None) for e in entries]
         if item is not None:
             if not (item.isdecimal() and len(item) <= 9):
                 return _error(400, f"item must be a whole number from 1, got {item[:40]!r}", "invalid_input", "item")
@@ -135,9 +146,9 @@ def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Me
 
     @router.delete("/v1/jobs/{job_id}")
     async def cancel_job(job_id: str, request: Request) -> Response:
-        if (refused := denied(request)) is not None:
-            return refused
-        job = jobs.get(rest_owner(request), job_id)
+        if (owner := owner_of(request, settings)) is None:
+            return refused()
+        job = jobs.get(owner, job_id)
         if job is None:
             return _not_found(job_id)
         job.cancel.set()  # waiting items leave the line; a running one stops at its next step

@@ -17,12 +17,13 @@ import asyncio
 import functools
 import html
 import logging
+from dataclasses import replace
 
 import gradio as gr
 from PIL import Image
 
 from imgedit.config.settings import Settings
-from imgedit.engine.gpus import GpuMonitor, snapshot
+from imgedit.engine.gpus import GpuMonitor
 from imgedit.engine.images import open_image
 from imgedit.engine.validation import MAX_INPUT_IMAGES, check_counts, check_params, default_steps
 from imgedit.errors import ImgEditError, InvalidInput
@@ -31,11 +32,14 @@ from imgedit.web.examples import example_rows
 from imgedit.web.identity import page_owner
 from imgedit.web.panel import panel_html
 from imgedit.web.progress import EditProgress
+from imgedit.web.public import open_snapshot
 from imgedit.web.speed import build_speed_controls, parse_speed_inputs
 from imgedit.web.tools import PageTools, user_error
 from imgedit.web.uploads import upload_folder, uploaded_paths
 
 log = logging.getLogger(__name__)
+UPLOAD_CACHE_SWEEP_S = 600
+UPLOAD_CACHE_AGE_S = 2 * 3600  # a result on a page left open longer is in History
 GPU_GROUP = "gpu"
 DEMO_BANNER = ("**Demo mode**: a tiny random-weight model runs on the CPU, so outputs are noise. "
                "Set `QWEN_MODEL` or `QWEN_MODEL_DIR` to serve a real checkpoint.")
@@ -135,6 +139,9 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
             check_params(req, settings, manager.family)
         except Exception as exc:
             raise user_error(exc) from None
+        owner = page_owner(request, settings.auth is not None)
+        # The line's share is per login or browser; a client without cookies (gradio_client) per session.
+        req = replace(req, client=owner or (f"session:{request.session_hash}" if request is not None else None))
         track = EditProgress(req.request_id)
         job = asyncio.ensure_future(manager.run(req, on_step=track.on_step, on_wait=track.on_wait))
         try:
@@ -148,7 +155,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
             raise
         except Exception as exc:
             raise user_error(exc) from None
-        if history is not None and (owner := page_owner(request, settings.auth is not None)):
+        if history is not None and owner:
             await history.record(owner, req.request_id, 0, req, result)
         return req, result
 
@@ -174,13 +181,16 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         return result.images, done, _compare(req, result.images[0]), 0
 
     def gpu_status() -> dict:
-        """Per GPU: index, name, used/total MiB, utilisation, what is placed on it, which job/step it runs."""
-        return snapshot(monitor, manager.status())
+        """Per GPU: index, name, used/total MiB, utilisation, what is placed on it, the step it runs
+        (the open view: no job ids, process ids or paths; see imgedit.web.public)."""
+        return open_snapshot(monitor, manager.status())
 
     def panel() -> str:
-        return panel_html(snapshot(monitor, manager.status(), history=True))
+        return panel_html(open_snapshot(monitor, manager.status(), history=True))
 
-    with gr.Blocks(title="imgedit") as blocks:
+    # Gradio's cache keeps every upload and every file an event returned: files older than
+    # UPLOAD_CACHE_AGE_S go every UPLOAD_CACHE_SWEEP_S, and all of them when the server stops.
+    with gr.Blocks(title="imgedit", delete_cache=(UPLOAD_CACHE_SWEEP_S, UPLOAD_CACHE_AGE_S)) as blocks:
         gr.Markdown("# imgedit — edit images with Qwen-Image-Edit")
         if demo:
             gr.Markdown(DEMO_BANNER, elem_id="demo-banner")

@@ -11,23 +11,25 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hmac
 import logging
 import math
 import threading
 import time
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
 
 from imgedit.config.settings import Settings
-from imgedit.engine.gpus import GpuMonitor, snapshot
+from imgedit.engine.gpus import GpuMonitor
 from imgedit.engine.images import open_image, png_bytes
 from imgedit.engine.validation import check_counts, check_params
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.protocol import EditRequest
+from imgedit.web.identity import rest_owner
 from imgedit.web.metrics import CONTENT_TYPE, Metrics
+from imgedit.web.public import full_snapshot, open_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,8 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "i
 # 0.33 s vs 0.62 s on a slow CPU); the reply is on the critical path of every REST edit.
 PNG_LEVEL = 1
 IMAGE_FIELDS = ("image", "image[]", "images", "images[]")
-V1_ROUTES = {"/v1/images/edits": ("POST",)}  # every /v1 route and its methods, for the 404/405 fallback
+# every /v1 route and its methods, for the 404/405 fallback
+V1_ROUTES = {"/v1/images/edits": ("POST",), "/v1/status": ("GET",)}
 HTTP_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
@@ -50,12 +53,12 @@ def openai_error(status: int, message: str, code: str | None = None, param: str 
     return JSONResponse(body, status_code=status)
 
 
-def _authorized(request: Request, key: str | None) -> bool:
-    if not key:
-        return True
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+def owner_of(request: Request, settings: Settings) -> str | None:
+    """Who makes this call (imgedit.web.identity), or None: a key is required and it sent none of them."""
+    return rest_owner(request, settings.api_key, settings.api_keys)
+
+
+UNAUTHORIZED = "missing or wrong API key (Authorization: Bearer <key>)"
 
 
 def _int(form, name: str, default: int | None) -> int | None:
@@ -122,20 +125,27 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
             state = "loading"
         else:
             state = "restarting" if coming_back else "failed"
-        body = snapshot(monitor, status)
-        body.update(status=state, model=status.model, family=status.family, error=status.error)
+        body = open_snapshot(monitor, status)  # no job ids, pids, paths: imgedit.web.public
+        body["status"] = state
         return JSONResponse(body, status_code=200 if ready else 503)
+
+    @router.get("/v1/status")
+    def details(request: Request) -> JSONResponse:
+        """What /health leaves out (job ids, process ids, the checkpoint, LoRA files), for key holders."""
+        if owner_of(request, settings) is None:
+            return openai_error(401, UNAUTHORIZED, "invalid_api_key")
+        return JSONResponse(full_snapshot(monitor, manager.status()))
 
     @router.get("/metrics")
     def prometheus(request: Request) -> Response:
-        if not _authorized(request, settings.api_key):
-            return openai_error(401, "missing or wrong API key (Authorization: Bearer <key>)", "invalid_api_key")
+        if owner_of(request, settings) is None:
+            return openai_error(401, UNAUTHORIZED, "invalid_api_key")
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @router.post("/v1/images/edits")
     async def images_edits(request: Request) -> Response:
-        if not _authorized(request, settings.api_key):
-            return openai_error(401, "missing or wrong API key (Authorization: Bearer <key>)", "invalid_api_key")
+        if (owner := owner_of(request, settings)) is None:
+            return openai_error(401, UNAUTHORIZED, "invalid_api_key")
         try:
             req = await _parse(request, settings, manager)
         except ImgEditError as exc:
@@ -145,6 +155,7 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
             log.exception("unreadable /v1/images/edits request")
             metrics.record_rejected("rest", "invalid_input")
             return openai_error(400, "the request could not be read", "invalid_input")
+        req = replace(req, client=owner)  # the line's share is per key (or token)
         cancel = threading.Event()
         watcher = asyncio.create_task(_cancel_on_disconnect(request, cancel))
         try:
@@ -161,9 +172,7 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
         # GPU machine that wait was most of the ~0.35 s a REST edit took over the edit itself.
         pngs = await asyncio.to_thread(lambda: [png_bytes(image, PNG_LEVEL) for image in result.images])
         if (history := getattr(request.app.state, "history", None)) is not None:
-            from imgedit.web.identity import rest_owner
-
-            _in_background(history.record(rest_owner(request), req.request_id, 0, req, result, pngs=pngs))
+            _in_background(history.record(owner, req.request_id, 0, req, result, pngs=pngs))
         data = [{"b64_json": base64.b64encode(png).decode(), "revised_prompt": None} for png in pngs]
         return JSONResponse({"created": int(time.time()), "data": data, "output_format": "png",
                              "size": f"{result.width}x{result.height}", "seed": result.seed,

@@ -13,8 +13,9 @@ from PIL import Image
 
 from imgedit.config.settings import Settings
 from imgedit.engine.images import open_image, read_settings
-from imgedit.engine.validation import MAX_INPUT_IMAGES
+from imgedit.engine.validation import MAX_INPUT_IMAGES, check_params
 from imgedit.errors import ImgEditError
+from imgedit.protocol import EditRequest
 from imgedit.web.snippets import api_values, curl_snippet, gradio_snippet, openai_snippet
 from imgedit.web.uploads import gallery_paths, uploaded_paths
 
@@ -40,6 +41,7 @@ def _index(value) -> int:
 class PageTools:
     def __init__(self, settings: Settings, family: str, default_steps: int):
         self.settings = settings
+        self.family = family
         self.allowed = MAX_INPUT_IMAGES[family]
         self.default_steps = default_steps
 
@@ -66,8 +68,21 @@ class PageTools:
         for problem in problems:
             gr.Warning(html.escape(problem), title="left out")
         first = open_image(kept[0], self.settings.max_input_pixels) if kept else None
-        stored = next((found for path in kept if (found := read_settings(path))), {})
+        stored = next((found for path in kept if (found := self.restorable(read_settings(path)))), {})
         return kept, (first, first) if first else None, gr.update(visible=bool(stored)), stored
+
+    def restorable(self, stored: dict) -> dict:
+        """Only values a request could carry: each is checked as that request field (a seed over
+        2**32, a NaN CFG, a size over MAX_OUTPUT_PIXELS, an over-long prompt are left out)."""
+        kept = {}
+        for key, value in stored.items():
+            probe = {"prompt": "x", key: value}
+            try:
+                check_params(EditRequest(images=(), **probe), self.settings, self.family)
+            except Exception:  # noqa: BLE001 - ImgEditError, or a value of the wrong kind: not offered
+                continue
+            kept[key] = value
+        return kept
 
     def restore_settings(self, stored):
         """The settings a result PNG carries, back into the form (seed fixed, so the edit repeats)."""
