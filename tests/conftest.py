@@ -21,6 +21,10 @@ import pytest
 # thread per process. Measured on this machine: two processes of two threads each edit 2.5x slower
 # than one alone (OpenMP threads spin while they wait for a core); with one thread each, 2x.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# One Gradio cache per test process: a stopping server deletes the cached copies it handed out (Gradio's
+# delete_cache), and the same file (an example image) has the same cached path in every server, so a
+# server of another test process stopping took the file from under a browser test (seen in CI).
+os.environ["GRADIO_TEMP_DIR"] = tempfile.mkdtemp(prefix=f"gradio-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-")
 import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads at import)
 from PIL import Image
 
@@ -290,3 +294,7 @@ def browser():
             "--disable-component-update"])
         yield browser
         browser.close()
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(os.environ["GRADIO_TEMP_DIR"], ignore_errors=True)

@@ -209,6 +209,64 @@ def test_the_aspect_limit_is_the_pipelines_own(family, plus_manager, edit_manage
         pipe(image=image, prompt="x", num_inference_steps=1, width=64, height=64, true_cfg_scale=1.0)
 
 
+def prompt_of(tokens, n: int) -> str:
+    """A prompt of exactly n tokens (by the checkpoint's tokenizer), from plain words."""
+    words = ("make the sky a deep red and keep the boat " * (n // 4 + 10)).split()
+    low, high = 1, len(words)
+    while low < high:  # the most words whose count stays within n
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if tokens.count(" ".join(words[:middle])) <= n else (low, middle - 1)
+    text = " ".join(words[:low])
+    while tokens.count(text) < n:  # a word may be several tokens: top up with one-token pieces
+        text += next(piece for piece in (" x", ".", "x") if tokens.count(text + piece) <= n)
+    assert tokens.count(text) == n, (tokens.count(text), n)
+    return text
+
+
+@pytest.mark.parametrize("family", ["plus", "edit"])
+def test_the_prompt_token_limit_is_the_pipelines_own(family, plus_manager, edit_manager, plus_pipe, edit_pipe):
+    """At MAX_PROMPT_TOKENS, with the most input images, the real pipeline edits; 3,900 emoji (under the
+    character limit, ~4x the tokens) make the pipeline itself fail, and we refuse them up front, counted."""
+    from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS
+    from imgedit.engine.validation import MAX_INPUT_IMAGES, MAX_PROMPT_CHARS
+    from imgedit.errors import InvalidInput
+    from imgedit.protocol import EditRequest
+
+    manager = plus_manager if family == "plus" else edit_manager
+    assert "tokenizer.json" in manager.prompt_tokens.source  # the checkpoint's own tokenizer, not the byte bound
+    images = (picture(),) * MAX_INPUT_IMAGES[family]
+    at_limit = prompt_of(manager.prompt_tokens, MAX_PROMPT_TOKENS)
+    ok = manager.edit(EditRequest(images=images, prompt=at_limit, negative_prompt=at_limit, num_inference_steps=1,
+                                  width=64, height=64, seed=1))
+    assert (ok.width, ok.height) == (64, 64)
+    emoji = "\U0001F600" * 3900
+    assert len(emoji) <= MAX_PROMPT_CHARS
+    for field in ("prompt", "negative_prompt"):
+        fields = {"prompt": "x", field: emoji}
+        with pytest.raises(InvalidInput, match=r"is [\d,]+ tokens; the model takes at most 1,024") as info:
+            manager.edit(EditRequest(images=images, num_inference_steps=1, width=64, height=64, **fields))
+        assert info.value.field == field
+    pipe = (plus_pipe if family == "plus" else edit_pipe).pipe
+    with pytest.raises(Exception):  # noqa: B017 - whatever the pipeline raises, it cannot run this prompt
+        pipe(image=list(images) if family == "plus" else images[0], prompt=emoji, num_inference_steps=1,
+             width=64, height=64, true_cfg_scale=1.0)
+
+
+def test_an_over_long_prompt_in_tokens_is_a_400_on_every_entry_point(live_server, server_manager, image_file):
+    before = sum(w.jobs_done for w in server_manager.workers)
+    emoji = "\U0001F3A8" * 2000
+    r = httpx.post(f"{live_server.url}/v1/images/edits", timeout=60, data={"prompt": emoji, "size": "64x64"},
+                   files={"image": ("a.png", image_file.read_bytes(), "image/png")})
+    assert r.status_code == 400 and "tokens; the model takes at most 1,024" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{live_server.url}/v1/jobs", timeout=60, data={"prompt": "x", "negative_prompt": emoji},
+                   files={"image": ("a.png", image_file.read_bytes(), "image/png")})
+    assert r.status_code == 400 and "negative prompt is" in r.json()["error"]["message"], r.text
+    client = Client(live_server.url, verbose=False)
+    with pytest.raises(Exception, match="tokens; the model takes at most 1,024"):
+        client.predict([handle_file(str(image_file))], emoji, "", 1, False, 2, 4.0, 1, 64, 64, api_name="/edit")
+    assert sum(w.jobs_done for w in server_manager.workers) == before  # nothing reached a worker
+
+
 # ---- 4. /v1 errors in OpenAI's shape ----
 
 @pytest.mark.parametrize("method, path, status", [

@@ -22,6 +22,7 @@ from imgedit.config.settings import Settings
 from imgedit.engine.images import settings_text, stamp
 from imgedit.engine.inspection import inspect_checkpoint
 from imgedit.engine.pool import WorkerHandle, wait_result
+from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.engine.validation import resolve
 from imgedit.errors import Cancelled, ImgEditError, NotReady, OutOfGpuMemory, PlacementError, QueueFull, WorkerFailed
 from imgedit.planning.checkpoint import Checkpoint, open_checkpoint
@@ -67,6 +68,7 @@ class PipelineManager:
         self._started = False
         self._nodes: dict[str, str] = {}  # WORKERS=ray: each planned worker's Ray node id
         self.loras: tuple = ()  # imgedit.config.loras.LoraFile: the LoRAs every worker loads, checked in prepare()
+        self.prompt_tokens = PromptTokens()  # the checkpoint's tokenizer once prepare() opened it
 
     # ---- planning and start-up ----
     @property
@@ -96,6 +98,8 @@ class PipelineManager:
             return self
         try:
             self.checkpoint = open_checkpoint(self.settings.model_source)
+            self.prompt_tokens = PromptTokens.from_checkpoint(self.checkpoint.folder)
+            log.info("prompts are counted by %s: at most %d tokens", self.prompt_tokens.source, MAX_PROMPT_TOKENS)
             s = self.settings
             if s.workers == "ray":
                 if s.quantize or s.offload:
@@ -283,7 +287,7 @@ class PipelineManager:
                     raise NotReady("the model failed to load; see /health and the server log")
                 raise NotReady("the model is still loading; try again shortly")
             params = resolve(req, self.settings, self.family, req.images[-1].size if req.images else None,
-                             len(req.images))
+                             len(req.images), self.prompt_tokens)
             steps = params.steps
             worker = self._acquire(cancel, on_wait, req.client)
             if cancel.is_set():

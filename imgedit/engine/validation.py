@@ -12,6 +12,7 @@ import random
 
 from imgedit.config.loras import MAX_LORA_SCALE, SPEEDS, lightning_for
 from imgedit.config.settings import Settings
+from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.errors import InvalidInput
 from imgedit.protocol import EditRequest, Resolved  # noqa: F401  (Resolved: re-exported for the edges)
 
@@ -100,13 +101,24 @@ def _size(width: int | None, height: int | None, last_image_size: tuple[int, int
     return width, height
 
 
-def check_params(req: EditRequest, settings: Settings, family: str) -> None:
-    """Everything that can be checked without decoding images."""
-    resolve(req, settings, family, last_image_size=None, n_images=None)
+def check_params(req: EditRequest, settings: Settings, family: str, tokens: PromptTokens | None = None) -> None:
+    """Everything that can be checked without decoding images (the prompts' token counts too, when
+    the edge has the checkpoint's tokenizer)."""
+    resolve(req, settings, family, last_image_size=None, n_images=None, tokens=tokens)
+
+
+def check_tokens(req: EditRequest, tokens: PromptTokens) -> None:
+    for field, text in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt or "")):
+        count = tokens.count(text)
+        if count > MAX_PROMPT_TOKENS:
+            raise InvalidInput(
+                f"the {field.replace('_', ' ')} is {count:,} tokens; the model takes at most {MAX_PROMPT_TOKENS:,} "
+                "(emoji and characters outside common scripts take several tokens each): shorten it", field)
 
 
 def resolve(req: EditRequest, settings: Settings, family: str,
-            last_image_size: tuple[int, int] | None, n_images: int | None) -> Resolved:
+            last_image_size: tuple[int, int] | None, n_images: int | None,
+            tokens: PromptTokens | None = None) -> Resolved:
     if n_images is not None:
         check_counts(n_images, family)
     for i, image in enumerate(req.images):
@@ -115,6 +127,8 @@ def resolve(req: EditRequest, settings: Settings, family: str,
         raise InvalidInput("the prompt is empty: say what to change", "prompt")
     if len(req.prompt) > MAX_PROMPT_CHARS or len(req.negative_prompt or "") > MAX_PROMPT_CHARS:
         raise InvalidInput(f"the prompt is longer than {MAX_PROMPT_CHARS} characters", "prompt")
+    if tokens is not None:
+        check_tokens(req, tokens)
     preset = speed_preset(req, settings)  # a Lightning preset sets its steps and turns CFG off
     steps = req.num_inference_steps if preset is None else preset.steps
     if steps is None:

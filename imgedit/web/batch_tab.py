@@ -73,7 +73,8 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, settings_inpu
                 true_cfg_scale=None if cfg is None else float(cfg), num_images=_number(num_images, 1),
                 width=_number(width, 0) or None, height=_number(height, 0) or None, speed=speed, lora=lora,
                 lora_scale=lora_scale, source="ui")
-            check_params(template, settings, manager.family)  # the cheap fields before any file is read
+            # the cheap fields before any file is read
+            check_params(template, settings, manager.family, manager.prompt_tokens)
             uploads = await asyncio.to_thread(read_uploads, files, settings.batch_max_items, settings.max_file_size)
             items = expand_uploads(uploads, settings.batch_max_items, settings.max_file_size)
             owner = page_owner(request, settings.auth is not None) or f"session:{request.session_hash}"

@@ -182,7 +182,7 @@ async def _parse(request: Request, settings: Settings, manager) -> tuple[EditReq
         seed=_int(form, "seed", None), num_inference_steps=_int(form, "num_inference_steps", None),
         true_cfg_scale=_float(form, "true_cfg_scale"), num_images=_int(form, "n", 1),
         width=width, height=height, **speed_fields(form), source="rest")  # every item runs with these
-    check_params(template, settings, manager.family)
+    check_params(template, settings, manager.family, manager.prompt_tokens)
     # Then count the input sets from the field names alone (a zip counts once here, its members below).
     numbered = sorted((int(m.group(1)), key) for key in set(form.keys()) if (m := SET_FIELD.fullmatch(key)))
     singles = [u for key in IMAGE_FIELDS for u in form.getlist(key)]

@@ -111,7 +111,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
     monitor = monitor or GpuMonitor()
     max_inputs = MAX_INPUT_IMAGES["plus"]
     family_steps = default_steps(settings, manager.family)
-    tools = PageTools(settings, manager.family, family_steps)
+    tools = PageTools(settings, manager.family, family_steps, manager.prompt_tokens)
 
     def validate(images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
                  num_images, width, height, speed=None, lora=None, lora_scale=None):
@@ -122,7 +122,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
             req = build_request(settings, manager.family, images, prompt, negative_prompt, seed, randomize_seed,
                                 num_inference_steps, true_cfg_scale, num_images, width, height, speed, lora, lora_scale,
                                 source="validator")
-            check_params(req, settings, manager.family)
+            check_params(req, settings, manager.family, manager.prompt_tokens)
         except ImgEditError as exc:
             at = FIELDS.index(exc.field) if exc.field in FIELDS else 0
             verdicts[at] = gr.validate(False, html.escape(exc.message))
@@ -136,7 +136,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         try:  # decoding up to three large images: off the event loop
             parse = functools.partial(build_request, settings, manager.family, *values, source=source)
             req = await asyncio.to_thread(parse)
-            check_params(req, settings, manager.family)
+            check_params(req, settings, manager.family, manager.prompt_tokens)
         except Exception as exc:
             raise user_error(exc) from None
         owner = page_owner(request, settings.auth is not None)

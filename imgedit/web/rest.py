@@ -249,5 +249,5 @@ async def _parse(request: Request, settings: Settings, manager) -> EditRequest:
         seed=_int(form, "seed", None), num_inference_steps=_int(form, "num_inference_steps", None),
         true_cfg_scale=_float(form, "true_cfg_scale"), num_images=_int(form, "n", 1),
         width=width, height=height, **speed_fields(form), source="rest")
-    check_params(req, settings, manager.family)
+    check_params(req, settings, manager.family, manager.prompt_tokens)
     return req

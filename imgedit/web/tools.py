@@ -13,6 +13,7 @@ from PIL import Image
 
 from imgedit.config.settings import Settings
 from imgedit.engine.images import open_image, read_settings
+from imgedit.engine.prompt_tokens import PromptTokens
 from imgedit.engine.validation import MAX_INPUT_IMAGES, check_params
 from imgedit.errors import ImgEditError
 from imgedit.protocol import EditRequest
@@ -39,9 +40,10 @@ def _index(value) -> int:
 
 
 class PageTools:
-    def __init__(self, settings: Settings, family: str, default_steps: int):
+    def __init__(self, settings: Settings, family: str, default_steps: int, tokens: PromptTokens | None = None):
         self.settings = settings
         self.family = family
+        self.tokens = tokens
         self.allowed = MAX_INPUT_IMAGES[family]
         self.default_steps = default_steps
 
@@ -78,7 +80,7 @@ class PageTools:
         for key, value in stored.items():
             probe = {"prompt": "x", key: value}
             try:
-                check_params(EditRequest(images=(), **probe), self.settings, self.family)
+                check_params(EditRequest(images=(), **probe), self.settings, self.family, self.tokens)
             except Exception:  # noqa: BLE001 - ImgEditError, or a value of the wrong kind: not offered
                 continue
             kept[key] = value
