@@ -267,6 +267,32 @@ def test_an_over_long_prompt_in_tokens_is_a_400_on_every_entry_point(live_server
     assert sum(w.jobs_done for w in server_manager.workers) == before  # nothing reached a worker
 
 
+def test_the_upload_route_refuses_what_is_no_image_by_content_and_by_name(live_server):
+    """Junk is refused at Gradio's upload route, the whole upload deleted; an image, a zip, and a broken
+    file named like an image (the edit or Batch item then says which one) are kept."""
+    import zipfile
+
+    def files_in_cache() -> set[Path]:
+        return {p for p in Path(upload_folder()).rglob("*") if p.is_file()}
+
+    def post(files) -> httpx.Response:
+        return httpx.post(f"{live_server.url}/gradio_api/upload", files=files, timeout=30)
+
+    before = files_in_cache()
+    r = post([("files", ("notes.txt", os.urandom(1_000_000), "text/plain"))])
+    assert r.status_code == 400 and "file 1 ('notes.txt') is not an image" in r.json()["detail"], r.text
+    r = post([("files", ("a.png", png(8, 8), "image/png")), ("files", ("junk.bin", b"MZ" + os.urandom(5000), "x/y"))])
+    assert r.status_code == 400 and "file 2 ('junk.bin')" in r.json()["detail"] and "nothing of this upload" in r.text
+    assert files_in_cache() == before  # the image of the refused upload went too
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("x.png", png(8, 8))
+    r = post([("files", ("photo", png(8, 8), "application/octet-stream")), ("files", ("set.zip", archive.getvalue(),
+              "application/zip")), ("files", ("broken.png", b"not an image", "image/png"))])
+    assert r.status_code == 200 and len(r.json()) == 3, r.text
+    assert all(Path(p).is_file() for p in r.json())
+
+
 # ---- 4. /v1 errors in OpenAI's shape ----
 
 @pytest.mark.parametrize("method, path, status", [

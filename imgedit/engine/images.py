@@ -17,6 +17,15 @@ from imgedit.errors import InputTooLarge, InvalidInput
 FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
 
 
+# The first bytes of each format in FORMATS, and of a zip (the Batch tab takes a zip of images).
+_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"BM", b"GIF87a", b"GIF89a", b"II*\x00", b"MM\x00*", b"PK\x03\x04")
+
+
+def image_or_zip(head: bytes) -> bool:
+    """Whether a file's first 12 bytes start an image this app reads (FORMATS) or a zip."""
+    return head.startswith(_MAGIC) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")
+
+
 def open_image(source: str | Path | bytes | Image.Image, max_pixels: int, label: str = "image") -> Image.Image:
     """Decode one input to an RGB image, or raise InvalidInput / InputTooLarge naming `label`."""
     try:

@@ -283,7 +283,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                        api_visibility="private")
         again.click(tools.use_result, [result, chosen], files, preprocess=False, api_visibility="private")
         add.click(tools.add_result, [files, result, chosen], files, preprocess=False, api_visibility="private")
-        timer.tick(panel, None, gpu_panel, queue=False, api_visibility="private")
+        timer.tick(panel, None, gpu_panel, queue=False, api_visibility="private", show_progress="hidden")
         gr.api(gpu_status, api_name="gpu_status", queue=False)
         if jobs is not None:  # Batch and History tabs (imgedit.web.batch_tab, imgedit.web.history_tab)
             from imgedit.web.batch_tab import build_batch_tab

@@ -11,6 +11,7 @@ own error text from reaching users (only gr.Error text, our messages, passes).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 
 from gradio.utils import get_upload_folder
 
+from imgedit.engine.images import FORMATS, image_or_zip
 from imgedit.errors import InvalidInput
 
 log = logging.getLogger(__name__)
@@ -122,6 +124,8 @@ class EventGuard:
                 await _answer(send, 400, path, f"file {foreign[0]!r} {NOT_UPLOADED}")
                 return
             receive = _replay(raw, receive)
+        if scope["method"] == "POST" and path.rstrip("/") == "/gradio_api/upload":
+            send = _images_only(send)
         started = False
 
         async def tracked(message):
@@ -135,6 +139,63 @@ class EventGuard:
             log.exception("%s %s failed inside Gradio", scope["method"], path)
             if not started:
                 await _answer(send, 500, path, UNREADABLE)
+
+
+# Names the page's pickers offer; a broken file named like an image is kept (the edit or the Batch
+# item then says which one is not readable) and expires with Gradio's cache (delete_cache).
+UPLOAD_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".zip")
+
+
+def _images_only(send):
+    """Gradio's upload route keeps any file; what it kept is checked on the way out: an upload with a
+    file that is neither an image (FORMATS) nor a zip, by its content and by its name, is deleted, all
+    of it, and refused by name."""
+    start: dict | None = None
+    chunks: list[bytes] = []
+
+    async def checked(message):
+        nonlocal start
+        if message["type"] == "http.response.start":
+            if message["status"] != 200:
+                await send(message)
+                return
+            start = message
+            return
+        if start is None:
+            await send(message)
+            return
+        chunks.append(message.get("body", b""))
+        if message.get("more_body", False):
+            return
+        raw = b"".join(chunks)
+        try:
+            kept = [p for p in json.loads(raw) if isinstance(p, str) and in_upload_folder(p)]
+        except (ValueError, TypeError):
+            kept = []
+        refused = next((i for i, p in enumerate(kept) if not _readable_kind(p)), None)
+        if refused is None:
+            await send(start)
+            await send({"type": "http.response.body", "body": raw})
+            return
+        for p in kept:
+            with contextlib.suppress(OSError):
+                os.remove(p)
+        name = os.path.basename(kept[refused])[:100]
+        await _answer(send, 400, "/gradio_api/upload",
+                      f"file {refused + 1} ({name!r}) is not an image ({', '.join(FORMATS)}) or a zip of images; "
+                      "nothing of this upload was kept")
+
+    return checked
+
+
+def _readable_kind(path: str) -> bool:
+    if path.lower().endswith(UPLOAD_SUFFIXES):
+        return True
+    try:
+        with open(path, "rb") as f:
+            return image_or_zip(f.read(12))
+    except OSError:
+        return False
 
 
 def _replay(raw: bytes, receive):
