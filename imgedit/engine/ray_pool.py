@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -29,6 +30,11 @@ CONNECT_TIMEOUT_S = 30.0  # ray.init retries an unreachable address for minutes;
 POLL_S = 0.5
 _STAY = threading.Event()  # never set: see connect()
 NODE_LEFT = "its node left the cluster"
+# An actor on a node that stops answering is first "unavailable"; the node is declared dead only after
+# the cluster's health checks fail (Ray's default: 5 x 3 s). Wait that long for the verdict, so the
+# restart is not placed on a node that is going away (and lost again, one more restart spent).
+NODE_VERDICT_S = 30.0
+UNAVAILABLE = "ActorUnavailableError"
 
 
 def _ray():
@@ -362,7 +368,7 @@ class RayWorkerHandle(WorkerHandle):
         self.restarts += 1
         self.state, self.detail = "restarting", f"restart {self.restarts} of {self.max_restarts}"
         self.on_change()
-        node_gone = reason == NODE_LEFT or (self.node and self.node not in {n.node_id for n in alive_nodes()})
+        node_gone = reason == NODE_LEFT or self._node_left(wait=NODE_VERDICT_S if reason == UNAVAILABLE else 0)
         if self.node_id and node_gone:
             # Its node left: place it again wherever the cluster has room (a node that comes back
             # has a new id), not on the node that is gone.
@@ -372,6 +378,17 @@ class RayWorkerHandle(WorkerHandle):
         self._spawn()
         self.state = "loading"
         self.detail = f"restarting ({self.restarts} of {self.max_restarts}); waiting for room in the cluster"
+
+    def _node_left(self, wait: float) -> bool:
+        """Whether this worker's node is gone from the cluster, waiting up to `wait` s for Ray to say so."""
+        if not self.node:
+            return False
+        deadline = time.monotonic() + wait
+        while self.node in {n.node_id for n in alive_nodes()}:
+            if time.monotonic() >= deadline or self._closing:
+                return False
+            threading.Event().wait(0.5)
+        return True
 
     def status(self):
         status = super().status()
