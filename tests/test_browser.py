@@ -133,7 +133,7 @@ def test_cancel_says_cancelled_and_the_worker_stops(browser, server, manager, ph
     page.wait_for_function("() => document.querySelectorAll('.progress-text, .progress-level').length <= 2"
                            " && document.body.innerText.includes('denoising')", timeout=20_000)
     page.locator("#cancel-button").click()
-    page.locator("#edit-status").get_by_text("Cancelled").wait_for(timeout=10_000)
+    page.locator("#edit-status").get_by_text("Cancelled").wait_for(timeout=30_000)
     page.wait_for_function("() => !document.body.innerText.includes('denoising')", timeout=30_000)
     deadline = time.time() + 20
     while not all(w.state == "idle" for w in manager.workers):  # the pipeline stops within a step

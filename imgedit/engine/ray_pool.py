@@ -30,11 +30,9 @@ CONNECT_TIMEOUT_S = 30.0  # ray.init retries an unreachable address for minutes;
 POLL_S = 0.5
 _STAY = threading.Event()  # never set: see connect()
 NODE_LEFT = "its node left the cluster"
-# An actor on a node that stops answering is first "unavailable"; the node is declared dead only after
-# the cluster's health checks fail (Ray's default: 5 x 3 s). Wait that long for the verdict, so the
-# restart is not placed on a node that is going away (and lost again, one more restart spent).
-NODE_VERDICT_S = 30.0
-UNAVAILABLE = "ActorUnavailableError"
+# An actor whose node stops answering is first "unavailable"; the node is declared dead once the health
+# checks fail (Ray's default 5 x 3 s): a restart waits that long for the verdict, not to land on it.
+NODE_VERDICT_S, UNAVAILABLE = 30.0, "ActorUnavailableError"
 
 
 def _ray():
@@ -381,14 +379,12 @@ class RayWorkerHandle(WorkerHandle):
 
     def _node_left(self, wait: float) -> bool:
         """Whether this worker's node is gone from the cluster, waiting up to `wait` s for Ray to say so."""
-        if not self.node:
-            return False
         deadline = time.monotonic() + wait
-        while self.node in {n.node_id for n in alive_nodes()}:
+        while self.node and self.node in {n.node_id for n in alive_nodes()}:
             if time.monotonic() >= deadline or self._closing:
                 return False
             threading.Event().wait(0.5)
-        return True
+        return bool(self.node)
 
     def status(self):
         status = super().status()

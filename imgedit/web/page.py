@@ -244,7 +244,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                                                                  ("curl", "shell", "curl (REST)"),
                                                                  ("openai", "python", "OpenAI SDK (REST)"))]
         with gr.Accordion("GPUs", open=True):
-            gpu_panel = gr.HTML(panel, elem_id="gpu-panel")  # a callable: fresh on every page load
+            gpu_panel = gr.HTML(elem_id="gpu-panel")  # filled on every page load (below)
         timer = gr.Timer(2.0)
         # The `/edit` API: hidden inputs without ranges, so every value reaches the validator and our messages.
         with gr.Row(visible=False):
@@ -283,6 +283,8 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                        api_visibility="private")
         again.click(tools.use_result, [result, chosen], files, preprocess=False, api_visibility="private")
         add.click(tools.add_result, [files, result, chosen], files, preprocess=False, api_visibility="private")
+        # No progress timer over the panel: it is refreshed every 2 s.
+        blocks.load(panel, None, gpu_panel, queue=False, api_visibility="private", show_progress="hidden")
         timer.tick(panel, None, gpu_panel, queue=False, api_visibility="private", show_progress="hidden")
         gr.api(gpu_status, api_name="gpu_status", queue=False)
         if jobs is not None:  # Batch and History tabs (imgedit.web.batch_tab, imgedit.web.history_tab)
