@@ -163,8 +163,9 @@ def test_phone_view_shows_the_progress_after_edit(browser, server, photos):
 
 def test_page_says_ready_and_seed_is_no_input_before_a_run(browser, server):
     page = open_page(browser, server, small=False)
-    panel = page.locator("#gpu-panel").inner_text()
-    assert panel.startswith("ready"), panel
+    # The panel is filled by the page's load event (no progress timer over it): wait for its text.
+    page.wait_for_function("() => (document.querySelector('#gpu-panel')?.innerText ?? '').trim().startsWith('ready')",
+                           timeout=30_000)
     assert page.get_by_label("Seed used").count() == 0
     assert "Ctrl+Enter" in page.locator("body").inner_text()
     ARTIFACTS.mkdir(exist_ok=True)
