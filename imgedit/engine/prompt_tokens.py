@@ -39,9 +39,7 @@ class PromptTokens:
         return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
     @classmethod
-    def from_checkpoint(cls, folder: str | Path | None) -> PromptTokens:
-        if folder is None:
-            return cls()
+    def from_checkpoint(cls, folder: str | Path) -> PromptTokens:
         folder = Path(folder) / "tokenizer"
         files = "tokenizer.json" if (folder / "tokenizer.json").is_file() else "vocab.json + merges.txt"
         try:

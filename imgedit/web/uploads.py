@@ -150,24 +150,8 @@ def _images_only(send):
     """Gradio's upload route keeps any file; what it kept is checked on the way out: an upload with a
     file that is neither an image (FORMATS) nor a zip, by its content and by its name, is deleted, all
     of it, and refused by name."""
-    start: dict | None = None
-    chunks: list[bytes] = []
 
-    async def checked(message):
-        nonlocal start
-        if message["type"] == "http.response.start":
-            if message["status"] != 200:
-                await send(message)
-                return
-            start = message
-            return
-        if start is None:
-            await send(message)
-            return
-        chunks.append(message.get("body", b""))
-        if message.get("more_body", False):
-            return
-        raw = b"".join(chunks)
+    async def finish(start: dict, raw: bytes) -> None:
         try:
             kept = [p for p in json.loads(raw) if isinstance(p, str) and in_upload_folder(p)]
         except (ValueError, TypeError):
@@ -185,7 +169,7 @@ def _images_only(send):
                       f"file {refused + 1} ({name!r}) is not an image ({', '.join(FORMATS)}) or a zip of images; "
                       "nothing of this upload was kept")
 
-    return checked
+    return _held(send, lambda status: status == 200, finish)
 
 
 def _readable_kind(path: str) -> bool:
@@ -234,24 +218,32 @@ def _ours(body) -> bool:
     return isinstance(detail, list) and all(isinstance(d, dict) and "loc" not in d for d in detail)
 
 
-def _own_errors_only(path: str, send):
-    """Error answers whose text is Gradio's or FastAPI's (a refused payload: pydantic, paths, counts) get
-    ours instead; gr.Error answers (they carry a title) and the validator's 422 verdicts are ours."""
+def _held(send, holds, finish):
+    """An ASGI `send` that passes every response on, except one whose status `holds` accepts: that one's
+    body is gathered whole and handed to `finish(start, body)`, which answers in its place."""
     start: dict | None = None
     chunks: list[bytes] = []
 
-    async def guarded(message):
+    async def held(message):
         nonlocal start
-        if message["type"] == "http.response.start" and message["status"] in (400, 422, 500):
+        if message["type"] == "http.response.start" and holds(message["status"]):
             start = message
             return
         if start is None:
             await send(message)
             return
         chunks.append(message.get("body", b""))
-        if message.get("more_body", False):
-            return
-        raw = b"".join(chunks)
+        if not message.get("more_body", False):
+            await finish(start, b"".join(chunks))
+
+    return held
+
+
+def _own_errors_only(path: str, send):
+    """Error answers whose text is Gradio's or FastAPI's (a refused payload: pydantic, paths, counts) get
+    ours instead; gr.Error answers (they carry a title) and the validator's 422 verdicts are ours."""
+
+    async def finish(start: dict, raw: bytes) -> None:
         try:
             body = json.loads(raw)
         except ValueError:
@@ -262,4 +254,4 @@ def _own_errors_only(path: str, send):
         await send({**start, "headers": [*headers, (b"content-length", str(len(raw)).encode())]})
         await send({"type": "http.response.body", "body": raw})
 
-    return guarded
+    return _held(send, lambda status: status in (400, 422, 500), finish)
