@@ -17,7 +17,7 @@ from dataclasses import replace
 from dotenv import load_dotenv
 
 from imgedit.config.parsers import DeviceMap
-from imgedit.config.settings import load_settings
+from imgedit.config.settings import load_settings, writable_folder
 from imgedit.errors import ImgEditError, SettingsError
 
 
@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     load_dotenv()  # .env fills in what the environment does not set
     try:
         settings = load_settings()
+        writable_folder("OUTPUT_DIR", settings.output_dir)
     except SettingsError as exc:
         print(f"imgedit: {exc.message}", file=sys.stderr)
         return 2

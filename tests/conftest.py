@@ -7,6 +7,7 @@ image-edit model, loaded through our own settings, planner and loader.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import sys
@@ -298,3 +299,25 @@ def browser():
 
 def pytest_unconfigure(config):
     shutil.rmtree(os.environ["GRADIO_TEMP_DIR"], ignore_errors=True)
+
+
+def ray_report() -> str:
+    """What Ray says when workers do not come up in time (a CI run once waited 300 s for them, silent):
+    its actors and placement groups, then the warnings and errors in the newest session's logs."""
+    import ray
+    from ray._private import state
+
+    lines = []
+    if ray.is_initialized():
+        lines += [f"actor {a.get('ActorID', '?')[:8]} {a.get('State')} {a.get('DeathCause') or ''}"[:300]
+                  for a in state.actors().values()]
+        lines += [f"placement group {g['name']} {g['state']}" for g in ray.util.placement_group_table().values()]
+    logs = Path("/tmp/ray/session_latest/logs")
+    for path in sorted(logs.glob("*")) if logs.is_dir() else ():
+        if path.suffix not in (".out", ".err", ".log") or not path.is_file():
+            continue
+        text = path.read_text(errors="replace").splitlines()
+        bad = [line for line in text if re.match(r"\[\S+ \S+ [WEF] ", line) or "Error" in line or "Traceback" in line]
+        if bad:
+            lines += [f"--- {path.name}"] + [line[:300] for line in bad[-8:]]
+    return "\n".join(lines[-120:]) or "Ray reported nothing"

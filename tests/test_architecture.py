@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import ROOT, free_port, picture, wait_for
+from dotenv import dotenv_values
 
 PACKAGE = ROOT / "imgedit"
 BASE = {"imgedit", "imgedit.errors", "imgedit.protocol"}
@@ -188,19 +189,23 @@ SITECUSTOMIZE = textwrap.dedent("""
 
 
 def test_the_server_process_never_imports_torch(tmp_path):
-    """`python app.py --demo` (demo checkpoint built on the way, one real edit through REST): the
-    server's own process never maps libtorch nor lists torch, diffusers or transformers in
-    sys.modules, while its worker process does (the check can see torch where it is)."""
+    """`cp .env.example .env && python app.py` on a machine without a GPU (the example's values in the
+    environment, as load_dotenv puts them there): the demo model is served (the example chose no model;
+    it once set QWEN_MODEL, which ended start-up in a failed download), its checkpoint built on the way,
+    and one real edit through REST. The server's own process never maps libtorch nor lists torch,
+    diffusers or transformers in sys.modules, while its worker process does (the check can see torch
+    where it is)."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
     reports = tmp_path / "modules"
     reports.mkdir()
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}", "IMGEDIT_MODULES_DIR": str(reports),
+    example = {name: value for name, value in dotenv_values(ROOT / ".env.example").items() if value is not None}
+    env = {**os.environ, **example, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}", "IMGEDIT_MODULES_DIR": str(reports),
            "DEMO_DIR": str(tmp_path / "demo"), "OUTPUT_DIR": str(tmp_path / "outputs"), "GRADIO_SERVER_PORT": str(port),
            "GRADIO_SERVER_NAME": "127.0.0.1", "LOG_LEVEL": "WARNING", "IMGEDIT_SIZES_CACHE": str(tmp_path / "sizes")}
-    server = subprocess.Popen([sys.executable, "app.py", "--demo"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+    server = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -223,6 +228,7 @@ def test_the_server_process_never_imports_torch(tmp_path):
         assert workers and all("libtorch" in Path(f"/proc/{p}/maps").read_text() for p in workers)
         server.send_signal(signal.SIGTERM)
         assert server.wait(60) == 0, server.stderr.read()[-3000:]
+        assert "no GPU and no QWEN_MODEL/QWEN_MODEL_DIR set: serving the demo model" in server.stderr.read()
     finally:
         if server.poll() is None:
             server.kill()

@@ -17,7 +17,10 @@ from imgedit.config.settings import REGISTRY, load_settings
 ROOT = Path(__file__).resolve().parents[1]
 ENV_EXAMPLE = ROOT / ".env.example"
 ASSIGNMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
-COMMENTED_ASSIGNMENT = re.compile(r"^#\s*([A-Z_][A-Z0-9_]*)=")
+COMMENTED_ASSIGNMENT = re.compile(r"^#\s*([A-Z_][A-Z0-9_]*)=(.*)$")
+# Commented out in the example, with their defaults: setting QWEN_MODEL (even to its default) is choosing a
+# model, which turns off the demo fallback on a machine without a GPU (`cp .env.example .env` must keep it).
+CHOSEN_BY_THE_USER = ("QWEN_MODEL", "QWEN_MODEL_DIR")
 
 
 def parse_env_example(text: str) -> list[tuple[int, str, str]]:
@@ -46,7 +49,7 @@ def entries(text) -> list[tuple[int, str, str]]:
 
 def test_every_registry_var_once_in_registry_order(entries):
     names = [name for _, name, _ in entries]
-    registry = [var.name for var in REGISTRY]
+    registry = [var.name for var in REGISTRY if var.name not in CHOSEN_BY_THE_USER]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     assert not duplicates, f"listed more than once in .env.example: {duplicates}"
     missing = [name for name in registry if name not in names]
@@ -58,7 +61,8 @@ def test_every_registry_var_once_in_registry_order(entries):
 
 def test_defaults_match_registry(entries):
     values = {name: value for _, name, value in entries}
-    wrong = {var.name: (values.get(var.name), var.default) for var in REGISTRY if values.get(var.name) != var.default}
+    wrong = {var.name: (values.get(var.name), var.default) for var in REGISTRY
+             if var.name not in CHOSEN_BY_THE_USER and values.get(var.name) != var.default}
     assert not wrong, f"(.env.example value, registry default) differ: {wrong}"
 
 
@@ -75,8 +79,19 @@ def test_docker_extras_are_commented_and_not_registry_vars(text):
     commented = [m.group(1) for line in text.splitlines() if (m := COMMENTED_ASSIGNMENT.match(line.strip()))]
     for extra in ("GPU_COUNT", "CUDA_VISIBLE_DEVICES", "HF_HOME", "MODEL_CACHE_DIR"):
         assert extra in commented, f"document the docker-only variable {extra} as a commented line"
-    clashes = sorted(registry & set(commented))
+    clashes = sorted(registry & set(commented) - set(CHOSEN_BY_THE_USER))
     assert not clashes, f"registry variables also appear commented out (ambiguous): {clashes}"
+
+
+def test_the_model_lines_are_commented_with_their_defaults_and_help(text):
+    """`cp .env.example .env` keeps the demo fallback: no model is chosen until a model line is uncommented."""
+    lines = text.splitlines()
+    helps = {var.name: var for var in REGISTRY}
+    for name in CHOSEN_BY_THE_USER:
+        index = next(i for i, line in enumerate(lines) if (m := COMMENTED_ASSIGNMENT.match(line)) and m[1] == name)
+        assert COMMENTED_ASSIGNMENT.match(lines[index])[2] == helps[name].default
+        assert lines[index - 1] == f"# {helps[name].help}"
+    assert not {"QWEN_MODEL", "QWEN_MODEL_DIR"} & set(dotenv_values(ENV_EXAMPLE))
 
 
 def test_the_apps_dotenv_reader_sees_the_same_values(entries):

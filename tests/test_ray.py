@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict
 
 import pytest
-from conftest import ROOT, alive, make_manager, picture, start_server, wait_for
+from conftest import ROOT, alive, make_manager, picture, ray_report, start_server, wait_for
 
 from imgedit.errors import Cancelled, OutOfGpuMemory, WorkerFailed
 from imgedit.protocol import EditRequest
@@ -130,7 +130,13 @@ def nodes():
 
 @pytest.fixture(scope="module")
 def manager(nodes, plus_ckpt):
-    manager = make_manager(plus_ckpt, plan="planner", WORKERS="ray", RAY_ADDRESS=nodes.address, WORKER_RESTARTS="2")
+    manager = make_manager(plus_ckpt, plan="planner", WORKERS="ray", RAY_ADDRESS=nodes.address, WORKER_RESTARTS="2",
+                           load=False)
+    try:
+        manager.load(timeout=200)  # under the 300 s test timeout, so that Ray's own account is printed
+    except WorkerFailed as exc:
+        pytest.fail(f"{exc}; {[(w.name, w.state, w.detail, w.error) for w in manager.status().workers]}\n"
+                    f"{ray_report()}")
     yield manager
     manager.close()  # before the cluster goes
 

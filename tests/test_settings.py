@@ -115,13 +115,19 @@ def test_registry_names_are_unique():
     assert len(names) == len(set(names))
 
 
-def test_app_refuses_to_start_on_a_bad_setting():
+@pytest.mark.parametrize("env, message", [
+    ({"DEVICE_MAP": "everything"}, "DEVICE_MAP='everything' is not valid"),
+    # An output folder that cannot be made once ended in a FileNotFoundError traceback after the workers started.
+    ({"OUTPUT_DIR": "/proc/nope"}, "OUTPUT_DIR='/proc/nope' cannot be used as a folder: No such file or directory"),
+    ({"OUTPUT_DIR": "/sys/kernel"}, "OUTPUT_DIR='/sys/kernel' cannot be used as a folder: Permission denied"),
+    ({"OUTPUT_DIR": "/dev/null/x"}, "OUTPUT_DIR='/dev/null/x' cannot be used as a folder: Not a directory"),
+], ids=["bad-value", "folder-cannot-be-made", "folder-not-writable", "under-a-file"])
+def test_app_refuses_to_start_on_a_bad_setting(env, message):
     """python app.py stops at once with the message, before importing torch or gradio."""
-    env = {"DEVICE_MAP": "everything", "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "app.py"], env=env, capture_output=True, text=True, timeout=60,
-                          cwd=__import__("pathlib").Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "app.py"], env={**env, "PATH": "/usr/bin:/bin"}, capture_output=True,
+                          text=True, timeout=60, cwd=__import__("pathlib").Path(__file__).resolve().parents[1])
     assert proc.returncode == 2
-    assert "DEVICE_MAP='everything' is not valid" in proc.stderr
+    assert message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -245,3 +245,18 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
     values["cuda_visible_devices"] = env.get("CUDA_VISIBLE_DEVICES")
     values.update(overrides)
     return Settings(**values)
+
+
+def writable_folder(name: str, path: str) -> Path:
+    """The folder a setting names, created if need be; a SettingsError naming the variable when it cannot be
+    created or written (checked at start-up, not found by the first job after the workers loaded)."""
+    folder = Path(path).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".imgedit-write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise SettingsError(f"Bad configuration:\n  {name}={path!r} cannot be used as a folder: "
+                            f"{exc.strerror or type(exc).__name__}; choose a folder this user can write") from exc
+    return folder
