@@ -115,3 +115,9 @@ class Resolved:
     height: int | None
     adapters: tuple[tuple[str, float], ...] = ()  # (LoRA name, strength) active for this job
     scheduler: str = "default"  # default | lightning (imgedit.config.loras.LIGHTNING_SCHEDULER)
+
+    @property
+    def image_seeds(self) -> tuple[int, ...]:
+        """Each output image's own seed: image i is drawn from seed + i (wrapping at 2**32), so an edit
+        asked with that seed and one image repeats exactly image i, and each PNG records its own seed."""
+        return tuple((self.seed + i) % 2**32 for i in range(self.num_images))

@@ -108,6 +108,9 @@ def test_openai_sdk_edits(live_server, image_file):
     assert all(image.size == (64, 64) for image in images)
     assert base64.b64decode(first.data[0].b64_json) == base64.b64decode(again.data[0].b64_json)
     assert images[0].tobytes() != images[1].tobytes()
+    # Each image says its own seed (image i: seed + i), in the reply and in its PNG.
+    assert [d.model_extra["seed"] for d in other.data] == [8, 9]
+    assert [decode(d.b64_json).info["seed"] for d in other.data] == ["8", "9"]
 
 
 # ---- 2. API_KEY ----

@@ -90,8 +90,9 @@ class Runner:
         if cancel.is_set() and not collective:
             raise Cancelled("cancelled before it started")
         images = list(req.images) if job.family == "plus" else req.images[0]
-        # A CPU generator gives the same noise for a seed on every placement, device and rank.
-        generator = torch.Generator(device="cpu").manual_seed(params.seed)
+        # CPU generators give the same noise for a seed on every placement, device and rank; one per output
+        # image (its own seed), so that any image of a multi-image result can be made again alone.
+        generator = [torch.Generator(device="cpu").manual_seed(seed) for seed in params.image_seeds]
         out_of_memory = False
         try:
             if self.adapters is not None:

@@ -175,9 +175,12 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         req, result = await run_edit((images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
                                       true_cfg_scale, num_images, width, height, speed, lora, lora_scale),
                                      request, progress)
+        seeds = [image.info.get("seed", "?") for image in result.images]
+        each = (f" Image i was drawn from seed + i ({', '.join(seeds)}): that seed with one image makes it again."
+                if len(seeds) > 1 else "")
         done = (f"Done in {result.seconds:.1f} s: {len(result.images)} image(s), {result.width}x{result.height}, "
                 f"{result.steps} steps. **Seed used: {result.seed}** (to repeat it, untick *Randomize seed* "
-                "under Advanced and enter this seed).")
+                f"under Advanced and enter this seed).{each}")
         return result.images, done, _compare(req, result.images[0]), 0
 
     def gpu_status() -> dict:

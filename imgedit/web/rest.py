@@ -173,7 +173,9 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
         pngs = await asyncio.to_thread(lambda: [png_bytes(image, PNG_LEVEL) for image in result.images])
         if (history := getattr(request.app.state, "history", None)) is not None:
             _in_background(history.record(owner, req.request_id, 0, req, result, pngs=pngs))
-        data = [{"b64_json": base64.b64encode(png).decode(), "revised_prompt": None} for png in pngs]
+        # Extension: each image's own seed (image i is drawn from seed + i; that seed alone makes it again).
+        data = [{"b64_json": base64.b64encode(png).decode(), "revised_prompt": None, "seed": int(image.info["seed"])}
+                for png, image in zip(pngs, result.images, strict=True)]
         return JSONResponse({"created": int(time.time()), "data": data, "output_format": "png",
                              "size": f"{result.width}x{result.height}", "seed": result.seed,
                              "request_id": result.request_id})

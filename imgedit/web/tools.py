@@ -90,7 +90,9 @@ class PageTools:
         """The settings a result PNG carries, back into the form (seed fixed, so the edit repeats)."""
         if not isinstance(stored, dict) or not stored:
             raise gr.Error("this PNG carries no settings of this app", title="nothing to restore")
-        gr.Info("Restored the prompt, seed, steps, CFG and size saved in the PNG.", title="settings restored")
+        gr.Info("Restored the prompt, seed, steps, CFG and size saved in the PNG (this image's own seed: one "
+                "image per prompt makes it again). The input images are not in the PNG: add the same ones.",
+                title="settings restored")
         keep = gr.update()
         return (stored.get("prompt", keep), stored.get("negative_prompt", keep), stored.get("seed", keep),
                 False if "seed" in stored else keep, stored.get("num_inference_steps", keep),
