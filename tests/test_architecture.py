@@ -204,7 +204,7 @@ def test_the_server_process_never_imports_torch(tmp_path):
     example = {name: value for name, value in dotenv_values(ROOT / ".env.example").items() if value is not None}
     env = {**os.environ, **example, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}", "IMGEDIT_MODULES_DIR": str(reports),
            "DEMO_DIR": str(tmp_path / "demo"), "OUTPUT_DIR": str(tmp_path / "outputs"), "GRADIO_SERVER_PORT": str(port),
-           "GRADIO_SERVER_NAME": "127.0.0.1", "LOG_LEVEL": "WARNING", "IMGEDIT_SIZES_CACHE": str(tmp_path / "sizes")}
+           "LOG_LEVEL": "WARNING", "IMGEDIT_SIZES_CACHE": str(tmp_path / "sizes")}
     server = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -222,6 +222,10 @@ def test_the_server_process_never_imports_torch(tmp_path):
         edit = httpx.post(f"{url}/v1/images/edits", data={"prompt": "make it red", "size": "64x64"},
                           files={"image": ("in.png", png.getvalue(), "image/png")}, timeout=120)
         assert edit.status_code == 200, edit.text
+        # Listening on this machine only by default (GRADIO_SERVER_NAME; the deploy files set 0.0.0.0).
+        listening = {line.split()[1] for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+                     if line.split()[3] == "0A"}
+        assert f"0100007F:{port:04X}" in listening and f"00000000:{port:04X}" not in listening
         maps = Path(f"/proc/{server.pid}/maps").read_text()
         assert "libtorch" not in maps, "the server process has libtorch mapped"
         workers = [p for w in httpx.get(f"{url}/v1/status").json()["workers"] for p in w["pids"]]

@@ -18,7 +18,7 @@ def test_defaults():
     assert s.device_map == DeviceMap("balanced")
     assert s.max_memory == ()
     assert s.torch_dtype == "bfloat16"
-    assert s.gradio_server_port == 7860 and s.gradio_server_name == "0.0.0.0"
+    assert s.gradio_server_port == 7860 and s.gradio_server_name == "127.0.0.1"
     assert s.model_source == "Qwen/Qwen-Image-Edit-2509"
 
 

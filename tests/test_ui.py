@@ -250,7 +250,8 @@ def test_every_returned_png_carries_its_settings(live_server, client, image_file
     text = Image.open(gallery[0]["image"]).text
     assert text["prompt"] == "make it ünicode red" and text["seed"] == "11" and text["num_inference_steps"] == "3"
     assert text["true_cfg_scale"] == "4" and (text["width"], text["height"]) == ("64", "64")
-    assert text["lora"] == "none" and text["software"] == f"imgedit {__version__}" and text["model"]
+    assert text["lora"] == "none" and text["software"] == f"imgedit {__version__}"
+    assert text["model"] == "plus"  # the checkpoint folder's name (QWEN_MODEL_DIR=/tmp/.../plus), never its path
     assert read_settings(gallery[0]["image"]) == {
         "prompt": "make it ünicode red", "negative_prompt": "", "seed": 11, "num_inference_steps": 3,
         "true_cfg_scale": 4.0, "width": 64, "height": 64}

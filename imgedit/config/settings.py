@@ -113,7 +113,9 @@ REGISTRY: tuple[Var, ...] = (
         "Seconds to reach the Ray cluster at start-up; then the server runs without workers and says why"),
     Var("AUTO_CLEANUP", "true", _bool, "Free cached GPU memory after each job"),
     Var("LOG_LEVEL", "INFO", _choice(*LOG_LEVELS, upper=True), "DEBUG | INFO | WARNING | ERROR"),
-    Var("GRADIO_SERVER_NAME", "0.0.0.0", _str, "Address the server listens on"),
+    Var("GRADIO_SERVER_NAME", "127.0.0.1", _str,
+        "Address the server listens on: 127.0.0.1 = this machine only; 0.0.0.0 = every network "
+        "(the Docker image and deploy files set it)"),
     Var("GRADIO_SERVER_PORT", "7860", _int_range(1, 65535), "Port the server listens on (UI, API, REST)"),
     Var("API_KEY", "", _optional_str,
         "When set, /metrics and /v1/* need 'Authorization: Bearer <key>'; every holder shares one set of jobs"),
@@ -182,7 +184,7 @@ class Settings:
     ray_connect_timeout: int = 30
     auto_cleanup: bool = True
     log_level: str = "INFO"
-    gradio_server_name: str = "0.0.0.0"
+    gradio_server_name: str = "127.0.0.1"
     gradio_server_port: int = 7860
     api_key: str | None = None
     api_keys: tuple[tuple[str, str], ...] = ()
@@ -202,6 +204,11 @@ class Settings:
         if self.demo:
             return str(Path(self.demo_dir).expanduser())
         return self.qwen_model_dir or self.qwen_model
+
+    @property
+    def model_name(self) -> str:
+        """The model as anyone may see it (PNG settings, open views): never a path of this machine."""
+        return "imgedit-demo" if self.demo else public_model_name(self.model_source)
 
     @property
     def auth(self) -> list[tuple[str, str]] | None:
@@ -245,6 +252,11 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
     values["cuda_visible_devices"] = env.get("CUDA_VISIBLE_DEVICES")
     values.update(overrides)
     return Settings(**values)
+
+
+def public_model_name(model: str) -> str:
+    """A hub id as it is; a local checkpoint by its folder's name, not its path."""
+    return os.path.basename(model.rstrip("/")) if model.startswith(("/", "~", ".")) else model
 
 
 def writable_folder(name: str, path: str) -> Path:

@@ -299,7 +299,7 @@ class PipelineManager:
             outcome = "ok"
             result = answer.result
             # The one place every edge's results pass: each PNG returned or stored carries its settings.
-            text = settings_text(req, params, self.settings.model_source, (result.width, result.height))
+            text = settings_text(req, params, self.settings.model_name, (result.width, result.height))
             for image, seed in zip(result.images, params.image_seeds, strict=True):
                 stamp([image], {**text, "seed": str(seed)})  # each image its own seed (Resolved.image_seeds)
             return result

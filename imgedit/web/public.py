@@ -8,29 +8,24 @@ id fetches its result), process ids, the checkpoint's path, LoRA file names.
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
+from imgedit.config.settings import public_model_name
 from imgedit.engine.gpus import GpuMonitor, snapshot
 from imgedit.protocol import ManagerStatus
 
 RUNNING = "a job"  # what an open view says instead of a job's id
 
 
-def model_name(model: str) -> str:
-    """A hub id as it is; a local checkpoint by its folder's name, not its path."""
-    return os.path.basename(model.rstrip("/")) if model.startswith(("/", "~", ".")) else model
-
-
 def _hide_path(text: str | None, model: str) -> str | None:
-    return text.replace(model, model_name(model)) if text and model else text
+    return text.replace(model, public_model_name(model)) if text and model else text
 
 
 def open_snapshot(monitor: GpuMonitor, status: ManagerStatus, history: bool = False) -> dict:
     """The panel's data for anyone: `snapshot` of a status with the ids, paths and files left out."""
     workers = tuple(replace(w, job_id=RUNNING if w.job_id else None, error=_hide_path(w.error, status.model),
                             detail=_hide_path(w.detail, status.model)) for w in status.workers)
-    shown = replace(status, model=model_name(status.model), workers=workers,
+    shown = replace(status, model=public_model_name(status.model), workers=workers,
                     error=_hide_path(status.error, status.model),
                     loras=tuple({k: v for k, v in lora.items() if k != "file"} for lora in status.loras))
     data = snapshot(monitor, shown, history=history)  # the pids are still there: NVML's readings need them
