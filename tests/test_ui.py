@@ -8,6 +8,7 @@ import time
 import zlib
 from pathlib import Path
 
+import httpx
 import pytest
 from conftest import ConcurrencyProbe, make_manager, start_server
 from gradio_client import Client, handle_file
@@ -35,11 +36,16 @@ def test_edit_round_trip_returns_png_and_seed(client, image_file):
     assert isinstance(random_seed, int) and 0 <= random_seed < 2**31
 
 
-def test_gpu_status_api_without_gpus(client):
+def test_gpu_status_api_without_gpus(client, live_server):
     data = client.predict(api_name="/gpu_status")
     assert data["gpus"] == [] and "no GPU is visible" in data["message"]
     assert [w["name"] for w in data["workers"]] == ["worker-0", "worker-1"]
     assert data["workers"][0]["placement"] == {"transformer": "cpu", "text_encoder": "cpu", "vae": "cpu"}
+    # The README's `GET /gpu_status` over plain HTTP (it was a 404): the same data, open like /health.
+    plain = httpx.get(f"{live_server.url}/gpu_status", timeout=30)
+    assert plain.status_code == 200 and plain.headers["content-type"] == "application/json"
+    assert plain.json().keys() == data.keys() and plain.json()["workers"][0]["placement"] == data["workers"][0][
+        "placement"] and plain.json()["message"] == data["message"]
 
 
 def test_concurrent_submits_complete_without_overlap_also_after_a_cancel(client, server_manager, image_file):

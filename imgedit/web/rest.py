@@ -129,6 +129,11 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
         body["status"] = state
         return JSONResponse(body, status_code=200 if ready else 503)
 
+    @router.get("/gpu_status")
+    def gpu_status() -> JSONResponse:
+        """The GPU panel's numbers over plain HTTP, as the gradio API's /gpu_status returns them (open, as /health)."""
+        return JSONResponse(open_snapshot(monitor, manager.status()))
+
     @router.get("/v1/status")
     def details(request: Request) -> JSONResponse:
         """What /health leaves out (job ids, process ids, the checkpoint, LoRA files), for key holders."""
