@@ -49,7 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     from imgedit.web.app import build_app, serve
 
     no_model_chosen = not settings.qwen_model_dir and "QWEN_MODEL" not in os.environ
-    if args.demo or (not settings.demo and no_model_chosen and not discover_gpus()):
+    gpus = [] if args.demo or settings.demo or settings.workers == "ray" else discover_gpus()
+    device_map = settings.device_map  # modes that name GPUs (balanced/auto plan for what there is)
+    wants_gpus = device_map.mode in ("cuda", "cfg-parallel", "ulysses", "replicas") or (
+        device_map.mode == "manual" and "cuda" in str(device_map.manual))
+    if wants_gpus and not gpus and not args.demo and not settings.demo and settings.workers != "ray":
+        log.error("DEVICE_MAP=%s needs GPUs and none is visible here (NVML found none): use DEVICE_MAP=cpu, "
+                  "or `python app.py --demo` for the demo model", os.environ.get("DEVICE_MAP", ""))
+        return 2
+    if args.demo or (not settings.demo and no_model_chosen and not gpus):
         if not args.demo:
             log.warning("no GPU and no QWEN_MODEL/QWEN_MODEL_DIR set: serving the demo model (outputs are noise)")
         # A few steps (unless DEFAULT_STEPS says otherwise): the random demo model makes noise either way.

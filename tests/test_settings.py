@@ -121,9 +121,14 @@ def test_registry_names_are_unique():
     ({"OUTPUT_DIR": "/proc/nope"}, "OUTPUT_DIR='/proc/nope' cannot be used as a folder: No such file or directory"),
     ({"OUTPUT_DIR": "/sys/kernel"}, "OUTPUT_DIR='/sys/kernel' cannot be used as a folder: Permission denied"),
     ({"OUTPUT_DIR": "/dev/null/x"}, "OUTPUT_DIR='/dev/null/x' cannot be used as a folder: Not a directory"),
-], ids=["bad-value", "folder-cannot-be-made", "folder-not-writable", "under-a-file"])
+    # On a machine without a GPU, a DEVICE_MAP that names GPUs once served the demo model without a word.
+    ({"DEVICE_MAP": "cuda"}, "DEVICE_MAP=cuda needs GPUs and none is visible here (NVML found none)"),
+    ({"DEVICE_MAP": "ulysses:2"}, "DEVICE_MAP=ulysses:2 needs GPUs and none is visible here"),
+], ids=["bad-value", "folder-cannot-be-made", "folder-not-writable", "under-a-file", "cuda-without-gpu",
+        "group-without-gpus"])
 def test_app_refuses_to_start_on_a_bad_setting(env, message):
-    """python app.py stops at once with the message, before importing torch or gradio."""
+    """python app.py stops at once with the message, before starting any worker (bad values before importing
+    torch or gradio)."""
     proc = subprocess.run([sys.executable, "app.py"], env={**env, "PATH": "/usr/bin:/bin"}, capture_output=True,
                           text=True, timeout=60, cwd=__import__("pathlib").Path(__file__).resolve().parents[1])
     assert proc.returncode == 2
