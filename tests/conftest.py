@@ -41,14 +41,19 @@ ARTIFACTS = ROOT / "artifacts"
 COMPONENTS = ("transformer", "text_encoder", "vae")
 
 
-# pytest-xdist (`-n 2 --dist loadgroup`, the README's test command) runs whole modules on one worker each,
+# pytest-xdist (`-n 3 --dist loadgroup`, pyproject's addopts) runs whole modules on one worker each,
 # so a module's shared server and worker pool start once; the two Ray modules share one group, so one
 # Ray cluster at a time exists on this machine.
 XDIST_GROUPS = {"test_ray": "ray", "test_ray_local": "ray"}
-# Longest groups first (their measured seconds under xdist, 2-core machine), so that no long group
-# starts last and runs alone at the end; the rest follow in file order.
-LONGEST_FIRST = ("ray", "test_parallel_groups", "test_browser", "test_jobs_api", "test_manager", "test_loras",
-                 "test_history", "test_ui", "test_rest", "test_batch_cfg", "test_workers", "test_browser_batch")
+# Longest groups first (their measured seconds under xdist, 2-core machine), so that no long group starts
+# last; then the rest in file order; the Ray group at the very end, when the other test processes are
+# finishing: two Ray nodes and their actors (each importing torch afresh) need the cores, and a CI run
+# where they shared them with two busy test processes waited 300 s for the actors. xdist's own reorder
+# (most tests first) is off in pyproject.toml (--no-loadscope-reorder), or this order would not hold.
+LONGEST_FIRST = ("test_manager", "test_parallel_groups", "test_loras", "test_jobs_api", "test_ui", "test_browser",
+                 "test_security", "test_shutdown", "test_rest", "test_adversarial", "test_batch_cfg", "test_workers",
+                 "test_history", "test_browser_batch", "test_architecture")
+LAST = ("ray",)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
@@ -58,8 +63,13 @@ def pytest_collection_modifyitems(config, items):
 
     for item in items:
         item.add_marker(pytest.mark.xdist_group(group(item)))
-    items.sort(key=lambda item: LONGEST_FIRST.index(group(item)) if group(item) in LONGEST_FIRST
-               else len(LONGEST_FIRST))  # stable: each module keeps its own order
+    def rank(item) -> int:
+        name = group(item)
+        if name in LAST:
+            return len(LONGEST_FIRST) + 1 + LAST.index(name)
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each module keeps its own order
     gpus = torch.cuda.device_count()
     for item in items:
         if "multi_gpu" in item.keywords and gpus < 2:

@@ -30,6 +30,9 @@ ray = pytest.importorskip("ray", reason="ray is not installed (pip install -r re
 cluster_utils = pytest.importorskip("ray.cluster_utils")
 
 FAST = dict(num_inference_steps=3, width=64, height=64)
+# Two raylets, a GCS and two actors that each import torch afresh: on 2 busy cores the first load alone took
+# 203 s of the default 300 s once, so this module gets more (its own account is printed before this runs out).
+pytestmark = pytest.mark.timeout(480)
 
 
 def request(**kw) -> EditRequest:
@@ -133,7 +136,7 @@ def manager(nodes, plus_ckpt):
     manager = make_manager(plus_ckpt, plan="planner", WORKERS="ray", RAY_ADDRESS=nodes.address, WORKER_RESTARTS="2",
                            load=False)
     try:
-        manager.load(timeout=200)  # under the 300 s test timeout, so that Ray's own account is printed
+        manager.load(timeout=400)  # under the module's test timeout, so that Ray's own account is printed
     except WorkerFailed as exc:
         pytest.fail(f"{exc}; {[(w.name, w.state, w.detail, w.error) for w in manager.status().workers]}\n"
                     f"{ray_report()}")
