@@ -5,6 +5,7 @@ Saves screenshots to artifacts/ (the README's screenshots in docs/ come from ben
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -99,7 +100,8 @@ def test_bad_upload_shows_a_clear_message(browser, server, manager, tmp_path):
     assert jobs_done(manager) == before
 
 
-def test_too_many_images_and_out_of_range_values_get_our_message(browser, server, manager, photos):
+def test_too_many_images_and_out_of_range_values_get_our_message(browser, server, manager, photos, capfd, caplog):
+    caplog.set_level(logging.INFO, logger="imgedit.web.tools")
     before = jobs_done(manager)
     page = open_page(browser, server)
     page.locator("#input-files input[type=file]").set_input_files([str(photos[0]), str(photos[1])] * 2)
@@ -109,6 +111,9 @@ def test_too_many_images_and_out_of_range_values_get_our_message(browser, server
     page.locator("#edit-button").click()
     page.get_by_text("num_inference_steps 100000 is out of range").first.wait_for(timeout=30_000)
     assert jobs_done(manager) == before
+    # The server's log: one INFO line for a user's error, not the traceback Gradio prints for each gr.Error.
+    assert "Traceback" not in capfd.readouterr().err
+    assert [r.levelname for r in caplog.records if r.message.startswith("page: refused")] == ["INFO"]
 
 
 def test_use_result_before_any_result_says_so(browser, server):

@@ -102,7 +102,7 @@ def bad_files(tmp_path_factory):
     ("empty_prompt", "prompt is empty"),
 ])
 def test_bad_inputs_get_their_own_message_and_cost_nothing(client, server_manager, image_file, bad_files,
-                                                           case, message):
+                                                           case, message, capfd):
     files, kw = [image_file], {}
     if case == "no_image":
         files = []
@@ -126,6 +126,7 @@ def test_bad_inputs_get_their_own_message_and_cost_nothing(client, server_manage
     text = str(info.value)
     assert message in text, text
     assert "Traceback" not in text
+    assert "Traceback" not in capfd.readouterr().err  # nor in the server's log (the validator refused it)
     assert sum(w.jobs_done for w in server_manager.workers) == done_before  # no GPU work was spent
     _, seed = client.predict(*edit_args([image_file], seed=9), api_name="/edit")  # still serving
     assert seed == 9

@@ -21,6 +21,7 @@ from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.protocol import EditRequest
 from imgedit.web.identity import page_owner
 from imgedit.web.speed import parse_speed_inputs
+from imgedit.web.tools import refusal, user_error
 
 BATCH_GROUP = "batch"  # unlimited in Gradio: the manager's line and JOBS_MAX_PENDING bound batches
 
@@ -80,9 +81,9 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, settings_inpu
             owner = page_owner(request, settings.auth is not None) or f"session:{request.session_hash}"
             job = jobs.submit(owner, template, [(name, [raw]) for name, raw in items], source="ui")
         except ImgEditError as exc:
-            raise gr.Error(html.escape(exc.message), title=exc.kind.replace("_", " ")) from None
+            raise user_error(exc) from None
         except OSError:
-            raise gr.Error("the uploaded files could not be read") from None
+            raise refusal("the uploaded files could not be read") from None
         folder = Path(tempfile.mkdtemp(prefix="imgedit-batch-"))
         shown: list[tuple[str, str]] = []
         try:

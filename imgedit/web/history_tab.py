@@ -26,7 +26,7 @@ from imgedit.errors import ImgEditError
 from imgedit.protocol import EditRequest
 from imgedit.web.identity import page_owner
 from imgedit.web.speed import NO_LORA
-from imgedit.web.tools import user_error
+from imgedit.web.tools import refusal, user_error
 
 NO_OWNER = "History needs cookies (or sign-in): this browser sent none, so nothing is kept for it."
 
@@ -131,7 +131,7 @@ def build_history_tab(settings: Settings, history: HistoryStore, edit_inputs: li
         who = owner(request)
         entry = history.get(who, ids[evt.index]) if who and 0 <= evt.index < len(ids) else None
         if entry is None:
-            raise gr.Error("that entry is gone (deleted by the retention rules)")
+            raise refusal("that entry is gone (deleted by the retention rules)")
         speed, lora, scale = speed_values(entry)
         made_with = (f" · {speed}" if speed != "quality" else "") + \
             (f" · LoRA {html.escape(lora)} ({scale:g})" if lora != NO_LORA else "")
@@ -149,7 +149,7 @@ def build_history_tab(settings: Settings, history: HistoryStore, edit_inputs: li
     def chosen_entry(entry_id: str | None, request: gr.Request) -> HistoryEntry:
         entry = history.get(owner(request), entry_id) if entry_id and owner(request) else None
         if entry is None:
-            raise gr.Error("choose an entry in the history first")
+            raise refusal("choose an entry in the history first")
         return entry
 
     def fill(entry_id: str | None, request: gr.Request):

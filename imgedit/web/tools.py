@@ -23,12 +23,19 @@ from imgedit.web.uploads import gallery_paths, uploaded_paths
 log = logging.getLogger(__name__)
 
 
+def refusal(message: str, title: str | None = None) -> gr.Error:
+    """A user's error for the page: one INFO line in the log, not the traceback Gradio prints for every
+    gr.Error it catches (print_exception). The message is rendered as HTML, so pass it escaped."""
+    log.info("page: refused (%s): %s", title or "error", message)
+    return gr.Error(message, title=title, print_exception=False)
+
+
 def user_error(exc: BaseException) -> gr.Error:
     """Only gr.Error text reaches users; it is rendered as HTML, so escape it."""
     if isinstance(exc, ImgEditError):
-        return gr.Error(html.escape(exc.message), title=exc.kind.replace("_", " "))
-    log.exception("unexpected error in the UI handler", exc_info=exc)
-    return gr.Error("internal error: see the server log", title="internal error")
+        return refusal(html.escape(exc.message), exc.kind.replace("_", " "))
+    log.exception("unexpected error in the UI handler", exc_info=exc)  # ours: the traceback, once
+    return gr.Error("internal error: see the server log", title="internal error", print_exception=False)
 
 
 def _index(value) -> int:
@@ -89,7 +96,7 @@ class PageTools:
     def restore_settings(self, stored):
         """The settings a result PNG carries, back into the form (seed fixed, so the edit repeats)."""
         if not isinstance(stored, dict) or not stored:
-            raise gr.Error("this PNG carries no settings of this app", title="nothing to restore")
+            raise refusal("this PNG carries no settings of this app", "nothing to restore")
         gr.Info("Restored the prompt, seed, steps, CFG and size saved in the PNG (this image's own seed: one "
                 "image per prompt makes it again). The input images are not in the PNG: add the same ones.",
                 title="settings restored")
@@ -120,7 +127,7 @@ class PageTools:
         except Exception as exc:
             raise user_error(exc) from None
         if not paths:
-            raise gr.Error("there is no result yet: run an edit first, then choose a result", title="no result")
+            raise refusal("there is no result yet: run an edit first, then choose a result", "no result")
         index = _index(index)
         return paths[index if 0 <= index < len(paths) else 0]
 
@@ -131,8 +138,7 @@ class PageTools:
         path = self.chosen_result(gallery, index)
         paths = self._paths(images)
         if len(paths) >= self.allowed:
-            raise gr.Error(f"this model takes at most {self.allowed} input image(s); remove one first",
-                           title="too many")
+            raise refusal(f"this model takes at most {self.allowed} input image(s); remove one first", "too many")
         return [*paths, path]
 
     def select_result(self, images, gallery, evt: gr.SelectData):
