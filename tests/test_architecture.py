@@ -232,7 +232,12 @@ def test_the_server_process_never_imports_torch(tmp_path):
         assert workers and all("libtorch" in Path(f"/proc/{p}/maps").read_text() for p in workers)
         server.send_signal(signal.SIGTERM)
         assert server.wait(60) == 0, server.stderr.read()[-3000:]
-        assert "no GPU and no QWEN_MODEL/QWEN_MODEL_DIR set: serving the demo model" in server.stderr.read()
+        log = server.stderr.read()
+        assert "no GPU and no QWEN_MODEL/QWEN_MODEL_DIR set: serving the demo model" in log
+        # Known-harmless library noise stays out of the log (imgedit.runtime.worker.KNOWN_NOISE).
+        noises = ("Failed to load", "Detected no triton", "_pytree", "Unable to import `torchao`", "Loading weights")
+        for noise in noises:
+            assert noise not in log, log[-3000:]
     finally:
         if server.poll() is None:
             server.kill()
