@@ -39,7 +39,7 @@ def wait_finished(url: str, job_id: str, headers=A, timeout: float = 300) -> dic
     deadline = time.time() + timeout
     while True:
         view = httpx.get(f"{url}/v1/jobs/{job_id}", headers=headers, timeout=30).json()
-        if view["state"] not in ("queued", "running"):
+        if view["state"] not in ("queued", "running", "cancelling"):
             return view
         assert time.time() < deadline, view
         time.sleep(0.2)
@@ -127,7 +127,8 @@ def test_result_before_the_end_is_409_and_delete_cancels(server):
         time.sleep(0.1)
     early = httpx.get(f"{server.url}/v1/jobs/{job_id}/result", headers=A, timeout=30)
     assert early.status_code == 409 and early.json()["error"]["code"] == "not_finished"
-    assert httpx.delete(f"{server.url}/v1/jobs/{job_id}", headers=A, timeout=30).status_code == 200
+    deleted = httpx.delete(f"{server.url}/v1/jobs/{job_id}", headers=A, timeout=30)
+    assert deleted.status_code == 200 and deleted.json()["state"] == "cancelling"  # it said "running"
     view = wait_finished(server.url, job_id, timeout=60)
     assert view["state"] == "cancelled" and view["done"] == 0, view
     assert all(i["state"] == "cancelled" for i in view["items"])
@@ -136,6 +137,38 @@ def test_result_before_the_end_is_409_and_delete_cancels(server):
     assert gone.status_code == 409 and gone.json()["error"]["code"] == "no_result"
     history = server.server.config.app.state.history
     assert history.job(owner_of("token-a"), job_id) == []  # nothing is stored for a cancelled job
+
+
+def test_finished_items_are_served_at_once_a_cancelled_job_keeps_them_and_jobs_are_listed(server):
+    """?item=N answered 409 while item N was done; a job cancelled after an item finished said `partial`;
+    GET /v1/jobs was a 404."""
+    files = [("batch", (f"q{i}.png", png(), "image/png")) for i in range(3)]
+    job_id = httpx.post(f"{server.url}/v1/jobs", files=files, data={**FIELDS, "num_inference_steps": "6"},
+                        headers=A, timeout=60).json()["id"]
+    deadline = time.time() + 120
+    while (view := httpx.get(f"{server.url}/v1/jobs/{job_id}", headers=A).json())["items"][0]["state"] != "succeeded":
+        assert time.time() < deadline and view["state"] not in ("failed", "partial", "cancelled"), view
+        time.sleep(0.1)
+    first = httpx.get(f"{server.url}/v1/jobs/{job_id}/result?item=1", headers=A, timeout=30)
+    assert first.status_code == 200 and first.content[:8] == b"\x89PNG\r\n\x1a\n"
+    later = httpx.get(f"{server.url}/v1/jobs/{job_id}/result?item=3", headers=A, timeout=30)
+    assert later.status_code == 409 and "item 3 is " in later.json()["error"]["message"]
+    assert httpx.delete(f"{server.url}/v1/jobs/{job_id}", headers=A, timeout=30).status_code == 200
+    view = wait_finished(server.url, job_id, timeout=60)
+    assert view["state"] == "cancelled" and view["done"] >= 1 and view["items"][2]["state"] == "cancelled", view
+    kept = httpx.get(f"{server.url}/v1/jobs/{job_id}/result", headers=A, timeout=30)
+    assert kept.status_code == 200  # the finished items (a PNG or a zip of them)
+    # The caller's jobs, newest first, a page at a time; another token sees none of them.
+    newest = httpx.get(f"{server.url}/v1/jobs?limit=1", headers=A, timeout=30).json()
+    assert newest["object"] == "list" and [j["id"] for j in newest["data"]] == [job_id] and newest["has_more"]
+    assert newest["data"][0]["state"] == "cancelled"
+    following = httpx.get(f"{server.url}/v1/jobs?limit=100&after={job_id}", headers=A, timeout=30).json()
+    assert following["data"] and job_id not in [j["id"] for j in following["data"]] and not following["has_more"]
+    created = [j["created"] for j in following["data"]]
+    assert created == sorted(created, reverse=True)
+    other = httpx.get(f"{server.url}/v1/jobs", headers={"Authorization": "Bearer token-zz"}, timeout=30).json()
+    assert job_id not in [j["id"] for j in other["data"]]
+    assert httpx.get(f"{server.url}/v1/jobs?limit=0", headers=A, timeout=30).status_code == 400
 
 
 def owner_of(token: str) -> str:

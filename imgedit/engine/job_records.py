@@ -43,9 +43,11 @@ CREATE INDEX IF NOT EXISTS jobs_created ON jobs (created);
 def job_state(states: list[str], cancelled: bool) -> str:
     """A job's state from its items' (queued, running, succeeded, failed, cancelled)."""
     if any(s in UNFINISHED for s in states):
+        if cancelled:
+            return "cancelling"  # asked to stop: waiting items are leaving the line, a running one stops at a step
         return "running" if any(s != "queued" for s in states) else "queued"
-    if cancelled and "succeeded" not in states:
-        return "cancelled"
+    if cancelled:
+        return "cancelled"  # the items that finished before it was cancelled can still be fetched
     ok = states.count("succeeded")
     return "succeeded" if ok == len(states) else ("failed" if ok == 0 else "partial")
 
@@ -104,6 +106,26 @@ class JobRecords:
         items = json.loads(row[4])
         return {"created": row[0], "finished": row[1], "cancelled": bool(row[2]), "settings": json.loads(row[3]),
                 "items": items, "state": job_state([i["state"] for i in items], bool(row[2]))}
+
+    def newest(self, owner: str, limit: int, after: str | None = None) -> tuple[list[dict], bool] | None:
+        """The owner's jobs, newest first: `limit` of them after the job `after` (None: from the newest),
+        and whether there are more. None when `after` is not one of the owner's jobs."""
+        with self._lock:
+            where, args = "owner = ?", [owner]
+            if after is not None:
+                row = self._db.execute("SELECT created FROM jobs WHERE id = ? AND owner = ?", (after, owner)).fetchone()
+                if row is None:
+                    return None
+                where += " AND (created < ? OR (created = ? AND id < ?))"
+                args += [row[0], row[0], after]
+            rows = self._db.execute(f"SELECT id, created, finished, cancelled, settings, items FROM jobs WHERE {where} "
+                                    "ORDER BY created DESC, id DESC LIMIT ?", (*args, limit + 1)).fetchall()
+        jobs = []
+        for job_id, created, finished, cancelled, settings, raw in rows[:limit]:
+            items = json.loads(raw)
+            jobs.append({"id": job_id, "created": created, "finished": finished, "settings": json.loads(settings),
+                         "items": items, "state": job_state([i["state"] for i in items], bool(cancelled))})
+        return jobs, len(rows) > limit
 
     def forget_before(self, when: float) -> None:
         with self._lock:

@@ -1,4 +1,6 @@
-"""The async jobs API: POST /v1/jobs (202), GET /v1/jobs/{id}, GET /v1/jobs/{id}/result, DELETE.
+"""The async jobs API: POST /v1/jobs (202), GET /v1/jobs (the caller's, newest first), GET /v1/jobs/{id},
+GET /v1/jobs/{id}/result (?item=N as soon as that item has finished), DELETE (state `cancelling`, then
+`cancelled`, with the items finished before still downloadable).
 
 Same fields (speed, lora and lora_scale included: every item runs with them), API key and limits as
 /v1/images/edits. Input sets: `image` (1-3 files) is one set; each `batch` file is one set of one
@@ -88,6 +90,26 @@ def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Me
             return _error(400, "the request could not be read", "invalid_input")
         return JSONResponse(_links(job.view()), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
 
+    @router.get("/v1/jobs")
+    async def list_jobs(request: Request, limit: str = "20", after: str | None = None) -> Response:
+        """The caller's own jobs, newest first, `limit` (1-100) at a time; `after=<id>` gives the next page."""
+        if (owner := owner_of(request, settings)) is None:
+            return refused()
+        if not (limit.isdecimal() and 1 <= int(limit[:4]) <= 100):
+            return _error(400, f"limit must be a whole number from 1 to 100, got {limit[:40]!r}", "invalid_input",
+                          "limit")
+        page = await asyncio.to_thread(jobs.records.newest, owner, int(limit), after)
+        if page is None:
+            return _error(404, f"after={str(after)[:40]!r} is not one of this API key's jobs", "not_found", "after")
+        records, more = page
+        views = []
+        for record in records:  # a job this server runs is shown as it is now; others as recorded
+            live = jobs.get(owner, record["id"])
+            views.append(_links(live.view() if live is not None else _recorded_view(record["id"], record)))
+        return JSONResponse({"object": "list", "data": views, "has_more": more,
+                             "first_id": views[0]["id"] if views else None,
+                             "last_id": views[-1]["id"] if views else None})
+
     @router.get("/v1/jobs/{job_id}")
     async def job_status(job_id: str, request: Request) -> Response:
         if (owner := owner_of(request, settings)) is None:
@@ -107,15 +129,18 @@ def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Me
             return refused()
         job = jobs.get(owner, job_id)
         if job is not None:
-            if not job.finished:
-                return _error(409, f"job {job.id} is {job.state}; poll GET /v1/jobs/{job.id} until it has finished",
-                              "not_finished")
             rows = [(i.name, i.entry, i.error) for i in job.items]
+            one = int(item) if item is not None and item.isdecimal() and len(item) <= 9 else 0
+            asked = job.items[one - 1] if 1 <= one <= len(rows) else None  # else: a 400/404 below
+            if not job.finished and (item is None or (asked is not None and asked.state in ("queued", "running"))):
+                what = f"item {one} is {asked.state}" if asked is not None else f"job {job.id} is {job.state}"
+                return _error(409, f"{what}; poll GET /v1/jobs/{job.id} until it has finished (?item=N fetches an "
+                              "item as soon as it has)", "not_finished")
         else:
             record = await asyncio.to_thread(jobs.records.read, owner, job_id)
             entries = await asyncio.to_thread(jobs.history.job, owner, job_id)
             if record is not None:
-                if record["state"] in ("queued", "running"):  # another live server's (a shared folder)
+                if record["state"] in ("queued", "running", "cancelling"):  # another live server's (a shared folder)
                     return _error(409, f"job {job_id} is {record['state']}", "not_finished")
                 stored = {e.item: e for e in entries}
                 rows = [(i["name"], stored.get(i["index"]), i["error"]) for i in record["items"]]
