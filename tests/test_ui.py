@@ -36,6 +36,23 @@ def test_edit_round_trip_returns_png_and_seed(client, image_file):
     assert isinstance(random_seed, int) and 0 <= random_seed < 2**31
 
 
+def test_the_gradio_api_contract_optional_parameters_named_results_same_names(client, image_file):
+    """view_api once marked negative_prompt, num_inference_steps and true_cfg_scale required (so a call with
+    images and prompt alone failed), left the results unnamed and named /batch's steps and CFG otherwise."""
+    info = client.view_api(return_format="dict", print_info=False)
+    assert set(info["named_endpoints"]) == {"/edit", "/gpu_status", "/batch", "/history"}
+    assert not info["unnamed_endpoints"]
+    edit = info["named_endpoints"]["/edit"]
+    names = [p["parameter_name"] for p in edit["parameters"]]
+    assert names[:2] == ["images", "prompt"] and not any(p["parameter_has_default"] for p in edit["parameters"][:2])
+    assert all(p["parameter_has_default"] for p in edit["parameters"][2:]), edit["parameters"]
+    assert [r["label"] for r in edit["returns"]] == ["images", "seed"]
+    assert [p["parameter_name"] for p in info["named_endpoints"]["/batch"]["parameters"]][1:] == names[1:]
+    gallery, seed = client.predict(images=[handle_file(str(image_file))], prompt="make it red", seed=4,
+                                   randomize_seed=False, num_inference_steps=2, width=64, height=64, api_name="/edit")
+    assert len(gallery) == 1 and seed == 4
+
+
 def test_gpu_status_api_without_gpus(client, live_server):
     data = client.predict(api_name="/gpu_status")
     assert data["gpus"] == [] and "no GPU is visible" in data["message"]

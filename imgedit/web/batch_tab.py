@@ -59,21 +59,21 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, settings_inpu
             run = gr.Button("Run batch", variant="primary", elem_id="batch-button")
             stop = gr.Button("Cancel batch", variant="stop", elem_id="batch-cancel")
         gallery = gr.Gallery(label="Results", format="png", columns=4, elem_id="batch-gallery", interactive=False)
-        report = gr.Markdown(elem_id="batch-report")
+        report = gr.Markdown(elem_id="batch-report", label="report")
         download = gr.File(label="All results (zip)", elem_id="batch-zip", interactive=False)
 
-    async def run_batch(files, prompt, negative_prompt, seed, randomize_seed, steps, cfg, num_images, width, height,
-                        speed="quality", lora="none", lora_scale=1.0, request: gr.Request = None,
-                        progress=gr.Progress()):
+    async def run_batch(files, prompt, negative_prompt="", seed=0, randomize_seed=True, num_inference_steps=None,
+                        true_cfg_scale=None, num_images=1, width=0, height=0, speed="quality", lora="none",
+                        lora_scale=1.0, request: gr.Request = None, progress=gr.Progress()):
         """Run one prompt over every uploaded image; yields (gallery, report, zip) as items finish."""
         try:
             speed, lora, lora_scale = parse_speed_inputs(speed, lora, lora_scale)
             template = EditRequest(
                 images=(), prompt=prompt or "", negative_prompt=negative_prompt or "",
-                seed=None if randomize_seed else _number(seed, 0), num_inference_steps=_number(steps),
-                true_cfg_scale=None if cfg is None else float(cfg), num_images=_number(num_images, 1),
-                width=_number(width, 0) or None, height=_number(height, 0) or None, speed=speed, lora=lora,
-                lora_scale=lora_scale, source="ui")
+                seed=None if randomize_seed else _number(seed, 0), num_inference_steps=_number(num_inference_steps),
+                true_cfg_scale=None if true_cfg_scale is None else float(true_cfg_scale),
+                num_images=_number(num_images, 1), width=_number(width, 0) or None,
+                height=_number(height, 0) or None, speed=speed, lora=lora, lora_scale=lora_scale, source="ui")
             # the cheap fields before any file is read
             check_params(template, settings, manager.family, manager.prompt_tokens)
             uploads = await asyncio.to_thread(read_uploads, files, settings.batch_max_items, settings.max_file_size)

@@ -159,8 +159,8 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
             await history.record(owner, req.request_id, 0, req, result)
         return req, result
 
-    async def edit(images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
-                   num_images, width, height, speed="quality", lora="none", lora_scale=1.0,
+    async def edit(images, prompt, negative_prompt="", seed=0, randomize_seed=True, num_inference_steps=None,
+                   true_cfg_scale=None, num_images=1, width=0, height=0, speed="quality", lora="none", lora_scale=1.0,
                    request: gr.Request = None, progress=gr.Progress()):
         """Edit the images as the prompt says; returns the result images and the seed used."""
         _, result = await run_edit((images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
@@ -251,10 +251,12 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         timer = gr.Timer(2.0)
         # The `/edit` API: hidden inputs without ranges, so every value reaches the validator and our messages.
         with gr.Row(visible=False):
-            api_inputs = [gr.File(file_count="multiple"), gr.Textbox(), gr.Textbox(), gr.Number(0), gr.Checkbox(True),
-                          gr.Number(None), gr.Number(None), gr.Number(1), gr.Number(0), gr.Number(0),
-                          gr.Textbox("quality"), gr.Textbox("none"), gr.Number(1.0)]
-            api_outputs = [gr.Gallery(format="png"), gr.Number()]
+            # Every parameter after `prompt` is optional in gradio_client (a value here, or a None default in
+            # `edit`'s signature), and the results are named.
+            api_inputs = [gr.File(file_count="multiple"), gr.Textbox(), gr.Textbox(""), gr.Number(0),
+                          gr.Checkbox(True), gr.Number(None), gr.Number(None), gr.Number(1), gr.Number(0),
+                          gr.Number(0), gr.Textbox("quality"), gr.Textbox("none"), gr.Number(1.0)]
+            api_outputs = [gr.Gallery(format="png", label="images"), gr.Number(label="seed")]
             api_button = gr.Button()
 
         # preprocess=False: our own code parses the raw values (junk gets our message, not a Gradio
