@@ -277,15 +277,15 @@ def test_history_exports_are_swept_not_left_one_folder_a_click(tmp_path):
     """#27 item 5: "pick" and "Open in the editor" hand Gradio a copy; 25 clicks once left 25 folders."""
     import os
 
-    from imgedit.web import history_tab
+    from imgedit.web import exports
 
     source = tmp_path / "out-0.png"
     picture().save(source)
-    made = [Path(history_tab._export([source], f"imgedit-{n}")) for n in range(25)]
+    made = [Path(exports.export_copy([source], f"imgedit-{n}")) for n in range(25)]
     assert all(p.exists() for p in made)  # fresh copies stay: Gradio is still copying them into its cache
-    old = time.time() - history_tab.EXPORT_KEEP_S - 1
+    old = time.time() - exports.EXPORT_KEEP_S - 1
     for p in made:
         os.utime(p.parent, (old, old))
-    latest = Path(history_tab._export([source, source], "imgedit-zip"))
+    latest = Path(exports.export_copy([source, source], "imgedit-zip"))
     assert latest.exists() and latest.suffix == ".zip"
     assert not any(p.parent.exists() for p in made)  # (other tests' recent exports may be there too)

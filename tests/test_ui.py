@@ -302,6 +302,55 @@ def test_api_call_snippets_are_valid_code_for_the_form():
     assert "images=[handle_file('input-1.png'), handle_file('input-2.png')]" in code and "seed=7," in code
     compile(openai_snippet("http://host:7860/", values), "openai_snippet", "exec")
     curl = curl_snippet("http://host:7860/", values)
-    words = shlex.split(curl.split("| python3")[0].replace("\\\n", " "))
+    command = "\n".join(line for line in curl.splitlines() if not line.startswith("#"))  # the notes above it
+    words = shlex.split(command.split("| python3")[0].replace("\\\n", " "))
     assert "prompt=it's \"red\"" in words and "size=auto" in words and "seed=7" in words, words
     assert "seed" not in curl_snippet("http://h/", {**values, "randomize_seed": True})
+
+
+def test_the_api_snippets_run_as_copied_with_a_login_and_a_key(server_manager, image_file, tmp_path):
+    """"Copy as API call" once printed code that did not run as copied: files input-N.png nobody had,
+    `auth=(USER, PASSWORD)` (a NameError), a placeholder API key (401) and a curl pipe that swallowed the
+    server's errors. Each snippet, exactly as shown for a server with a login and an API key, now runs
+    with the inputs offered beside it and the credentials in clearly named environment variables."""
+    import dataclasses
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from conftest import LiveServer, free_port
+
+    from imgedit.web.app import build_app
+    from imgedit.web.tools import PageTools
+    from imgedit.web.uploads import upload_folder
+
+    settings = dataclasses.replace(server_manager.settings, gradio_auth=(("ann", "pw-1"),), api_key="key-1")
+    upload = Path(upload_folder()) / "snippet-test" / "photo.png"  # as the page's upload would be
+    upload.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(image_file, upload)
+    port = free_port()
+    with LiveServer(build_app(settings, server_manager), port):
+        tools = PageTools(settings, server_manager.family, 4, server_manager.prompt_tokens)
+        shown = tools.api_call([{"path": str(upload)}], "make it red", "", 5, False, 2, 4.0, 1, 64, 64,
+                               request=SimpleNamespace(headers={"host": f"127.0.0.1:{port}"}))
+        gradio_code, curl_code, openai_code, inputs = shown[1:]
+        assert [Path(p).name for p in inputs] == ["input-1.png"]  # offered beside the snippets
+        shutil.copyfile(inputs[0], tmp_path / "input-1.png")
+        env = {**os.environ, "IMGEDIT_USER": "ann", "IMGEDIT_PASSWORD": "pw-1", "IMGEDIT_API_KEY": "key-1"}
+        runs = {"gradio": [sys.executable, "-c", gradio_code], "curl": ["bash", "-c", curl_code],
+                "openai": [sys.executable, "-c", openai_code]}
+        for name, argv in runs.items():
+            (tmp_path / "out.png").unlink(missing_ok=True)
+            out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+            assert out.returncode == 0, (name, out.stdout[-1000:], out.stderr[-2000:])
+            if name == "gradio":
+                assert out.stdout.strip().endswith(" 5"), out.stdout  # the result's file and the seed
+            else:
+                assert Image.open(tmp_path / "out.png").size == (64, 64) and "wrote out.png" in out.stdout
+        # A wrong key: curl's pipe says what the server said (it once failed with KeyError: 'data').
+        wrong = subprocess.run(runs["curl"], cwd=tmp_path, env={**env, "IMGEDIT_API_KEY": "nope"},
+                               capture_output=True, text=True, timeout=120)
+        assert wrong.returncode == 1 and "the server answered" in wrong.stderr, wrong.stderr
+        assert "KeyError" not in wrong.stderr and "Traceback" not in wrong.stderr

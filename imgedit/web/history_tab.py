@@ -7,14 +7,8 @@ owner (`imgedit.web.identity`), so another browser's entries are never found.
 
 from __future__ import annotations
 
-import atexit
 import html
-import os
-import shutil
-import tempfile
 import time
-import zipfile
-from pathlib import Path
 
 import gradio as gr
 from PIL import Image
@@ -24,6 +18,7 @@ from imgedit.engine.history import HistoryEntry, HistoryStore
 from imgedit.engine.validation import lora_adapters, speed_preset
 from imgedit.errors import ImgEditError
 from imgedit.protocol import EditRequest
+from imgedit.web.exports import export_copy
 from imgedit.web.identity import page_owner
 from imgedit.web.speed import NO_LORA
 from imgedit.web.tools import refusal, user_error
@@ -53,40 +48,6 @@ def check_still_offered(entry: HistoryEntry, settings) -> None:
 def speed_values(entry: HistoryEntry) -> tuple[str, str, float]:
     """The Speed / LoRA / strength controls' values that repeat this entry."""
     return (entry.speed or "quality", entry.lora or NO_LORA, 1.0 if entry.lora_scale is None else entry.lora_scale)
-
-
-EXPORT_KEEP_S = 120.0  # Gradio has copied a returned file into its own cache long before this
-_EXPORTS = Path(tempfile.gettempdir()) / f"imgedit-history-{os.getpid()}"
-
-
-def _sweep_exports(now: float | None = None) -> None:
-    """Remove the copies earlier events handed to Gradio (they once stayed forever, one folder a click)."""
-    now = time.time() if now is None else now
-    for folder in _EXPORTS.glob("export-*"):
-        try:
-            if now - folder.stat().st_mtime > EXPORT_KEEP_S:
-                shutil.rmtree(folder, ignore_errors=True)
-        except FileNotFoundError:
-            continue
-
-
-def _export(paths: list[Path], name: str) -> str:
-    """A copy (or a zip) in a temp folder: Gradio copies it into its cache and serves it from there;
-    OUTPUT_DIR stays private. The copies are swept after EXPORT_KEEP_S, and all at exit."""
-    _sweep_exports()
-    if not _EXPORTS.exists():
-        _EXPORTS.mkdir(mode=0o700, exist_ok=True)
-        atexit.register(shutil.rmtree, _EXPORTS, True)
-    folder = Path(tempfile.mkdtemp(prefix="export-", dir=_EXPORTS))
-    if len(paths) == 1:
-        target = folder / f"{name}.png"
-        shutil.copyfile(paths[0], target)
-        return str(target)
-    target = folder / f"{name}.zip"
-    with zipfile.ZipFile(target, "w") as archive:
-        for k, path in enumerate(paths, 1):
-            archive.write(path, f"{name}-{k}.png")
-    return str(target)
 
 
 def build_history_tab(settings: Settings, history: HistoryStore, edit_inputs: list, edit_outputs: list, edit,
@@ -138,10 +99,10 @@ def build_history_tab(settings: Settings, history: HistoryStore, edit_inputs: li
         text = (f"**{html.escape(entry.prompt)}**  \nseed {entry.seed} · {entry.steps} steps{made_with} · "
                 f"{entry.out_width}x{entry.out_height} · {entry.outputs} image(s) · {_when(entry.created)}")
         images = [Image.open(p) for p in entry.output_paths]
-        return entry.id, text, images, _export(entry.output_paths, f"imgedit-{entry.id}")
+        return entry.id, text, images, export_copy(entry.output_paths, f"imgedit-{entry.id}")
 
     def values(entry: HistoryEntry, speed: tuple) -> tuple:
-        inputs = [_export([p], f"input-{k + 1}") for k, p in enumerate(entry.input_paths)]
+        inputs = [export_copy([p], f"input-{k + 1}") for k, p in enumerate(entry.input_paths)]
         cfg = settings.default_true_cfg if entry.true_cfg_scale is None else entry.true_cfg_scale
         return (inputs, entry.prompt, entry.negative_prompt, entry.seed, False, entry.steps, cfg, entry.num_images,
                 entry.width or 0, entry.height or 0, *speed)

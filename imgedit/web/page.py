@@ -246,6 +246,8 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                                     for key, language, label in (("gradio", "python", "gradio_client"),
                                                                  ("curl", "shell", "curl (REST)"),
                                                                  ("openai", "python", "OpenAI SDK (REST)"))]
+                    snippet_inputs = gr.File(label="The inputs as the snippets name them (save them beside it)",
+                                             file_count="multiple", interactive=False, elem_id="api-inputs")
         with gr.Accordion("GPUs", open=True):
             gpu_panel = gr.HTML(elem_id="gpu-panel")  # filled on every page load (below)
         timer = gr.Timer(2.0)
@@ -284,8 +286,8 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         # Queued (its own default group, never behind GPU jobs): only queued events can show a toast.
         restore.click(tools.restore_settings, stored,
                       [prompt, negative, seed, randomize, steps, cfg, width, height, restore], api_visibility="private")
-        copy_api.click(tools.api_call, edit_inputs, [snippets, *snippet_code], preprocess=False, queue=False,
-                       api_visibility="private")
+        copy_api.click(tools.api_call, edit_inputs, [snippets, *snippet_code, snippet_inputs], preprocess=False,
+                       queue=False, api_visibility="private")
         again.click(tools.use_result, [result, chosen], files, preprocess=False, api_visibility="private")
         add.click(tools.add_result, [files, result, chosen], files, preprocess=False, api_visibility="private")
         # No progress timer over the panel: it is refreshed every 2 s.

@@ -41,11 +41,19 @@ def api_values(n_images: int, prompt, negative_prompt, seed, randomize_seed, num
     }
 
 
+INPUTS_NOTE = "# The inputs: save the files offered next to this snippet (input-1.png, ...) beside it."
+KEY_NOTE = ("# export IMGEDIT_API_KEY=...  (the server's API_KEY, or your key of API_KEYS; "
+            "any text when the server has none)")
+
+
 def gradio_snippet(url: str, values: dict, auth: bool) -> str:
-    lines = ["from gradio_client import Client, handle_file", "",
-             f"client = Client({url!r}{', auth=(USER, PASSWORD)' if auth else ''})",
-             "gallery, seed = client.predict(",
-             f"    images=[{', '.join(f'handle_file({name!r})' for name in values['images'])}],"]
+    login = ", auth=(os.environ['IMGEDIT_USER'], os.environ['IMGEDIT_PASSWORD'])" if auth else ""
+    lines = [INPUTS_NOTE]
+    if auth:
+        lines += ["# export IMGEDIT_USER=... IMGEDIT_PASSWORD=...  (your login to the page)", "import os"]
+    lines += ["from gradio_client import Client, handle_file", "", f"client = Client({url!r}{login})",
+              "gallery, seed = client.predict(",
+              f"    images=[{', '.join(f'handle_file({name!r})' for name in values['images'])}],"]
     lines += [f"    {key}={value!r}," for key, value in values.items() if key != "images"]
     lines += ['    api_name="/edit",', ")", 'print(gallery[0]["image"], seed)  # a PNG file and the seed used']
     return "\n".join(lines)
@@ -56,6 +64,16 @@ def _size(values: dict) -> str:
     return f"{width}x{height}" if width and height else "auto"
 
 
+# The reply's first image to out.png, or the server's error message (exit status 1) when there is none.
+_DECODE = ("import sys, json, base64\n"
+           "raw = sys.stdin.buffer.read()\n"
+           "try:\n    reply = json.loads(raw)\n"
+           "except ValueError:\n    sys.exit(\"the server answered: \" + raw[:500].decode(errors=\"replace\"))\n"
+           "if \"data\" not in reply:\n    sys.exit(\"the server answered: \" + str(reply.get(\"error\", reply)))\n"
+           "open(\"out.png\", \"wb\").write(base64.b64decode(reply[\"data\"][0][\"b64_json\"]))\n"
+           "print(\"wrote out.png\")")
+
+
 def curl_snippet(url: str, values: dict) -> str:
     fields = [f"image=@{name}" for name in values["images"]] + [
         f"prompt={values['prompt']}", f"negative_prompt={values['negative_prompt']}", f"n={values['num_images']}",
@@ -64,11 +82,9 @@ def curl_snippet(url: str, values: dict) -> str:
     if not values["randomize_seed"]:
         fields.append(f"seed={values['seed']}")
     fields += [f"{key}={values[key]}" for key in ("speed", "lora", "lora_scale") if key in values]
-    parts = [f"curl -s {shlex.quote(url + 'v1/images/edits')}", '-H "Authorization: Bearer $API_KEY"']
+    parts = [f"curl -sS {shlex.quote(url + 'v1/images/edits')}", '-H "Authorization: Bearer $IMGEDIT_API_KEY"']
     parts += [f"-F {shlex.quote(field)}" for field in fields]
-    decode = ("| python3 -c 'import sys,json,base64; "
-              "open(\"out.png\",\"wb\").write(base64.b64decode(json.load(sys.stdin)[\"data\"][0][\"b64_json\"]))'")
-    return " \\\n  ".join([*parts, decode])
+    return "\n".join([INPUTS_NOTE, KEY_NOTE, " \\\n  ".join([*parts, f"| python3 -c {shlex.quote(_DECODE)}"])])
 
 
 def openai_snippet(url: str, values: dict) -> str:
@@ -79,11 +95,11 @@ def openai_snippet(url: str, values: dict) -> str:
     extra.update({key: values[key] for key in ("speed", "lora", "lora_scale") if key in values})
     files = ", ".join(f"open({name!r}, 'rb')" for name in values["images"])
     return "\n".join([
-        "# pip install openai  (the REST endpoint speaks the OpenAI images API)",
-        "import base64", "from openai import OpenAI", "",
-        f"client = OpenAI(base_url={url + 'v1'!r}, api_key='your API_KEY (any text if unset)')",
+        "# pip install openai  (the REST endpoint speaks the OpenAI images API)", INPUTS_NOTE, KEY_NOTE,
+        "import base64", "import os", "from openai import OpenAI", "",
+        f"client = OpenAI(base_url={url + 'v1'!r}, api_key=os.environ.get('IMGEDIT_API_KEY', 'none'))",
         f"result = client.images.edit(model='qwen-image-edit', image=[{files}],",
         f"                            prompt={values['prompt']!r}, n={values['num_images']!r},",
         f"                            size={_size(values)!r}, response_format='b64_json',",
         f"                            extra_body={extra!r})",
-        "open('out.png', 'wb').write(base64.b64decode(result.data[0].b64_json))"])
+        "open('out.png', 'wb').write(base64.b64decode(result.data[0].b64_json))", "print('wrote out.png')"])

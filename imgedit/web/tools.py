@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import html
 import logging
+from pathlib import Path
 
 import gradio as gr
 from PIL import Image
@@ -17,6 +18,7 @@ from imgedit.engine.prompt_tokens import PromptTokens
 from imgedit.engine.validation import MAX_INPUT_IMAGES, check_params
 from imgedit.errors import ImgEditError
 from imgedit.protocol import EditRequest
+from imgedit.web.exports import export_copy
 from imgedit.web.snippets import api_values, curl_snippet, gradio_snippet, openai_snippet
 from imgedit.web.uploads import gallery_paths, uploaded_paths
 
@@ -110,16 +112,18 @@ class PageTools:
                  num_images, width, height, speed=None, lora=None, lora_scale=None, request: gr.Request = None):
         """Copy as API call: the form as gradio_client, curl and OpenAI-SDK code, for this server's address."""
         try:
-            n_images = len(uploaded_paths(images))
-        except Exception:  # a snippet names its files input-N.png: only the count is used
-            n_images = 1
-        values = api_values(n_images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
+            paths = uploaded_paths(images)
+        except Exception:  # noqa: BLE001 - the snippets still show; the inputs are offered when they can be read
+            paths = []
+        # The snippets name their files input-1.png, ...: the same files under those names, to save beside them.
+        inputs = [export_copy([Path(path)], f"input-{k + 1}") for k, path in enumerate(paths)]
+        values = api_values(len(paths), prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
                             true_cfg_scale, num_images, width, height, self.default_steps,
                             self.settings.default_true_cfg, speed, lora, lora_scale)
         host = request.headers.get("host", "localhost:7860")
         url = f"{request.headers.get('x-forwarded-proto', 'http')}://{host}/"
         return (gr.update(visible=True), gradio_snippet(url, values, self.settings.auth is not None),
-                curl_snippet(url, values), openai_snippet(url, values))
+                curl_snippet(url, values), openai_snippet(url, values), inputs or None)
 
     def chosen_result(self, gallery, index) -> str:
         try:
