@@ -208,6 +208,23 @@ def test_demo_banner_and_page(plus_ckpt):
     with LiveServer(app, free_port()) as server:
         config = httpx.get(f"{server.url}/config", timeout=30).json()
         assert "outputs are noise" in str(config)
+        # A small width and the height from the input's aspect (it was 256x256 whatever the input's shape).
+        sizes = {c["props"]["label"]: c["props"]["value"] for c in config["components"]
+                 if c.get("props", {}).get("label", "").startswith(("Width", "Height"))}
+        assert sizes == {"Width (0 = auto)": 256, "Height (0 = auto)": 0}, sizes
+
+
+def test_the_before_after_view_keeps_the_inputs_aspect():
+    """The comparison once squashed an input of another aspect into the result's shape."""
+    from imgedit.protocol import EditRequest
+    from imgedit.web.page import _compare
+
+    tall = Image.new("RGB", (60, 120), (200, 0, 0))
+    before, after = _compare(EditRequest(images=(tall,), prompt="x"), Image.new("RGB", (64, 64)))
+    assert before.size == after.size == (64, 64)
+    pixels = before.load()
+    assert pixels[32, 32][0] > 150 and pixels[2, 32] == (128, 128, 128)  # the input in the middle, bordered
+    assert sum(pixels[x, 32][0] > 150 for x in range(64)) in range(30, 35)  # 60:120 at a height of 64: ~32 wide
 
 
 def test_step_progress_and_place_in_line_reach_the_client(client, server_manager, image_file):

@@ -20,7 +20,7 @@ import logging
 from dataclasses import replace
 
 import gradio as gr
-from PIL import Image
+from PIL import Image, ImageOps
 
 from imgedit.config.settings import Settings
 from imgedit.engine.gpus import GpuMonitor
@@ -102,8 +102,10 @@ def build_request(settings: Settings, family: str, images, prompt, negative_prom
 
 
 def _compare(req: EditRequest, image: Image.Image) -> tuple[Image.Image, Image.Image]:
-    """Before/after at the result's size (the slider needs two images of one size)."""
-    return req.images[0].resize(image.size, Image.Resampling.LANCZOS), image
+    """Before/after at the result's size (the slider needs two images of one size): the input in its own
+    aspect, bordered where it differs from the result's (it was squashed)."""
+    before = ImageOps.pad(req.images[0].convert("RGB"), image.size, Image.Resampling.LANCZOS, color=(128, 128, 128))
+    return before, image
 
 
 def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMonitor | None = None, history=None,
@@ -226,9 +228,10 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                     cfg = gr.Slider(1.0, 20.0, value=settings.default_true_cfg, step=0.5, label="True CFG scale")
                     num = gr.Slider(1, settings.max_images_per_prompt, value=1, step=1, label="Images per prompt")
                     with gr.Row():
-                        size = DEMO_SIZE if demo else 0
-                        width = gr.Number(label="Width (0 = auto)", value=size, precision=0, minimum=0)
-                        height = gr.Number(label="Height (0 = auto)", value=size, precision=0, minimum=0)
+                        # The demo: a small width, the height from the input's aspect (0 = auto).
+                        width = gr.Number(label="Width (0 = auto)", value=DEMO_SIZE if demo else 0, precision=0,
+                                          minimum=0)
+                        height = gr.Number(label="Height (0 = auto)", value=0, precision=0, minimum=0)
             with gr.Column():
                 result = gr.Gallery(label="Result", format="png", columns=2, elem_id="result", interactive=False,
                                     object_fit="contain", height="auto", buttons=["download", "fullscreen"])
