@@ -154,3 +154,17 @@ def test_restore_offers_only_what_a_request_could_carry_and_skips_bulky_chunks(t
     long = png_with(lambda info: info.add_text("negative_prompt", "b" * 20_000))
     squeezed = png_with(lambda info: info.add_itxt("note", "c" * 1000, zip=True))
     assert [read_settings(p) for p in (many, zipped, long, squeezed)] == [{}, {}, {}, {}]
+
+
+
+def test_an_input_with_several_frames_is_noted_and_its_first_frame_kept():
+    from imgedit.engine.images import frame_notices
+
+    frames = [Image.new("RGB", (40, 30), color) for color in ((255, 0, 0), (0, 0, 255))]
+    gif, png = io.BytesIO(), io.BytesIO()
+    frames[0].save(gif, format="GIF", save_all=True, append_images=frames[1:], duration=100)
+    frames[1].save(png, format="PNG")
+    first, still = open_image(gif.getvalue(), 10_000), open_image(png.getvalue(), 10_000)
+    assert first.getpixel((5, 5))[0] > 200 and first.info["frames"] == 2
+    assert frame_notices([still, first]) == [
+        "image 2 has 2 frames (animated or multi-page): only its first frame was edited"]

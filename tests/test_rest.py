@@ -358,3 +358,18 @@ def test_the_reply_and_the_stored_result_are_the_same_png(live_server, server_ma
     assert (chunks["prompt"], chunks["seed"]) == ("keep me", "4242")  # the settings travel with it
     root = Path(server_manager.settings.output_dir).expanduser()
     wait_for(lambda: any(p.read_bytes() == png for p in root.glob("*/*/out-0.png")), 30)
+
+
+def test_an_animated_gif_is_edited_by_its_first_frame_and_the_reply_says_so(live_server):
+    """An animated input was used silently (its first frame)."""
+    frames = [picture(color=(255, 0, 0)), picture(color=(0, 0, 255)), picture(color=(0, 255, 0))]
+    gif = io.BytesIO()
+    frames[0].save(gif, format="GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    response = post_edit(live_server.url, files={"image": ("anim.gif", gif.getvalue(), "image/gif")},
+                         data={"prompt": "make it red", "size": "64x64", "num_inference_steps": "2", "seed": "1"})
+    assert response.status_code == 200, response.text
+    assert response.json()["notices"] == [
+        "image 1 has 3 frames (animated or multi-page): only its first frame was edited"]
+    still = post_edit(live_server.url, files={"image": ("in.png", png_bytes(), "image/png")},
+                      data={"prompt": "make it red", "size": "64x64", "num_inference_steps": "2", "seed": "1"})
+    assert "notices" not in still.json()

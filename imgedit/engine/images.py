@@ -37,7 +37,11 @@ def open_image(source: str | Path | bytes | Image.Image, max_pixels: int, label:
             image = Image.open(fp, formats=FORMATS)
             _check_pixels(image.size, max_pixels, label)  # header only: nothing decoded yet
             image.load()
-        return to_rgb(image)
+        frames = getattr(image, "n_frames", 1)
+        image = to_rgb(image)
+        if frames > 1:  # an animated GIF/WebP/PNG or a multi-page TIFF: its first frame is what gets edited
+            image.info["frames"] = frames
+        return image
     except (InvalidInput, InputTooLarge):
         raise
     except Image.DecompressionBombError:
@@ -46,6 +50,12 @@ def open_image(source: str | Path | bytes | Image.Image, max_pixels: int, label:
         raise InvalidInput(f"{label} could not be read") from None
     except Exception:  # truncated, corrupt or exotic files: Pillow raises many kinds
         raise InvalidInput(f"{label} is not a readable image (allowed: {', '.join(FORMATS)})") from None
+
+
+def frame_notices(images) -> list[str]:
+    """What the user should know about inputs with several frames (open_image keeps their first)."""
+    return [f"image {i} has {image.info['frames']} frames (animated or multi-page): only its first frame was edited"
+            for i, image in enumerate(images, 1) if image.info.get("frames", 1) > 1]
 
 
 def _check_pixels(size: tuple[int, int], max_pixels: int, label: str) -> None:

@@ -24,7 +24,7 @@ from PIL import Image, ImageOps
 
 from imgedit.config.settings import Settings
 from imgedit.engine.gpus import GpuMonitor
-from imgedit.engine.images import open_image
+from imgedit.engine.images import frame_notices, open_image
 from imgedit.engine.validation import MAX_INPUT_IMAGES, check_counts, check_params, default_steps
 from imgedit.errors import ImgEditError, InvalidInput
 from imgedit.protocol import EditRequest
@@ -183,6 +183,8 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         done = (f"Done in {result.seconds:.1f} s: {len(result.images)} image(s), {result.width}x{result.height}, "
                 f"{result.steps} steps. **Seed used: {result.seed}** (to repeat it, untick *Randomize seed* "
                 f"under Advanced and enter this seed).{each}")
+        if notices := frame_notices(req.images):  # e.g. an animated GIF: its first frame was edited
+            done += "\n\n**Note:** " + "; ".join(notices) + "."
         return result.images, done, _compare(req, result.images[0]), 0
 
     def gpu_status() -> dict:

@@ -23,7 +23,7 @@ from starlette.datastructures import UploadFile
 
 from imgedit.config.settings import Settings
 from imgedit.engine.gpus import GpuMonitor
-from imgedit.engine.images import open_image, png_bytes
+from imgedit.engine.images import frame_notices, open_image, png_bytes
 from imgedit.engine.validation import check_counts, check_params
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.protocol import EditRequest
@@ -181,9 +181,11 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
         # Extension: each image's own seed (image i is drawn from seed + i; that seed alone makes it again).
         data = [{"b64_json": base64.b64encode(png).decode(), "revised_prompt": None, "seed": int(image.info["seed"])}
                 for png, image in zip(pngs, result.images, strict=True)]
-        return JSONResponse({"created": int(time.time()), "data": data, "output_format": "png",
-                             "size": f"{result.width}x{result.height}", "seed": result.seed,
-                             "request_id": result.request_id})
+        body = {"created": int(time.time()), "data": data, "output_format": "png",
+                "size": f"{result.width}x{result.height}", "seed": result.seed, "request_id": result.request_id}
+        if notices := frame_notices(req.images):  # e.g. an animated GIF: its first frame was edited
+            body["notices"] = notices
+        return JSONResponse(body)
 
     @router.api_route("/v1", methods=HTTP_METHODS, include_in_schema=False)
     @router.api_route("/v1/{rest:path}", methods=HTTP_METHODS, include_in_schema=False)
