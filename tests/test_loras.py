@@ -10,6 +10,8 @@ from __future__ import annotations
 import base64
 import io
 import math
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -17,7 +19,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from conftest import LocalPipeline, cfg_plan, make_manager, picture, start_server
+from conftest import ROOT, LocalPipeline, cfg_plan, make_manager, picture, start_server
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import ValidationError
 from PIL import Image
@@ -43,10 +45,13 @@ def linears(plus_ckpt):
 
 
 @pytest.fixture(scope="module")
-def lora_dir(tmp_path_factory, linears):
+def lora_dir(tmp_path_factory, linears, plus_ckpt):
     folder = tmp_path_factory.mktemp("loras")
     random_lora(folder / "Tiny-Edit-Lightning-4steps-V1.0-bf16.safetensors", linears, rank=4, std=STD, seed=1)
-    random_lora(folder / "Tiny-Edit-Lightning-8steps-V1.0-bf16.safetensors", linears, rank=4, std=STD, seed=2)
+    # This one through the command line the README gives for the demo (its defaults: rank 4, std 0.2).
+    subprocess.run([sys.executable, "-m", "imgedit.model.lora_random", str(plus_ckpt),
+                    str(folder / "Tiny-Edit-Lightning-8steps-V1.0-bf16.safetensors"), "--seed", "2"],
+                   cwd=ROOT, check=True, capture_output=True, timeout=120)
     random_lora(folder / "style.safetensors", linears, rank=4, std=STD, seed=3, style="diffusers")
     return folder
 

@@ -55,3 +55,31 @@ def random_lora(path: Path, linears: dict[str, tuple[int, int]], rank: int = LIG
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path))
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m imgedit.model.lora_random CHECKPOINT OUT.safetensors`: a random LoRA for that checkpoint's
+    transformer, e.g. the demo's, to try the LoRA menu and fast mode without a download."""
+    import argparse
+
+    from imgedit.model.loras import transformer_linears
+
+    parser = argparse.ArgumentParser(description="Write a random LoRA for a checkpoint's transformer (to try the "
+                                     "LoRA menu and fast mode without a download).")
+    parser.add_argument("checkpoint", type=Path, help="the diffusers checkpoint folder (e.g. ~/.cache/imgedit/demo)")
+    parser.add_argument("out", type=Path, help="the .safetensors file to write (put it in LORA_DIR)")
+    parser.add_argument("--rank", type=int, default=4, help="LoRA rank (Lightning's is 64; 4 suits the demo)")
+    parser.add_argument("--std", type=float, default=0.2, help="spread of both factors (0.2 visibly changes "
+                        "the demo's output; 0.02 for real-size weights)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--style", choices=("lightning", "diffusers"), default="lightning",
+                        help="kohya-style keys as the published Lightning files, or diffusers' own")
+    args = parser.parse_args(argv)
+    linears = transformer_linears(args.checkpoint.expanduser())
+    path = random_lora(args.out, linears, rank=args.rank, std=args.std, seed=args.seed, style=args.style)
+    print(f"wrote {path} ({len(lightning_modules(linears))} layers, rank {args.rank})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
