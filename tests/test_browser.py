@@ -78,6 +78,16 @@ def test_upload_prompt_ctrl_enter_progress_result_compare_and_add_as_input(brows
     page.locator("#add-result").click()
     page.locator("#input-files").get_by_text(".png").nth(1).wait_for(timeout=30_000)
     assert page.locator("#input-files").get_by_text("wide").count() == 1  # the first input is kept
+    # The inputs as thumbnails, in order; the chosen one becomes image 1 (inputs were only file names).
+    page.locator("#input-preview img").nth(1).wait_for(state="visible", timeout=30_000)
+    assert page.locator("#input-preview img").count() == 2
+    rows = page.locator("#input-files tr").filter(has_text="×")  # the file rows (each has its remove button)
+    assert "wide" in rows.first.inner_text(), rows.all_inner_texts()
+    page.locator("#input-preview img").nth(1).click()
+    page.locator("#make-first").click()
+    page.wait_for_function("() => [...document.querySelectorAll('#input-files tr')].filter(r => "
+                           "r.innerText.includes('×'))[1]?.innerText.includes('wide')", timeout=30_000)
+    assert "wide" not in rows.first.inner_text() and page.locator("#input-preview img").count() == 2
     page.wait_for_timeout(2500)  # the GPU panel ticks
     panel = page.locator("#gpu-panel").inner_text()
     assert "no GPU is visible" in panel and "ready" in panel and "step" not in panel, panel

@@ -205,6 +205,12 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
             with gr.Column():
                 files = gr.File(label=f"Input images (1 for Qwen-Image-Edit, up to {max_inputs} for 2509/2511)",
                                 file_count="multiple", file_types=["image"], elem_id="input-files")
+                # The inputs as pictures (remove one with its x in the list above; click one to choose it).
+                preview = gr.Gallery(label="Inputs, in the order the model gets them", columns=max_inputs,
+                                     object_fit="contain", height="auto", interactive=False, elem_id="input-preview",
+                                     buttons=[], allow_preview=False)
+                chosen_input = gr.Number(value=-1, visible=False)
+                first = gr.Button("Make the chosen input image 1", size="sm", elem_id="make-first")
                 prompt = gr.Textbox(label="What to change", lines=2, elem_id="prompt",
                                     placeholder="e.g. make the sky a sunset, keep the people unchanged",
                                     info="Ctrl+Enter (⌘+Enter on a Mac) runs the edit")
@@ -293,6 +299,11 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                       [prompt, negative, seed, randomize, steps, cfg, width, height, restore], api_visibility="private")
         copy_api.click(tools.api_call, edit_inputs, [snippets, *snippet_code, snippet_inputs], preprocess=False,
                        queue=False, api_visibility="private")
+        # Any change of the inputs (upload, removal, an example, a result used as input) redraws the thumbnails.
+        files.change(tools.preview_inputs, files, preview, preprocess=False, queue=False, api_visibility="private")
+        preview.select(tools.chosen_input, None, chosen_input, queue=False, api_visibility="private")
+        first.click(tools.make_first, [files, chosen_input], files, preprocess=False, queue=False,
+                    api_visibility="private")
         again.click(tools.use_result, [result, chosen], files, preprocess=False, api_visibility="private")
         add.click(tools.add_result, [files, result, chosen], files, preprocess=False, api_visibility="private")
         # No progress timer over the panel: it is refreshed every 2 s.

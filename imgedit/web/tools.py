@@ -135,6 +135,26 @@ class PageTools:
         index = _index(index)
         return paths[index if 0 <= index < len(paths) else 0]
 
+    def preview_inputs(self, images) -> list[tuple[str, str]]:
+        """The inputs as thumbnails in their own aspect, numbered as the model gets them."""
+        try:
+            paths = uploaded_paths(images)
+        except Exception:  # noqa: BLE001 - an unreadable value shows no thumbnails; the edit names the problem
+            return []
+        return [(path, f"image {i}") for i, path in enumerate(paths, 1)]
+
+    @staticmethod
+    def chosen_input(evt: gr.SelectData) -> int:
+        return evt.index
+
+    def make_first(self, images, index) -> list[str]:
+        """The chosen input moves to the front (the model's first image: the one it edits)."""
+        paths = self._paths(images)
+        index = _index(index)
+        if not 0 <= index < len(paths):
+            raise refusal("choose an input image first (click its thumbnail)", "no input chosen")
+        return [paths[index], *paths[:index], *paths[index + 1:]]
+
     def use_result(self, gallery, index) -> list[str]:
         return [self.chosen_result(gallery, index)]
 
