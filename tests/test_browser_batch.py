@@ -44,8 +44,16 @@ def test_batch_in_the_page_then_history_per_browser(browser, plus_ckpt, tmp_path
         page.get_by_role("tab", name="History").click()
         page.locator("#history-gallery img").nth(2).wait_for(state="visible", timeout=30_000)
         assert page.locator("#history-gallery img").count() == 3
+        # Fixed-size thumbnails with their captions (a few entries once stretched into full-width banners).
+        boxes = [page.locator("#history-gallery img").nth(k).bounding_box() for k in range(3)]
+        assert all(b["width"] <= 200 and b["height"] <= 200 for b in boxes), boxes
+        captions = page.locator("#history-gallery .caption-label").all_inner_texts()
+        assert len(captions) == 3 and all("turn the stripes blue" in c and "seed" in c for c in captions), captions
         page.locator("#history-gallery img").first.click()
         page.locator("#history-details").get_by_text("turn the stripes blue").wait_for(timeout=30_000)
+        page.locator("#history-result img").first.wait_for(state="visible", timeout=30_000)
+        shown = page.locator("#history-result img").first.bounding_box()  # one result: not a full-width banner
+        assert shown["width"] <= 340 and shown["height"] <= 340, shown
         page.locator("#history-download a").first.wait_for(state="visible", timeout=30_000)
         page.locator("#history-open").click()
         expect(page.locator("#prompt textarea")).to_have_value("turn the stripes blue", timeout=30_000)

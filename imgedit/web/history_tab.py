@@ -50,6 +50,19 @@ def speed_values(entry: HistoryEntry) -> tuple[str, str, float]:
     return (entry.speed or "quality", entry.lora or NO_LORA, 1.0 if entry.lora_scale is None else entry.lora_scale)
 
 
+# Fixed-size cells (one or two entries once stretched into full-width cropped banners), whole pictures,
+# and each thumbnail's caption (prompt, seed, time) shown in full width under the picture's edge.
+HISTORY_CSS = """<style>
+#history-gallery .grid-container{grid-template-columns:repeat(auto-fill,180px)!important;
+  grid-template-rows:none!important;grid-auto-rows:180px!important}
+#history-result .grid-container{grid-template-columns:repeat(auto-fill,320px)!important;
+  grid-template-rows:none!important;grid-auto-rows:320px!important}
+#history-gallery img,#history-result img{object-fit:contain!important}
+#history-gallery .caption-label{max-width:100%!important;left:0;right:0;bottom:0;white-space:normal!important;
+  opacity:.9;font-size:11px}
+</style>"""
+
+
 def build_history_tab(settings: Settings, history: HistoryStore, edit_inputs: list, edit_outputs: list, edit,
                       gpu_group: str):
     """Inside a `gr.Tabs`: the History tab. `edit_inputs`, `edit_outputs` and `edit` are the Edit tab's
@@ -62,6 +75,7 @@ def build_history_tab(settings: Settings, history: HistoryStore, edit_inputs: li
         return page_owner(request, auth)
 
     with gr.Tab("History", id="history") as tab:
+        gr.HTML(HISTORY_CSS, padding=False)
         gr.Markdown("Your past edits in this browser (per user when the page asks for a sign-in), newest first. "
                     "Old results are deleted after a while (OUTPUT_RETENTION_HOURS, OUTPUT_MAX_GB).")
         refresh = gr.Button("Refresh", elem_id="history-refresh")
