@@ -56,6 +56,11 @@ def test_without_gpus_the_live_panel_says_so_in_one_line_with_the_workers_state(
             assert overflow(page, "#gpu-panel") == {"page": 0, "element": 0}, name
             text = panel.inner_text()
             assert "Traceback" not in text and "Error" not in text
+            # The detail lines (placement, weights) are readable: they were tiny light-grey text.
+            size, color = page.evaluate("""() => { const s = getComputedStyle(document.querySelector(
+                '#gpu-panel .gp-foot')); return [parseFloat(s.fontSize), s.color]; }""")
+            grey = [int(v) for v in color[color.index("(") + 1:color.index(")")].split(",")[:3]]
+            assert size >= 12 and max(grey) < 100, (size, color)
             page.close()
 
 

@@ -47,7 +47,8 @@ STYLE = """<style>
 .gpu-panel .gp-axis{display:flex;justify-content:space-between;font-size:11px;
  color:var(--body-text-color-subdued,#6b7280)}
 .gpu-panel .gp-none,.gpu-panel .gp-worker{margin:2px 0;overflow-wrap:anywhere}
-.gpu-panel .gp-foot{display:block;margin-top:6px;color:var(--body-text-color-subdued,#6b7280);overflow-wrap:anywhere}
+.gpu-panel .gp-foot{display:block;margin-top:6px;font-size:12px;color:var(--body-text-color,#1f2937);opacity:.85;
+ overflow-wrap:anywhere}
 </style>"""
 
 
