@@ -173,10 +173,16 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
     async def edit_page(images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
                         num_images, width, height, speed=None, lora=None, lora_scale=None,
                         request: gr.Request = None, progress=gr.Progress()):
-        """The Edit button: result, a status line with the seed used, the comparison, the chosen result."""
-        req, result = await run_edit((images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
-                                      true_cfg_scale, num_images, width, height, speed, lora, lora_scale),
-                                     request, progress)
+        """The Edit button: result, a status line with the seed used, the comparison, the chosen result, and
+        the message beside Edit. A refused edit leaves the rest as it was and says why beside Edit until the
+        next run (as a toast it vanished after a few seconds and left a bare "Error" badge on the result)."""
+        keep = gr.update()
+        try:
+            req, result = await run_edit((images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
+                                          true_cfg_scale, num_images, width, height, speed, lora, lora_scale),
+                                         request, progress)
+        except gr.Error as exc:
+            return keep, keep, keep, keep, f"**{exc.title or 'Not edited'}:** {exc.message}"
         seeds = [image.info.get("seed", "?") for image in result.images]
         each = (f" Image i was drawn from seed + i ({', '.join(seeds)}): that seed with one image makes it again."
                 if len(seeds) > 1 else "")
@@ -185,7 +191,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                 f"under Advanced and enter this seed).{each}")
         if notices := frame_notices(req.images):  # e.g. an animated GIF: its first frame was edited
             done += "\n\n**Note:** " + "; ".join(notices) + "."
-        return result.images, done, _compare(req, result.images[0]), 0
+        return result.images, done, _compare(req, result.images[0]), 0, ""
 
     def gpu_status() -> dict:
         """Per GPU: index, name, used/total MiB, utilisation, what is placed on it, the step it runs
@@ -222,6 +228,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                 with gr.Row():
                     run = gr.Button("Edit", variant="primary", elem_id="edit-button")
                     stop = gr.Button("Cancel", variant="stop", elem_id="cancel-button")
+                message = gr.Markdown(elem_id="edit-message")  # why the last edit was refused, until the next run
                 rows, labels = example_rows(f"{upload_folder()}/imgedit-examples", MAX_INPUT_IMAGES[manager.family])
                 gr.Examples(rows, [files, prompt], example_labels=labels, label="Examples (click one to fill the form)",
                             elem_id="examples")
@@ -245,8 +252,9 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                                     object_fit="contain", height="auto", buttons=["download", "fullscreen"])
                 status = gr.Markdown("Results appear here.", elem_id="edit-status")
                 with gr.Row():
-                    again = gr.Button("Use this result as input", elem_id="use-result")
-                    add = gr.Button("Add it as another input", elem_id="add-result")
+                    # Enabled once there is a result (they only said "there is no result yet" before).
+                    again = gr.Button("Use this result as input", elem_id="use-result", interactive=False)
+                    add = gr.Button("Add it as another input", elem_id="add-result", interactive=False)
                     download = gr.DownloadButton("Download PNG", elem_id="download-result", interactive=False)
                 compare = gr.ImageSlider(label="Before / after (drag the handle)", format="png", type="pil",
                                          interactive=False, elem_id="compare", max_height=420)
@@ -278,19 +286,24 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         files.upload(tools.check_uploads, files, [files, compare, restore, stored], preprocess=False,
                      api_visibility="private")
         inputs = [files, prompt, negative, seed, randomize, steps, cfg, num, width, height]
-        page_outputs = [result, status, compare, chosen]
+        page_outputs = [result, status, compare, chosen, message]
         # No Gradio limit: every job goes straight to the manager's line, where UI, API and REST jobs
         # wait together in arrival order and QUEUE_MAX_SIZE is enforced once; the workers' locks keep
         # each GPU to one job.
         line = None
         edit_inputs = inputs + speed_inputs
-        event = run.click(edit_page, edit_inputs, page_outputs, api_visibility="private", concurrency_id=GPU_GROUP,
+        # The last refusal's message goes first, then the edit (one chain: two listeners raced, and a quick
+        # refusal was wiped by the clearing of the one before).
+        cleared = run.click(lambda: "", None, message, queue=False, api_visibility="private")
+        event = cleared.then(edit_page, edit_inputs, page_outputs, api_visibility="private", concurrency_id=GPU_GROUP,
                           concurrency_limit=line, preprocess=False, show_progress_on=[result])
         api_button.click(edit, api_inputs, api_outputs, api_name="edit", concurrency_id=GPU_GROUP,
                                      concurrency_limit=line, validator=validate, preprocess=False)
         stop.click(lambda: "Cancelled: nothing was kept from that run.", None, status, cancels=[event],
                    queue=False, api_visibility="private")
         event.success(tools.download_chosen, [result, chosen], download, preprocess=False, queue=False,
+                      api_visibility="private")
+        result.change(tools.result_buttons, result, [again, add], preprocess=False, queue=False,
                       api_visibility="private")
         result.select(tools.select_result, [files, result], [chosen, compare, download], preprocess=False,
                       api_visibility="private")

@@ -155,6 +155,15 @@ class PageTools:
             raise refusal("choose an input image first (click its thumbnail)", "no input chosen")
         return [paths[index], *paths[:index], *paths[index + 1:]]
 
+    @staticmethod
+    def result_buttons(gallery) -> tuple:
+        """"Use this result" and "Add it as another input" act only when there is a result."""
+        try:
+            there = bool(gallery_paths(gallery))
+        except Exception:  # noqa: BLE001 - an unreadable value: nothing to use
+            there = False
+        return gr.update(interactive=there), gr.update(interactive=there)
+
     def use_result(self, gallery, index) -> list[str]:
         return [self.chosen_result(gallery, index)]
 
