@@ -101,6 +101,14 @@ def build_request(settings: Settings, family: str, images, prompt, negative_prom
         lora=lora, lora_scale=lora_scale, source=source)
 
 
+# Fixed-size thumbnail cells: one input would otherwise fill the column's width.
+INPUT_PREVIEW_CSS = """<style>
+#input-preview .grid-container{grid-template-columns:repeat(auto-fill,120px)!important;
+  grid-template-rows:none!important;grid-auto-rows:120px!important}
+#input-preview img{object-fit:contain!important}
+</style>"""
+
+
 def _compare(req: EditRequest, image: Image.Image) -> tuple[Image.Image, Image.Image]:
     """Before/after at the result's size (the slider needs two images of one size): the input in its own
     aspect, bordered where it differs from the result's (it was squashed)."""
@@ -213,7 +221,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                                 file_count="multiple", file_types=["image"], elem_id="input-files")
                 # The inputs as pictures (remove one with its x in the list above; click one to choose it).
                 preview = gr.Gallery(label="Inputs, in the order the model gets them", columns=max_inputs,
-                                     object_fit="contain", height="auto", interactive=False, elem_id="input-preview",
+                                     object_fit="contain", height=170, interactive=False, elem_id="input-preview",
                                      buttons=[], allow_preview=False)
                 chosen_input = gr.Number(value=-1, visible=False)
                 first = gr.Button("Make the chosen input image 1", size="sm", elem_id="make-first")
@@ -270,6 +278,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         with gr.Accordion("GPUs", open=True):
             gpu_panel = gr.HTML(elem_id="gpu-panel")  # filled on every page load (below)
         timer = gr.Timer(2.0)
+        gr.HTML(INPUT_PREVIEW_CSS, padding=False)  # a style block: here it leaves no gap in the form
         # The `/edit` API: hidden inputs without ranges, so every value reaches the validator and our messages.
         with gr.Row(visible=False):
             # Every parameter after `prompt` is optional in gradio_client (a value here, or a None default in
