@@ -175,6 +175,14 @@ def test_without_gpus_one_line_then_each_workers_state():
     assert re.findall(r'<p class="gp-worker">(.*?)</p>', html) == ["worker-0 on cpu: busy — job-1 step 2/3",
                                                                    "worker-1 on cpu: idle"]
     assert cards(html) == {} and "<svg" not in html
+    assert "batch items" not in html
+
+
+def test_batch_items_that_wait_in_their_job_are_counted_in_the_panel():
+    """Batch items enter the line one at a time: the panel said "waiting: 0" while a batch still had items."""
+    data = snapshot(GpuMonitor(nvml=FakeNvml([])), status(worker("worker-0", ("cpu",), {"transformer": "cpu"})))
+    html = panel_html({**data, "batch_items": 5})
+    assert "waiting: 0; batch items not yet done: 5</small>" in html
 
 
 def test_history_keeps_one_reading_per_interval_within_the_window():

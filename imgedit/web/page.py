@@ -207,7 +207,10 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         return open_snapshot(monitor, manager.status())
 
     def panel() -> str:
-        return panel_html(open_snapshot(monitor, manager.status(), history=True))
+        data = open_snapshot(monitor, manager.status(), history=True)
+        # Batch items wait in their job (one at a time enters the line): "waiting: 0" alone hid them.
+        data["batch_items"] = jobs.pending_items() if jobs is not None else 0
+        return panel_html(data)
 
     # Gradio's cache keeps every upload and every file an event returned: files older than
     # UPLOAD_CACHE_AGE_S go every UPLOAD_CACHE_SWEEP_S, and all of them when the server stops.
