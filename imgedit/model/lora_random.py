@@ -11,9 +11,12 @@ saves them (`transformer.<module>.lora_A.weight` / `lora_B.weight`).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 LIGHTNING_RANK = 64
 LIGHTNING_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
@@ -75,9 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--style", choices=("lightning", "diffusers"), default="lightning",
                         help="kohya-style keys as the published Lightning files, or diffusers' own")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     linears = transformer_linears(args.checkpoint.expanduser())
     path = random_lora(args.out, linears, rank=args.rank, std=args.std, seed=args.seed, style=args.style)
-    print(f"wrote {path} ({len(lightning_modules(linears))} layers, rank {args.rank})")
+    log.info("wrote %s (%d layers, rank %d)", path, len(lightning_modules(linears)), args.rank)
     return 0
 
 
