@@ -33,10 +33,29 @@ def test_batch_in_the_page_then_history_per_browser(browser, plus_ckpt, tmp_path
         page.get_by_role("tab", name="Batch").click()
         page.locator("#batch-files input[type=file]").set_input_files(sources)
         page.locator("#batch-prompt textarea").fill("turn the stripes blue")
+        # Watch the tab while the batch runs: Gradio's overlays ("0.0%" on every output, a bar that stayed at 0,
+        # a timer restarting at each update) are gone; one progress line counts up.
+        page.evaluate("""() => {
+            window.seen = {overlays: 0, values: []};
+            const tab = document.querySelector('#batch-gallery').closest('.tabitem') || document.body;
+            new MutationObserver(() => {
+                const shown = [...tab.querySelectorAll('.progress-text, .eta-bar, .progress-level, .meta-text')]
+                    .filter(el => el.checkVisibility({opacityProperty: true, visibilityProperty: true}));
+                window.seen.overlays = Math.max(window.seen.overlays, shown.length);
+                if (shown.length) window.seen.where = shown.map(el => el.closest('[id]')?.id + ': ' + el.innerText);
+                const bar = document.querySelector('#batch-progress progress');
+                if (bar) window.seen.values.push([bar.value, bar.max]);
+            }).observe(tab, {subtree: true, childList: true, attributes: true, characterData: true});
+        }""")
         page.locator("#batch-button").click()
         page.locator("#batch-zip a").first.wait_for(state="visible", timeout=180_000)
         report = page.locator("#batch-report").inner_text()
         assert "3 of 4 done, 1 failed" in report and "broken.png is not a readable image" in report, report
+        seen = page.evaluate("window.seen")
+        values = [v for v, _ in seen["values"]]
+        assert seen["overlays"] == 0 and values and values == sorted(values), seen
+        assert seen["values"][-1] == [4, 4] and len(set(values)) >= 2, seen
+        assert "4 of 4 image(s) finished" in page.locator("#batch-progress").inner_text()
         assert page.locator("#batch-gallery img").count() == 3
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "browser-batch.png"), full_page=True)

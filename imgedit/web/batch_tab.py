@@ -7,9 +7,12 @@ is stored in the history); the handler only watches it and shows what it finishe
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import html
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import gradio as gr
@@ -45,6 +48,31 @@ def _report(job: Job) -> str:
     return "\n".join(lines)
 
 
+def progress_line(job: Job, now: float | None = None) -> str:
+    """The batch's one progress line: a bar, items finished of all (failed ones count: they are over), the
+    running item's step, and the time since the batch was sent. Gradio's own progress overlay is off for
+    the batch (it covered every output with "0.0%", its bar did not move and its timer restarted at each
+    update)."""
+    finished = sum(i.state not in ("queued", "running") for i in job.items)
+    total = len(job.items)
+    elapsed = int(((job.finished_at if job.finished else None) or now or time.time()) - job.created)
+    parts = [f"{finished} of {total} image(s) finished"]
+    running = [i for i in job.items if i.state == "running"]
+    if running and running[0].total_steps:
+        parts.append(f"{html.escape(running[0].name)}: step {running[0].step}/{running[0].total_steps}")
+    elif not job.finished and job.position is not None:
+        parts.append(f"in line: {job.position} job(s) ahead")
+    parts.append(f"{elapsed // 60}:{elapsed % 60:02d}")
+    return (f'<div class="batch-line"><progress value="{finished}" max="{total}"></progress> '
+            f'<span>{" · ".join(parts)}</span></div>')
+
+
+BATCH_CSS = """<style>
+#batch-progress .batch-line { display: flex; align-items: center; gap: 10px; font-size: 14px; }
+#batch-progress progress { flex: 0 0 40%; height: 12px; accent-color: var(--color-accent); }
+</style>"""
+
+
 def build_batch_tab(settings: Settings, manager, jobs: JobService, settings_inputs: list) -> None:
     """Inside a `gr.Tabs`: the Batch tab. `settings_inputs` are the Edit tab's advanced settings
     (negative prompt, seed, randomize, steps, cfg, images per prompt, width, height), then its Speed,
@@ -59,13 +87,30 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, settings_inpu
             run = gr.Button("Run batch", variant="primary", elem_id="batch-button")
             stop = gr.Button("Cancel batch", variant="stop", elem_id="batch-cancel")
         gallery = gr.Gallery(label="Results", format="png", columns=4, elem_id="batch-gallery", interactive=False)
+        line = gr.HTML(BATCH_CSS, elem_id="batch-progress", padding=False)
         report = gr.Markdown(elem_id="batch-report", label="report")
         download = gr.File(label="All results (zip)", elem_id="batch-zip", interactive=False)
+        api_only = gr.Button(visible=False, elem_id="batch-api")  # /batch's trigger: never shown
 
     async def run_batch(files, prompt, negative_prompt="", seed=0, randomize_seed=True, num_inference_steps=None,
                         true_cfg_scale=None, num_images=1, width=0, height=0, speed="quality", lora="none",
-                        lora_scale=1.0, request: gr.Request = None, progress=gr.Progress()):
+                        lora_scale=1.0, request: gr.Request = None):
         """Run one prompt over every uploaded image; yields (gallery, report, zip) as items finish."""
+        async with contextlib.aclosing(updates(
+                files, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale, num_images,
+                width, height, speed, lora, lora_scale, request)) as values:
+            async for shown, report_text, archive, _ in values:  # closed with this one (a cancel stops the job)
+                yield shown, report_text, archive
+
+    @functools.wraps(run_batch)  # the same parameters (names, defaults, the request) as the API's
+    async def run_batch_in_page(*args, **kwargs):
+        """The page's: the API's three values and the progress line."""
+        async with contextlib.aclosing(updates(*args, **kwargs)) as values:
+            async for update in values:
+                yield update
+
+    async def updates(files, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
+                      num_images, width, height, speed, lora, lora_scale, request):
         try:
             speed, lora, lora_scale = parse_speed_inputs(speed, lora, lora_scale)
             template = EditRequest(
@@ -89,25 +134,28 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, settings_inpu
         try:
             while True:
                 shown = await asyncio.to_thread(_export, job, folder)
-                done = sum(i.state not in ("queued", "running") for i in job.items)
-                progress((done, len(job.items)), desc="batch", unit="images")
                 if job.finished:
                     break
-                yield shown, _report(job), None
+                yield shown, _report(job), None, BATCH_CSS + progress_line(job)
                 await job.wait_change(1.0)
             rows = [(i.name, i.entry, i.error) for i in job.items]
             archive = None
             if job.entries():
                 archive = folder / f"{job.id}.zip"
                 archive.write_bytes(await asyncio.to_thread(results_zip, rows))
-            yield shown, _report(job), str(archive) if archive else None
+            yield shown, _report(job), str(archive) if archive else None, BATCH_CSS + progress_line(job)
         finally:
             job.cancel.set()  # a no-op once finished; stops the rest when the user cancelled
             shutil.rmtree(folder, ignore_errors=True)
 
-    event = run.click(run_batch, [files, prompt, *settings_inputs], [gallery, report, download], api_name="batch",
-                      concurrency_id=BATCH_GROUP, concurrency_limit=None)
+    inputs = [files, prompt, *settings_inputs]
+    event = run.click(run_batch_in_page, inputs, [gallery, report, download, line], api_visibility="private",
+                      concurrency_id=BATCH_GROUP, concurrency_limit=None, show_progress="hidden")
     stop.click(None, None, None, cancels=[event], queue=False, api_visibility="private")
+    # The gradio API's /batch: (gallery, report, zip), without the page's progress line.
+    api_only.click(
+        run_batch, inputs, [gallery, report, download], api_name="batch", concurrency_id=BATCH_GROUP,
+        concurrency_limit=None, show_progress="hidden")
 
 
 def read_uploads(files, max_items: int, max_file_size: int) -> list[tuple[str, bytes]]:
