@@ -78,6 +78,7 @@ class WorkerStatus:
     pids: tuple[int, ...] = ()
     restarts: int = 0
     compiled: bool = False
+    encode_cache: int = 0  # ENCODE_CACHE as the worker installed it (0 = off; imgedit.runtime.encode_cache)
     detail: str | None = None  # what a loading worker is doing (loading weights, compiling, ...)
     node: str | None = None  # WORKERS=ray: the id of the Ray node its actors run on
     components: dict | None = None  # per component: dtype, quantization, location (imgedit.runtime.offload.describe)

@@ -58,6 +58,7 @@ def test_gpu_status_api_without_gpus(client, live_server):
     assert data["gpus"] == [] and "no GPU is visible" in data["message"]
     assert [w["name"] for w in data["workers"]] == ["worker-0", "worker-1"]
     assert data["workers"][0]["placement"] == {"transformer": "cpu", "text_encoder": "cpu", "vae": "cpu"}
+    assert data["workers"][0]["encode_cache"] == 8  # ENCODE_CACHE's default, as the worker installed it
     # The README's `GET /gpu_status` over plain HTTP (it was a 404): the same data, open like /health.
     plain = httpx.get(f"{live_server.url}/gpu_status", timeout=30)
     assert plain.status_code == 200 and plain.headers["content-type"] == "application/json"

@@ -98,6 +98,9 @@ REGISTRY: tuple[Var, ...] = (
         "are streamed from the CPU (each streamed block then crosses to the GPU once per step, not twice)"),
     Var("COMPILE", "auto", _choice("auto", "on", "off"),
         "Compile the transformer's repeated blocks (torch.compile), warmed up at start-up; auto = on for GPUs"),
+    Var("ENCODE_CACHE", "8", _int_range(0, 256),
+        "Input encodings each worker keeps: the same image edited again is not VAE-encoded again, the same "
+        "prompt with the same images not text-encoded again (exact: the stored results); 0 = off"),
     Var("COMPILE_CACHE_DIR", "~/.cache/imgedit/compile", _str,
         "Where the compiler keeps its cache, so a restart does not compile again (a volume in compose/k8s)"),
     Var("WORKER_RESTARTS", "3", _int_range(0, 100),
@@ -176,6 +179,7 @@ class Settings:
     offload: tuple[str, ...] | None = None  # None = auto
     batch_cfg: str = "auto"
     compile: str = "auto"
+    encode_cache: int = 8
     compile_cache_dir: str = "~/.cache/imgedit/compile"
     worker_restarts: int = 3
     worker_start: str = "spawn"

@@ -136,7 +136,8 @@ class PipelineManager:
         self.workers = [self._handle(w) for w in self._plan.workers]
         for worker in self.workers:
             compiled = "on" if self.compile_enabled(worker.plan) else "off"
-            log.info("%s: %d process(es), compile %s", worker.name, worker.plan.ranks, compiled)
+            log.info("%s: %d process(es), compile %s, encode cache %s", worker.name, worker.plan.ranks, compiled,
+                     f"{s.encode_cache} input(s)" if s.encode_cache else "off")
         return self
 
     def _handle(self, plan) -> WorkerHandle:
@@ -144,7 +145,7 @@ class PipelineManager:
         spec = WorkerSpec(name=plan.name, rank=0, world=plan.ranks, parallel=plan.parallel, plan=plan,
                           checkpoint=self.checkpoint, dtype=s.torch_dtype, compile=self.compile_enabled(plan),
                           hook=self.worker_hook, auto_cleanup=s.auto_cleanup, warmup_sizes=self.warmup_sizes,
-                          ulysses=plan.ulysses, loras=self.loras)
+                          ulysses=plan.ulysses, loras=self.loras, encode_cache=s.encode_cache)
         common = dict(cache_dir=s.compile_cache_dir, max_restarts=s.worker_restarts, log_level=s.log_level,
                       on_change=self._changed, max_memory=s.max_memory)
         if s.workers == "ray":

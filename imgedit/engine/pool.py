@@ -314,6 +314,7 @@ class WorkerHandle:
                             self.total_steps, self.jobs_done, self.error, parallel=self.plan.parallel,
                             ranks=self.plan.ranks, pids=self.pids, restarts=self.restarts,
                             compiled=bool(self.info.get("compiled")), detail=self.detail,
+                            encode_cache=int(self.info.get("encode_cache") or 0),
                             components=self.info.get("components"), weights_mib=dict(self.weights_mib))
 
 

@@ -93,7 +93,10 @@ def _load(spec: WorkerSpec):
         dtype = torch.float32
     pipe = loader.load_pipeline(spec.checkpoint, plan, dtype)
     install_token_type_fix(pipe.text_encoder)
+    from imgedit.runtime import encode_cache
     from imgedit.runtime.adapters import Adapters
+
+    encode_cache.install(pipe, spec.encode_cache)  # a repeated input is not encoded again (exact)
 
     adapters = Adapters(pipe, spec.loras)  # every rank loads the same LoRAs, all disabled
     weights = _weights_per_gpu() if cuda else {}  # the LoRAs' weights included
@@ -106,7 +109,7 @@ def _load(spec: WorkerSpec):
     info: dict = {"compiled": False, "batch_cfg": runner.cfg_batch is not None,
                   "load_seconds": round(time.perf_counter() - started, 2),
                   "loras": [f.name for f in spec.loras], "components": offload.describe(pipe, plan.memory),
-                  "weights_mib": weights}
+                  "weights_mib": weights, "encode_cache": spec.encode_cache}
     if spec.hook:
         module, _, function = spec.hook.partition(":")
         import importlib

@@ -222,6 +222,8 @@ def panel_html(data: dict) -> str:
         parts.append(f'<small class="gp-foot gpu-loras">LoRAs loaded: {escape(names)}</small>')
     for w in workers:  # each component's dtype/quantization and where it lives
         if line := components_line(w.get("components")):
+            if w.get("encode_cache"):
+                line += f'; encode cache: {int(w["encode_cache"])} inputs'
             parts.append(f'<small class="gp-foot worker-weights">{escape(w["name"])} weights: {escape(line)}</small>')
     parts.append(f'<small class="gp-foot">placement: {escape(str(data.get("placement_mode", "")))} — '
                  f'{escape(str(data.get("placement_reason", "")))}; waiting: {int(data.get("waiting") or 0)}'
