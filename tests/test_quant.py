@@ -19,7 +19,9 @@ from imgedit.model.demo_checkpoint import build_checkpoint
 from imgedit.planning.memory import (
     BYTES_PER_WEIGHT,
     MemoryMode,
+    candidates,
     check_device,
+    host_bytes,
     plan_memory,
 )
 from imgedit.planning.plan import ComponentSpec, GpuSpec, Placement, WorkerPlan
@@ -118,9 +120,9 @@ def gpus(*sizes_gib: float, capability=ADA) -> list[GpuSpec]:
     return [GpuSpec(i, f"GPU{i}", int(s * GIB), int((s - 0.5) * GIB), capability) for i, s in enumerate(sizes_gib)]
 
 
-def plan_for(sizes, gpu_list, **env):
+def plan_for(sizes, gpu_list, host_gib: float | None = None, **env):
     env = {"DEVICE_MAP": "auto", **env}
-    return plan_memory(sizes, gpu_list, load_settings(env), 2)
+    return plan_memory(sizes, gpu_list, load_settings(env), 2, None if host_gib is None else int(host_gib * GIB))
 
 
 def test_one_24gb_card_arithmetic(real_sizes):
@@ -143,36 +145,57 @@ def test_one_24gb_card_arithmetic(real_sizes):
     assert "both CFG branches in one forward (batch 2)" in p.reason
     unbatched = plan_for(sizes, gpus(24), MAX_MEMORY="22GiB", BATCH_CFG="off").workers[0].memory
     assert not unbatched.batch_cfg and unbatched.resident_blocks == mode.resident_blocks + 2
-    assert "transformer fp8" in p.reason  # what was tried first, and why it was not taken
+    # What was tried first and why it was not taken: the lossless plans only (nothing lossy was needed).
+    assert "unquantized weights; text encoder on the CPU, streamed to the GPU for each prompt: the model needs" \
+        in p.reason and "fp8" not in p.reason
     streamed = mode.streamed(60)  # spread out, so each copy overlaps the resident blocks before it
     assert len(streamed) == 60 - mode.resident_blocks and len(set(streamed)) == len(streamed)
 
 
-@pytest.mark.parametrize("card, cap, quant, te_offload, streams", [
-    ((32,), "30GiB", {"transformer": "fp8"}, True, False),
-    ((48,), "46GiB", {"transformer": "fp8"}, False, False),
-    ((24, 24), "22GiB", {"transformer": "fp8", "text_encoder": "int8"}, False, False),
-    ((24, 24, 24, 24), "22GiB", {}, False, False),
-    ((80,), "", {}, False, False),
+@pytest.mark.parametrize("card, cap, host, quant, te_offload, streams, split, workers", [
+    # Every lossless plan (bf16, splits included; the text encoder, then blocks streamed from the CPU) before
+    # any quantization: 2x31 GiB once got fp8 on one GPU where a bf16 split fits (#24).
+    ((32, 32), "30GiB", 64, {}, True, False, True, 1),
+    ((24, 24), "22GiB", 128, {}, True, True, False, 2),  # a streaming replica per card: 2 x 42 GiB of CPU copies
+    ((24, 24), "22GiB", 64, {"transformer": "fp8"}, True, False, True, 1),  # too little CPU memory for two
+    ((24, 24, 24, 24), "22GiB", 64, {}, False, False, True, 1),
+    ((48,), "46GiB", 64, {}, True, False, False, 1),
+    ((32,), "30GiB", 64, {}, True, True, False, 1),
+    ((32,), "30GiB", 24, {"transformer": "fp8"}, True, False, False, 1),  # streaming needs 29 GiB of CPU memory
+    ((80,), "", 64, {}, False, False, False, 1),
 ])
-def test_auto_picks_the_least_lossy_mode_that_fits(real_sizes, card, cap, quant, te_offload, streams):
+def test_auto_tries_every_lossless_plan_before_a_lossy_one(real_sizes, card, cap, host, quant, te_offload, streams,
+                                                             split, workers):
     _, sizes = real_sizes
-    p = plan_for(sizes, gpus(*card), MAX_MEMORY=cap)
+    p = plan_for(sizes, gpus(*card), host, MAX_MEMORY=cap)
     mode = p.workers[0].memory or MemoryMode()
     assert dict(mode.quantize) == quant
     assert mode.offload_text_encoder == te_offload and mode.streams_blocks == streams
+    assert any(c.is_split for c in p.workers[0].components.values()) == split and len(p.workers) == workers
     if quant:
         assert "memory:" in p.reason and "did not fit" in p.reason  # the log and the panel say why
-    if card == (24, 24):
-        assert p.workers[0].components["transformer"].is_split  # fp8 blocks over both cards
-    if card == (24, 24, 24, 24):
-        assert p.workers[0].components["transformer"].is_split and p.workers[0].memory is None  # bf16 fits split
+        # every lossless candidate was tried and named before the lossy one was taken
+        tried = p.reason[p.reason.index("tried first"):]
+        assert "unquantized weights: " in tried and "unquantized weights; text encoder on the CPU" in tried
+        assert "streamed blocks" in tried and tried.index("streamed blocks") < tried.index("fp8")
+    if streams:
+        held = host_bytes(sizes, mode, 2) * len(p.workers)
+        assert held <= (host - 8) * GIB  # the CPU copies fit the machine's memory
+
+
+def test_the_order_of_candidates_is_lossless_first():
+    order = candidates(None, None, gpus(24), on_cpu=False)
+    lossy = [i for i, (q, _) in enumerate(order) if q]
+    assert lossy and min(lossy) == 3
+    assert [o for _, o in order[:3]] == [(), ("text_encoder",), ("text_encoder", "blocks")]
+    assert candidates(None, None, [], on_cpu=True) == [((), ())]
 
 
 def test_fp8_only_where_the_gpu_runs_it(real_sizes):
     _, sizes = real_sizes
-    p = plan_for(sizes, gpus(32, capability=AMPERE), MAX_MEMORY="30GiB")
-    assert dict(p.workers[0].memory.quantize) == {"transformer": "int8"}  # a 32 GB Ampere card: int8 instead
+    # a 32 GB Ampere card where a lossy mode is needed (too little CPU memory to stream bf16 blocks): int8
+    p = plan_for(sizes, gpus(32, capability=AMPERE), 24, MAX_MEMORY="30GiB")
+    assert dict(p.workers[0].memory.quantize) == {"transformer": "int8"}
     with pytest.raises(PlacementError) as err:
         plan_for(sizes, gpus(24, capability=AMPERE), QUANTIZE="fp8")
     assert "GPU 0 (GPU0) has 8.6" in err.value.message and "8.9" in err.value.message

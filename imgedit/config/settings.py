@@ -86,7 +86,8 @@ REGISTRY: tuple[Var, ...] = (
     Var("FAST_LORA_8STEP", "", _optional_str,
         "Name of the Lightning 8-step LoRA for speed=fast; empty = the LoRA whose file name says Lightning-8steps"),
     Var("QUANTIZE", "auto", parse_quantize,
-        "auto (bf16 when it fits, else what fits) | none | fp8 | int8 | nf4 (the transformer) | "
+        "auto (lossless first: bf16, offloaded if need be; quantized only when nothing lossless fits) | none | "
+        "fp8 | int8 | nf4 (the transformer) | "
         "component=mode pairs, e.g. transformer=fp8,text_encoder=int8; fp8 needs compute capability 8.9+"),
     Var("QUANTIZE_SKIP", "img_mlp", parse_skip,
         "Transformer submodules whose Linear layers stay bf16 when it is quantized (comma-separated; empty = none)"),

@@ -69,6 +69,19 @@ def visible_handles(nvml) -> dict[int, object]:
     return handles
 
 
+def host_memory() -> int | None:
+    """Bytes of CPU memory available now (Linux's MemAvailable), for the planner's streamed weights; None
+    when unknown. Read here (a few lines) rather than through psutil, which the server does not need."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def discover_gpus() -> list[GpuSpec]:
     """Visible GPUs with their free memory now, read through NVML (the server never touches CUDA)."""
     try:

@@ -124,10 +124,10 @@ class PipelineManager:
                     specs = [c.spec("none", item) for c in sizes]
                     self._plan, self._nodes = ray_pool.plan_cluster(specs, s, ray_pool.alive_nodes())
                 else:
-                    from imgedit.engine.gpus import discover_gpus
+                    from imgedit.engine.gpus import discover_gpus, host_memory
 
                     gpus = discover_gpus() if self._gpus is None else list(self._gpus)
-                    self._plan = plan_memory(sizes, gpus, s, item)
+                    self._plan = plan_memory(sizes, gpus, s, item, host_memory() if gpus else None)
         except Exception as exc:
             self.load_error = _safe_text(exc)
             raise

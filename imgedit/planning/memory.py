@@ -18,6 +18,7 @@ from imgedit.planning.placement import budgets, plan_placement
 from imgedit.planning.plan import ComponentSpec, GpuSpec, MemoryMode, Plan
 
 log = logging.getLogger(__name__)
+HOST_RESERVE = 8 * GIB  # CPU memory left to the processes themselves (torch, the server, the page's files)
 
 FP8_CAPABILITY = (8, 9)  # Ada / Hopper and newer: the float8 tensor-core matmuls torchao's fp8 needs
 # Bytes per quantized Linear weight, scales included: fp8 and int8 keep one fp32 scale per output row
@@ -109,7 +110,10 @@ def _fast8(gpus: Sequence[GpuSpec]) -> str:
 
 
 def candidates(quantize, offload, gpus: Sequence[GpuSpec], on_cpu: bool) -> list[tuple[tuple, tuple]]:
-    """(quantize pairs, offloads) to try, least lossy and fastest first."""
+    """(quantize pairs, offloads) to try in this order: every lossless plan before any lossy one (bf16 with
+    the text encoder and then transformer blocks streamed from the CPU, before fp8/int8 weights), and
+    within each, the one that moves the fewest weights first. The placement (one GPU, pairs, a split over
+    several) is the planner's for each: a bf16 split over two GPUs comes before fp8 on one."""
     if on_cpu or not gpus:
         return [(quantize or (), offload or ())]
     q8 = _fast8(gpus)
@@ -117,17 +121,34 @@ def candidates(quantize, offload, gpus: Sequence[GpuSpec], on_cpu: bool) -> list
         (), (("transformer", q8),), (("transformer", q8), ("text_encoder", "int8"))]
     offloads = [offload] if offload is not None else [(), ("text_encoder",), ("text_encoder", "blocks")]
     out = []
-    for off in offloads:
-        for q in quants:
-            if "text_encoder" in off and dict(q).get("text_encoder") and quantize is None:
+    for q in quants:
+        for off in offloads:
+            modes = dict(q)
+            if quantize is None and "text_encoder" in off and modes.get("text_encoder"):
                 continue  # streaming the text encoder already frees its GPU memory
             out.append((q, off))
     return out
 
 
-def plan_memory(sizes: Sequence[ComponentSizes], gpus: Sequence[GpuSpec], settings: Settings, item: int) -> Plan:
-    """Plan with QUANTIZE and OFFLOAD applied: the first candidate whose sizes fit (bf16 and no
-    offload first), or a PlacementError that lists what was tried and why each did not fit."""
+def host_bytes(sizes: Sequence[ComponentSizes], mode: MemoryMode, item: int) -> int:
+    """The weights one worker process keeps in CPU memory to stream them: the text encoder when it is
+    offloaded, the transformer blocks that are not resident."""
+    by_name = {s.name: s for s in sizes}
+    held = 0
+    if mode.offload_text_encoder:
+        held += by_name["text_encoder"].spec(mode.mode_of("text_encoder"), item).nbytes
+    if mode.streams_blocks:
+        blocks = by_name["transformer"].blocks
+        held += sum(blocks[i].nbytes(mode.mode_of("transformer"), item) for i in mode.streamed(len(blocks)))
+    return held
+
+
+def plan_memory(sizes: Sequence[ComponentSizes], gpus: Sequence[GpuSpec], settings: Settings, item: int,
+                host_memory: int | None = None) -> Plan:
+    """Plan with QUANTIZE and OFFLOAD applied: the first candidate whose sizes fit (lossless first, see
+    `candidates`), or a PlacementError that lists what was tried and why each did not fit. `host_memory`
+    (bytes of CPU memory available, when known) bounds what the workers may keep there to stream: every
+    worker process holds its own copy."""
     on_cpu = settings.device_map.mode == "cpu" or not gpus
     check_platform(settings.quantize, settings.offload, gpus, on_cpu)
     tried = []
@@ -137,6 +158,12 @@ def plan_memory(sizes: Sequence[ComponentSizes], gpus: Sequence[GpuSpec], settin
             specs, mode = component_specs(sizes, quant, off, settings, gpus, item)
             plan = plan_placement(specs, gpus, settings.device_map, settings.max_memory,
                                   settings.gpu_memory_reserve, settings.activation_reserve)
+            held = host_bytes(sizes, mode, item) * sum(w.ranks for w in plan.workers)
+            if held and host_memory is not None and held > host_memory - HOST_RESERVE:
+                raise PlacementError(
+                    f"{sum(w.ranks for w in plan.workers)} worker process(es) would keep {held / GIB:.1f} GiB of "
+                    f"weights in CPU memory to stream them, but {host_memory / GIB:.1f} GiB is available "
+                    f"(less {HOST_RESERVE / GIB:.0f} GiB kept free)")
         except PlacementError as exc:
             tried.append(f"{MemoryMode(quant, settings.quantize_skip, 'text_encoder' in off).describe()}"
                          f"{' + streamed blocks' if 'blocks' in off else ''}: {exc.message}")
@@ -146,7 +173,7 @@ def plan_memory(sizes: Sequence[ComponentSizes], gpus: Sequence[GpuSpec], settin
         blocks = len(next(s for s in sizes if s.name == "transformer").blocks)
         why = mode.describe(blocks)
         if tried:
-            why += " (less memory-hungry modes first did not fit: " + " | ".join(tried) + ")"
+            why += " (tried first, did not fit: " + " | ".join(tried) + ")"
         log.info("QUANTIZE=%s OFFLOAD=%s: %s", _show(settings.quantize), _show(settings.offload), why)
         workers = tuple(replace(w, memory=mode) for w in plan.workers)
         return replace(plan, workers=workers, reason=f"{plan.reason}; memory: {why}")
