@@ -140,7 +140,8 @@ def run_mode(name: str, args, ckpt: Path, image, monitor, workers: str = "local"
     device_map, compile_mode = MODES[name]
     settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": device_map, "COMPILE": compile_mode,
                               "COMPILE_CACHE_DIR": args.cache, "LOG_LEVEL": "INFO", "MAX_STEPS": "200",
-                              "QUEUE_MAX_SIZE": "32", "WORKERS": workers})
+                              # every benchmark edits the same picture: no memo, so figures stay comparable
+                              "ENCODE_CACHE": "0", "QUEUE_MAX_SIZE": "32", "WORKERS": workers})
     t0 = time.perf_counter()
     manager = PipelineManager(settings, worker_hook="bench:finite_check").load(timeout=540)
     out: dict = {"mode": name, "workers": workers, "device_map": device_map, "compile": compile_mode,

@@ -107,7 +107,8 @@ def make_loras(folder: Path, ckpt: Path, rank: int) -> None:
 def manager_for(args, ckpt: Path, lora_dir: Path, compile_mode: str) -> tuple[PipelineManager, float]:
     settings = load_settings({
         "QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": args.device_map, "COMPILE": compile_mode,
-        "COMPILE_CACHE_DIR": args.cache, "LOG_LEVEL": "INFO", "MAX_STEPS": "200", "LORA_DIR": str(lora_dir)})
+        "COMPILE_CACHE_DIR": args.cache, "LOG_LEVEL": "INFO", "MAX_STEPS": "200", "LORA_DIR": str(lora_dir),
+        "ENCODE_CACHE": "0"})
     t0 = time.perf_counter()
     portrait = tuple(max(64, round(args.size * f / 16) * 16) for f in (0.8125, 1.21875))  # 832x1248 at 1024
     sizes = ((args.size, args.size), portrait)  # the app's two warm-up shapes (imgedit.engine.manager.WARMUP_SIZES)

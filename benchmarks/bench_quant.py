@@ -153,7 +153,8 @@ def edit(manager, image, steps: int, size: int, folder: Path) -> tuple[dict, obj
 
 def run_mode(name: str, args, ckpt: Path, image, monitor, folder: Path, ref) -> tuple[dict, object, dict]:
     env = {"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cpu" if args.tiny else "cuda:0",
-           "COMPILE_CACHE_DIR": args.cache, "LOG_LEVEL": "INFO", "MAX_STEPS": "200", **MODES[name]}
+           "COMPILE_CACHE_DIR": args.cache, "LOG_LEVEL": "INFO", "MAX_STEPS": "200", "ENCODE_CACHE": "0",
+           **MODES[name]}
     if args.skip is not None and "QUANTIZE_SKIP" not in MODES[name]:
         env["QUANTIZE_SKIP"] = args.skip  # another layer set kept in bf16 (the -all modes keep none)
     if args.tiny:
