@@ -17,7 +17,7 @@ pytestmark = pytest.mark.browser
 
 @pytest.fixture(scope="module")
 def manager(plus_ckpt):
-    return make_manager(plus_ckpt, DEFAULT_STEPS="2")
+    return make_manager(plus_ckpt, DEFAULT_STEPS="2", MAX_FILE_SIZE="200KB")  # every photo here is a few KB
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +114,15 @@ def test_too_many_images_and_out_of_range_values_get_our_message(browser, server
     caplog.set_level(logging.INFO, logger="imgedit.web.tools")
     before = jobs_done(manager)
     page = open_page(browser, server)
+    page.evaluate("""() => { window.inputErrors = []; new MutationObserver(() => {
+        const box = document.querySelector('#input-files'), text = box ? box.innerText : '';
+        if (/error/i.test(text)) window.inputErrors.push(text.slice(0, 200)); })
+        .observe(document.body, {subtree: true, childList: true, characterData: true}); }""")
     page.locator("#input-files input[type=file]").set_input_files([str(photos[0]), str(photos[1])] * 2)
     page.get_by_text("takes at most 3 input image(s)").first.wait_for(timeout=30_000)
+    page.locator("#input-preview img").nth(2).wait_for(state="visible", timeout=30_000)
+    assert page.evaluate("window.inputErrors") == []  # the box keeps its files (a 4th once showed "Error" there)
+    assert page.locator("#input-preview img").count() == 3
     page.locator("#prompt textarea").fill("anything")
     page.get_by_label("Steps (1-").fill("100000")
     page.locator("#edit-button").click()
@@ -134,6 +141,8 @@ def test_the_result_buttons_wait_for_a_result(browser, server):
     page = open_page(browser, server, small=False)
     for button in ("#download-result", "#use-result", "#add-result"):
         assert page.locator(button).is_disabled(), button
+    # Cancel looks (and is) inactive while nothing of this page runs; it turns active with Edit.
+    assert page.locator("#cancel-button").is_disabled()
     assert "Traceback" not in page.content()
 
 
@@ -143,13 +152,16 @@ def test_cancel_says_cancelled_and_the_worker_stops(browser, server, manager, ph
     page.locator("#input-files input[type=file]").set_input_files(str(photos[0]))
     page.locator("#compare img").first.wait_for(state="visible", timeout=30_000)  # the upload check is done
     page.locator("#prompt textarea").fill("anything")
+    assert page.locator("#cancel-button").is_disabled()
     page.locator("#edit-button").click()
     page.get_by_text("denoising").first.wait_for(timeout=60_000)
+    assert page.locator("#cancel-button").is_enabled()
     # One progress bar, on the result (an upload check still finishing may show its own for a moment).
     page.wait_for_function("() => document.querySelectorAll('.progress-text, .progress-level').length <= 2"
                            " && document.body.innerText.includes('denoising')", timeout=20_000)
     page.locator("#cancel-button").click()
     page.locator("#edit-status").get_by_text("Cancelled").wait_for(timeout=30_000)
+    page.wait_for_function("() => document.querySelector('#cancel-button').disabled", timeout=30_000)
     page.wait_for_function("() => !document.body.innerText.includes('denoising')", timeout=30_000)
     deadline = time.time() + 20
     while not all(w.state == "idle" for w in manager.workers):  # the pipeline stops within a step
@@ -207,6 +219,10 @@ def test_example_download_api_call_and_restoring_the_settings_of_a_result_png(br
     page.locator("#edit-status").get_by_text("Seed used: 77").wait_for(timeout=120_000)
     with page.expect_download(timeout=30_000) as download:
         page.locator("#download-result").click()
+    # Named from the prompt and the image's seed (it was "image.png" for every result).
+    name = download.value.suggested_filename
+    assert name.startswith("make-the-sky-a-warm-sunset") and name.endswith("-seed77.png"), name
+    assert page.locator("#cancel-button").is_disabled()  # idle again
     saved = tmp_path / "result.png"
     download.value.save_as(saved)
     text = Image.open(saved).text
@@ -231,3 +247,20 @@ def test_example_download_api_call_and_restoring_the_settings_of_a_result_png(br
     assert page.get_by_label("Steps (1-").input_value() == "3"
     assert not page.get_by_label("Randomize seed").is_checked()
     assert page.get_by_label("Width (0 = auto)").input_value() == "64"
+
+
+def test_an_upload_over_max_file_size_says_the_limit_as_the_setting_wrote_it(browser, server, manager, tmp_path):
+    """Gradio checks the size in the browser and said "maximum allowed size of 23.8 Mb" for 25MB (it counts
+    MiB and writes Mb); the page says the setting's own figure and name."""
+    big = tmp_path / "big.png"
+    picture(8, 8).save(big)
+    with big.open("ab") as f:
+        f.write(bytes(300_000))  # over MAX_FILE_SIZE=200KB
+    before = jobs_done(manager)
+    page = open_page(browser, server, small=False)
+    page.locator("#input-files input[type=file]").set_input_files(str(big))
+    page.get_by_text("larger than 200 KB, the largest upload this server takes (MAX_FILE_SIZE)").first.wait_for(
+        timeout=30_000)
+    text = page.locator("body").inner_text()
+    assert "big.png" in text and "Mb" not in text and "195.3" not in text
+    assert jobs_done(manager) == before

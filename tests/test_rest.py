@@ -294,7 +294,9 @@ def small_limit_server(plus_ckpt):
 def test_upload_over_max_file_size_is_413(small_limit_server):
     url = small_limit_server.url
     megabyte = b"\x89PNG\r\n\x1a\n" + bytes(1_000_000)
-    assert_openai_error(post_edit(url, files={"image": ("big.png", megabyte)}, data=GOOD_FIELDS), 413, "too_large")
+    error = assert_openai_error(post_edit(url, files={"image": ("big.png", megabyte)}, data=GOOD_FIELDS), 413,
+                                "too_large")
+    assert "larger than 200 KB (MAX_FILE_SIZE)" in error["message"], error  # as the setting was written
     # A body whose Content-Length is over the limit is refused before it is read.
     with socket.create_connection(("127.0.0.1", small_limit_server.port), timeout=30) as conn:
         conn.sendall(b"POST /v1/images/edits HTTP/1.1\r\nHost: 127.0.0.1\r\n"

@@ -83,6 +83,15 @@ def parse_size(raw: str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
+def human_size(n: int) -> str:
+    """Bytes as the settings write them: 25000000 -> "25 MB", 26214400 -> "25 MiB", 1234 -> "1,234 bytes"."""
+    for unit in ("TiB", "GiB", "MiB", "KiB", "TB", "GB", "MB", "KB"):
+        size = _SIZE_UNITS[unit.upper()]
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n:,} bytes"
+
+
 def _size(raw: str) -> int:
     return parse_size(raw)
 

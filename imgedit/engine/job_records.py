@@ -46,8 +46,10 @@ def job_state(states: list[str], cancelled: bool) -> str:
         if cancelled:
             return "cancelling"  # asked to stop: waiting items are leaving the line, a running one stops at a step
         return "running" if any(s != "queued" for s in states) else "queued"
-    if cancelled:
+    if cancelled and "cancelled" in states:
         return "cancelled"  # the items that finished before it was cancelled can still be fetched
+    # A cancel that came after every item had ended took nothing away: the job stays as it ended (a DELETE
+    # of a finished job, or the page's batch handler closing, once made a succeeded job "cancelled").
     ok = states.count("succeeded")
     return "succeeded" if ok == len(states) else ("failed" if ok == 0 else "partial")
 

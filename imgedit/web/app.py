@@ -26,7 +26,7 @@ from imgedit.web.cancel import build_cancel_router
 from imgedit.web.identity import BrowserCookie
 from imgedit.web.jobs_api import build_jobs_router
 from imgedit.web.metrics import Metrics
-from imgedit.web.page import GPU_GROUP, PAGE_HEAD, build_blocks
+from imgedit.web.page import GPU_GROUP, build_blocks, page_head
 from imgedit.web.rest import build_router, openai_error
 from imgedit.web.serving import ShutdownGate
 from imgedit.web.serving import serve as serve_until_drained
@@ -87,7 +87,7 @@ def build_app(settings: Settings, engine, demo: bool | None = None, monitor: Gpu
     # show_error=False: only gr.Error text (our own messages) reaches users, never Gradio's or Python's.
     app = gr.mount_gradio_app(
         app, blocks, path="/", auth=settings.auth, show_error=False, max_file_size=settings.max_file_size,
-        ssr_mode=False, allowed_paths=[], head=PAGE_HEAD, server_name=settings.gradio_server_name,
+        ssr_mode=False, allowed_paths=[], head=page_head(settings), server_name=settings.gradio_server_name,
         server_port=settings.gradio_server_port)
     # Gradio checks that an event's input files were uploaded (and that outputs lie in allowed places)
     # only once `has_launched` is set, which launch() does and mount_gradio_app does not: without this

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import gradio as gr
 
+from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
 from imgedit.engine.batch import Job, JobService, expand_uploads, results_zip
 from imgedit.engine.validation import check_params
@@ -85,7 +86,7 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, settings_inpu
         prompt = gr.Textbox(label="What to change in every image", lines=2, elem_id="batch-prompt")
         with gr.Row():
             run = gr.Button("Run batch", variant="primary", elem_id="batch-button")
-            stop = gr.Button("Cancel batch", variant="stop", elem_id="batch-cancel")
+            stop = gr.Button("Cancel batch", variant="stop", elem_id="batch-cancel", interactive=False)
         gallery = gr.Gallery(label="Results", format="png", columns=4, elem_id="batch-gallery", interactive=False)
         line = gr.HTML(BATCH_CSS, elem_id="batch-progress", padding=False)
         report = gr.Markdown(elem_id="batch-report", label="report")
@@ -149,9 +150,12 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, settings_inpu
             shutil.rmtree(folder, ignore_errors=True)
 
     inputs = [files, prompt, *settings_inputs]
-    event = run.click(run_batch_in_page, inputs, [gallery, report, download, line], api_visibility="private",
-                      concurrency_id=BATCH_GROUP, concurrency_limit=None, show_progress="hidden")
-    stop.click(None, None, None, cancels=[event], queue=False, api_visibility="private")
+    active, idle = gr.update(interactive=True), gr.update(interactive=False)  # Cancel only while a batch runs
+    started = run.click(lambda: active, None, stop, queue=False, api_visibility="private")
+    event = started.then(run_batch_in_page, inputs, [gallery, report, download, line], api_visibility="private",
+                         concurrency_id=BATCH_GROUP, concurrency_limit=None, show_progress="hidden")
+    event.then(lambda: idle, None, stop, queue=False, api_visibility="private")
+    stop.click(lambda: idle, None, stop, cancels=[event], queue=False, api_visibility="private")
     # The gradio API's /batch: (gallery, report, zip), without the page's progress line.
     api_only.click(
         run_batch, inputs, [gallery, report, download], api_name="batch", concurrency_id=BATCH_GROUP,
@@ -169,7 +173,7 @@ def read_uploads(files, max_items: int, max_file_size: int) -> list[tuple[str, b
         with open(path, "rb") as f:
             raw = f.read(max_file_size + 1)
         if len(raw) > max_file_size:
-            raise InputTooLarge(f"{Path(path).name} is larger than {max_file_size:,} bytes (MAX_FILE_SIZE)")
+            raise InputTooLarge(f"{Path(path).name} is larger than {human_size(max_file_size)} (MAX_FILE_SIZE)")
         read[path] = raw
     return [(Path(p).name, read[str(p)]) for p in paths]
 

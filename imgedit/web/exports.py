@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import tempfile
 import time
+import unicodedata
 import zipfile
 from pathlib import Path
+
+from imgedit.engine.images import read_settings
 
 EXPORT_KEEP_S = 120.0  # Gradio has copied a returned file into its own cache long before this
 _EXPORTS = Path(tempfile.gettempdir()) / f"imgedit-exports-{os.getpid()}"
@@ -45,3 +49,22 @@ def export_copy(paths: list[Path], name: str) -> str:
         for k, path in enumerate(paths, 1):
             archive.write(path, f"{name}-{k}.png")
     return str(target)
+
+
+def download_name(prompt: str | None, seed) -> str:
+    """A result's file name from its prompt and seed: "make-the-sky-a-warm-sunset-seed77" (ASCII letters
+    and digits of the prompt's first words, at most 48 characters; "imgedit-edit" without a prompt)."""
+    text = unicodedata.normalize("NFKD", prompt or "").encode("ascii", "ignore").decode().lower()
+    slug = ""
+    for word in re.findall(r"[a-z0-9]+", text):
+        if len(slug) + len(word) + 1 > 48:
+            break
+        slug = f"{slug}-{word}" if slug else word
+    slug = slug or "imgedit-edit"
+    return f"{slug}-seed{seed}" if seed is not None and str(seed).isdigit() else slug
+
+
+def download_copy(path: str) -> str:
+    """A result PNG to download, named from the prompt and seed in its text chunks (it was "image.png")."""
+    stored = read_settings(path)
+    return export_copy([Path(path)], download_name(stored.get("prompt"), stored.get("seed")))

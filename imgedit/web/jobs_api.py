@@ -20,6 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
 
+from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
 from imgedit.engine.batch import JobService, clean_name, expand_uploads, job_view, results_zip
 from imgedit.engine.history import HistoryEntry
@@ -223,7 +224,7 @@ async def _parse(request: Request, settings: Settings, manager) -> tuple[EditReq
         raw = await upload.read(settings.max_file_size + 1)
         name = clean_name(upload.filename or "", 0)
         if len(raw) > settings.max_file_size:
-            raise InputTooLarge(f"{name} is larger than {settings.max_file_size:,} bytes (MAX_FILE_SIZE)")
+            raise InputTooLarge(f"{name} is larger than {human_size(settings.max_file_size)} (MAX_FILE_SIZE)")
         return name, raw
 
     sets: list[tuple[str, list[bytes]]] = []

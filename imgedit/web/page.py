@@ -16,12 +16,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import html
+import json
 import logging
 from dataclasses import replace
 
 import gradio as gr
 from PIL import Image, ImageOps
 
+from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
 from imgedit.engine.gpus import GpuMonitor
 from imgedit.engine.images import frame_notices, open_image
@@ -48,7 +50,16 @@ DEMO_SIZE, DEMO_STEPS = 256, 4  # a first-time visitor of the demo sees a result
 FIELDS = ("images", "prompt", "negative_prompt", "seed", "randomize_seed", "num_inference_steps",
           "true_cfg_scale", "num_images", "width", "height", "speed", "lora", "lora_scale")
 # Ctrl/Cmd+Enter in the prompt runs the edit; on a phone the result (with its progress) scrolls into view.
-PAGE_HEAD = """<script>
+def page_head(settings: Settings) -> str:
+    """Ctrl+Enter runs the edit; on a phone, Edit scrolls to the progress; Gradio's own upload-size message
+    ("exceed the maximum allowed size of 23.8 Mb" for MAX_FILE_SIZE=25MB: it counts in MiB and says Mb) says
+    the limit as the setting wrote it."""
+    limit = json.dumps(f"larger than {human_size(settings.max_file_size)}, the largest upload this server takes "
+                       "(MAX_FILE_SIZE)")
+    return PAGE_SCRIPT.replace("__LIMIT__", limit.replace("</", "<\\/"))
+
+
+PAGE_SCRIPT = """<script>
 document.addEventListener('keydown', (e) => {
   if (e.key === 'Enter' && (e.ctrlKey || e.metaKey) && e.target.closest && e.target.closest('#prompt')) {
     e.preventDefault();
@@ -60,6 +71,19 @@ document.addEventListener('click', (e) => {
     setTimeout(() => document.getElementById('result')?.scrollIntoView({block: 'start'}), 150);
   }
 }, true);
+const SIZE_RE = /File\\(s\\) exceed the maximum allowed size of [0-9.]+ \\w+: (.*)/;
+function sayTheLimit() {
+  const found = document.evaluate("//text()[contains(., 'maximum allowed size of')]", document.body, null,
+                                  XPathResult.ORDERED_NODE_SNAPSHOT_TYPE, null);
+  for (let i = 0; i < found.snapshotLength; i++) {
+    const node = found.snapshotItem(i), match = node.textContent.match(SIZE_RE);
+    if (match) node.textContent = match[1] + ': ' + __LIMIT__;
+  }
+}
+let sizeFrame = 0;
+new MutationObserver(() => {
+  if (!sizeFrame) sizeFrame = requestAnimationFrame(() => { sizeFrame = 0; sayTheLimit(); });
+}).observe(document.documentElement, {subtree: true, childList: true, characterData: true});
 </script>"""
 
 
@@ -238,7 +262,8 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                 stored = gr.JSON({}, visible=False)
                 with gr.Row():
                     run = gr.Button("Edit", variant="primary", elem_id="edit-button")
-                    stop = gr.Button("Cancel", variant="stop", elem_id="cancel-button")
+                    # Active only while an edit of this page runs (it looked ready to click when idle).
+                    stop = gr.Button("Cancel", variant="stop", elem_id="cancel-button", interactive=False)
                 message = gr.Markdown(elem_id="edit-message")  # why the last edit was refused, until the next run
                 rows, labels = example_rows(f"{upload_folder()}/imgedit-examples", MAX_INPUT_IMAGES[manager.family])
                 gr.Examples(rows, [files, prompt], example_labels=labels, label="Examples (click one to fill the form)",
@@ -306,13 +331,16 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         edit_inputs = inputs + speed_inputs
         # The last refusal's message goes first, then the edit (one chain: two listeners raced, and a quick
         # refusal was wiped by the clearing of the one before).
-        cleared = run.click(lambda: "", None, message, queue=False, api_visibility="private")
+        cleared = run.click(lambda: ("", gr.update(interactive=True)), None, [message, stop], queue=False,
+                            api_visibility="private")
         event = cleared.then(edit_page, edit_inputs, page_outputs, api_visibility="private", concurrency_id=GPU_GROUP,
                           concurrency_limit=line, preprocess=False, show_progress_on=[result])
+        idle = gr.update(interactive=False)
+        event.then(lambda: idle, None, stop, queue=False, api_visibility="private")  # done, refused or failed
         api_button.click(edit, api_inputs, api_outputs, api_name="edit", concurrency_id=GPU_GROUP,
                                      concurrency_limit=line, validator=validate, preprocess=False)
-        stop.click(lambda: "Cancelled: nothing was kept from that run.", None, status, cancels=[event],
-                   queue=False, api_visibility="private")
+        stop.click(lambda: ("Cancelled: nothing was kept from that run.", idle), None, [status, stop],
+                   cancels=[event], queue=False, api_visibility="private")
         event.success(tools.download_chosen, [result, chosen], download, preprocess=False, queue=False,
                       api_visibility="private")
         result.change(tools.result_buttons, result, [again, add], preprocess=False, queue=False,

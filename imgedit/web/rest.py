@@ -21,6 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
 
+from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
 from imgedit.engine.gpus import GpuMonitor
 from imgedit.engine.images import frame_notices, open_image, png_bytes
@@ -243,7 +244,7 @@ async def _parse(request: Request, settings: Settings, manager) -> EditRequest:
     for i, upload in enumerate(uploads):
         raw = await upload.read(settings.max_file_size + 1)
         if len(raw) > settings.max_file_size:
-                raise InputTooLarge(f"image {i + 1} is larger than {settings.max_file_size:,} bytes (MAX_FILE_SIZE)")
+            raise InputTooLarge(f"image {i + 1} is larger than {human_size(settings.max_file_size)} (MAX_FILE_SIZE)")
         images.append(await asyncio.to_thread(open_image, raw, settings.max_input_pixels, f"image {i + 1}"))
     response_format = str(form.get("response_format") or "b64_json")
     if response_format != "b64_json":

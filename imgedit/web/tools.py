@@ -18,7 +18,7 @@ from imgedit.engine.prompt_tokens import PromptTokens
 from imgedit.engine.validation import MAX_INPUT_IMAGES, check_params
 from imgedit.errors import ImgEditError
 from imgedit.protocol import EditRequest
-from imgedit.web.exports import export_copy
+from imgedit.web.exports import download_copy, export_copy
 from imgedit.web.snippets import api_values, curl_snippet, gradio_snippet, openai_snippet
 from imgedit.web.uploads import gallery_paths, uploaded_paths
 
@@ -185,7 +185,7 @@ class PageTools:
         except Exception as exc:
             raise user_error(exc) from None
         compare = (before.resize(after.size, Image.Resampling.LANCZOS), after)
-        return evt.index, compare, gr.update(value=paths[evt.index], interactive=True)
+        return evt.index, compare, gr.update(value=download_copy(paths[evt.index]), interactive=True)
 
     def download_chosen(self, gallery, index):
         """The Download button serves the chosen result's PNG (its settings in its text chunks)."""
@@ -195,4 +195,4 @@ class PageTools:
             raise user_error(exc) from None
         index = _index(index)
         chosen = paths[index if 0 <= index < len(paths) else 0] if paths else None
-        return gr.update(value=chosen, interactive=chosen is not None)
+        return gr.update(value=download_copy(chosen) if chosen else None, interactive=chosen is not None)
