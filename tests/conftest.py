@@ -52,7 +52,7 @@ XDIST_GROUPS = {"test_ray": "ray", "test_ray_local": "ray"}
 # (most tests first) is off in pyproject.toml (--no-loadscope-reorder), or this order would not hold.
 LONGEST_FIRST = ("test_manager", "test_parallel_groups", "test_loras", "test_jobs_api", "test_ui", "test_browser",
                  "test_security", "test_shutdown", "test_rest", "test_adversarial", "test_batch_cfg", "test_workers",
-                 "test_history", "test_browser_batch", "test_architecture")
+                 "test_history", "test_readme", "test_browser_batch", "test_architecture", "test_encode_cache")
 LAST = ("ray",)
 
 

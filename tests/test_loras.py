@@ -208,7 +208,7 @@ def test_lightning_preset_runs_its_steps_with_cfg_off_and_its_scheduler(local):
                    negative_prompt="blurry")  # the preset overrides steps and CFG
         local.run(local.runner, EditRequest(**local.ask(speed="fast")), on_step=lambda s, t: steps.append((s, t)))
         quality = len(seen)
-        local.edit(num_inference_steps=1, true_cfg_scale=4.0)
+        local.edit(num_inference_steps=2, true_cfg_scale=4.0)
     finally:
         hook.remove()
     # 4 then 8 steps, one forward each (CFG off), on log-3 exponential shift without shift_terminal
@@ -217,7 +217,7 @@ def test_lightning_preset_runs_its_steps_with_cfg_off_and_its_scheduler(local):
     assert steps == [(i, 8) for i in range(1, 9)]
     default = local.adapters.default_scheduler.config
     assert seen[quality:] == [(default.base_shift, default.max_shift, default.shift, default.shift_terminal,
-                               default.time_shift_type, 1)] * 2  # quality: 1 step x 2 forwards (CFG)
+                               default.time_shift_type, 2)] * 4  # quality: 2 steps x 2 forwards (CFG)
     assert default.shift_terminal == 0.02 or default.base_shift != math.log(3)  # the recipe really differs
 
 

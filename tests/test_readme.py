@@ -4,7 +4,7 @@ Each fenced block of the README's "API" section runs as it stands: the Python on
 interpreter, the shell ones with bash and curl. Only what a reader replaces is replaced: the server's
 address (the README says localhost:7860) and the `job_XXXX` placeholder (by the id the first line
 printed). The inputs (photo.jpg, a.jpg, b.jpg, more-photos.zip) lie in the working folder, as the
-reader's would. The server runs one step per edit (DEFAULT_STEPS=1: the examples leave the steps to
+reader's would. The server runs two steps per edit (DEFAULT_STEPS=2: the examples leave the steps to
 the model), so the 1-megapixel `auto` edits stay affordable on two cores.
 """
 
@@ -39,7 +39,7 @@ def api_blocks() -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def server(plus_ckpt):
-    with start_server(make_manager(plus_ckpt, DEFAULT_STEPS="1", API_KEY=KEY)) as server:
+    with start_server(make_manager(plus_ckpt, DEFAULT_STEPS="2", API_KEY=KEY)) as server:
         yield server
 
 

@@ -197,16 +197,16 @@ def test_the_aspect_limit_is_the_pipelines_own(family, plus_manager, edit_manage
     manager = plus_manager if family == "plus" else edit_manager
     limit = max_aspect(family)
     assert limit == {"plus": 279, "edit": 163}[family]
-    ok = manager.edit(EditRequest(images=(Image.new("RGB", (limit * 2, 2)),), prompt="x", num_inference_steps=1,
+    ok = manager.edit(EditRequest(images=(Image.new("RGB", (limit * 2, 2)),), prompt="x", num_inference_steps=2,
                                   width=64, height=64, seed=1))
     assert (ok.width, ok.height) == (64, 64)
     too_long = Image.new("RGB", (2, (limit + 1) * 2))
     with pytest.raises(InvalidInput, match="crop or pad"):
-        manager.edit(EditRequest(images=(too_long,), prompt="x", num_inference_steps=1, width=64, height=64))
+        manager.edit(EditRequest(images=(too_long,), prompt="x", num_inference_steps=2, width=64, height=64))
     pipe = (plus_pipe if family == "plus" else edit_pipe).pipe
     image = [too_long] if family == "plus" else too_long
     with pytest.raises(ValueError):
-        pipe(image=image, prompt="x", num_inference_steps=1, width=64, height=64, true_cfg_scale=1.0)
+        pipe(image=image, prompt="x", num_inference_steps=2, width=64, height=64, true_cfg_scale=1.0)
 
 
 def prompt_of(tokens, n: int) -> str:
@@ -236,7 +236,7 @@ def test_the_prompt_token_limit_is_the_pipelines_own(family, plus_manager, edit_
     assert "tokenizer.json" in manager.prompt_tokens.source  # the checkpoint's own tokenizer, not the byte bound
     images = (picture(),) * MAX_INPUT_IMAGES[family]
     at_limit = prompt_of(manager.prompt_tokens, MAX_PROMPT_TOKENS)
-    ok = manager.edit(EditRequest(images=images, prompt=at_limit, num_inference_steps=1, true_cfg_scale=1.0,
+    ok = manager.edit(EditRequest(images=images, prompt=at_limit, num_inference_steps=2, true_cfg_scale=1.0,
                                   width=64, height=64, seed=1))  # (CFG off: the negative prompt's pass is the same)
     assert (ok.width, ok.height) == (64, 64)
     emoji = "\U0001F600" * 3900
@@ -244,11 +244,11 @@ def test_the_prompt_token_limit_is_the_pipelines_own(family, plus_manager, edit_
     for field in ("prompt", "negative_prompt"):
         fields = {"prompt": "x", field: emoji}
         with pytest.raises(InvalidInput, match=r"is [\d,]+ tokens; the model takes at most 1,024") as info:
-            manager.edit(EditRequest(images=images, num_inference_steps=1, width=64, height=64, **fields))
+            manager.edit(EditRequest(images=images, num_inference_steps=2, width=64, height=64, **fields))
         assert info.value.field == field
     pipe = (plus_pipe if family == "plus" else edit_pipe).pipe
     with pytest.raises(Exception):  # noqa: B017 - whatever the pipeline raises, it cannot run this prompt
-        pipe(image=list(images) if family == "plus" else images[0], prompt=emoji, num_inference_steps=1,
+        pipe(image=list(images) if family == "plus" else images[0], prompt=emoji, num_inference_steps=2,
              width=64, height=64, true_cfg_scale=1.0)
 
 

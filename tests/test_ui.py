@@ -270,7 +270,9 @@ def test_edit_api_takes_the_documented_keyword_names_and_explains_out_of_range_v
     assert seed == 3 and len(gallery) == 1
     done_before = sum(w.jobs_done for w in server_manager.workers)
     for change, message in (({"true_cfg_scale": -5}, "true_cfg_scale -5 is out of range: 1 to 20"),
-                            ({"num_images": 1000}, "num_images 1000 is out of range: 1 to")):
+                            ({"num_images": 1000}, "num_images 1000 is out of range: 1 to"),
+                            # one step of the checkpoint's scheduler made a NaN (black) image; now refused
+                            ({"num_inference_steps": 1}, "out of range: 2 to 100 (one step makes a blank image")):
         with pytest.raises((ValidationError, AppError)) as info:
             client.predict(**{**call, **change}, api_name="/edit")
         assert message in str(info.value) and "Bad Request" not in str(info.value), str(info.value)

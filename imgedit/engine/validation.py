@@ -28,6 +28,9 @@ MAX_SEED = 2**32 - 1
 # before that the Qwen2-VL image processor refuses an aspect above 200 (transformers `smart_resize`).
 VL_AREA = {"edit": 1024 * 1024, "plus": 384 * 384}
 VAE_AREA = 1024 * 1024
+# One step of the checkpoints' FlowMatch scheduler (shift_terminal 0.02) stretches its single sigma to 0/0:
+# a NaN latent, a black image (diffusers 0.42.1, checked on the CPU). Two steps are the fewest that work.
+MIN_STEPS = 2
 VL_MAX_ASPECT = 200
 
 
@@ -134,8 +137,9 @@ def resolve(req: EditRequest, settings: Settings, family: str,
     if steps is None:
         steps = default_steps(settings, family)
     _whole("num_inference_steps", steps)
-    if not 1 <= steps <= settings.max_steps:
-        raise InvalidInput(f"num_inference_steps {steps} is out of range: 1 to {settings.max_steps}",
+    if not MIN_STEPS <= steps <= settings.max_steps:
+        raise InvalidInput(f"num_inference_steps {steps} is out of range: {MIN_STEPS} to {settings.max_steps}"
+                           + (" (one step makes a blank image: the model's scheduler needs two)" if steps == 1 else ""),
                            "num_inference_steps")
     cfg = settings.default_true_cfg if req.true_cfg_scale is None else req.true_cfg_scale
     if preset is not None:

@@ -27,7 +27,7 @@ from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
 from imgedit.engine.gpus import GpuMonitor
 from imgedit.engine.images import frame_notices, open_image
-from imgedit.engine.validation import MAX_INPUT_IMAGES, check_counts, check_params, default_steps
+from imgedit.engine.validation import MAX_INPUT_IMAGES, MIN_STEPS, check_counts, check_params, default_steps
 from imgedit.errors import ImgEditError, InvalidInput
 from imgedit.protocol import EditRequest
 from imgedit.web.examples import example_rows
@@ -274,7 +274,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                     with gr.Row():
                         seed = gr.Number(label="Seed", value=0, precision=0, minimum=0)
                         randomize = gr.Checkbox(label="Randomize seed", value=True)
-                    steps = gr.Number(label=f"Steps (1-{settings.max_steps})", precision=0,
+                    steps = gr.Number(label=f"Steps ({MIN_STEPS}-{settings.max_steps})", precision=0,
                                       value=min(DEMO_STEPS, family_steps) if demo else family_steps)
                     cfg = gr.Slider(1.0, 20.0, value=settings.default_true_cfg, step=0.5, label="True CFG scale")
                     num = gr.Slider(1, settings.max_images_per_prompt, value=1, step=1, label="Images per prompt")
