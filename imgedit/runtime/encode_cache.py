@@ -16,37 +16,29 @@ size; the components' weights never change while a worker runs.
 
 from __future__ import annotations
 
-import logging
-from collections import OrderedDict
-from dataclasses import dataclass, field
-
 import torch
 
-log = logging.getLogger(__name__)
 
-
-@dataclass
 class _Lru:
-    size: int
-    entries: OrderedDict = field(default_factory=OrderedDict)
-    hits: int = 0
-    misses: int = 0
+    """The last `size` (key, input, value) entries, the most recently used last."""
+
+    def __init__(self, size: int):
+        self.size, self.entries, self.hits, self.misses = size, [], 0, 0
 
     def find(self, key, same):
-        """The stored value for `key` whose input `same` accepts (most recent first)."""
-        for k in reversed(self.entries):
-            stored_key, stored_input = k, self.entries[k][0]
-            if stored_key[0] == key and same(stored_input):
-                self.entries.move_to_end(k)
+        """The value stored for `key` whose input `same` accepts (most recent first), or None."""
+        for k in range(len(self.entries) - 1, -1, -1):
+            stored_key, stored_input, value = self.entries[k]
+            if stored_key == key and same(stored_input):
+                self.entries.append(self.entries.pop(k))
                 self.hits += 1
-                return self.entries[k][1]
+                return value
         self.misses += 1
         return None
 
     def put(self, key, inputs, value) -> None:
-        self.entries[(key, id(value))] = (inputs, value)
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
+        self.entries.append((key, inputs, value))
+        del self.entries[:-self.size]
 
 
 class EncodeMemo:

@@ -49,14 +49,14 @@ def _report(job: Job) -> str:
     return "\n".join(lines)
 
 
-def progress_line(job: Job, now: float | None = None) -> str:
+def progress_line(job: Job) -> str:
     """The batch's one progress line: a bar, items finished of all (failed ones count: they are over), the
     running item's step, and the time since the batch was sent. Gradio's own progress overlay is off for
     the batch (it covered every output with "0.0%", its bar did not move and its timer restarted at each
     update)."""
     finished = sum(i.state not in ("queued", "running") for i in job.items)
     total = len(job.items)
-    elapsed = int(((job.finished_at if job.finished else None) or now or time.time()) - job.created)
+    elapsed = int((job.finished_at if job.finished and job.finished_at else time.time()) - job.created)
     parts = [f"{finished} of {total} image(s) finished"]
     running = [i for i in job.items if i.state == "running"]
     if running and running[0].total_steps:
@@ -88,7 +88,8 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, settings_inpu
             run = gr.Button("Run batch", variant="primary", elem_id="batch-button")
             stop = gr.Button("Cancel batch", variant="stop", elem_id="batch-cancel", interactive=False)
         gallery = gr.Gallery(label="Results", format="png", columns=4, elem_id="batch-gallery", interactive=False)
-        line = gr.HTML(BATCH_CSS, elem_id="batch-progress", padding=False)
+        gr.HTML(BATCH_CSS, padding=False)  # the line's style, once (the line itself is replaced at each update)
+        line = gr.HTML(elem_id="batch-progress", padding=False)
         report = gr.Markdown(elem_id="batch-report", label="report")
         download = gr.File(label="All results (zip)", elem_id="batch-zip", interactive=False)
         api_only = gr.Button(visible=False, elem_id="batch-api")  # /batch's trigger: never shown
@@ -137,14 +138,14 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, settings_inpu
                 shown = await asyncio.to_thread(_export, job, folder)
                 if job.finished:
                     break
-                yield shown, _report(job), None, BATCH_CSS + progress_line(job)
+                yield shown, _report(job), None, progress_line(job)
                 await job.wait_change(1.0)
             rows = [(i.name, i.entry, i.error) for i in job.items]
             archive = None
             if job.entries():
                 archive = folder / f"{job.id}.zip"
                 archive.write_bytes(await asyncio.to_thread(results_zip, rows))
-            yield shown, _report(job), str(archive) if archive else None, BATCH_CSS + progress_line(job)
+            yield shown, _report(job), str(archive) if archive else None, progress_line(job)
         finally:
             job.cancel.set()  # a no-op once finished; stops the rest when the user cancelled
             shutil.rmtree(folder, ignore_errors=True)

@@ -49,7 +49,6 @@ DEMO_SIZE, DEMO_STEPS = 256, 4  # a first-time visitor of the demo sees a result
 # The `/edit` API's parameters, in order (README documents them).
 FIELDS = ("images", "prompt", "negative_prompt", "seed", "randomize_seed", "num_inference_steps",
           "true_cfg_scale", "num_images", "width", "height", "speed", "lora", "lora_scale")
-# Ctrl/Cmd+Enter in the prompt runs the edit; on a phone the result (with its progress) scrolls into view.
 def page_head(settings: Settings) -> str:
     """Ctrl+Enter runs the edit; on a phone, Edit scrolls to the progress; Gradio's own upload-size message
     ("exceed the maximum allowed size of 23.8 Mb" for MAX_FILE_SIZE=25MB: it counts in MiB and says Mb) says
@@ -59,6 +58,8 @@ def page_head(settings: Settings) -> str:
     return PAGE_SCRIPT.replace("__LIMIT__", limit.replace("</", "<\\/"))
 
 
+# Ctrl/Cmd+Enter in the prompt runs the edit; on a phone the result (with its progress) scrolls into view;
+# Gradio's upload-size message gets the limit as written (__LIMIT__, filled in by page_head).
 PAGE_SCRIPT = """<script>
 document.addEventListener('keydown', (e) => {
   if (e.key === 'Enter' && (e.ctrlKey || e.metaKey) && e.target.closest && e.target.closest('#prompt')) {
