@@ -136,6 +136,27 @@ def test_a_bad_lora_stops_start_up_naming_the_file(plus_ckpt, bad_loras, file, s
     assert manager.workers == [] and manager.load_error == caught.value.message  # no process was started
 
 
+def test_a_checked_lora_file_is_checked_again_only_when_it_changes(plus_ckpt, linears, tmp_path, monkeypatch):
+    """A restart with the same file starts no inspection subprocess; the same path rewritten is checked
+    again (and refused when it is no LoRA now)."""
+    from imgedit.engine import inspection
+
+    monkeypatch.setattr(inspection, "CACHE_DIR", tmp_path / "cache")
+    runs = []
+    real_run = inspection._run
+    monkeypatch.setattr(inspection, "_run", lambda request: runs.append(request) or real_run(request))
+    path = tmp_path / "style.safetensors"
+    random_lora(path, linears, rank=4, std=STD, seed=3, style="diffusers")
+    first = make_manager(plus_ckpt, load=False, LORAS=f"style={path}").prepare()
+    second = make_manager(plus_ckpt, load=False, LORAS=f"style={path}").prepare()
+    assert len(runs) == 1 and [e[0] for e in runs[0]["loras"]] == ["style"]
+    assert second.loras == first.loras and first.loras[0].layers > 0 and first.loras[0].rank == 4
+    path.write_bytes(b"not a LoRA any more")
+    with pytest.raises(LoraError, match="cannot be read as a LoRA file"):
+        make_manager(plus_ckpt, load=False, LORAS=f"style={path}").prepare()
+    assert len(runs) == 2
+
+
 def test_a_missing_hub_file_stops_start_up_offline(plus_ckpt, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the LoRA check runs in a subprocess (imgedit.model.inspect)
     manager = make_manager(plus_ckpt, load=False, LORAS="hub=someone/some-loras/not-cached.safetensors")

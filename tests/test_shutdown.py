@@ -37,7 +37,7 @@ class AppProcess:
         self.output_dir = tmp / "outputs"
         env = {**os.environ, "QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cpu", "GRADIO_SERVER_NAME": "127.0.0.1",
                "GRADIO_SERVER_PORT": str(self.port), "OUTPUT_DIR": str(self.output_dir),
-               "SHUTDOWN_GRACE_S": str(grace_s), "TORCH_DTYPE": "float32", "OMP_NUM_THREADS": "2"}
+               "SHUTDOWN_GRACE_S": str(grace_s), "TORCH_DTYPE": "float32"}
         self.log = open(tmp / "server.log", "w+")
         self.proc = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)

@@ -3,7 +3,10 @@ subprocess (`python -m imgedit.model.inspect`) so that the server process never 
 
 Sizes depend only on the components' config files and QUANTIZE_SKIP: they are cached on disk
 (~/.cache/imgedit/sizes, keyed by a hash of both), so a restart plans without the subprocess.
-LoRA files are checked on every start (they may have changed).
+A local LoRA file that passed the check is remembered there too, keyed by the transformer's config
+and the file's path, size and modification time: a restart with unchanged files starts no
+subprocess (importing torch and diffusers in it costs seconds of CPU). A file that changed, a hub
+file (its local copy is only known after the fetch) and a file that failed are checked again.
 """
 
 from __future__ import annotations
@@ -42,30 +45,68 @@ def inspect_checkpoint(checkpoint: Checkpoint, skip: tuple[str, ...] = (),
     PlacementError when the inspection itself fails (the log has its output)."""
     cached = CACHE_DIR / f"{_key(checkpoint, skip)}.json" if sizes else None
     known = None
-    if cached is not None and cached.is_file():
+    if cached is not None:
         try:
-            known = sizes_from_json(json.loads(cached.read_text()))
+            known = sizes_from_json(_read(cached))
         except (ValueError, KeyError, TypeError):
             known = None
-    if (known is not None or not sizes) and not loras:
-        return known, ()
+    checked = {e: _checked_before(checkpoint, e) for e in loras}
+    unchecked = [e for e in loras if checked[e] is None]
+    if (known is not None or not sizes) and not unchecked:
+        return known, tuple(checked[e] for e in loras)
     request = {"folder": str(checkpoint.folder), "skip": list(skip), "sizes": sizes and known is None,
-               "loras": [[e.name, e.source, e.steps] for e in loras]}
+               "loras": [[e.name, e.source, e.steps] for e in unchecked]}
     answer = _run(request)
     if "error" in answer:
         raise LoraError(answer["error"]["message"])
-    files = tuple(LoraFile(**f) for f in answer["loras"])
+    for entry, found in zip(unchecked, answer["loras"], strict=True):
+        checked[entry] = LoraFile(**found)
+        if (key := _lora_key(checkpoint, entry)) is not None:
+            _write(CACHE_DIR / f"lora-{key}.json", found)
     if answer["sizes"] is not None:
         known = sizes_from_json(answer["sizes"])
         if cached is not None:
-            try:
-                cached.parent.mkdir(parents=True, exist_ok=True)
-                tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(answer["sizes"]))
-                tmp.replace(cached)
-            except OSError as exc:  # a read-only home: plan without the cache
-                log.warning("could not cache the checkpoint's sizes in %s: %s", CACHE_DIR, exc)
-    return known, files
+            _write(cached, answer["sizes"])
+    return known, tuple(checked[e] for e in loras)
+
+
+def _lora_key(checkpoint: Checkpoint, entry: LoraEntry) -> str | None:
+    """The cache key of a local LoRA file as it is now (None for a hub file)."""
+    path = Path(entry.source).expanduser()
+    if not path.is_file():
+        return None
+    stat = path.stat()
+    config = checkpoint.folder / "transformer" / "config.json"
+    digest = hashlib.sha256(config.read_bytes() if config.is_file() else b"-")
+    digest.update(json.dumps([entry.name, entry.steps, str(path.resolve()), stat.st_size, stat.st_mtime_ns]).encode())
+    return digest.hexdigest()[:32]
+
+
+def _checked_before(checkpoint: Checkpoint, entry: LoraEntry) -> LoraFile | None:
+    key = _lora_key(checkpoint, entry)
+    if key is None:
+        return None
+    try:
+        return LoraFile(**_read(CACHE_DIR / f"lora-{key}.json"))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _read(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except OSError:
+        return None
+
+
+def _write(path: Path, data) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+    except OSError as exc:  # a read-only home: plan without the cache
+        log.warning("could not cache the checkpoint's sizes or LoRA checks in %s: %s", CACHE_DIR, exc)
 
 
 def _run(request: dict) -> dict:
