@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     manager = PipelineManager(settings)
     try:
         if settings.demo:
-            ensure_demo_checkpoint(settings.model_source)  # built in a subprocess (it needs torch)
+            ensure_demo_checkpoint(settings.model_source, settings.quantize_skip)  # in a subprocess (torch)
         manager.prepare()  # checkpoint and placement plan: the page needs the model family and workers
     except ImgEditError as exc:
         log.error("%s", exc.message)

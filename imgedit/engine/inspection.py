@@ -21,7 +21,7 @@ from pathlib import Path
 
 from imgedit.config.loras import LoraEntry, LoraError, LoraFile
 from imgedit.errors import PlacementError
-from imgedit.planning.checkpoint import MODEL_COMPONENTS, Checkpoint
+from imgedit.planning.checkpoint import MODEL_COMPONENTS, Checkpoint, open_checkpoint
 from imgedit.planning.memory import ComponentSizes, sizes_from_json
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ def _write(path: Path, data) -> None:
         log.warning("could not cache the checkpoint's sizes or LoRA checks in %s: %s", CACHE_DIR, exc)
 
 
-def _run(request: dict) -> dict:
+def _run(request: dict, failed: str = "could not read the checkpoint's component configs") -> dict:
     try:
         done = subprocess.run([sys.executable, "-m", "imgedit.model.inspect"], input=json.dumps(request),
                               capture_output=True, text=True, timeout=TIMEOUT_S, check=False, env=_env())
@@ -117,7 +117,7 @@ def _run(request: dict) -> dict:
         raise PlacementError(f"inspecting the checkpoint took over {TIMEOUT_S}s") from None
     if done.returncode != 0:
         log.error("checkpoint inspection failed (exit %d):\n%s", done.returncode, done.stderr[-4000:])
-        raise PlacementError("could not read the checkpoint's component configs (see the server log)")
+        raise PlacementError(f"{failed} (see the server log)")
     return json.loads(done.stdout)
 
 
@@ -128,13 +128,12 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
 
 
-def ensure_demo_checkpoint(folder: str) -> None:
-    """Build the tiny demo checkpoint once, in a subprocess (building it needs torch)."""
+def ensure_demo_checkpoint(folder: str, skip: tuple[str, ...] = ()) -> None:
+    """Build the tiny demo checkpoint once, in the inspection subprocess (building it needs torch),
+    which measures its sizes on the way: the first demo start imports torch in one process, not two."""
     if (Path(folder).expanduser() / "model_index.json").is_file():
         return
     log.info("building the demo checkpoint in %s", folder)
-    done = subprocess.run([sys.executable, "-m", "imgedit.model.demo_checkpoint", folder, "--if-missing"],
-                          capture_output=True, text=True, timeout=TIMEOUT_S, check=False, env=_env())
-    if done.returncode != 0:
-        log.error("building the demo checkpoint failed (exit %d):\n%s", done.returncode, done.stderr[-4000:])
-        raise PlacementError(f"could not build the demo checkpoint in {folder} (see the server log)")
+    answer = _run({"folder": str(Path(folder).expanduser()), "build_demo": True, "skip": list(skip), "sizes": True},
+                  f"could not build the demo checkpoint in {folder}")
+    _write(CACHE_DIR / f"{_key(open_checkpoint(folder), skip)}.json", answer["sizes"])

@@ -58,11 +58,16 @@ def layer_sizes(folder: Path, skip: tuple[str, ...] = ()) -> list[dict]:
 
 
 def inspect(request: dict) -> dict:
-    """{"folder", "skip", "loras": [[name, source, steps], ...], "sizes": bool} -> {"sizes", "loras"}
-    or {"error": {"kind", "message"}} for an ImgEditError (a bad LoRA file names itself)."""
+    """{"folder", "skip", "loras": [[name, source, steps], ...], "sizes": bool, "build_demo": bool}
+    -> {"sizes", "loras"} or {"error": {"kind", "message"}} for an ImgEditError (a bad LoRA file names
+    itself). `build_demo`: first write the tiny demo checkpoint into the folder if it is not there."""
     from imgedit.model.loras import check_all
 
     folder = Path(request["folder"])
+    if request.get("build_demo"):
+        from imgedit.model.demo_checkpoint import ensure_checkpoint
+
+        ensure_checkpoint(folder)
     try:
         sizes = layer_sizes(folder, tuple(request.get("skip", ()))) if request.get("sizes", True) else None
         entries = tuple(LoraEntry(n, s, steps) for n, s, steps in request.get("loras", ()))
