@@ -32,6 +32,11 @@ class EditRequest:
     speed: str | None = None  # quality | fast (Lightning 8 steps) | fastest (Lightning 4 steps); None = quality
     lora: str | None = None  # a configured LoRA's name; None or "none" = no LoRA
     lora_scale: float | None = None  # that LoRA's strength, 0 to 2; None = 1
+    # Masked editing (imgedit.engine.masks): "L", the first image's size, 255 = may change; None = whole image
+    mask: Image.Image | None = None
+    mask_grow: int | None = None  # pixels the mask is grown by; None = 0
+    mask_feather: int | None = None  # pixels of soft edge inside the mask; None = masks.DEFAULT_FEATHER
+    strength: float | None = None  # (0, 1]: how far from the input the masked area may go; None = 1
     request_id: str = field(default_factory=new_request_id)
     source: str = "ui"  # ui | api | rest: for logs and metrics
     client: str | None = None  # who asked (imgedit.web.identity's owner): for each client's share of the line
@@ -116,6 +121,10 @@ class Resolved:
     height: int | None
     adapters: tuple[tuple[str, float], ...] = ()  # (LoRA name, strength) active for this job
     scheduler: str = "default"  # default | lightning (imgedit.config.loras.LIGHTNING_SCHEDULER)
+    # With a mask: the model runs at width x height, the result is the first image's size
+    mask_grow: int = 0
+    mask_feather: int = 0
+    strength: float = 1.0
 
     @property
     def image_seeds(self) -> tuple[int, ...]:

@@ -52,6 +52,20 @@ def test_pair_gives_the_one_process_image_and_splits_the_forwards(pair, plus_man
     assert status.state == "idle" and status.jobs_done >= 1
 
 
+def test_a_masked_edit_on_a_pair_is_the_one_process_image(pair, plus_manager):
+    """Both ranks blend the same input latents and noise after every step (imgedit.runtime.masking)."""
+    from PIL import Image
+
+    mask = Image.new("L", (80, 60), 0)
+    mask.paste(255, (8, 8, 48, 40))
+    masked = dict(mask=mask, mask_feather=2, width=80, height=64, negative_prompt="blurry")
+    two = pair.edit(request(**masked))
+    one = plus_manager.edit(request(**masked))
+    assert np.array_equal(pixels(two), pixels(one)) and two.images[0].size == (80, 60)
+    outside = np.asarray(mask) == 0
+    assert (pixels(two)[outside] == np.asarray(picture(), dtype=np.int16)[outside]).all()
+
+
 def test_pair_with_cfg_off_runs_on_one_rank_and_matches(pair, plus_manager):
     probe = ConcurrencyProbe(pair)
     two = pair.edit(request(true_cfg_scale=1.0, seed=9))

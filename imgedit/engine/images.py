@@ -96,7 +96,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
 # ---- settings carried in the PNGs we return (tEXt chunks) ----
 # Key names are the API's parameter names, so a stored PNG reads like the call that made it.
 SETTING_KEYS = ("prompt", "negative_prompt", "seed", "num_inference_steps", "true_cfg_scale", "width", "height",
-                "model", "lora", "lora_scale", "speed", "software")
+                "model", "lora", "lora_scale", "speed", "mask", "mask_grow", "mask_feather", "strength", "software")
 RESTORABLE = {"prompt": str, "negative_prompt": str, "seed": int, "num_inference_steps": int,
               "true_cfg_scale": float, "width": int, "height": int}
 MAX_CHUNK = 4000  # validation.MAX_PROMPT_CHARS: a longer value is not one of ours
@@ -116,6 +116,11 @@ def settings_text(req, params, model: str, size: tuple[int, int]) -> dict[str, s
         text["lora_scale"] = ",".join(f"{scale:g}" for _, scale in adapters)
     if getattr(req, "speed", None):
         text["speed"] = req.speed
+    if getattr(req, "mask", None) is not None:  # which mask (its hash), and how it was applied
+        from imgedit.engine.masks import mask_digest
+
+        text.update(mask=f"sha256:{mask_digest(req.mask)}", mask_grow=str(params.mask_grow),
+                    mask_feather=str(params.mask_feather), strength=f"{params.strength:g}")
     return text
 
 

@@ -12,6 +12,7 @@ import random
 
 from imgedit.config.loras import MAX_LORA_SCALE, SPEEDS, lightning_for
 from imgedit.config.settings import Settings
+from imgedit.engine.masks import check_mask_fields
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.errors import InvalidInput
 from imgedit.protocol import EditRequest, Resolved  # noqa: F401  (Resolved: re-exported for the edges)
@@ -154,12 +155,33 @@ def resolve(req: EditRequest, settings: Settings, family: str,
     _whole("seed", seed)
     if not 0 <= seed <= MAX_SEED:
         raise InvalidInput(f"seed {seed} is out of range: 0 to {MAX_SEED}", "seed")
-    width, height = _size(req.width, req.height, last_image_size, settings)
+    grow, feather, strength = check_mask_fields(req.mask_grow, req.mask_feather, req.strength)
+    if req.mask is not None and req.images:
+        # A masked edit follows the first image (the one it changes), not the last as the pipelines do.
+        first = req.images[0].size
+        if req.mask.size != first:
+            raise InvalidInput(f"the mask is {req.mask.size[0]}x{req.mask.size[1]} but the first image is "
+                               f"{first[0]}x{first[1]}: the mask must be the same size", "mask")
+        width, height = _size(req.width, req.height, first, settings)
+        if width is None:
+            width, height = _masked_size(first, settings)
+    else:
+        width, height = _size(req.width, req.height, last_image_size, settings)
     # True CFG runs only when a negative prompt is passed: always pass one (" " when empty).
     negative = req.negative_prompt if (req.negative_prompt or "").strip() else " "
     adapters = lora_adapters(req, settings, preset)
     return Resolved(int(steps), float(cfg), negative, int(seed), int(req.num_images), width, height, adapters,
-                    "default" if preset is None else "lightning")
+                    "default" if preset is None else "lightning", grow, feather, strength)
+
+
+def _masked_size(first: tuple[int, int], settings: Settings) -> tuple[int, int]:
+    """The size a masked edit runs at when none is asked: the first image's aspect at about 1 MP (as
+    the pipelines size an edit), sides multiples of 16 and within MAX_OUTPUT_PIXELS."""
+    ratio = first[0] / first[1]
+    area = min(VAE_AREA, settings.max_output_pixels)
+    width = max(MIN_SIDE, int(math.sqrt(area * ratio)) // SIDE_MULTIPLE * SIDE_MULTIPLE)
+    height = max(MIN_SIDE, int(width / ratio) // SIDE_MULTIPLE * SIDE_MULTIPLE)
+    return width, height
 
 
 def default_steps(settings: Settings, family: str) -> int:

@@ -74,6 +74,7 @@ class Runner:
         together = self.group.begin(self._cfg_on(job)) if self.group is not None else None
         collective = together is not None  # ranks that run this job together agree on cancel each step
         reached = 0
+        masked = None  # imgedit.runtime.masking.MaskedEdit, built inside the try below
 
         def step_end(pipe, step, timestep, callback_kwargs):
             nonlocal reached
@@ -85,6 +86,8 @@ class Runner:
                 on_step(step + 1, params.steps)
             if stop:
                 raise _Abort
+            if masked is not None:
+                return {"latents": masked.blend(step, callback_kwargs["latents"])}
             return {}
 
         if cancel.is_set() and not collective:
@@ -102,11 +105,18 @@ class Runner:
             if self.cfg_batch is not None:
                 self.cfg_batch.begin(self._cfg_on(job))
             with torch.inference_mode():
+                if req.mask is not None:
+                    from imgedit.runtime.masking import MaskedEdit
+
+                    masked = MaskedEdit(self.pipe, req.images[0], req.mask, params.width, params.height,
+                                        params.mask_grow, params.mask_feather, params.strength, params.steps,
+                                        params.image_seeds)
                 output = self.pipe(
                     image=images, prompt=req.prompt, negative_prompt=params.negative_prompt,
                     true_cfg_scale=params.true_cfg_scale, num_inference_steps=params.steps,
                     num_images_per_prompt=params.num_images, width=params.width, height=params.height,
-                    generator=generator, callback_on_step_end=step_end, callback_on_step_end_tensor_inputs=[],
+                    generator=generator, callback_on_step_end=step_end,
+                    callback_on_step_end_tensor_inputs=["latents"] if masked is not None else [],
                 )
         except _Abort:
             raise Cancelled(f"cancelled at step {reached} of {params.steps}") from None
@@ -136,6 +146,8 @@ class Runner:
             # One rank of a pair may have run out while the other waits in an exchange: start afresh.
             raise FatalError(error) if collective else error
         result = list(output.images)
+        if masked is not None:  # the first image's size, its own pixels outside the mask
+            result = masked.composite(result)
         return EditResult(result, params.seed, params.steps, result[0].width, result[0].height,
                           time.perf_counter() - started, self.name, self.devices, req.request_id)
 

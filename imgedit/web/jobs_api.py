@@ -198,6 +198,9 @@ async def _parse(request: Request, settings: Settings, manager) -> tuple[EditReq
         raise InvalidInput(f"malformed multipart body ({type(exc).__name__})") from None
 
     # The cheap fields first: a request without a prompt (or with a bad number) costs no file read.
+    if form.getlist("mask"):
+        raise InvalidInput("a job does not take a mask yet: send masked edits one at a time to /v1/images/edits",
+                           "mask")
     prompt = form.get("prompt")
     if not isinstance(prompt, str):
         raise InvalidInput("prompt is required (a text field)", "prompt")

@@ -27,6 +27,7 @@ from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
 from imgedit.engine.gpus import GpuMonitor
 from imgedit.engine.images import frame_notices, open_image
+from imgedit.engine.masks import open_mask
 from imgedit.engine.validation import MAX_INPUT_IMAGES, MIN_STEPS, check_counts, check_params, default_steps
 from imgedit.errors import ImgEditError, InvalidInput
 from imgedit.protocol import EditRequest
@@ -48,7 +49,10 @@ DEMO_BANNER = ("**Demo mode**: a tiny random-weight model runs on the CPU, so ou
 DEMO_SIZE, DEMO_STEPS = 256, 4  # a first-time visitor of the demo sees a result in seconds
 # The `/edit` API's parameters, in order (README documents them).
 FIELDS = ("images", "prompt", "negative_prompt", "seed", "randomize_seed", "num_inference_steps",
-          "true_cfg_scale", "num_images", "width", "height", "speed", "lora", "lora_scale")
+          "true_cfg_scale", "num_images", "width", "height", "speed", "lora", "lora_scale", "mask", "mask_grow",
+          "mask_feather", "strength")
+
+
 def page_head(settings: Settings) -> str:
     """Ctrl+Enter runs the edit; on a phone, Edit scrolls to the progress; Gradio's own upload-size message
     ("exceed the maximum allowed size of 23.8 Mb" for MAX_FILE_SIZE=25MB: it counts in MiB and says Mb) says
@@ -111,13 +115,24 @@ def _text(value, name: str) -> str:
 
 def build_request(settings: Settings, family: str, images, prompt, negative_prompt, seed, randomize_seed,
                   num_inference_steps, true_cfg_scale, num_images, width, height, speed=None, lora=None,
-                  lora_scale=None, *, source: str) -> EditRequest:
+                  lora_scale=None, mask=None, mask_grow=None, mask_feather=None, strength=None, *,
+                  source: str) -> EditRequest:
     """Parse one event's raw values. Every file must lie in Gradio's upload cache (imgedit.web.uploads)."""
     paths = uploaded_paths(images)
     check_counts(len(paths), family)
     decoded = tuple(open_image(p, settings.max_input_pixels, f"image {i + 1}") for i, p in enumerate(paths))
     speed, lora, lora_scale = parse_speed_inputs(speed, lora, lora_scale)
-    return EditRequest(
+    masking = {}
+    if mask_paths := uploaded_paths(mask, "mask"):
+        if len(mask_paths) > 1:
+            raise InvalidInput("send one mask (for the first image)", "mask")
+        with open(mask_paths[0], "rb") as f:
+            raw = f.read(settings.max_file_size + 1)
+        masking["mask"] = open_mask(raw, decoded[0].size, settings.max_input_pixels)
+    if any(v not in (None, "") for v in (mask_grow, mask_feather, strength)):
+        masking.update(mask_grow=_number(mask_grow, "mask_grow"), mask_feather=_number(mask_feather, "mask_feather"),
+                       strength=_number(strength, "strength"))
+    return EditRequest(**masking,
         images=decoded, prompt=_text(prompt, "prompt"), negative_prompt=_text(negative_prompt, "negative_prompt"),
         seed=None if randomize_seed else _number(seed, "seed", 0),
         num_inference_steps=_number(num_inference_steps, "num_inference_steps"),
@@ -149,14 +164,15 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
     tools = PageTools(settings, manager.family, family_steps, manager.prompt_tokens)
 
     def validate(images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
-                 num_images, width, height, speed=None, lora=None, lora_scale=None):
+                 num_images, width, height, speed=None, lora=None, lora_scale=None, mask=None, mask_grow=None,
+                 mask_feather=None, strength=None):
         """Runs before an API job enters the queue: bad input costs nothing else. The message goes to
         the input at fault."""
         verdicts = [gr.validate(True, "")] * len(FIELDS)
         try:
             req = build_request(settings, manager.family, images, prompt, negative_prompt, seed, randomize_seed,
                                 num_inference_steps, true_cfg_scale, num_images, width, height, speed, lora, lora_scale,
-                                source="validator")
+                                mask, mask_grow, mask_feather, strength, source="validator")
             check_params(req, settings, manager.family, manager.prompt_tokens)
         except ImgEditError as exc:
             at = FIELDS.index(exc.field) if exc.field in FIELDS else 0
@@ -196,10 +212,14 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
 
     async def edit(images, prompt, negative_prompt="", seed=0, randomize_seed=True, num_inference_steps=None,
                    true_cfg_scale=None, num_images=1, width=0, height=0, speed="quality", lora="none", lora_scale=1.0,
+                   mask=None, mask_grow=None, mask_feather=None, strength=None,
                    request: gr.Request = None, progress=gr.Progress()):
-        """Edit the images as the prompt says; returns the result images and the seed used."""
+        """Edit the images as the prompt says; returns the result images and the seed used. With `mask` (an
+        image the first image's size: white, or fully transparent, marks where to edit) only that area
+        changes and the result is the first image's size."""
         _, result = await run_edit((images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
-                                    true_cfg_scale, num_images, width, height, speed, lora, lora_scale),
+                                    true_cfg_scale, num_images, width, height, speed, lora, lora_scale,
+                                    mask, mask_grow, mask_feather, strength),
                                    request, progress)
         return result.images, result.seed
 
@@ -314,7 +334,8 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
             # `edit`'s signature), and the results are named.
             api_inputs = [gr.File(file_count="multiple"), gr.Textbox(), gr.Textbox(""), gr.Number(0),
                           gr.Checkbox(True), gr.Number(None), gr.Number(None), gr.Number(1), gr.Number(0),
-                          gr.Number(0), gr.Textbox("quality"), gr.Textbox("none"), gr.Number(1.0)]
+                          gr.Number(0), gr.Textbox("quality"), gr.Textbox("none"), gr.Number(1.0),
+                          gr.File(), gr.Number(None), gr.Number(None), gr.Number(None)]
             api_outputs = [gr.Gallery(format="png", label="images"), gr.Number(label="seed")]
             api_button = gr.Button()
 

@@ -3,7 +3,8 @@
 `/v1/images/edits` speaks OpenAI's Images API (multipart; `image` or `image[]`, `prompt`, `n`, `size`,
 `response_format=b64_json`) plus the extensions `negative_prompt`, `seed`, `num_inference_steps`,
 `true_cfg_scale`, `speed` (quality | fast | fastest), `lora` and `lora_scale` (the openai SDK sends
-extensions through `extra_body`). Jobs go to the same manager line and workers as the UI. Errors come back in
+extensions through `extra_body`). OpenAI's `mask` is taken (imgedit.engine.masks), with `mask_grow`,
+`mask_feather` and `strength`. Jobs go to the same manager line and workers as the UI. Errors come back in
 OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 """
 
@@ -25,6 +26,7 @@ from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
 from imgedit.engine.gpus import GpuMonitor
 from imgedit.engine.images import frame_notices, open_image, png_bytes
+from imgedit.engine.masks import open_mask
 from imgedit.engine.validation import check_counts, check_params
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.protocol import EditRequest
@@ -225,7 +227,7 @@ async def _cancel_on_disconnect(request: Request, cancel: threading.Event) -> No
 
 async def _parse(request: Request, settings: Settings, manager) -> EditRequest:
     length = request.headers.get("content-length", "")
-    limit = settings.max_file_size * 3 + 1_000_000  # up to three images plus the text fields
+    limit = settings.max_file_size * 4 + 1_000_000  # up to three images and a mask, plus the text fields
     if not length.isdecimal() or len(length) > 15:
         raise InvalidInput("send the body with a Content-Length (chunked uploads are not accepted)")
     if int(length) > limit:
@@ -246,6 +248,7 @@ async def _parse(request: Request, settings: Settings, manager) -> EditRequest:
         if len(raw) > settings.max_file_size:
             raise InputTooLarge(f"image {i + 1} is larger than {human_size(settings.max_file_size)} (MAX_FILE_SIZE)")
         images.append(await asyncio.to_thread(open_image, raw, settings.max_input_pixels, f"image {i + 1}"))
+    masking = await mask_fields(form, settings, images[0].size)
     response_format = str(form.get("response_format") or "b64_json")
     if response_format != "b64_json":
         raise InvalidInput("response_format must be b64_json (this server does not host image URLs)")
@@ -258,6 +261,23 @@ async def _parse(request: Request, settings: Settings, manager) -> EditRequest:
         images=tuple(images), prompt=prompt, negative_prompt=negative if isinstance(negative, str) else "",
         seed=_int(form, "seed", None), num_inference_steps=_int(form, "num_inference_steps", None),
         true_cfg_scale=_float(form, "true_cfg_scale"), num_images=_int(form, "n", 1),
-        width=width, height=height, **speed_fields(form), source="rest")
+        width=width, height=height, **speed_fields(form), **masking, source="rest")
     check_params(req, settings, manager.family, manager.prompt_tokens)
     return req
+
+
+async def mask_fields(form, settings: Settings, first_size: tuple[int, int]) -> dict:
+    """`mask` (a file: OpenAI's transparent-means-edit PNG, or black and white with white = edit), `mask_grow`,
+    `mask_feather`, `strength` as EditRequest fields; shared by /v1/images/edits and /v1/jobs."""
+    out: dict = {"mask_grow": _int(form, "mask_grow", None), "mask_feather": _int(form, "mask_feather", None),
+                 "strength": _float(form, "strength")}
+    masks = form.getlist("mask")
+    if not masks:
+        return out
+    if len(masks) > 1 or not isinstance(masks[0], UploadFile):
+        raise InvalidInput("'mask' must be one file upload (a PNG the size of the first image)", "mask")
+    raw = await masks[0].read(settings.max_file_size + 1)
+    if len(raw) > settings.max_file_size:
+        raise InputTooLarge(f"the mask is larger than {human_size(settings.max_file_size)} (MAX_FILE_SIZE)", "mask")
+    out["mask"] = await asyncio.to_thread(open_mask, raw, first_size, settings.max_input_pixels)
+    return out

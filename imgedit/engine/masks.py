@@ -1,0 +1,91 @@
+"""Edit masks as users send them, turned into one form: an 8-bit greyscale image the size of the first
+input, 255 where the edit may change pixels and 0 where the input's pixels are kept.
+
+Two conventions are read (the README says which is which):
+- OpenAI's (`images.edit(mask=...)`): a PNG with an alpha channel; fully transparent pixels mark the
+  area to edit, everything else is kept.
+- A plain black-and-white image (no transparency): white marks the area to edit, black keeps.
+The page's brush layer is sent in the second form. Server side, no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from imgedit.errors import InputTooLarge, InvalidInput
+
+MAX_GROW = 256  # pixels the mask may be grown by (mask_grow)
+MAX_FEATHER = 256  # pixels of soft edge inside the mask (mask_feather)
+DEFAULT_FEATHER = 8
+
+
+def mask_from(source: Image.Image, image_size: tuple[int, int]) -> Image.Image:
+    """The edit mask ("L", 255 = edit) from an uploaded mask image; refuses a mask of another size
+    than the first input image, one that marks nothing, and one that marks everything."""
+    source = ImageOps.exif_transpose(source)
+    if source.size != tuple(image_size):
+        raise InvalidInput(f"the mask is {source.size[0]}x{source.size[1]} but the first image is "
+                           f"{image_size[0]}x{image_size[1]}: the mask must be the same size", "mask")
+    if _has_alpha(source):
+        alpha = np.asarray(source.convert("RGBA"))[:, :, 3]
+        edit = alpha == 0  # OpenAI: fully transparent = edit here
+        if not edit.any():
+            raise InvalidInput("the mask has no fully transparent pixel: with a transparent PNG (OpenAI's way) "
+                               "the transparent area is edited; or send black and white, white = edit", "mask")
+    else:
+        edit = np.asarray(source.convert("L")) >= 128  # white = edit
+        if not edit.any():
+            raise InvalidInput("the mask marks nothing to edit: white (or, in a transparent PNG, fully "
+                               "transparent) pixels mark the area to change", "mask")
+    if edit.all():
+        raise InvalidInput("the mask marks the whole image: leave the mask out for an ordinary edit", "mask")
+    return Image.fromarray(np.where(edit, 255, 0).astype(np.uint8), mode="L")
+
+
+def _has_alpha(image: Image.Image) -> bool:
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        return True
+    return image.mode == "P" and "transparency" in image.info
+
+
+def open_mask(raw: bytes | Image.Image, image_size: tuple[int, int], max_pixels: int) -> Image.Image:
+    """Decode an uploaded mask file (any format open_image reads) and turn it into the edit mask."""
+    import io
+
+    from imgedit.engine.images import FORMATS, _check_pixels
+
+    try:
+        if isinstance(raw, Image.Image):
+            image = raw
+            _check_pixels(image.size, max_pixels, "mask")
+        else:
+            image = Image.open(io.BytesIO(raw), formats=FORMATS)
+            _check_pixels(image.size, max_pixels, "mask")
+            image.load()
+    except (InvalidInput, InputTooLarge) as exc:
+        raise type(exc)(exc.message, "mask") from None
+    except Exception:
+        raise InvalidInput("the mask is not a readable image: send a PNG the size of the first image", "mask") from None
+    return mask_from(image, image_size)
+
+
+def mask_digest(mask: Image.Image) -> str:
+    """A short hash of the mask, for the PNG's settings: the same mask gives the same text."""
+    return hashlib.sha256(mask.tobytes()).hexdigest()[:16]
+
+
+def check_mask_fields(grow, feather, strength) -> tuple[int, int, float]:
+    """mask_grow, mask_feather (pixels) and strength (0 to 1], with their defaults."""
+    grow = 0 if grow is None else grow
+    feather = DEFAULT_FEATHER if feather is None else feather
+    strength = 1.0 if strength is None else strength
+    for name, value, most in (("mask_grow", grow, MAX_GROW), ("mask_feather", feather, MAX_FEATHER)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+            raise InvalidInput(f"{name} {value!r} is out of range: 0 to {most} pixels", name)
+    if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0.0 < strength <= 1.0:
+        raise InvalidInput(f"strength {strength!r} is out of range: above 0, at most 1 (1 = repaint the masked "
+                           "area from scratch)", "strength")
+    return grow, feather, float(strength)

@@ -1,0 +1,95 @@
+"""Masked editing on the unmodified diffusers pipelines (Edit, 2509, 2511): the model edits the whole
+canvas, and after every denoising step the latents outside the mask are put back to the input's own
+latents, noised to that step's level (as diffusers' inpaint pipelines blend, in a step callback). The
+last step has no noise left, so outside the mask the latents are the input's. The decoded result is
+then scaled to the first image's size and laid over it through the (grown, feathered) mask, so that
+outside the mask every pixel is the input's, exactly.
+
+Why not diffusers' QwenImageEditInpaintPipeline: there is none for the Plus pipelines (2509/2511),
+and it would be a second pipeline object around the same weights; a callback on the pipeline the
+worker already runs serves all three checkpoints, every placement and the LoRAs alike.
+
+`strength` below 1 keeps the masked area at the noised input for the first (1 - strength) of the
+steps, so the edit starts from the input there instead of from noise (those steps still run).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image, ImageFilter
+
+LATENT_CELL = 16  # pixels per latent token: the VAE's 8x and the 2x2 packing
+
+
+class MaskedEdit:
+    def __init__(self, pipe, first: Image.Image, mask: Image.Image, width: int, height: int,
+                 grow: int, feather: int, strength: float, steps: int, seeds: tuple[int, ...]):
+        self.pipe, self.first = pipe, first
+        self.width, self.height = width, height
+        self.area = grown(mask, grow)  # the first image's size, 255 = edit
+        self.feather = feather
+        self.hold_steps = int(round(steps * (1.0 - strength)))  # steps the masked area stays the input
+        device, dtype = pipe._execution_device, pipe.transformer.dtype
+        self.original = self._encode(first.resize((width, height), Image.LANCZOS)).to(device, dtype)
+        cells = self.area.resize((width, height), Image.BILINEAR).resize(
+            (width // LATENT_CELL, height // LATENT_CELL), Image.BOX)
+        edit = torch.from_numpy(np.asarray(cells) > 0).reshape(1, -1, 1)  # any marked pixel: the token may change
+        self.keep = (~edit).to(device, dtype)
+        # One noise per output image, from its own seed (CPU: the same on every device and rank).
+        self.noise = torch.cat([
+            torch.randn(self.original.shape, generator=torch.Generator("cpu").manual_seed(seed)) for seed in seeds
+        ]).to(device, dtype)
+
+    def _encode(self, image: Image.Image) -> torch.Tensor:
+        """The image's latents as the pipeline packs them: (1, tokens, channels x 4)."""
+        pipe = self.pipe
+        pixels = pipe.image_processor.preprocess(image, self.height, self.width).unsqueeze(2)
+        pixels = pixels.to(pipe._execution_device, pipe.vae.dtype)
+        latents = pipe._encode_vae_image(pixels, generator=None)  # normalised (latents_mean/std)
+        channels = latents.shape[1]
+        return pipe._pack_latents(latents, 1, channels, self.height // 8, self.width // 8)
+
+    def blend(self, step: int, latents: torch.Tensor) -> torch.Tensor:
+        """The latents after step `step` (0-based) with the area outside the mask set to the input at
+        this step's noise level (and, during the first hold steps, the masked area too)."""
+        sigma = float(self.pipe.scheduler.sigmas[step + 1])
+        batch = latents.shape[0]
+        noise = self.noise if batch == self.noise.shape[0] else self.noise[:1].expand(batch, -1, -1)
+        noised = (1.0 - sigma) * self.original + sigma * noise
+        keep = torch.ones_like(self.keep) if step < self.hold_steps else self.keep
+        return keep * noised + (1.0 - keep) * latents
+
+    def composite(self, images: list[Image.Image]) -> list[Image.Image]:
+        """Each result scaled to the first image's size and laid over it through the feathered mask."""
+        alpha = feathered(self.area, self.feather)
+        out = []
+        for image in images:
+            edited = image.convert("RGB").resize(self.first.size, Image.LANCZOS)
+            out.append(Image.composite(edited, self.first.convert("RGB"), alpha))
+        return out
+
+
+def grown(mask: Image.Image, pixels: int) -> Image.Image:
+    if pixels <= 0:
+        return mask
+    # A max filter of the mask's distance: repeated small filters (Pillow's MaxFilter is O(size^2)).
+    out = mask
+    left = pixels
+    while left > 0:
+        step = min(left, 8)
+        out = out.filter(ImageFilter.MaxFilter(2 * step + 1))
+        left -= step
+    return out
+
+
+def feathered(mask: Image.Image, pixels: int) -> Image.Image:
+    """A soft edge inside the mask: 0 outside it (the input's pixels exactly), rising to 255 within
+    `pixels` of its border."""
+    if pixels <= 0:
+        return mask
+    blurred = np.asarray(mask.filter(ImageFilter.BoxBlur(pixels)), dtype=np.float32)
+    # Inside the mask the blur gives 128..255 near the edge: stretch that to 0..255, and keep 0 outside.
+    soft = np.clip((blurred - 127.5) * 2.0, 0, 255)
+    soft[np.asarray(mask) == 0] = 0
+    return Image.fromarray(soft.round().astype(np.uint8), mode="L")
