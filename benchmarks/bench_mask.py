@@ -4,7 +4,7 @@
     python benchmarks/bench_mask.py --tiny          # CPU smoke run on the tiny checkpoint
 
 Through imgedit's PipelineManager and a worker process, as the app runs it (DEVICE_MAP=cuda:0, COMPILE
-off), with the real-size random-weight checkpoint (trained-like init; the worker hook fails the job on
+off, ENCODE_CACHE=0), with the real-size random-weight checkpoint (trained-like init; the worker hook fails the job on
 a non-finite transformer output, bench.finite_check). The workload: one 1024x1024 input, a 1024x1024
 output, CFG on (4), the mask the left half. Reported per run: wall time, seconds per step (the first
 step excluded) and the time up to the end of the first step (the masked edit encodes the input once more
@@ -57,7 +57,7 @@ def main() -> None:
             build_checkpoint(ckpt, kind="plus", size="real")
         device_map, size, steps = "cuda:0", args.size, args.steps
     settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": device_map, "COMPILE": "off",
-                              "LOG_LEVEL": "INFO", "MAX_STEPS": "200"})
+                              "ENCODE_CACHE": "0", "LOG_LEVEL": "INFO", "MAX_STEPS": "200"})
     t0 = time.perf_counter()
     manager = PipelineManager(settings, worker_hook="bench:finite_check").load(timeout=540)
     image = reference_image(size)
