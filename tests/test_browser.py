@@ -270,3 +270,39 @@ def test_an_upload_over_max_file_size_says_the_limit_as_the_setting_wrote_it(bro
     text = page.locator("body").inner_text()
     assert "big.png" in text and "Mb" not in text and "195.3" not in text
     assert jobs_done(manager) == before
+
+
+def test_paint_a_mask_and_only_that_area_changes(browser, server, manager, photos, tmp_path):
+    """#26: paint a stroke over the first input in the Mask canvas, edit; the result keeps every pixel the
+    stroke did not touch (its size is the input's), and its PNG records the mask."""
+    import numpy as np
+
+    page = open_page(browser, server)
+    page.locator("#input-files input[type=file]").set_input_files(str(photos[0]))  # 128x96
+    page.get_by_text("Mask: edit only where you paint").click()
+    canvas = page.locator("#mask-canvas canvas").first
+    canvas.wait_for(state="visible", timeout=30_000)
+    page.wait_for_timeout(1000)  # the first input is drawn as the canvas's background
+    box = canvas.bounding_box()
+    y = box["y"] + box["height"] / 2
+    page.mouse.move(box["x"] + box["width"] * 0.3, y)
+    page.mouse.down()
+    for i in range(1, 11):
+        page.mouse.move(box["x"] + box["width"] * (0.3 + 0.02 * i), y)
+    page.mouse.up()
+    page.locator("#prompt textarea").fill("make the stroke red")
+    page.locator("#edit-button").click()
+    page.locator("#edit-status").get_by_text("Only the painted area").wait_for(timeout=120_000)
+    with page.expect_download(timeout=30_000) as download:
+        page.locator("#download-result").click()
+    saved = tmp_path / "masked.png"
+    download.value.save_as(saved)
+    result = Image.open(saved)
+    assert result.size == (128, 96) and result.text["mask"].startswith("sha256:"), result.text
+    before = np.asarray(Image.open(photos[0]).convert("RGB"), dtype=np.int16)
+    after = np.asarray(result.convert("RGB"), dtype=np.int16)
+    same = (before == after).all(axis=2)
+    assert same[:8].all() and same[-8:].all() and same[:, -16:].all()  # rows and columns the stroke missed
+    assert (~same).sum() > 200  # the stroke's area changed
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "browser-mask.png"), full_page=True)

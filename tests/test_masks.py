@@ -141,7 +141,7 @@ def test_gradio_api_takes_a_mask(live_server, tmp_path):
     (png_bytes(Image.new("L", (W, H), 0)), "the mask marks nothing to edit"),
     (png_bytes(Image.new("RGBA", (W, H), (0, 0, 0, 255))), "has no fully transparent pixel"),
     (png_bytes(Image.new("L", (W, H), 255)), "the mask marks the whole image: leave the mask out"),
-])
+], ids=["other-size", "no-image", "marks-nothing", "opaque-png", "marks-everything"])
 def test_a_bad_mask_is_a_400_that_costs_nothing(live_server, server_manager, mask, says):
     before = sum(w.jobs_done for w in server_manager.workers)
     r = httpx.post(f"{live_server.url}/v1/images/edits", timeout=60,

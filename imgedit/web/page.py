@@ -21,7 +21,6 @@ import logging
 from dataclasses import replace
 
 import gradio as gr
-from PIL import Image, ImageOps
 
 from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
@@ -33,11 +32,12 @@ from imgedit.errors import ImgEditError, InvalidInput
 from imgedit.protocol import EditRequest
 from imgedit.web.examples import example_rows
 from imgedit.web.identity import page_owner
+from imgedit.web.mask_controls import build_mask_controls, canvas_for, painted_mask
 from imgedit.web.panel import panel_html
 from imgedit.web.progress import EditProgress
 from imgedit.web.public import open_snapshot
 from imgedit.web.speed import build_speed_controls, parse_speed_inputs
-from imgedit.web.tools import PageTools, user_error
+from imgedit.web.tools import PageTools, compare_pair, user_error
 from imgedit.web.uploads import upload_folder, uploaded_paths
 
 log = logging.getLogger(__name__)
@@ -149,13 +149,6 @@ INPUT_PREVIEW_CSS = """<style>
 </style>"""
 
 
-def _compare(req: EditRequest, image: Image.Image) -> tuple[Image.Image, Image.Image]:
-    """Before/after at the result's size (the slider needs two images of one size): the input in its own
-    aspect, bordered where it differs from the result's (it was squashed)."""
-    before = ImageOps.pad(req.images[0].convert("RGB"), image.size, Image.Resampling.LANCZOS, color=(128, 128, 128))
-    return before, image
-
-
 def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMonitor | None = None, history=None,
                  jobs=None) -> gr.Blocks:
     monitor = monitor or GpuMonitor()
@@ -224,16 +217,17 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         return result.images, result.seed
 
     async def edit_page(images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
-                        num_images, width, height, speed=None, lora=None, lora_scale=None,
-                        request: gr.Request = None, progress=gr.Progress()):
+                        num_images, width, height, speed=None, lora=None, lora_scale=None, mask=None, mask_grow=None,
+                        mask_feather=None, strength=None, request: gr.Request = None, progress=gr.Progress()):
         """The Edit button: result, a status line with the seed used, the comparison, the chosen result, and
         the message beside Edit. A refused edit leaves the rest as it was and says why beside Edit until the
         next run (as a toast it vanished after a few seconds and left a bare "Error" badge on the result)."""
         keep = gr.update()
         try:
+            masking = (mask or None, mask_grow, mask_feather, strength) if mask else (None,) * 4
             req, result = await run_edit((images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
-                                          true_cfg_scale, num_images, width, height, speed, lora, lora_scale),
-                                         request, progress)
+                                          true_cfg_scale, num_images, width, height, speed, lora, lora_scale,
+                                          *masking), request, progress)
         except gr.Error as exc:
             return keep, keep, keep, keep, f"**{exc.title or 'Not edited'}:** {exc.message}"
         seeds = [image.info.get("seed", "?") for image in result.images]
@@ -242,9 +236,11 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         done = (f"Done in {result.seconds:.1f} s: {len(result.images)} image(s), {result.width}x{result.height}, "
                 f"{result.steps} steps. **Seed used: {result.seed}** (to repeat it, untick *Randomize seed* "
                 f"under Advanced and enter this seed).{each}")
+        if req.mask is not None:
+            done += " Only the painted area of the first image changed; the result has its size."
         if notices := frame_notices(req.images):  # e.g. an animated GIF: its first frame was edited
             done += "\n\n**Note:** " + "; ".join(notices) + "."
-        return result.images, done, _compare(req, result.images[0]), 0, ""
+        return result.images, done, compare_pair(req.images[0], result.images[0]), 0, ""
 
     def gpu_status() -> dict:
         """Per GPU: index, name, used/total MiB, utilisation, what is placed on it, the step it runs
@@ -290,6 +286,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                 gr.Examples(rows, [files, prompt], example_labels=labels, label="Examples (click one to fill the form)",
                             elem_id="examples")
                 speed_inputs = build_speed_controls(settings)  # Speed, LoRA, strength (imgedit.web.speed)
+                canvas, *mask_inputs = build_mask_controls()  # painted mask, grow, feather, strength
                 with gr.Accordion("Advanced", open=False):
                     negative = gr.Textbox(label="Negative prompt", value="")
                     with gr.Row():
@@ -355,8 +352,11 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         # refusal was wiped by the clearing of the one before).
         cleared = run.click(lambda: ("", gr.update(interactive=True)), None, [message, stop], queue=False,
                             api_visibility="private")
-        event = cleared.then(edit_page, edit_inputs, page_outputs, api_visibility="private", concurrency_id=GPU_GROUP,
-                          concurrency_limit=line, preprocess=False, show_progress_on=[result])
+        # The painted strokes become a mask file first (the canvas's own preprocessing reads them).
+        masked = cleared.then(painted_mask, canvas, mask_inputs[0], queue=False, api_visibility="private")
+        event = masked.then(edit_page, edit_inputs + mask_inputs, page_outputs, api_visibility="private",
+                            concurrency_id=GPU_GROUP, concurrency_limit=line, preprocess=False,
+                            show_progress_on=[result])
         idle = gr.update(interactive=False)
         event.then(lambda: idle, None, stop, queue=False, api_visibility="private")  # done, refused or failed
         api_button.click(edit, api_inputs, api_outputs, api_name="edit", concurrency_id=GPU_GROUP,
@@ -376,6 +376,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                        queue=False, api_visibility="private")
         # Any change of the inputs (upload, removal, an example, a result used as input) redraws the thumbnails.
         files.change(tools.preview_inputs, files, preview, preprocess=False, queue=False, api_visibility="private")
+        files.change(canvas_for, files, canvas, preprocess=False, queue=False, api_visibility="private")
         preview.select(tools.chosen_input, None, chosen_input, queue=False, api_visibility="private")
         first.click(tools.make_first, [files, chosen_input], files, preprocess=False, queue=False,
                     api_visibility="private")

@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 
 import gradio as gr
-from PIL import Image
+from PIL import Image, ImageOps
 
 from imgedit.config.settings import Settings
 from imgedit.engine.images import open_image, read_settings
@@ -196,3 +196,10 @@ class PageTools:
         index = _index(index)
         chosen = paths[index if 0 <= index < len(paths) else 0] if paths else None
         return gr.update(value=download_copy(chosen) if chosen else None, interactive=chosen is not None)
+
+
+def compare_pair(first: Image.Image, image: Image.Image) -> tuple[Image.Image, Image.Image]:
+    """Before/after at the result's size (the slider needs two images of one size): the first input in its
+    own aspect, bordered where it differs from the result's (it was squashed)."""
+    before = ImageOps.pad(first.convert("RGB"), image.size, Image.Resampling.LANCZOS, color=(128, 128, 128))
+    return before, image

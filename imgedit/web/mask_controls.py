@@ -1,0 +1,69 @@
+"""The page's mask: paint over the first input where the edit may change it (Gradio's ImageEditor with a
+brush and an eraser), with the soft edge, grow and strength beside it.
+
+The painted strokes become a black-and-white mask file in the upload cache (white = edit), the same
+kind of file the gradio API and REST take, so the edit goes through the same checks
+(imgedit.engine.masks). Nothing painted: an ordinary edit.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import gradio as gr
+import numpy as np
+from PIL import Image
+
+from imgedit.engine.masks import DEFAULT_FEATHER
+from imgedit.web.uploads import upload_folder, uploaded_paths
+
+MASK_COLOUR = "#ff2d6f"
+
+
+def build_mask_controls():
+    """(canvas, painted, mask_grow, mask_feather, strength): `painted` holds the mask file of the last run
+    (the order of the edit's mask parameters after the canvas)."""
+    with gr.Accordion("Mask: edit only where you paint", open=False, elem_id="mask-accordion"):
+        canvas = gr.ImageEditor(
+            label="Paint over the first input where it may change (the eraser takes paint away)", type="pil",
+            image_mode="RGBA", sources=(), transforms=(), layers=False, elem_id="mask-canvas", height=360,
+            brush=gr.Brush(colors=[MASK_COLOUR], color_mode="fixed", default_size=32),
+            eraser=gr.Eraser(default_size=32))
+        with gr.Row():
+            feather = gr.Slider(0, 64, value=DEFAULT_FEATHER, step=1, label="Soft edge (px)", elem_id="mask-feather")
+            grow = gr.Slider(0, 64, value=0, step=1, label="Grow (px)", elem_id="mask-grow")
+            strength = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Strength (1 = repaint)",
+                                 elem_id="mask-strength")
+    painted = gr.Textbox(visible=False)  # a path in the upload cache, or ""
+    return canvas, painted, grow, feather, strength
+
+
+def canvas_for(files):
+    """The canvas shows the first input, unpainted (on every change of the inputs)."""
+    try:
+        paths = uploaded_paths(files)
+    except Exception:  # noqa: BLE001 - the edit itself says what is wrong with the inputs
+        paths = []
+    if not paths:
+        return None
+    return {"background": paths[0], "layers": [], "composite": paths[0]}
+
+
+def painted_mask(value) -> str:
+    """The painted strokes as a mask file (white = edit) in the upload cache; "" when nothing is painted."""
+    if not isinstance(value, dict) or value.get("background") is None:
+        return ""
+    size = value["background"].size
+    painted = np.zeros((size[1], size[0]), bool)
+    for layer in value.get("layers") or []:
+        if layer is not None and layer.mode in ("RGBA", "LA"):
+            alpha = np.asarray(layer.convert("RGBA").resize(size))[:, :, 3]
+            painted |= alpha > 0
+    if not painted.any():
+        return ""
+    folder = os.path.join(upload_folder(), "imgedit-masks")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{uuid.uuid4().hex}.png")
+    Image.fromarray(np.where(painted, 255, 0).astype(np.uint8), mode="L").save(path)
+    return path
