@@ -47,7 +47,9 @@ def test_the_gradio_api_contract_optional_parameters_named_results_same_names(cl
     assert names[:2] == ["images", "prompt"] and not any(p["parameter_has_default"] for p in edit["parameters"][:2])
     assert all(p["parameter_has_default"] for p in edit["parameters"][2:]), edit["parameters"]
     assert [r["label"] for r in edit["returns"]] == ["images", "seed"]
-    assert [p["parameter_name"] for p in info["named_endpoints"]["/batch"]["parameters"]][1:] == names[1:]
+    # /batch takes /edit's parameters but the mask ones (a mask belongs to one image)
+    assert names[13:] == ["mask", "mask_grow", "mask_feather", "strength"]
+    assert [p["parameter_name"] for p in info["named_endpoints"]["/batch"]["parameters"]][1:] == names[1:13]
     gallery, seed = client.predict(images=[handle_file(str(image_file))], prompt="make it red", seed=4,
                                    randomize_seed=False, num_inference_steps=2, width=64, height=64, api_name="/edit")
     assert len(gallery) == 1 and seed == 4
@@ -217,11 +219,10 @@ def test_demo_banner_and_page(plus_ckpt):
 
 def test_the_before_after_view_keeps_the_inputs_aspect():
     """The comparison once squashed an input of another aspect into the result's shape."""
-    from imgedit.protocol import EditRequest
-    from imgedit.web.page import _compare
+    from imgedit.web.tools import compare_pair
 
     tall = Image.new("RGB", (60, 120), (200, 0, 0))
-    before, after = _compare(EditRequest(images=(tall,), prompt="x"), Image.new("RGB", (64, 64)))
+    before, after = compare_pair(tall, Image.new("RGB", (64, 64)))
     assert before.size == after.size == (64, 64)
     pixels = before.load()
     assert pixels[32, 32][0] > 150 and pixels[2, 32] == (128, 128, 128)  # the input in the middle, bordered
@@ -263,7 +264,8 @@ def test_edit_api_takes_the_documented_keyword_names_and_explains_out_of_range_v
     params = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/edit"]["parameters"]
     assert [p["parameter_name"] for p in params] == ["images", "prompt", "negative_prompt", "seed", "randomize_seed",
                                                      "num_inference_steps", "true_cfg_scale", "num_images", "width",
-                                                     "height", "speed", "lora", "lora_scale"]
+                                                     "height", "speed", "lora", "lora_scale", "mask", "mask_grow",
+                                                     "mask_feather", "strength"]
     call = dict(images=[handle_file(str(image_file))], prompt="make it red", negative_prompt="", seed=3,
                 randomize_seed=False, num_inference_steps=2, true_cfg_scale=4.0, num_images=1, width=64, height=64)
     gallery, seed = client.predict(**call, api_name="/edit")

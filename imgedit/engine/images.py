@@ -6,6 +6,7 @@ not turned black), 16-bit PNG/TIFF (scaled, not clamped), CMYK JPEGs and palette
 
 from __future__ import annotations
 
+import hashlib
 import io
 from pathlib import Path
 
@@ -117,11 +118,14 @@ def settings_text(req, params, model: str, size: tuple[int, int]) -> dict[str, s
     if getattr(req, "speed", None):
         text["speed"] = req.speed
     if getattr(req, "mask", None) is not None:  # which mask (its hash), and how it was applied
-        from imgedit.engine.masks import mask_digest
-
         text.update(mask=f"sha256:{mask_digest(req.mask)}", mask_grow=str(params.mask_grow),
                     mask_feather=str(params.mask_feather), strength=f"{params.strength:g}")
     return text
+
+
+def mask_digest(mask: Image.Image) -> str:
+    """A short hash of an edit mask (imgedit.engine.masks), for the PNG's settings: the same mask, the same text."""
+    return hashlib.sha256(mask.tobytes()).hexdigest()[:16]
 
 
 def stamp(images: list[Image.Image], text: dict[str, str]) -> None:

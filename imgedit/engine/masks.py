@@ -10,11 +10,12 @@ The page's brush layer is sent in the second form. Server side, no torch.
 
 from __future__ import annotations
 
-import hashlib
+import io
 
 import numpy as np
 from PIL import Image, ImageOps
 
+from imgedit.engine.images import FORMATS, _check_pixels, mask_digest  # noqa: F401  (mask_digest: re-exported)
 from imgedit.errors import InputTooLarge, InvalidInput
 
 MAX_GROW = 256  # pixels the mask may be grown by (mask_grow)
@@ -53,10 +54,6 @@ def _has_alpha(image: Image.Image) -> bool:
 
 def open_mask(raw: bytes | Image.Image, image_size: tuple[int, int], max_pixels: int) -> Image.Image:
     """Decode an uploaded mask file (any format open_image reads) and turn it into the edit mask."""
-    import io
-
-    from imgedit.engine.images import FORMATS, _check_pixels
-
     try:
         if isinstance(raw, Image.Image):
             image = raw
@@ -70,11 +67,6 @@ def open_mask(raw: bytes | Image.Image, image_size: tuple[int, int], max_pixels:
     except Exception:
         raise InvalidInput("the mask is not a readable image: send a PNG the size of the first image", "mask") from None
     return mask_from(image, image_size)
-
-
-def mask_digest(mask: Image.Image) -> str:
-    """A short hash of the mask, for the PNG's settings: the same mask gives the same text."""
-    return hashlib.sha256(mask.tobytes()).hexdigest()[:16]
 
 
 def check_mask_fields(grow, feather, strength) -> tuple[int, int, float]:
