@@ -27,9 +27,7 @@ def mask_from(source: Image.Image, image_size: tuple[int, int]) -> Image.Image:
     """The edit mask ("L", 255 = edit) from an uploaded mask image; refuses a mask of another size
     than the first input image, one that marks nothing, and one that marks everything."""
     source = ImageOps.exif_transpose(source)
-    if source.size != tuple(image_size):
-        raise InvalidInput(f"the mask is {source.size[0]}x{source.size[1]} but the first image is "
-                           f"{image_size[0]}x{image_size[1]}: the mask must be the same size", "mask")
+    check_mask_size(source.size, image_size)
     if _has_alpha(source):
         alpha = np.asarray(source.convert("RGBA"))[:, :, 3]
         edit = alpha == 0  # OpenAI: fully transparent = edit here
@@ -46,22 +44,24 @@ def mask_from(source: Image.Image, image_size: tuple[int, int]) -> Image.Image:
     return Image.fromarray(np.where(edit, 255, 0).astype(np.uint8), mode="L")
 
 
+def check_mask_size(mask_size: tuple[int, int], image_size: tuple[int, int]) -> None:
+    if tuple(mask_size) != tuple(image_size):
+        raise InvalidInput(f"the mask is {mask_size[0]}x{mask_size[1]} but the first image is "
+                           f"{image_size[0]}x{image_size[1]}: the mask must be the same size", "mask")
+
+
 def _has_alpha(image: Image.Image) -> bool:
     if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
         return True
     return image.mode == "P" and "transparency" in image.info
 
 
-def open_mask(raw: bytes | Image.Image, image_size: tuple[int, int], max_pixels: int) -> Image.Image:
+def open_mask(raw: bytes, image_size: tuple[int, int], max_pixels: int) -> Image.Image:
     """Decode an uploaded mask file (any format open_image reads) and turn it into the edit mask."""
     try:
-        if isinstance(raw, Image.Image):
-            image = raw
-            _check_pixels(image.size, max_pixels, "mask")
-        else:
-            image = Image.open(io.BytesIO(raw), formats=FORMATS)
-            _check_pixels(image.size, max_pixels, "mask")
-            image.load()
+        image = Image.open(io.BytesIO(raw), formats=FORMATS)
+        _check_pixels(image.size, max_pixels, "mask")  # header only: nothing decoded yet
+        image.load()
     except (InvalidInput, InputTooLarge) as exc:
         raise type(exc)(exc.message, "mask") from None
     except Exception:

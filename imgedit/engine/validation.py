@@ -12,7 +12,7 @@ import random
 
 from imgedit.config.loras import MAX_LORA_SCALE, SPEEDS, lightning_for
 from imgedit.config.settings import Settings
-from imgedit.engine.masks import check_mask_fields
+from imgedit.engine.masks import check_mask_fields, check_mask_size
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.errors import InvalidInput
 from imgedit.protocol import EditRequest, Resolved  # noqa: F401  (Resolved: re-exported for the edges)
@@ -159,9 +159,7 @@ def resolve(req: EditRequest, settings: Settings, family: str,
     if req.mask is not None and req.images:
         # A masked edit follows the first image (the one it changes), not the last as the pipelines do.
         first = req.images[0].size
-        if req.mask.size != first:
-            raise InvalidInput(f"the mask is {req.mask.size[0]}x{req.mask.size[1]} but the first image is "
-                               f"{first[0]}x{first[1]}: the mask must be the same size", "mask")
+        check_mask_size(req.mask.size, first)
         width, height = _size(req.width, req.height, first, settings)
         if width is None:
             width, height = _masked_size(first, settings)

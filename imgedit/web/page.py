@@ -224,7 +224,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         next run (as a toast it vanished after a few seconds and left a bare "Error" badge on the result)."""
         keep = gr.update()
         try:
-            masking = (mask or None, mask_grow, mask_feather, strength) if mask else (None,) * 4
+            masking = (mask, mask_grow, mask_feather, strength) if mask else (None,) * 4  # "": nothing painted
             req, result = await run_edit((images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
                                           true_cfg_scale, num_images, width, height, speed, lora, lora_scale,
                                           *masking), request, progress)
