@@ -278,14 +278,18 @@ def test_paint_a_mask_and_only_that_area_changes(browser, server, manager, photo
     """#26: paint a stroke over the first input in the Mask canvas, edit; the result keeps every pixel the
     stroke did not touch (its size is the input's), and its PNG records the mask."""
     import numpy as np
+    from playwright.sync_api import expect
 
     page = open_page(browser, server)
     page.locator("#input-files input[type=file]").set_input_files(str(photos[0]))  # 128x96
     page.get_by_text("Mask: edit only where you paint").click()
     canvas = page.locator("#mask-canvas canvas").first
     canvas.wait_for(state="visible", timeout=30_000)
-    page.wait_for_load_state("networkidle")  # the first input, fetched as the canvas's background
-    page.wait_for_timeout(1500)  # and drawn
+    # The first input is the canvas's background once its Undo is enabled and nothing is pending for it
+    # (headless Chromium draws the canvas in software: seconds on a busy machine).
+    expect(page.locator("#mask-canvas button[aria-label=Undo]")).to_be_enabled(timeout=60_000)
+    expect(page.locator("#mask-canvas [data-testid=status-tracker]")).to_have_class(re.compile(r"\bhide\b"),
+                                                                                   timeout=60_000)
     box = canvas.bounding_box()
     y = box["y"] + box["height"] / 2
     page.mouse.move(box["x"] + box["width"] * 0.3, y)

@@ -301,7 +301,15 @@ class WorkerHandle:
         self.restarts += 1
         self.state, self.detail = "restarting", f"restart {self.restarts} of {self.max_restarts}"
         self.on_change()
-        self._spawn()
+        try:
+            self._spawn()
+        except (OSError, EOFError) as exc:  # e.g. the forkserver is gone (the server is being killed)
+            log.error("%s: could not start a new worker process: %r", self.name, exc)
+            self._reap(1)
+            self.state, self.detail = "failed", None
+            self.error = f"the worker process ended ({codes}) and a new one could not be started: {exc!r}"
+            self.on_change()
+            return
         self.state = "loading" if self.state == "restarting" else self.state
         self.detail = f"restarting ({self.restarts} of {self.max_restarts})"
 

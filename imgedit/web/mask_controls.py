@@ -8,6 +8,7 @@ kind of file the gradio API and REST take, so the edit goes through the same che
 
 from __future__ import annotations
 
+import hashlib
 import os
 import uuid
 
@@ -39,15 +40,36 @@ def build_mask_controls():
     return canvas, painted, grow, feather, strength
 
 
-def canvas_for(files):
-    """The canvas shows the first input, unpainted (on every change of the inputs)."""
+def follow_first_input(files, canvas) -> None:
+    """Every change of the inputs (upload, removal, an example, a result used as input) puts the first input
+    on the canvas, when it is another image."""
+    # The digest of the image the canvas shows. Not a gr.State: a State opens Gradio's heartbeat stream
+    # for every page.
+    shown = gr.Textbox(visible=False)
+    files.change(canvas_for, [files, shown], [canvas, shown], preprocess=False, queue=False,
+                 api_visibility="private")
+
+
+def canvas_for(files, shown: str):
+    """(canvas, shown): the canvas shows the first input, unpainted, when the first input changed.
+
+    `shown` is the digest of the first input the canvas has. The inputs change twice for one upload (the
+    upload, then its check returning the kept files); redrawing again would wipe strokes painted between.
+    """
     try:
         paths = uploaded_paths(files)
     except Exception:  # noqa: BLE001 - the edit itself says what is wrong with the inputs
         paths = []
     if not paths:
-        return None
-    return {"background": paths[0], "layers": [], "composite": paths[0]}
+        return (None, "") if shown else (gr.skip(), "")
+    try:
+        with open(paths[0], "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    except OSError:  # gone from the upload cache: the edit says so
+        return gr.skip(), shown
+    if digest == shown:
+        return gr.skip(), shown
+    return {"background": paths[0], "layers": [], "composite": paths[0]}, digest
 
 
 def painted_mask(value) -> str:

@@ -32,7 +32,7 @@ from imgedit.errors import ImgEditError, InvalidInput
 from imgedit.protocol import EditRequest
 from imgedit.web.examples import example_rows
 from imgedit.web.identity import page_owner
-from imgedit.web.mask_controls import build_mask_controls, canvas_for, painted_mask
+from imgedit.web.mask_controls import build_mask_controls, follow_first_input, painted_mask
 from imgedit.web.panel import panel_html
 from imgedit.web.progress import EditProgress
 from imgedit.web.public import open_snapshot
@@ -376,7 +376,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                        queue=False, api_visibility="private")
         # Any change of the inputs (upload, removal, an example, a result used as input) redraws the thumbnails.
         files.change(tools.preview_inputs, files, preview, preprocess=False, queue=False, api_visibility="private")
-        files.change(canvas_for, files, canvas, preprocess=False, queue=False, api_visibility="private")
+        follow_first_input(files, canvas)
         preview.select(tools.chosen_input, None, chosen_input, queue=False, api_visibility="private")
         first.click(tools.make_first, [files, chosen_input], files, preprocess=False, queue=False,
                     api_visibility="private")
