@@ -37,6 +37,7 @@ class EditRequest:
     mask_grow: int | None = None  # pixels the mask is grown by; None = 0
     mask_feather: int | None = None  # pixels of soft edge inside the mask; None = masks.DEFAULT_FEATHER
     strength: float | None = None  # (0, 1]: how far from the input the masked area may go; None = 1
+    enhance_prompt: bool = False  # rewrite the prompt with the model's text encoder first (imgedit.runtime.enhance)
     request_id: str = field(default_factory=new_request_id)
     source: str = "ui"  # ui | api | rest: for logs and metrics
     client: str | None = None  # who asked (imgedit.web.identity's owner): for each client's share of the line
@@ -53,6 +54,8 @@ class EditResult:
     worker: str
     devices: tuple[str, ...]
     request_id: str
+    prompt: str | None = None  # the rewritten prompt the edit used (enhance_prompt); None: the user's own
+    notice: str | None = None  # why an asked-for rewrite was not used (the user's prompt was)
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class JobRecord:
     seconds: float
     steps: int
     worker: str | None
+    task: str = "edit"  # edit | enhance (a prompt rewrite alone)
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,8 @@ class Resolved:
     mask_grow: int = 0
     mask_feather: int = 0
     strength: float = 1.0
+    task: str = "edit"  # edit | enhance (rewrite the prompt only: no image is made)
+    enhance_tokens: int = 0  # > 0: rewrite the prompt first, with at most this many new tokens
 
     @property
     def image_seeds(self) -> tuple[int, ...]:

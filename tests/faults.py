@@ -7,6 +7,10 @@ lowest seam (the transformer's forward), acts on markers in it:
   [bug]         raise an unexpected exception whose text must not reach the user
   [slow]        sleep 0.3 s per forward (time to cancel or kill mid-job)
   [rank1-oom]   raise OutOfMemoryError on rank 1 only (one rank of a pair fails)
+Prompt rewrites (imgedit.runtime.enhance) read markers in the instruction they rewrite, at the text encoder's
+output: [rewrite:TEXT] makes the model answer TEXT and end its answer; [rewrite-empty] makes it end at once;
+[rewrite-slow] sleeps 0.2 s per generated token. Without a marker the random model writes nonsense until
+the token limit.
 IMGEDIT_TEST_GPU_HEADROOM_GIB caps the worker's GPU memory at its weights plus that many GiB.
 Every forward of the main modules (text encoder, transformer, VAE encoder/decoder) appends
 "<pid> enter|leave <module>" to the file named by IMGEDIT_TEST_PROBE, if set (conftest.ConcurrencyProbe reads it).
@@ -15,6 +19,7 @@ Every forward of the main modules (text encoder, transformer, VAE encoder/decode
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import torch
@@ -51,6 +56,7 @@ def install(pipe, spec) -> None:
             raise KeyError("secret internal detail")
 
     pipe.transformer.register_forward_pre_hook(before_forward)
+    script_rewrites(pipe)
     probe = os.environ.get("IMGEDIT_TEST_PROBE")
     if probe:
         def mark(what, name):
@@ -75,3 +81,41 @@ def install(pipe, spec) -> None:
             return call(self, *args, **kwargs)
 
     pipe.__class__ = Tracked
+
+
+def script_rewrites(pipe) -> None:
+    """The [rewrite:...] markers: the text encoder's next-token logits, one-hot on the scripted answer."""
+    from imgedit.runtime.enhance import INSTRUCTION
+
+    tokenizer = pipe.processor.tokenizer
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    script = {"ids": None, "at": 0, "slow": False}
+
+    def before(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None or ids.shape[1] == 1:  # one generated token: the script goes on
+            return None
+        text = tokenizer.decode(ids[0])
+        script.update(ids=None, at=0, slow=False)
+        if INSTRUCTION[:40] in text:
+            found = re.search(r"\[rewrite:([^\]]*)\]", text)
+            if found:
+                script["ids"] = tokenizer.encode(found.group(1), add_special_tokens=False) + [end]
+            elif "[rewrite-empty]" in text:
+                script["ids"] = [end]
+            script["slow"] = "[rewrite-slow]" in text
+        return None
+
+    def after(module, args, kwargs, output):
+        if script["slow"]:
+            time.sleep(0.2)
+        if script["ids"] is None or getattr(output, "logits", None) is None:
+            return None
+        token = script["ids"][min(script["at"], len(script["ids"]) - 1)]
+        output.logits[:, -1, :] = -1e4
+        output.logits[:, -1, token] = 1e4
+        script["at"] += 1
+        return output
+
+    pipe.text_encoder.register_forward_pre_hook(before, with_kwargs=True)
+    pipe.text_encoder.register_forward_hook(after, with_kwargs=True)

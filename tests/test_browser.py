@@ -321,3 +321,27 @@ def test_paint_a_mask_and_only_that_area_changes(browser, server, manager, photo
     assert np.abs(before - after)[painted].mean() > 10  # the stroke's area changed
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "browser-mask.png"), full_page=True)
+
+
+def test_enhance_puts_the_models_rewrite_in_the_prompt_and_one_click_brings_the_words_back(browser, server, photos):
+    """#25: Enhance rewrites the instruction with the model's own text encoder (a scripted answer here, see
+    tests/faults.py); the user can edit it, or go back to their own words."""
+    from playwright.sync_api import expect
+
+    mine = "make it evening [rewrite:Make the sky a deep orange sunset and keep the house unchanged.]"
+    page = open_page(browser, server, small=False)
+    page.locator("#input-files input[type=file]").set_input_files(str(photos[0]))
+    page.locator("#prompt textarea").fill(mine)
+    page.locator("#enhance-button").click()
+    expect(page.locator("#prompt textarea")).to_have_value(
+        "Make the sky a deep orange sunset and keep the house unchanged.", timeout=60_000)
+    expect(page.locator("#enhance-note")).to_contain_text("Rewritten by the model")
+    page.locator("#enhance-undo").click()
+    expect(page.locator("#prompt textarea")).to_have_value(mine, timeout=30_000)
+    expect(page.locator("#enhance-undo")).to_be_hidden()
+    # Without an image: the page says what is missing, the prompt stays as typed.
+    page.reload(wait_until="networkidle")
+    page.locator("#prompt textarea").fill("make it winter")
+    page.locator("#enhance-button").click()
+    expect(page.locator("#enhance-note")).to_contain_text("image", timeout=60_000)
+    assert page.locator("#prompt textarea").input_value() == "make it winter"

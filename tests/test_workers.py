@@ -66,6 +66,26 @@ def test_a_masked_edit_on_a_pair_is_the_one_process_image(pair, plus_manager):
     assert (pixels(two)[outside] == np.asarray(picture(), dtype=np.int16)[outside]).all()
 
 
+def test_an_enhanced_edit_on_a_pair_is_the_one_process_image_and_a_cancelled_rewrite_stops_both(pair, plus_manager):
+    """Rank 0 rewrites the prompt and hands the words (or its cancel) to rank 1, which must encode the same
+    prompt (imgedit.runtime.runner.Runner._rewrite); a rewrite alone runs on rank 0."""
+    words = "Make the whole picture a cold blue night."
+    asked = dict(prompt=f"night [rewrite:{words}]", enhance_prompt=True, negative_prompt="blurry")
+    two = pair.edit(request(**asked))
+    one = plus_manager.edit(request(**asked))
+    by_hand = plus_manager.edit(request(prompt=words, negative_prompt="blurry"))
+    assert two.prompt == words and np.array_equal(pixels(two), pixels(one))
+    assert np.array_equal(pixels(two), pixels(by_hand))
+    assert pair.enhance(EditRequest(images=(picture(),), prompt=f"x [rewrite:{words}]")).prompt == words
+    cancel = threading.Event()
+    threading.Timer(1.0, cancel.set).start()
+    with pytest.raises(Cancelled, match="rewrite"):
+        pair.edit(request(prompt="slow [rewrite-slow]", enhance_prompt=True, negative_prompt="blurry"), cancel=cancel)
+    status = pair.status().workers[0]
+    assert status.state == "idle" and status.restarts == 0  # rank 1 was not left waiting for the words
+    assert pair.edit(request(negative_prompt="blurry")).images
+
+
 def test_pair_with_cfg_off_runs_on_one_rank_and_matches(pair, plus_manager):
     probe = ConcurrencyProbe(pair)
     two = pair.edit(request(true_cfg_scale=1.0, seed=9))

@@ -102,6 +102,9 @@ REGISTRY: tuple[Var, ...] = (
     Var("ENCODE_CACHE", "8", _int_range(0, 256),
         "Input encodings each worker keeps: the same image edited again is not VAE-encoded again, the same "
         "prompt with the same images not text-encoded again (exact: the stored results); 0 = off"),
+    Var("ENHANCE_MAX_TOKENS", "160", _int_range(16, 1024),
+        "Most new tokens a prompt rewrite (Enhance, enhance_prompt) may write; a rewrite cut at this limit is "
+        "not used (the user's prompt is, with a notice)"),
     Var("COMPILE_CACHE_DIR", "~/.cache/imgedit/compile", _str,
         "Where the compiler keeps its cache, so a restart does not compile again (a volume in compose/k8s)"),
     Var("WORKER_RESTARTS", "3", _int_range(0, 100),
@@ -181,6 +184,7 @@ class Settings:
     batch_cfg: str = "auto"
     compile: str = "auto"
     encode_cache: int = 8
+    enhance_max_tokens: int = 160
     compile_cache_dir: str = "~/.cache/imgedit/compile"
     worker_restarts: int = 3
     worker_start: str = "spawn"

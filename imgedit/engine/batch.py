@@ -52,7 +52,9 @@ class Item:
     def view(self) -> dict:
         return {"index": self.index, "name": self.name, "state": self.state, "seed": self.seed, "step": self.step,
                 "total_steps": self.total_steps, "error": self.error,
-                "outputs": self.entry.outputs if self.entry else 0}
+                "outputs": self.entry.outputs if self.entry else 0,
+                # enhance_prompt: each item's own rewrite (its images differ), None where the user's prompt ran
+                "revised_prompt": self.entry.prompt if self.entry and self.entry.original_prompt else None}
 
 
 @dataclass
@@ -93,7 +95,7 @@ class Job:
     def settings(self) -> dict:
         t = self.template
         return {"prompt": t.prompt, "num_inference_steps": t.num_inference_steps, "n": t.num_images,
-                "speed": t.speed, "lora": t.lora, "lora_scale": t.lora_scale}
+                "speed": t.speed, "lora": t.lora, "lora_scale": t.lora_scale, "enhance_prompt": t.enhance_prompt}
 
     def view(self) -> dict:
         return job_view(self.id, self.state, self.created, self.position, self.settings(),

@@ -103,9 +103,10 @@ RESTORABLE = {"prompt": str, "negative_prompt": str, "seed": int, "num_inference
 MAX_CHUNK = 4000  # validation.MAX_PROMPT_CHARS: a longer value is not one of ours
 
 
-def settings_text(req, params, model: str, size: tuple[int, int]) -> dict[str, str]:
+def settings_text(req, params, model: str, size: tuple[int, int], rewritten: str | None = None) -> dict[str, str]:
     """What produced an image, as text: the request's prompts, the parameters the pipeline really got
-    (`validation.Resolved`), the output size, the model, the LoRA (none until a request carries one)."""
+    (`validation.Resolved`), the output size, the model, the LoRA (none until a request carries one).
+    `rewritten`: the enhanced prompt the edit used; then `prompt` is that one and `original_prompt` the user's."""
     from imgedit import __version__
 
     adapters = getattr(params, "adapters", ())  # what the job really ran with, a speed preset's LoRA included
@@ -115,6 +116,8 @@ def settings_text(req, params, model: str, size: tuple[int, int]) -> dict[str, s
             "lora": ",".join(name for name, _ in adapters) or "none", "software": f"imgedit {__version__}"}
     if adapters:
         text["lora_scale"] = ",".join(f"{scale:g}" for _, scale in adapters)
+    if rewritten is not None:
+        text.update(prompt=rewritten, original_prompt=req.prompt)
     if getattr(req, "speed", None):
         text["speed"] = req.speed
     if getattr(req, "mask", None) is not None:  # which mask (its hash), and how it was applied

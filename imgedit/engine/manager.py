@@ -23,7 +23,7 @@ from imgedit.engine.images import settings_text, stamp
 from imgedit.engine.inspection import inspect_checkpoint
 from imgedit.engine.pool import WorkerHandle, wait_result
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
-from imgedit.engine.validation import resolve
+from imgedit.engine.validation import resolve, resolve_enhance
 from imgedit.errors import Cancelled, ImgEditError, NotReady, OutOfGpuMemory, PlacementError, QueueFull, WorkerFailed
 from imgedit.planning.checkpoint import Checkpoint, open_checkpoint
 from imgedit.planning.memory import bytes_item, plan_memory
@@ -251,7 +251,8 @@ class PipelineManager:
             self._cond.notify_all()
 
     async def run(self, req: EditRequest, on_step: StepCallback | None = None,
-                  on_wait: WaitCallback | None = None, cancel: threading.Event | None = None) -> EditResult:
+                  on_wait: WaitCallback | None = None, cancel: threading.Event | None = None,
+                  task: str = "edit") -> EditResult:
         """`edit` for async edges. It runs on the manager's own threads (sized to hold every job the
         line may take, so waiting jobs never starve the event loop's executor) with the caller's
         context variables, so a Gradio progress bar fed from the callbacks reaches its page. If the
@@ -264,7 +265,7 @@ class PipelineManager:
                     self._executor = concurrent.futures.ThreadPoolExecutor(size, thread_name_prefix="imgedit-job")
         cancel = cancel or threading.Event()
         context = contextvars.copy_context()
-        job = asyncio.wrap_future(self._executor.submit(context.run, self.edit, req, on_step, on_wait, cancel))
+        job = asyncio.wrap_future(self._executor.submit(context.run, self.edit, req, on_step, on_wait, cancel, task))
         job.add_done_callback(lambda f: f.cancelled() or f.exception())  # no "never retrieved" noise
         try:
             return await asyncio.shield(job)
@@ -272,8 +273,14 @@ class PipelineManager:
             cancel.set()
             raise
 
+    def enhance(self, req: EditRequest, on_wait: WaitCallback | None = None,
+                cancel: threading.Event | None = None) -> EditResult:
+        """A prompt rewrite alone (imgedit.runtime.enhance), through the same line as edits: the result's
+        `prompt` is the rewrite, or None with a `notice` when the user's prompt is kept."""
+        return self.edit(req, None, on_wait, cancel, task="enhance")
+
     def edit(self, req: EditRequest, on_step: StepCallback | None = None, on_wait: WaitCallback | None = None,
-             cancel: threading.Event | None = None) -> EditResult:
+             cancel: threading.Event | None = None, task: str = "edit") -> EditResult:
         """Wait in line for a worker, run the job in its process(es), give the worker back."""
         started = time.perf_counter()
         worker: WorkerHandle | None = None
@@ -287,8 +294,11 @@ class PipelineManager:
                 if self.load_error or (self.workers and not self._alive()):
                     raise NotReady("the model failed to load; see /health and the server log")
                 raise NotReady("the model is still loading; try again shortly")
-            params = resolve(req, self.settings, self.family, req.images[-1].size if req.images else None,
-                             len(req.images), self.prompt_tokens)
+            if task == "enhance":
+                params = resolve_enhance(req, self.settings, self.family, len(req.images), self.prompt_tokens)
+            else:
+                params = resolve(req, self.settings, self.family, req.images[-1].size if req.images else None,
+                                 len(req.images), self.prompt_tokens)
             steps = params.steps
             worker = self._acquire(cancel, on_wait, req.client)
             if cancel.is_set():
@@ -300,7 +310,9 @@ class PipelineManager:
             outcome = "ok"
             result = answer.result
             # The one place every edge's results pass: each PNG returned or stored carries its settings.
-            text = settings_text(req, params, self.settings.model_name, (result.width, result.height))
+            if task == "enhance":
+                return result
+            text = settings_text(req, params, self.settings.model_name, (result.width, result.height), result.prompt)
             for image, seed in zip(result.images, params.image_seeds, strict=True):
                 stamp([image], {**text, "seed": str(seed)})  # each image its own seed (Resolved.image_seeds)
             return result
@@ -311,9 +323,10 @@ class PipelineManager:
             if worker is not None:
                 self._release(worker)
             seconds = time.perf_counter() - started
-            log.info("%s source=%s outcome=%s worker=%s steps=%d %.2fs", req.request_id, req.source, outcome,
-                     worker.name if worker else "-", steps, seconds)
-            record = JobRecord(req.request_id, req.source, outcome, seconds, steps, worker.name if worker else None)
+            log.info("%s %s source=%s outcome=%s worker=%s steps=%d %.2fs", req.request_id, task, req.source,
+                     outcome, worker.name if worker else "-", steps, seconds)
+            record = JobRecord(req.request_id, req.source, outcome, seconds, steps, worker.name if worker else None,
+                               task)
             for listener in self.listeners:
                 listener(record)
 

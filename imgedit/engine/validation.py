@@ -127,12 +127,9 @@ def resolve(req: EditRequest, settings: Settings, family: str,
         check_counts(n_images, family)
     for i, image in enumerate(req.images):
         check_aspect(image.size, family, f"image {i + 1}")
-    if not isinstance(req.prompt, str) or not req.prompt.strip():
-        raise InvalidInput("the prompt is empty: say what to change", "prompt")
-    if len(req.prompt) > MAX_PROMPT_CHARS or len(req.negative_prompt or "") > MAX_PROMPT_CHARS:
-        raise InvalidInput(f"the prompt is longer than {MAX_PROMPT_CHARS} characters", "prompt")
-    if tokens is not None:
-        check_tokens(req, tokens)
+    _check_prompt(req, tokens)
+    if not isinstance(req.enhance_prompt, bool):
+        raise InvalidInput("enhance_prompt must be true or false", "enhance_prompt")
     preset = speed_preset(req, settings)  # a Lightning preset sets its steps and turns CFG off
     steps = req.num_inference_steps if preset is None else preset.steps
     if steps is None:
@@ -169,7 +166,28 @@ def resolve(req: EditRequest, settings: Settings, family: str,
     negative = req.negative_prompt if (req.negative_prompt or "").strip() else " "
     adapters = lora_adapters(req, settings, preset)
     return Resolved(int(steps), float(cfg), negative, int(seed), int(req.num_images), width, height, adapters,
-                    "default" if preset is None else "lightning", grow, feather, strength)
+                    "default" if preset is None else "lightning", grow, feather, strength,
+                    enhance_tokens=settings.enhance_max_tokens if req.enhance_prompt else 0)
+
+
+def resolve_enhance(req: EditRequest, settings: Settings, family: str, n_images: int | None,
+                    tokens: PromptTokens | None = None) -> Resolved:
+    """A prompt rewrite alone: the images and prompt are checked as an edit's; nothing else applies."""
+    if n_images is not None:
+        check_counts(n_images, family)
+    for i, image in enumerate(req.images):
+        check_aspect(image.size, family, f"image {i + 1}")
+    _check_prompt(req, tokens)
+    return Resolved(0, 1.0, "", 0, 1, None, None, task="enhance", enhance_tokens=settings.enhance_max_tokens)
+
+
+def _check_prompt(req: EditRequest, tokens: PromptTokens | None) -> None:
+    if not isinstance(req.prompt, str) or not req.prompt.strip():
+        raise InvalidInput("the prompt is empty: say what to change", "prompt")
+    if len(req.prompt) > MAX_PROMPT_CHARS or len(req.negative_prompt or "") > MAX_PROMPT_CHARS:
+        raise InvalidInput(f"the prompt is longer than {MAX_PROMPT_CHARS} characters", "prompt")
+    if tokens is not None:
+        check_tokens(req, tokens)
 
 
 def _masked_size(first: tuple[int, int], settings: Settings) -> tuple[int, int]:

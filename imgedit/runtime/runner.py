@@ -60,7 +60,10 @@ class Runner:
             self.cfg_batch = CfgBatch(pipe.transformer)
 
     def takes_part(self, job: Job) -> bool:
-        """With CFG off a CFG pair has nothing to split: its first rank (or half) runs the job."""
+        """With CFG off a CFG pair has nothing to split: its first rank (or half) runs the job. A prompt
+        rewrite alone runs on the first rank."""
+        if job.params.task == "enhance":
+            return self.rank == 0
         return self.group is None or self.group.takes_part(self._cfg_on(job))
 
     @staticmethod
@@ -71,6 +74,8 @@ class Runner:
         """Run one job. Raises Cancelled, OutOfGpuMemory, ImgEditError, or FatalError."""
         started = time.perf_counter()
         params, req = job.params, job.request
+        if params.task == "enhance":
+            return self._enhance_only(job, cancel, started)
         together = self.group.begin(self._cfg_on(job)) if self.group is not None else None
         collective = together is not None  # ranks that run this job together agree on cancel each step
         reached = 0
@@ -97,7 +102,11 @@ class Runner:
         # image (its own seed), so that any image of a multi-image result can be made again alone.
         generator = [torch.Generator(device="cpu").manual_seed(seed) for seed in params.image_seeds]
         out_of_memory = False
+        prompt, notice = req.prompt, None
         try:
+            if params.enhance_tokens:  # the rewrite first, on the same weights (its own cancel check)
+                rewritten = self._rewrite(job, cancel, together)
+                prompt, notice = rewritten.prompt, rewritten.notice
             if self.adapters is not None:
                 self.adapters.use(params.adapters, params.scheduler)
             elif params.adapters or params.scheduler != "default":
@@ -112,7 +121,7 @@ class Runner:
                                         params.mask_grow, params.mask_feather, params.strength, params.steps,
                                         params.image_seeds)
                 output = self.pipe(
-                    image=images, prompt=req.prompt, negative_prompt=params.negative_prompt,
+                    image=images, prompt=prompt, negative_prompt=params.negative_prompt,
                     true_cfg_scale=params.true_cfg_scale, num_inference_steps=params.steps,
                     num_images_per_prompt=params.num_images, width=params.width, height=params.height,
                     generator=generator, callback_on_step_end=step_end,
@@ -120,6 +129,8 @@ class Runner:
                 )
         except _Abort:
             raise Cancelled(f"cancelled at step {reached} of {params.steps}") from None
+        except Cancelled:
+            raise
         except torch.OutOfMemoryError:
             out_of_memory = True  # cleaned up below, once the traceback no longer pins the activations
         except Exception as exc:
@@ -149,7 +160,55 @@ class Runner:
         if masked is not None:  # the first image's size, its own pixels outside the mask
             result = masked.composite(result)
         return EditResult(result, params.seed, params.steps, result[0].width, result[0].height,
-                          time.perf_counter() - started, self.name, self.devices, req.request_id)
+                          time.perf_counter() - started, self.name, self.devices, req.request_id,
+                          prompt=prompt if params.enhance_tokens and notice is None else None, notice=notice)
+
+    def _rewrite(self, job: Job, cancel: threading.Event, together):
+        """The prompt rewrite (imgedit.runtime.enhance). In a group the first rank writes it and the others
+        take its words (every rank must encode the same prompt), or its cancel or failure."""
+        from imgedit.runtime import enhance
+
+        req = job.request
+        if together is None:
+            return enhance.rewrite(self.pipe, req.images, req.prompt, job.params.enhance_tokens, cancel)
+        import torch.distributed as dist
+
+        box: list = [None]
+        if self.rank == 0:
+            try:
+                box[0] = enhance.rewrite(self.pipe, req.images, req.prompt, job.params.enhance_tokens, cancel)
+            except BaseException as exc:
+                box[0] = exc if isinstance(exc, ImgEditError) else ImgEditError(
+                    f"the prompt rewrite failed with an internal error (request {req.request_id})")
+                dist.broadcast_object_list(box, src=0, group=together)
+                raise
+        dist.broadcast_object_list(box, src=0, group=together)
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
+
+    def _enhance_only(self, job: Job, cancel: threading.Event, started: float) -> EditResult:
+        """A rewrite job: the rewritten prompt (or the user's, with a notice), no image."""
+        from imgedit.runtime import enhance
+
+        req = job.request
+        try:
+            rewritten = enhance.rewrite(self.pipe, req.images, req.prompt, job.params.enhance_tokens, cancel)
+        except torch.OutOfMemoryError:
+            self.cleanup(force=True)
+            raise OutOfGpuMemory(f"out of GPU memory on {', '.join(self.devices)} while rewriting the prompt: "
+                                 "try fewer or smaller input images") from None
+        except ImgEditError:
+            raise
+        except Exception as exc:
+            if is_device_fault(exc):
+                raise FatalError(WorkerFailed(
+                    f"{self.name} hit a GPU fault ({type(exc).__name__}); its process is being restarted")) from None
+            log.exception("%s: prompt rewrite failed", req.request_id)
+            raise ImgEditError(f"the prompt rewrite failed with an internal error (request {req.request_id})") from None
+        return EditResult([], job.params.seed, 0, 0, 0, time.perf_counter() - started, self.name, self.devices,
+                          req.request_id, prompt=None if rewritten.notice else rewritten.prompt,
+                          notice=rewritten.notice)
 
     def cleanup(self, force: bool = False) -> None:
         """Drop what the job left behind (the seed guides' AUTO_CLEANUP); always after an OOM."""

@@ -35,7 +35,7 @@ def _describe(entry: HistoryEntry) -> dict:
             "seed": entry.seed, "num_inference_steps": entry.steps, "true_cfg_scale": entry.true_cfg_scale,
             "num_images": entry.num_images, "width": entry.out_width, "height": entry.out_height,
             "source": entry.source, "name": entry.name, "speed": entry.speed or "quality", "lora": entry.lora,
-            "lora_scale": entry.lora_scale}
+            "lora_scale": entry.lora_scale, "original_prompt": entry.original_prompt}
 
 
 def check_still_offered(entry: HistoryEntry, settings) -> None:
@@ -110,7 +110,8 @@ def build_history_tab(settings: Settings, history: HistoryStore, edit_inputs: li
         speed, lora, scale = speed_values(entry)
         made_with = (f" · {speed}" if speed != "quality" else "") + \
             (f" · LoRA {html.escape(lora)} ({scale:g})" if lora != NO_LORA else "")
-        text = (f"**{html.escape(entry.prompt)}**  \nseed {entry.seed} · {entry.steps} steps{made_with} · "
+        words = f"  \n*rewritten from:* {html.escape(entry.original_prompt)}" if entry.original_prompt else ""
+        text = (f"**{html.escape(entry.prompt)}**{words}  \nseed {entry.seed} · {entry.steps} steps{made_with} · "
                 f"{entry.out_width}x{entry.out_height} · {entry.outputs} image(s) · {_when(entry.created)}")
         images = [Image.open(p) for p in entry.output_paths]
         return entry.id, text, images, export_copy(entry.output_paths, f"imgedit-{entry.id}")

@@ -49,20 +49,26 @@ class Metrics:
                                 ["source", "outcome"], registry=self.registry)
         self.job_seconds = Histogram("imgedit_job_seconds", "Seconds from request to result (or error)",
                                      buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=self.registry)
+        self.rewrites = Counter("imgedit_prompt_rewrites", "Prompt rewrites alone (Enhance, /v1/prompts/enhance) "
+                                "by source and outcome; edits with enhance_prompt count as edits",
+                                ["source", "outcome"], registry=self.registry)
         self.last_steps_per_second = 0.0
         self.registry.register(_Live(manager, monitor, gradio_queue_size, self))
         manager.listeners.append(self.record)
 
     def record(self, job: JobRecord) -> None:
+        if job.task == "enhance":
+            self.rewrites.labels(job.source, job.outcome).inc()
+            return
         self.requests.labels(job.source, job.outcome).inc()
         if job.outcome in ("ok", "cancelled", "out_of_memory", "worker_failed"):
             self.job_seconds.observe(job.seconds)
         if job.outcome == "ok" and job.seconds > 0:
             self.last_steps_per_second = job.steps / job.seconds
 
-    def record_rejected(self, source: str, outcome: str) -> None:
+    def record_rejected(self, source: str, outcome: str, task: str = "edit") -> None:
         """A request refused before it reached the manager (bad input at the edge)."""
-        self.requests.labels(source, outcome).inc()
+        (self.rewrites if task == "enhance" else self.requests).labels(source, outcome).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -25,20 +25,20 @@ import gradio as gr
 from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
 from imgedit.engine.gpus import GpuMonitor
-from imgedit.engine.images import frame_notices, open_image
-from imgedit.engine.masks import open_mask
-from imgedit.engine.validation import MAX_INPUT_IMAGES, MIN_STEPS, check_counts, check_params, default_steps
-from imgedit.errors import ImgEditError, InvalidInput
-from imgedit.protocol import EditRequest
+from imgedit.engine.images import frame_notices
+from imgedit.engine.validation import MAX_INPUT_IMAGES, MIN_STEPS, check_params, default_steps
+from imgedit.errors import ImgEditError
+from imgedit.web.enhance_controls import build_enhance_buttons, wire_enhance
 from imgedit.web.examples import example_rows
 from imgedit.web.identity import page_owner
 from imgedit.web.mask_controls import build_mask_controls, follow_first_input, painted_mask
 from imgedit.web.panel import panel_html
 from imgedit.web.progress import EditProgress
 from imgedit.web.public import open_snapshot
-from imgedit.web.speed import build_speed_controls, parse_speed_inputs
+from imgedit.web.requests import FIELDS, build_request
+from imgedit.web.speed import build_speed_controls
 from imgedit.web.tools import PageTools, compare_pair, user_error
-from imgedit.web.uploads import upload_folder, uploaded_paths
+from imgedit.web.uploads import upload_folder
 
 log = logging.getLogger(__name__)
 UPLOAD_CACHE_SWEEP_S = 600
@@ -47,10 +47,6 @@ GPU_GROUP = "gpu"
 DEMO_BANNER = ("**Demo mode**: a tiny random-weight model runs on the CPU, so outputs are noise. "
                "Set `QWEN_MODEL` or `QWEN_MODEL_DIR` to serve a real checkpoint.")
 DEMO_SIZE, DEMO_STEPS = 256, 4  # a first-time visitor of the demo sees a result in seconds
-# The `/edit` API's parameters, in order (README documents them).
-FIELDS = ("images", "prompt", "negative_prompt", "seed", "randomize_seed", "num_inference_steps",
-          "true_cfg_scale", "num_images", "width", "height", "speed", "lora", "lora_scale", "mask", "mask_grow",
-          "mask_feather", "strength")
 
 
 def page_head(settings: Settings) -> str:
@@ -92,55 +88,6 @@ new MutationObserver(() => {
 </script>"""
 
 
-def _number(value, name: str, default=None):
-    """A number from the raw event data (events run with preprocess=False: any JSON can arrive)."""
-    if value is None or value == "":
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise InvalidInput(f"{name} must be a number, got {str(value)[:40]!r}", name)
-    try:
-        number = float(value)
-    except ValueError:
-        raise InvalidInput(f"{name} must be a number, got {str(value)[:40]!r}", name) from None
-    return int(number) if number.is_integer() else number
-
-
-def _text(value, name: str) -> str:
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise InvalidInput(f"{name} must be text", name)
-    return value
-
-
-def build_request(settings: Settings, family: str, images, prompt, negative_prompt, seed, randomize_seed,
-                  num_inference_steps, true_cfg_scale, num_images, width, height, speed=None, lora=None,
-                  lora_scale=None, mask=None, mask_grow=None, mask_feather=None, strength=None, *,
-                  source: str) -> EditRequest:
-    """Parse one event's raw values. Every file must lie in Gradio's upload cache (imgedit.web.uploads)."""
-    paths = uploaded_paths(images)
-    check_counts(len(paths), family)
-    decoded = tuple(open_image(p, settings.max_input_pixels, f"image {i + 1}") for i, p in enumerate(paths))
-    speed, lora, lora_scale = parse_speed_inputs(speed, lora, lora_scale)
-    masking = {}
-    if mask_paths := uploaded_paths(mask, "mask"):
-        if len(mask_paths) > 1:
-            raise InvalidInput("send one mask (for the first image)", "mask")
-        with open(mask_paths[0], "rb") as f:
-            raw = f.read(settings.max_file_size + 1)
-        masking["mask"] = open_mask(raw, decoded[0].size, settings.max_input_pixels)
-    if any(v not in (None, "") for v in (mask_grow, mask_feather, strength)):
-        masking.update(mask_grow=_number(mask_grow, "mask_grow"), mask_feather=_number(mask_feather, "mask_feather"),
-                       strength=_number(strength, "strength"))
-    return EditRequest(**masking,
-        images=decoded, prompt=_text(prompt, "prompt"), negative_prompt=_text(negative_prompt, "negative_prompt"),
-        seed=None if randomize_seed else _number(seed, "seed", 0),
-        num_inference_steps=_number(num_inference_steps, "num_inference_steps"),
-        true_cfg_scale=_number(true_cfg_scale, "true_cfg_scale"), num_images=_number(num_images, "num_images", 1),
-        width=_number(width, "width", 0) or None, height=_number(height, "height", 0) or None, speed=speed,
-        lora=lora, lora_scale=lora_scale, source=source)
-
-
 # Fixed-size thumbnail cells: one input would otherwise fill the column's width.
 INPUT_PREVIEW_CSS = """<style>
 #input-preview .grid-container{grid-template-columns:repeat(auto-fill,120px)!important;
@@ -158,14 +105,14 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
 
     def validate(images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
                  num_images, width, height, speed=None, lora=None, lora_scale=None, mask=None, mask_grow=None,
-                 mask_feather=None, strength=None):
+                 mask_feather=None, strength=None, enhance_prompt=None):
         """Runs before an API job enters the queue: bad input costs nothing else. The message goes to
         the input at fault."""
         verdicts = [gr.validate(True, "")] * len(FIELDS)
         try:
             req = build_request(settings, manager.family, images, prompt, negative_prompt, seed, randomize_seed,
                                 num_inference_steps, true_cfg_scale, num_images, width, height, speed, lora, lora_scale,
-                                mask, mask_grow, mask_feather, strength, source="validator")
+                                mask, mask_grow, mask_feather, strength, enhance_prompt, source="validator")
             check_params(req, settings, manager.family, manager.prompt_tokens)
         except ImgEditError as exc:
             at = FIELDS.index(exc.field) if exc.field in FIELDS else 0
@@ -205,14 +152,15 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
 
     async def edit(images, prompt, negative_prompt="", seed=0, randomize_seed=True, num_inference_steps=None,
                    true_cfg_scale=None, num_images=1, width=0, height=0, speed="quality", lora="none", lora_scale=1.0,
-                   mask=None, mask_grow=None, mask_feather=None, strength=None,
+                   mask=None, mask_grow=None, mask_feather=None, strength=None, enhance_prompt=False,
                    request: gr.Request = None, progress=gr.Progress()):
         """Edit the images as the prompt says; returns the result images and the seed used. With `mask` (an
         image the first image's size: white, or fully transparent, marks where to edit) only that area
-        changes and the result is the first image's size."""
+        changes and the result is the first image's size. With `enhance_prompt` the model's text encoder rewrites
+        the prompt first (each PNG then carries the prompt used and the original_prompt)."""
         _, result = await run_edit((images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
                                     true_cfg_scale, num_images, width, height, speed, lora, lora_scale,
-                                    mask, mask_grow, mask_feather, strength),
+                                    mask, mask_grow, mask_feather, strength, enhance_prompt),
                                    request, progress)
         return result.images, result.seed
 
@@ -272,6 +220,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                 prompt = gr.Textbox(label="What to change", lines=2, elem_id="prompt",
                                     placeholder="e.g. make the sky a sunset, keep the people unchanged",
                                     info="Ctrl+Enter (⌘+Enter on a Mac) runs the edit")
+                enhance_controls = build_enhance_buttons()  # the model rewrites the instruction
                 restore = gr.Button("Restore the settings saved in this PNG", visible=False, size="sm",
                                     elem_id="restore-settings")
                 # The settings found in the last uploaded PNG. Not a gr.State: State makes every page
@@ -332,7 +281,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
             api_inputs = [gr.File(file_count="multiple"), gr.Textbox(), gr.Textbox(""), gr.Number(0),
                           gr.Checkbox(True), gr.Number(None), gr.Number(None), gr.Number(1), gr.Number(0),
                           gr.Number(0), gr.Textbox("quality"), gr.Textbox("none"), gr.Number(1.0),
-                          gr.File(), gr.Number(None), gr.Number(None), gr.Number(None)]
+                          gr.File(), gr.Number(None), gr.Number(None), gr.Number(None), gr.Checkbox(False)]
             api_outputs = [gr.Gallery(format="png", label="images"), gr.Number(label="seed")]
             api_button = gr.Button()
 
@@ -377,6 +326,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         # Any change of the inputs (upload, removal, an example, a result used as input) redraws the thumbnails.
         files.change(tools.preview_inputs, files, preview, preprocess=False, queue=False, api_visibility="private")
         follow_first_input(files, canvas)
+        wire_enhance(settings, manager, files, prompt, enhance_controls, GPU_GROUP)
         preview.select(tools.chosen_input, None, chosen_input, queue=False, api_visibility="private")
         first.click(tools.make_first, [files, chosen_input], files, preprocess=False, queue=False,
                     api_visibility="private")

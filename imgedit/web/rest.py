@@ -46,7 +46,7 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "i
 PNG_LEVEL = 1
 IMAGE_FIELDS = ("image", "image[]", "images", "images[]")
 # every /v1 route and its methods, for the 404/405 fallback
-V1_ROUTES = {"/v1/images/edits": ("POST",), "/v1/status": ("GET",)}
+V1_ROUTES = {"/v1/images/edits": ("POST",), "/v1/prompts/enhance": ("POST",), "/v1/status": ("GET",)}
 HTTP_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
@@ -90,14 +90,27 @@ def _float(form, name: str) -> float | None:
     return value
 
 
+def _bool(form, name: str) -> bool:
+    raw = form.get(name)
+    if raw is None or raw == "":
+        return False
+    text = str(raw).strip().lower() if isinstance(raw, str) else None
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise InvalidInput(f"{name} must be true or false, got {str(raw)[:40]!r}", name)
+
+
 def speed_fields(form) -> dict:
-    """`speed`, `lora`, `lora_scale` of a form as EditRequest fields (validation.resolve checks the values);
-    shared by /v1/images/edits and /v1/jobs."""
+    """`speed`, `lora`, `lora_scale` and `enhance_prompt` of a form as EditRequest fields
+    (validation.resolve checks the values); shared by /v1/images/edits and /v1/jobs."""
     speed, lora = form.get("speed"), form.get("lora")
     for name, value in (("speed", speed), ("lora", lora)):
         if value is not None and not isinstance(value, str):
             raise InvalidInput(f"{name} must be a text field", name)
-    return {"speed": speed or None, "lora": lora or None, "lora_scale": _float(form, "lora_scale")}
+    return {"speed": speed or None, "lora": lora or None, "lora_scale": _float(form, "lora_scale"),
+            "enhance_prompt": _bool(form, "enhance_prompt")}
 
 
 def _size(raw: str | None) -> tuple[int | None, int | None]:
@@ -182,12 +195,52 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
         if (history := getattr(request.app.state, "history", None)) is not None:
             _in_background(history.record(owner, req.request_id, 0, req, result, pngs=pngs))
         # Extension: each image's own seed (image i is drawn from seed + i; that seed alone makes it again).
-        data = [{"b64_json": base64.b64encode(png).decode(), "revised_prompt": None, "seed": int(image.info["seed"])}
+        data = [{"b64_json": base64.b64encode(png).decode(), "revised_prompt": result.prompt,
+                 "seed": int(image.info["seed"])}
                 for png, image in zip(pngs, result.images, strict=True)]
         body = {"created": int(time.time()), "data": data, "output_format": "png",
                 "size": f"{result.width}x{result.height}", "seed": result.seed, "request_id": result.request_id}
-        if notices := frame_notices(req.images):  # e.g. an animated GIF: its first frame was edited
+        notices = frame_notices(req.images)  # e.g. an animated GIF: its first frame was edited
+        if result.notice:  # an asked-for prompt rewrite that was not used
+            notices.append(result.notice)
+        if notices:
             body["notices"] = notices
+        return JSONResponse(body)
+
+    @router.post("/v1/prompts/enhance")
+    async def prompts_enhance(request: Request) -> Response:
+        """The model's text encoder rewrites `prompt` for the `image` file(s): {"prompt", "original_prompt"},
+        with "notice" when the original is kept (the rewrite came back empty or was cut at its limit)."""
+        if (owner := owner_of(request, settings)) is None:
+            return openai_error(401, UNAUTHORIZED, "invalid_api_key")
+        try:
+            form = await _form(request, settings)
+            images = await _images(form, settings, manager)
+            prompt = form.get("prompt")
+            if not isinstance(prompt, str):
+                raise InvalidInput("prompt is required (a text field)", "prompt")
+            req = EditRequest(images=tuple(images), prompt=prompt, source="rest", client=owner)
+        except ImgEditError as exc:
+            metrics.record_rejected("rest", exc.kind, "enhance")
+            return openai_error(STATUS.get(exc.kind, 400), exc.message, exc.kind, exc.field)
+        except Exception:
+            log.exception("unreadable /v1/prompts/enhance request")
+            metrics.record_rejected("rest", "invalid_input", "enhance")
+            return openai_error(400, "the request could not be read", "invalid_input")
+        cancel = threading.Event()
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, cancel))
+        try:
+            result = await manager.run(req, cancel=cancel, task="enhance")
+        except ImgEditError as exc:
+            return openai_error(STATUS.get(exc.kind, 500), exc.message, exc.kind, exc.field)
+        except Exception:
+            log.exception("%s failed", req.request_id)
+            return openai_error(500, f"internal error (request {req.request_id})", "internal_error")
+        finally:
+            watcher.cancel()
+        body = {"prompt": result.prompt or prompt, "original_prompt": prompt, "request_id": req.request_id}
+        if result.notice:
+            body["notice"] = result.notice
         return JSONResponse(body)
 
     @router.api_route("/v1", methods=HTTP_METHODS, include_in_schema=False)
@@ -226,28 +279,8 @@ async def _cancel_on_disconnect(request: Request, cancel: threading.Event) -> No
 
 
 async def _parse(request: Request, settings: Settings, manager) -> EditRequest:
-    length = request.headers.get("content-length", "")
-    limit = settings.max_file_size * 4 + 1_000_000  # up to three images and a mask, plus the text fields
-    if not length.isdecimal() or len(length) > 15:
-        raise InvalidInput("send the body with a Content-Length (chunked uploads are not accepted)")
-    if int(length) > limit:
-        raise InputTooLarge(f"request body is {int(length):,} bytes; the limit is {limit:,}")
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise InvalidInput("send multipart/form-data with one or more 'image' files and a 'prompt'")
-    try:
-        form = await request.form(max_files=8, max_fields=64)
-    except Exception as exc:
-        raise InvalidInput(f"malformed multipart body ({type(exc).__name__})") from None
-    uploads = [v for key in IMAGE_FIELDS for v in form.getlist(key)]
-    if any(not isinstance(u, UploadFile) for u in uploads):
-        raise InvalidInput("'image' must be a file upload, not a text field")
-    check_counts(len(uploads), manager.family)
-    images = []
-    for i, upload in enumerate(uploads):
-        raw = await upload.read(settings.max_file_size + 1)
-        if len(raw) > settings.max_file_size:
-            raise InputTooLarge(f"image {i + 1} is larger than {human_size(settings.max_file_size)} (MAX_FILE_SIZE)")
-        images.append(await asyncio.to_thread(open_image, raw, settings.max_input_pixels, f"image {i + 1}"))
+    form = await _form(request, settings)
+    images = await _images(form, settings, manager)
     masking = await mask_fields(form, settings, images[0].size)
     response_format = str(form.get("response_format") or "b64_json")
     if response_format != "b64_json":
@@ -264,6 +297,38 @@ async def _parse(request: Request, settings: Settings, manager) -> EditRequest:
         width=width, height=height, **speed_fields(form), **masking, source="rest")
     check_params(req, settings, manager.family, manager.prompt_tokens)
     return req
+
+
+async def _form(request: Request, settings: Settings):
+    """The multipart form, its size checked before it is read."""
+    length = request.headers.get("content-length", "")
+    limit = settings.max_file_size * 4 + 1_000_000  # up to three images and a mask, plus the text fields
+    if not length.isdecimal() or len(length) > 15:
+        raise InvalidInput("send the body with a Content-Length (chunked uploads are not accepted)")
+    if int(length) > limit:
+        raise InputTooLarge(f"request body is {int(length):,} bytes; the limit is {limit:,}")
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise InvalidInput("send multipart/form-data with one or more 'image' files and a 'prompt'")
+    try:
+        form = await request.form(max_files=8, max_fields=64)
+    except Exception as exc:
+        raise InvalidInput(f"malformed multipart body ({type(exc).__name__})") from None
+    return form
+
+
+async def _images(form, settings: Settings, manager) -> list:
+    """The `image`/`image[]` files, each read up to MAX_FILE_SIZE and opened within MAX_INPUT_PIXELS."""
+    uploads = [v for key in IMAGE_FIELDS for v in form.getlist(key)]
+    if any(not isinstance(u, UploadFile) for u in uploads):
+        raise InvalidInput("'image' must be a file upload, not a text field")
+    check_counts(len(uploads), manager.family)
+    images = []
+    for i, upload in enumerate(uploads):
+        raw = await upload.read(settings.max_file_size + 1)
+        if len(raw) > settings.max_file_size:
+            raise InputTooLarge(f"image {i + 1} is larger than {human_size(settings.max_file_size)} (MAX_FILE_SIZE)")
+        images.append(await asyncio.to_thread(open_image, raw, settings.max_input_pixels, f"image {i + 1}"))
+    return images
 
 
 async def mask_fields(form, settings: Settings, first_size: tuple[int, int]) -> dict:

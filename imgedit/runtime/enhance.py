@@ -1,0 +1,102 @@
+"""Prompt enhancement: the pipeline's own text encoder (Qwen2.5-VL, with its language-model head)
+rewrites the user's instruction into a clearer edit instruction, with the input images in view.
+
+Runs in the worker, on the weights already loaded: no second model, no cloud call, the images never
+leave the machine. Greedy decoding (the same instruction and images give the same rewrite), a token
+limit, stop at the end of the answer. Nothing outlives the call: the KV cache is the generate call's
+own, dropped with it; no adapter is active (the runner resets them after every job).
+
+A rewrite that comes back empty, or is cut at the token limit, is not used: the original instruction
+stays, with a notice saying why.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from imgedit.errors import Cancelled
+
+INSTRUCTION = (Path(__file__).with_name("enhance_instruction.txt")).read_text(encoding="utf-8").strip()
+# The pipelines' own prompt layout (diffusers' QwenImageEditPlusPipeline): pictures, then the text.
+_PICTURE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
+_CHAT = "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+VIEW_AREA = 384 * 384  # what the model sees of each input (the Plus pipelines' condition-image size)
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    prompt: str  # the one to use: the rewrite, or the original after a fallback
+    original: str
+    notice: str | None  # why the original was kept (None: the rewrite is used)
+    new_tokens: int
+    seconds: float
+
+
+class _Stop:
+    """A generate() stopping criterion that ends the call when the job is cancelled."""
+
+    def __init__(self, cancel: threading.Event):
+        self.cancel = cancel
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), self.cancel.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+def view(image: Image.Image) -> Image.Image:
+    """The image at about VIEW_AREA pixels, sides a multiple of 28 (the vision encoder's patch grid)."""
+    scale = math.sqrt(VIEW_AREA / (image.width * image.height))
+    width = max(28, round(image.width * scale / 28) * 28)
+    height = max(28, round(image.height * scale / 28) * 28)
+    return image.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
+
+
+def rewrite(pipe, images, prompt: str, max_new_tokens: int, cancel: threading.Event) -> Rewrite:
+    """Rewrite `prompt` for `images` with `pipe.text_encoder`. Raises Cancelled."""
+    from transformers import StoppingCriteriaList
+
+    started = time.perf_counter()
+    pictures = "".join(_PICTURE.format(i + 1) for i in range(len(images)))
+    text = _CHAT.format(system=INSTRUCTION, user=f"{pictures}Instruction: {prompt}")
+    encoder = pipe.text_encoder
+    tokenizer = pipe.processor.tokenizer
+    inputs = pipe.processor(text=[text], images=[view(i) for i in images] or None, padding=True,
+                            return_tensors="pt").to(pipe._execution_device)
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].to(encoder.dtype)
+    end = [t for t in (tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id) if t is not None]
+    with torch.inference_mode():
+        output = encoder.generate(
+            **inputs, max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
+            eos_token_id=end, pad_token_id=tokenizer.pad_token_id or end[0],
+            stopping_criteria=StoppingCriteriaList([_Stop(cancel)]))
+    new = output[0, inputs["input_ids"].shape[1]:].tolist()
+    del output, inputs  # with them the KV cache of the call: nothing is kept for later
+    if cancel.is_set():
+        raise Cancelled(f"cancelled after {len(new)} token(s) of the rewrite")
+    finished = bool(new) and new[-1] in end
+    answer = _clean(tokenizer.decode([t for t in new if t not in end], skip_special_tokens=True))
+    seconds = time.perf_counter() - started
+    if not finished:
+        notice = f"the rewrite was cut at the {max_new_tokens}-token limit: the original instruction was kept"
+        return Rewrite(prompt, prompt, notice, len(new), seconds)
+    if not answer:
+        return Rewrite(prompt, prompt, "the rewrite came back empty: the original instruction was kept",
+                       len(new), seconds)
+    return Rewrite(answer, prompt, None, len(new), seconds)
+
+
+def _clean(text: str) -> str:
+    """One line of plain text: whitespace folded, a pair of quotes around the whole answer taken off."""
+    text = " ".join(text.split())
+    for opening, closing in (('"', '"'), ("'", "'"), ("“", "”")):
+        if len(text) > 1 and text.startswith(opening) and text.endswith(closing) and text.count(opening) == 1 + (
+                opening == closing):
+            text = text[1:-1].strip()
+    return text

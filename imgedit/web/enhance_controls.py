@@ -1,0 +1,80 @@
+"""Prompt enhancement on the page and in the gradio API: the model's own text encoder (Qwen2.5-VL, on the
+workers' GPUs) rewrites the instruction with the input images in view (imgedit.runtime.enhance).
+
+- Page: "Enhance" beside the prompt puts the rewrite into the box, for the user to keep or change, and
+  "Back to my words" puts the original back (one click).
+- `/enhance_prompt` (images, prompt) -> prompt: the rewrite, or the prompt unchanged when the rewrite was
+  not usable (empty, or cut at ENHANCE_MAX_TOKENS).
+A rewrite is a short job in the same line as edits (it waits its turn, the workers' locks hold).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import html
+from dataclasses import replace
+
+import gradio as gr
+
+from imgedit.config.settings import Settings
+from imgedit.web.identity import page_owner
+from imgedit.web.requests import build_enhance_request
+from imgedit.web.tools import user_error
+
+
+def build_enhance_buttons():
+    """(enhance, undo, note, original): to be built right under the prompt box."""
+    with gr.Row():
+        enhance = gr.Button("✨ Enhance the instruction", size="sm", elem_id="enhance-button")
+        undo = gr.Button("Back to my words", size="sm", visible=False, elem_id="enhance-undo")
+    note = gr.Markdown(elem_id="enhance-note")
+    original = gr.Textbox(visible=False)  # the user's words before the last Enhance (not a gr.State: no heartbeat)
+    return enhance, undo, note, original
+
+
+def wire_enhance(settings: Settings, manager, files, prompt, controls, concurrency_id: str) -> None:
+    enhance, undo, note, original = controls
+
+    async def rewrite(images, text, request: gr.Request | None):
+        source = "ui" if request is not None and request.headers.get("referer") else "api"
+        try:
+            parse = functools.partial(build_enhance_request, settings, manager.family, images, text, source=source)
+            req = await asyncio.to_thread(parse)
+        except Exception as exc:
+            raise user_error(exc) from None
+        owner = page_owner(request, settings.auth is not None)
+        req = replace(req, client=owner or (f"session:{request.session_hash}" if request is not None else None))
+        try:
+            return req, await manager.run(req, task="enhance")
+        except Exception as exc:  # asyncio.CancelledError is not an Exception: it goes on (manager.run cancels)
+            raise user_error(exc) from None
+
+    async def enhance_page(images, text, request: gr.Request = None):
+        keep = gr.update()
+        try:
+            req, result = await rewrite(images, text, request)
+        except gr.Error as exc:
+            return keep, keep, f"**{exc.title or 'Not rewritten'}:** {exc.message}", keep
+        if result.prompt is None:
+            return keep, keep, f"Your instruction is unchanged: {html.escape(result.notice or '')}.", keep
+        said = (f"Rewritten by the model in {result.seconds:.1f} s: edit it as you like, or go back to your words.")
+        return result.prompt, gr.update(visible=True), said, req.prompt
+
+    async def enhance_prompt(images, prompt, request: gr.Request = None) -> str:
+        """Rewrite `prompt` into a clearer edit instruction for `images` with the model's own text encoder;
+        returns the rewrite, or `prompt` unchanged when no usable rewrite came back."""
+        _, result = await rewrite(images, prompt, request)
+        return result.prompt or prompt
+
+    enhance.click(enhance_page, [files, prompt], [prompt, undo, note, original], preprocess=False,
+                  concurrency_id=concurrency_id, concurrency_limit=None, show_progress_on=[prompt],
+                  api_visibility="private")
+    undo.click(lambda words: (words, gr.update(visible=False), ""), original, [prompt, undo, note], queue=False,
+               api_visibility="private")
+    with gr.Row(visible=False):  # the API's inputs: hidden, without ranges (our checks say what is wrong)
+        api_inputs = [gr.File(file_count="multiple"), gr.Textbox()]
+        api_output = gr.Textbox(label="prompt")
+        button = gr.Button()
+    button.click(enhance_prompt, api_inputs, api_output, api_name="enhance_prompt", preprocess=False,
+                 concurrency_id=concurrency_id, concurrency_limit=None)

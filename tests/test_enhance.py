@@ -1,0 +1,152 @@
+"""Prompt enhancement (#25): the pipeline's own text encoder rewrites the instruction, in the worker, with the
+input images in view; every entry point, the fallbacks, the limits, cancel.
+
+The tiny checkpoint's random text encoder writes nonsense and never ends its answer on its own: a plain
+instruction shows the token-limit fallback. The rewrite that is used comes from a marker in the instruction
+(tests/faults.py: `[rewrite:TEXT]` makes the model's next-token scores pick TEXT and then the end of the
+answer, at the text encoder's output), so what is tested is the path: generate, decode, fall back, and the
+rewrite reaching the edit, the PNG, the history, the APIs.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from conftest import picture
+from gradio_client import Client, handle_file
+from PIL import Image
+
+from imgedit.errors import Cancelled, InvalidInput
+from imgedit.protocol import EditRequest
+
+W, H = 64, 64
+REWRITE = 'Turn the sky into a warm sunset, keep the house; write "HOME" on the door.'
+ASKED = f"make it evening [rewrite:{REWRITE}]"
+
+
+def photo() -> Image.Image:
+    return picture(W, H, (40, 140, 90))
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def edit(manager, prompt: str, **kw):
+    return manager.edit(EditRequest(images=(photo(),), prompt=prompt, num_inference_steps=2, width=W, height=H,
+                                    seed=11, **kw))
+
+
+def test_a_rewrite_is_the_models_words_or_the_original_with_a_notice(plus_manager):
+    done = sum(w.jobs_done for w in plus_manager.workers)
+    result = plus_manager.enhance(EditRequest(images=(photo(), photo()), prompt=ASKED))
+    assert result.prompt == REWRITE and result.notice is None and result.images == []
+    empty = plus_manager.enhance(EditRequest(images=(photo(),), prompt="x [rewrite-empty]"))
+    assert empty.prompt is None and "came back empty" in empty.notice
+    # The random model never ends its answer: cut at ENHANCE_MAX_TOKENS, so the user's words stay.
+    cut = plus_manager.enhance(EditRequest(images=(photo(),), prompt="make it winter"))
+    limit = plus_manager.settings.enhance_max_tokens
+    assert cut.prompt is None and f"cut at the {limit}-token limit" in cut.notice, cut.notice
+    assert sum(w.jobs_done for w in plus_manager.workers) == done + 3  # each a job in the line
+
+
+def test_an_enhanced_edit_runs_the_rewrite_and_its_png_keeps_both_prompts(plus_manager, tmp_path):
+    enhanced = edit(plus_manager, ASKED, enhance_prompt=True)
+    assert enhanced.prompt == REWRITE and enhanced.notice is None
+    text = enhanced.images[0].info
+    assert text["prompt"] == REWRITE and text["original_prompt"] == ASKED, text
+    # The pixels are those of the rewrite typed in by hand (same seed), not of the words the user typed.
+    by_hand = edit(plus_manager, REWRITE).images[0]
+    as_typed = edit(plus_manager, ASKED).images[0]
+    same = np.array_equal(np.asarray(enhanced.images[0]), np.asarray(by_hand))
+    assert same and not np.array_equal(np.asarray(by_hand), np.asarray(as_typed))
+    assert "original_prompt" not in as_typed.info
+    # A rewrite that is not usable: the edit runs with the user's words, and says so.
+    kept = edit(plus_manager, "x [rewrite-empty]", enhance_prompt=True)
+    assert kept.prompt is None and "came back empty" in kept.notice and kept.images[0].info["prompt"] == "x [rewrite-empty]"
+    # History stores the prompt used and the user's words (the History tab shows both).
+    from imgedit.engine.history import HistoryStore
+
+    store = HistoryStore(tmp_path / "history")
+    entry = store.save("someone", "job", 0, EditRequest(images=(photo(),), prompt=ASKED), enhanced)
+    again = store.get("someone", entry.id)
+    assert (again.prompt, again.original_prompt) == (REWRITE, ASKED)
+
+
+def test_bad_rewrite_requests_are_refused_like_edits_and_cancel_stops_one(plus_manager):
+    done = sum(w.jobs_done for w in plus_manager.workers)
+    for req, field in ((EditRequest(images=(photo(),), prompt="  "), "prompt"),
+                       (EditRequest(images=(photo(),) * 4, prompt="x"), None),
+                       (EditRequest(images=(photo(),), prompt="x" * 5000), "prompt")):
+        with pytest.raises(InvalidInput) as refused:
+            plus_manager.enhance(req)
+        assert field is None or refused.value.field == field
+    assert sum(w.jobs_done for w in plus_manager.workers) == done  # nothing reached a worker
+    cancel = threading.Event()
+    threading.Timer(1.0, cancel.set).start()
+    with pytest.raises(Cancelled, match="rewrite"):  # 0.2 s a token: stopped within a token of the cancel
+        plus_manager.enhance(EditRequest(images=(photo(),), prompt="slow [rewrite-slow]"), cancel=cancel)
+    assert plus_manager.enhance(EditRequest(images=(photo(),), prompt=ASKED)).prompt == REWRITE  # served on
+
+
+def sample(url: str, name: str, **labels) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_rest_enhance_route_edits_with_enhance_prompt_and_the_metrics(live_server):
+    url = live_server.url
+    files = [("image[]", ("a.png", png_bytes(photo()), "image/png"))]
+    before = sample(url, "imgedit_prompt_rewrites_total", source="rest", outcome="ok")
+    edits_before = sample(url, "imgedit_requests_total", source="rest")
+    r = httpx.post(f"{url}/v1/prompts/enhance", files=files, data={"prompt": ASKED}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt"] == REWRITE and r.json()["original_prompt"] == ASKED and "notice" not in r.json()
+    kept = httpx.post(f"{url}/v1/prompts/enhance", files=files, data={"prompt": "x [rewrite-empty]"}, timeout=120)
+    assert kept.json()["prompt"] == "x [rewrite-empty]" and "came back empty" in kept.json()["notice"]
+    for data, files_, field in (({"prompt": " "}, files, "prompt"), ({}, files, "prompt"),
+                                ({"prompt": "x"}, [], None)):
+        bad = httpx.post(f"{url}/v1/prompts/enhance", files=files_ or {"x": ("x", b"", "text/plain")}, data=data,
+                         timeout=60)
+        assert bad.status_code == 400 and "Traceback" not in bad.text, bad.text
+        assert field is None or bad.json()["error"]["param"] == field, bad.text
+    assert sample(url, "imgedit_prompt_rewrites_total", source="rest", outcome="ok") == before + 2
+    assert sample(url, "imgedit_requests_total", source="rest") == edits_before  # rewrites are not edits
+    # The openai SDK: enhance_prompt as an extra field; OpenAI's own `revised_prompt` carries the rewrite.
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+    result = client.images.edit(image=("a.png", png_bytes(photo()), "image/png"), prompt=ASKED, size=f"{W}x{H}",
+                                extra_body={"enhance_prompt": "true", "num_inference_steps": 2, "seed": 4})
+    assert result.data[0].revised_prompt == REWRITE
+    image = Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json)))
+    assert image.text["original_prompt"] == ASKED and image.text["prompt"] == REWRITE
+    plain = client.images.edit(image=("a.png", png_bytes(photo()), "image/png"), prompt="make it red",
+                               size=f"{W}x{H}", extra_body={"num_inference_steps": 2})
+    assert plain.data[0].revised_prompt is None
+    bad = httpx.post(f"{url}/v1/images/edits", files=files, data={"prompt": "x", "enhance_prompt": "maybe"},
+                     timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "enhance_prompt", bad.text
+
+
+def test_gradio_api_enhance_prompt_and_edit_with_enhance(live_server, tmp_path):
+    path = tmp_path / "in.png"
+    photo().save(path)
+    client = Client(live_server.url, verbose=False)
+    assert client.predict([handle_file(str(path))], ASKED, api_name="/enhance_prompt") == REWRITE
+    assert client.predict([handle_file(str(path))], "make it winter", api_name="/enhance_prompt") == "make it winter"
+    images, _ = client.predict([handle_file(str(path))], ASKED, num_inference_steps=2, width=W, height=H,
+                               enhance_prompt=True, api_name="/edit")
+    text = Image.open(images[0]["image"]).text
+    assert text["prompt"] == REWRITE and text["original_prompt"] == ASKED
+    with pytest.raises(Exception, match="the prompt is empty"):
+        client.predict([handle_file(str(path))], "   ", api_name="/enhance_prompt")
