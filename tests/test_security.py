@@ -248,9 +248,13 @@ def test_the_prompt_token_limit_is_the_pipelines_own(family, plus_manager, edit_
         with pytest.raises(InvalidInput, match=r"is [\d,]+ tokens; the model takes at most 1,024") as info:
             manager.edit(EditRequest(images=images, num_inference_steps=2, width=64, height=64, **fields))
         assert info.value.field == field
+    # The pipeline itself cannot run such a prompt: shown with 1,100 emoji (4,400 tokens, past the rotary
+    # table's 4,096 positions; the 3,900 above are 15,600 tokens through the text encoder, 2x the time).
+    over = "\U0001F600" * 1100
+    assert manager.prompt_tokens.count(over) > 4096
     pipe = (plus_pipe if family == "plus" else edit_pipe).pipe
     with pytest.raises(Exception):  # noqa: B017 - whatever the pipeline raises, it cannot run this prompt
-        pipe(image=list(images) if family == "plus" else images[0], prompt=emoji, num_inference_steps=2,
+        pipe(image=list(images) if family == "plus" else images[0], prompt=over, num_inference_steps=2,
              width=64, height=64, true_cfg_scale=1.0)
 
 
