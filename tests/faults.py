@@ -9,7 +9,8 @@ lowest seam (the transformer's forward), acts on markers in it:
   [rank1-oom]   raise OutOfMemoryError on rank 1 only (one rank of a pair fails)
 Prompt rewrites (imgedit.runtime.enhance) read markers in the instruction they rewrite, at the text encoder's
 output: [rewrite:TEXT] makes the model answer TEXT and end its answer; [rewrite-empty] makes it end at once;
-[rewrite-slow] sleeps 0.2 s per generated token. Without a marker the random model writes nonsense until
+[rewrite-slow] sleeps 0.2 s per generated token; [rewrite-bug] and [rewrite-oom] fail the rewrite's first
+forward. Without a marker the random model writes nonsense until
 the token limit.
 IMGEDIT_TEST_GPU_HEADROOM_GIB caps the worker's GPU memory at its weights plus that many GiB.
 Every forward of the main modules (text encoder, transformer, VAE encoder/decoder) appends
@@ -98,6 +99,10 @@ def script_rewrites(pipe) -> None:
         text = tokenizer.decode(ids[0])
         script.update(ids=None, at=0, slow=False)
         if INSTRUCTION[:40] in text:
+            if "[rewrite-bug]" in text:
+                raise KeyError("secret internal detail of the rewrite")
+            if "[rewrite-oom]" in text:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
             found = re.search(r"\[rewrite:([^\]]*)\]", text)
             if found:
                 script["ids"] = tokenizer.encode(found.group(1), add_special_tokens=False) + [end]

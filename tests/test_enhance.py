@@ -22,7 +22,7 @@ from conftest import picture
 from gradio_client import Client, handle_file
 from PIL import Image
 
-from imgedit.errors import Cancelled, InvalidInput
+from imgedit.errors import Cancelled, ImgEditError, InvalidInput, OutOfGpuMemory
 from imgedit.protocol import EditRequest
 
 W, H = 64, 64
@@ -95,7 +95,13 @@ def test_bad_rewrite_requests_are_refused_like_edits_and_cancel_stops_one(plus_m
     threading.Timer(1.0, cancel.set).start()
     with pytest.raises(Cancelled, match="rewrite"):  # 0.2 s a token: stopped within a token of the cancel
         plus_manager.enhance(EditRequest(images=(photo(),), prompt="slow [rewrite-slow]"), cancel=cancel)
+    with pytest.raises(OutOfGpuMemory, match="while rewriting the prompt"):
+        plus_manager.enhance(EditRequest(images=(photo(),), prompt="x [rewrite-oom]"))
+    with pytest.raises(ImgEditError, match="the prompt rewrite failed with an internal error") as failed:
+        plus_manager.edit(EditRequest(images=(photo(),), prompt="x [rewrite-bug]", enhance_prompt=True))
+    assert "secret" not in str(failed.value)
     assert plus_manager.enhance(EditRequest(images=(photo(),), prompt=ASKED)).prompt == REWRITE  # served on
+    assert all(w.restarts == 0 for w in plus_manager.status().workers)
 
 
 def sample(url: str, name: str, **labels) -> float:
@@ -151,3 +157,20 @@ def test_gradio_api_enhance_prompt_and_edit_with_enhance(live_server, tmp_path):
     assert text["prompt"] == REWRITE and text["original_prompt"] == ASKED
     with pytest.raises(Exception, match="the prompt is empty"):
         client.predict([handle_file(str(path))], "   ", api_name="/enhance_prompt")
+
+
+def test_the_text_encoders_control_tokens_in_a_prompt_are_refused_the_pipeline_cannot_take_them(plus_manager,
+                                                                                                 plus_pipe):
+    """`<|image_pad|>` in a prompt breaks the pipeline's own layout of pictures and text (shown on the pipeline
+    directly); we refuse it up front, for edits and rewrites, naming the token."""
+    with pytest.raises(Exception):  # noqa: B017 - whatever the pipeline raises, it cannot run this prompt
+        plus_pipe.pipe(image=[photo()], prompt="make it red <|image_pad|>", num_inference_steps=2, width=W, height=H,
+                       true_cfg_scale=1.0)
+    done = sum(w.jobs_done for w in plus_manager.workers)
+    for call, fields in ((plus_manager.edit, {"prompt": "red <|image_pad|>"}),
+                         (plus_manager.edit, {"prompt": "red", "negative_prompt": "<|im_end|> x"}),
+                         (plus_manager.enhance, {"prompt": "<|vision_start|> winter"})):
+        with pytest.raises(InvalidInput, match="a control token of the model's text encoder") as refused:
+            call(EditRequest(images=(photo(),), num_inference_steps=2, width=W, height=H, **fields))
+        assert refused.value.field == next(iter(k for k, v in fields.items() if "<|" in v))
+    assert sum(w.jobs_done for w in plus_manager.workers) == done

@@ -202,7 +202,8 @@ def test_a_database_of_the_previous_version_opens_lists_and_takes_lora_rows(tmp_
         ("job-new", "fastest", "style", 0.5), ("job-old", None, None, None)]
     assert again.get("browser:x", made.id) == made
     columns = [row[1] for row in again._db.execute("PRAGMA table_info(results)")]
-    assert columns[-3:] == ["speed", "lora", "lora_scale"] and len(columns) == 24
+    assert columns[-4:] == ["speed", "lora", "lora_scale", "original_prompt"] and len(columns) == 25
+    assert again.get("browser:x", "0123456789abcdef").original_prompt is None  # an old row: no rewrite
 
 
 @pytest.fixture(scope="module")

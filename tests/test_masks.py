@@ -160,10 +160,47 @@ def test_mask_fields_are_checked(live_server):
         r = httpx.post(f"{live_server.url}/v1/images/edits", timeout=60, data={"prompt": "x", field: value},
                        files=[("image", ("in.png", png_bytes(photo()), "image/png"))])
         assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
-    r = httpx.post(f"{live_server.url}/v1/jobs", timeout=60, data={"prompt": "x"},
+    r = httpx.post(f"{live_server.url}/v1/jobs", timeout=60, data={"prompt": "x", "strength": "1.5"},
                    files=[("image", ("in.png", png_bytes(photo()), "image/png")),
                           ("mask", ("m.png", png_bytes(white_left_half()), "image/png"))])
-    assert r.status_code == 400 and "a job does not take a mask yet" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and "strength 1.5 is out of range" in r.json()["error"]["message"], r.text
+
+
+def test_a_job_applies_one_mask_to_every_item_and_refuses_an_item_of_another_size(live_server, server_manager):
+    """/v1/jobs takes `mask` too: the same area of each item's first image changes, the rest stays pixel for
+    pixel; an item whose first image is not the mask's size is named in a 400 before anything runs."""
+    import time
+
+    mask = white_left_half()
+    other = picture(W, H, (200, 60, 60))
+    files = [("set1", ("a.png", png_bytes(photo()), "image/png")), ("set2", ("b.png", png_bytes(other), "image/png")),
+             ("mask", ("m.png", png_bytes(mask), "image/png"))]
+    fields = {"prompt": "make it red", "num_inference_steps": "2", "size": f"{W}x{H}", "mask_feather": "2"}
+    r = httpx.post(f"{live_server.url}/v1/jobs", timeout=60, data=fields, files=files)
+    assert r.status_code in (200, 201, 202), r.text
+    job_id = r.json()["id"]
+    deadline = time.monotonic() + 240
+    while (view := httpx.get(f"{live_server.url}/v1/jobs/{job_id}", timeout=30).json())["state"] in (
+            "queued", "running"):
+        assert time.monotonic() < deadline, view
+        time.sleep(0.3)
+    assert view["state"] == "succeeded" and view["mask"] == f"sha256:{mask_digest(mask_from(mask, (W, H)))}", view
+    area = np.asarray(mask) == 255
+    for item, source in ((1, photo()), (2, other)):
+        png = httpx.get(f"{live_server.url}/v1/jobs/{job_id}/result?item={item}", timeout=30)
+        result = Image.open(io.BytesIO(png.content))
+        before = np.asarray(source, dtype=np.int16)
+        after = np.asarray(result.convert("RGB"), dtype=np.int16)
+        assert result.size == (W, H) and (after[~area] == before[~area]).all()
+        assert np.abs(after - before)[area].mean() > 10 and result.text["mask"] == view["mask"]
+    before = sum(w.jobs_done for w in server_manager.workers)
+    odd = [("set1", ("a.png", png_bytes(photo()), "image/png")),
+           ("set2", ("wide.png", png_bytes(picture(W + 16, H)), "image/png")),
+           ("mask", ("m.png", png_bytes(mask), "image/png"))]
+    r = httpx.post(f"{live_server.url}/v1/jobs", timeout=60, data=fields, files=odd)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "mask", r.text
+    assert "wide.png is 112x64 but the mask is 96x64" in r.json()["error"]["message"], r.text
+    assert sum(w.jobs_done for w in server_manager.workers) == before
 
 
 def test_a_mask_for_another_size_is_refused_before_the_line():

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, ConcurrencyProbe, alive, cfg_plan, free_port, make_manager, picture, wait_for
 
-from imgedit.errors import Cancelled, OutOfGpuMemory, WorkerFailed
+from imgedit.errors import Cancelled, ImgEditError, OutOfGpuMemory, WorkerFailed
 from imgedit.protocol import EditRequest
 
 FAST = dict(num_inference_steps=3, width=64, height=64)
@@ -81,9 +81,15 @@ def test_an_enhanced_edit_on_a_pair_is_the_one_process_image_and_a_cancelled_rew
     threading.Timer(1.0, cancel.set).start()
     with pytest.raises(Cancelled, match="rewrite"):
         pair.edit(request(prompt="slow [rewrite-slow]", enhance_prompt=True, negative_prompt="blurry"), cancel=cancel)
+    # Rank 0's rewrite fails or runs out of memory: both ranks stop with its message, in step (no restart).
+    for marker, error, says in (("[rewrite-bug]", ImgEditError, "the prompt rewrite failed with an internal error"),
+                                ("[rewrite-oom]", OutOfGpuMemory, "while rewriting the prompt")):
+        with pytest.raises(error, match=says) as failed:
+            pair.edit(request(prompt=f"x {marker}", enhance_prompt=True, negative_prompt="blurry"))
+        assert "secret" not in str(failed.value)
     status = pair.status().workers[0]
     assert status.state == "idle" and status.restarts == 0  # rank 1 was not left waiting for the words
-    assert pair.edit(request(negative_prompt="blurry")).images
+    assert pair.edit(request(negative_prompt="blurry")).images  # (a rank stuck in a collective would hang here)
 
 
 def test_pair_with_cfg_off_runs_on_one_rank_and_matches(pair, plus_manager):

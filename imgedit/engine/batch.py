@@ -23,7 +23,7 @@ from pathlib import PurePosixPath
 
 from imgedit.config.settings import Settings
 from imgedit.engine.history import HistoryEntry, HistoryStore
-from imgedit.engine.images import open_image
+from imgedit.engine.images import mask_digest, open_image
 from imgedit.engine.job_records import JobRecords, job_state
 from imgedit.errors import Cancelled, ImgEditError, InputTooLarge, InvalidInput, QueueFull
 from imgedit.protocol import EditRequest, new_request_id
@@ -48,13 +48,15 @@ class Item:
     total_steps: int = 0
     position: int | None = None  # jobs ahead in line, while waiting there
     entry: HistoryEntry | None = None
+    notice: str | None = None  # why an asked-for prompt rewrite was not used (the prompt as sent ran)
 
     def view(self) -> dict:
         return {"index": self.index, "name": self.name, "state": self.state, "seed": self.seed, "step": self.step,
                 "total_steps": self.total_steps, "error": self.error,
                 "outputs": self.entry.outputs if self.entry else 0,
                 # enhance_prompt: each item's own rewrite (its images differ), None where the user's prompt ran
-                "revised_prompt": self.entry.prompt if self.entry and self.entry.original_prompt else None}
+                "revised_prompt": self.entry.prompt if self.entry and self.entry.original_prompt else None,
+                "notice": self.notice}
 
 
 @dataclass
@@ -95,7 +97,8 @@ class Job:
     def settings(self) -> dict:
         t = self.template
         return {"prompt": t.prompt, "num_inference_steps": t.num_inference_steps, "n": t.num_images,
-                "speed": t.speed, "lora": t.lora, "lora_scale": t.lora_scale, "enhance_prompt": t.enhance_prompt}
+                "speed": t.speed, "lora": t.lora, "lora_scale": t.lora_scale, "enhance_prompt": t.enhance_prompt,
+                "mask": None if t.mask is None else f"sha256:{mask_digest(t.mask)}"}
 
     def view(self) -> dict:
         return job_view(self.id, self.state, self.created, self.position, self.settings(),
@@ -294,7 +297,7 @@ class JobService:
                     if job.cancel.is_set():
                         raise Cancelled("cancelled while waiting") from None
                     await asyncio.sleep(RETRY_BUSY_S)
-            item.seed = result.seed
+            item.seed, item.notice = result.seed, result.notice
             item.entry = await asyncio.to_thread(self.history.save, job.owner, job.id, item.index, req, result,
                                                  item.name)
             item.state = "succeeded"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import random
+import re
 
 from imgedit.config.loras import MAX_LORA_SCALE, SPEEDS, lightning_for
 from imgedit.config.settings import Settings
@@ -33,6 +34,8 @@ VAE_AREA = 1024 * 1024
 # a NaN latent, a black image (diffusers 0.42.1, checked on the CPU). Two steps are the fewest that work.
 MIN_STEPS = 2
 VL_MAX_ASPECT = 200
+CONTROL_TOKEN = re.compile(r"<\|(?:im_start|im_end|endoftext|vision_start|vision_end|vision_pad|image_pad|video_pad|"
+                           r"object_ref_start|object_ref_end|box_start|box_end|quad_start|quad_end)\|>")
 
 
 def check_counts(n_images: int, family: str) -> None:
@@ -184,6 +187,12 @@ def resolve_enhance(req: EditRequest, settings: Settings, family: str, n_images:
 def _check_prompt(req: EditRequest, tokens: PromptTokens | None) -> None:
     if not isinstance(req.prompt, str) or not req.prompt.strip():
         raise InvalidInput("the prompt is empty: say what to change", "prompt")
+    for field, text in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt or "")):
+        # The text encoder's control tokens (<|image_pad|>, <|im_end|>, ...) in a prompt broke the
+        # pipeline's own layout of images and text (an internal error; on a CFG pair, a restart).
+        if isinstance(text, str) and (found := CONTROL_TOKEN.search(text)):
+            raise InvalidInput(f"the {field.replace('_', ' ')} contains {found.group(0)}, a control token of the "
+                               "model's text encoder: leave it out", field)
     if len(req.prompt) > MAX_PROMPT_CHARS or len(req.negative_prompt or "") > MAX_PROMPT_CHARS:
         raise InvalidInput(f"the prompt is longer than {MAX_PROMPT_CHARS} characters", "prompt")
     if tokens is not None:

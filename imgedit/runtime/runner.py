@@ -28,6 +28,15 @@ class _Abort(Exception):
     """Raised from the step callback to stop a cancelled job (pipe._interrupt would still decode)."""
 
 
+class _Refused(Exception):
+    """The prompt rewrite ended without words (cancelled, out of memory, failed) on every rank of the job
+    alike: its error goes to the user as it is (the ranks are still in step)."""
+
+    def __init__(self, error: ImgEditError):
+        super().__init__(error.message)
+        self.error = error
+
+
 class FatalError(ImgEditError):
     """The rank cannot go on (GPU fault, or any failure inside a group whose ranks may now be out of
     step): the worker process exits after reporting, and the pool starts a fresh one."""
@@ -129,8 +138,8 @@ class Runner:
                 )
         except _Abort:
             raise Cancelled(f"cancelled at step {reached} of {params.steps}") from None
-        except Cancelled:
-            raise
+        except _Refused as refused:
+            raise refused.error from None
         except torch.OutOfMemoryError:
             out_of_memory = True  # cleaned up below, once the traceback no longer pins the activations
         except Exception as exc:
@@ -165,47 +174,45 @@ class Runner:
 
     def _rewrite(self, job: Job, cancel: threading.Event, together):
         """The prompt rewrite (imgedit.runtime.enhance). In a group the first rank writes it and the others
-        take its words (every rank must encode the same prompt), or its cancel or failure."""
+        take its words, or its refusal (cancel, out of memory, failure): every rank must encode the same prompt,
+        and all of them stop together. Raises _Refused."""
         from imgedit.runtime import enhance
 
         req = job.request
-        if together is None:
-            return enhance.rewrite(self.pipe, req.images, req.prompt, job.params.enhance_tokens, cancel)
-        import torch.distributed as dist
-
         box: list = [None]
-        if self.rank == 0:
+        out_of_memory = False
+        if together is None or self.rank == 0:
             try:
                 box[0] = enhance.rewrite(self.pipe, req.images, req.prompt, job.params.enhance_tokens, cancel)
-            except BaseException as exc:
-                box[0] = exc if isinstance(exc, ImgEditError) else ImgEditError(
-                    f"the prompt rewrite failed with an internal error (request {req.request_id})")
-                dist.broadcast_object_list(box, src=0, group=together)
-                raise
-        dist.broadcast_object_list(box, src=0, group=together)
-        if isinstance(box[0], BaseException):
-            raise box[0]
+            except torch.OutOfMemoryError:
+                out_of_memory = True  # cleaned up below, once the traceback no longer pins generate's tensors
+            except ImgEditError as exc:  # Cancelled
+                box[0] = exc
+            except Exception as exc:
+                if is_device_fault(exc):
+                    raise FatalError(WorkerFailed(f"{self.name} hit a GPU fault ({type(exc).__name__}); its "
+                                                  "process is being restarted")) from None
+                log.exception("%s: prompt rewrite failed", req.request_id)
+                box[0] = ImgEditError(f"the prompt rewrite failed with an internal error (request {req.request_id})")
+            if out_of_memory:
+                self.cleanup(force=True)
+                box[0] = OutOfGpuMemory(f"out of GPU memory on {', '.join(self.devices)} while rewriting the prompt: "
+                                        "try fewer or smaller input images")
+        if together is not None:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(box, src=0, group=together)
+        if isinstance(box[0], ImgEditError):
+            raise _Refused(box[0])
         return box[0]
 
     def _enhance_only(self, job: Job, cancel: threading.Event, started: float) -> EditResult:
-        """A rewrite job: the rewritten prompt (or the user's, with a notice), no image."""
-        from imgedit.runtime import enhance
-
+        """A rewrite job: the rewritten prompt (or None with a notice: the user's is kept), no image."""
         req = job.request
         try:
-            rewritten = enhance.rewrite(self.pipe, req.images, req.prompt, job.params.enhance_tokens, cancel)
-        except torch.OutOfMemoryError:
-            self.cleanup(force=True)
-            raise OutOfGpuMemory(f"out of GPU memory on {', '.join(self.devices)} while rewriting the prompt: "
-                                 "try fewer or smaller input images") from None
-        except ImgEditError:
-            raise
-        except Exception as exc:
-            if is_device_fault(exc):
-                raise FatalError(WorkerFailed(
-                    f"{self.name} hit a GPU fault ({type(exc).__name__}); its process is being restarted")) from None
-            log.exception("%s: prompt rewrite failed", req.request_id)
-            raise ImgEditError(f"the prompt rewrite failed with an internal error (request {req.request_id})") from None
+            rewritten = self._rewrite(job, cancel, None)
+        except _Refused as refused:
+            raise refused.error from None
         return EditResult([], job.params.seed, 0, 0, 0, time.perf_counter() - started, self.name, self.devices,
                           req.request_id, prompt=None if rewritten.notice else rewritten.prompt,
                           notice=rewritten.notice)

@@ -24,17 +24,18 @@ from imgedit.web.tools import user_error
 
 
 def build_enhance_buttons():
-    """(enhance, undo, note, original): to be built right under the prompt box."""
+    """(enhance, undo, note, original, rewritten): to be built right under the prompt box."""
     with gr.Row():
         enhance = gr.Button("✨ Enhance the instruction", size="sm", elem_id="enhance-button")
         undo = gr.Button("Back to my words", size="sm", visible=False, elem_id="enhance-undo")
     note = gr.Markdown(elem_id="enhance-note")
-    original = gr.Textbox(visible=False)  # the user's words before the last Enhance (not a gr.State: no heartbeat)
-    return enhance, undo, note, original
+    # The user's words before Enhance, and the last rewrite (hidden Textboxes, not gr.State: no heartbeat).
+    original, rewritten = gr.Textbox(visible=False), gr.Textbox(visible=False)
+    return enhance, undo, note, original, rewritten
 
 
 def wire_enhance(settings: Settings, manager, files, prompt, controls, concurrency_id: str) -> None:
-    enhance, undo, note, original = controls
+    enhance, undo, note, original, rewritten = controls
 
     async def rewrite(images, text, request: gr.Request | None):
         source = "ui" if request is not None and request.headers.get("referer") else "api"
@@ -50,16 +51,18 @@ def wire_enhance(settings: Settings, manager, files, prompt, controls, concurren
         except Exception as exc:  # asyncio.CancelledError is not an Exception: it goes on (manager.run cancels)
             raise user_error(exc) from None
 
-    async def enhance_page(images, text, request: gr.Request = None):
+    async def enhance_page(images, text, before, last, request: gr.Request = None):
         keep = gr.update()
         try:
             req, result = await rewrite(images, text, request)
         except gr.Error as exc:
-            return keep, keep, f"**{exc.title or 'Not rewritten'}:** {exc.message}", keep
+            return keep, keep, f"**{exc.title or 'Not rewritten'}:** {exc.message}", keep, keep
         if result.prompt is None:
-            return keep, keep, f"Your instruction is unchanged: {html.escape(result.notice or '')}.", keep
-        said = (f"Rewritten by the model in {result.seconds:.1f} s: edit it as you like, or go back to your words.")
-        return result.prompt, gr.update(visible=True), said, req.prompt
+            return keep, keep, f"Your instruction is unchanged: {html.escape(result.notice or '')}.", keep, keep
+        said = f"Rewritten by the model in {result.seconds:.1f} s: edit it as you like, or go back to your words."
+        # Enhance pressed again on the model's own words: "Back to my words" still means the user's.
+        mine = before if before and text == last else req.prompt
+        return result.prompt, gr.update(visible=True), said, mine, result.prompt
 
     async def enhance_prompt(images, prompt, request: gr.Request = None) -> str:
         """Rewrite `prompt` into a clearer edit instruction for `images` with the model's own text encoder;
@@ -67,11 +70,12 @@ def wire_enhance(settings: Settings, manager, files, prompt, controls, concurren
         _, result = await rewrite(images, prompt, request)
         return result.prompt or prompt
 
-    enhance.click(enhance_page, [files, prompt], [prompt, undo, note, original], preprocess=False,
+    enhance.click(enhance_page, [files, prompt, original, rewritten], [prompt, undo, note, original, rewritten],
+                  preprocess=False,
                   concurrency_id=concurrency_id, concurrency_limit=None, show_progress_on=[prompt],
                   api_visibility="private")
-    undo.click(lambda words: (words, gr.update(visible=False), ""), original, [prompt, undo, note], queue=False,
-               api_visibility="private")
+    undo.click(lambda words: (words, gr.update(visible=False), "", ""), original, [prompt, undo, note, rewritten],
+               queue=False, api_visibility="private")
     with gr.Row(visible=False):  # the API's inputs: hidden, without ranges (our checks say what is wrong)
         api_inputs = [gr.File(file_count="multiple"), gr.Textbox()]
         api_output = gr.Textbox(label="prompt")

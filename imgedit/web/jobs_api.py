@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -29,7 +30,17 @@ from imgedit.engine.validation import check_aspect, check_counts, check_params
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.protocol import EditRequest
 from imgedit.web.metrics import Metrics
-from imgedit.web.rest import IMAGE_FIELDS, STATUS, UNAUTHORIZED, _float, _int, _size, owner_of, speed_fields
+from imgedit.web.rest import (
+    IMAGE_FIELDS,
+    STATUS,
+    UNAUTHORIZED,
+    _float,
+    _int,
+    _size,
+    mask_fields,
+    owner_of,
+    speed_fields,
+)
 
 log = logging.getLogger(__name__)
 SET_FIELD = re.compile(r"set(\d{1,4})(\[\])?")
@@ -57,9 +68,11 @@ def _restored_view(job_id: str, entries: list[HistoryEntry]) -> dict:
     """A REST edit (/v1/images/edits), stored as a one-item job, or a job from before job records."""
     first = entries[0]
     items = [{"index": e.item, "name": e.name, "state": "succeeded", "seed": e.seed, "step": e.steps,
-              "total_steps": e.steps, "error": None, "outputs": e.outputs} for e in entries]
-    settings = {"prompt": first.prompt, "num_inference_steps": first.steps, "n": first.num_images,
-                "speed": first.speed, "lora": first.lora, "lora_scale": first.lora_scale}
+              "total_steps": e.steps, "error": None, "outputs": e.outputs,
+              "revised_prompt": e.prompt if e.original_prompt else None} for e in entries]
+    settings = {"prompt": first.original_prompt or first.prompt, "num_inference_steps": first.steps,
+                "n": first.num_images, "speed": first.speed, "lora": first.lora, "lora_scale": first.lora_scale,
+                "enhance_prompt": first.original_prompt is not None}
     return {**job_view(job_id, "succeeded", first.created, None, settings, items), "restored": True}
 
 
@@ -198,9 +211,6 @@ async def _parse(request: Request, settings: Settings, manager) -> tuple[EditReq
         raise InvalidInput(f"malformed multipart body ({type(exc).__name__})") from None
 
     # The cheap fields first: a request without a prompt (or with a bad number) costs no file read.
-    if form.getlist("mask"):
-        raise InvalidInput("a job does not take a mask yet: send masked edits one at a time to /v1/images/edits",
-                           "mask")
     prompt = form.get("prompt")
     if not isinstance(prompt, str):
         raise InvalidInput("prompt is required (a text field)", "prompt")
@@ -210,7 +220,9 @@ async def _parse(request: Request, settings: Settings, manager) -> tuple[EditReq
         images=(), prompt=prompt, negative_prompt=negative if isinstance(negative, str) else "",
         seed=_int(form, "seed", None), num_inference_steps=_int(form, "num_inference_steps", None),
         true_cfg_scale=_float(form, "true_cfg_scale"), num_images=_int(form, "n", 1),
-        width=width, height=height, **speed_fields(form), source="rest")  # every item runs with these
+        width=width, height=height, **speed_fields(form), mask_grow=_int(form, "mask_grow", None),
+        mask_feather=_int(form, "mask_feather", None), strength=_float(form, "strength"),
+        source="rest")  # every item runs with these
     check_params(template, settings, manager.family, manager.prompt_tokens)
     # Then count the input sets from the field names alone (a zip counts once here, its members below).
     numbered = sorted((int(m.group(1)), key) for key in set(form.keys()) if (m := SET_FIELD.fullmatch(key)))
@@ -250,16 +262,29 @@ async def _parse(request: Request, settings: Settings, manager) -> tuple[EditReq
         check_counts(len(raws), manager.family)
     # Check every image now, so a bad file is refused before anything runs: one at a time, its
     # pixels dropped at once (the bytes are kept, not the pixels, while items wait).
-    await asyncio.to_thread(check_images, sets, settings, manager.family)
+    firsts = await asyncio.to_thread(check_images, sets, settings, manager.family)
+    if form.getlist("mask"):  # one mask for every item: each item's first image must have its size
+        masking = await mask_fields(form, settings, firsts[0])
+        for (name, _), size in zip(sets, firsts, strict=True):
+            if size != firsts[0]:
+                raise InvalidInput(f"{name} is {size[0]}x{size[1]} but the mask is {firsts[0][0]}x{firsts[0][1]}: "
+                                   "one mask is used for every item, so each item's first image must be its size",
+                                   "mask")
+        template = replace(template, mask=masking["mask"])
     return template, sets
 
 
-def check_images(sets: list[tuple[str, list[bytes]]], settings: Settings, family: str) -> None:
+def check_images(sets: list[tuple[str, list[bytes]]], settings: Settings, family: str) -> list[tuple[int, int]]:
     """Decode each image alone (its header is checked against MAX_INPUT_PIXELS before any pixel is
-    decoded) and check its aspect as /v1/images/edits does; never more than one image in memory."""
+    decoded) and check its aspect as /v1/images/edits does; never more than one image in memory.
+    Returns each set's first image's size (a mask must match it)."""
+    firsts = []
     for name, raws in sets:
         for k, raw in enumerate(raws):
             label = name if len(raws) == 1 else f"{name} (image {k + 1})"
             image = open_image(raw, settings.max_input_pixels, label)
             check_aspect(image.size, family, label)
+            if k == 0:
+                firsts.append(image.size)
             del image
+    return firsts
