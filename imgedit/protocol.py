@@ -37,6 +37,7 @@ class EditRequest:
     mask_grow: int | None = None  # pixels the mask is grown by; None = 0
     mask_feather: int | None = None  # pixels of soft edge inside the mask; None = masks.DEFAULT_FEATHER
     strength: float | None = None  # (0, 1]: how far from the input the masked area may go; None = 1
+    cache: str | None = None  # step cache for a quality edit: none | first-block | taylorseer; None = CACHE
     enhance_prompt: bool = False  # rewrite the prompt with the model's text encoder first (imgedit.runtime.enhance)
     request_id: str = field(default_factory=new_request_id)
     source: str = "ui"  # ui | api | rest: for logs and metrics
@@ -106,6 +107,7 @@ class ManagerStatus:
     error: str | None = None
     loras: tuple[dict, ...] = ()  # the LoRAs every worker loaded: name, lightning_steps, rank, layers, file
     weights_mib: dict[str, float] = field(default_factory=dict)  # per GPU, as planned (the placement's sizes)
+    cache: str = "none"  # CACHE: the step cache quality edits get unless they ask otherwise
 
     @property
     def healthy_workers(self) -> int:
@@ -131,6 +133,8 @@ class Resolved:
     strength: float = 1.0
     task: str = "edit"  # edit | enhance (rewrite the prompt only: no image is made)
     enhance_tokens: int = 0  # > 0: rewrite the prompt first, with at most this many new tokens
+    cache: str = "none"  # none | first-block | taylorseer (imgedit.runtime.step_cache)
+    cache_threshold: float = 0.0  # first-block's threshold
 
     @property
     def image_seeds(self) -> tuple[int, ...]:

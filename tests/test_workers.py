@@ -92,6 +92,13 @@ def test_an_enhanced_edit_on_a_pair_is_the_one_process_image_and_a_cancelled_rew
     assert pair.edit(request(negative_prompt="blurry")).images  # (a rank stuck in a collective would hang here)
 
 
+def test_a_step_cache_on_a_pair_is_the_one_process_image(pair, plus_manager):
+    """Each rank's cache hooks see only its own branch, as the one-process pipeline's cond and uncond contexts."""
+    for cache in ("first-block", "taylorseer"):
+        asked = dict(cache=cache, negative_prompt="blurry", num_inference_steps=8)
+        assert np.array_equal(pixels(pair.edit(request(**asked))), pixels(plus_manager.edit(request(**asked))))
+
+
 def test_pair_with_cfg_off_runs_on_one_rank_and_matches(pair, plus_manager):
     probe = ConcurrencyProbe(pair)
     two = pair.edit(request(true_cfg_scale=1.0, seed=9))

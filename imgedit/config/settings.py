@@ -102,6 +102,12 @@ REGISTRY: tuple[Var, ...] = (
     Var("ENCODE_CACHE", "8", _int_range(0, 256),
         "Input encodings each worker keeps: the same image edited again is not VAE-encoded again, the same "
         "prompt with the same images not text-encoded again (exact: the stored results); 0 = off"),
+    Var("CACHE", "none", _choice("none", "first-block", "taylorseer"),
+        "Step cache for quality edits (diffusers' cache hooks): none | first-block (skip the other blocks when the "
+        "first block's residual barely changed) | taylorseer (forecast blocks between full steps); lossy, opt-in; "
+        "a request's `cache` field overrides it"),
+    Var("CACHE_THRESHOLD", "0.08", _float_range(0.0, 10.0),
+        "first-block: how little the first block's residual may change (relative) for a step to reuse the rest"),
     Var("ENHANCE_MAX_TOKENS", "160", _int_range(16, 1024),
         "Most new tokens a prompt rewrite (Enhance, enhance_prompt) may write; a rewrite cut at this limit is "
         "not used (the user's prompt is, with a notice)"),
@@ -185,6 +191,8 @@ class Settings:
     compile: str = "auto"
     encode_cache: int = 8
     enhance_max_tokens: int = 160
+    cache: str = "none"
+    cache_threshold: float = 0.08
     compile_cache_dir: str = "~/.cache/imgedit/compile"
     worker_restarts: int = 3
     worker_start: str = "spawn"

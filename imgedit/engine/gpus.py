@@ -293,6 +293,7 @@ def snapshot(monitor: GpuMonitor, status: ManagerStatus, history: bool = False, 
         "waiting": status.waiting,
         "ready": status.ready,
         "loras": list(status.loras),
+        "cache": status.cache,
         "history_window_s": monitor.history.window_s,
         "history_interval_s": monitor.history.interval_s,
     }

@@ -118,6 +118,8 @@ def settings_text(req, params, model: str, size: tuple[int, int], rewritten: str
         text["lora_scale"] = ",".join(f"{scale:g}" for _, scale in adapters)
     if rewritten is not None:
         text.update(prompt=rewritten, original_prompt=req.prompt)
+    if getattr(params, "cache", "none") != "none":  # lossy: the PNG says which step cache made it
+        text["cache"] = params.cache if params.cache != "first-block" else f"first-block:{params.cache_threshold:g}"
     if getattr(req, "speed", None):
         text["speed"] = req.speed
     if getattr(req, "mask", None) is not None:  # which mask (its hash), and how it was applied

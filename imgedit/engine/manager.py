@@ -24,7 +24,16 @@ from imgedit.engine.inspection import inspect_checkpoint
 from imgedit.engine.pool import WorkerHandle, wait_result
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.engine.validation import resolve, resolve_enhance
-from imgedit.errors import Cancelled, ImgEditError, NotReady, OutOfGpuMemory, PlacementError, QueueFull, WorkerFailed
+from imgedit.errors import (
+    Cancelled,
+    ImgEditError,
+    InvalidInput,
+    NotReady,
+    OutOfGpuMemory,
+    PlacementError,
+    QueueFull,
+    WorkerFailed,
+)
 from imgedit.planning.checkpoint import Checkpoint, open_checkpoint
 from imgedit.planning.memory import bytes_item, plan_memory
 from imgedit.planning.plan import GpuSpec, Plan
@@ -88,8 +97,19 @@ class PipelineManager:
         return max(1, len(self._plan.workers)) if self._plan else 1
 
     def compile_enabled(self, plan) -> bool:
+        """COMPILE=auto compiles GPU workers, unless CACHE is on (the cache hooks are measured eager)."""
         mode = self.settings.compile
-        return mode == "on" or (mode == "auto" and plan.execution_device.startswith("cuda"))
+        return mode == "on" or (mode == "auto" and plan.execution_device.startswith("cuda")
+                                and self.settings.cache == "none")
+
+    def cache_refusal(self) -> str | None:
+        """Why this server's workers cannot run a step cache, or None."""
+        if any(w.plan.ulysses > 1 for w in self.workers):
+            return ("a Ulysses group splits each forward's sequence over its GPUs, and each would decide to skip "
+                    "blocks on its own part")
+        if any(self.compile_enabled(w.plan) for w in self.workers):
+            return "the workers are compiled (COMPILE=on); the cache hooks run with COMPILE=off or auto"
+        return None
 
     def prepare(self) -> PipelineManager:
         """Open the checkpoint and plan the placement (seconds, no weights): the edges need the
@@ -138,6 +158,12 @@ class PipelineManager:
             compiled = "on" if self.compile_enabled(worker.plan) else "off"
             log.info("%s: %d process(es), compile %s, encode cache %s", worker.name, worker.plan.ranks, compiled,
                      f"{s.encode_cache} input(s)" if s.encode_cache else "off")
+        if s.cache != "none":
+            if (refusal := self.cache_refusal()) is not None:
+                self.load_error = f"CACHE={s.cache} cannot run here: {refusal}"
+                raise PlacementError(self.load_error)
+            log.info("step cache for quality edits: %s%s", s.cache,
+                     f" (threshold {s.cache_threshold:g})" if s.cache == "first-block" else "")
         return self
 
     def _handle(self, plan) -> WorkerHandle:
@@ -299,6 +325,8 @@ class PipelineManager:
             else:
                 params = resolve(req, self.settings, self.family, req.images[-1].size if req.images else None,
                                  len(req.images), self.prompt_tokens)
+                if params.cache != "none" and (refusal := self.cache_refusal()) is not None:
+                    raise InvalidInput(f"cache {params.cache} is not available on this server: {refusal}", "cache")
             steps = params.steps
             worker = self._acquire(cancel, on_wait, req.client)
             if cancel.is_set():
@@ -337,7 +365,9 @@ class PipelineManager:
             ready=self.ready, model=self.settings.model_source, family=self.family,
             mode=plan.mode if plan else "-", reason=plan.reason if plan else "planning",
             waiting=self.waiting(), workers=tuple(w.status() for w in self.workers), error=self.load_error,
-            loras=tuple(f.describe() for f in self.loras), weights_mib=self._planned_weights())
+            loras=tuple(f.describe() for f in self.loras), weights_mib=self._planned_weights(),
+            cache=self.settings.cache if self.settings.cache != "first-block"
+            else f"first-block (threshold {self.settings.cache_threshold:g})")
 
     def _planned_weights(self) -> dict[str, float]:
         """MiB of weights the plan put on each local GPU (the panel uses it until a worker measured

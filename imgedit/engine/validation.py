@@ -170,7 +170,24 @@ def resolve(req: EditRequest, settings: Settings, family: str,
     adapters = lora_adapters(req, settings, preset)
     return Resolved(int(steps), float(cfg), negative, int(seed), int(req.num_images), width, height, adapters,
                     "default" if preset is None else "lightning", grow, feather, strength,
-                    enhance_tokens=settings.enhance_max_tokens if req.enhance_prompt else 0)
+                    enhance_tokens=settings.enhance_max_tokens if req.enhance_prompt else 0,
+                    cache=step_cache(req, settings, preset), cache_threshold=settings.cache_threshold)
+
+
+CACHES = ("none", "first-block", "taylorseer")
+
+
+def step_cache(req: EditRequest, settings: Settings, preset) -> str:
+    """The request's `cache`, else CACHE; for quality edits only (a Lightning preset's 4 or 8 steps leave
+    nothing to skip: asked for explicitly, that is refused; CACHE alone does not apply to them)."""
+    if req.cache is not None and req.cache not in CACHES:
+        raise InvalidInput(f"cache must be one of {', '.join(CACHES)}, got {str(req.cache)[:40]!r}", "cache")
+    if preset is not None:
+        if req.cache not in (None, "none"):
+            raise InvalidInput(f"cache {req.cache} is for quality edits; speed {req.speed} runs a few Lightning "
+                               "steps with nothing to skip: leave cache out", "cache")
+        return "none"
+    return req.cache or settings.cache
 
 
 def resolve_enhance(req: EditRequest, settings: Settings, family: str, n_images: int | None,

@@ -62,6 +62,9 @@ class Runner:
 
             self.group = ParallelGroup(pipe.transformer, parallel, rank, world, ulysses, cuda, group)
         self.adapters = adapters  # imgedit.runtime.adapters.Adapters: the job's LoRAs and scheduler
+        from imgedit.runtime.step_cache import StepCache
+
+        self.step_cache = StepCache(pipe.transformer)  # CACHE / a request's cache (quality edits)
         self.cfg_batch = None  # BATCH_CFG: both CFG branches in one forward (a group splits them instead)
         if batch_cfg and self.group is None:
             from imgedit.runtime.cfg_batch import CfgBatch
@@ -122,6 +125,7 @@ class Runner:
                 raise ImgEditError("this worker has no LoRAs loaded")
             if self.cfg_batch is not None:
                 self.cfg_batch.begin(self._cfg_on(job))
+            self.step_cache.use(params.cache, params.cache_threshold)
             with torch.inference_mode():
                 if req.mask is not None:
                     from imgedit.runtime.masking import MaskedEdit
@@ -157,6 +161,7 @@ class Runner:
                 self.cfg_batch.begin(False)
             if self.adapters is not None:  # no adapter outlives its job (done, failed or cancelled)
                 self.adapters.reset()
+            self.step_cache.end()  # nor a step cache's state
         if out_of_memory:
             log.warning("%s: out of GPU memory on %s", req.request_id, ",".join(self.devices))
             self.cleanup(force=True)

@@ -65,21 +65,35 @@ def canvas_for(files, shown: str):
     try:
         with open(paths[0], "rb") as f:
             digest = hashlib.sha256(f.read()).hexdigest()
-    except OSError:  # gone from the upload cache: the edit says so
-        return gr.skip(), shown
+        with Image.open(paths[0]) as image:  # only a readable image goes on the canvas (the upload check
+            image.verify()  # leaves the others out and says why)
+    except Exception:  # noqa: BLE001 - gone from the upload cache, or not an image: an empty canvas
+        return (None, "") if shown else (gr.skip(), "")
     if digest == shown:
         return gr.skip(), shown
     return {"background": paths[0], "layers": [], "composite": paths[0]}, digest
 
 
+def _open(data) -> Image.Image | None:
+    """One image of the editor's raw value (a file in the upload cache), or None."""
+    try:
+        [path] = uploaded_paths(data, "mask")
+        with Image.open(path) as image:
+            image.load()
+            return image.copy()
+    except Exception:  # noqa: BLE001 - no file, a file elsewhere, not an image: nothing painted there
+        return None
+
+
 def painted_mask(value) -> str:
-    """The painted strokes as a mask file (white = edit) in the upload cache; "" when nothing is painted."""
-    if not isinstance(value, dict) or value.get("background") is None:
+    """The painted strokes as a mask file (white = edit) in the upload cache; "" when nothing is painted.
+    Reads the editor's raw value (preprocess=False): a background that is no image means no mask."""
+    if not isinstance(value, dict) or (background := _open(value.get("background"))) is None:
         return ""
-    size = value["background"].size
+    size = background.size
     painted = np.zeros((size[1], size[0]), bool)
     for layer in value.get("layers") or []:
-        if layer is not None and layer.mode in ("RGBA", "LA"):
+        if (layer := _open(layer)) is not None and layer.mode in ("RGBA", "LA", "P"):
             alpha = np.asarray(layer.convert("RGBA").resize(size))[:, :, 3]
             painted |= alpha > 0
     if not painted.any():

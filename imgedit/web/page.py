@@ -105,14 +105,14 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
 
     def validate(images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
                  num_images, width, height, speed=None, lora=None, lora_scale=None, mask=None, mask_grow=None,
-                 mask_feather=None, strength=None, enhance_prompt=None):
+                 mask_feather=None, strength=None, enhance_prompt=None, cache=None):
         """Runs before an API job enters the queue: bad input costs nothing else. The message goes to
         the input at fault."""
         verdicts = [gr.validate(True, "")] * len(FIELDS)
         try:
             req = build_request(settings, manager.family, images, prompt, negative_prompt, seed, randomize_seed,
                                 num_inference_steps, true_cfg_scale, num_images, width, height, speed, lora, lora_scale,
-                                mask, mask_grow, mask_feather, strength, enhance_prompt, source="validator")
+                                mask, mask_grow, mask_feather, strength, enhance_prompt, cache, source="validator")
             check_params(req, settings, manager.family, manager.prompt_tokens)
         except ImgEditError as exc:
             at = FIELDS.index(exc.field) if exc.field in FIELDS else 0
@@ -152,15 +152,16 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
 
     async def edit(images, prompt, negative_prompt="", seed=0, randomize_seed=True, num_inference_steps=None,
                    true_cfg_scale=None, num_images=1, width=0, height=0, speed="quality", lora="none", lora_scale=1.0,
-                   mask=None, mask_grow=None, mask_feather=None, strength=None, enhance_prompt=False,
+                   mask=None, mask_grow=None, mask_feather=None, strength=None, enhance_prompt=False, cache=None,
                    request: gr.Request = None, progress=gr.Progress()):
         """Edit the images as the prompt says; returns the result images and the seed used. With `mask` (an
         image the first image's size: white, or fully transparent, marks where to edit) only that area
         changes and the result is the first image's size. With `enhance_prompt` the model's text encoder rewrites
-        the prompt first (each PNG then carries the prompt used and the original_prompt)."""
+        the prompt first (each PNG then carries the prompt used and the original_prompt). `cache` (none,
+        first-block, taylorseer; default: the server's CACHE) speeds up a quality edit, lossily."""
         _, result = await run_edit((images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
                                     true_cfg_scale, num_images, width, height, speed, lora, lora_scale,
-                                    mask, mask_grow, mask_feather, strength, enhance_prompt),
+                                    mask, mask_grow, mask_feather, strength, enhance_prompt, cache),
                                    request, progress)
         return result.images, result.seed
 
@@ -281,7 +282,8 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
             api_inputs = [gr.File(file_count="multiple"), gr.Textbox(), gr.Textbox(""), gr.Number(0),
                           gr.Checkbox(True), gr.Number(None), gr.Number(None), gr.Number(1), gr.Number(0),
                           gr.Number(0), gr.Textbox("quality"), gr.Textbox("none"), gr.Number(1.0),
-                          gr.File(), gr.Number(None), gr.Number(None), gr.Number(None), gr.Checkbox(False)]
+                          gr.File(), gr.Number(None), gr.Number(None), gr.Number(None), gr.Checkbox(False),
+                          gr.Textbox(None)]
             api_outputs = [gr.Gallery(format="png", label="images"), gr.Number(label="seed")]
             api_button = gr.Button()
 
@@ -302,7 +304,8 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         cleared = run.click(lambda: ("", gr.update(interactive=True)), None, [message, stop], queue=False,
                             api_visibility="private")
         # The painted strokes become a mask file first (the canvas's own preprocessing reads them).
-        masked = cleared.then(painted_mask, canvas, mask_inputs[0], queue=False, api_visibility="private")
+        masked = cleared.then(painted_mask, canvas, mask_inputs[0], queue=False, preprocess=False,
+                              api_visibility="private")
         event = masked.then(edit_page, edit_inputs + mask_inputs, page_outputs, api_visibility="private",
                             concurrency_id=GPU_GROUP, concurrency_limit=line, preprocess=False,
                             show_progress_on=[result])

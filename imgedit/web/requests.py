@@ -15,7 +15,7 @@ from imgedit.web.uploads import uploaded_paths
 # The `/edit` API's parameters, in order (README documents them).
 FIELDS = ("images", "prompt", "negative_prompt", "seed", "randomize_seed", "num_inference_steps",
           "true_cfg_scale", "num_images", "width", "height", "speed", "lora", "lora_scale", "mask", "mask_grow",
-          "mask_feather", "strength", "enhance_prompt")
+          "mask_feather", "strength", "enhance_prompt", "cache")
 
 
 def _number(value, name: str, default=None):
@@ -42,7 +42,7 @@ def _text(value, name: str) -> str:
 def build_request(settings: Settings, family: str, images, prompt, negative_prompt, seed, randomize_seed,
                   num_inference_steps, true_cfg_scale, num_images, width, height, speed=None, lora=None,
                   lora_scale=None, mask=None, mask_grow=None, mask_feather=None, strength=None,
-                  enhance_prompt=None, *, source: str) -> EditRequest:
+                  enhance_prompt=None, cache=None, *, source: str) -> EditRequest:
     """Parse one event's raw values. Every file must lie in Gradio's upload cache (imgedit.web.uploads)."""
     paths = uploaded_paths(images)
     check_counts(len(paths), family)
@@ -64,7 +64,8 @@ def build_request(settings: Settings, family: str, images, prompt, negative_prom
         num_inference_steps=_number(num_inference_steps, "num_inference_steps"),
         true_cfg_scale=_number(true_cfg_scale, "true_cfg_scale"), num_images=_number(num_images, "num_images", 1),
         width=_number(width, "width", 0) or None, height=_number(height, "height", 0) or None, speed=speed,
-        lora=lora, lora_scale=lora_scale, enhance_prompt=_flag(enhance_prompt, "enhance_prompt"), source=source)
+        lora=lora, lora_scale=lora_scale, enhance_prompt=_flag(enhance_prompt, "enhance_prompt"),
+        cache=_text(cache, "cache") or None, source=source)
 
 
 def _flag(value, name: str) -> bool:

@@ -103,14 +103,14 @@ def _bool(form, name: str) -> bool:
 
 
 def speed_fields(form) -> dict:
-    """`speed`, `lora`, `lora_scale` and `enhance_prompt` of a form as EditRequest fields
+    """`speed`, `lora`, `lora_scale`, `enhance_prompt` and `cache` of a form as EditRequest fields
     (validation.resolve checks the values); shared by /v1/images/edits and /v1/jobs."""
-    speed, lora = form.get("speed"), form.get("lora")
-    for name, value in (("speed", speed), ("lora", lora)):
+    speed, lora, cache = form.get("speed"), form.get("lora"), form.get("cache")
+    for name, value in (("speed", speed), ("lora", lora), ("cache", cache)):
         if value is not None and not isinstance(value, str):
             raise InvalidInput(f"{name} must be a text field", name)
     return {"speed": speed or None, "lora": lora or None, "lora_scale": _float(form, "lora_scale"),
-            "enhance_prompt": _bool(form, "enhance_prompt")}
+            "enhance_prompt": _bool(form, "enhance_prompt"), "cache": cache or None}
 
 
 def _size(raw: str | None) -> tuple[int | None, int | None]:
