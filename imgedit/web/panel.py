@@ -227,7 +227,7 @@ def panel_html(data: dict) -> str:
             parts.append(f'<small class="gp-foot worker-weights">{escape(w["name"])} weights: {escape(line)}</small>')
     parts.append(f'<small class="gp-foot">placement: {escape(str(data.get("placement_mode", "")))} — '
                  f'{escape(str(data.get("placement_reason", "")))}; '
-                 f'step cache: {escape(str(data.get("cache", "none")))}'
+                 f'CACHE: {escape(str(data.get("cache", "none")))}'
                  f'; waiting: {int(data.get("waiting") or 0)}'
                  + (f'; batch items not yet done: {int(data["batch_items"])}' if data.get("batch_items") else "")
                  + '</small>')
