@@ -352,3 +352,22 @@ def test_locations_are_named_as_the_panel_names_gpus():
     from imgedit.runtime.offload import _where
 
     assert (_where("cuda:1"), _where("cuda"), _where("cpu")) == ("GPU 1", "GPU 0", "CPU")
+
+
+def test_a_prompt_rewrite_runs_on_a_streamed_text_encoder_and_writes_the_same(plus_ckpt, plus_pipe):
+    """#25 on OFFLOAD=text_encoder's hooks (every generated token runs the hooked layers): the same greedy
+    answer, token for token, as the text encoder without them."""
+    import threading
+
+    from imgedit.model.encoding import install_token_type_fix
+    from imgedit.runtime.enhance import rewrite
+
+    memory = MemoryMode(offload_text_encoder=True)
+    plan = WorkerPlan("local", {c: Placement("cpu") for c in COMPONENTS}, memory=memory)
+    pipe = loader.load_pipeline(loader.open_checkpoint(str(plus_ckpt)), plan, torch.float32)
+    install_token_type_fix(pipe.text_encoder)
+    images = [picture(96, 64), picture(64, 64, (200, 40, 40))]
+    streamed = rewrite(pipe, images, "make it winter", 24, threading.Event())
+    plain = rewrite(plus_pipe.pipe, images, "make it winter", 24, threading.Event())
+    assert streamed.new_tokens == plain.new_tokens == 24 and streamed.token_ids == plain.token_ids
+    assert len(set(plain.token_ids)) > 1  # a varied sequence, so the equality says something

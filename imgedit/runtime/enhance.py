@@ -37,6 +37,8 @@ class Rewrite:
     notice: str | None  # why the original was kept (None: the rewrite is used)
     new_tokens: int
     seconds: float
+    answer: str = ""  # what the model wrote (cleaned), used or not: for logs and tests
+    token_ids: tuple[int, ...] = ()  # the new tokens, as generated
 
 
 class _Stop:
@@ -85,11 +87,11 @@ def rewrite(pipe, images, prompt: str, max_new_tokens: int, cancel: threading.Ev
     seconds = time.perf_counter() - started
     if not finished:
         notice = f"the rewrite was cut at the {max_new_tokens}-token limit: the original instruction was kept"
-        return Rewrite(prompt, prompt, notice, len(new), seconds)
+        return Rewrite(prompt, prompt, notice, len(new), seconds, answer, tuple(new))
     if not answer:
         return Rewrite(prompt, prompt, "the rewrite came back empty: the original instruction was kept",
-                       len(new), seconds)
-    return Rewrite(answer, prompt, None, len(new), seconds)
+                       len(new), seconds, answer, tuple(new))
+    return Rewrite(answer, prompt, None, len(new), seconds, answer, tuple(new))
 
 
 def _clean(text: str) -> str:
