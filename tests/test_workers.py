@@ -78,7 +78,7 @@ def test_an_enhanced_edit_on_a_pair_is_the_one_process_image_and_a_cancelled_rew
     assert np.array_equal(pixels(two), pixels(by_hand))
     assert pair.enhance(EditRequest(images=(picture(),), prompt=f"x [rewrite:{words}]")).prompt == words
     cancel = threading.Event()
-    threading.Timer(1.0, cancel.set).start()
+    threading.Timer(3.0, cancel.set).start()
     with pytest.raises(Cancelled, match="rewrite"):
         pair.edit(request(prompt="slow [rewrite-slow]", enhance_prompt=True, negative_prompt="blurry"), cancel=cancel)
     # Rank 0's rewrite fails or runs out of memory: both ranks stop with its message, in step (no restart).
