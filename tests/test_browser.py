@@ -277,6 +277,9 @@ def test_an_upload_over_max_file_size_says_the_limit_as_the_setting_wrote_it(bro
 def test_paint_a_mask_and_only_that_area_changes(browser, server, manager, photos, tmp_path):
     """#26: paint a stroke over the first input in the Mask canvas, edit; the result keeps every pixel the
     stroke did not touch (its size is the input's), and its PNG records the mask."""
+    import io
+    from urllib.parse import urljoin
+
     import numpy as np
     from playwright.sync_api import expect
 
@@ -319,6 +322,12 @@ def test_paint_a_mask_and_only_that_area_changes(browser, server, manager, photo
     after = np.asarray(result.convert("RGB"), dtype=np.int16)
     assert (before[~painted] == after[~painted]).all()  # every pixel the stroke did not touch
     assert np.abs(before - after)[painted].mean() > 10  # the stroke's area changed
+    # The before/after slider's "before" shows the mask: the painted area tinted, the rest the input's.
+    src = page.locator("#compare img").first.get_attribute("src")
+    shown = Image.open(io.BytesIO(page.request.get(urljoin(server.url + "/", src)).body())).convert("RGB")
+    shown = np.asarray(shown, dtype=np.int16)
+    assert shown.shape == before.shape and (shown[~painted] == before[~painted]).all()
+    assert np.abs(shown - before)[painted].mean() > 10
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "browser-mask.png"), full_page=True)
 

@@ -232,6 +232,24 @@ def test_the_before_after_view_keeps_the_inputs_aspect():
     assert sum(pixels[x, 32][0] > 150 for x in range(64)) in range(30, 35)  # 60:120 at a height of 64: ~32 wide
 
 
+def test_after_a_masked_edit_the_before_side_shows_where_the_mask_let_it_change():
+    """#26: the before/after slider's "before" is the input with the mask's area tinted (the brush's
+    colour), every other pixel the input's."""
+    import numpy as np
+
+    from imgedit.web.tools import MASK_TINT, compare_pair
+
+    first = Image.new("RGB", (96, 64), (20, 120, 60))
+    mask = Image.new("L", (96, 64), 0)
+    mask.paste(255, (10, 10, 40, 30))
+    before, after = compare_pair(first, first.copy(), mask)
+    shown, plain = np.asarray(before, dtype=np.int16), np.asarray(first, dtype=np.int16)
+    inside = np.asarray(mask) == 255
+    assert (shown[~inside] == plain[~inside]).all()
+    expected = (0.6 * plain[inside] + 0.4 * np.array(MASK_TINT)).round()
+    assert np.abs(shown[inside] - expected).max() <= 1 and after.size == before.size
+
+
 def test_step_progress_and_place_in_line_reach_the_client(client, server_manager, image_file):
     """gr.Progress is fed from the manager's threads: the client must see step units move."""
     job = client.submit(*edit_args([image_file], steps=12), api_name="/edit")

@@ -189,7 +189,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
             done += " Only the painted area of the first image changed; the result has its size."
         if notices := frame_notices(req.images):  # e.g. an animated GIF: its first frame was edited
             done += "\n\n**Note:** " + "; ".join(notices) + "."
-        return result.images, done, compare_pair(req.images[0], result.images[0]), 0, ""
+        return result.images, done, compare_pair(req.images[0], result.images[0], req.mask), 0, ""
 
     def gpu_status() -> dict:
         """Per GPU: index, name, used/total MiB, utilisation, what is placed on it, the step it runs

@@ -198,8 +198,18 @@ class PageTools:
         return gr.update(value=download_copy(chosen) if chosen else None, interactive=chosen is not None)
 
 
-def compare_pair(first: Image.Image, image: Image.Image) -> tuple[Image.Image, Image.Image]:
+MASK_TINT = (255, 45, 111)  # the page's mask brush colour
+
+
+def compare_pair(first: Image.Image, image: Image.Image, mask: Image.Image | None = None
+                 ) -> tuple[Image.Image, Image.Image]:
     """Before/after at the result's size (the slider needs two images of one size): the first input in its
-    own aspect, bordered where it differs from the result's (it was squashed)."""
+    own aspect, bordered where it differs from the result's (it was squashed). After a masked edit (the
+    result is then the first input's size) the "before" side shows the mask: the area that could change,
+    tinted in the brush's colour."""
     before = ImageOps.pad(first.convert("RGB"), image.size, Image.Resampling.LANCZOS, color=(128, 128, 128))
+    if mask is not None and mask.size == before.size:
+        tint = Image.new("RGB", before.size, MASK_TINT)
+        before = Image.composite(Image.blend(before, tint, 0.4), before, mask.convert("L").point(
+            lambda v: 255 if v >= 128 else 0))
     return before, image
