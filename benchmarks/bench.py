@@ -82,6 +82,37 @@ def reference_image(size: int) -> Image.Image:
     return image
 
 
+def one_gpu_parser(doc: str, steps: int, repeats: int) -> argparse.ArgumentParser:
+    """The options every one-GPU manager benchmark takes (bench_mask, bench_enhance, bench_cache)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--ckpt", default="/tmp/qwen-image-edit-real-random")
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--json", default="")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, 64x64")
+    return parser
+
+
+def one_gpu_settings(args, tiny_steps: int, **env) -> tuple[object, int, int]:
+    """(settings, size, steps): the real-size random checkpoint on cuda:0 (built once at --ckpt), or the tiny
+    one on the CPU with --tiny; COMPILE off, ENCODE_CACHE 0, plus `env`."""
+    import tempfile
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.tiny:
+        ckpt = build_checkpoint(Path(tempfile.mkdtemp()) / "tiny", kind="plus")
+        device_map, size, steps = "cpu", 64, tiny_steps
+    else:
+        ckpt = Path(args.ckpt)
+        if not (ckpt / "model_index.json").is_file():
+            build_checkpoint(ckpt, kind="plus", size="real")
+        device_map, size, steps = "cuda:0", args.size, args.steps
+    settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": device_map, "COMPILE": "off",
+                              "ENCODE_CACHE": "0", "LOG_LEVEL": "INFO", **env})
+    return settings, size, steps
+
+
 class StepClock:
     def __init__(self):
         self.times: list[float] = []

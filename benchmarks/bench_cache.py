@@ -14,7 +14,6 @@ for a trained model (the blocks' outputs of a random model change differently fr
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -30,11 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
-from bench import finite_check, reference_image, request, timed  # noqa: E402
+from bench import finite_check, one_gpu_parser, one_gpu_settings, reference_image, request, timed  # noqa: E402
 
-from imgedit.config.settings import load_settings  # noqa: E402
 from imgedit.engine.manager import PipelineManager  # noqa: E402
-from imgedit.model.demo_checkpoint import build_checkpoint  # noqa: E402
 
 log = logging.getLogger("bench_cache")
 MODES = ("none", "first-block", "taylorseer")
@@ -65,28 +62,13 @@ def fidelity(latents, reference_latents, image, reference_image_) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ckpt", default="/tmp/qwen-image-edit-real-random")
-    parser.add_argument("--size", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser = one_gpu_parser(__doc__, steps=40, repeats=2)
     parser.add_argument("--threshold", default="0.08")
-    parser.add_argument("--json", default="")
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, 64x64")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.tiny:
-        ckpt = build_checkpoint(Path(tempfile.mkdtemp()) / "tiny", kind="plus")
-        device_map, size, steps = "cpu", 64, 12
-    else:
-        ckpt = Path(args.ckpt)
-        if not (ckpt / "model_index.json").is_file():
-            build_checkpoint(ckpt, kind="plus", size="real")
-        device_map, size, steps = "cuda:0", args.size, args.steps
+    settings, size, steps = one_gpu_settings(args, tiny_steps=12, CACHE_THRESHOLD=args.threshold)
+    device_map = "cpu" if args.tiny else "cuda:0"
     latents_file = Path(tempfile.mkdtemp()) / "latents.pt"
     os.environ["BENCH_LATENTS"] = str(latents_file)  # the worker inherits it
-    settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": device_map, "COMPILE": "off",
-                              "ENCODE_CACHE": "0", "LOG_LEVEL": "INFO", "CACHE_THRESHOLD": args.threshold})
     t0 = time.perf_counter()
     manager = PipelineManager(settings, worker_hook="bench_cache:hooks").load(timeout=540)
     image = reference_image(size)

@@ -15,12 +15,10 @@ every 10 ms), and an edit (--steps, CFG 4) after an edit against the same edit r
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,11 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import finite_check, reference_image, request, timed  # noqa: E402
+from bench import finite_check, one_gpu_parser, one_gpu_settings, reference_image, request, timed  # noqa: E402
 
-from imgedit.config.settings import load_settings  # noqa: E402
 from imgedit.engine.manager import PipelineManager  # noqa: E402
-from imgedit.model.demo_checkpoint import build_checkpoint  # noqa: E402
 from imgedit.protocol import EditRequest  # noqa: E402
 
 log = logging.getLogger("bench_enhance")
@@ -88,26 +84,11 @@ class PeakMemory:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ckpt", default="/tmp/qwen-image-edit-real-random")
-    parser.add_argument("--size", type=int, default=1024)
+    parser = one_gpu_parser(__doc__, steps=8, repeats=3)
     parser.add_argument("--tokens", type=int, default=80)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", default="")
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, 64x64")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.tiny:
-        ckpt = build_checkpoint(Path(tempfile.mkdtemp()) / "tiny", kind="plus")
-        device_map, size, steps = "cpu", 64, 2
-    else:
-        ckpt = Path(args.ckpt)
-        if not (ckpt / "model_index.json").is_file():
-            build_checkpoint(ckpt, kind="plus", size="real")
-        device_map, size, steps = "cuda:0", args.size, args.steps
-    settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": device_map, "COMPILE": "off",
-                              "ENCODE_CACHE": "0", "LOG_LEVEL": "INFO", "ENHANCE_MAX_TOKENS": str(args.tokens)})
+    settings, size, steps = one_gpu_settings(args, tiny_steps=2, ENHANCE_MAX_TOKENS=str(args.tokens))
+    device_map = "cpu" if args.tiny else "cuda:0"
     t0 = time.perf_counter()
     manager = PipelineManager(settings, worker_hook="bench_enhance:hooks").load(timeout=540)
     image = reference_image(size)

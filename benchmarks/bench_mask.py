@@ -13,12 +13,10 @@ at the output size there); the per-step difference is the blending's cost, the t
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -27,37 +25,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
-from bench import reference_image, request, timed  # noqa: E402
+from bench import one_gpu_parser, one_gpu_settings, reference_image, request, timed  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from imgedit.config.settings import load_settings  # noqa: E402
 from imgedit.engine.manager import PipelineManager  # noqa: E402
-from imgedit.model.demo_checkpoint import build_checkpoint  # noqa: E402
 from imgedit.protocol import new_request_id  # noqa: E402
 
 log = logging.getLogger("bench_mask")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ckpt", default="/tmp/qwen-image-edit-real-random")
-    parser.add_argument("--size", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", default="")
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, 64x64")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.tiny:
-        ckpt = build_checkpoint(Path(tempfile.mkdtemp()) / "tiny", kind="plus")
-        device_map, size, steps = "cpu", 64, 4
-    else:
-        ckpt = Path(args.ckpt)
-        if not (ckpt / "model_index.json").is_file():
-            build_checkpoint(ckpt, kind="plus", size="real")
-        device_map, size, steps = "cuda:0", args.size, args.steps
-    settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": device_map, "COMPILE": "off",
-                              "ENCODE_CACHE": "0", "LOG_LEVEL": "INFO", "MAX_STEPS": "200"})
+    args = one_gpu_parser(__doc__, steps=20, repeats=3).parse_args()
+    settings, size, steps = one_gpu_settings(args, tiny_steps=4, MAX_STEPS="200")
+    device_map = "cpu" if args.tiny else "cuda:0"
     t0 = time.perf_counter()
     manager = PipelineManager(settings, worker_hook="bench:finite_check").load(timeout=540)
     image = reference_image(size)
