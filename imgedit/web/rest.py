@@ -177,17 +177,9 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
             metrics.record_rejected("rest", "invalid_input")
             return openai_error(400, "the request could not be read", "invalid_input")
         req = replace(req, client=owner)  # the line's share is per key (or token)
-        cancel = threading.Event()
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, cancel))
-        try:
-            result = await manager.run(req, cancel=cancel)
-        except ImgEditError as exc:
-            return openai_error(STATUS.get(exc.kind, 500), exc.message, exc.kind, exc.field)
-        except Exception:
-            log.exception("%s failed", req.request_id)
-            return openai_error(500, f"internal error (request {req.request_id})", "internal_error")
-        finally:
-            watcher.cancel()
+        result = await _run(request, manager, req)
+        if isinstance(result, JSONResponse):
+            return result
         # The PNGs are encoded once, off the event loop, for the reply and for the stored result
         # (imgedit.engine.history). The reply does not wait for the store (inputs, thumbnail, disk): on the
         # GPU machine that wait was most of the ~0.35 s a REST edit took over the edit itself.
@@ -227,17 +219,9 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
             log.exception("unreadable /v1/prompts/enhance request")
             metrics.record_rejected("rest", "invalid_input", "enhance")
             return openai_error(400, "the request could not be read", "invalid_input")
-        cancel = threading.Event()
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, cancel))
-        try:
-            result = await manager.run(req, cancel=cancel, task="enhance")
-        except ImgEditError as exc:
-            return openai_error(STATUS.get(exc.kind, 500), exc.message, exc.kind, exc.field)
-        except Exception:
-            log.exception("%s failed", req.request_id)
-            return openai_error(500, f"internal error (request {req.request_id})", "internal_error")
-        finally:
-            watcher.cancel()
+        result = await _run(request, manager, req, task="enhance")
+        if isinstance(result, JSONResponse):
+            return result
         body = {"prompt": result.prompt or prompt, "original_prompt": prompt, "request_id": req.request_id}
         if result.notice:
             body["notice"] = result.notice
@@ -268,6 +252,22 @@ def _in_background(work) -> None:
     task = asyncio.ensure_future(work)
     _BACKGROUND.add(task)
     task.add_done_callback(_BACKGROUND.discard)
+
+
+async def _run(request: Request, manager, req: EditRequest, task: str = "edit"):
+    """The job through the line, cancelled if the client goes away: its EditResult, or its error as
+    OpenAI's error response."""
+    cancel = threading.Event()
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, cancel))
+    try:
+        return await manager.run(req, cancel=cancel, task=task)
+    except ImgEditError as exc:
+        return openai_error(STATUS.get(exc.kind, 500), exc.message, exc.kind, exc.field)
+    except Exception:
+        log.exception("%s failed", req.request_id)
+        return openai_error(500, f"internal error (request {req.request_id})", "internal_error")
+    finally:
+        watcher.cancel()
 
 
 async def _cancel_on_disconnect(request: Request, cancel: threading.Event) -> None:
