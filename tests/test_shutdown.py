@@ -137,7 +137,12 @@ def test_sigterm_lets_the_running_job_finish_fails_queued_ones_and_exits(app_pro
     assert responses["queued"].status_code == 503, responses["queued"]
     error = responses["queued"].json()["error"]
     assert error["code"] == "shutting_down" and "was not started" in error["message"], error
-    job = httpx.get(f"{server.url}/v1/jobs/{batch.json()['id']}", timeout=10).json()
+    # The job's second item waits for its first (one slot per worker) and is refused right after it.
+    def job_view():
+        return httpx.get(f"{server.url}/v1/jobs/{batch.json()['id']}", timeout=10).json()
+
+    wait_for(lambda: job_view()["state"] not in ("queued", "running"), 30, "the job's items were not all ended")
+    job = job_view()
     assert job["state"] == "failed" and all("shutting down" in i["error"] for i in job["items"]), job
 
     running.join(120)
