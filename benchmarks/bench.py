@@ -113,6 +113,14 @@ def one_gpu_settings(args, tiny_steps: int, **env) -> tuple[object, int, int]:
     return settings, size, steps
 
 
+
+def write_results(out: dict, summary: dict, path: str) -> None:
+    """Print the summary; the whole run (summary included) to `path` as JSON when given."""
+    out["summary"] = summary
+    print(json.dumps(summary, indent=2))
+    if path:
+        Path(path).write_text(json.dumps(out, indent=2))
+
 class StepClock:
     def __init__(self):
         self.times: list[float] = []

@@ -14,7 +14,6 @@ for a trained model (the blocks' outputs of a random model change differently fr
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -29,7 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
-from bench import finite_check, one_gpu_parser, one_gpu_settings, reference_image, request, timed  # noqa: E402
+from bench import (  # noqa: E402
+    finite_check,
+    one_gpu_parser,
+    one_gpu_settings,
+    reference_image,
+    request,
+    timed,
+    write_results,
+)
 
 from imgedit.engine.manager import PipelineManager  # noqa: E402
 
@@ -104,10 +111,7 @@ def main() -> None:
             summary[mode]["latent_cosine"] = min(r["latent_cosine"] for r in runs)
             summary[mode]["psnr_db"] = min(r["psnr_db"] for r in runs if r["psnr_db"] is not None) if any(
                 r["psnr_db"] is not None for r in runs) else None
-    out["summary"] = summary
-    print(json.dumps(summary, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    write_results(out, summary, args.json)
 
 
 if __name__ == "__main__":

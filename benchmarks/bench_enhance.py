@@ -15,7 +15,6 @@ every 10 ms), and an edit (--steps, CFG 4) after an edit against the same edit r
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import sys
@@ -26,7 +25,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import finite_check, one_gpu_parser, one_gpu_settings, reference_image, request, timed  # noqa: E402
+from bench import (  # noqa: E402
+    finite_check,
+    one_gpu_parser,
+    one_gpu_settings,
+    reference_image,
+    request,
+    timed,
+    write_results,
+)
 
 from imgedit.engine.manager import PipelineManager  # noqa: E402
 from imgedit.protocol import EditRequest  # noqa: E402
@@ -131,10 +138,7 @@ def main() -> None:
                "edit_adds_mib": out["edit_peak_mib"] - out["idle_mib"]}
     for kind in ("edit_after_edit", "edit_after_rewrite"):
         summary[kind] = {key: statistics.median(r[key] for r in out[kind]) for key in ("wall_s", "s_per_step")}
-    out["summary"] = summary
-    print(json.dumps(summary, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    write_results(out, summary, args.json)
 
 
 if __name__ == "__main__":

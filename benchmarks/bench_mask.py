@@ -13,7 +13,6 @@ at the output size there); the per-step difference is the blending's cost, the t
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import sys
@@ -25,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
-from bench import one_gpu_parser, one_gpu_settings, reference_image, request, timed  # noqa: E402
+from bench import one_gpu_parser, one_gpu_settings, reference_image, request, timed, write_results  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from imgedit.engine.manager import PipelineManager  # noqa: E402
@@ -67,10 +66,7 @@ def main() -> None:
                          for key in ("wall_s", "s_per_step", "to_first_step_s", "after_last_step_s")}
     summary["blend_cost_per_step_pct"] = round(
         100 * (summary["masked"]["s_per_step"] / summary["plain"]["s_per_step"] - 1), 2)
-    out["summary"] = summary
-    print(json.dumps(summary, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    write_results(out, summary, args.json)
 
 
 if __name__ == "__main__":

@@ -353,3 +353,15 @@ def ray_report() -> str:
         if bad:
             lines += [f"--- {path.name}"] + [line[:300] for line in bad[-8:]]
     return "\n".join(lines[-120:]) or "Ray reported nothing"
+
+
+def wait_job(url: str, job_id: str, timeout: float = 240, headers: dict | None = None) -> dict:
+    """GET /v1/jobs/<id> until the job has ended (a deadline, not a sleep): its last view."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while (view := httpx.get(f"{url}/v1/jobs/{job_id}", headers=headers, timeout=30).json())["state"] in (
+            "queued", "running", "cancelling"):
+        assert time.monotonic() < deadline, view
+        time.sleep(0.3)
+    return view

@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from conftest import picture
+from conftest import picture, wait_job
 from gradio_client import Client, handle_file
 from PIL import Image
 
@@ -177,19 +177,13 @@ def test_the_text_encoders_control_tokens_in_a_prompt_are_refused_the_pipeline_c
 
 
 def test_a_job_with_enhance_prompt_rewrites_each_item_for_its_own_images(live_server):
-    import time
-
     files = [("set1", ("a.png", png_bytes(photo()), "image/png")),
              ("set2", ("b.png", png_bytes(picture(W, H, (200, 60, 60))), "image/png"))]
     data = {"prompt": ASKED, "enhance_prompt": "true", "num_inference_steps": "2", "size": f"{W}x{H}"}
     r = httpx.post(f"{live_server.url}/v1/jobs", files=files, data=data, timeout=60)
     assert r.status_code in (200, 201, 202), r.text
-    job_id = r.json()["id"]
-    deadline = time.monotonic() + 240
-    while (view := httpx.get(f"{live_server.url}/v1/jobs/{job_id}", timeout=30).json())["state"] in (
-            "queued", "running"):
-        assert time.monotonic() < deadline, view
-        time.sleep(0.3)
+    view = wait_job(live_server.url, r.json()["id"])
+    job_id = view["id"]
     assert view["state"] == "succeeded" and view["enhance_prompt"] is True and view["prompt"] == ASKED, view
     assert [item["revised_prompt"] for item in view["items"]] == [REWRITE, REWRITE], view["items"]
     png = httpx.get(f"{live_server.url}/v1/jobs/{job_id}/result?item=2", timeout=30)

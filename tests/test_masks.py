@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from conftest import picture
+from conftest import picture, wait_job
 from gradio_client import Client, handle_file
 from PIL import Image
 
@@ -169,8 +169,6 @@ def test_mask_fields_are_checked(live_server):
 def test_a_job_applies_one_mask_to_every_item_and_refuses_an_item_of_another_size(live_server, server_manager):
     """/v1/jobs takes `mask` too: the same area of each item's first image changes, the rest stays pixel for
     pixel; an item whose first image is not the mask's size is named in a 400 before anything runs."""
-    import time
-
     mask = white_left_half()
     other = picture(W, H, (200, 60, 60))
     files = [("set1", ("a.png", png_bytes(photo()), "image/png")), ("set2", ("b.png", png_bytes(other), "image/png")),
@@ -179,11 +177,7 @@ def test_a_job_applies_one_mask_to_every_item_and_refuses_an_item_of_another_siz
     r = httpx.post(f"{live_server.url}/v1/jobs", timeout=60, data=fields, files=files)
     assert r.status_code in (200, 201, 202), r.text
     job_id = r.json()["id"]
-    deadline = time.monotonic() + 240
-    while (view := httpx.get(f"{live_server.url}/v1/jobs/{job_id}", timeout=30).json())["state"] in (
-            "queued", "running"):
-        assert time.monotonic() < deadline, view
-        time.sleep(0.3)
+    view = wait_job(live_server.url, job_id)
     assert view["state"] == "succeeded" and view["mask"] == f"sha256:{mask_digest(mask_from(mask, (W, H)))}", view
     area = np.asarray(mask) == 255
     for item, source in ((1, photo()), (2, other)):

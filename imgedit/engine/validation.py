@@ -126,11 +126,7 @@ def check_tokens(req: EditRequest, tokens: PromptTokens) -> None:
 def resolve(req: EditRequest, settings: Settings, family: str,
             last_image_size: tuple[int, int] | None, n_images: int | None,
             tokens: PromptTokens | None = None) -> Resolved:
-    if n_images is not None:
-        check_counts(n_images, family)
-    for i, image in enumerate(req.images):
-        check_aspect(image.size, family, f"image {i + 1}")
-    _check_prompt(req, tokens)
+    _check_inputs(req, family, n_images, tokens)
     if not isinstance(req.enhance_prompt, bool):
         raise InvalidInput("enhance_prompt must be true or false", "enhance_prompt")
     preset = speed_preset(req, settings)  # a Lightning preset sets its steps and turns CFG off
@@ -193,12 +189,17 @@ def step_cache(req: EditRequest, settings: Settings, preset) -> str:
 def resolve_enhance(req: EditRequest, settings: Settings, family: str, n_images: int | None,
                     tokens: PromptTokens | None = None) -> Resolved:
     """A prompt rewrite alone: the images and prompt are checked as an edit's; nothing else applies."""
+    _check_inputs(req, family, n_images, tokens)
+    return Resolved(0, 1.0, "", 0, 1, None, None, task="enhance", enhance_tokens=settings.enhance_max_tokens)
+
+
+def _check_inputs(req: EditRequest, family: str, n_images: int | None, tokens: PromptTokens | None) -> None:
+    """What an edit and a rewrite share: the number of images, each one's aspect, the prompts."""
     if n_images is not None:
         check_counts(n_images, family)
     for i, image in enumerate(req.images):
         check_aspect(image.size, family, f"image {i + 1}")
     _check_prompt(req, tokens)
-    return Resolved(0, 1.0, "", 0, 1, None, None, task="enhance", enhance_tokens=settings.enhance_max_tokens)
 
 
 def _check_prompt(req: EditRequest, tokens: PromptTokens | None) -> None:
