@@ -174,15 +174,17 @@ def edit_manager(edit_ckpt) -> PipelineManager:
 
 class LocalPipeline:
     """A pipeline loaded in the test process through our loader (for component-level checks such as
-    the encoding fix; jobs always run in worker processes)."""
+    the encoding fix; jobs always run in worker processes). Like a worker's (ENCODE_CACHE's default), it
+    keeps its last input encodings: a repeated input is not encoded at 1 MP again (exact; `memo=0`: none)."""
 
-    def __init__(self, ckpt: Path):
+    def __init__(self, ckpt: Path, memo: int = 8):
         from imgedit.model.encoding import install_token_type_fix
-        from imgedit.runtime import loader
+        from imgedit.runtime import encode_cache, loader
 
         plan = WorkerPlan("local", {c: Placement("cpu") for c in COMPONENTS})
         self.pipe = loader.load_pipeline(loader.open_checkpoint(str(ckpt)), plan, torch.float32)
         self.encoding_fix = install_token_type_fix(self.pipe.text_encoder)
+        self.memo = encode_cache.install(self.pipe, memo)
 
 
 @pytest.fixture(scope="session")

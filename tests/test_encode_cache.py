@@ -13,15 +13,21 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import picture
+from conftest import LocalPipeline, picture
 
 from imgedit.runtime import encode_cache
 
 
+@pytest.fixture(scope="module")
+def bare(plus_ckpt) -> LocalPipeline:
+    """A pipeline of this module's own without a memo (the session's test pipelines have one)."""
+    return LocalPipeline(plus_ckpt, memo=0)
+
+
 @pytest.fixture
-def memo_pipe(plus_pipe):
-    """The session's pipeline with a memo of 2 entries, taken off again after the test."""
-    pipe = plus_pipe.pipe
+def memo_pipe(bare):
+    """The bare pipeline with a memo of 2 entries, taken off again after the test."""
+    pipe = bare.pipe
     memo = encode_cache.install(pipe, 2)
     try:
         yield pipe, memo
@@ -35,9 +41,9 @@ def edit(pipe, image, prompt="make it red", seed=3, size=64):
     return out.images[0]
 
 
-def test_off_means_no_memo(plus_pipe):
-    assert encode_cache.install(plus_pipe.pipe, 0) is None
-    assert "_encode_vae_image" not in vars(plus_pipe.pipe) and "encode_prompt" not in vars(plus_pipe.pipe)
+def test_off_means_no_memo(bare):
+    assert encode_cache.install(bare.pipe, 0) is None
+    assert "_encode_vae_image" not in vars(bare.pipe) and "encode_prompt" not in vars(bare.pipe)
 
 
 def test_a_repeated_input_gives_the_same_pixels_without_encoding_again(memo_pipe):

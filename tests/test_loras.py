@@ -242,6 +242,24 @@ def test_lightning_preset_runs_its_steps_with_cfg_off_and_its_scheduler(local):
     assert default.shift_terminal == 0.02 or default.base_shift != math.log(3)  # the recipe really differs
 
 
+def test_masks_work_with_a_lora_and_with_the_lightning_presets(local):
+    """#26 with LoRAs and fast mode: outside the mask every pixel is the input's; inside, the LoRA or the
+    preset decides (the blend follows the Lightning scheduler's own sigmas)."""
+    mask = Image.new("L", (80, 60), 0)
+    mask.paste(255, (8, 8, 56, 48))
+    outside, inside = np.asarray(mask) == 0, np.asarray(mask) == 255
+    original = np.asarray(picture(), dtype=np.int16)
+    masked = dict(mask=mask, width=80, height=64)
+    plain = local.edit(**masked)
+    for asked in (dict(lora="style"), dict(speed="fastest"), dict(speed="fast", lora="style", lora_scale=0.5)):
+        image = local.edit(**masked, **asked)
+        assert image.shape == original.shape and (image[outside] == original[outside]).all(), asked
+        # the LoRA / preset changes the area (the tiny model's random LoRAs move it by about a level)
+        assert (image[inside] != plain[inside]).mean() > 0.3 and np.abs(image[inside] - plain[inside]).mean() > 0.3, \
+            asked
+    assert not local.any_adapter_active() and local.pipe.scheduler is local.adapters.default_scheduler
+
+
 def test_a_failed_or_cancelled_lora_job_leaves_no_adapter_behind(local):
     def fail(module, args):
         if local.any_adapter_active():

@@ -1,7 +1,7 @@
 """Parallel groups larger than a pair, on the CPU over gloo: a `cfg-parallel:4` group (two halves
 running the two CFG branches, each half splitting every forward's sequence with Ulysses-2) and a
-`ulysses:2` group. Real worker processes, real pipeline calls on a tiny checkpoint with 4 heads
-(Ulysses splits heads); each group's image is compared with one process's image for the same seed.
+`ulysses:2` group. Real worker processes, real pipeline calls on a tiny checkpoint with 2 heads
+(Ulysses splits heads: one per rank); each group's image is compared with one process's image for the same seed.
 """
 
 from __future__ import annotations
@@ -42,23 +42,23 @@ def group_plan(parallel: str, ranks: int, ulysses: int) -> Plan:
 
 
 @pytest.fixture(scope="module")
-def ckpt4(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "plus4", kind="plus", seed=0, heads=4)
+def ckpt2(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "plus2", kind="plus", seed=0, heads=2)
 
 
 @pytest.fixture(scope="module")
-def one(ckpt4):
-    return make_manager(ckpt4)
+def one(ckpt2):
+    return make_manager(ckpt2)
 
 
 @pytest.fixture(scope="module")
-def cfg4(ckpt4):
-    return make_manager(ckpt4, plan=group_plan("cfg", 4, 2))
+def cfg4(ckpt2):
+    return make_manager(ckpt2, plan=group_plan("cfg", 4, 2))
 
 
 @pytest.fixture(scope="module")
-def ulysses2(ckpt4):
-    return make_manager(ckpt4, plan=group_plan("ulysses", 2, 2))
+def ulysses2(ckpt2):
+    return make_manager(ckpt2, plan=group_plan("ulysses", 2, 2))
 
 
 def test_padding_is_masked_and_only_when_needed():
@@ -100,6 +100,22 @@ def test_a_ulysses2_group_gives_the_one_process_image_with_and_without_cfg(one, 
     assert ulysses2.status().workers[0].parallel == "ulysses"
 
 
+def test_a_masked_edit_on_a_ulysses2_group_is_the_one_process_image(one, ulysses2):
+    """#26 on a group that splits every forward's sequence: the blend runs after each step on the whole
+    latents, which every rank holds alike (imgedit.runtime.masking), so the ranks stay in step."""
+    from PIL import Image
+
+    mask = Image.new("L", (80, 60), 0)
+    mask.paste(255, (16, 8, 64, 48))
+    masked = dict(mask=mask, mask_feather=2, width=80, height=64, seed=9)
+    grouped, single = ulysses2.edit(request(**masked)), one.edit(request(**masked))
+    assert grouped.images[0].size == (80, 60) and np.abs(pixels(grouped) - pixels(single)).max() <= 1
+    outside, inside = np.asarray(mask) == 0, np.asarray(mask) == 255
+    original = np.asarray(picture(), dtype=np.int16)
+    assert (pixels(grouped)[outside] == original[outside]).all()
+    assert np.abs(pixels(grouped)[inside] - original[inside]).mean() > 1.0
+
+
 @pytest.mark.parametrize("cfg_scale", [4.0, 1.0], ids=["cfg-on", "cfg-off"])
 def test_cancel_stops_every_rank_at_the_same_step_and_the_group_serves_on(cfg4, cfg_scale):
     cancel = threading.Event()
@@ -115,8 +131,9 @@ def test_cancel_stops_every_rank_at_the_same_step_and_the_group_serves_on(cfg4, 
     assert cfg4.edit(request(true_cfg_scale=cfg_scale)).images
 
 
-def test_ulysses_refuses_a_transformer_whose_heads_it_cannot_split(plus_ckpt):
-    manager = make_manager(plus_ckpt, plan=group_plan("ulysses", 2, 2), load=False)
+def test_ulysses_refuses_a_transformer_whose_heads_it_cannot_split(tmp_path):
+    three = build_checkpoint(tmp_path / "plus3", kind="plus", seed=0, heads=3)
+    manager = make_manager(three, plan=group_plan("ulysses", 2, 2), load=False)
     message = "Ulysses-2 splits the attention heads over 2 GPUs, but this transformer has 3 heads"
     with pytest.raises(WorkerFailed, match=message):
         manager.load(timeout=120)

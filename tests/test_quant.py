@@ -340,6 +340,28 @@ def test_offload_hooks_keep_resident_blocks_and_stream_the_rest(plus_ckpt, plus_
     np.testing.assert_allclose(batched, reference, atol=1e-3)
 
 
+def test_a_masked_edit_on_streamed_blocks_is_the_resident_image(plus_ckpt, plus_manager):
+    """#26 on OFFLOAD's hooks (text encoder and block 0 streamed), in a worker process: the mask's own VAE
+    encode of the input and the per-step blend run through the hooked components; the same pixels."""
+    from PIL import Image
+
+    from imgedit.planning.plan import Plan
+
+    memory = MemoryMode(offload_text_encoder=True, resident_blocks=1)
+    worker = WorkerPlan("worker-0", {c: Placement("cpu") for c in COMPONENTS}, memory=memory)
+    streamed = make_manager(plus_ckpt, plan=Plan("replicas", (worker,), "a CPU worker with streamed blocks"))
+    mask = Image.new("L", (80, 60), 0)
+    mask.paste(255, (8, 8, 56, 48))
+    ask = dict(images=(picture(),), prompt="make it blue", seed=4, num_inference_steps=2, width=80, height=64,
+               mask=mask, mask_feather=3)
+    hooked, resident = streamed.edit(EditRequest(**ask)), plus_manager.edit(EditRequest(**ask))
+    assert np.array_equal(np.asarray(hooked.images[0]), np.asarray(resident.images[0]))
+    outside = np.asarray(mask) == 0
+    assert (np.asarray(hooked.images[0])[outside] == np.asarray(picture())[outside]).all()
+    components = streamed.status().workers[0].components  # what the worker read from its own modules
+    assert "streamed" in components["transformer"]["location"] and "streamed" in components["text_encoder"]["location"]
+
+
 def test_ray_workers_refuse_quantize_before_joining_a_cluster(plus_ckpt):
     from imgedit.engine.manager import PipelineManager
 

@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import asdict
 
+import numpy as np
 import pytest
 from conftest import ROOT, alive, make_manager, picture, ray_report, start_server, wait_for
 
@@ -201,6 +202,19 @@ def test_progress_cancel_and_typed_errors_cross_the_cluster(manager):
     with pytest.raises(OutOfGpuMemory, match="out of GPU memory"):
         manager.edit(request(prompt="[oom] make it red"))
     assert all(w.state == "idle" and w.restarts == 0 for w in manager.status().workers)
+
+
+def test_a_masked_edit_on_a_ray_worker_keeps_every_pixel_outside_the_mask(manager):
+    """#26 on Ray actors: the mask crosses the cluster with the request and the actor's runner blends."""
+    from PIL import Image
+
+    mask = Image.new("L", (80, 60), 0)
+    mask.paste(255, (8, 8, 56, 48))
+    result = manager.edit(request(mask=mask, width=80, height=64))
+    image, original = np.asarray(result.images[0], dtype=np.int16), np.asarray(picture(), dtype=np.int16)
+    outside, inside = np.asarray(mask) == 0, np.asarray(mask) == 255
+    assert image.shape == original.shape and (image[outside] == original[outside]).all()
+    assert np.abs(image[inside] - original[inside]).mean() > 1.0
 
 
 def test_page_api_and_rest_jobs_reach_the_cluster(manager, nodes, image_file):
