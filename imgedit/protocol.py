@@ -89,6 +89,7 @@ class WorkerStatus:
     restarts: int = 0
     compiled: bool = False
     encode_cache: int = 0  # ENCODE_CACHE as the worker installed it (0 = off; imgedit.runtime.encode_cache)
+    attention: str = ""  # the attention kernel the worker's transformer runs (read back after loading)
     detail: str | None = None  # what a loading worker is doing (loading weights, compiling, ...)
     node: str | None = None  # WORKERS=ray: the id of the Ray node its actors run on
     components: dict | None = None  # per component: dtype, quantization, location (imgedit.runtime.offload.describe)
@@ -108,6 +109,8 @@ class ManagerStatus:
     loras: tuple[dict, ...] = ()  # the LoRAs every worker loaded: name, lightning_steps, rank, layers, file
     weights_mib: dict[str, float] = field(default_factory=dict)  # per GPU, as planned (the placement's sizes)
     cache: str = "none"  # CACHE: the step cache quality edits get unless they ask otherwise
+    attention: str = "native"  # ATTENTION: the transformer's attention kernel
+    compile_mode: str = "off"  # COMPILE_MODE of the compiled workers, or off when none is compiled
 
     @property
     def healthy_workers(self) -> int:

@@ -99,6 +99,12 @@ REGISTRY: tuple[Var, ...] = (
         "are streamed from the CPU (each streamed block then crosses to the GPU once per step, not twice)"),
     Var("COMPILE", "auto", _choice("auto", "on", "off"),
         "Compile the transformer's repeated blocks (torch.compile), warmed up at start-up; auto = on for GPUs"),
+    Var("COMPILE_MODE", "default", _choice("default", "max-autotune-no-cudagraphs", "max-autotune"),
+        "torch.compile's mode for the compiled blocks: default | max-autotune-no-cudagraphs (tries kernel "
+        "variants at start-up) | max-autotune (also CUDA graphs); needs compiled workers"),
+    Var("ATTENTION", "native", _choice("native", "flash", "cudnn", "efficient"),
+        "The transformer's attention kernel (diffusers' set_attention_backend): native (PyTorch picks) | flash | "
+        "cudnn | efficient (PyTorch's own kernels, nothing downloaded); cudnn and efficient need CUDA GPUs"),
     Var("ENCODE_CACHE", "8", _int_range(0, 256),
         "Input encodings each worker keeps: the same image edited again is not VAE-encoded again, the same "
         "prompt with the same images not text-encoded again (exact: the stored results); 0 = off"),
@@ -189,6 +195,8 @@ class Settings:
     offload: tuple[str, ...] | None = None  # None = auto
     batch_cfg: str = "auto"
     compile: str = "auto"
+    compile_mode: str = "default"
+    attention: str = "native"
     encode_cache: int = 8
     enhance_max_tokens: int = 160
     cache: str = "none"

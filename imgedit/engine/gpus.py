@@ -294,6 +294,8 @@ def snapshot(monitor: GpuMonitor, status: ManagerStatus, history: bool = False, 
         "ready": status.ready,
         "loras": list(status.loras),
         "cache": status.cache,
+        "attention": status.attention,
+        "compile_mode": status.compile_mode,
         "history_window_s": monitor.history.window_s,
         "history_interval_s": monitor.history.interval_s,
     }

@@ -111,6 +111,23 @@ class PipelineManager:
             return "the workers are compiled (COMPILE=on); the cache hooks run with COMPILE=off or auto"
         return None
 
+    def kernel_refusal(self) -> str | None:
+        """Why these workers cannot run ATTENTION / COMPILE_MODE as set, or None."""
+        s, plans = self.settings, [w.plan for w in self.workers]
+        if s.compile_mode != "default" and not any(self.compile_enabled(p) for p in plans):
+            return (f"COMPILE_MODE={s.compile_mode} applies to compiled workers, and none is compiled here "
+                    f"(COMPILE={s.compile}; auto compiles GPU workers when CACHE is none)")
+        if s.attention in ("cudnn", "efficient") and any(not p.execution_device.startswith("cuda") for p in plans):
+            return f"ATTENTION={s.attention} is a CUDA kernel, and a worker here runs on the CPU"
+        if s.attention == "flash" and any(p.memory is not None and p.memory.batch_cfg for p in plans):
+            return ("ATTENTION=flash takes no attention mask, and BATCH_CFG pads the shorter prompt of the two CFG "
+                    "branches and masks it; use ATTENTION=cudnn or native")
+        if s.attention in ("flash", "efficient") and any(p.ulysses > 1 for p in plans):
+            why = ("takes no attention mask, and a Ulysses group pads the text to the degree and masks it"
+                   if s.attention == "flash" else "does not run with diffusers' Ulysses attention")
+            return f"ATTENTION={s.attention} {why}; use ATTENTION=cudnn or native"
+        return None
+
     def prepare(self) -> PipelineManager:
         """Open the checkpoint and plan the placement (seconds, no weights): the edges need the
         model family and the number of workers before they are built."""
@@ -158,6 +175,10 @@ class PipelineManager:
             compiled = "on" if self.compile_enabled(worker.plan) else "off"
             log.info("%s: %d process(es), compile %s, encode cache %s", worker.name, worker.plan.ranks, compiled,
                      f"{s.encode_cache} input(s)" if s.encode_cache else "off")
+        if (refusal := self.kernel_refusal()) is not None:
+            self.load_error = refusal
+            raise PlacementError(refusal)
+        log.info("attention kernel: %s; compile mode: %s", s.attention, self._compile_mode())
         if s.cache != "none":
             if (refusal := self.cache_refusal()) is not None:
                 self.load_error = f"CACHE={s.cache} cannot run here: {refusal}"
@@ -171,7 +192,8 @@ class PipelineManager:
         spec = WorkerSpec(name=plan.name, rank=0, world=plan.ranks, parallel=plan.parallel, plan=plan,
                           checkpoint=self.checkpoint, dtype=s.torch_dtype, compile=self.compile_enabled(plan),
                           hook=self.worker_hook, auto_cleanup=s.auto_cleanup, warmup_sizes=self.warmup_sizes,
-                          ulysses=plan.ulysses, loras=self.loras, encode_cache=s.encode_cache)
+                          ulysses=plan.ulysses, loras=self.loras, encode_cache=s.encode_cache,
+                          attention=s.attention, compile_mode=s.compile_mode)
         common = dict(cache_dir=s.compile_cache_dir, max_restarts=s.worker_restarts, log_level=s.log_level,
                       on_change=self._changed, max_memory=s.max_memory)
         if s.workers == "ray":
@@ -367,7 +389,11 @@ class PipelineManager:
             waiting=self.waiting(), workers=tuple(w.status() for w in self.workers), error=self.load_error,
             loras=tuple(f.describe() for f in self.loras), weights_mib=self._planned_weights(),
             cache=self.settings.cache if self.settings.cache != "first-block"
-            else f"first-block (threshold {self.settings.cache_threshold:g})")
+            else f"first-block (threshold {self.settings.cache_threshold:g})",
+            attention=self.settings.attention, compile_mode=self._compile_mode())
+
+    def _compile_mode(self) -> str:
+        return self.settings.compile_mode if any(self.compile_enabled(w.plan) for w in self.workers) else "off"
 
     def _planned_weights(self) -> dict[str, float]:
         """MiB of weights the plan put on each local GPU (the panel uses it until a worker measured

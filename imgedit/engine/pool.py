@@ -323,6 +323,7 @@ class WorkerHandle:
                             ranks=self.plan.ranks, pids=self.pids, restarts=self.restarts,
                             compiled=bool(self.info.get("compiled")), detail=self.detail,
                             encode_cache=int(self.info.get("encode_cache") or 0),
+                            attention=str(self.info.get("attention") or ""),
                             components=self.info.get("components"), weights_mib=dict(self.weights_mib))
 
 

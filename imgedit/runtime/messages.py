@@ -62,6 +62,8 @@ class WorkerSpec:
     memory_caps: tuple[int, ...] = ()  # MAX_MEMORY for each GPU this rank sees (cuda:0, cuda:1, ...), bytes
     ulysses: int = 1  # ranks splitting each forward's sequence (the half of a cfg group, or all of a ulysses one)
     encode_cache: int = 0  # ENCODE_CACHE: input encodings this rank keeps (imgedit.runtime.encode_cache)
+    attention: str = "native"  # ATTENTION (imgedit.runtime.offload.ATTENTION_BACKENDS)
+    compile_mode: str = "default"  # COMPILE_MODE, when `compile`
     loras: tuple[LoraFile, ...] = ()  # checked at start-up (imgedit.config.loras.check_all); every rank loads them all
 
 

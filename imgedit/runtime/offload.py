@@ -182,18 +182,40 @@ def check_device(memory: MemoryMode | None, device: str) -> None:
     check_capability(memory, index, torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index))
 
 
-def compile_transformer(transformer: torch.nn.Module, memory: MemoryMode | None) -> None:
-    """COMPILE: the repeated blocks, as diffusers' compile_repeated_blocks does. Streamed blocks
-    stay eager: their offload hooks move weights in functions torch.compile must not trace
-    (diffusers marks them torch.compiler.disable, which fullgraph=True refuses)."""
+# ATTENTION -> diffusers' backend names: PyTorch's own SDPA kernels, nothing to download.
+ATTENTION_BACKENDS = {"flash": "_native_flash", "cudnn": "_native_cudnn", "efficient": "_native_efficient"}
+
+
+def use_attention(transformer: torch.nn.Module, name: str) -> None:
+    """ATTENTION: every attention of the transformer through this kernel (diffusers' set_attention_backend)."""
+    transformer.set_attention_backend(ATTENTION_BACKENDS[name])
+    log.info("attention kernel: %s (%s)", name, ATTENTION_BACKENDS[name])
+
+
+def attention_in_use(transformer: torch.nn.Module) -> str:
+    """The kernel(s) the transformer's attention processors are set to, read back from them."""
+    names = {ATTENTION_BACKENDS[k]: k for k in ATTENTION_BACKENDS}
+    found = set()
+    for processor in transformer.attn_processors.values():
+        backend = getattr(processor, "_attention_backend", None)
+        backend = getattr(backend, "value", backend)
+        found.add("native" if backend in (None, "native") else names.get(backend, str(backend)))
+    return ", ".join(sorted(found))
+
+
+def compile_transformer(transformer: torch.nn.Module, memory: MemoryMode | None, mode: str = "default") -> None:
+    """COMPILE: the repeated blocks, as diffusers' compile_repeated_blocks does, in COMPILE_MODE.
+    Streamed blocks stay eager: their offload hooks move weights in functions torch.compile must not
+    trace (diffusers marks them torch.compiler.disable, which fullgraph=True refuses)."""
+    options = {"fullgraph": True} | ({"mode": mode} if mode != "default" else {})
     if memory is None or not memory.streams_blocks:
-        transformer.compile_repeated_blocks(fullgraph=True)
+        transformer.compile_repeated_blocks(**options)
         return
     blocks = transformer.get_submodule(block_container(transformer))
     streamed = set(memory.streamed(len(blocks)))
     for i, block in enumerate(blocks):
         if i not in streamed:
-            block.compile(fullgraph=True)
+            block.compile(**options)
     log.info("compiled the %d resident transformer blocks; streamed blocks run eager", memory.resident_blocks)
 
 

@@ -115,12 +115,15 @@ def _load(spec: WorkerSpec):
         import importlib
 
         getattr(importlib.import_module(module), function)(pipe, spec)
+    if spec.attention != "native":
+        offload.use_attention(pipe.transformer, spec.attention)
+    info["attention"] = offload.attention_in_use(pipe.transformer)  # as the processors have it
     if spec.compile:
         compile_started = time.perf_counter()
         if spec.loras:  # each adapter set is one more compiled variant of the block (guards on peft's state)
             limit = 8 + 2 * len(spec.loras)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-        offload.compile_transformer(pipe.transformer, plan.memory)
+        offload.compile_transformer(pipe.transformer, plan.memory, spec.compile_mode)
         info["compiled"] = True
         info["warmup_seconds"] = _warm_up(runner, spec)
         info["compile_seconds"] = round(time.perf_counter() - compile_started, 2)

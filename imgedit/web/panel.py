@@ -228,6 +228,8 @@ def panel_html(data: dict) -> str:
     parts.append(f'<small class="gp-foot">placement: {escape(str(data.get("placement_mode", "")))} — '
                  f'{escape(str(data.get("placement_reason", "")))}; '
                  f'CACHE: {escape(str(data.get("cache", "none")))}'
+                 f'; ATTENTION: {escape(str(data.get("attention", "native")))}'
+                 f'; compile: {escape(str(data.get("compile_mode", "off")))}'
                  f'; waiting: {int(data.get("waiting") or 0)}'
                  + (f'; batch items not yet done: {int(data["batch_items"])}' if data.get("batch_items") else "")
                  + '</small>')

@@ -1,0 +1,72 @@
+"""ATTENTION and COMPILE_MODE (#24 item 4): the transformer's attention kernel and torch.compile's mode.
+
+On the CPU only `flash` runs (PyTorch's CPU flash kernel); the GPU machine measures every kernel and mode
+(benchmarks/bench_kernels.py, docs/BENCHMARKS.md). Here: the setting reaches the worker, which reads the
+kernel back from its own attention processors; the pixels are the native kernel's; /health and the panel
+say which; and what cannot run is refused at start-up with the reason.
+"""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+from conftest import COMPONENTS, make_manager, picture, start_server
+
+from imgedit.errors import PlacementError
+from imgedit.planning.plan import MemoryMode, Placement, Plan, WorkerPlan
+from imgedit.protocol import EditRequest
+from imgedit.web.panel import panel_html
+
+
+def request(**kw) -> EditRequest:
+    return EditRequest(**{**dict(images=(picture(),), prompt="make it red", negative_prompt="blurry", seed=3,
+                                 num_inference_steps=2, width=64, height=64), **kw})
+
+
+def test_flash_attention_reaches_the_worker_and_gives_the_native_pixels(plus_ckpt, plus_manager):
+    flash = make_manager(plus_ckpt, ATTENTION="flash")
+    worker = flash.status().workers[0]
+    assert worker.attention == "flash" and plus_manager.status().workers[0].attention == "native"
+    ours, native = flash.edit(request()), plus_manager.edit(request())
+    # float32 on the CPU: the explicit flash kernel and PyTorch's own pick may sum in another order
+    assert np.abs(np.asarray(ours.images[0], np.int16) - np.asarray(native.images[0], np.int16)).max() <= 1
+    with start_server(flash) as server:
+        health = httpx.get(f"{server.url}/health", timeout=30).json()
+        assert (health["attention"], health["compile_mode"]) == ("flash", "off")
+        assert health["workers"][0]["attention"] == "flash"
+        panel = panel_html(health)
+        assert "ATTENTION: flash" in panel and "compile: off" in panel
+
+
+def cpu_plan(memory: MemoryMode | None = None, parallel: str = "none", ranks: int = 1, ulysses: int = 1) -> Plan:
+    worker = WorkerPlan("worker-0", {c: Placement("cpu") for c in COMPONENTS}, parallel,
+                        ("cpu",) * ranks if ranks > 1 else (), ulysses, memory)
+    return Plan(parallel if parallel != "none" else "replicas", (worker,), "a CPU plan for tests")
+
+
+@pytest.mark.parametrize("env, plan, says", [
+    ({"ATTENTION": "cudnn"}, None, "ATTENTION=cudnn is a CUDA kernel, and a worker here runs on the CPU"),
+    ({"ATTENTION": "efficient"}, None, "ATTENTION=efficient is a CUDA kernel"),
+    ({"COMPILE_MODE": "max-autotune"}, None,
+     "COMPILE_MODE=max-autotune applies to compiled workers, and none is compiled here (COMPILE=auto"),
+    ({"ATTENTION": "flash"}, cpu_plan(MemoryMode(batch_cfg=True)),
+     "ATTENTION=flash takes no attention mask, and BATCH_CFG pads the shorter prompt"),
+    ({"ATTENTION": "flash"}, cpu_plan(parallel="ulysses", ranks=2, ulysses=2),
+     "ATTENTION=flash takes no attention mask, and a Ulysses group pads the text"),
+], ids=["cudnn-cpu", "efficient-cpu", "mode-uncompiled", "flash-batch-cfg", "flash-ulysses"])
+def test_what_cannot_run_is_refused_at_start_up_with_the_reason(plus_ckpt, env, plan, says):
+    manager = make_manager(plus_ckpt, plan=plan, load=False, **env)
+    with pytest.raises(PlacementError, match=says.replace("(", r"\(")):
+        manager.prepare()
+    assert says in manager.load_error and not any(w.pids for w in manager.workers)  # nothing was started
+
+
+def test_bad_values_stop_start_up_naming_the_choices():
+    from imgedit.config.settings import load_settings
+    from imgedit.errors import SettingsError
+
+    with pytest.raises(SettingsError, match="ATTENTION='sage'.*native, flash, cudnn, efficient"):
+        load_settings({"ATTENTION": "sage"})
+    with pytest.raises(SettingsError, match="COMPILE_MODE='reduce-overhead'"):
+        load_settings({"COMPILE_MODE": "reduce-overhead"})
