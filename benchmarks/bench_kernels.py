@@ -48,7 +48,6 @@ ROWS = {
     "compiled-flash": {"COMPILE": "on", "ATTENTION": "flash"},
     "compiled-cudnn": {"COMPILE": "on", "ATTENTION": "cudnn"},
     "compiled-autotune": {"COMPILE": "on", "COMPILE_MODE": "max-autotune-no-cudagraphs"},
-    "compiled-cudagraphs": {"COMPILE": "on", "COMPILE_MODE": "max-autotune"},
 }
 
 

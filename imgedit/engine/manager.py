@@ -34,6 +34,7 @@ from imgedit.errors import (
     QueueFull,
     WorkerFailed,
 )
+from imgedit.planning import modes
 from imgedit.planning.checkpoint import Checkpoint, open_checkpoint
 from imgedit.planning.memory import bytes_item, plan_memory
 from imgedit.planning.plan import GpuSpec, Plan
@@ -97,36 +98,10 @@ class PipelineManager:
         return max(1, len(self._plan.workers)) if self._plan else 1
 
     def compile_enabled(self, plan) -> bool:
-        """COMPILE=auto compiles GPU workers, unless CACHE is on (the cache hooks are measured eager)."""
-        mode = self.settings.compile
-        return mode == "on" or (mode == "auto" and plan.execution_device.startswith("cuda")
-                                and self.settings.cache == "none")
+        return modes.compile_enabled(self.settings, plan)
 
     def cache_refusal(self) -> str | None:
-        """Why this server's workers cannot run a step cache, or None."""
-        if any(w.plan.ulysses > 1 for w in self.workers):
-            return ("a Ulysses group splits each forward's sequence over its GPUs, and each would decide to skip "
-                    "blocks on its own part")
-        if any(self.compile_enabled(w.plan) for w in self.workers):
-            return "the workers are compiled (COMPILE=on); the cache hooks run with COMPILE=off or auto"
-        return None
-
-    def kernel_refusal(self) -> str | None:
-        """Why these workers cannot run ATTENTION / COMPILE_MODE as set, or None."""
-        s, plans = self.settings, [w.plan for w in self.workers]
-        if s.compile_mode != "default" and not any(self.compile_enabled(p) for p in plans):
-            return (f"COMPILE_MODE={s.compile_mode} applies to compiled workers, and none is compiled here "
-                    f"(COMPILE={s.compile}; auto compiles GPU workers when CACHE is none)")
-        if s.attention in ("cudnn", "efficient") and any(not p.execution_device.startswith("cuda") for p in plans):
-            return f"ATTENTION={s.attention} is a CUDA kernel, and a worker here runs on the CPU"
-        if s.attention == "flash" and any(p.memory is not None and p.memory.batch_cfg for p in plans):
-            return ("ATTENTION=flash takes no attention mask, and BATCH_CFG pads the shorter prompt of the two CFG "
-                    "branches and masks it; use ATTENTION=cudnn or native")
-        if s.attention in ("flash", "efficient") and any(p.ulysses > 1 for p in plans):
-            why = ("takes no attention mask, and a Ulysses group pads the text to the degree and masks it"
-                   if s.attention == "flash" else "does not run with diffusers' Ulysses attention")
-            return f"ATTENTION={s.attention} {why}; use ATTENTION=cudnn or native"
-        return None
+        return modes.cache_refusal(self.settings, [w.plan for w in self.workers])
 
     def prepare(self) -> PipelineManager:
         """Open the checkpoint and plan the placement (seconds, no weights): the edges need the
@@ -175,10 +150,11 @@ class PipelineManager:
             compiled = "on" if self.compile_enabled(worker.plan) else "off"
             log.info("%s: %d process(es), compile %s, encode cache %s", worker.name, worker.plan.ranks, compiled,
                      f"{s.encode_cache} input(s)" if s.encode_cache else "off")
-        if (refusal := self.kernel_refusal()) is not None:
+        if (refusal := modes.kernel_refusal(s, [w.plan for w in self.workers])) is not None:
             self.load_error = refusal
             raise PlacementError(refusal)
-        log.info("attention kernel: %s; compile mode: %s", s.attention, self._compile_mode())
+        log.info("attention kernel: %s; compile mode: %s", s.attention,
+                 modes.compile_mode(s, [w.plan for w in self.workers]))
         if s.cache != "none":
             if (refusal := self.cache_refusal()) is not None:
                 self.load_error = f"CACHE={s.cache} cannot run here: {refusal}"
@@ -390,10 +366,8 @@ class PipelineManager:
             loras=tuple(f.describe() for f in self.loras), weights_mib=self._planned_weights(),
             cache=self.settings.cache if self.settings.cache != "first-block"
             else f"first-block (threshold {self.settings.cache_threshold:g})",
-            attention=self.settings.attention, compile_mode=self._compile_mode())
-
-    def _compile_mode(self) -> str:
-        return self.settings.compile_mode if any(self.compile_enabled(w.plan) for w in self.workers) else "off"
+            attention=self.settings.attention,
+            compile_mode=modes.compile_mode(self.settings, [w.plan for w in self.workers]))
 
     def _planned_weights(self) -> dict[str, float]:
         """MiB of weights the plan put on each local GPU (the panel uses it until a worker measured

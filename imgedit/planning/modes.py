@@ -1,0 +1,50 @@
+"""The modes a plan's workers run in, decided from the settings and the plan alone: compile, the step
+cache, the attention kernel, the compile mode; and why a mode cannot run on these workers (the start-up
+refuses it with that reason; a request asking for it gets a 400).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from imgedit.config.settings import Settings
+from imgedit.planning.plan import WorkerPlan
+
+
+def compile_enabled(settings: Settings, plan: WorkerPlan) -> bool:
+    """COMPILE=auto compiles GPU workers, unless CACHE is on (the cache hooks are measured eager)."""
+    mode = settings.compile
+    return mode == "on" or (mode == "auto" and plan.execution_device.startswith("cuda") and settings.cache == "none")
+
+
+def cache_refusal(settings: Settings, plans: Sequence[WorkerPlan]) -> str | None:
+    """Why these workers cannot run a step cache, or None."""
+    if any(p.ulysses > 1 for p in plans):
+        return ("a Ulysses group splits each forward's sequence over its GPUs, and each would decide to skip "
+                "blocks on its own part")
+    if any(compile_enabled(settings, p) for p in plans):
+        return "the workers are compiled (COMPILE=on); the cache hooks run with COMPILE=off or auto"
+    return None
+
+
+def kernel_refusal(settings: Settings, plans: Sequence[WorkerPlan]) -> str | None:
+    """Why these workers cannot run ATTENTION / COMPILE_MODE as set, or None."""
+    s = settings
+    if s.compile_mode != "default" and not any(compile_enabled(s, p) for p in plans):
+        return (f"COMPILE_MODE={s.compile_mode} applies to compiled workers, and none is compiled here "
+                f"(COMPILE={s.compile}; auto compiles GPU workers when CACHE is none)")
+    if s.attention in ("cudnn", "efficient") and any(not p.execution_device.startswith("cuda") for p in plans):
+        return f"ATTENTION={s.attention} is a CUDA kernel, and a worker here runs on the CPU"
+    if s.attention == "flash" and any(p.memory is not None and p.memory.batch_cfg for p in plans):
+        return ("ATTENTION=flash takes no attention mask, and BATCH_CFG pads the shorter prompt of the two CFG "
+                "branches and masks it; use ATTENTION=cudnn or native")
+    if s.attention in ("flash", "efficient") and any(p.ulysses > 1 for p in plans):
+        why = ("takes no attention mask, and a Ulysses group pads the text to the degree and masks it"
+               if s.attention == "flash" else "does not run with diffusers' Ulysses attention")
+        return f"ATTENTION={s.attention} {why}; use ATTENTION=cudnn or native"
+    return None
+
+
+def compile_mode(settings: Settings, plans: Sequence[WorkerPlan]) -> str:
+    """COMPILE_MODE as the workers run it: off when none is compiled."""
+    return settings.compile_mode if any(compile_enabled(settings, p) for p in plans) else "off"
