@@ -74,11 +74,27 @@ def test_placements_run_without_device_errors(real_ckpt, device_map, max_memory,
         with PeakSampler() as sampler:
             for n in (1, 2, 3):  # the latents, masks and rotary embeddings must follow every block
                 assert edit(manager, n_images=n).images[0].size == (512, 512)
+            check_masked_edit(manager)
         if max_memory:
             for index, peak in sampler.peaks.items():
                 assert peak < 31, f"cuda:{index} went over its cap: {peak:.1f} GiB"
     finally:
         manager.close()
+
+
+def check_masked_edit(manager) -> None:
+    """#26 on this placement: the mask's VAE encode and the per-step blend follow the components' devices;
+    outside the mask every pixel is the input's."""
+    from PIL import Image
+
+    mask = Image.new("L", (96, 64), 0)
+    mask.paste(255, (16, 16, 64, 48))
+    result = manager.edit(EditRequest(images=(picture(96, 64),), prompt="make it red", seed=0, num_inference_steps=2,
+                                      width=512, height=512, mask=mask, source="test")).images[0]
+    image, original = np.asarray(result, dtype=np.int16), np.asarray(picture(96, 64), dtype=np.int16)
+    outside, inside = np.asarray(mask) == 0, np.asarray(mask) == 255
+    assert result.size == (96, 64) and (image[outside] == original[outside]).all()
+    assert np.abs(image[inside] - original[inside]).mean() > 1.0
 
 
 def check_panel_weights(manager, name: str) -> None:
