@@ -33,6 +33,11 @@ os.environ["GRADIO_TEMP_DIR"] = tempfile.mkdtemp(prefix=f"gradio-{os.environ.get
 # Children (worker processes, servers, Ray) read these at start; this process sets them after its imports.
 os.environ.setdefault("MALLOC_MMAP_MAX_", "0")
 os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(256 << 20))
+# Ray's own out-of-memory monitor kills actors once the machine is 95 % full. The Ray tests run last, beside
+# two test processes that still hold their session's worker pools (each process keeps up to 256 MB of freed
+# heap, above), and a full local run lost both actors to it while they loaded ("22.44GB used / 23.54GB").
+# The kernel's OOM killer still guards the machine; the tests' Ray clusters (children) start without Ray's.
+os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
 
 import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads at import)
 from PIL import Image
