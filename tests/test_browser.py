@@ -50,6 +50,32 @@ def open_page(browser, server, width=1400, height=1000, small=True):
     return page
 
 
+class UploadWatch:
+    """The page's uploads to the server (gradio_api/upload), followed through Playwright's request events."""
+
+    def __init__(self, page):
+        self.page, self.pending, self.last_done = page, set(), 0.0
+        page.on("request", self._started)
+        page.on("requestfinished", self._done)
+        page.on("requestfailed", self._done)
+
+    def _started(self, request) -> None:
+        if "/gradio_api/upload" in request.url:
+            self.pending.add(request)
+
+    def _done(self, request) -> None:
+        if request in self.pending:
+            self.pending.discard(request)
+            self.last_done = time.monotonic()
+
+    def wait_settled(self, since: float, timeout: float, quiet: float = 0.5) -> None:
+        """Until an upload that began after `since` has finished and none has been pending for `quiet` s."""
+        deadline = time.monotonic() + timeout
+        while not (self.last_done > since and not self.pending and time.monotonic() - self.last_done >= quiet):
+            assert time.monotonic() < deadline, f"the editor's uploads did not settle in {timeout} s"
+            self.page.wait_for_timeout(100)  # lets Playwright deliver the request events meanwhile
+
+
 def jobs_done(manager) -> int:
     return sum(w.jobs_done for w in manager.workers)
 
@@ -284,6 +310,7 @@ def test_paint_a_mask_and_only_that_area_changes(browser, server, manager, photo
     from playwright.sync_api import expect
 
     page = open_page(browser, server)
+    uploads = UploadWatch(page)
     page.locator("#input-files input[type=file]").set_input_files(str(photos[0]))  # 128x96
     page.get_by_text("Mask: edit only where you paint").click()
     canvas = page.locator("#mask-canvas canvas").first
@@ -300,6 +327,9 @@ def test_paint_a_mask_and_only_that_area_changes(browser, server, manager, photo
     for i in range(1, 11):
         page.mouse.move(box["x"] + box["width"] * (0.3 + 0.02 * i), y)
     page.mouse.up()
+    # The editor sends its layers to the server after a stroke (several uploads); an Edit clicked before they
+    # land edits with the value before the stroke (seen in a CI-like run on the loaded 2-core machine).
+    uploads.wait_settled(since=time.monotonic(), timeout=60)
     page.locator("#prompt textarea").fill("make the stroke red")
     page.locator("#edit-button").click()
     page.locator("#edit-status").get_by_text("Done in").wait_for(timeout=120_000)
