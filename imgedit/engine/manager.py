@@ -101,7 +101,11 @@ class PipelineManager:
         return modes.compile_enabled(self.settings, plan)
 
     def cache_refusal(self) -> str | None:
-        return modes.cache_refusal(self.settings, [w.plan for w in self.workers])
+        return modes.cache_refusal(self.settings, self._plans)
+
+    @property
+    def _plans(self) -> list:
+        return [w.plan for w in self.workers]
 
     def prepare(self) -> PipelineManager:
         """Open the checkpoint and plan the placement (seconds, no weights): the edges need the
@@ -150,11 +154,10 @@ class PipelineManager:
             compiled = "on" if self.compile_enabled(worker.plan) else "off"
             log.info("%s: %d process(es), compile %s, encode cache %s", worker.name, worker.plan.ranks, compiled,
                      f"{s.encode_cache} input(s)" if s.encode_cache else "off")
-        if (refusal := modes.kernel_refusal(s, [w.plan for w in self.workers])) is not None:
+        if (refusal := modes.kernel_refusal(s, self._plans)) is not None:
             self.load_error = refusal
             raise PlacementError(refusal)
-        log.info("attention kernel: %s; compile mode: %s", s.attention,
-                 modes.compile_mode(s, [w.plan for w in self.workers]))
+        log.info("attention kernel: %s; compile mode: %s", s.attention, modes.compile_mode(s, self._plans))
         if s.cache != "none":
             if (refusal := self.cache_refusal()) is not None:
                 self.load_error = f"CACHE={s.cache} cannot run here: {refusal}"
@@ -367,7 +370,7 @@ class PipelineManager:
             cache=self.settings.cache if self.settings.cache != "first-block"
             else f"first-block (threshold {self.settings.cache_threshold:g})",
             attention=self.settings.attention,
-            compile_mode=modes.compile_mode(self.settings, [w.plan for w in self.workers]))
+            compile_mode=modes.compile_mode(self.settings, self._plans))
 
     def _planned_weights(self) -> dict[str, float]:
         """MiB of weights the plan put on each local GPU (the panel uses it until a worker measured

@@ -194,7 +194,7 @@ def use_attention(transformer: torch.nn.Module, name: str) -> None:
 
 def attention_in_use(transformer: torch.nn.Module) -> str:
     """The kernel(s) the transformer's attention processors are set to, read back from them."""
-    names = {ATTENTION_BACKENDS[k]: k for k in ATTENTION_BACKENDS}
+    names = {backend: name for name, backend in ATTENTION_BACKENDS.items()}
     found = set()
     for processor in transformer.attn_processors.values():
         backend = getattr(processor, "_attention_backend", None)
