@@ -14,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,7 @@ os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(256 << 20))
 # The kernel's OOM killer still guards the machine; the tests' Ray clusters (children) start without Ray's.
 os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
 
+import httpx  # noqa: E402
 import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads at import)
 from PIL import Image
 
@@ -63,6 +65,14 @@ def _malloc_from_the_heap() -> None:
 _malloc_from_the_heap()
 torch.set_num_threads(int(os.environ['OMP_NUM_THREADS']))
 ROOT = Path(__file__).resolve().parents[1]
+# The tests' HTTP calls share one client per test process. Each httpx.get() builds a client of its own,
+# and with it an SSL context that loads the CA bundle: 32 ms of CPU a call on this machine, even for an
+# http:// URL, against 0.25 ms through a client. A py-spy profile of a full run found ~12 % of the suite's
+# CPU there, mostly in polls (wait_for asks 20 times a second while a server starts). No keep-alive: a
+# test may kill a server between two calls, and a pooled connection to it would fail the next call. No
+# cookie jar either: like httpx.get(), no call carries a cookie another call was given.
+http = httpx.Client(timeout=5.0, limits=httpx.Limits(max_keepalive_connections=0),
+                    cookies=CookieJar(DefaultCookiePolicy(allowed_domains=[])))
 sys.path.insert(0, str(ROOT / "tests"))  # worker processes import tests/faults.py as "faults"
 ARTIFACTS = ROOT / "artifacts"
 COMPONENTS = ("transformer", "text_encoder", "vae")
@@ -364,10 +374,8 @@ def ray_report() -> str:
 
 def wait_job(url: str, job_id: str, timeout: float = 240, headers: dict | None = None) -> dict:
     """GET /v1/jobs/<id> until the job has ended (a deadline, not a sleep): its last view."""
-    import httpx
-
     deadline = time.monotonic() + timeout
-    while (view := httpx.get(f"{url}/v1/jobs/{job_id}", headers=headers, timeout=30).json())["state"] in (
+    while (view := http.get(f"{url}/v1/jobs/{job_id}", headers=headers, timeout=30).json())["state"] in (
             "queued", "running", "cancelling"):
         assert time.monotonic() < deadline, view
         time.sleep(0.3)

@@ -18,7 +18,7 @@ import uuid
 import httpx
 import openai
 import pytest
-from conftest import ROOT, ConcurrencyProbe, make_manager, picture, start_server, wait_for
+from conftest import ROOT, ConcurrencyProbe, http, make_manager, picture, start_server, wait_for
 from gradio_client import Client, handle_file
 from raw_gradio import RawGradio, file_data
 
@@ -60,7 +60,7 @@ def raw(live_server):
 @pytest.fixture(scope="module")
 def uploaded(live_server, image_file) -> str:
     with open(image_file, "rb") as f:
-        r = httpx.post(f"{live_server.url}/gradio_api/upload", files={"files": ("in.png", f, "image/png")}, timeout=30)
+        r = http.post(f"{live_server.url}/gradio_api/upload", files={"files": ("in.png", f, "image/png")}, timeout=30)
     return r.json()[0]
 
 
@@ -103,7 +103,7 @@ def test_junk_over_the_gradio_queue_is_refused_with_our_words(live_server, raw, 
     for body in (b"", b"not json", b"\xff\xfe", b"[]", json.dumps({"data": good(uploaded)}).encode(),
                  json.dumps({"data": good(uploaded), "fn_index": 999, "session_hash": "s"}).encode(),
                  json.dumps({"data": good(uploaded), "fn_index": "x", "session_hash": "s"}).encode()):
-        r = httpx.post(f"{live_server.url}/gradio_api/queue/join", content=body,
+        r = http.post(f"{live_server.url}/gradio_api/queue/join", content=body,
                        headers={"content-type": "application/json"}, timeout=30)
         assert r.status_code >= 400, (body[:80], r.text)
         assert_ours(r.text)
@@ -143,7 +143,7 @@ def test_junk_to_the_private_events_is_refused_with_our_words(raw, uploaded):
 def test_gradio_file_route_serves_no_server_file(live_server):
     for path in ("/etc/passwd", "../../../../etc/hosts", "/proc/self/environ", "README.md",
                  str(ROOT / "imgedit" / "server.py"), str(ROOT / "docs" / "screenshot.png")):
-        r = httpx.get(f"{live_server.url}/gradio_api/file={path}", timeout=30)
+        r = http.get(f"{live_server.url}/gradio_api/file={path}", timeout=30)
         assert r.status_code in (403, 404), (path, r.status_code)
         assert b"root:" not in r.content and b"build_app" not in r.content and b"PNG" not in r.content
 
@@ -170,7 +170,7 @@ def test_junk_over_rest_is_an_openai_error(live_server, server_manager):
         {"files": {"image": ("a.png", png(), "image/png")}, "data": {**FIELDS, "prompt": "x" * 5000}},
     ]
     for case in cases:
-        r = httpx.post(url, timeout=60, **case)
+        r = http.post(url, timeout=60, **case)
         assert 400 <= r.status_code < 500, (str(case)[:200], r.status_code, r.text)
         assert set(r.json()) == {"error"} and r.json()["error"]["message"], r.text
         assert_ours(r.text)
@@ -178,7 +178,7 @@ def test_junk_over_rest_is_an_openai_error(live_server, server_manager):
     def chunked():
         yield b"--zz\r\n"
 
-    r = httpx.post(url, content=chunked(), headers={"content-type": "multipart/form-data; boundary=zz"}, timeout=30)
+    r = http.post(url, content=chunked(), headers={"content-type": "multipart/form-data; boundary=zz"}, timeout=30)
     assert r.status_code == 400 and "Content-Length" in r.json()["error"]["message"]
     assert jobs_done(server_manager) == before
 
@@ -199,13 +199,13 @@ def test_api_key_and_login_hold(keyed):
                    "Bearer s3cret-ke", "s3cret-key", "Bearer s3cret-key\x00"):
         headers = {} if header is None else {"authorization": header}
         try:
-            r = httpx.post(url, files=files, data=FIELDS, headers=headers, timeout=30)
+            r = http.post(url, files=files, data=FIELDS, headers=headers, timeout=30)
         except httpx.LocalProtocolError:
             continue  # the client itself refuses to send such a header
         assert r.status_code == 401, (header, r.text)
         assert r.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(f"{server.url}/metrics", timeout=30).status_code == 401
-    assert httpx.get(f"{server.url}/metrics", headers={"authorization": "Bearer s3cret-key"}, timeout=30).is_success
+    assert http.get(f"{server.url}/metrics", timeout=30).status_code == 401
+    assert http.get(f"{server.url}/metrics", headers={"authorization": "Bearer s3cret-key"}, timeout=30).is_success
     sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret-key", max_retries=0, timeout=120)
     out = sdk.images.edit(model="m", image=[("a.png", png(), "image/png")], prompt="x", size="64x64",
                           response_format="b64_json", extra_body={"num_inference_steps": 2})
@@ -214,7 +214,7 @@ def test_api_key_and_login_hold(keyed):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0).images.edit(
             model="m", image=[("a.png", png(), "image/png")], prompt="x")
     # The page and its API need the login; the events cannot be reached without it.
-    assert httpx.post(f"{server.url}/gradio_api/queue/join", json={"data": [], "fn_index": 1, "session_hash": "s"},
+    assert http.post(f"{server.url}/gradio_api/queue/join", json={"data": [], "fn_index": 1, "session_hash": "s"},
                       timeout=30).status_code in (401, 403)
     with pytest.raises(Exception, match="(?i)login|auth|credentials"):
         Client(server.url, verbose=False)
@@ -229,31 +229,31 @@ def test_owned_keys_and_logins_each_see_their_own_and_open_views_show_no_ids(key
     server, manager = keyed
     keys = {name: {"authorization": f"Bearer {key}"} for name, key in
             (("ci", "ci-key-0001"), ("alice", "alice-key-01"), ("shared", "s3cret-key"))}
-    made = [httpx.post(f"{server.url}/v1/images/edits", files={"image": ("a.png", png(), "image/png")},
+    made = [http.post(f"{server.url}/v1/images/edits", files={"image": ("a.png", png(), "image/png")},
                        data=FIELDS, headers=keys["ci"], timeout=120).json()["request_id"] for _ in range(2)]
     assert all(re.fullmatch(r"req_[A-Za-z0-9_-]{16}", rid) for rid in made) and made[0] != made[1], made
-    wait_for(lambda: httpx.get(f"{server.url}/v1/jobs/{made[0]}", headers=keys["ci"], timeout=30).status_code == 200,
+    wait_for(lambda: http.get(f"{server.url}/v1/jobs/{made[0]}", headers=keys["ci"], timeout=30).status_code == 200,
              30)  # stored after the reply
     for other in ("alice", "shared"):
-        r = httpx.get(f"{server.url}/v1/jobs/{made[0]}/result", headers=keys[other], timeout=30)
+        r = http.get(f"{server.url}/v1/jobs/{made[0]}/result", headers=keys[other], timeout=30)
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (other, r.text)
-    assert httpx.get(f"{server.url}/v1/jobs/{made[0]}/result", timeout=30).status_code == 401
+    assert http.get(f"{server.url}/v1/jobs/{made[0]}/result", timeout=30).status_code == 401
 
     # While a job runs: the open views say "a job", /v1/status (any key) names it and the pids.
-    slow = threading.Thread(target=lambda: httpx.post(
+    slow = threading.Thread(target=lambda: http.post(
         f"{server.url}/v1/images/edits", files={"image": ("a.png", png(), "image/png")},
         data={**FIELDS, "prompt": "[slow] make it red", "num_inference_steps": "8"}, headers=keys["alice"],
         timeout=120))
     slow.start()
-    assert httpx.get(f"{server.url}/v1/status", timeout=30).status_code == 401
+    assert http.get(f"{server.url}/v1/status", timeout=30).status_code == 401
 
     def running() -> dict | None:
-        details = httpx.get(f"{server.url}/v1/status", headers=keys["alice"], timeout=30).json()
+        details = http.get(f"{server.url}/v1/status", headers=keys["alice"], timeout=30).json()
         return next((w for w in details["workers"] if w["job_id"]), None)
 
     wait_for(lambda: running() is not None, 60)
     job_id, pids = running()["job_id"], running()["pids"]
-    health = httpx.get(f"{server.url}/health", timeout=30)
+    health = http.get(f"{server.url}/health", timeout=30)
     gpu_status = Client(server.url, auth=("bob", "pw-2"), verbose=False).predict(api_name="/gpu_status")
     for open_view in (health.json(), gpu_status):
         assert [w["job_id"] for w in open_view["workers"]] == ["a job"], open_view
@@ -287,7 +287,7 @@ def test_concurrent_clients_of_every_kind_with_junk_between(live_server, server_
 
     @guarded
     def rest_edit(seed):
-        r = httpx.post(f"{live_server.url}/v1/images/edits", files={"image": ("a.png", png(), "image/png")},
+        r = http.post(f"{live_server.url}/v1/images/edits", files={"image": ("a.png", png(), "image/png")},
                        data={**FIELDS, "seed": str(seed)}, timeout=120)
         assert r.status_code == 200, r.text
         return ("rest", r.json()["seed"])
@@ -305,7 +305,7 @@ def test_concurrent_clients_of_every_kind_with_junk_between(live_server, server_
         r = raw.join(raw.fn_index(api_name="edit"), [[file_data(f"/etc/passwd{i}")], "x"])
         assert r.status_code == 400
         assert_ours(r.text)
-        r = httpx.post(f"{live_server.url}/v1/images/edits", content=b"x" * 100, timeout=30,
+        r = http.post(f"{live_server.url}/v1/images/edits", content=b"x" * 100, timeout=30,
                        headers={"content-type": "multipart/form-data; boundary=q"})
         assert r.status_code == 400
         return ("junk", i)
@@ -346,14 +346,14 @@ def test_cancel_storm_then_everyone_else_is_served(live_server, server_manager, 
     # Cancels naming events that do not exist, or another client's, change nothing.
     for body in ({"session_hash": "nobody", "fn_index": 1, "event_id": uuid.uuid4().hex},
                  {"session_hash": bystander.session_hash, "fn_index": 1, "event_id": "x"}):
-        assert httpx.post(f"{live_server.url}/gradio_api/cancel", json=body, timeout=30).status_code == 200
+        assert http.post(f"{live_server.url}/gradio_api/cancel", json=body, timeout=30).status_code == 200
     assert sorted(job.result(timeout=240)[1] for job in keep) == [300, 301]
     for job in survivors:
         assert 400 <= job.result(timeout=240)[1] < 404
     # REST clients that hang up mid-job.
     for _ in range(2):
         with pytest.raises(httpx.TimeoutException):
-            httpx.post(f"{live_server.url}/v1/images/edits", files={"image": ("a.png", png(), "image/png")},
+            http.post(f"{live_server.url}/v1/images/edits", files={"image": ("a.png", png(), "image/png")},
                        data={**FIELDS, "num_inference_steps": "30"}, timeout=0.5)
     wait_idle(server_manager)
     assert bystander.predict(*args(500, 2), api_name="/edit")[1] == 500

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ROOT, free_port, picture, wait_for
+from conftest import ROOT, free_port, http, picture, wait_for
 from dotenv import dotenv_values
 
 PACKAGE = ROOT / "imgedit"
@@ -212,14 +212,14 @@ def test_the_server_process_never_imports_torch(tmp_path):
         def healthy():
             assert server.poll() is None, server.stderr.read()[-3000:]
             try:
-                return httpx.get(f"{url}/health", timeout=2).status_code == 200
+                return http.get(f"{url}/health", timeout=2).status_code == 200
             except httpx.HTTPError:
                 return False
 
         wait_for(healthy, 180)
         png = io.BytesIO()
         picture().save(png, format="PNG")
-        edit = httpx.post(f"{url}/v1/images/edits", data={"prompt": "make it red", "size": "64x64"},
+        edit = http.post(f"{url}/v1/images/edits", data={"prompt": "make it red", "size": "64x64"},
                           files={"image": ("in.png", png.getvalue(), "image/png")}, timeout=120)
         assert edit.status_code == 200, edit.text
         # Listening on this machine only by default (GRADIO_SERVER_NAME; the deploy files set 0.0.0.0).
@@ -228,7 +228,7 @@ def test_the_server_process_never_imports_torch(tmp_path):
         assert f"0100007F:{port:04X}" in listening and f"00000000:{port:04X}" not in listening
         maps = Path(f"/proc/{server.pid}/maps").read_text()
         assert "libtorch" not in maps, "the server process has libtorch mapped"
-        workers = [p for w in httpx.get(f"{url}/v1/status").json()["workers"] for p in w["pids"]]
+        workers = [p for w in http.get(f"{url}/v1/status").json()["workers"] for p in w["pids"]]
         assert workers and all("libtorch" in Path(f"/proc/{p}/maps").read_text() for p in workers)
         server.send_signal(signal.SIGTERM)
         assert server.wait(60) == 0, server.stderr.read()[-3000:]

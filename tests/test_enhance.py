@@ -14,11 +14,10 @@ import base64
 import io
 import threading
 
-import httpx
 import numpy as np
 import openai
 import pytest
-from conftest import picture, wait_job
+from conftest import http, picture, wait_job
 from gradio_client import Client, handle_file
 from PIL import Image
 
@@ -107,7 +106,7 @@ def test_bad_rewrite_requests_are_refused_like_edits_and_cancel_stops_one(plus_m
 def sample(url: str, name: str, **labels) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    text = http.get(f"{url}/metrics", timeout=30).text
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
@@ -117,14 +116,14 @@ def test_rest_enhance_route_edits_with_enhance_prompt_and_the_metrics(live_serve
     files = [("image[]", ("a.png", png_bytes(photo()), "image/png"))]
     before = sample(url, "imgedit_prompt_rewrites_total", source="rest", outcome="ok")
     edits_before = sample(url, "imgedit_requests_total", source="rest")
-    r = httpx.post(f"{url}/v1/prompts/enhance", files=files, data={"prompt": ASKED}, timeout=120)
+    r = http.post(f"{url}/v1/prompts/enhance", files=files, data={"prompt": ASKED}, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["prompt"] == REWRITE and r.json()["original_prompt"] == ASKED and "notice" not in r.json()
-    kept = httpx.post(f"{url}/v1/prompts/enhance", files=files, data={"prompt": "x [rewrite-empty]"}, timeout=120)
+    kept = http.post(f"{url}/v1/prompts/enhance", files=files, data={"prompt": "x [rewrite-empty]"}, timeout=120)
     assert kept.json()["prompt"] == "x [rewrite-empty]" and "came back empty" in kept.json()["notice"]
     for data, files_, field in (({"prompt": " "}, files, "prompt"), ({}, files, "prompt"),
                                 ({"prompt": "x"}, [], None)):
-        bad = httpx.post(f"{url}/v1/prompts/enhance", files=files_ or {"x": ("x", b"", "text/plain")}, data=data,
+        bad = http.post(f"{url}/v1/prompts/enhance", files=files_ or {"x": ("x", b"", "text/plain")}, data=data,
                          timeout=60)
         assert bad.status_code == 400 and "Traceback" not in bad.text, bad.text
         assert field is None or bad.json()["error"]["param"] == field, bad.text
@@ -140,7 +139,7 @@ def test_rest_enhance_route_edits_with_enhance_prompt_and_the_metrics(live_serve
     plain = client.images.edit(image=("a.png", png_bytes(photo()), "image/png"), prompt="make it red",
                                size=f"{W}x{H}", extra_body={"num_inference_steps": 2})
     assert plain.data[0].revised_prompt is None
-    bad = httpx.post(f"{url}/v1/images/edits", files=files, data={"prompt": "x", "enhance_prompt": "maybe"},
+    bad = http.post(f"{url}/v1/images/edits", files=files, data={"prompt": "x", "enhance_prompt": "maybe"},
                      timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "enhance_prompt", bad.text
 
@@ -180,12 +179,12 @@ def test_a_job_with_enhance_prompt_rewrites_each_item_for_its_own_images(live_se
     files = [("set1", ("a.png", png_bytes(photo()), "image/png")),
              ("set2", ("b.png", png_bytes(picture(W, H, (200, 60, 60))), "image/png"))]
     data = {"prompt": ASKED, "enhance_prompt": "true", "num_inference_steps": "2", "size": f"{W}x{H}"}
-    r = httpx.post(f"{live_server.url}/v1/jobs", files=files, data=data, timeout=60)
+    r = http.post(f"{live_server.url}/v1/jobs", files=files, data=data, timeout=60)
     assert r.status_code in (200, 201, 202), r.text
     view = wait_job(live_server.url, r.json()["id"])
     job_id = view["id"]
     assert view["state"] == "succeeded" and view["enhance_prompt"] is True and view["prompt"] == ASKED, view
     assert [item["revised_prompt"] for item in view["items"]] == [REWRITE, REWRITE], view["items"]
-    png = httpx.get(f"{live_server.url}/v1/jobs/{job_id}/result?item=2", timeout=30)
+    png = http.get(f"{live_server.url}/v1/jobs/{job_id}/result?item=2", timeout=30)
     text = Image.open(io.BytesIO(png.content)).text
     assert text["prompt"] == REWRITE and text["original_prompt"] == ASKED

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from conftest import make_manager, picture, start_server
+from conftest import http, make_manager, picture, start_server
 from gradio_client import Client, handle_file
 from PIL import Image
 
@@ -42,25 +42,25 @@ def test_history_is_per_browser_and_survives_a_restart(plus_ckpt, image_file, tm
         assert [(e["prompt"], e["seed"], e["width"]) for e in mine] == [("make it blue", 11, 64)]
         assert Client(server.url, verbose=False).predict(api_name="/history") == []  # another browser
         cookie = browser.cookies[COOKIE]
-        job = httpx.post(f"{server.url}/v1/jobs", files=[("image", ("a.png", png(), "image/png"))], data=FIELDS,
+        job = http.post(f"{server.url}/v1/jobs", files=[("image", ("a.png", png(), "image/png"))], data=FIELDS,
                          headers=A, timeout=60).json()
         deadline = time.time() + 120
-        while httpx.get(f"{server.url}/v1/jobs/{job['id']}", headers=A).json()["state"] != "succeeded":
+        while http.get(f"{server.url}/v1/jobs/{job['id']}", headers=A).json()["state"] != "succeeded":
             assert time.time() < deadline
             time.sleep(0.2)
-        before = httpx.get(f"{server.url}/v1/jobs/{job['id']}/result", headers=A, timeout=30).content
-        failed = httpx.post(f"{server.url}/v1/images/edits", files=[("image", ("a.png", png(), "image/png"))],
+        before = http.get(f"{server.url}/v1/jobs/{job['id']}/result", headers=A, timeout=30).content
+        failed = http.post(f"{server.url}/v1/images/edits", files=[("image", ("a.png", png(), "image/png"))],
                             data={**FIELDS, "num_inference_steps": "0"}, timeout=60)
         assert failed.status_code == 400
 
     with start_server(make_manager(plus_ckpt, OUTPUT_DIR=str(outputs))) as server:  # a new process, same disk
         again = Client(server.url, verbose=False, httpx_kwargs={"cookies": {COOKIE: cookie}})
         assert again.predict(api_name="/history") == mine
-        view = httpx.get(f"{server.url}/v1/jobs/{job['id']}", headers=A, timeout=30).json()
+        view = http.get(f"{server.url}/v1/jobs/{job['id']}", headers=A, timeout=30).json()
         assert view["state"] == "succeeded" and view["restored"] and view["items"][0]["seed"] == 7
-        after = httpx.get(f"{server.url}/v1/jobs/{job['id']}/result", headers=A, timeout=30)
+        after = http.get(f"{server.url}/v1/jobs/{job['id']}/result", headers=A, timeout=30)
         assert after.headers["content-type"] == "image/png" and after.content == before
-        other = httpx.get(f"{server.url}/v1/jobs/{job['id']}", headers={"Authorization": "Bearer b"}, timeout=30)
+        other = http.get(f"{server.url}/v1/jobs/{job['id']}", headers={"Authorization": "Bearer b"}, timeout=30)
         assert other.status_code == 404
     store = HistoryStore(outputs)
     assert len(store._select("", ())) == 2  # the edit and the job; nothing for the refused request

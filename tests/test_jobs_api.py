@@ -11,7 +11,7 @@ import zipfile
 import httpx
 import numpy as np
 import pytest
-from conftest import make_manager, picture, start_server
+from conftest import http, make_manager, picture, start_server
 from PIL import Image
 
 FIELDS = {"prompt": "make it red", "size": "64x64", "num_inference_steps": "2", "seed": "3"}
@@ -38,7 +38,7 @@ def zipped(names: list[str]) -> bytes:
 def wait_finished(url: str, job_id: str, headers=A, timeout: float = 300) -> dict:
     deadline = time.time() + timeout
     while True:
-        view = httpx.get(f"{url}/v1/jobs/{job_id}", headers=headers, timeout=30).json()
+        view = http.get(f"{url}/v1/jobs/{job_id}", headers=headers, timeout=30).json()
         if view["state"] not in ("queued", "running", "cancelling"):
             return view
         assert time.time() < deadline, view
@@ -71,7 +71,7 @@ def server(plus_ckpt, lora_dir):
 def test_batch_of_five_from_files_and_a_zip(server):
     files = [("batch", (f"photo{i}.png", png(), "image/png")) for i in range(3)]
     files.append(("batch", ("more.zip", zipped(["b/second.png", "a/first.jpg.png"]), "application/zip")))
-    r = httpx.post(f"{server.url}/v1/jobs", files=files, data=FIELDS, headers=A, timeout=60)
+    r = http.post(f"{server.url}/v1/jobs", files=files, data=FIELDS, headers=A, timeout=60)
     assert r.status_code == 202, r.text
     job = r.json()
     assert r.headers["location"] == f"/v1/jobs/{job['id']}"
@@ -81,59 +81,59 @@ def test_batch_of_five_from_files_and_a_zip(server):
     view = wait_finished(server.url, job["id"])
     assert view["state"] == "succeeded" and view["done"] == 5, view
     assert {i["seed"] for i in view["items"]} == {3}
-    r = httpx.get(f"{server.url}/v1/jobs/{job['id']}/result", headers=A, timeout=30)
+    r = http.get(f"{server.url}/v1/jobs/{job['id']}/result", headers=A, timeout=30)
     assert r.status_code == 200 and r.headers["content-type"] == "application/zip"
     archive = zipfile.ZipFile(io.BytesIO(r.content))
     assert archive.namelist() == ["001-photo0.png", "002-photo1.png", "003-photo2.png", "004-first.jpg.png",
                                   "005-second.png"]
     assert all(Image.open(archive.open(n)).size == (64, 64) for n in archive.namelist())
-    one = httpx.get(f"{server.url}/v1/jobs/{job['id']}/result?item=2", headers=A, timeout=30)
+    one = http.get(f"{server.url}/v1/jobs/{job['id']}/result?item=2", headers=A, timeout=30)
     assert one.status_code == 200 and one.headers["content-type"] == "image/png"
     assert one.content == archive.read("002-photo1.png")
 
 
 def test_single_set_gives_a_png(server):
     files = [("image", ("a.png", png(), "image/png")), ("image", ("b.png", png((200, 0, 0)), "image/png"))]
-    r = httpx.post(f"{server.url}/v1/jobs", files=files, data=FIELDS, headers=A, timeout=60)
+    r = http.post(f"{server.url}/v1/jobs", files=files, data=FIELDS, headers=A, timeout=60)
     assert r.status_code == 202, r.text
     assert len(r.json()["items"]) == 1
     assert wait_finished(server.url, r.json()["id"])["state"] == "succeeded"
-    result = httpx.get(f"{server.url}/v1/jobs/{r.json()['id']}/result", headers=A, timeout=30)
+    result = http.get(f"{server.url}/v1/jobs/{r.json()['id']}/result", headers=A, timeout=30)
     assert result.headers["content-type"] == "image/png"
     assert Image.open(io.BytesIO(result.content)).size == (64, 64)
 
 
 def test_another_tokens_job_id_gives_404(server):
-    r = httpx.post(f"{server.url}/v1/jobs", files=[("image", ("a.png", png(), "image/png"))], data=FIELDS,
+    r = http.post(f"{server.url}/v1/jobs", files=[("image", ("a.png", png(), "image/png"))], data=FIELDS,
                    headers=A, timeout=60)
     job_id = r.json()["id"]
     for method, path in (("GET", ""), ("GET", "/result"), ("DELETE", "")):
-        other = httpx.request(method, f"{server.url}/v1/jobs/{job_id}{path}", headers=B, timeout=30)
+        other = http.request(method, f"{server.url}/v1/jobs/{job_id}{path}", headers=B, timeout=30)
         assert other.status_code == 404, (method, path, other.text)
         assert other.json()["error"]["code"] == "not_found"
         assert job_id not in other.text or "no job" in other.json()["error"]["message"]
     assert wait_finished(server.url, job_id)["state"] == "succeeded"  # B's DELETE did not cancel it
-    assert httpx.get(f"{server.url}/v1/jobs/{job_id}/result", headers=B, timeout=30).status_code == 404
+    assert http.get(f"{server.url}/v1/jobs/{job_id}/result", headers=B, timeout=30).status_code == 404
 
 
 def test_result_before_the_end_is_409_and_delete_cancels(server):
     files = [("batch", (f"p{i}.png", png(), "image/png")) for i in range(3)]
-    r = httpx.post(f"{server.url}/v1/jobs", files=files, data={**FIELDS, "num_inference_steps": "40"},
+    r = http.post(f"{server.url}/v1/jobs", files=files, data={**FIELDS, "num_inference_steps": "40"},
                    headers=A, timeout=60)
     job_id = r.json()["id"]
     deadline = time.time() + 120
-    while httpx.get(f"{server.url}/v1/jobs/{job_id}", headers=A).json()["items"][0]["step"] < 1:
+    while http.get(f"{server.url}/v1/jobs/{job_id}", headers=A).json()["items"][0]["step"] < 1:
         assert time.time() < deadline
         time.sleep(0.1)
-    early = httpx.get(f"{server.url}/v1/jobs/{job_id}/result", headers=A, timeout=30)
+    early = http.get(f"{server.url}/v1/jobs/{job_id}/result", headers=A, timeout=30)
     assert early.status_code == 409 and early.json()["error"]["code"] == "not_finished"
-    deleted = httpx.delete(f"{server.url}/v1/jobs/{job_id}", headers=A, timeout=30)
+    deleted = http.delete(f"{server.url}/v1/jobs/{job_id}", headers=A, timeout=30)
     assert deleted.status_code == 200 and deleted.json()["state"] == "cancelling"  # it said "running"
     view = wait_finished(server.url, job_id, timeout=60)
     assert view["state"] == "cancelled" and view["done"] == 0, view
     assert all(i["state"] == "cancelled" for i in view["items"])
     assert view["items"][0]["step"] < 40  # the running item really stopped
-    gone = httpx.get(f"{server.url}/v1/jobs/{job_id}/result", headers=A, timeout=30)
+    gone = http.get(f"{server.url}/v1/jobs/{job_id}/result", headers=A, timeout=30)
     assert gone.status_code == 409 and gone.json()["error"]["code"] == "no_result"
     history = server.server.config.app.state.history
     assert history.job(owner_of("token-a"), job_id) == []  # nothing is stored for a cancelled job
@@ -143,32 +143,32 @@ def test_finished_items_are_served_at_once_a_cancelled_job_keeps_them_and_jobs_a
     """?item=N answered 409 while item N was done; a job cancelled after an item finished said `partial`;
     GET /v1/jobs was a 404."""
     files = [("batch", (f"q{i}.png", png(), "image/png")) for i in range(3)]
-    job_id = httpx.post(f"{server.url}/v1/jobs", files=files, data={**FIELDS, "num_inference_steps": "6"},
+    job_id = http.post(f"{server.url}/v1/jobs", files=files, data={**FIELDS, "num_inference_steps": "6"},
                         headers=A, timeout=60).json()["id"]
     deadline = time.time() + 120
-    while (view := httpx.get(f"{server.url}/v1/jobs/{job_id}", headers=A).json())["items"][0]["state"] != "succeeded":
+    while (view := http.get(f"{server.url}/v1/jobs/{job_id}", headers=A).json())["items"][0]["state"] != "succeeded":
         assert time.time() < deadline and view["state"] not in ("failed", "partial", "cancelled"), view
         time.sleep(0.1)
-    first = httpx.get(f"{server.url}/v1/jobs/{job_id}/result?item=1", headers=A, timeout=30)
+    first = http.get(f"{server.url}/v1/jobs/{job_id}/result?item=1", headers=A, timeout=30)
     assert first.status_code == 200 and first.content[:8] == b"\x89PNG\r\n\x1a\n"
-    later = httpx.get(f"{server.url}/v1/jobs/{job_id}/result?item=3", headers=A, timeout=30)
+    later = http.get(f"{server.url}/v1/jobs/{job_id}/result?item=3", headers=A, timeout=30)
     assert later.status_code == 409 and "item 3 is " in later.json()["error"]["message"]
-    assert httpx.delete(f"{server.url}/v1/jobs/{job_id}", headers=A, timeout=30).status_code == 200
+    assert http.delete(f"{server.url}/v1/jobs/{job_id}", headers=A, timeout=30).status_code == 200
     view = wait_finished(server.url, job_id, timeout=60)
     assert view["state"] == "cancelled" and view["done"] >= 1 and view["items"][2]["state"] == "cancelled", view
-    kept = httpx.get(f"{server.url}/v1/jobs/{job_id}/result", headers=A, timeout=30)
+    kept = http.get(f"{server.url}/v1/jobs/{job_id}/result", headers=A, timeout=30)
     assert kept.status_code == 200  # the finished items (a PNG or a zip of them)
     # The caller's jobs, newest first, a page at a time; another token sees none of them.
-    newest = httpx.get(f"{server.url}/v1/jobs?limit=1", headers=A, timeout=30).json()
+    newest = http.get(f"{server.url}/v1/jobs?limit=1", headers=A, timeout=30).json()
     assert newest["object"] == "list" and [j["id"] for j in newest["data"]] == [job_id] and newest["has_more"]
     assert newest["data"][0]["state"] == "cancelled"
-    following = httpx.get(f"{server.url}/v1/jobs?limit=100&after={job_id}", headers=A, timeout=30).json()
+    following = http.get(f"{server.url}/v1/jobs?limit=100&after={job_id}", headers=A, timeout=30).json()
     assert following["data"] and job_id not in [j["id"] for j in following["data"]] and not following["has_more"]
     created = [j["created"] for j in following["data"]]
     assert created == sorted(created, reverse=True)
-    other = httpx.get(f"{server.url}/v1/jobs", headers={"Authorization": "Bearer token-zz"}, timeout=30).json()
+    other = http.get(f"{server.url}/v1/jobs", headers={"Authorization": "Bearer token-zz"}, timeout=30).json()
     assert job_id not in [j["id"] for j in other["data"]]
-    assert httpx.get(f"{server.url}/v1/jobs?limit=0", headers=A, timeout=30).status_code == 400
+    assert http.get(f"{server.url}/v1/jobs?limit=0", headers=A, timeout=30).status_code == 400
 
 
 def owner_of(token: str) -> str:
@@ -181,17 +181,17 @@ def test_a_batch_does_not_hold_up_a_single_edit(server):
     """One worker: a 4-item batch is running when a single edit arrives; the single edit runs next,
     before the batch's second item (the batch keeps one item per worker in the line)."""
     files = [("batch", (f"p{i}.png", png(), "image/png")) for i in range(4)]
-    r = httpx.post(f"{server.url}/v1/jobs", files=files, data={**FIELDS, "num_inference_steps": "6"}, headers=A,
+    r = http.post(f"{server.url}/v1/jobs", files=files, data={**FIELDS, "num_inference_steps": "6"}, headers=A,
                    timeout=60)
     job_id = r.json()["id"]
     deadline = time.time() + 120
-    while httpx.get(f"{server.url}/v1/jobs/{job_id}", headers=A).json()["items"][0]["step"] < 1:
+    while http.get(f"{server.url}/v1/jobs/{job_id}", headers=A).json()["items"][0]["step"] < 1:
         assert time.time() < deadline
         time.sleep(0.05)
-    single = httpx.post(f"{server.url}/v1/images/edits", files=[("image", ("s.png", png(), "image/png"))],
+    single = http.post(f"{server.url}/v1/images/edits", files=[("image", ("s.png", png(), "image/png"))],
                         data=FIELDS, headers=B, timeout=300)
     assert single.status_code == 200, single.text
-    view = httpx.get(f"{server.url}/v1/jobs/{job_id}", headers=A, timeout=30).json()
+    view = http.get(f"{server.url}/v1/jobs/{job_id}", headers=A, timeout=30).json()
     assert view["done"] <= 1, view  # only the item that was already running finished before it
     assert wait_finished(server.url, job_id)["state"] == "succeeded"
 
@@ -224,7 +224,7 @@ def test_bad_requests_are_refused_up_front(plus_ckpt, case, status, code, text, 
         data = {**FIELDS, "prompt": " "}
     elif case == "wrong_key":
         headers = {"Authorization": "Bearer wrong"}
-    r = httpx.post(f"{server.url}/v1/jobs", files=files, data=data, headers=headers, timeout=60)
+    r = http.post(f"{server.url}/v1/jobs", files=files, data=data, headers=headers, timeout=60)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["code"] == code and text in error["message"], error
@@ -245,18 +245,18 @@ def test_pending_limit_gives_429(keyed_server):
     headers = {"Authorization": "Bearer secret"}
     files = [("batch", (f"p{i}.png", png(), "image/png")) for i in range(3)]
     data = {**FIELDS, "num_inference_steps": "30", "prompt": "[slow] make it red"}  # >= 9 s an item: all stay pending
-    first = httpx.post(f"{keyed_server.url}/v1/jobs", files=files, data=data, headers=headers, timeout=60)
+    first = http.post(f"{keyed_server.url}/v1/jobs", files=files, data=data, headers=headers, timeout=60)
     assert first.status_code == 202, first.text
-    second = httpx.post(f"{keyed_server.url}/v1/jobs", files=files[:2], data=data, headers=headers, timeout=60)
+    second = http.post(f"{keyed_server.url}/v1/jobs", files=files[:2], data=data, headers=headers, timeout=60)
     assert second.status_code == 429 and second.json()["error"]["code"] == "busy", second.text
     # The fourth place is not for this client (it once took every place), but for another one.
     one = files[:1]
-    mine = httpx.post(f"{keyed_server.url}/v1/jobs", files=one, data=data, headers=headers, timeout=60)
+    mine = http.post(f"{keyed_server.url}/v1/jobs", files=one, data=data, headers=headers, timeout=60)
     assert mine.status_code == 429 and "one client would hold more than 3 of the 4 places" in mine.text, mine.text
-    theirs = httpx.post(f"{keyed_server.url}/v1/jobs", files=one, data={**data, "num_inference_steps": "2"},
+    theirs = http.post(f"{keyed_server.url}/v1/jobs", files=one, data={**data, "num_inference_steps": "2"},
                         headers={"Authorization": "Bearer other-key-1"}, timeout=60)
     assert theirs.status_code == 202, theirs.text
-    assert httpx.delete(f"{keyed_server.url}/v1/jobs/{first.json()['id']}", headers=headers).status_code == 200
+    assert http.delete(f"{keyed_server.url}/v1/jobs/{first.json()['id']}", headers=headers).status_code == 200
     assert wait_finished(keyed_server.url, theirs.json()["id"], headers={"Authorization": "Bearer other-key-1"},
                          timeout=120)["state"] == "succeeded"
     wait_finished(keyed_server.url, first.json()["id"], headers=headers, timeout=60)
@@ -268,7 +268,7 @@ def test_many_clients_at_once(server):
 
     def one(i):
         try:
-            r = httpx.post(f"{server.url}/v1/jobs", files=[("batch", (f"t{i}.png", png(), "image/png"))] * 2,
+            r = http.post(f"{server.url}/v1/jobs", files=[("batch", (f"t{i}.png", png(), "image/png"))] * 2,
                            data={**FIELDS, "seed": str(i)}, headers=A, timeout=60)
             ids.append((i, r.json()["id"]))
         except Exception as exc:
@@ -290,27 +290,27 @@ def test_speed_and_lora_reach_every_item_of_a_job(server):
     says so; the same settings through /v1/images/edits give the same pixels."""
     files = [("batch", (f"p{i}.png", png(), "image/png")) for i in range(2)]
     fields = {**FIELDS, "num_inference_steps": "6", "speed": "fastest", "lora": "style", "lora_scale": "0.5"}
-    r = httpx.post(f"{server.url}/v1/jobs", files=files, data=fields, headers=A, timeout=60)
+    r = http.post(f"{server.url}/v1/jobs", files=files, data=fields, headers=A, timeout=60)
     assert r.status_code == 202, r.text
     assert (r.json()["speed"], r.json()["lora"], r.json()["lora_scale"]) == ("fastest", "style", 0.5)
     view = wait_finished(server.url, r.json()["id"])
     assert view["state"] == "succeeded" and [i["total_steps"] for i in view["items"]] == [4, 4], view
-    archive = zipfile.ZipFile(io.BytesIO(httpx.get(f"{server.url}/v1/jobs/{view['id']}/result", headers=A,
+    archive = zipfile.ZipFile(io.BytesIO(http.get(f"{server.url}/v1/jobs/{view['id']}/result", headers=A,
                                                    timeout=30).content))
     chunks = [Image.open(archive.open(name)).text for name in archive.namelist()]
     assert [(c["speed"], c["lora"], c["lora_scale"], c["num_inference_steps"]) for c in chunks] == \
         [("fastest", f"{FOUR},style", "1,0.5", "4")] * 2
-    single = httpx.post(f"{server.url}/v1/images/edits", files=[("image", ("s.png", png(), "image/png"))],
+    single = http.post(f"{server.url}/v1/images/edits", files=[("image", ("s.png", png(), "image/png"))],
                         data=fields, headers=B, timeout=120)
     assert single.status_code == 200, single.text
     same = Image.open(io.BytesIO(base64.b64decode(single.json()["data"][0]["b64_json"])))
     assert np.array_equal(np.asarray(same), np.asarray(Image.open(archive.open(archive.namelist()[0]))))
     assert np.asarray(same).std() > 5  # a real picture, not a black (NaN) one
-    lora_only = httpx.post(f"{server.url}/v1/jobs", files=files[:1], data={**FIELDS, "lora": "style"}, headers=A,
+    lora_only = http.post(f"{server.url}/v1/jobs", files=files[:1], data={**FIELDS, "lora": "style"}, headers=A,
                            timeout=60)
     view = wait_finished(server.url, lora_only.json()["id"])
     assert view["state"] == "succeeded" and view["items"][0]["total_steps"] == 2  # quality: the asked-for steps
-    png_text = Image.open(io.BytesIO(httpx.get(f"{server.url}/v1/jobs/{view['id']}/result", headers=A,
+    png_text = Image.open(io.BytesIO(http.get(f"{server.url}/v1/jobs/{view['id']}/result", headers=A,
                                                timeout=30).content)).text
     assert (png_text["lora"], png_text["lora_scale"], "speed" in png_text) == ("style", "1", False)
 
@@ -323,7 +323,7 @@ def test_speed_and_lora_reach_every_item_of_a_job(server):
 ])
 def test_bad_speed_or_lora_is_a_400_before_anything_runs(server, fields, param, says):
     done = server.manager.status().workers[0].jobs_done
-    r = httpx.post(f"{server.url}/v1/jobs", files=[("batch", ("p.png", png(), "image/png"))] * 2,
+    r = http.post(f"{server.url}/v1/jobs", files=[("batch", ("p.png", png(), "image/png"))] * 2,
                    data={**FIELDS, **fields}, headers=A, timeout=60)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
@@ -338,7 +338,7 @@ def test_a_non_finite_lora_scale_is_a_400_everywhere_even_without_a_lora(server,
     """Before: /v1/jobs answered 500 in plain text and still ran the job; /v1/images/edits gave 200."""
     done = server.manager.status().workers[0].jobs_done
     field = "batch" if path == "/v1/jobs" else "image"
-    r = httpx.post(f"{server.url}{path}", files=[(field, ("p.png", png(), "image/png"))],
+    r = http.post(f"{server.url}{path}", files=[(field, ("p.png", png(), "image/png"))],
                    data={**FIELDS, "lora_scale": raw}, headers=A, timeout=60)
     assert r.status_code == 400, r.text
     assert "lora_scale must be a finite number" in r.json()["error"]["message"]
@@ -346,7 +346,7 @@ def test_a_non_finite_lora_scale_is_a_400_everywhere_even_without_a_lora(server,
 
 
 def test_a_lora_scale_out_of_range_is_refused_without_a_lora_too(server):
-    r = httpx.post(f"{server.url}/v1/jobs", files=[("batch", ("p.png", png(), "image/png"))],
+    r = http.post(f"{server.url}/v1/jobs", files=[("batch", ("p.png", png(), "image/png"))],
                    data={**FIELDS, "lora_scale": "7"}, headers=A, timeout=60)
     assert r.status_code == 400 and "lora_scale 7.0 is out of range: 0 to 2" in r.json()["error"]["message"]
 
@@ -357,21 +357,21 @@ def test_v1_jobs_refuses_the_elongated_image_v1_images_edits_refuses(server):
     buffer = io.BytesIO()
     Image.new("RGB", (1000, 1)).save(buffer, format="PNG")
     for path, field in (("/v1/images/edits", "image"), ("/v1/jobs", "batch")):
-        r = httpx.post(f"{server.url}{path}", files=[(field, ("thin.png", buffer.getvalue(), "image/png"))],
+        r = http.post(f"{server.url}{path}", files=[(field, ("thin.png", buffer.getvalue(), "image/png"))],
                        data=FIELDS, headers=A, timeout=60)
         assert r.status_code == 400, (path, r.text)
         assert "aspect" in r.json()["error"]["message"], (path, r.text)
 
 
 def test_a_result_item_that_is_not_a_number_is_an_openai_shaped_400(server):
-    job = httpx.post(f"{server.url}/v1/jobs", files=[("image", ("p.png", png(), "image/png"))], data=FIELDS,
+    job = http.post(f"{server.url}/v1/jobs", files=[("image", ("p.png", png(), "image/png"))], data=FIELDS,
                      headers=A, timeout=60).json()
     wait_finished(server.url, job["id"])
     for raw in ("abc", "-1", "1.5", "9" * 30):
-        r = httpx.get(f"{server.url}/v1/jobs/{job['id']}/result", params={"item": raw}, headers=A, timeout=30)
+        r = http.get(f"{server.url}/v1/jobs/{job['id']}/result", params={"item": raw}, headers=A, timeout=30)
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "invalid_input", "item")
         assert "item must be a whole number" in error["message"] and "Input should be" not in r.text
-    assert httpx.get(f"{server.url}/v1/jobs/{job['id']}/result", params={"item": "1"}, headers=A,
+    assert http.get(f"{server.url}/v1/jobs/{job['id']}/result", params={"item": "1"}, headers=A,
                      timeout=30).status_code == 200

@@ -8,10 +8,9 @@ say which; and what cannot run is refused at start-up with the reason.
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import pytest
-from conftest import COMPONENTS, make_manager, picture, start_server
+from conftest import COMPONENTS, http, make_manager, picture, start_server
 
 from imgedit.errors import PlacementError
 from imgedit.planning.plan import MemoryMode, Placement, Plan, WorkerPlan
@@ -32,7 +31,7 @@ def test_flash_attention_reaches_the_worker_and_gives_the_native_pixels(plus_ckp
     # float32 on the CPU: the explicit flash kernel and PyTorch's own pick may sum in another order
     assert np.abs(np.asarray(ours.images[0], np.int16) - np.asarray(native.images[0], np.int16)).max() <= 1
     with start_server(flash) as server:
-        health = httpx.get(f"{server.url}/health", timeout=30).json()
+        health = http.get(f"{server.url}/health", timeout=30).json()
         assert (health["attention"], health["compile_mode"]) == ("flash", "off")
         assert health["workers"][0]["attention"] == "flash"
         panel = panel_html(health)

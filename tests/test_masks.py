@@ -11,11 +11,10 @@ from __future__ import annotations
 import base64
 import io
 
-import httpx
 import numpy as np
 import openai
 import pytest
-from conftest import picture, wait_job
+from conftest import http, picture, wait_job
 from gradio_client import Client, handle_file
 from PIL import Image
 
@@ -144,7 +143,7 @@ def test_gradio_api_takes_a_mask(live_server, tmp_path):
 ], ids=["other-size", "no-image", "marks-nothing", "opaque-png", "marks-everything"])
 def test_a_bad_mask_is_a_400_that_costs_nothing(live_server, server_manager, mask, says):
     before = sum(w.jobs_done for w in server_manager.workers)
-    r = httpx.post(f"{live_server.url}/v1/images/edits", timeout=60,
+    r = http.post(f"{live_server.url}/v1/images/edits", timeout=60,
                    data={"prompt": "make it red", "size": f"{W}x{H}", "num_inference_steps": "2"},
                    files=[("image", ("in.png", png_bytes(photo()), "image/png")),
                           ("mask", ("m.png", mask, "image/png"))])
@@ -157,10 +156,10 @@ def test_mask_fields_are_checked(live_server):
     for field, value, says in (("strength", "0", "strength 0.0 is out of range"),
                                ("mask_feather", "999", "mask_feather 999 is out of range"),
                                ("mask_grow", "-1", "mask_grow -1 is out of range")):
-        r = httpx.post(f"{live_server.url}/v1/images/edits", timeout=60, data={"prompt": "x", field: value},
+        r = http.post(f"{live_server.url}/v1/images/edits", timeout=60, data={"prompt": "x", field: value},
                        files=[("image", ("in.png", png_bytes(photo()), "image/png"))])
         assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
-    r = httpx.post(f"{live_server.url}/v1/jobs", timeout=60, data={"prompt": "x", "strength": "1.5"},
+    r = http.post(f"{live_server.url}/v1/jobs", timeout=60, data={"prompt": "x", "strength": "1.5"},
                    files=[("image", ("in.png", png_bytes(photo()), "image/png")),
                           ("mask", ("m.png", png_bytes(white_left_half()), "image/png"))])
     assert r.status_code == 400 and "strength 1.5 is out of range" in r.json()["error"]["message"], r.text
@@ -174,14 +173,14 @@ def test_a_job_applies_one_mask_to_every_item_and_refuses_an_item_of_another_siz
     files = [("set1", ("a.png", png_bytes(photo()), "image/png")), ("set2", ("b.png", png_bytes(other), "image/png")),
              ("mask", ("m.png", png_bytes(mask), "image/png"))]
     fields = {"prompt": "make it red", "num_inference_steps": "2", "size": f"{W}x{H}", "mask_feather": "2"}
-    r = httpx.post(f"{live_server.url}/v1/jobs", timeout=60, data=fields, files=files)
+    r = http.post(f"{live_server.url}/v1/jobs", timeout=60, data=fields, files=files)
     assert r.status_code in (200, 201, 202), r.text
     job_id = r.json()["id"]
     view = wait_job(live_server.url, job_id)
     assert view["state"] == "succeeded" and view["mask"] == f"sha256:{mask_digest(mask_from(mask, (W, H)))}", view
     area = np.asarray(mask) == 255
     for item, source in ((1, photo()), (2, other)):
-        png = httpx.get(f"{live_server.url}/v1/jobs/{job_id}/result?item={item}", timeout=30)
+        png = http.get(f"{live_server.url}/v1/jobs/{job_id}/result?item={item}", timeout=30)
         result = Image.open(io.BytesIO(png.content))
         before = np.asarray(source, dtype=np.int16)
         after = np.asarray(result.convert("RGB"), dtype=np.int16)
@@ -191,7 +190,7 @@ def test_a_job_applies_one_mask_to_every_item_and_refuses_an_item_of_another_siz
     odd = [("set1", ("a.png", png_bytes(photo()), "image/png")),
            ("set2", ("wide.png", png_bytes(picture(W + 16, H)), "image/png")),
            ("mask", ("m.png", png_bytes(mask), "image/png"))]
-    r = httpx.post(f"{live_server.url}/v1/jobs", timeout=60, data=fields, files=odd)
+    r = http.post(f"{live_server.url}/v1/jobs", timeout=60, data=fields, files=odd)
     assert r.status_code == 400 and r.json()["error"]["param"] == "mask", r.text
     assert "wide.png is 112x64 but the mask is 96x64" in r.json()["error"]["message"], r.text
     assert sum(w.jobs_done for w in server_manager.workers) == before

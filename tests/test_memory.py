@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from conftest import ROOT, free_port, wait_for
+from conftest import ROOT, free_port, http, wait_for
 from PIL import Image
 from raw_gradio import RawGradio, file_data
 
@@ -36,7 +36,7 @@ class Server:
     def ready(self) -> bool:
         assert self.proc.poll() is None, self.output()
         try:
-            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+            return http.get(f"{self.url}/health", timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -111,7 +111,7 @@ def test_v1_jobs_checks_the_prompt_before_reading_any_image(server):
     +1,611 MiB; every image was decoded at once before the prompt was looked at)."""
     solid = png(Image.new("RGB", (4096, 4096), (200, 30, 30)))
     files = [("batch", (f"{i}.png", solid, "image/png")) for i in range(24)]
-    growth, answer = server.peak_growth(lambda: httpx.post(f"{server.url}/v1/jobs", files=files, timeout=120))
+    growth, answer = server.peak_growth(lambda: http.post(f"{server.url}/v1/jobs", files=files, timeout=120))
     assert growth < 100 * MIB, f"the server's peak RSS rose {growth / MIB:.0f} MiB"
     assert answer.status_code == 400 and "prompt is required" in answer.json()["error"]["message"]
 
@@ -123,7 +123,7 @@ def test_v1_jobs_decodes_its_images_one_at_a_time(server):
     solid = png(Image.new("RGB", (4096, 4096), (200, 30, 30)))
     files = [("batch", (f"{i:02d}.png", solid, "image/png")) for i in range(23)]
     files.append(("batch", ("99-broken.png", solid[:2000], "image/png")))
-    growth, answer = server.peak_growth(lambda: httpx.post(
+    growth, answer = server.peak_growth(lambda: http.post(
         f"{server.url}/v1/jobs", files=files, data={"prompt": "make it blue", "size": "64x64"}, timeout=120))
     # one decoded image (48 MiB) plus its RGB copy at most; 23 at once would be over 1 GiB
     assert growth < 200 * MIB, f"the server's peak RSS rose {growth / MIB:.0f} MiB"

@@ -21,7 +21,7 @@ from dataclasses import asdict
 
 import numpy as np
 import pytest
-from conftest import ROOT, alive, make_manager, picture, ray_report, start_server, wait_for
+from conftest import ROOT, alive, http, make_manager, picture, ray_report, start_server, wait_for
 
 from imgedit.errors import Cancelled, OutOfGpuMemory, WorkerFailed
 from imgedit.protocol import EditRequest
@@ -218,14 +218,13 @@ def test_a_masked_edit_on_a_ray_worker_keeps_every_pixel_outside_the_mask(manage
 
 
 def test_page_api_and_rest_jobs_reach_the_cluster(manager, nodes, image_file):
-    import httpx
     from gradio_client import Client, handle_file
 
     with start_server(manager) as server:
-        health = httpx.get(f"{server.url}/health").json()
+        health = http.get(f"{server.url}/health").json()
         assert health["status"] == "ok"
         assert {nodes.node_ids[w["node"]] for w in health["workers"]} == {"node_a", "node_b"}
-        rest = httpx.post(f"{server.url}/v1/images/edits", files={"image": image_file.read_bytes()}, timeout=120,
+        rest = http.post(f"{server.url}/v1/images/edits", files={"image": image_file.read_bytes()}, timeout=120,
                           data={"prompt": "make it red", "size": "64x64", "num_inference_steps": "2", "seed": "1"})
         assert rest.status_code == 200 and rest.json()["data"][0]["b64_json"]
         client = Client(server.url, verbose=False)

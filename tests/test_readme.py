@@ -20,9 +20,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-import httpx
 import pytest
-from conftest import ROOT, make_manager, picture, start_server, wait_for
+from conftest import ROOT, http, make_manager, picture, start_server, wait_for
 from PIL import Image
 
 KEY = "readme-key"
@@ -114,7 +113,7 @@ def test_jobs_example(server, folder):
     status_url = f"{server.url}/v1/jobs/{job}"
 
     def finished() -> bool:
-        state = httpx.get(status_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()["state"]
+        state = http.get(status_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()["state"]
         return state in ("succeeded", "partial", "failed", "cancelled")
 
     wait_for(finished, 240)  # a reader polls the status line, as the README says

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import ConcurrencyProbe, make_manager, picture, start_server, wait_for
+from conftest import ConcurrencyProbe, http, make_manager, picture, start_server, wait_for
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -46,7 +46,7 @@ def decode(b64: str) -> Image.Image:
 
 
 def post_edit(url: str, files=None, data=None, headers=None, **kwargs) -> httpx.Response:
-    return httpx.post(f"{url}/v1/images/edits", files=files, data=data, headers=headers, timeout=120, **kwargs)
+    return http.post(f"{url}/v1/images/edits", files=files, data=data, headers=headers, timeout=120, **kwargs)
 
 
 def png_bytes(w: int = 80, h: int = 60) -> bytes:
@@ -127,11 +127,11 @@ def test_api_key_guards_edits_and_metrics_not_health(keyed_server, image_file):
         sdk_edit(sdk(url, key="wrong"), image_file)
     assert caught.value.status_code == 401
     assert_openai_error(post_edit(url, files={"image": png_bytes()}, data=GOOD_FIELDS), 401, "invalid_api_key")
-    assert_openai_error(httpx.get(f"{url}/metrics"), 401, "invalid_api_key")
-    assert httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
-    scraped = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer sekret"})
+    assert_openai_error(http.get(f"{url}/metrics"), 401, "invalid_api_key")
+    assert http.get(f"{url}/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    scraped = http.get(f"{url}/metrics", headers={"Authorization": "Bearer sekret"})
     assert scraped.status_code == 200 and "imgedit_workers_healthy" in scraped.text
-    health = httpx.get(f"{url}/health")
+    health = http.get(f"{url}/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     result = sdk_edit(sdk(url, key="sekret"), image_file)
     assert decode(result.data[0].b64_json).size == (64, 64)
@@ -141,11 +141,11 @@ def test_api_key_guards_edits_and_metrics_not_health(keyed_server, image_file):
 
 def test_metrics_count_rest_edits(live_server, image_file):
     url = live_server.url
-    before = metric_samples(httpx.get(f"{url}/metrics").text)
+    before = metric_samples(http.get(f"{url}/metrics").text)
     response = post_edit(url, files={"image": ("in.png", png_bytes(), "image/png")}, data=GOOD_FIELDS)
     assert response.status_code == 200, response.text
     assert_openai_error(post_edit(url, files={"image": png_bytes()}, data={**GOOD_FIELDS, "n": "0"}), 400)
-    scraped = httpx.get(f"{url}/metrics")
+    scraped = http.get(f"{url}/metrics")
     assert scraped.status_code == 200
     assert scraped.headers["content-type"].startswith("text/plain")
     after = metric_samples(scraped.text)
@@ -171,15 +171,15 @@ def test_health_flips_with_loading_and_failed_workers(plus_ckpt, image_file):
     manager = PipelineManager(settings)
     with start_server(manager) as server:
         url = server.url
-        health = httpx.get(f"{url}/health")
+        health = http.get(f"{url}/health")
         assert health.status_code == 503 and health.json()["status"] == "loading"
         assert_openai_error(post_edit(url, files={"image": png_bytes()}, data=GOOD_FIELDS), 503, "not_ready")
         manager.load()
-        health = httpx.get(f"{url}/health")
+        health = http.get(f"{url}/health")
         assert health.status_code == 200 and health.json()["status"] == "ok"
         for worker in manager.workers:
             worker.state = "failed"
-        health = httpx.get(f"{url}/health")
+        health = http.get(f"{url}/health")
         assert health.status_code == 503 and health.json()["status"] == "failed"
         error = assert_openai_error(post_edit(url, files={"image": png_bytes()}, data=GOOD_FIELDS), 503)
         assert error["type"] == "server_error"
@@ -225,7 +225,7 @@ def test_rest_and_gradio_jobs_share_workers_one_job_each(live_server, server_man
 # ---- 6. bad input ----
 
 def _multipart(url: str, body: bytes, content_type: str) -> httpx.Response:
-    return httpx.post(f"{url}/v1/images/edits", content=body, headers={"content-type": content_type}, timeout=60)
+    return http.post(f"{url}/v1/images/edits", content=body, headers={"content-type": content_type}, timeout=60)
 
 
 def _form(url: str, **fields) -> httpx.Response:
@@ -240,7 +240,7 @@ BAD_INPUT = {
         "multipart/form-data; boundary=xyz"), "no input image"),
     "multipart_without_boundary": (lambda url: _multipart(url, b"garbage", "multipart/form-data"),
                                    "malformed multipart"),
-    "json_body": (lambda url: httpx.post(f"{url}/v1/images/edits", json={"prompt": "x", "image": "aGk="}),
+    "json_body": (lambda url: http.post(f"{url}/v1/images/edits", json={"prompt": "x", "image": "aGk="}),
                   "send multipart/form-data"),
     "missing_prompt": (lambda url: post_edit(url, files={"image": png_bytes()}, data={"size": "64x64"}),
                        "prompt is required"),
@@ -310,7 +310,7 @@ def test_upload_over_max_file_size_is_413(small_limit_server):
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413"), reply[:300]
     assert b'"code":"too_large"' in body and b"Traceback" not in body
-    assert httpx.get(f"{url}/health").status_code == 200
+    assert http.get(f"{url}/health").status_code == 200
 
 
 def test_full_queue_is_429_busy(plus_ckpt):
@@ -341,7 +341,7 @@ def test_a_client_that_goes_away_stops_its_gpu_work(plus_ckpt, image_file):
         files = {"image": ("in.png", image_file.read_bytes(), "image/png")}
         form = {"prompt": "slow one", "num_inference_steps": "60", "size": "64x64"}
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{server.url}/v1/images/edits", data=form, files=files, timeout=4)
+            http.post(f"{server.url}/v1/images/edits", data=form, files=files, timeout=4)
         deadline = time.time() + 30
         while manager.workers[0].state == "busy":
             assert time.time() < deadline, "the abandoned job kept running"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ROOT, make_manager, picture, start_server
+from conftest import ROOT, http, make_manager, picture, start_server
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import ValidationError
 from PIL import Image
@@ -63,7 +63,7 @@ def copies_in_cache(path: Path) -> list[Path]:
 
 def upload(url: str, path: Path) -> str:
     with open(path, "rb") as f:
-        r = httpx.post(f"{url}/gradio_api/upload", files={"files": (path.name, f, "image/png")}, timeout=30)
+        r = http.post(f"{url}/gradio_api/upload", files={"files": (path.name, f, "image/png")}, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()[0]
 
@@ -91,7 +91,7 @@ def test_private_events_neither_open_nor_serve_a_file_not_uploaded(live_server, 
             assert "was not uploaded to this server" in r.json()["detail"]
             assert "/gradio_api/file=" not in r.text
     assert copies_in_cache(secret) == []
-    r = httpx.get(f"{live_server.url}/gradio_api/file={secret}", timeout=30)
+    r = http.get(f"{live_server.url}/gradio_api/file={secret}", timeout=30)
     assert r.status_code == 403 and secret.read_bytes() not in r.content
 
 
@@ -140,7 +140,7 @@ def test_gradio_itself_refuses_files_not_uploaded(live_server, secret):
 # ---- 2. cancel stops exactly its own job ----
 
 def metric(url: str, outcome: str, source: str = "api") -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    text = http.get(f"{url}/metrics", timeout=30).text
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == "imgedit_requests_total" and s.labels == {"source": source, "outcome": outcome})
 
@@ -172,7 +172,7 @@ def test_cancel_of_one_job_leaves_the_other_jobs_of_the_client_alone(live_server
 
 @pytest.mark.parametrize("size", [(1, 1000), (1000, 1), (2, 1200), (600, 2)])
 def test_elongated_image_is_a_400_over_rest(live_server, size):
-    r = httpx.post(f"{live_server.url}/v1/images/edits", files={"image": ("long.png", png(*size), "image/png")},
+    r = http.post(f"{live_server.url}/v1/images/edits", files={"image": ("long.png", png(*size), "image/png")},
                    data=EDIT_REST, timeout=60)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
@@ -261,10 +261,10 @@ def test_the_prompt_token_limit_is_the_pipelines_own(family, plus_manager, edit_
 def test_an_over_long_prompt_in_tokens_is_a_400_on_every_entry_point(live_server, server_manager, image_file):
     before = sum(w.jobs_done for w in server_manager.workers)
     emoji = "\U0001F3A8" * 2000
-    r = httpx.post(f"{live_server.url}/v1/images/edits", timeout=60, data={"prompt": emoji, "size": "64x64"},
+    r = http.post(f"{live_server.url}/v1/images/edits", timeout=60, data={"prompt": emoji, "size": "64x64"},
                    files={"image": ("a.png", image_file.read_bytes(), "image/png")})
     assert r.status_code == 400 and "tokens; the model takes at most 1,024" in r.json()["error"]["message"], r.text
-    r = httpx.post(f"{live_server.url}/v1/jobs", timeout=60, data={"prompt": "x", "negative_prompt": emoji},
+    r = http.post(f"{live_server.url}/v1/jobs", timeout=60, data={"prompt": "x", "negative_prompt": emoji},
                    files={"image": ("a.png", image_file.read_bytes(), "image/png")})
     assert r.status_code == 400 and "negative prompt is" in r.json()["error"]["message"], r.text
     client = Client(live_server.url, verbose=False)
@@ -282,7 +282,7 @@ def test_the_upload_route_refuses_what_is_no_image_by_content_and_by_name(live_s
         return {p for p in Path(upload_folder()).rglob("*") if p.is_file()}
 
     def post(files) -> httpx.Response:
-        return httpx.post(f"{live_server.url}/gradio_api/upload", files=files, timeout=30)
+        return http.post(f"{live_server.url}/gradio_api/upload", files=files, timeout=30)
 
     before = files_in_cache()
     r = post([("files", ("notes.txt", os.urandom(1_000_000), "text/plain"))])
@@ -307,7 +307,7 @@ def test_the_upload_route_refuses_what_is_no_image_by_content_and_by_name(live_s
     ("POST", "/v1/images/generations", 404), ("GET", "/v1/images/edits/x/../../..", 404),
 ])
 def test_v1_wrong_method_or_path_is_openai_shaped(live_server, method, path, status):
-    r = httpx.request(method, f"{live_server.url}{path}", timeout=30)
+    r = http.request(method, f"{live_server.url}{path}", timeout=30)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"] and "detail" not in r.json()
@@ -373,7 +373,7 @@ def test_a_slow_but_moving_upload_is_not_cut_off_and_stalls_hurt_no_one(impatien
         answer = read_all_http(sock)
         sock.close()
         assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
-        r = httpx.get(f"{impatient_server.url}/health", timeout=10)  # others are served meanwhile
+        r = http.get(f"{impatient_server.url}/health", timeout=10)  # others are served meanwhile
         assert r.status_code == 200
     finally:
         for s in stalls:

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from conftest import ROOT, free_port, picture
+from conftest import ROOT, free_port, http, picture
 
 from imgedit.config.settings import load_settings
 
@@ -47,7 +47,7 @@ class AppProcess:
         while time.time() < deadline:
             assert self.proc.poll() is None, self.output()
             try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                if http.get(f"{self.url}/health", timeout=5).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -55,7 +55,7 @@ class AppProcess:
         raise AssertionError("the server did not get ready:\n" + self.output())
 
     def health(self) -> httpx.Response:
-        return httpx.get(f"{self.url}/health", timeout=10)
+        return http.get(f"{self.url}/health", timeout=10)
 
     def children(self) -> list[int]:
         found = []
@@ -90,7 +90,7 @@ def app_process(plus_ckpt, tmp_path, request):
 
 def post(url: str, steps: int, out: dict, key: str) -> None:
     try:
-        out[key] = httpx.post(f"{url}/v1/images/edits", files=[("image", ("a.png", png(), "image/png"))],
+        out[key] = http.post(f"{url}/v1/images/edits", files=[("image", ("a.png", png(), "image/png"))],
                               data={**FIELDS, "num_inference_steps": str(steps)}, timeout=300)
     except Exception as exc:  # noqa: BLE001 - recorded, asserted below
         out[key] = exc
@@ -119,7 +119,7 @@ def test_sigterm_lets_the_running_job_finish_fails_queued_ones_and_exits(app_pro
     wait_for(lambda: server.health().json()["workers"][0]["step"] >= 1, 120, "the first job never started")
     queued = threading.Thread(target=post, args=(server.url, 2, responses, "queued"))
     queued.start()
-    batch = httpx.post(f"{server.url}/v1/jobs", files=[("batch", ("b.png", png(), "image/png"))] * 2,
+    batch = http.post(f"{server.url}/v1/jobs", files=[("batch", ("b.png", png(), "image/png"))] * 2,
                        data={**FIELDS, "num_inference_steps": "2"}, timeout=60)
     assert batch.status_code == 202, batch.text
     wait_for(lambda: server.health().json()["waiting"] >= 2, 30, "the second job never queued")
@@ -129,7 +129,7 @@ def test_sigterm_lets_the_running_job_finish_fails_queued_ones_and_exits(app_pro
     server.proc.send_signal(signal.SIGTERM)
     wait_for(lambda: server.health().status_code == 503, 10, "/health still says ready")
     assert server.health().json()["status"] == "shutting_down"
-    refused = httpx.post(f"{server.url}/v1/images/edits", files=[("image", ("a.png", png(), "image/png"))],
+    refused = http.post(f"{server.url}/v1/images/edits", files=[("image", ("a.png", png(), "image/png"))],
                          data=FIELDS, timeout=30)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down", refused.text
     assert "shutting down" in refused.json()["error"]["message"]
@@ -139,7 +139,7 @@ def test_sigterm_lets_the_running_job_finish_fails_queued_ones_and_exits(app_pro
     assert error["code"] == "shutting_down" and "was not started" in error["message"], error
     # The job's second item waits for its first (one slot per worker) and is refused right after it.
     def job_view():
-        return httpx.get(f"{server.url}/v1/jobs/{batch.json()['id']}", timeout=10).json()
+        return http.get(f"{server.url}/v1/jobs/{batch.json()['id']}", timeout=10).json()
 
     wait_for(lambda: job_view()["state"] not in ("queued", "running"), 30, "the job's items were not all ended")
     job = job_view()
@@ -172,11 +172,11 @@ def test_after_kill_9_a_restarted_server_reports_every_item_of_an_unfinished_job
     try:
         first.wait_ready()
         files = [("batch", (f"p{i}.png", png(), "image/png")) for i in range(3)]
-        job = httpx.post(f"{first.url}/v1/jobs", files=files, data={**FIELDS, "num_inference_steps": "12"},
+        job = http.post(f"{first.url}/v1/jobs", files=files, data={**FIELDS, "num_inference_steps": "12"},
                          timeout=60).json()
 
         def second_item_runs() -> bool:
-            view = httpx.get(f"{first.url}/v1/jobs/{job['id']}", timeout=10).json()
+            view = http.get(f"{first.url}/v1/jobs/{job['id']}", timeout=10).json()
             return view["done"] == 1 and view["items"][1]["state"] == "running"
 
         wait_for(second_item_runs, 180, "the second item never started")
@@ -187,15 +187,15 @@ def test_after_kill_9_a_restarted_server_reports_every_item_of_an_unfinished_job
     again = AppProcess(plus_ckpt, tmp_path, 60)  # same OUTPUT_DIR
     try:
         again.wait_ready()
-        view = httpx.get(f"{again.url}/v1/jobs/{job['id']}", timeout=10).json()
+        view = http.get(f"{again.url}/v1/jobs/{job['id']}", timeout=10).json()
         assert (view["state"], view["done"], view["failed"], view["restored"]) == ("partial", 1, 2, True), view
         assert [i["state"] for i in view["items"]] == ["succeeded", "failed", "failed"]
         assert {i["error"] for i in view["items"][1:]} == {"the server stopped before this item finished"}
         assert view["items"][0]["outputs"] == 1 and view["items"][0]["seed"] == 1
-        result = httpx.get(f"{again.url}/v1/jobs/{job['id']}/result", timeout=30)
+        result = http.get(f"{again.url}/v1/jobs/{job['id']}/result", timeout=30)
         names = zipfile.ZipFile(io.BytesIO(result.content)).namelist()
         assert result.status_code == 200 and names == ["001-p0.png", "errors.txt"], names
-        other = httpx.get(f"{again.url}/v1/jobs/{job['id']}", headers={"Authorization": "Bearer b"}, timeout=10)
+        other = http.get(f"{again.url}/v1/jobs/{job['id']}", headers={"Authorization": "Bearer b"}, timeout=10)
         assert other.status_code == 404
     finally:
         again.stop()
@@ -248,9 +248,9 @@ def test_while_draining_the_page_and_rest_say_shutting_down(plus_ckpt, image_fil
         with pytest.raises(AppError, match="shutting down"):
             client.predict([handle_file(str(image_file))], "make it red", "", 1, False, 2, 4.0, 1, 64, 64,
                            api_name="/edit")
-        health = httpx.get(f"{server.url}/health", timeout=10)
+        health = http.get(f"{server.url}/health", timeout=10)
         assert health.status_code == 503 and health.json()["status"] == "shutting_down"
-        jobs = httpx.post(f"{server.url}/v1/jobs", files=[("image", ("a.png", png(), "image/png"))], data=FIELDS,
+        jobs = http.post(f"{server.url}/v1/jobs", files=[("image", ("a.png", png(), "image/png"))], data=FIELDS,
                           timeout=30)
         assert jobs.status_code == 503 and jobs.json()["error"]["code"] == "shutting_down"
-        assert httpx.get(f"{server.url}/v1/jobs/job_unknown", timeout=10).status_code == 404  # reads still work
+        assert http.get(f"{server.url}/v1/jobs/job_unknown", timeout=10).status_code == 404  # reads still work

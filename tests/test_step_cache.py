@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import threading
 
-import httpx
 import numpy as np
 import pytest
-from conftest import make_manager, picture, start_server
+from conftest import http, make_manager, picture, start_server
 
 from imgedit.errors import Cancelled, InvalidInput, PlacementError
 from imgedit.protocol import EditRequest
@@ -67,10 +66,10 @@ def test_the_server_setting_applies_the_request_overrides_and_bad_values_are_ref
         edit(manager, "teacache")
     assert refused.value.field == "cache" and sum(w.jobs_done for w in manager.workers) == done
     with start_server(cached) as server:
-        r = httpx.post(f"{server.url}/v1/images/edits", timeout=60, data={"prompt": "x", "cache": "fast"},
+        r = http.post(f"{server.url}/v1/images/edits", timeout=60, data={"prompt": "x", "cache": "fast"},
                        files={"image": ("a.png", picture_bytes(), "image/png")})
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache", r.text
-        health = httpx.get(f"{server.url}/health", timeout=30).json()
+        health = http.get(f"{server.url}/health", timeout=30).json()
         assert health["cache"] == "first-block (threshold 10)"
 
 

@@ -8,9 +8,8 @@ import time
 import zlib
 from pathlib import Path
 
-import httpx
 import pytest
-from conftest import ConcurrencyProbe, make_manager, start_server
+from conftest import ConcurrencyProbe, http, make_manager, start_server
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError, ValidationError
 from gradio_client.utils import QueueError
@@ -65,7 +64,7 @@ def test_gpu_status_api_without_gpus(client, live_server):
     assert data["workers"][0]["placement"] == {"transformer": "cpu", "text_encoder": "cpu", "vae": "cpu"}
     assert data["workers"][0]["encode_cache"] == 8  # ENCODE_CACHE's default, as the worker installed it
     # The README's `GET /gpu_status` over plain HTTP (it was a 404): the same data, open like /health.
-    plain = httpx.get(f"{live_server.url}/gpu_status", timeout=30)
+    plain = http.get(f"{live_server.url}/gpu_status", timeout=30)
     assert plain.status_code == 200 and plain.headers["content-type"] == "application/json"
     assert plain.json().keys() == data.keys() and plain.json()["workers"][0]["placement"] == data["workers"][0][
         "placement"] and plain.json()["message"] == data["message"]
@@ -172,9 +171,8 @@ def test_queue_full_gives_the_busy_error(plus_ckpt, image_file):
 
 
 def test_raw_http_cannot_skip_the_queue(live_server):
-    import httpx
 
-    r = httpx.post(f"{live_server.url}/gradio_api/api/edit", json={"data": []}, timeout=30)
+    r = http.post(f"{live_server.url}/gradio_api/api/edit", json={"data": []}, timeout=30)
     assert r.status_code in (403, 404, 405), r.text
 
 
@@ -203,7 +201,6 @@ def test_one_line_for_threads_of_many_clients(live_server, server_manager, image
 
 
 def test_demo_banner_and_page(plus_ckpt):
-    import httpx
 
     manager = make_manager(plus_ckpt)
     from imgedit.web.app import build_app
@@ -212,7 +209,7 @@ def test_demo_banner_and_page(plus_ckpt):
     from conftest import LiveServer, free_port
 
     with LiveServer(app, free_port()) as server:
-        config = httpx.get(f"{server.url}/config", timeout=30).json()
+        config = http.get(f"{server.url}/config", timeout=30).json()
         assert "outputs are noise" in str(config)
         # A small width and the height from the input's aspect (it was 256x256 whatever the input's shape).
         sizes = {c["props"]["label"]: c["props"]["value"] for c in config["components"]
@@ -266,11 +263,10 @@ def test_step_progress_and_place_in_line_reach_the_client(client, server_manager
 
 
 def test_metrics_after_ui_edits(live_server, client, image_file):
-    import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     client.predict(*edit_args([image_file]), api_name="/edit")
-    r = httpx.get(f"{live_server.url}/metrics", timeout=30)
+    r = http.get(f"{live_server.url}/metrics", timeout=30)
     assert r.status_code == 200, r.text[:300]
     families = {f.name: f for f in text_string_to_metric_families(r.text)}
     assert families["imgedit_queue_length"].samples[0].value == 0
@@ -307,8 +303,6 @@ def test_every_returned_png_carries_its_settings(live_server, client, image_file
     import base64
     import io
 
-    import httpx
-
     from imgedit import __version__
     from imgedit.engine.images import read_settings
 
@@ -323,7 +317,7 @@ def test_every_returned_png_carries_its_settings(live_server, client, image_file
         "prompt": "make it ünicode red", "negative_prompt": "", "seed": 11, "num_inference_steps": 3,
         "true_cfg_scale": 4.0, "width": 64, "height": 64}
     with open(image_file, "rb") as f:
-        r = httpx.post(f"{live_server.url}/v1/images/edits", files={"image": ("in.png", f, "image/png")},
+        r = http.post(f"{live_server.url}/v1/images/edits", files={"image": ("in.png", f, "image/png")},
                        data={"prompt": "rest edit", "size": "64x64", "num_inference_steps": "2", "seed": "4"},
                        timeout=120)
     assert r.status_code == 200, r.text[:300]

@@ -16,7 +16,7 @@ import threading
 import httpx
 import numpy as np
 import pytest
-from conftest import ROOT, ConcurrencyProbe, alive, cfg_plan, free_port, make_manager, picture, wait_for
+from conftest import ROOT, ConcurrencyProbe, alive, cfg_plan, free_port, http, make_manager, picture, wait_for
 
 from imgedit.errors import Cancelled, ImgEditError, OutOfGpuMemory, WorkerFailed
 from imgedit.protocol import EditRequest
@@ -183,13 +183,13 @@ def test_stopping_the_server_leaves_no_worker_process(plus_ckpt, how):
     try:
         def healthy():
             try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+                return http.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
             except httpx.HTTPError:
                 return False
 
         wait_for(healthy, 180)
         workers = [p for c in _children(server.pid) for p in [c, *_children(c)]]
-        details = httpx.get(f"http://127.0.0.1:{port}/v1/status").json()  # /health shows no pids
+        details = http.get(f"http://127.0.0.1:{port}/v1/status").json()  # /health shows no pids
         pids = [p for w in details["workers"] for p in w["pids"]]
         assert pids and set(pids) <= set(workers)
         server.send_signal(getattr(signal, how))
@@ -211,7 +211,7 @@ def test_health_stays_ready_while_one_of_two_workers_restarts(plus_ckpt):
         victim = manager.status().workers[0].pids[0]
         os.kill(victim, signal.SIGKILL)
         wait_for(lambda: manager.status().workers[0].restarts == 1, 30)
-        health = httpx.get(f"{server.url}/health", timeout=10)
+        health = http.get(f"{server.url}/health", timeout=10)
         assert health.status_code == 200 and health.json()["status"] == "ok"
         states = {w["name"]: (w["state"], w["restarts"]) for w in health.json()["workers"]}
         assert states["worker-1"] == ("idle", 0) and states["worker-0"][1] == 1
