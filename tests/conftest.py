@@ -348,6 +348,20 @@ def browser():
         browser.close()
 
 
+def open_app(page, url: str | None = None, timeout: float = 60_000) -> None:
+    """Load the app in `page` (`url`) or reload it (no `url`), and wait until Gradio has drawn it and its
+    load event has filled the GPU panel. Not Playwright's "networkidle" (500 ms without a request): the
+    panel's 2 s refresh keeps the network busy, and on the loaded 2-core machine two full runs timed out
+    waiting for such a gap."""
+    if url is None:
+        page.reload(wait_until="load", timeout=timeout)
+    else:
+        page.goto(url, wait_until="load", timeout=timeout)
+    page.locator("#edit-button").wait_for(state="visible", timeout=timeout)
+    page.wait_for_function("() => document.querySelector('#gpu-panel')?.innerText.trim().length > 0",
+                           timeout=timeout)
+
+
 def pytest_unconfigure(config):
     shutil.rmtree(os.environ["GRADIO_TEMP_DIR"], ignore_errors=True)
 

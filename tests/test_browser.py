@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ARTIFACTS, make_manager, picture, start_server
+from conftest import ARTIFACTS, make_manager, open_app, picture, start_server
 from PIL import Image
 
 pytestmark = pytest.mark.browser
@@ -39,7 +39,7 @@ def photos(tmp_path_factory):
 
 def open_page(browser, server, width=1400, height=1000, small=True):
     page = browser.new_page(viewport={"width": width, "height": height})
-    page.goto(server.url, wait_until="networkidle")
+    open_app(page, server.url)
     if small:  # the tiny model on 2 CPU cores: keep every test edit at 64x64
         page.get_by_text("Advanced").click()
         for label in ("Width (0 = auto)", "Height (0 = auto)"):
@@ -269,7 +269,7 @@ def test_example_download_api_call_and_restoring_the_settings_of_a_result_png(br
     curl = page.locator("#api-curl").inner_text()
     assert "/v1/images/edits" in curl and "seed=77" in curl and "size=64x64" in curl, curl
     assert "extra_body" in page.locator("#api-openai").inner_text()
-    page.reload(wait_until="networkidle")
+    open_app(page)
     assert page.locator("#restore-settings").count() == 0 or not page.locator("#restore-settings").is_visible()
     page.locator("#input-files input[type=file]").set_input_files(str(saved))
     page.locator("#restore-settings").click(timeout=30_000)
@@ -379,7 +379,7 @@ def test_enhance_puts_the_models_rewrite_in_the_prompt_and_one_click_brings_the_
     expect(page.locator("#prompt textarea")).to_have_value(mine, timeout=30_000)
     expect(page.locator("#enhance-undo")).to_be_hidden()
     # Without an image: the page says what is missing, the prompt stays as typed.
-    page.reload(wait_until="networkidle")
+    open_app(page)
     page.locator("#prompt textarea").fill("make it winter")
     page.locator("#enhance-button").click()
     expect(page.locator("#enhance-note")).to_contain_text("image", timeout=60_000)

@@ -6,7 +6,7 @@ Saves a screenshot to artifacts/browser-batch.png.
 from __future__ import annotations
 
 import pytest
-from conftest import ARTIFACTS, make_manager, picture, start_server
+from conftest import ARTIFACTS, make_manager, open_app, picture, start_server
 
 pytestmark = pytest.mark.browser
 
@@ -26,7 +26,7 @@ def test_batch_in_the_page_then_history_per_browser(browser, plus_ckpt, tmp_path
     with start_server(manager) as server:
         context = browser.new_context(viewport={"width": 1280, "height": 1400})
         page = context.new_page()
-        page.goto(server.url, wait_until="networkidle")
+        open_app(page, server.url)
         page.get_by_text("Advanced").click()
         page.get_by_label("Width (0 = auto)").fill("64")
         page.get_by_label("Height (0 = auto)").fill("64")
@@ -79,7 +79,7 @@ def test_batch_in_the_page_then_history_per_browser(browser, plus_ckpt, tmp_path
         expect(page.locator("#input-files")).to_contain_text("input-1", timeout=30_000)
 
         stranger = browser.new_context().new_page()
-        stranger.goto(server.url, wait_until="networkidle")
+        open_app(stranger, server.url)
         stranger.get_by_role("tab", name="History").click()
         stranger.get_by_text("Nothing here yet").wait_for(timeout=30_000)
         assert stranger.locator("#history-gallery img").count() == 0

@@ -9,7 +9,7 @@ and a running job is laid out with sensible sizes. Saves artifacts/browser-panel
 from __future__ import annotations
 
 import pytest
-from conftest import ARTIFACTS, LiveServer, free_port, make_manager, start_server
+from conftest import ARTIFACTS, LiveServer, free_port, make_manager, open_app, start_server
 from fake_nvml import FakeGpu, FakeNvml
 
 from imgedit.engine.gpus import GpuMonitor, discover_gpus, snapshot
@@ -45,7 +45,7 @@ def test_without_gpus_the_live_panel_says_so_in_one_line_with_the_workers_state(
     with start_server(manager) as server:
         for name, viewport in VIEWPORTS.items():
             page = browser.new_page(viewport=viewport)
-            page.goto(server.url, wait_until="networkidle")
+            open_app(page, server.url)
             panel = page.locator("#gpu-panel")
             panel.locator(".gp-worker").first.wait_for(timeout=30_000)
             assert panel.locator(".gp-none").all_inner_texts() == ["no GPU is visible: the model runs on the CPU"]
@@ -71,7 +71,7 @@ def test_made_up_gpus_get_bars_and_a_plot_that_grows_in_the_live_page(browser, m
     with start_server_with(manager, GpuMonitor(nvml=nvml)) as server:
         for name, viewport in VIEWPORTS.items():
             page = browser.new_page(viewport=viewport)
-            page.goto(server.url, wait_until="networkidle")
+            open_app(page, server.url)
             page.locator("#gpu-panel .gp-card").nth(1).wait_for(timeout=30_000)
             # The page refreshes the panel every 2 s; each refresh adds a reading to the plot (slower on 2 busy cores).
             page.wait_for_function("""() => {
