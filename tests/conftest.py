@@ -34,9 +34,9 @@ os.environ["GRADIO_TEMP_DIR"] = tempfile.mkdtemp(prefix=f"gradio-{os.environ.get
 # Children (worker processes, servers, Ray) read these at start; this process sets them after its imports.
 os.environ.setdefault("MALLOC_MMAP_MAX_", "0")
 os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(256 << 20))
-# Ray's own out-of-memory monitor kills actors once the machine is 95 % full. When the Ray tests ran last,
-# beside two test processes that still held their session's worker pools (each process keeps up to 256 MB
-# of freed heap, above), a full local run lost both actors to it while they loaded ("22.44GB used / 23.54GB").
+# Ray's own out-of-memory monitor kills actors once the machine is 95 % full. The Ray tests run last,
+# beside two test processes that still hold their session's worker pools (each process keeps up to 256 MB
+# of freed heap, above), and a full local run lost both actors to it while they loaded ("22.44GB used / 23.54GB").
 # The kernel's OOM killer still guards the machine; the tests' Ray clusters (children) start without Ray's.
 os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
 
@@ -82,13 +82,13 @@ COMPONENTS = ("transformer", "text_encoder", "vae")
 # so a module's shared server and worker pool start once; the two Ray modules share one group, so one
 # Ray cluster at a time exists on this machine. xdist's own reorder (most tests first) is off in
 # pyproject.toml (--no-loadscope-reorder); the order is this one:
-# - the Ray group first. At the end (where it ran before), it ran alone for ~100 s with a core idle.
-#   Its actors start while the other test processes build their pools; a CI run once waited 300 s
-#   for them there (cause not found, before Ray's memory monitor was turned off for the tests, above).
-# - then the longest groups first (their seconds in a full run on the 2-core machine), so that no long
-#   group starts last; then the rest in file order.
+# - the longest groups first (their seconds in a full run on the 2-core machine), so that no long group
+#   starts last; then the rest in file order;
+# - the Ray group at the very end. Run first, beside two test processes building their pools, a fresh-
+#   clone CI run waited over 90 s for a killed actor to come back (test_ray's deadline; the restart imports
+#   torch afresh), though a local run passed; at the end it runs mostly alone, ~100 s with a core idle.
 XDIST_GROUPS = {"test_ray": "ray", "test_ray_local": "ray"}
-FIRST = ("ray",)
+LAST = ("ray",)
 LONGEST_FIRST = ("test_browser", "test_shutdown", "test_security", "test_loras", "test_manager", "test_workers",
                  "test_adversarial", "test_ui", "test_parallel_groups", "test_rest", "test_readme", "test_history",
                  "test_browser_panel", "test_browser_batch", "test_architecture", "test_jobs_api", "test_masks",
@@ -104,8 +104,8 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(group(item)))
     def rank(item) -> int:
         name = group(item)
-        if name in FIRST:
-            return -len(FIRST) + FIRST.index(name)
+        if name in LAST:
+            return len(LONGEST_FIRST) + 1 + LAST.index(name)
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: each module keeps its own order
