@@ -67,10 +67,10 @@ torch.set_num_threads(int(os.environ['OMP_NUM_THREADS']))
 ROOT = Path(__file__).resolve().parents[1]
 # The tests' HTTP calls share one client per test process. Each httpx.get() builds a client of its own,
 # and with it an SSL context that loads the CA bundle: 32 ms of CPU a call on this machine, even for an
-# http:// URL, against 0.25 ms through a client. A py-spy profile of a full run found ~12 % of the suite's
-# CPU there, mostly in polls (wait_for asks 20 times a second while a server starts). No keep-alive: a
-# test may kill a server between two calls, and a pooled connection to it would fail the next call. No
-# cookie jar either: like httpx.get(), no call carries a cookie another call was given.
+# http:// URL, against 0.25 ms through a client. A py-spy profile of a full run found 39 % of the test
+# processes' busy samples there, mostly in polls (wait_for asks 20 times a second while a server starts).
+# No keep-alive: a test may kill a server between two calls, and a pooled connection to it would fail the
+# next call. No cookie jar either: like httpx.get(), no call carries a cookie another call was given.
 http = httpx.Client(timeout=5.0, limits=httpx.Limits(max_keepalive_connections=0),
                     cookies=CookieJar(DefaultCookiePolicy(allowed_domains=[])))
 sys.path.insert(0, str(ROOT / "tests"))  # worker processes import tests/faults.py as "faults"

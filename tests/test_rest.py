@@ -96,8 +96,8 @@ def sample_value(samples, name: str, **labels) -> float:
 def test_openai_sdk_edits(live_server, image_file):
     sent = []
     hooks = {"request": [lambda request: sent.append(request.read())]}
-    with httpx.Client(event_hooks=hooks, timeout=120) as http:
-        client = sdk(live_server.url, http_client=http)
+    with httpx.Client(event_hooks=hooks, timeout=120) as recording:
+        client = sdk(live_server.url, http_client=recording)
         first = sdk_edit(client, image_file, seed=7)
         again = sdk_edit(client, image_file, seed=7)
         other = sdk_edit(client, image_file, seed=8, n=2)
