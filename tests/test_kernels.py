@@ -69,3 +69,20 @@ def test_bad_values_stop_start_up_naming_the_choices():
         load_settings({"ATTENTION": "sage"})
     with pytest.raises(SettingsError, match="COMPILE_MODE='max-autotune' .*default, max-autotune-no-cudagraphs"):
         load_settings({"COMPILE_MODE": "max-autotune"})  # CUDA graphs: measured to fail on the per-block compile
+
+
+def test_on_the_cpu_the_vaes_3d_convolutions_run_through_onednn_with_the_native_result(plus_pipe):
+    """DEVICE_MAP=cpu routes the VAE's 3-D convolutions to oneDNN (imgedit/runtime/cpu_conv.py): PyTorch's
+    own choice for a one-frame input is its slow vol2col path. Same result, and the profiler sees no slow call."""
+    import torch
+
+    vae = plus_pipe.pipe.vae
+    conv = vae.encoder.conv_in
+    x = torch.nn.functional.pad(torch.randn(1, 3, 1, 256, 256), (1, 1, 1, 1, 2, 0))  # the causal padding
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        routed = conv._conv_forward(x, conv.weight, conv.bias)
+    calls = {e.key for e in prof.key_averages()}
+    assert "aten::mkldnn_convolution" in calls and "aten::slow_conv3d_forward" not in calls
+    native = torch.nn.Conv3d._conv_forward(conv, x, conv.weight, conv.bias)
+    assert torch.allclose(routed, native, atol=1e-4)
+    assert sum(isinstance(m, torch.nn.Conv3d) and "_conv_forward" in vars(m) for m in vae.modules()) >= 10
