@@ -71,18 +71,39 @@ def test_bad_values_stop_start_up_naming_the_choices():
         load_settings({"COMPILE_MODE": "max-autotune"})  # CUDA graphs: measured to fail on the per-block compile
 
 
-def test_on_the_cpu_the_vaes_3d_convolutions_run_through_onednn_with_the_native_result(plus_pipe):
-    """DEVICE_MAP=cpu routes the VAE's 3-D convolutions to oneDNN (imgedit/runtime/cpu_conv.py): PyTorch's
-    own choice for a one-frame input is its slow vol2col path. Same result, and the profiler sees no slow call."""
+def test_an_image_runs_the_vaes_causal_3d_convolutions_as_2d_ones_with_the_same_result(plus_pipe):
+    """One frame meets only the last time tap of each causal 3x3x3 kernel (the other two meet the causal zero
+    padding), so imgedit/runtime/single_frame.py runs a 2-D convolution: a third of the work, and on the CPU
+    not PyTorch's slow vol2col path. Same sums as diffusers' own forward; several frames keep its path."""
     import torch
+    import torch.nn.functional as F
 
     vae = plus_pipe.pipe.vae
-    conv = vae.encoder.conv_in
-    x = torch.nn.functional.pad(torch.randn(1, 3, 1, 256, 256), (1, 1, 1, 1, 2, 0))  # the causal padding
-    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        routed = conv._conv_forward(x, conv.weight, conv.bias)
-    calls = {e.key for e in prof.key_averages()}
-    assert "aten::mkldnn_convolution" in calls and "aten::slow_conv3d_forward" not in calls
-    native = torch.nn.Conv3d._conv_forward(conv, x, conv.weight, conv.bias)
-    assert torch.allclose(routed, native, atol=1e-4)
-    assert sum(isinstance(m, torch.nn.Conv3d) and "_conv_forward" in vars(m) for m in vae.modules()) >= 10
+    routed = [m for m in vae.modules() if isinstance(m, torch.nn.Conv3d) and "forward" in vars(m)]
+    assert len(routed) >= 10 and vae.encoder.conv_in in routed and vae.decoder.conv_out in routed
+
+    def own(conv, x, cache=None):  # diffusers' QwenImageCausalConv3d.forward, as the class defines it
+        return type(conv).forward(conv, x, cache)
+
+    torch.manual_seed(0)
+    for conv, size in ((vae.encoder.conv_in, 256), (vae.decoder.conv_out, 64)):
+        frame = torch.randn(1, conv.in_channels, 1, size, size)
+        with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            ours = conv(frame)
+        calls = {e.key for e in prof.key_averages()}
+        assert "aten::conv2d" in calls and "aten::conv3d" not in calls
+        with torch.no_grad():
+            assert torch.allclose(ours, own(conv, frame), atol=1e-5)
+            frames, cache = torch.randn(1, conv.in_channels, 3, 32, 32), torch.randn(1, conv.in_channels, 2, 32, 32)
+            assert torch.equal(conv(frames), own(conv, frames))  # video: diffusers' own path
+            assert torch.equal(conv(frames[:, :, :1], cache), own(conv, frames[:, :, :1], cache))
+    with torch.no_grad():  # the VAE as a whole: an encode through the routed convolutions and diffusers' own
+        image = F.interpolate(torch.rand(1, 3, 1, 64, 64) * 2 - 1, size=(1, 128, 128))
+        ours = vae.encode(image).latent_dist.mean
+        saved = {m: vars(m).pop("forward") for m in routed}
+        try:
+            theirs = vae.encode(image).latent_dist.mean
+        finally:
+            for m, forward in saved.items():
+                m.forward = forward
+    assert torch.allclose(ours, theirs, atol=1e-4)

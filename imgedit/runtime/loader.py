@@ -16,7 +16,7 @@ from imgedit.errors import PlacementError
 from imgedit.model.processor import load_processor
 from imgedit.planning.checkpoint import MODEL_COMPONENTS, Checkpoint, open_checkpoint  # noqa: F401  (re-exported)
 from imgedit.planning.plan import WorkerPlan
-from imgedit.runtime import cpu_conv, offload, weights
+from imgedit.runtime import offload, single_frame, weights
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,8 @@ def load_pipeline(checkpoint: Checkpoint, worker: WorkerPlan, dtype: torch.dtype
             model = weights.load_component(name, checkpoint, placement, dtype)
         if not placement.is_split and placement.device != worker.execution_device:
             _move_inputs(model, placement.device)
-        if placement.device == "cpu" and not placement.is_split:
-            cpu_conv.use_onednn(model)  # the VAE's 3-D convolutions: PyTorch's CPU default is 4x slower
+        if name == "vae":
+            single_frame.install(model)  # an image is one frame: its 3-D convolutions as 2-D ones, a third of the work
         parts[name] = model.eval().requires_grad_(False)
     if len(worker.devices) > 1 and not hasattr(parts["vae"], "_hf_hook"):
         # diffusers' _execution_device asks the first registered component (the VAE); one without a
