@@ -2,6 +2,8 @@
 
     python benchmarks/bench_fast.py [--sections eager,compiled] [--size 1024] [--json out.json]
     python benchmarks/bench_fast.py --tiny          # CPU smoke run of every section on the tiny model
+    python benchmarks/bench_fast.py --sections compiled --env FUSE_LORA=off   # any setting, e.g. A/B runs
+    python benchmarks/bench_fast.py --sections compiled --phases   # + where a 4-step edit's time goes
 
 Every job goes through imgedit's PipelineManager and a worker process, as in the app, on one GPU
 (DEVICE_MAP=cuda:0), with a real-size random-weight checkpoint (trained-like init) and two random
@@ -11,20 +13,27 @@ worker hook checks that every transformer output is finite (bench.finite_check):
 
 Sections (each loads the model once; --sections picks them):
   eager     COMPILE=off: 4-step and 8-step edits end to end (speed=fastest / fast), per-step time
-            with no LoRA vs the adapter unfused (as the app runs it) vs fused into the weights
-            (pipe.fuse_lora, bench-only: a prompt marker makes the worker fuse before denoising),
+            with no LoRA vs one LoRA as the app runs it (fused with FUSE_LORA=auto, the default; unfused
+            with FUSE_LORA=off, and then also fused by pipe.fuse_lora, bench-only: a prompt marker makes
+            the worker fuse before denoising),
             the cost of switching LoRA between jobs vs a 40-step quality edit, and that 40-step edit.
   compiled  COMPILE=on (regional compile, warmed up at start-up, Lightning variants included): the
             same edits, switching, the 40-step quality edit, and a 4-step edit through the HTTP
             server (REST), which is what the <= 2 s target is about.
+
+--phases: the 4-step edits also report where their time goes inside the pipeline call (prompt encoding,
+VAE encode, the denoising loop, VAE decode, postprocess), the GPU synchronized at every boundary, so each
+phase is timed alone (overlap between them is lost: the phases add up to a little more than the call).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -47,6 +56,7 @@ FOUR = "Bench-Lightning-4steps-V1.0-bf16"
 EIGHT = "Bench-Lightning-8steps-V1.0-bf16"
 STYLE = "bench-style"
 FUSE_MARK = "[fused]"
+PHASES = "IMGEDIT_BENCH_PHASES"  # the file the workers' --phases records go to
 
 
 def hook(pipe, spec) -> None:
@@ -74,9 +84,65 @@ def hook(pipe, spec) -> None:
 
     pipe.encode_prompt = encode_prompt
     pipe.vae.decoder.register_forward_pre_hook(release)
+    if PHASES in os.environ:
+        phases(pipe, os.environ[PHASES])
 
 
-def edit(manager, image, size, seed=0, prompt="turn the sky into a sunset", **kw) -> dict:
+def phases(pipe, path: str) -> None:
+    """Worker hook part for --phases: seconds in each phase of every pipeline call, one JSON line per call."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    record: dict = {}
+
+    def timed(name, function):
+        def wrapper(*args, **kwargs):
+            sync()
+            t0 = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                sync()
+                record[name] = record.get(name, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    pipe.encode_prompt = timed("encode_prompt", pipe.encode_prompt)
+    pipe._encode_vae_image = timed("vae_encode", pipe._encode_vae_image)
+    pipe.vae.decode = timed("vae_decode", pipe.vae.decode)
+    pipe.image_processor.postprocess = timed("postprocess", pipe.image_processor.postprocess)
+
+    def loop_starts(module, args):
+        if "loop_start" not in record:
+            sync()
+            record["loop_start"] = time.perf_counter()
+
+    pipe.transformer.register_forward_pre_hook(loop_starts)
+    call = type(pipe).__call__
+
+    class Timed(type(pipe)):
+        def __call__(self, *args, **kwargs):
+            record.clear()
+            sync()
+            t0 = time.perf_counter()
+            out = call(self, *args, **kwargs)
+            sync()
+            total = time.perf_counter() - t0
+            start = record.pop("loop_start", t0) - t0
+            done = {k: round(v, 4) for k, v in record.items()}
+            done.update(call_s=round(total, 4), before_loop_s=round(start, 4),
+                        loop_s=round(total - start - record.get("vae_decode", 0) - record.get("postprocess", 0), 4))
+            with open(path, "a") as f:
+                f.write(json.dumps(done) + "\n")
+            return out
+
+    pipe.__class__ = Timed
+
+
+PROMPT = "turn the sky into a sunset"  # --prompt: another length (a Ulysses pair pads an odd one and masks it)
+
+
+def edit(manager, image, size, seed=0, prompt=None, **kw) -> dict:
+    prompt = prompt or PROMPT
     req = EditRequest(images=(image,), prompt=prompt, seed=seed, width=size, height=size, source="bench", **kw)
     clock = StepClock()
     t0 = time.perf_counter()
@@ -108,7 +174,7 @@ def manager_for(args, ckpt: Path, lora_dir: Path, compile_mode: str) -> tuple[Pi
     settings = load_settings({
         "QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": args.device_map, "COMPILE": compile_mode,
         "COMPILE_CACHE_DIR": args.cache, "LOG_LEVEL": "INFO", "MAX_STEPS": "200", "LORA_DIR": str(lora_dir),
-        "ENCODE_CACHE": "0"})
+        "ENCODE_CACHE": "0", **dict(pair.split("=", 1) for pair in args.env)})
     t0 = time.perf_counter()
     portrait = tuple(max(64, round(args.size * f / 16) * 16) for f in (0.8125, 1.21875))  # 832x1248 at 1024
     sizes = ((args.size, args.size), portrait)  # the app's two warm-up shapes (imgedit.engine.manager.WARMUP_SIZES)
@@ -144,39 +210,54 @@ def section(name: str, args, ckpt: Path, lora_dir: Path, image) -> dict:
         if compile_mode == "off":
             edit(manager, image, size, num_inference_steps=2)  # warm-up (compiled workers warm up at start)
             edit(manager, image, size, speed="fastest")
+        seen = phase_lines()
         out["fastest_4_step"] = best([edit(manager, image, size, seed=i, speed="fastest") for i in range(reps)])
+        if PHASES in os.environ:  # medians over the 4-step edits just timed
+            calls = phase_lines()[len(seen):]
+            out["fastest_4_step"]["phases"] = {k: statistics.median(c.get(k, 0.0) for c in calls) for k in calls[0]}
         out["fast_8_step"] = best([edit(manager, image, size, seed=i, speed="fast") for i in range(reps)])
         n = args.per_step_steps
-        # Per step, CFG off in all three: the base transformer, + the unfused adapter, + the fused one.
+        # Per step, CFG off in all three: the base transformer, + the adapter as the app runs it, + fused by hand.
+        as_run = "unfused" if manager.settings.fuse_lora == "off" else "fused_app"
         out["per_step"] = {
             "no_lora": edit(manager, image, size, num_inference_steps=n, true_cfg_scale=1.0)["s_per_step"],
-            "unfused": edit(manager, image, size, num_inference_steps=n, true_cfg_scale=1.0, lora=EIGHT)["s_per_step"],
+            as_run: edit(manager, image, size, num_inference_steps=n, true_cfg_scale=1.0, lora=EIGHT)["s_per_step"],
         }
-        if compile_mode == "off":  # fusing flips peft's state: under compile it would recompile mid-run
+        # by hand only eager (fusing flips peft's state: under compile it would recompile mid-run) and only
+        # when the app does not fuse already
+        if compile_mode == "off" and as_run == "unfused":
             fused = edit(manager, image, size, num_inference_steps=n, true_cfg_scale=1.0, lora=EIGHT,
-                         prompt=f"{FUSE_MARK} turn the sky into a sunset")
+                         prompt=f"{FUSE_MARK} {PROMPT}")
             out["per_step"]["fused"] = fused["s_per_step"]
             edit(manager, image, size, num_inference_steps=2)  # unfuse again before the next measurement
         base = out["per_step"]["no_lora"]
-        out["per_step"]["unfused_overhead"] = round(out["per_step"]["unfused"] / base - 1, 4)
+        out["per_step"][f"{as_run}_overhead"] = round(out["per_step"][as_run] / base - 1, 4)
         if "fused" in out["per_step"]:
             out["per_step"]["fused_overhead"] = round(out["per_step"]["fused"] / base - 1, 4)
         out["switching"] = switching(manager, image, size, max(2, reps))
         out["quality"] = edit(manager, image, size, num_inference_steps=args.quality_steps, negative_prompt=" ")
         out["switching"]["fraction_of_quality_edit"] = round(
             out["switching"]["switch_cost_s"] / out["quality"]["wall_s"], 4)
-        if name == "compiled" or args.tiny:
+        if (name == "compiled" or args.tiny) and importlib.util.find_spec("gradio") is None:
+            out["rest_fastest"] = "not measured: gradio is not installed here"
+        elif name == "compiled" or args.tiny:
             out["rest_fastest"] = rest_fastest(manager, image, size, reps)
     finally:
         manager.close()
     return out
 
 
+def phase_lines() -> list[dict]:
+    """The workers' --phases records so far (one per pipeline call, every rank of a group)."""
+    path = Path(os.environ.get(PHASES, "/nonexistent"))
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
 def rest_fastest(manager, image, size: int, repeats: int) -> dict:
     """A 4-step fast edit through the HTTP server (REST), as a client sees it."""
     buf = io.BytesIO()
     image.save(buf, format="PNG")
-    form = {"prompt": "turn the sky into a sunset", "size": f"{size}x{size}", "seed": "0", "speed": "fastest"}
+    form = {"prompt": PROMPT, "size": f"{size}x{size}", "seed": "0", "speed": "fastest"}
     with served(manager.settings, manager) as url:
         walls = [rest_edit(url, buf.getvalue(), form) for _ in range(repeats + 1)]
     return {"walls": walls, "median_after_first_s": statistics.median(walls[1:])}
@@ -195,7 +276,13 @@ def main() -> None:
     parser.add_argument("--per-step-steps", type=int, default=8)
     parser.add_argument("--quality-steps", type=int, default=40)
     parser.add_argument("--json", default="")
+    parser.add_argument("--phases", action="store_true", help="time the phases of each 4-step edit (see above)")
+    parser.add_argument("--prompt", default="")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a setting for the workers (repeatable), e.g. FUSE_LORA=off or DEVICE_MAP=cfg-parallel")
     args = parser.parse_args()
+    global PROMPT
+    PROMPT = args.prompt or PROMPT
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     rank = LIGHTNING_RANK
     if args.tiny:
@@ -209,8 +296,10 @@ def main() -> None:
     lora_dir.mkdir(parents=True, exist_ok=True)
     make_loras(lora_dir, ckpt, rank)
     image = reference_image(max(args.size, 64))
+    if args.phases:  # the worker processes inherit it (spawned after this)
+        os.environ[PHASES] = str(Path(tempfile.mkdtemp(prefix="bench-phases-")) / "phases.jsonl")
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
-              "lora_rank": rank, "results": []}
+              "lora_rank": rank, "env": args.env, "results": []}
     failed = False
     for name in args.sections.split(","):
         try:

@@ -123,15 +123,19 @@ def test_pair_image_equals_the_one_gpu_image(real_ckpt):
     one = load(real_ckpt, DEVICE_MAP="cuda:0")
     try:
         a = np.asarray(edit(one, steps=4, seed=3).images[0], dtype=np.int16)
+        a_off = np.asarray(edit(one, steps=2, cfg=1.0).images[0], dtype=np.int16)
     finally:
         one.close()
     pair = load(real_ckpt, DEVICE_MAP="cfg-parallel")
     try:
         b = np.asarray(edit(pair, steps=4, seed=3).images[0], dtype=np.int16)
-        c = edit(pair, steps=2, cfg=1.0)  # CFG off: rank 0 alone
+        c = edit(pair, steps=2, cfg=1.0)  # CFG off: both GPUs, each forward's sequence split (PAIR_ULYSSES)
     finally:
         pair.close()
     print("pair vs one GPU: max abs difference", int(np.abs(a - b).max()))
+    c_off = np.asarray(c.images[0], dtype=np.int16)  # bf16: the split attention rounds otherwise (probe: 0.9998)
+    print("CFG off, Ulysses-2 pair vs one GPU: max / mean abs difference", int(np.abs(a_off - c_off).max()),
+          round(float(np.abs(a_off - c_off).mean()), 3))
     assert np.abs(a - b).max() <= 1 and c.images
     assert a.std() > 1.0
 

@@ -61,6 +61,11 @@ def ulysses2(ckpt2):
     return make_manager(ckpt2, plan=group_plan("ulysses", 2, 2))
 
 
+@pytest.fixture(scope="module")
+def pair_split(ckpt2):
+    return make_manager(ckpt2, plan=group_plan("cfg", 2, 1), PAIR_ULYSSES="on")
+
+
 def test_padding_is_masked_and_only_when_needed():
     import torch
 
@@ -100,6 +105,25 @@ def test_a_ulysses2_group_gives_the_one_process_image_with_and_without_cfg(one, 
     assert ulysses2.status().workers[0].parallel == "ulysses"
 
 
+def test_a_pair_splits_cfg_off_jobs_over_both_ranks_and_keeps_cfg_on_jobs_exact(one, pair_split):
+    """PAIR_ULYSSES: with CFG off both ranks of a pair run every step, each forward's sequence split in two
+    (Ulysses-2, the text padded and masked when odd); with CFG on the pair splits by branch as before, with
+    Ulysses and the padding switched off again: the one-process image bit for bit."""
+    probe = ConcurrencyProbe(pair_split)
+    off = [pair_split.edit(request(prompt=p, true_cfg_scale=1.0)) for p in PROMPTS]
+    on = pair_split.edit(request(prompt=PROMPTS[0]))  # odd and even prompts ran split just before
+    cached = pair_split.edit(request(true_cfg_scale=1.0, cache="taylorseer"))  # a step cache: rank 0 alone
+    probe.close()
+    for g, p in zip(off, PROMPTS, strict=True):
+        assert np.abs(pixels(g) - pixels(one.edit(request(prompt=p, true_cfg_scale=1.0)))).max() <= 1
+    assert np.array_equal(pixels(on), pixels(one.edit(request(prompt=PROMPTS[0]))))
+    assert np.array_equal(pixels(cached), pixels(one.edit(request(true_cfg_scale=1.0, cache="taylorseer"))))
+    # 3 steps per edit: CFG off, both ranks one forward each; CFG on, rank 0 the prompt's and rank 1 the
+    # negative prompt's; with the cache, rank 0 alone
+    assert probe.forwards["transformer"] == 2 * 3 * len(PROMPTS) + 2 * 3 + 3
+    assert pair_split.status().workers[0].parallel == "cfg" and pair_split.workers[0].info["pair_ulysses"] is True
+
+
 def test_a_masked_edit_on_a_ulysses2_group_is_the_one_process_image(one, ulysses2):
     """#26 on a group that splits every forward's sequence: the blend runs after each step on the whole
     latents, which every rank holds alike (imgedit.runtime.masking), so the ranks stay in step."""
@@ -129,6 +153,20 @@ def test_cancel_stops_every_rank_at_the_same_step_and_the_group_serves_on(cfg4, 
     status = cfg4.status().workers[0]
     assert status.state == "idle" and status.restarts == 0  # no rank left waiting in a collective
     assert cfg4.edit(request(true_cfg_scale=cfg_scale)).images
+
+
+def test_cancel_stops_a_split_pair_job_on_both_ranks_and_the_pair_serves_on(pair_split):
+    cancel = threading.Event()
+
+    def on_step(step, total):
+        if step == 2:
+            cancel.set()
+
+    with pytest.raises(Cancelled, match="cancelled at step [23] of 30"):
+        pair_split.edit(request(num_inference_steps=30, true_cfg_scale=1.0), on_step=on_step, cancel=cancel)
+    status = pair_split.status().workers[0]
+    assert status.state == "idle" and status.restarts == 0  # neither rank left waiting in an all-to-all
+    assert pair_split.edit(request()).images and pair_split.edit(request(true_cfg_scale=1.0)).images
 
 
 def test_ulysses_refuses_a_transformer_whose_heads_it_cannot_split(tmp_path):

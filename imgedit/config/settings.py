@@ -85,6 +85,10 @@ REGISTRY: tuple[Var, ...] = (
         "Name of the Lightning 4-step LoRA for speed=fastest; empty = the LoRA whose file name says Lightning-4steps"),
     Var("FAST_LORA_8STEP", "", _optional_str,
         "Name of the Lightning 8-step LoRA for speed=fast; empty = the LoRA whose file name says Lightning-8steps"),
+    Var("FUSE_LORA", "auto", _choice("auto", "off"),
+        "auto: a job with exactly one LoRA (e.g. speed=fastest) runs it fused into the weights, no per-step cost "
+        "instead of +9 %, when an exact copy of the weights it adapts (25 GiB for a Lightning LoRA) fits on the "
+        "GPU with ACTIVATION_RESERVE left; else, and with off, LoRAs run unfused"),
     Var("QUANTIZE", "auto", parse_quantize,
         "auto (lossless first: bf16, offloaded if need be; quantized only when nothing lossless fits) | none | "
         "fp8 | int8 | nf4 (the transformer) | "
@@ -97,6 +101,9 @@ REGISTRY: tuple[Var, ...] = (
     Var("BATCH_CFG", "auto", _choice("auto", "on", "off"),
         "Run both true-CFG branches in one transformer forward of batch 2; auto = on when transformer blocks "
         "are streamed from the CPU (each streamed block then crosses to the GPU once per step, not twice)"),
+    Var("PAIR_ULYSSES", "auto", _choice("auto", "on", "off"),
+        "A cfg-parallel pair runs CFG-off jobs (speed=fast/fastest) on both GPUs, each forward's sequence split "
+        "in two (Ulysses-2) instead of on one GPU; auto = on for GPU pairs with ATTENTION native or cudnn"),
     Var("COMPILE", "auto", _choice("auto", "on", "off"),
         "Compile the transformer's repeated blocks (torch.compile), warmed up at start-up; auto = on for GPUs"),
     Var("COMPILE_MODE", "default", _choice("default", "max-autotune-no-cudagraphs"),
@@ -191,11 +198,13 @@ class Settings:
     loras: tuple[tuple[str, str], ...] = ()
     fast_lora_4step: str | None = None
     fast_lora_8step: str | None = None
+    fuse_lora: str = "auto"
     lora_entries: tuple = ()  # imgedit.config.loras.LoraEntry for each configured LoRA (built from the four above)
     quantize: tuple[tuple[str, str], ...] | None = None  # None = auto
     quantize_skip: tuple[str, ...] = ("img_mlp",)
     offload: tuple[str, ...] | None = None  # None = auto
     batch_cfg: str = "auto"
+    pair_ulysses: str = "auto"
     compile: str = "auto"
     compile_mode: str = "default"
     attention: str = "native"

@@ -171,8 +171,9 @@ class PipelineManager:
         spec = WorkerSpec(name=plan.name, rank=0, world=plan.ranks, parallel=plan.parallel, plan=plan,
                           checkpoint=self.checkpoint, dtype=s.torch_dtype, compile=self.compile_enabled(plan),
                           hook=self.worker_hook, auto_cleanup=s.auto_cleanup, warmup_sizes=self.warmup_sizes,
-                          ulysses=plan.ulysses, loras=self.loras, encode_cache=s.encode_cache,
-                          attention=s.attention, compile_mode=s.compile_mode)
+                          ulysses=plan.ulysses, pair_ulysses=modes.pair_ulysses(s, plan), loras=self.loras,
+                          encode_cache=s.encode_cache, attention=s.attention, compile_mode=s.compile_mode,
+                          fuse_lora=modes.fuse_lora(s, plan), activation_reserve=s.activation_reserve)
         common = dict(cache_dir=s.compile_cache_dir, max_restarts=s.worker_restarts, log_level=s.log_level,
                       on_change=self._changed, max_memory=s.max_memory)
         if s.workers == "ray":

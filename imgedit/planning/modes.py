@@ -1,6 +1,6 @@
 """The modes a plan's workers run in, decided from the settings and the plan alone: compile, the step
-cache, the attention kernel, the compile mode; and why a mode cannot run on these workers (the start-up
-refuses it with that reason; a request asking for it gets a 400).
+cache, the attention kernel, the compile mode, LoRA fusion, a CFG pair's Ulysses; and why a mode cannot run
+on these workers (the start-up refuses it with that reason; a request asking for it gets a 400).
 """
 
 from __future__ import annotations
@@ -38,11 +38,30 @@ def kernel_refusal(settings: Settings, plans: Sequence[WorkerPlan]) -> str | Non
     if s.attention == "flash" and any(p.memory is not None and p.memory.batch_cfg for p in plans):
         return ("ATTENTION=flash takes no attention mask, and BATCH_CFG pads the shorter prompt of the two CFG "
                 "branches and masks it; use ATTENTION=cudnn or native")
-    if s.attention in ("flash", "efficient") and any(p.ulysses > 1 for p in plans):
+    if s.attention in ("flash", "efficient") and any(p.ulysses > 1 or pair_ulysses(s, p) for p in plans):
         why = ("takes no attention mask, and a Ulysses group pads the text to the degree and masks it"
                if s.attention == "flash" else "does not run with diffusers' Ulysses attention")
         return f"ATTENTION={s.attention} {why}; use ATTENTION=cudnn or native"
     return None
+
+
+def fuse_lora(settings: Settings, plan: WorkerPlan) -> str:
+    """FUSE_LORA as this worker can run it: off when its transformer is quantized (torchao's weights take no
+    in-place add) or has blocks streamed from the CPU (the offload hooks put back their own copies)."""
+    memory = plan.memory
+    if memory is not None and (memory.mode_of("transformer") != "none" or memory.streams_blocks):
+        return "off"
+    return settings.fuse_lora
+
+
+def pair_ulysses(settings: Settings, plan: WorkerPlan) -> bool:
+    """PAIR_ULYSSES: whether this CFG pair runs CFG-off jobs on both ranks, the sequence split in two. auto:
+    GPU pairs whose attention kernel runs diffusers' Ulysses with a masked (padded) text, native or cudnn;
+    on: any pair (the CPU tests; flash and efficient are refused then, kernel_refusal)."""
+    if plan.parallel != "cfg" or plan.ulysses != 1 or settings.pair_ulysses == "off":
+        return False
+    return settings.pair_ulysses == "on" or (settings.attention in ("native", "cudnn")
+                                             and plan.execution_device.startswith("cuda"))
 
 
 def compile_mode(settings: Settings, plans: Sequence[WorkerPlan]) -> str:

@@ -5,8 +5,10 @@ Every configured LoRA is loaded once at start-up as a named peft adapter of the 
 `use(params)` and, whatever happens, `reset()`: a job runs with exactly its own adapters and
 strengths (`set_adapters`) or with LoRA layers disabled (`disable_lora`: peft then calls the base
 layer alone, so a no-LoRA job computes what it would without any LoRA loaded), and the scheduler
-its preset asks for. Adapters stay unfused: fusing writes into the base weights and unfusing in
-bf16 does not restore them bit for bit, so a quality job after a fast one would drift.
+its preset asks for. diffusers' fuse/unfuse would not give the base weights back bit for bit (a quality
+job after a fast one would drift), so a job whose adapters are exactly one LoRA has it fused by
+imgedit.runtime.fusion (FUSE_LORA), which keeps an exact copy of the weights it writes; every other
+job runs its adapters unfused, on the base weights restored first.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class Adapters:
-    def __init__(self, pipe, files: tuple[LoraFile, ...] = ()):
+    def __init__(self, pipe, files: tuple[LoraFile, ...] = (), fuse: str = "off", reserve: int = 0,
+                 caps: tuple[int, ...] = ()):
         self.pipe = pipe
         self.files = {f.name: f for f in files}
         # peft adapter names end up as module names, which may not contain "." (a file stem such as
@@ -31,6 +34,7 @@ class Adapters:
         self._lightning = None
         self.active: tuple[tuple[str, float], ...] = ()
         self._configured: tuple[tuple[str, float], ...] = ()  # what set_adapters last set (kept while disabled)
+        self._enabled = False  # peft's LoRA layers on, as enable_lora last left them
         for file in files:
             started = time.perf_counter()
             try:
@@ -41,6 +45,11 @@ class Adapters:
             log.info("LoRA %s loaded in %.2fs", file.name, time.perf_counter() - started)
         if files:
             pipe.disable_lora()
+        self.fusion = None  # imgedit.runtime.fusion.Fusion: a job's one LoRA written into the weights
+        if files and fuse != "off":
+            from imgedit.runtime.fusion import Fusion
+
+            self.fusion = Fusion(pipe.transformer, self.adapter_names.values(), fuse, reserve, caps)
 
     @property
     def lightning_scheduler(self):
@@ -58,19 +67,29 @@ class Adapters:
         if unknown:  # the server checked the name against the same settings: only a bug gets here
             raise ImgEditError(f"LoRA {unknown[0]!r} is not loaded in this worker")
         self.pipe.scheduler = self.lightning_scheduler if scheduler == "lightning" else self.default_scheduler
-        self.active = adapters  # first: should enabling fail half-way, reset() still disables
+        self.active = adapters
+        one = self.adapter_names[adapters[0][0]] if len(adapters) == 1 else None
+        fused = one is not None and self.fusion is not None and self.fusion.can_fuse(one)
+        if self.fusion is not None and not fused:
+            self.fusion.restore()  # this job runs on the base weights: the exact copy back first
         if adapters:
             if adapters != self._configured:  # each call walks every module: skip it when nothing changes
                 names, weights = [self.adapter_names[n] for n, _ in adapters], [w for _, w in adapters]
                 self.pipe.set_adapters(names, weights)
                 self._configured = adapters
-            self.pipe.enable_lora()
+            if fused:  # peft's layers stay disabled: the no-LoRA forward (and compiled variant) on fused weights
+                self.fusion.fuse(one, adapters[0][1])
+            else:
+                self._enabled = True  # first: should enabling fail half-way, reset() still disables
+                self.pipe.enable_lora()
         elif self.files:
             self.pipe.disable_lora()
 
     def reset(self) -> None:
-        """No adapter active and the default scheduler: the state every job starts from."""
+        """No adapter active and the default scheduler: the state every job starts from. A fused LoRA's
+        weights stay until a job wants others (`use` restores them first): back-to-back fast jobs fuse once."""
         self.pipe.scheduler = self.default_scheduler
-        if self.files and self.active:
+        if self.files and self._enabled:
             self.pipe.disable_lora()
+            self._enabled = False
         self.active = ()

@@ -1,7 +1,9 @@
 """A worker's parallel group as one rank sees it: which jobs it takes part in, which ranks it must
 agree with on cancel, and the transformer wrapped for its role.
 
-- cfg, Ulysses 1 (a CFG pair): rank r runs CFG branch r (runtime.cfg_parallel.CfgPair).
+- cfg, Ulysses 1 (a CFG pair): rank r runs CFG branch r (runtime.cfg_parallel.CfgPair). With CFG off
+  rank 0 runs the job alone, or, with PAIR_ULYSSES, both ranks run it, each forward's sequence split
+  in two (runtime.ulysses.UlyssesSwitch), unless a step cache would decide per rank what to skip.
 - cfg, Ulysses u > 1 (a group of 2u): the halves run the two branches; inside a half the u ranks
   split every forward's sequence (runtime.ulysses) and then exchange with the other half's rank at
   the same place. With CFG off only the first half runs the job.
@@ -17,11 +19,12 @@ import torch.distributed as dist
 
 from imgedit.errors import ImgEditError
 from imgedit.runtime.cfg_parallel import CfgPair
-from imgedit.runtime.ulysses import Layout, enable_ulysses
+from imgedit.runtime.ulysses import Layout, UlyssesSwitch, enable_ulysses
 
 
 class ParallelGroup:
-    def __init__(self, transformer, parallel: str, rank: int, world: int, ulysses: int, cuda: bool, cpu_group):
+    def __init__(self, transformer, parallel: str, rank: int, world: int, ulysses: int, cuda: bool, cpu_group,
+                 pair_ulysses: bool = False):
         cfg = 2 if parallel == "cfg" else 1
         if cfg * ulysses != world:
             raise ValueError(f"a {parallel} group of {world} ranks cannot split {cfg} x Ulysses-{ulysses}")
@@ -29,11 +32,15 @@ class ParallelGroup:
         self.cpu_group = cpu_group  # all ranks: cancel agreement when everyone runs the job
         self.first_half_cpu = None  # the first half's ranks: cancel agreement when only they run it
         self.cfg_pair = None
+        self.switch = None  # a CFG pair's Ulysses-2 for CFG-off jobs (PAIR_ULYSSES)
+        degree = ulysses if ulysses > 1 else 2 if cfg == 2 and pair_ulysses else 1
+        heads = transformer.config.num_attention_heads
+        if heads % degree:
+            raise ImgEditError(f"Ulysses-{degree} splits the attention heads over {degree} GPUs, but this "
+                               f"transformer has {heads} heads; use a group whose halves divide {heads}")
+        if degree == 2 and ulysses == 1:  # before the pair's override: that stays the outermost forward
+            self.switch = UlyssesSwitch(transformer, rank, "cuda" if cuda else "cpu")
         if ulysses > 1:
-            heads = transformer.config.num_attention_heads
-            if heads % ulysses:
-                raise ImgEditError(f"Ulysses-{ulysses} splits the attention heads over {ulysses} GPUs, but this "
-                                   f"transformer has {heads} heads; use a group whose halves divide {heads}")
             gloo = "gloo" if cuda else None
             halves = {c: dist.new_group(self.layout.half(c), backend=gloo) for c in range(cfg)}
             self.first_half_cpu = halves[0]
@@ -42,17 +49,22 @@ class ParallelGroup:
             peers = {u: dist.new_group(self.layout.exchange_peers(u)) for u in range(ulysses)} if ulysses > 1 else {}
             self.cfg_pair = CfgPair(transformer, self.layout.cfg_index, peers.get(self.layout.ulysses_index))
 
-    def takes_part(self, cfg_on: bool) -> bool:
-        """With CFG off a cfg group's second half has nothing to do."""
-        return self.cfg_pair is None or cfg_on or self.layout.cfg_index == 0
+    def takes_part(self, cfg_on: bool, may_split: bool = True) -> bool:
+        """With CFG off a cfg group's second half has nothing to do, unless a pair splits the sequence
+        (`may_split`: the job has no step cache)."""
+        return (self.cfg_pair is None or cfg_on or self.layout.cfg_index == 0
+                or (self.switch is not None and may_split))
 
-    def begin(self, cfg_on: bool):
-        """Before a job: arm the CFG exchange. Returns the CPU group whose ranks run this job
-        together (they must agree on cancel at every step), or None when this rank runs it alone."""
+    def begin(self, cfg_on: bool, may_split: bool = True):
+        """Before a job: arm the CFG exchange (or a pair's Ulysses). Returns the CPU group whose ranks run
+        this job together (they must agree on cancel at every step), or None when this rank runs it alone."""
         split_cfg = self.cfg_pair is not None and cfg_on
         if self.cfg_pair is not None:
             self.cfg_pair.begin(split_cfg)
-        if split_cfg or (self.cfg_pair is None and self.layout.ulysses > 1):
+        if self.switch is not None:
+            self.switch.set(not cfg_on and may_split)
+        pair_split = self.switch is not None and self.switch.on
+        if split_cfg or pair_split or (self.cfg_pair is None and self.layout.ulysses > 1):
             return self.cpu_group if self.cpu_group is not None else dist.group.WORLD
         if self.layout.ulysses > 1:  # CFG off in a cfg group: the first half runs it
             return self.first_half_cpu
@@ -61,3 +73,5 @@ class ParallelGroup:
     def end(self) -> None:
         if self.cfg_pair is not None:
             self.cfg_pair.begin(False)
+        if self.switch is not None:
+            self.switch.set(False)

@@ -61,10 +61,13 @@ class WorkerSpec:
     devices: tuple[str, ...] = ()  # the worker's GPUs as the server numbers them (for messages and results)
     memory_caps: tuple[int, ...] = ()  # MAX_MEMORY for each GPU this rank sees (cuda:0, cuda:1, ...), bytes
     ulysses: int = 1  # ranks splitting each forward's sequence (the half of a cfg group, or all of a ulysses one)
+    pair_ulysses: bool = False  # PAIR_ULYSSES: a CFG pair splits CFG-off jobs' sequences over both ranks
     encode_cache: int = 0  # ENCODE_CACHE: input encodings this rank keeps (imgedit.runtime.encode_cache)
     attention: str = "native"  # ATTENTION (imgedit.runtime.offload.ATTENTION_BACKENDS)
     compile_mode: str = "default"  # COMPILE_MODE, when `compile`
     loras: tuple[LoraFile, ...] = ()  # checked at start-up (imgedit.config.loras.check_all); every rank loads them all
+    fuse_lora: str = "off"  # FUSE_LORA as this plan allows it: auto | off (imgedit.runtime.fusion)
+    activation_reserve: int = 0  # ACTIVATION_RESERVE: what a fused LoRA's copy of the weights must leave free
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ class FatalError(ImgEditError):
 class Runner:
     def __init__(self, pipe, name: str, devices: tuple[str, ...], rank: int = 0, world: int = 1,
                  parallel: str = "none", group=None, auto_cleanup: bool = True, ulysses: int = 1,
-                 cuda: bool = False, adapters=None, batch_cfg: bool = False):
+                 cuda: bool = False, adapters=None, batch_cfg: bool = False, pair_ulysses: bool = False):
         self.pipe = pipe
         self.name = name
         self.devices = devices
@@ -60,7 +60,7 @@ class Runner:
         if parallel != "none":
             from imgedit.runtime.group import ParallelGroup
 
-            self.group = ParallelGroup(pipe.transformer, parallel, rank, world, ulysses, cuda, group)
+            self.group = ParallelGroup(pipe.transformer, parallel, rank, world, ulysses, cuda, group, pair_ulysses)
         self.adapters = adapters  # imgedit.runtime.adapters.Adapters: the job's LoRAs and scheduler
         from imgedit.runtime.step_cache import StepCache
 
@@ -72,15 +72,21 @@ class Runner:
             self.cfg_batch = CfgBatch(pipe.transformer)
 
     def takes_part(self, job: Job) -> bool:
-        """With CFG off a CFG pair has nothing to split: its first rank (or half) runs the job. A prompt
-        rewrite alone runs on the first rank."""
+        """With CFG off a CFG pair has no branches to split: its first rank (or half) runs the job, or both
+        ranks split the sequence (PAIR_ULYSSES). A prompt rewrite alone runs on the first rank."""
         if job.params.task == "enhance":
             return self.rank == 0
-        return self.group is None or self.group.takes_part(self._cfg_on(job))
+        return self.group is None or self.group.takes_part(self._cfg_on(job), self._may_split(job))
 
     @staticmethod
     def _cfg_on(job: Job) -> bool:
         return job.params.true_cfg_scale > 1 and bool(job.params.negative_prompt)
+
+    @staticmethod
+    def _may_split(job: Job) -> bool:
+        """A pair splits a CFG-off job's sequence only without a step cache: each rank's cache would decide
+        on its own part which blocks to skip, and the ranks would leave their collectives out of step."""
+        return job.params.cache == "none"
 
     def run(self, job: Job, cancel: threading.Event, on_step: StepCallback | None = None) -> EditResult:
         """Run one job. Raises Cancelled, OutOfGpuMemory, ImgEditError, or FatalError."""
@@ -88,7 +94,7 @@ class Runner:
         params, req = job.params, job.request
         if params.task == "enhance":
             return self._enhance_only(job, cancel, started)
-        together = self.group.begin(self._cfg_on(job)) if self.group is not None else None
+        together = self.group.begin(self._cfg_on(job), self._may_split(job)) if self.group is not None else None
         collective = together is not None  # ranks that run this job together agree on cancel each step
         reached = 0
         masked = None  # imgedit.runtime.masking.MaskedEdit, built inside the try below

@@ -19,6 +19,11 @@ memory-efficient one: the probe measures what that costs.
 Group layout: a group of `cfg * ulysses` ranks; rank = cfg_index * ulysses + ulysses_index. The
 ranks with the same cfg_index form one Ulysses half (one branch of true CFG); ranks with the same
 ulysses_index exchange the two branches' predictions (runtime.cfg_parallel.CfgPair over that group).
+
+A CFG pair (PAIR_ULYSSES) holds Ulysses-2 over both its ranks behind a switch (`UlyssesSwitch`): on for
+CFG-off jobs, which the pair could not split otherwise (one forward per step: rank 1 sat idle through
+every Lightning job), off for CFG-on jobs, which the pair splits by branch (compiled on 2x H200: 0.309
+s/step against 0.346-0.389 for Ulysses-2).
 """
 
 from __future__ import annotations
@@ -47,13 +52,14 @@ def pad_text(hidden: torch.Tensor, mask: torch.Tensor | None, multiple: int = 1,
     return hidden, mask
 
 
-def install_text_padding(transformer: torch.nn.Module, multiple: int) -> None:
-    """Wrap this transformer instance's forward so the text always divides by `multiple`."""
+def install_text_padding(transformer: torch.nn.Module, multiple: int, active=None) -> None:
+    """Wrap this transformer instance's forward so the text always divides by `multiple` (while `active()`
+    says so, when given)."""
     inner = transformer.forward
 
     def forward(module, *args, **kwargs):
         hidden = kwargs.get("encoder_hidden_states")
-        if hidden is not None:
+        if hidden is not None and (active is None or active()):
             kwargs["encoder_hidden_states"], kwargs["encoder_hidden_states_mask"] = pad_text(
                 hidden, kwargs.get("encoder_hidden_states_mask"), multiple)
         return inner(*args, **kwargs)
@@ -86,9 +92,10 @@ class Layout:
         return [c * self.ulysses + ulysses_index for c in range(self.cfg)]
 
 
-def enable_ulysses(transformer: torch.nn.Module, layout: Layout, device_type: str) -> None:
+def enable_ulysses(transformer: torch.nn.Module, layout: Layout, device_type: str, active=None) -> None:
     """Turn on diffusers' Ulysses attention for this rank's half of the group, over a
-    (cfg, ring=1, ulysses) device mesh (the layout the 4-GPU probe ran: FACTS.md)."""
+    (cfg, ring=1, ulysses) device mesh (the layout the 4-GPU probe ran: FACTS.md). `active`: see
+    install_text_padding."""
     from diffusers import ContextParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -106,7 +113,50 @@ def enable_ulysses(transformer: torch.nn.Module, layout: Layout, device_type: st
             torch.accelerator.device_count = real
     else:
         transformer.enable_parallelism(config=config)
-    install_text_padding(transformer, layout.ulysses)
+    install_text_padding(transformer, layout.ulysses, active)
+
+
+class UlyssesSwitch:
+    """Ulysses-2 over a CFG pair's two ranks, on only while `set(True)`: diffusers' context-parallel
+    hooks (split the sequences into block 0 and the rotary tables, gather after proj_out) are bypassed
+    through their function references, the attention processors lose their parallel config, and the text
+    is not padded; off, the transformer computes what it computes without Ulysses (a CFG-on pair image
+    stays the one-GPU image). Under torch.compile each state is its own variant of the block (dynamo
+    guards on the hooks' functions and the processors' config), both compiled at the warm-up."""
+
+    def __init__(self, transformer: torch.nn.Module, rank: int, device_type: str):
+        from diffusers.hooks import context_parallel
+
+        self.on = True
+        enable_ulysses(transformer, Layout(cfg=1, ulysses=2, rank=rank), device_type, active=lambda: self.on)
+        self._processors = [m.processor for m in transformer.modules()
+                            if getattr(getattr(m, "processor", None), "_parallel_config", None) is not None]
+        prefixes = (context_parallel._CONTEXT_PARALLEL_INPUT_HOOK_TEMPLATE.format(""),
+                    context_parallel._CONTEXT_PARALLEL_OUTPUT_HOOK_TEMPLATE.format(""))
+        self._hooks = [hook for m in transformer.modules() if hasattr(m, "_diffusers_hook")
+                       for name, hook in m._diffusers_hook.hooks.items() if name.startswith(prefixes)]
+        if not self._processors or not self._hooks:  # a diffusers that wires context parallelism otherwise
+            raise RuntimeError("PAIR_ULYSSES: diffusers' context-parallel hooks or processors were not found")
+        self._config = self._processors[0]._parallel_config
+        self.set(False)
+
+    def set(self, on: bool) -> None:
+        if on == self.on:
+            return
+        for processor in self._processors:
+            processor._parallel_config = self._config if on else None
+        for hook in self._hooks:
+            hook.fn_ref.pre_forward = hook.pre_forward if on else _unchanged_inputs
+            hook.fn_ref.post_forward = hook.post_forward if on else _unchanged_output
+        self.on = on
+
+
+def _unchanged_inputs(module, *args, **kwargs):
+    return args, kwargs
+
+
+def _unchanged_output(module, output):
+    return output
 
 
 def subgroups(layout: Layout, backend: str | None = None) -> tuple[dict[int, object], dict[int, object]]:

@@ -98,17 +98,20 @@ def _load(spec: WorkerSpec):
 
     encode_cache.install(pipe, spec.encode_cache)  # a repeated input is not encoded again (exact)
 
-    adapters = Adapters(pipe, spec.loras)  # every rank loads the same LoRAs, all disabled
+    # every rank loads the same LoRAs, all disabled; FUSE_LORA copies the weights they adapt (counted as weights)
+    adapters = Adapters(pipe, spec.loras, spec.fuse_lora, spec.activation_reserve, spec.memory_caps if cuda else ())
     weights = _weights_per_gpu() if cuda else {}  # the LoRAs' weights included
     runner = Runner(pipe, spec.name, spec.devices or plan.devices, spec.rank, spec.world, spec.parallel, group,
                     spec.auto_cleanup, spec.ulysses, cuda, adapters,
-                    batch_cfg=plan.memory is not None and plan.memory.batch_cfg)
+                    batch_cfg=plan.memory is not None and plan.memory.batch_cfg, pair_ulysses=spec.pair_ulysses)
     if cuda and spec.memory_caps and late_cap:
         torch.cuda.empty_cache()
         _cap_memory(spec.memory_caps)
-    info: dict = {"compiled": False, "batch_cfg": runner.cfg_batch is not None,
+    pair_split = runner.group is not None and runner.group.switch is not None
+    info: dict = {"compiled": False, "batch_cfg": runner.cfg_batch is not None, "pair_ulysses": pair_split,
                   "load_seconds": round(time.perf_counter() - started, 2),
                   "loras": [f.name for f in spec.loras], "components": offload.describe(pipe, plan.memory),
+                  "fuse_lora": adapters.fusion.describe() if adapters.fusion is not None else "off",
                   "weights_mib": weights, "encode_cache": spec.encode_cache}
     if spec.hook:
         module, _, function = spec.hook.partition(":")
@@ -120,8 +123,9 @@ def _load(spec: WorkerSpec):
     info["attention"] = offload.attention_in_use(pipe.transformer)  # as the processors have it
     if spec.compile:
         compile_started = time.perf_counter()
-        if spec.loras:  # each adapter set is one more compiled variant of the block (guards on peft's state)
-            limit = 8 + 2 * len(spec.loras)
+        if spec.loras or pair_split:  # each adapter set is one more compiled variant of the block (guards on
+            # peft's state), each of them twice on a pair that splits CFG-off jobs (Ulysses on and off)
+            limit = (8 + 2 * len(spec.loras)) * (2 if pair_split else 1)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
         offload.compile_transformer(pipe.transformer, plan.memory, spec.compile_mode)
         info["compiled"] = True
@@ -174,17 +178,23 @@ def _warm_up(runner, spec: WorkerSpec) -> list[float]:
         started = time.perf_counter()
         runner.run(Job(req, params, family), threading.Event())
         times.append(round(time.perf_counter() - started, 2))
-    # Lightning jobs run their adapter with CFG off: compile that variant now too, at the first size.
-    for lora in (f for f in spec.loras if f.steps):
-        width, height = spec.warmup_sizes[0] if spec.warmup_sizes else (1024, 1024)
-        image = Image.new("RGB", (width, height), (120, 130, 140))
-        req = EditRequest(images=(image,), prompt="warm up", request_id=f"warmup-{lora.name}", source="warmup")
-        params = Resolved(steps=2, true_cfg_scale=1.0, negative_prompt=" ", seed=0, num_images=1, width=width,
-                          height=height, adapters=((lora.name, 1.0),), scheduler="lightning")
-        started = time.perf_counter()
-        if runner.takes_part(Job(req, params, family)):
-            runner.run(Job(req, params, family), threading.Event())
-        times.append(round(time.perf_counter() - started, 2))
+    # CFG-off jobs are variants of their own: each Lightning LoRA's at the first size (with FUSE_LORA, the no-LoRA
+    # variant on fused weights); on a pair that splits CFG-off jobs (Ulysses on) the first one at every size.
+    split = runner.group is not None and runner.group.switch is not None
+    offs = [((f.name, 1.0),) for f in spec.loras if f.steps] or ([()] if split else [])
+    sizes = spec.warmup_sizes or ((1024, 1024),)
+    for k, adapters in enumerate(offs):
+        for width, height in sizes if split and k == 0 else sizes[:1]:
+            image = Image.new("RGB", (width, height), (120, 130, 140))
+            name = adapters[0][0] if adapters else "cfg-off"
+            req = EditRequest(images=(image,), prompt="warm up", request_id=f"warmup-{name}-{width}x{height}",
+                              source="warmup")
+            params = Resolved(steps=2, true_cfg_scale=1.0, negative_prompt=" ", seed=0, num_images=1, width=width,
+                              height=height, adapters=adapters, scheduler="lightning" if adapters else "default")
+            started = time.perf_counter()
+            if runner.takes_part(Job(req, params, family)):
+                runner.run(Job(req, params, family), threading.Event())
+            times.append(round(time.perf_counter() - started, 2))
     return times
 
 
