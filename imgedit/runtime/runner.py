@@ -119,7 +119,7 @@ class Runner:
         # CPU generators give the same noise for a seed on every placement, device and rank; one per output
         # image (its own seed), so that any image of a multi-image result can be made again alone.
         generator = [torch.Generator(device="cpu").manual_seed(seed) for seed in params.image_seeds]
-        out_of_memory = False
+        out_of_memory = finished = False
         prompt, notice = req.prompt, None
         try:
             if params.enhance_tokens:  # the rewrite first, on the same weights (its own cancel check)
@@ -146,6 +146,7 @@ class Runner:
                     generator=generator, callback_on_step_end=step_end,
                     callback_on_step_end_tensor_inputs=["latents"] if masked is not None else [],
                 )
+            finished = True
         except _Abort:
             raise Cancelled(f"cancelled at step {reached} of {params.steps}") from None
         except _Refused as refused:
@@ -165,8 +166,8 @@ class Runner:
                 self.group.end()
             if self.cfg_batch is not None:
                 self.cfg_batch.begin(False)
-            if self.adapters is not None:  # no adapter outlives its job (done, failed or cancelled)
-                self.adapters.reset()
+            if self.adapters is not None:  # no adapter outlives a failed or cancelled job
+                self.adapters.reset(keep=finished)
             self.step_cache.end()  # nor a step cache's state
         if out_of_memory:
             log.warning("%s: out of GPU memory on %s", req.request_id, ",".join(self.devices))
