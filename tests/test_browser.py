@@ -319,6 +319,7 @@ def test_an_upload_over_max_file_size_says_the_limit_as_the_setting_wrote_it(bro
     assert jobs_done(manager) == before
 
 
+@pytest.mark.slow  # the canvas drawn in software, the stroke's uploads, an edit: 67-79 s in fresh-clone CI runs
 def test_paint_a_mask_and_only_that_area_changes(browser, server, manager, photos, tmp_path):
     """#26: paint a stroke over the first input in the Mask canvas, edit; the result keeps every pixel the
     stroke did not touch (its size is the input's), and its PNG records the mask."""

@@ -164,6 +164,7 @@ def test_sigterm_lets_the_running_job_finish_fails_queued_ones_and_exits(app_pro
         assert finished is not None and [i["state"] for i in json.loads(items)] == ["failed", "failed"], items
 
 
+@pytest.mark.slow  # two app starts (each spawns a worker that imports torch): 75-88 s in fresh-clone CI runs
 def test_after_kill_9_a_restarted_server_reports_every_item_of_an_unfinished_job(plus_ckpt, tmp_path):
     """#27 item 7: a 3-item job killed (-9) while its second item runs reads back after a restart as
     partial: one succeeded, two failed "the server stopped before this item finished" (they once vanished
