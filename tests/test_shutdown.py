@@ -202,6 +202,7 @@ def test_after_kill_9_a_restarted_server_reports_every_item_of_an_unfinished_job
         again.stop()
 
 
+@pytest.mark.slow  # an app start and a job run past the grace period: 50-85 s in fresh-clone CI runs
 @pytest.mark.parametrize("app_process", [2], indirect=True)
 def test_a_job_longer_than_the_grace_period_is_stopped_with_a_clear_error(app_process):
     server = app_process
