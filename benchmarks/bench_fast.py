@@ -6,10 +6,11 @@
     python benchmarks/bench_fast.py --sections compiled --phases   # + where a 4-step edit's time goes
 
 Every job goes through imgedit's PipelineManager and a worker process, as in the app, on one GPU
-(DEVICE_MAP=cuda:0), with a real-size random-weight checkpoint (trained-like init) and two random
-LoRAs of the published Lightning shape (rank 64 on the 12 attention and MLP Linear layers of each of
-the 60 blocks; imgedit.model.lora_random), registered through LORA_DIR by their Lightning file names. The
-worker hook checks that every transformer output is finite (bench.finite_check): NaN runs faster.
+(DEVICE_MAP=cuda:0; --device-map for another, e.g. cfg-parallel), with a real-size random-weight
+checkpoint (trained-like init) and two random LoRAs of the published Lightning shape (rank 64 on the
+12 attention and MLP Linear layers of each of the 60 blocks; imgedit.model.lora_random), registered through
+LORA_DIR by their Lightning file names. The worker hook checks that every transformer output is finite
+(bench.finite_check): NaN runs faster.
 
 Sections (each loads the model once; --sections picks them):
   eager     COMPILE=off: 4-step and 8-step edits end to end (speed=fastest / fast), per-step time
@@ -62,7 +63,7 @@ PHASES = "IMGEDIT_BENCH_PHASES"  # the file the workers' --phases records go to
 def hook(pipe, spec) -> None:
     """Worker hook: the finite check, plus fusing for the fused-adapter measurement. A prompt with
     FUSE_MARK fuses the job's (already active) adapters into the weights before denoising; the next
-    job without it unfuses them first. The app itself never fuses (see imgedit.runtime.adapters)."""
+    job without it unfuses them first. The app fuses by itself only with FUSE_LORA (imgedit.runtime.fusion)."""
     finite_check(pipe, spec)
     encode = pipe.encode_prompt
     state = {"fused": False, "locked": False}
@@ -218,7 +219,9 @@ def section(name: str, args, ckpt: Path, lora_dir: Path, image) -> dict:
         out["fast_8_step"] = best([edit(manager, image, size, seed=i, speed="fast") for i in range(reps)])
         n = args.per_step_steps
         # Per step, CFG off in all three: the base transformer, + the adapter as the app runs it, + fused by hand.
-        as_run = "unfused" if manager.settings.fuse_lora == "off" else "fused_app"
+        # what the worker does, not what was asked: FUSE_LORA=auto runs unfused where the copy does not fit
+        fuses = not str(manager.workers[0].info.get("fuse_lora", "off")).startswith("off")
+        as_run = "fused_app" if fuses else "unfused"
         out["per_step"] = {
             "no_lora": edit(manager, image, size, num_inference_steps=n, true_cfg_scale=1.0)["s_per_step"],
             as_run: edit(manager, image, size, num_inference_steps=n, true_cfg_scale=1.0, lora=EIGHT)["s_per_step"],

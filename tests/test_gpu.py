@@ -130,6 +130,7 @@ def test_pair_image_equals_the_one_gpu_image(real_ckpt):
     try:
         b = np.asarray(edit(pair, steps=4, seed=3).images[0], dtype=np.int16)
         c = edit(pair, steps=2, cfg=1.0)  # CFG off: both GPUs, each forward's sequence split (PAIR_ULYSSES)
+        split = pair.workers[0].info.get("pair_ulysses")
     finally:
         pair.close()
     print("pair vs one GPU: max abs difference", int(np.abs(a - b).max()))
@@ -138,6 +139,10 @@ def test_pair_image_equals_the_one_gpu_image(real_ckpt):
           round(float(np.abs(a_off - c_off).mean()), 3))
     assert np.abs(a - b).max() <= 1 and c.images
     assert a.std() > 1.0
+    # The split CFG-off image is the one-GPU image up to bf16 rounding: far closer to it than the same image
+    # shifted by 8 pixels (a wrong split, e.g. halves swapped or a rank's text lost, is not).
+    shifted = np.abs(a_off - np.roll(a_off, 8, axis=1)).mean()
+    assert split is True and np.abs(a_off - c_off).mean() < 0.25 * shifted, (np.abs(a_off - c_off).mean(), shifted)
 
 
 @pytest.mark.gpu

@@ -107,3 +107,29 @@ def test_an_image_runs_the_vaes_causal_3d_convolutions_as_2d_ones_with_the_same_
             for m, forward in saved.items():
                 m.forward = forward
     assert torch.allclose(ours, theirs, atol=1e-4)
+
+
+def test_the_planner_decides_fusing_and_a_pairs_split_from_the_settings_and_the_plan():
+    """modes.fuse_lora / modes.pair_ulysses / kernel_refusal: pure decisions, shown in /health and the panel."""
+    from imgedit.config.settings import load_settings
+    from imgedit.planning import modes
+
+    gpu = {c: Placement("cuda:0") for c in COMPONENTS}
+    one = WorkerPlan("w", gpu)
+    pair = WorkerPlan("w", gpu, "cfg", ("cuda:0", "cuda:1"))
+    cpu_pair = WorkerPlan("w", {c: Placement("cpu") for c in COMPONENTS}, "cfg", ("cpu", "cpu"))
+    group4 = WorkerPlan("w", gpu, "cfg", ("cuda:0", "cuda:1", "cuda:2", "cuda:3"), ulysses=2)
+    quantized = WorkerPlan("w", gpu, memory=MemoryMode(quantize=(("transformer", "fp8"),)))
+    streamed = WorkerPlan("w", gpu, memory=MemoryMode(resident_blocks=10))
+    auto, off, on = (load_settings({"PAIR_ULYSSES": v, "FUSE_LORA": "off" if v == "off" else "auto"})
+                     for v in ("auto", "off", "on"))
+    assert [modes.fuse_lora(auto, p) for p in (one, pair, quantized, streamed)] == ["auto", "auto", "off", "off"]
+    assert modes.fuse_lora(off, one) == "off"
+    # auto: GPU pairs only (the CPU pair of the tests needs `on`); never a single worker or a Ulysses group
+    assert [modes.pair_ulysses(auto, p) for p in (pair, cpu_pair, one, group4)] == [True, False, False, False]
+    assert [modes.pair_ulysses(on, p) for p in (pair, cpu_pair, one)] == [True, True, False]
+    assert not modes.pair_ulysses(off, pair)
+    assert not modes.pair_ulysses(load_settings({"ATTENTION": "efficient"}), pair)  # auto leaves it off
+    refused = modes.kernel_refusal(load_settings({"PAIR_ULYSSES": "on", "ATTENTION": "flash"}), [pair])
+    assert refused is not None and "ATTENTION=flash takes no attention mask" in refused
+    assert modes.kernel_refusal(load_settings({"ATTENTION": "flash"}), [pair]) is None  # auto: no split, no mask

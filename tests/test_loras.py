@@ -33,7 +33,6 @@ from imgedit.model.lora_random import random_lora
 from imgedit.model.loras import transformer_linears
 from imgedit.protocol import EditRequest
 from imgedit.runtime.adapters import Adapters
-from imgedit.runtime.fusion import PARTIAL
 from imgedit.runtime.messages import Job
 from imgedit.runtime.runner import Runner
 
@@ -204,11 +203,6 @@ def local(plus_ckpt, lora_dir):
     return Local(plus_ckpt, lora_dir)
 
 
-@pytest.fixture(scope="module")
-def fused(plus_ckpt, lora_dir):
-    return Local(plus_ckpt, lora_dir, fuse="auto")
-
-
 def test_no_lora_gives_todays_pixels_a_lora_changes_them_and_nothing_leaks(local):
     assert np.array_equal(local.edit(), local.baseline)  # LoRAs loaded, none asked for
     styled = local.edit(lora="style")
@@ -288,51 +282,6 @@ def test_a_failed_or_cancelled_lora_job_leaves_no_adapter_behind(local):
                   on_step=lambda step, total: cancel.set())
     assert not local.any_adapter_active() and local.pipe.scheduler is local.adapters.default_scheduler
     assert np.array_equal(local.edit(), local.baseline)
-
-
-def test_a_fused_lora_edits_as_the_unfused_one_and_gives_the_base_weights_back_bit_for_bit(local, fused):
-    """FUSE_LORA (imgedit.runtime.fusion): a job with exactly one LoRA runs on W + scale * B @ A with peft's
-    layers off; a job that wants other weights first gets the base weights back, the same bits."""
-    base = {n: p.detach().clone() for n, p in fused.pipe.transformer.named_parameters() if "lora_" not in n}
-    fusion = fused.adapters.fusion
-    assert fusion is not None and fusion.where == "beside" and len(fusion.layers) == 3
-    assert np.array_equal(fused.edit(), fused.baseline)
-    for asked in (dict(lora="style"), dict(lora="style", lora_scale=0.3), dict(speed="fastest"), dict(speed="fast")):
-        image = fused.edit(**asked)
-        assert fusion.fused is not None and fusion.fused[1] == asked.get("lora_scale", 1.0), asked
-        assert not fused.any_adapter_active()  # fused: the forward is the base layers' alone
-        # float32 on the CPU: fused and unfused differ by rounding only
-        assert np.abs(image - local.edit(**asked)).max() <= 1, asked
-    both = fused.edit(speed="fast", lora="style")  # two adapters: unfused, on the base weights given back
-    assert fusion.fused is None and np.abs(both - local.edit(speed="fast", lora="style")).max() <= 1
-    fused.edit(speed="fastest")
-    assert np.array_equal(fused.edit(), fused.baseline)  # restored for a job without LoRA
-    assert all(torch.equal(p, base[n]) for n, p in fused.pipe.transformer.named_parameters() if n in base)
-
-
-def test_a_failed_fused_job_leaves_the_base_weights_for_the_next_job(fused):
-    def fail(module, args):
-        raise KeyError("fault injected inside a fused LoRA job")
-
-    hook = fused.pipe.transformer.register_forward_pre_hook(fail)
-    try:
-        with pytest.raises(ImgEditError):
-            fused.edit(lora="style")
-    finally:
-        hook.remove()
-    fusion = fused.adapters.fusion
-    assert fusion.fused is not None  # the weights stay fused until a job wants others
-    assert np.array_equal(fused.edit(), fused.baseline)
-    layers = fusion.layers[fused.adapters.adapter_names["style"]]
-    layer, scaling = layers[len(layers) // 2], layers[len(layers) // 2].scaling
-    layer.scaling = {}  # the next fuse stops at this layer, half of the weights written
-    try:
-        with pytest.raises(ImgEditError):
-            fused.edit(lora="style", lora_scale=0.7)
-    finally:
-        layer.scaling = scaling
-    assert fusion.fused == PARTIAL
-    assert np.array_equal(fused.edit(), fused.baseline)
 
 
 # ---- worker processes, REST and the gradio API ----

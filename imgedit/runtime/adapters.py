@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 class Adapters:
     def __init__(self, pipe, files: tuple[LoraFile, ...] = (), fuse: str = "off", reserve: int = 0,
-                 caps: tuple[int, ...] = ()):
+                 caps: tuple[int, ...] = (), agree=None):
         self.pipe = pipe
         self.files = {f.name: f for f in files}
         # peft adapter names end up as module names, which may not contain "." (a file stem such as
@@ -49,7 +49,7 @@ class Adapters:
         if files and fuse != "off":
             from imgedit.runtime.fusion import Fusion
 
-            self.fusion = Fusion(pipe.transformer, self.adapter_names.values(), fuse, reserve, caps)
+            self.fusion = Fusion(pipe.transformer, self.adapter_names.values(), fuse, reserve, caps, agree)
 
     @property
     def lightning_scheduler(self):

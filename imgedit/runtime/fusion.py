@@ -53,7 +53,7 @@ class Fusion:
     """Fuses one adapter at a time into the weights; `restore()` gives the base weights back exactly."""
 
     def __init__(self, transformer: torch.nn.Module, adapters: Iterable[str], mode: str, reserve: int = 0,
-                 caps: tuple[int, ...] = ()):
+                 caps: tuple[int, ...] = (), agree=None):
         self.layers = {a: found for a in adapters if (found := fusable_layers(transformer, a))}
         weights = {id(w): w for found in self.layers.values() for w in (x.get_base_layer().weight for x in found)}
         self.nbytes = sum(w.numel() * w.element_size() for w in weights.values())
@@ -61,6 +61,10 @@ class Fusion:
         self._touched: list[torch.Tensor] = []  # weights written since the last restore
         self._store: dict[int, torch.Tensor] = {}
         self.where = _where(list(weights.values()), mode, reserve, caps)
+        # The ranks of a group decide together (`agree`: true only if true on every rank): a rank that fuses
+        # beside one that does not would run another compiled variant, and the image would drift by rounding.
+        if agree is not None and not agree(self.where is not None):
+            self.where = None
         if self.where is None:
             self.layers = {}
             return

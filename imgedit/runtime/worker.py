@@ -99,7 +99,14 @@ def _load(spec: WorkerSpec):
     encode_cache.install(pipe, spec.encode_cache)  # a repeated input is not encoded again (exact)
 
     # every rank loads the same LoRAs, all disabled; FUSE_LORA copies the weights they adapt (counted as weights)
-    adapters = Adapters(pipe, spec.loras, spec.fuse_lora, spec.activation_reserve, spec.memory_caps if cuda else ())
+    agree = None  # FUSE_LORA: the ranks of a group fuse all or none (a vote over the CPU group: any "no" wins)
+    if spec.world > 1:
+        from imgedit.runtime.cfg_parallel import agree_to_stop
+
+        def agree(ok: bool) -> bool:
+            return not agree_to_stop(not ok, group)
+    adapters = Adapters(pipe, spec.loras, spec.fuse_lora, spec.activation_reserve, spec.memory_caps if cuda else (),
+                        agree)
     weights = _weights_per_gpu() if cuda else {}  # the LoRAs' weights included
     runner = Runner(pipe, spec.name, spec.devices or plan.devices, spec.rank, spec.world, spec.parallel, group,
                     spec.auto_cleanup, spec.ulysses, cuda, adapters,
