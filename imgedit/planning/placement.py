@@ -44,6 +44,12 @@ NCCL_BUFFERS = int(0.4 * GIB)
 LAZY_KERNELS = int(0.4 * GIB)
 
 
+def allocator_budget(cap: int) -> int:
+    """What torch's allocator may hold on a GPU capped at `cap` bytes (MAX_MEMORY, as nvidia-smi shows it):
+    the cap less the CUDA context and the kernels loaded as jobs run."""
+    return cap - CUDA_CONTEXT - LAZY_KERNELS
+
+
 def budgets(gpus: Sequence[GpuSpec], max_memory: Sequence[int], reserve: int) -> dict[int, int]:
     """Bytes of weights each GPU may take: min(cap, free) minus the reserve and the worker process's
     CUDA context (the activation reserve is taken where the latents live)."""

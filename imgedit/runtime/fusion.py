@@ -131,11 +131,11 @@ def _where(weights: list[torch.Tensor], mode: str, reserve: int, caps: tuple[int
 def _room(index: int, caps: tuple[int, ...]) -> int:
     """Bytes this process may still allocate on cuda:index: what the driver has free plus torch's unused
     cache, under MAX_MEMORY's cap when one is set (imgedit.runtime.worker._cap_memory)."""
-    from imgedit.planning.placement import CUDA_CONTEXT, LAZY_KERNELS
+    from imgedit.planning.placement import allocator_budget
 
     free, _ = torch.cuda.mem_get_info(index)
     allocated = torch.cuda.memory_allocated(index)
     room = free + torch.cuda.memory_reserved(index) - allocated
     if index < len(caps):
-        room = min(room, caps[index] - CUDA_CONTEXT - LAZY_KERNELS - allocated)
+        room = min(room, allocator_budget(caps[index]) - allocated)
     return room

@@ -49,6 +49,11 @@ class ParallelGroup:
             peers = {u: dist.new_group(self.layout.exchange_peers(u)) for u in range(ulysses)} if ulysses > 1 else {}
             self.cfg_pair = CfgPair(transformer, self.layout.cfg_index, peers.get(self.layout.ulysses_index))
 
+    @property
+    def splits_cfg_off(self) -> bool:
+        """A CFG pair that runs CFG-off jobs on both ranks (PAIR_ULYSSES)."""
+        return self.switch is not None
+
     def takes_part(self, cfg_on: bool, may_split: bool = True) -> bool:
         """With CFG off a cfg group's second half has nothing to do, unless a pair splits the sequence
         (`may_split`: the job has no step cache)."""

@@ -114,7 +114,7 @@ def _load(spec: WorkerSpec):
     if cuda and spec.memory_caps and late_cap:
         torch.cuda.empty_cache()
         _cap_memory(spec.memory_caps)
-    pair_split = runner.group is not None and runner.group.switch is not None
+    pair_split = runner.group is not None and runner.group.splits_cfg_off
     info: dict = {"compiled": False, "batch_cfg": runner.cfg_batch is not None, "pair_ulysses": pair_split,
                   "load_seconds": round(time.perf_counter() - started, 2),
                   "loras": [f.name for f in spec.loras], "components": offload.describe(pipe, plan.memory),
@@ -159,11 +159,11 @@ def _cap_memory(caps: tuple[int, ...]) -> None:
     gives up with out-of-memory)."""
     import torch
 
-    from imgedit.planning.placement import CUDA_CONTEXT, LAZY_KERNELS
+    from imgedit.planning.placement import allocator_budget
 
     for index, cap in enumerate(caps):
         total = torch.cuda.get_device_properties(index).total_memory
-        fraction = min(1.0, max(0.01, (cap - CUDA_CONTEXT - LAZY_KERNELS) / total))
+        fraction = min(1.0, max(0.01, allocator_budget(cap) / total))
         torch.cuda.set_per_process_memory_fraction(fraction, index)
         log.info("cuda:%d: allocator capped at %.1f GiB (MAX_MEMORY)", index, fraction * total / 1024**3)
 
@@ -176,32 +176,28 @@ def _warm_up(runner, spec: WorkerSpec) -> list[float]:
     from imgedit.protocol import EditRequest, Resolved
 
     family = spec.checkpoint.family
-    times = []
-    for width, height in spec.warmup_sizes:
+
+    def run(width: int, height: int, name: str, **params) -> float:
         image = Image.new("RGB", (width, height), (120, 130, 140))
-        req = EditRequest(images=(image,), prompt="warm up", request_id=f"warmup-{width}x{height}", source="warmup")
-        params = Resolved(steps=2, true_cfg_scale=4.0, negative_prompt=" ", seed=0, num_images=1,
-                          width=width, height=height)
+        req = EditRequest(images=(image,), prompt="warm up", request_id=f"warmup-{name}{width}x{height}",
+                          source="warmup")
+        job = Job(req, Resolved(steps=2, negative_prompt=" ", seed=0, num_images=1, width=width, height=height,
+                                **params), family)
         started = time.perf_counter()
-        runner.run(Job(req, params, family), threading.Event())
-        times.append(round(time.perf_counter() - started, 2))
+        if runner.takes_part(job):
+            runner.run(job, threading.Event())
+        return round(time.perf_counter() - started, 2)
+
+    times = [run(width, height, "", true_cfg_scale=4.0) for width, height in spec.warmup_sizes]
     # CFG-off jobs are variants of their own: each Lightning LoRA's at the first size (with FUSE_LORA, the no-LoRA
     # variant on fused weights); on a pair that splits CFG-off jobs (Ulysses on) the first one at every size.
-    split = runner.group is not None and runner.group.switch is not None
+    split = runner.group is not None and runner.group.splits_cfg_off
     offs = [((f.name, 1.0),) for f in spec.loras if f.steps] or ([()] if split else [])
     sizes = spec.warmup_sizes or ((1024, 1024),)
     for k, adapters in enumerate(offs):
         for width, height in sizes if split and k == 0 else sizes[:1]:
-            image = Image.new("RGB", (width, height), (120, 130, 140))
-            name = adapters[0][0] if adapters else "cfg-off"
-            req = EditRequest(images=(image,), prompt="warm up", request_id=f"warmup-{name}-{width}x{height}",
-                              source="warmup")
-            params = Resolved(steps=2, true_cfg_scale=1.0, negative_prompt=" ", seed=0, num_images=1, width=width,
-                              height=height, adapters=adapters, scheduler="lightning" if adapters else "default")
-            started = time.perf_counter()
-            if runner.takes_part(Job(req, params, family)):
-                runner.run(Job(req, params, family), threading.Event())
-            times.append(round(time.perf_counter() - started, 2))
+            times.append(run(width, height, f"{adapters[0][0] if adapters else 'cfg-off'}-", true_cfg_scale=1.0,
+                             adapters=adapters, scheduler="lightning" if adapters else "default"))
     return times
 
 
