@@ -39,6 +39,9 @@ os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(256 << 20))
 # of freed heap, above), and a full local run lost both actors to it while they loaded ("22.44GB used / 23.54GB").
 # The kernel's OOM killer still guards the machine; the tests' Ray clusters (children) start without Ray's.
 os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+# Every gr.Blocks built with Gradio's analytics on starts a thread that asks pypi for Gradio's latest version
+# (an HTTPS call from a fresh client); the tests build dozens of apps.
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import httpx  # noqa: E402
 import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads at import)
@@ -73,6 +76,28 @@ ROOT = Path(__file__).resolve().parents[1]
 # next call. No cookie jar either: like httpx.get(), no call carries a cookie another call was given.
 http = httpx.Client(timeout=5.0, limits=httpx.Limits(max_keepalive_connections=0),
                     cookies=CookieJar(DefaultCookiePolicy(allowed_domains=[])))
+
+
+def _one_ssl_context_per_setting():
+    """gradio_client opens a new httpx client for every upload, prediction, cancel and download, and each
+    builds an SSL context that loads the CA bundle: 30 ms of CPU on this machine, for http:// URLs too. In
+    the test processes one context per (verify, cert, trust_env) serves them all (a context is shareable)."""
+    import functools
+
+    import httpx._transports.default as transports
+
+    build = functools.lru_cache(maxsize=8)(transports.create_ssl_context)
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if isinstance(verify, (bool, str)) and cert is None:
+            return build(verify=verify, cert=None, trust_env=trust_env)
+        return transports.__dict__["_create_ssl_context"](verify=verify, cert=cert, trust_env=trust_env)
+
+    transports._create_ssl_context = transports.create_ssl_context
+    transports.create_ssl_context = create_ssl_context
+
+
+_one_ssl_context_per_setting()
 sys.path.insert(0, str(ROOT / "tests"))  # worker processes import tests/faults.py as "faults"
 ARTIFACTS = ROOT / "artifacts"
 COMPONENTS = ("transformer", "text_encoder", "vae")
@@ -84,15 +109,15 @@ COMPONENTS = ("transformer", "text_encoder", "vae")
 # pyproject.toml (--no-loadscope-reorder); the order is this one:
 # - the longest groups first (their seconds in a full run on the 2-core machine), so that no long group
 #   starts last; then the rest in file order;
-# - the Ray group at the very end. Run first, beside two test processes building their pools, a fresh-
-#   clone CI run waited over 90 s for a killed actor to come back (test_ray's deadline; the restart imports
-#   torch afresh), though a local run passed; at the end it runs mostly alone, ~100 s with a core idle.
+# - the Ray group in the middle (ORDER's "ray"). First, beside two test processes building their pools, a
+#   fresh-clone CI run waited over 90 s for a killed actor to come back (the restart imports torch afresh;
+#   test_ray now waits up to 240 s). Last, it ran ~110 s mostly alone with a core idle (the whole run is
+#   CPU-bound before that): in the middle the other test processes use that core.
 XDIST_GROUPS = {"test_ray": "ray", "test_ray_local": "ray"}
-LAST = ("ray",)
-LONGEST_FIRST = ("test_browser", "test_shutdown", "test_security", "test_loras", "test_manager", "test_workers",
-                 "test_adversarial", "test_ui", "test_parallel_groups", "test_rest", "test_readme", "test_history",
-                 "test_browser_panel", "test_browser_batch", "test_architecture", "test_jobs_api", "test_masks",
-                 "test_step_cache", "test_batch_cfg")
+ORDER = ("test_browser", "test_shutdown", "test_security", "test_loras", "test_manager", "test_workers",
+         "test_adversarial", "test_ui", "test_parallel_groups", "test_rest", "ray", "test_readme", "test_history",
+         "test_browser_panel", "test_browser_batch", "test_architecture", "test_jobs_api", "test_masks",
+         "test_step_cache", "test_batch_cfg")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
@@ -104,9 +129,7 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(group(item)))
     def rank(item) -> int:
         name = group(item)
-        if name in LAST:
-            return len(LONGEST_FIRST) + 1 + LAST.index(name)
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+        return ORDER.index(name) if name in ORDER else len(ORDER)
 
     items.sort(key=rank)  # stable: each module keeps its own order
     gpus = torch.cuda.device_count()

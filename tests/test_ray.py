@@ -257,7 +257,7 @@ def test_a_killed_actor_fails_only_its_job_and_the_next_runs_on_the_other_node(m
     assert lost.state in ("loading", "restarting") and lost.restarts == 1
     result = manager.edit(request())
     assert result.worker == survivor.name  # the other node serves while the lost worker reloads
-    wait_for(lambda: {w.name: w for w in manager.status().workers}[victim.name].state == "idle", 90)
+    wait_for(lambda: {w.name: w for w in manager.status().workers}[victim.name].state == "idle", 240)
     back = {w.name: w for w in manager.status().workers}[victim.name]
     assert victim.pids[0] not in back.pids and back.node == victim.node  # same node, new actor
     assert not alive(victim.pids[0])
@@ -275,7 +275,7 @@ def test_the_panel_names_each_workers_node(manager, nodes):
 
 @pytest.mark.slow
 def test_a_node_that_leaves_fails_only_its_job_and_health_shows_the_lost_worker(manager, nodes):
-    wait_for(lambda: all(w.state == "idle" for w in manager.status().workers), 90)
+    wait_for(lambda: all(w.state == "idle" for w in manager.status().workers), 240)
     nodes.remember()
     on_b = next(w for w in manager.status().workers if w.node == nodes.second.node_id)
     other = next(w for w in manager.status().workers if w.name != on_b.name)
