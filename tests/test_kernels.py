@@ -129,7 +129,26 @@ def test_the_planner_decides_fusing_and_a_pairs_split_from_the_settings_and_the_
     assert [modes.pair_ulysses(auto, p) for p in (pair, cpu_pair, one, group4)] == [True, False, False, False]
     assert [modes.pair_ulysses(on, p) for p in (pair, cpu_pair, one)] == [True, True, False]
     assert not modes.pair_ulysses(off, pair)
+    # Ulysses-2 gives each rank half of the heads: auto leaves a transformer of odd heads unsplit
+    assert [modes.pair_ulysses(auto, pair, heads) for heads in (24, 3, None)] == [True, False, True]
+    assert modes.pair_ulysses(on, pair, 3)  # `on` is the user's word: the worker refuses it, naming the setting
     assert not modes.pair_ulysses(load_settings({"ATTENTION": "efficient"}), pair)  # auto leaves it off
     refused = modes.kernel_refusal(load_settings({"PAIR_ULYSSES": "on", "ATTENTION": "flash"}), [pair])
     assert refused is not None and "ATTENTION=flash takes no attention mask" in refused
     assert modes.kernel_refusal(load_settings({"ATTENTION": "flash"}), [pair]) is None  # auto: no split, no mask
+
+
+def test_a_pair_asked_to_split_a_transformer_of_odd_heads_is_refused_naming_the_setting(plus_ckpt):
+    """The tiny transformer has one head: the planner reads it from the config (auto: no split), and a pair
+    told PAIR_ULYSSES=on stops with a message naming the setting, before any collective is set up."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from imgedit.errors import ImgEditError
+    from imgedit.planning.checkpoint import open_checkpoint
+    from imgedit.runtime.group import ParallelGroup
+
+    assert open_checkpoint(str(plus_ckpt)).attention_heads == 1
+    transformer = QwenImageTransformer2DModel.from_pretrained(plus_ckpt / "transformer")
+    with pytest.raises(ImgEditError, match="PAIR_ULYSSES=on splits CFG-off jobs' attention heads over the pair's "
+                                           "2 GPUs, but this transformer has 1 heads; set PAIR_ULYSSES=auto"):
+        ParallelGroup(transformer, "cfg", 0, 2, 1, False, None, pair_ulysses=True)

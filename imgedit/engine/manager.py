@@ -154,7 +154,7 @@ class PipelineManager:
             compiled = "on" if self.compile_enabled(worker.plan) else "off"
             log.info("%s: %d process(es), compile %s, encode cache %s", worker.name, worker.plan.ranks, compiled,
                      f"{s.encode_cache} input(s)" if s.encode_cache else "off")
-        if (refusal := modes.kernel_refusal(s, self._plans)) is not None:
+        if (refusal := modes.kernel_refusal(s, self._plans, self.checkpoint.attention_heads)) is not None:
             self.load_error = refusal
             raise PlacementError(refusal)
         log.info("attention kernel: %s; compile mode: %s", s.attention, modes.compile_mode(s, self._plans))
@@ -171,7 +171,8 @@ class PipelineManager:
         spec = WorkerSpec(name=plan.name, rank=0, world=plan.ranks, parallel=plan.parallel, plan=plan,
                           checkpoint=self.checkpoint, dtype=s.torch_dtype, compile=self.compile_enabled(plan),
                           hook=self.worker_hook, auto_cleanup=s.auto_cleanup, warmup_sizes=self.warmup_sizes,
-                          ulysses=plan.ulysses, pair_ulysses=modes.pair_ulysses(s, plan), loras=self.loras,
+                          ulysses=plan.ulysses, loras=self.loras,
+                          pair_ulysses=modes.pair_ulysses(s, plan, self.checkpoint.attention_heads),
                           encode_cache=s.encode_cache, attention=s.attention, compile_mode=s.compile_mode,
                           fuse_lora=modes.fuse_lora(s, plan), activation_reserve=s.activation_reserve)
         common = dict(cache_dir=s.compile_cache_dir, max_restarts=s.worker_restarts, log_level=s.log_level,

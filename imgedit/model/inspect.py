@@ -17,7 +17,6 @@ from pathlib import Path
 from imgedit.config.loras import LoraEntry
 from imgedit.config.parsers import QUANTIZABLE, is_skipped
 from imgedit.errors import ImgEditError
-from imgedit.model.components import MODEL_COMPONENTS
 
 
 def layer_sizes(folder: Path, skip: tuple[str, ...] = ()) -> list[dict]:
@@ -27,7 +26,7 @@ def layer_sizes(folder: Path, skip: tuple[str, ...] = ()) -> list[dict]:
     import torch
     from accelerate import init_empty_weights
 
-    from imgedit.model.components import block_container, from_config
+    from imgedit.model.components import MODEL_COMPONENTS, block_container, from_config
 
     out = []
     for name in MODEL_COMPONENTS:

@@ -9,6 +9,7 @@ Runs in the inspection subprocess (imgedit.model.inspect), never in the server p
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -35,6 +36,22 @@ def local_file(entry: LoraEntry) -> Path:
     except Exception as exc:  # offline, missing, gated: say which LoRA and why
         raise LoraError(f"LoRA {entry.name!r}: could not fetch {entry.source} from the Hugging Face hub or "
                         f"cache ({type(exc).__name__}); check HF_HOME / HF_HUB_OFFLINE / HF_TOKEN") from None
+
+
+def unreadable(path: Path) -> str | None:
+    """Why `path` is no safetensors file, from its header alone (8 bytes giving the length of a JSON
+    object, then that object), or None. A file that fails here is refused before torch and diffusers are
+    imported: seconds of CPU in the inspection subprocess for a file that was never a LoRA."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if size < 8 or length > size - 8:
+                return f"no safetensors header (its first 8 bytes: {length:,} bytes of header; the file has {size:,})"
+            header = json.loads(f.read(length))
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return f"no safetensors header ({type(exc).__name__}: {exc})"
+    return None if isinstance(header, dict) else "no safetensors header (not a JSON object)"
 
 
 def transformer_linears(folder: Path) -> dict[str, tuple[int, int]]:
@@ -90,10 +107,14 @@ def check_all(configured: tuple[LoraEntry, ...], checkpoint_folder: Path) -> tup
     """Fetch and check every configured LoRA; the first bad one stops start-up with a LoraError naming it."""
     if not configured:
         return ()
+    paths = {entry: local_file(entry) for entry in configured}
+    for entry, path in paths.items():
+        if (why := unreadable(path)) is not None:
+            raise LoraError(f"LoRA {entry.name!r} ({path}) cannot be read as a LoRA file: {why[:200]}")
     linears = transformer_linears(checkpoint_folder)
     files = []
     for entry in configured:
-        path = local_file(entry)
+        path = paths[entry]
         try:
             state_dict = read_state_dict(path)
         except Exception as exc:  # not safetensors, truncated, unknown key scheme

@@ -31,6 +31,14 @@ class Checkpoint:
     def family(self) -> str:
         return "plus" if self.pipeline_class == "QwenImageEditPlusPipeline" else "edit"
 
+    @property
+    def attention_heads(self) -> int | None:
+        """The transformer's attention heads (its config.json), which Ulysses splits; None if unreadable."""
+        try:
+            return int(json.loads((self.folder / "transformer" / "config.json").read_text())["num_attention_heads"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
 
 def open_checkpoint(source: str) -> Checkpoint:
     """Resolve a local folder or hub id (downloaded to the HF cache) and read model_index.json."""

@@ -27,7 +27,7 @@ def cache_refusal(settings: Settings, plans: Sequence[WorkerPlan]) -> str | None
     return None
 
 
-def kernel_refusal(settings: Settings, plans: Sequence[WorkerPlan]) -> str | None:
+def kernel_refusal(settings: Settings, plans: Sequence[WorkerPlan], heads: int | None = None) -> str | None:
     """Why these workers cannot run ATTENTION / COMPILE_MODE as set, or None."""
     s = settings
     if s.compile_mode != "default" and not any(compile_enabled(s, p) for p in plans):
@@ -38,7 +38,7 @@ def kernel_refusal(settings: Settings, plans: Sequence[WorkerPlan]) -> str | Non
     if s.attention == "flash" and any(p.memory is not None and p.memory.batch_cfg for p in plans):
         return ("ATTENTION=flash takes no attention mask, and BATCH_CFG pads the shorter prompt of the two CFG "
                 "branches and masks it; use ATTENTION=cudnn or native")
-    if s.attention in ("flash", "efficient") and any(p.ulysses > 1 or pair_ulysses(s, p) for p in plans):
+    if s.attention in ("flash", "efficient") and any(p.ulysses > 1 or pair_ulysses(s, p, heads) for p in plans):
         why = ("takes no attention mask, and a Ulysses group pads the text to the degree and masks it"
                if s.attention == "flash" else "does not run with diffusers' Ulysses attention")
         return f"ATTENTION={s.attention} {why}; use ATTENTION=cudnn or native"
@@ -54,11 +54,14 @@ def fuse_lora(settings: Settings, plan: WorkerPlan) -> str:
     return settings.fuse_lora
 
 
-def pair_ulysses(settings: Settings, plan: WorkerPlan) -> bool:
+def pair_ulysses(settings: Settings, plan: WorkerPlan, heads: int | None = None) -> bool:
     """PAIR_ULYSSES: whether this CFG pair runs CFG-off jobs on both ranks, the sequence split in two. auto:
-    GPU pairs whose attention kernel runs diffusers' Ulysses with a masked (padded) text, native or cudnn;
-    on: any pair (the CPU tests; flash and efficient are refused then, kernel_refusal)."""
+    GPU pairs whose attention kernel runs diffusers' Ulysses with a masked (padded) text, native or cudnn,
+    and whose transformer's `heads` divide by two (Ulysses-2 gives each rank half of them); on: any pair
+    (the CPU tests; flash and efficient are refused then, kernel_refusal; odd heads by the worker)."""
     if plan.parallel != "cfg" or plan.ulysses != 1 or settings.pair_ulysses == "off":
+        return False
+    if settings.pair_ulysses == "auto" and heads is not None and heads % 2:
         return False
     return settings.pair_ulysses == "on" or (settings.attention in ("native", "cudnn")
                                              and plan.execution_device.startswith("cuda"))

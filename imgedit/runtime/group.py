@@ -35,6 +35,9 @@ class ParallelGroup:
         self.switch = None  # a CFG pair's Ulysses-2 for CFG-off jobs (PAIR_ULYSSES)
         degree = ulysses if ulysses > 1 else 2 if cfg == 2 and pair_ulysses else 1
         heads = transformer.config.num_attention_heads
+        if heads % degree and ulysses == 1:
+            raise ImgEditError(f"PAIR_ULYSSES=on splits CFG-off jobs' attention heads over the pair's 2 GPUs, but "
+                               f"this transformer has {heads} heads; set PAIR_ULYSSES=auto (off for it) or off")
         if heads % degree:
             raise ImgEditError(f"Ulysses-{degree} splits the attention heads over {degree} GPUs, but this "
                                f"transformer has {heads} heads; use a group whose halves divide {heads}")
