@@ -282,10 +282,11 @@ class ConcurrencyProbe:
                 self.max_active[name] = max(self.max_active[name], active[name])
 
 
-def wait_for(condition, timeout: float) -> None:
+def wait_for(condition, timeout: float, what: str = "timed out") -> None:
+    """Poll `condition` until it holds, failing with `what` after `timeout` seconds."""
     deadline = time.time() + timeout
     while not condition():
-        assert time.time() < deadline, "timed out"
+        assert time.time() < deadline, what
         time.sleep(0.05)
 
 

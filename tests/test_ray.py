@@ -150,6 +150,7 @@ def node_of(manager, worker: str, nodes) -> str:
     return nodes.node_ids[status.node]
 
 
+@pytest.mark.slow  # its setup starts the two nodes and both actors: 77 s in a CI run with the Ray group mid-run
 def test_one_worker_per_node_planned_from_what_ray_reports(manager, nodes):
     workers = manager.status().workers
     assert [w.name for w in workers] == ["node0-worker-0", "node1-worker-0"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from conftest import ROOT, free_port, http, picture
+from conftest import ROOT, alive, free_port, http, picture, wait_for
 
 from imgedit.config.settings import load_settings
 
@@ -96,20 +96,6 @@ def post(url: str, steps: int, out: dict, key: str) -> None:
         out[key] = exc
 
 
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while not predicate():
-        assert time.time() < deadline, what
-        time.sleep(0.05)
-
-
 def test_sigterm_lets_the_running_job_finish_fails_queued_ones_and_exits(app_process):
     server = app_process
     server.wait_ready()
@@ -154,7 +140,7 @@ def test_sigterm_lets_the_running_job_finish_fails_queued_ones_and_exits(app_pro
     assert took < 60, f"exit took {took:.1f}s, more than SHUTDOWN_GRACE_S"
     # The workers are stopped before the server exits; multiprocessing's resource tracker follows it
     # out within moments, and an exited child lingers as a zombie until it is reaped.
-    wait_for(lambda: not [pid for pid in children if _running(pid)], 10, "a child process outlived the server")
+    wait_for(lambda: not [pid for pid in children if alive(pid)], 10, "a child process outlived the server")
     log = server.output()
     assert "Traceback" not in log, log
     with sqlite3.connect(server.output_dir / "history.sqlite3") as db:  # the finished job was stored, only it
