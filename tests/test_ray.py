@@ -103,9 +103,13 @@ class TwoNodes:
     def remember(self) -> None:
         """Every process the cluster started so far: the raylets and the GCS with all they started
         (Ray workers, actors, agents), and Ray's own helpers (log monitor, ...). Not the local worker
-        processes of other tests' managers, which are this process's children too."""
+        processes of other tests' managers, which are this process's children too: nor their forkserver,
+        whose command line carries this process's sys.path, and with it ray/thirdparty_files (`import ray`
+        adds it). Matched by "/ray/" it was killed with every worker forked from it, and the tests after
+        this module in the same test process found their session's workers gone (seen in a CI run)."""
         ours = _descendants(os.getpid())
-        roots = {p for p in ours if _comm(p) in ("raylet", "gcs_server") or "/ray/" in _cmdline(p)}
+        roots = {p for p in ours if _comm(p) in ("raylet", "gcs_server")
+                 or ("/ray/" in _cmdline(p) and "from multiprocessing" not in _cmdline(p))}
         self.processes |= roots.union(*(_descendants(p) for p in roots))
 
     def shutdown(self) -> None:
