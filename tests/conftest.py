@@ -86,14 +86,14 @@ def _one_ssl_context_per_setting():
 
     import httpx._transports.default as transports
 
-    build = functools.lru_cache(maxsize=8)(transports.create_ssl_context)
+    original = transports.create_ssl_context
+    build = functools.lru_cache(maxsize=8)(original)
 
     def create_ssl_context(verify=True, cert=None, trust_env=True):
         if isinstance(verify, (bool, str)) and cert is None:
             return build(verify=verify, cert=None, trust_env=trust_env)
-        return transports.__dict__["_create_ssl_context"](verify=verify, cert=cert, trust_env=trust_env)
+        return original(verify=verify, cert=cert, trust_env=trust_env)
 
-    transports._create_ssl_context = transports.create_ssl_context
     transports.create_ssl_context = create_ssl_context
 
 

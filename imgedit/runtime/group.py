@@ -35,12 +35,12 @@ class ParallelGroup:
         self.switch = None  # a CFG pair's Ulysses-2 for CFG-off jobs (PAIR_ULYSSES)
         degree = ulysses if ulysses > 1 else 2 if cfg == 2 and pair_ulysses else 1
         heads = transformer.config.num_attention_heads
-        if heads % degree and ulysses == 1:
-            raise ImgEditError(f"PAIR_ULYSSES=on splits CFG-off jobs' attention heads over the pair's 2 GPUs, but "
-                               f"this transformer has {heads} heads; set PAIR_ULYSSES=auto (off for it) or off")
         if heads % degree:
-            raise ImgEditError(f"Ulysses-{degree} splits the attention heads over {degree} GPUs, but this "
-                               f"transformer has {heads} heads; use a group whose halves divide {heads}")
+            raise ImgEditError(
+                f"PAIR_ULYSSES=on splits CFG-off jobs' attention heads over the pair's 2 GPUs, but this transformer "
+                f"has {heads} heads; set PAIR_ULYSSES=auto (off for it) or off" if ulysses == 1 else
+                f"Ulysses-{degree} splits the attention heads over {degree} GPUs, but this transformer has {heads} "
+                f"heads; use a group whose halves divide {heads}")
         if degree == 2 and ulysses == 1:  # before the pair's override: that stays the outermost forward
             self.switch = UlyssesSwitch(transformer, rank, "cuda" if cuda else "cpu")
         if ulysses > 1:
