@@ -161,6 +161,12 @@ def cfg_plan(pairs: int = 1) -> Plan:
                                                  ("cpu", "cpu")) for i in range(pairs)), "CPU pairs for tests")
 
 
+def group_plan(parallel: str, ranks: int, ulysses: int) -> Plan:
+    """One parallel group of `ranks` CPU processes (gloo), `ulysses` of them splitting each forward's sequence."""
+    worker = WorkerPlan("worker-0", {c: Placement("cpu") for c in COMPONENTS}, parallel, ("cpu",) * ranks, ulysses)
+    return Plan(parallel, (worker,), f"a CPU {parallel} group of {ranks} for tests")
+
+
 _MANAGERS: list[PipelineManager] = []
 _SESSION_MANAGERS: list[PipelineManager] = []
 

@@ -281,8 +281,11 @@ def test_example_download_api_call_and_restoring_the_settings_of_a_result_png(br
         if field.input_value() != "64":  # seen once in CI under load: the size had gone back to auto
             field.fill("64")
             field.press("Tab")
+    page.locator("#cache input").click()  # the step cache (Advanced): recorded in the PNG, the snippets, restored
+    page.get_by_role("option", name=re.compile("^TaylorSeer")).click()
     page.locator("#edit-button").click()
     page.locator("#edit-status").get_by_text("Seed used: 77").wait_for(timeout=120_000)
+    assert "Step cache: taylorseer (lossy)" in page.locator("#edit-status").inner_text()
     with page.expect_download(timeout=30_000) as download:
         page.locator("#download-result").click()
     # Named from the prompt and the image's seed (it was "image.png" for every result).
@@ -294,13 +297,15 @@ def test_example_download_api_call_and_restoring_the_settings_of_a_result_png(br
     text = Image.open(saved).text
     assert text["prompt"].startswith("make the sky a warm sunset") and text["seed"] == "77", text
     assert text["num_inference_steps"] == "3" and text["width"] == "64" and text["software"].startswith("imgedit")
+    assert text["cache"] == "taylorseer", text
     page.locator("#copy-api").click()
     page.locator("#api-gradio").get_by_text("api_name").wait_for(timeout=30_000)
     gradio_code = page.locator("#api-gradio").inner_text()
     assert "num_inference_steps=3" in gradio_code and "seed=77" in gradio_code, gradio_code
     assert "randomize_seed=False" in gradio_code and "handle_file('input-1.png')" in gradio_code
+    assert "cache='taylorseer'" in gradio_code
     curl = page.locator("#api-curl").inner_text()
-    assert "/v1/images/edits" in curl and "seed=77" in curl and "size=64x64" in curl, curl
+    assert "/v1/images/edits" in curl and "seed=77" in curl and "size=64x64" in curl and "cache=taylorseer" in curl
     assert "extra_body" in page.locator("#api-openai").inner_text()
     open_app(page)
     assert page.locator("#restore-settings").count() == 0 or not page.locator("#restore-settings").is_visible()
@@ -314,6 +319,7 @@ def test_example_download_api_call_and_restoring_the_settings_of_a_result_png(br
     assert page.get_by_label("Steps (2-").input_value() == "3"
     assert not page.get_by_label("Randomize seed").is_checked()
     assert page.get_by_label("Width (0 = auto)").input_value() == "64"
+    assert page.locator("#cache input").input_value().startswith("TaylorSeer")
 
 
 def test_an_upload_over_max_file_size_says_the_limit_as_the_setting_wrote_it(browser, server, manager, tmp_path):

@@ -10,13 +10,13 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import COMPONENTS, ConcurrencyProbe, make_manager, picture
+from conftest import ConcurrencyProbe, group_plan, make_manager, picture
 
 from imgedit.config.settings import load_settings, parse_device_map
 from imgedit.errors import Cancelled, SettingsError, WorkerFailed
 from imgedit.model.demo_checkpoint import build_checkpoint
 from imgedit.planning.placement import GIB, PlacementError, plan_placement
-from imgedit.planning.plan import ComponentSpec, GpuSpec, Placement, Plan, WorkerPlan
+from imgedit.planning.plan import ComponentSpec, GpuSpec
 from imgedit.protocol import EditRequest
 from imgedit.runtime.ulysses import Layout, pad_text
 
@@ -34,11 +34,6 @@ def request(**kw) -> EditRequest:
 
 def pixels(result) -> np.ndarray:
     return np.asarray(result.images[0], dtype=np.int16)
-
-
-def group_plan(parallel: str, ranks: int, ulysses: int) -> Plan:
-    worker = WorkerPlan("worker-0", {c: Placement("cpu") for c in COMPONENTS}, parallel, ("cpu",) * ranks, ulysses)
-    return Plan(parallel, (worker,), f"a CPU {parallel} group of {ranks} for tests")
 
 
 @pytest.fixture(scope="module")

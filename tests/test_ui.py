@@ -9,7 +9,7 @@ import zlib
 from pathlib import Path
 
 import pytest
-from conftest import ConcurrencyProbe, http, make_manager, start_server
+from conftest import ConcurrencyProbe, group_plan, http, make_manager, start_server
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError, ValidationError
 from gradio_client.utils import QueueError
@@ -51,7 +51,8 @@ def test_the_gradio_api_contract_optional_parameters_named_results_same_names(cl
     enhance = info["named_endpoints"]["/enhance_prompt"]
     assert [p["parameter_name"] for p in enhance["parameters"]] == ["images", "prompt"]
     assert [r["label"] for r in enhance["returns"]] == ["prompt"]
-    assert [p["parameter_name"] for p in info["named_endpoints"]["/batch"]["parameters"]][1:] == names[1:13]
+    # (the step cache is /batch's too: the page's Step cache applies to both tabs)
+    assert [p["parameter_name"] for p in info["named_endpoints"]["/batch"]["parameters"]][1:] == names[1:13] + ["cache"]
     gallery, seed = client.predict(images=[handle_file(str(image_file))], prompt="make it red", seed=4,
                                    randomize_seed=False, num_inference_steps=2, width=64, height=64, api_name="/edit")
     assert len(gallery) == 1 and seed == 4
@@ -391,3 +392,27 @@ def test_the_api_snippets_run_as_copied_with_a_login_and_a_key(server_manager, i
                                capture_output=True, text=True, timeout=120)
         assert wrong.returncode == 1 and "the server answered" in wrong.stderr, wrong.stderr
         assert "KeyError" not in wrong.stderr and "Traceback" not in wrong.stderr
+
+
+def test_the_step_cache_in_the_page_and_batch_and_where_it_is_hidden(client, image_file, plus_ckpt):
+    """The Step cache choice (Advanced) reaches /batch as /edit's `cache`, and the PNG records it; a Lightning
+    speed drops it; on workers that cannot run a cache (a Ulysses group) the control is not shown at all."""
+    from imgedit.web.page import build_blocks
+    from imgedit.web.speed import SERVER_CACHE, parse_cache_input
+
+    gallery, report, _ = client.predict(*edit_args([image_file]), "quality", "none", 1.0, "first-block",
+                                        api_name="/batch")
+    assert "1 done" in report and Image.open(gallery[0]["image"]).text["cache"].startswith("first-block:"), report
+    assert parse_cache_input(SERVER_CACHE, "quality") is None and parse_cache_input("taylorseer", "fastest") is None
+    assert parse_cache_input("taylorseer", "quality") == "taylorseer"
+
+    def cache_control(manager):
+        blocks = build_blocks(manager.settings, manager)
+        return next(b for b in blocks.blocks.values() if getattr(b, "elem_id", None) == "cache")
+
+    ulysses = make_manager(plus_ckpt, plan=group_plan("ulysses", 2, 2), load=False).prepare()  # no worker started
+    assert ulysses.cache_refusal() is not None and cache_control(ulysses).visible is False
+    plain = make_manager(plus_ckpt, load=False).prepare()
+    control = cache_control(plain)
+    assert control.visible is True and control.value == SERVER_CACHE
+    assert [value for _, value in control.choices] == [SERVER_CACHE, "none", "first-block", "taylorseer"]

@@ -24,7 +24,7 @@ from imgedit.engine.validation import check_params
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.protocol import EditRequest
 from imgedit.web.identity import page_owner
-from imgedit.web.speed import parse_speed_inputs
+from imgedit.web.speed import parse_cache_input, parse_speed_inputs
 from imgedit.web.tools import refusal, user_error
 
 BATCH_GROUP = "batch"  # unlimited in Gradio: the manager's line and JOBS_MAX_PENDING bound batches
@@ -96,11 +96,11 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, settings_inpu
 
     async def run_batch(files, prompt, negative_prompt="", seed=0, randomize_seed=True, num_inference_steps=None,
                         true_cfg_scale=None, num_images=1, width=0, height=0, speed="quality", lora="none",
-                        lora_scale=1.0, request: gr.Request = None):
+                        lora_scale=1.0, cache=None, request: gr.Request = None):
         """Run one prompt over every uploaded image; yields (gallery, report, zip) as items finish."""
         async with contextlib.aclosing(updates(
                 files, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale, num_images,
-                width, height, speed, lora, lora_scale, request)) as values:
+                width, height, speed, lora, lora_scale, cache, request)) as values:
             async for shown, report_text, archive, _ in values:  # closed with this one (a cancel stops the job)
                 yield shown, report_text, archive
 
@@ -112,15 +112,17 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, settings_inpu
                 yield update
 
     async def updates(files, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
-                      num_images, width, height, speed, lora, lora_scale, request):
+                      num_images, width, height, speed, lora, lora_scale, cache, request):
         try:
             speed, lora, lora_scale = parse_speed_inputs(speed, lora, lora_scale)
+            cache = parse_cache_input(cache, speed)
             template = EditRequest(
                 images=(), prompt=prompt or "", negative_prompt=negative_prompt or "",
                 seed=None if randomize_seed else _number(seed, 0), num_inference_steps=_number(num_inference_steps),
                 true_cfg_scale=None if true_cfg_scale is None else float(true_cfg_scale),
                 num_images=_number(num_images, 1), width=_number(width, 0) or None,
-                height=_number(height, 0) or None, speed=speed, lora=lora, lora_scale=lora_scale, source="ui")
+                height=_number(height, 0) or None, speed=speed, lora=lora, lora_scale=lora_scale, cache=cache,
+                source="ui")
             # the cheap fields before any file is read
             check_params(template, settings, manager.family, manager.prompt_tokens)
             uploads = await asyncio.to_thread(read_uploads, files, settings.batch_max_items, settings.max_file_size)

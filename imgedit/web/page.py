@@ -36,7 +36,7 @@ from imgedit.web.panel import panel_html
 from imgedit.web.progress import EditProgress
 from imgedit.web.public import open_snapshot
 from imgedit.web.requests import FIELDS, build_request
-from imgedit.web.speed import build_speed_controls
+from imgedit.web.speed import build_cache_control, build_speed_controls, parse_cache_input
 from imgedit.web.tools import PageTools, compare_pair, user_error
 from imgedit.web.uploads import upload_folder
 
@@ -167,7 +167,8 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
 
     async def edit_page(images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
                         num_images, width, height, speed=None, lora=None, lora_scale=None, mask=None, mask_grow=None,
-                        mask_feather=None, strength=None, request: gr.Request = None, progress=gr.Progress()):
+                        mask_feather=None, strength=None, cache=None, request: gr.Request = None,
+                        progress=gr.Progress()):
         """The Edit button: result, a status line with the seed used, the comparison, the chosen result, and
         the message beside Edit. A refused edit leaves the rest as it was and says why beside Edit until the
         next run (as a toast it vanished after a few seconds and left a bare "Error" badge on the result)."""
@@ -176,7 +177,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
             masking = (mask, mask_grow, mask_feather, strength) if mask else (None,) * 4  # "": nothing painted
             req, result = await run_edit((images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
                                           true_cfg_scale, num_images, width, height, speed, lora, lora_scale,
-                                          *masking), request, progress)
+                                          *masking, False, parse_cache_input(cache, speed)), request, progress)
         except gr.Error as exc:
             return keep, keep, keep, keep, f"**{exc.title or 'Not edited'}:** {exc.message}"
         seeds = [image.info.get("seed", "?") for image in result.images]
@@ -187,6 +188,8 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                 f"under Advanced and enter this seed).{each}")
         if req.mask is not None:
             done += " Only the painted area of the first image changed; the result has its size."
+        if cached := result.images[0].info.get("cache"):
+            done += f" Step cache: {cached} (lossy)."
         if notices := frame_notices(req.images):  # e.g. an animated GIF: its first frame was edited
             done += "\n\n**Note:** " + "; ".join(notices) + "."
         return result.images, done, compare_pair(req.images[0], result.images[0], req.mask), 0, ""
@@ -251,6 +254,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                         width = gr.Number(label="Width (0 = auto)", value=DEMO_SIZE if demo else 0, precision=0,
                                           minimum=0)
                         height = gr.Number(label="Height (0 = auto)", value=0, precision=0, minimum=0)
+                    cache = build_cache_control(settings, manager.cache_refusal())  # hidden where refused
             with gr.Column():
                 result = gr.Gallery(label="Result", format="png", columns=2, elem_id="result", interactive=False,
                                     object_fit="contain", height="auto", buttons=["download", "fullscreen"])
@@ -306,7 +310,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         # The painted strokes become a mask file first (the canvas's own preprocessing reads them).
         masked = cleared.then(painted_mask, canvas, mask_inputs[0], queue=False, preprocess=False,
                               api_visibility="private")
-        event = masked.then(edit_page, edit_inputs + mask_inputs, page_outputs, api_visibility="private",
+        event = masked.then(edit_page, edit_inputs + mask_inputs + [cache], page_outputs, api_visibility="private",
                             concurrency_id=GPU_GROUP, concurrency_limit=line, preprocess=False,
                             show_progress_on=[result])
         idle = gr.update(interactive=False)
@@ -323,9 +327,10 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                       api_visibility="private")
         # Queued (its own default group, never behind GPU jobs): only queued events can show a toast.
         restore.click(tools.restore_settings, stored,
-                      [prompt, negative, seed, randomize, steps, cfg, width, height, restore], api_visibility="private")
-        copy_api.click(tools.api_call, edit_inputs, [snippets, *snippet_code, snippet_inputs], preprocess=False,
-                       queue=False, api_visibility="private")
+                      [prompt, negative, seed, randomize, steps, cfg, width, height, cache, restore],
+                      api_visibility="private")
+        copy_api.click(tools.api_call, edit_inputs + [cache], [snippets, *snippet_code, snippet_inputs],
+                       preprocess=False, queue=False, api_visibility="private")
         # Any change of the inputs (upload, removal, an example, a result used as input) redraws the thumbnails.
         files.change(tools.preview_inputs, files, preview, preprocess=False, queue=False, api_visibility="private")
         follow_first_input(files, canvas)
@@ -344,7 +349,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
             from imgedit.web.history_tab import build_history_tab
 
             with gr.Tabs():
-                build_batch_tab(settings, manager, jobs, inputs[2:] + speed_inputs)
+                build_batch_tab(settings, manager, jobs, inputs[2:] + speed_inputs + [cache])
                 history_api = build_history_tab(settings, history, edit_inputs, page_outputs, edit_page, GPU_GROUP)
             gr.api(history_api, api_name="history", queue=False)
     return blocks

@@ -22,14 +22,16 @@ def _number(value, default):
 
 def api_values(n_images: int, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
                num_images, width, height, default_steps: int, default_cfg: float, speed=None, lora=None,
-               lora_scale=None) -> dict:
-    """The `/edit` API's keyword arguments for the current form (input files named input-N.png); speed
-    and LoRA only when the form sets them."""
+               lora_scale=None, cache=None) -> dict:
+    """The `/edit` API's keyword arguments for the current form (input files named input-N.png); speed,
+    LoRA and step cache only when the form sets them."""
     extra = {}
     if isinstance(speed, str) and speed not in ("", "quality"):
         extra["speed"] = speed
     if isinstance(lora, str) and lora not in ("", "none"):
         extra.update(lora=lora, lora_scale=_number(lora_scale, 1.0))
+    if isinstance(cache, str) and cache:
+        extra["cache"] = cache
     return {
         "images": [f"input-{i + 1}.png" for i in range(max(1, n_images))],
         "prompt": prompt if isinstance(prompt, str) else "",
@@ -81,7 +83,7 @@ def curl_snippet(url: str, values: dict) -> str:
         f"true_cfg_scale={values['true_cfg_scale']}"]
     if not values["randomize_seed"]:
         fields.append(f"seed={values['seed']}")
-    fields += [f"{key}={values[key]}" for key in ("speed", "lora", "lora_scale") if key in values]
+    fields += [f"{key}={values[key]}" for key in ("speed", "lora", "lora_scale", "cache") if key in values]
     parts = [f"curl -sS {shlex.quote(url + 'v1/images/edits')}", '-H "Authorization: Bearer $IMGEDIT_API_KEY"']
     parts += [f"-F {shlex.quote(field)}" for field in fields]
     return "\n".join([INPUTS_NOTE, KEY_NOTE, " \\\n  ".join([*parts, f"| python3 -c {shlex.quote(_DECODE)}"])])
@@ -92,7 +94,7 @@ def openai_snippet(url: str, values: dict) -> str:
              "true_cfg_scale": values["true_cfg_scale"]}
     if not values["randomize_seed"]:
         extra["seed"] = values["seed"]
-    extra.update({key: values[key] for key in ("speed", "lora", "lora_scale") if key in values})
+    extra.update({key: values[key] for key in ("speed", "lora", "lora_scale", "cache") if key in values})
     files = ", ".join(f"open({name!r}, 'rb')" for name in values["images"])
     return "\n".join([
         "# pip install openai  (the REST endpoint speaks the OpenAI images API)", INPUTS_NOTE, KEY_NOTE,

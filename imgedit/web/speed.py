@@ -1,7 +1,8 @@
 """The page's speed and LoRA controls: "Speed" (quality / fast / fastest), shown only when a Lightning
-LoRA for that speed is configured, and a LoRA picker with a strength, shown only when LoRAs are.
+LoRA for that speed is configured, a LoRA picker with a strength, shown only when LoRAs are, and the
+step cache for quality edits, shown only when the workers can run one.
 
-The values go to the /edit event as `speed`, `lora`, `lora_scale`, the same names REST takes.
+The values go to the /edit event as `speed`, `lora`, `lora_scale`, `cache`, the same names REST takes.
 """
 
 from __future__ import annotations
@@ -12,10 +13,15 @@ import gradio as gr
 
 from imgedit.config.loras import MAX_LORA_SCALE, SPEEDS, lightning_for
 from imgedit.config.settings import Settings
+from imgedit.engine.validation import CACHES
 
 SPEED_LABELS = {"quality": "Quality (the model's steps, CFG on)", "fast": "Fast (Lightning, 8 steps)",
                 "fastest": "Fastest (Lightning, 4 steps)"}
 NO_LORA = "none"
+SERVER_CACHE = "default"  # the Step cache choice that leaves the request's `cache` out: the server's CACHE
+CACHE_LABELS = {"none": "None (the exact image)",
+                "first-block": "First-block (skips the other blocks while the first one changes little)",
+                "taylorseer": "TaylorSeer (forecasts 2 of every 3 steps after the 5th: ~1.4x faster)"}
 
 
 def speed_choices(settings: Settings) -> list[tuple[str, str]]:
@@ -59,3 +65,24 @@ def build_speed_controls(settings: Settings) -> list:
         lora = gr.Dropdown(lora_choices(settings), value=NO_LORA, label="LoRA", elem_id="lora")
         scale = gr.Slider(0.0, MAX_LORA_SCALE, value=1.0, step=0.05, label="LoRA strength", elem_id="lora-scale")
     return [speed, lora, scale]
+
+
+def build_cache_control(settings: Settings, refusal: str | None) -> gr.Dropdown:
+    """The step cache for quality edits (CACHE, a request's `cache`): hidden where the workers cannot run
+    one (`refusal`, e.g. compiled workers), since every choice but none would be refused."""
+    choices = [(f"Server default ({settings.cache})", SERVER_CACHE), *((CACHE_LABELS[c], c) for c in CACHES)]
+    return gr.Dropdown(choices, value=SERVER_CACHE, label="Step cache (quality edits; faster, lossy)",
+                       elem_id="cache", visible=refusal is None,
+                       info="Reuses or forecasts the transformer's work between steps; the PNG records which")
+
+
+def parse_cache_input(cache, speed) -> str | None:
+    """The Step cache's raw value -> the request's `cache` (None: the server's CACHE). A Lightning speed runs
+    its few steps uncached, so the choice is dropped there instead of refused."""
+    from imgedit.errors import InvalidInput
+
+    if cache in (None, "", SERVER_CACHE) or speed not in (None, "", "quality"):
+        return None
+    if not isinstance(cache, str):
+        raise InvalidInput("cache must be text", "cache")
+    return cache

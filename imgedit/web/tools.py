@@ -87,6 +87,8 @@ class PageTools:
         2**32, a NaN CFG, a size over MAX_OUTPUT_PIXELS, an over-long prompt are left out)."""
         kept = {}
         for key, value in stored.items():
+            if key == "cache" and isinstance(value, str):
+                value = value.split(":", 1)[0]  # first-block:<threshold>: the threshold is the server's
             probe = {"prompt": "x", key: value}
             try:
                 check_params(EditRequest(images=(), **probe), self.settings, self.family, self.tokens)
@@ -99,17 +101,18 @@ class PageTools:
         """The settings a result PNG carries, back into the form (seed fixed, so the edit repeats)."""
         if not isinstance(stored, dict) or not stored:
             raise refusal("this PNG carries no settings of this app", "nothing to restore")
-        gr.Info("Restored the prompt, seed, steps, CFG and size saved in the PNG (this image's own seed: one "
-                "image per prompt makes it again). The input images are not in the PNG: add the same ones.",
+        gr.Info("Restored the prompt, seed, steps, CFG, size and step cache saved in the PNG (this image's own seed: "
+                "one image per prompt makes it again). The input images are not in the PNG: add the same ones.",
                 title="settings restored")
         keep = gr.update()
         return (stored.get("prompt", keep), stored.get("negative_prompt", keep), stored.get("seed", keep),
                 False if "seed" in stored else keep, stored.get("num_inference_steps", keep),
                 stored.get("true_cfg_scale", keep), stored.get("width", keep), stored.get("height", keep),
-                gr.update(visible=False))
+                _stored_cache(stored), gr.update(visible=False))
 
     def api_call(self, images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
-                 num_images, width, height, speed=None, lora=None, lora_scale=None, request: gr.Request = None):
+                 num_images, width, height, speed=None, lora=None, lora_scale=None, cache=None,
+                 request: gr.Request = None):
         """Copy as API call: the form as gradio_client, curl and OpenAI-SDK code, for this server's address."""
         try:
             paths = uploaded_paths(images)
@@ -119,7 +122,7 @@ class PageTools:
         inputs = [export_copy([Path(path)], f"input-{k + 1}") for k, path in enumerate(paths)]
         values = api_values(len(paths), prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
                             true_cfg_scale, num_images, width, height, self.default_steps,
-                            self.settings.default_true_cfg, speed, lora, lora_scale)
+                            self.settings.default_true_cfg, speed, lora, lora_scale, _snippet_cache(cache, speed))
         host = request.headers.get("host", "localhost:7860")
         url = f"{request.headers.get('x-forwarded-proto', 'http')}://{host}/"
         return (gr.update(visible=True), gradio_snippet(url, values, self.settings.auth is not None),
@@ -213,3 +216,22 @@ def compare_pair(first: Image.Image, image: Image.Image, mask: Image.Image | Non
         before = Image.composite(Image.blend(before, tint, 0.4), before, mask.convert("L").point(
             lambda v: 255 if v >= 128 else 0))
     return before, image
+
+
+def _stored_cache(stored: dict):
+    """The Step cache choice that made a PNG (`restorable` kept its name); none when the PNG has settings
+    of ours but no cache: the exact image."""
+    from imgedit.engine.validation import CACHES
+
+    name = stored.get("cache", "none")
+    return name if name in CACHES else gr.update()
+
+
+def _snippet_cache(cache, speed) -> str | None:
+    """The form's Step cache for the snippets: only a choice the edit would use (quality, not the server's)."""
+    from imgedit.web.speed import parse_cache_input
+
+    try:
+        return parse_cache_input(cache, speed)
+    except Exception:  # noqa: BLE001 - junk: the snippet leaves it out, the edit itself refuses it
+        return None
