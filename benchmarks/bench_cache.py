@@ -2,9 +2,9 @@
 
     python benchmarks/bench_cache.py [--size 1024] [--steps 40] [--repeats 2] [--json out.json]
     python benchmarks/bench_cache.py --tiny          # CPU smoke run on the tiny checkpoint
-    python benchmarks/bench_cache.py --compile       # the same with COMPILE=on (hooks around compiled blocks)
+    python benchmarks/bench_cache.py --modes none,taylorseer   # some of the caches (none first: the reference)
 
-Through imgedit's PipelineManager and a worker process, as the app runs it (DEVICE_MAP=cuda:0, COMPILE off or on,
+Through imgedit's PipelineManager and a worker process, as the app runs it (DEVICE_MAP=cuda:0, COMPILE off,
 ENCODE_CACHE=0), with the real-size random-weight checkpoint (trained-like init; the worker hook fails a job on
 non-finite transformer outputs, bench.finite_check). The workload: a 1024x1024 quality edit, 40 steps, CFG 4.
 For each cache mode the same seeds as the uncached edit: seconds per image and per step, and fidelity against
@@ -72,10 +72,11 @@ def fidelity(latents, reference_latents, image, reference_image_) -> dict:
 def main() -> None:
     parser = one_gpu_parser(__doc__, steps=40, repeats=2)
     parser.add_argument("--threshold", default="0.08")
-    parser.add_argument("--compile", action="store_true", help="COMPILE=on: the hooks around the compiled blocks")
+    parser.add_argument("--modes", default=",".join(MODES), help="which caches, none first (the reference)")
     args = parser.parse_args()
-    settings, size, steps = one_gpu_settings(args, tiny_steps=12, CACHE_THRESHOLD=args.threshold,
-                                             COMPILE="on" if args.compile else "off")
+    modes = tuple(m.strip() for m in args.modes.split(","))
+    assert modes[0] == "none" and set(modes) <= set(MODES), modes
+    settings, size, steps = one_gpu_settings(args, tiny_steps=12, CACHE_THRESHOLD=args.threshold)
     device_map = "cpu" if args.tiny else "cuda:0"
     latents_file = Path(tempfile.mkdtemp()) / "latents.pt"
     os.environ["BENCH_LATENTS"] = str(latents_file)  # the worker inherits it
@@ -83,15 +84,14 @@ def main() -> None:
     manager = PipelineManager(settings, worker_hook="bench_cache:hooks").load(timeout=540)
     image = reference_image(size)
     out: dict = {"device_map": device_map, "size": size, "steps": steps, "cfg": 4.0, "threshold": args.threshold,
-                 "compile": args.compile,
-                 "startup_s": round(time.perf_counter() - t0, 1), "runs": {m: [] for m in MODES}}
+                 "startup_s": round(time.perf_counter() - t0, 1), "runs": {m: [] for m in modes}}
     import torch
 
     reference: dict[int, tuple] = {}
     try:
         timed(manager, request(image, 2, (size, size)))  # warm-up (kernels, allocator)
         for k in range(args.repeats):
-            for mode in MODES:
+            for mode in modes:
                 req = request(image, steps, (size, size), seed=k)
                 started = time.perf_counter()
                 result = manager.edit(replace(req, cache=mode))
@@ -107,7 +107,7 @@ def main() -> None:
         manager.close()
     base = statistics.median(r["wall_s"] for r in out["runs"]["none"])
     summary = {}
-    for mode in MODES:
+    for mode in modes:
         runs = out["runs"][mode]
         wall = statistics.median(r["wall_s"] for r in runs)
         summary[mode] = {"s_per_image": wall, "s_per_step": round(wall / steps, 4), "speedup": round(base / wall, 2)}

@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -123,8 +124,10 @@ def main() -> None:
     rows = [r.strip() for r in args.rows.split(",")]
     if args.tiny:
         rows = ["int8" if r == "fp8" else r for r in rows]
+    versions = {name: metadata.version(name) for name in ("torch", "diffusers", "torchao", "peft")}
     out = {"size": 64 if args.tiny else args.size, "steps": 4, "cfg": 1.0, "date": time.strftime("%Y-%m-%d"),
-           "command": " ".join(sys.argv), "rows": [row(args, ckpt, lora, weights) for weights in rows]}
+           "command": " ".join(sys.argv), "versions": versions,
+           "rows": [row(args, ckpt, lora, weights) for weights in rows]}
     write_results(out, {r["weights"]: {k: r[k] for k in ("wall_s", "s_per_step", "startup_s", "memory_allocated_gib")}
                         for r in out["rows"]}, args.json)
 

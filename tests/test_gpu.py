@@ -147,26 +147,11 @@ def test_pair_image_equals_the_one_gpu_image(real_ckpt):
 
 @pytest.mark.gpu
 def test_compiled_worker_warms_up_and_serves_a_new_size(real_ckpt):
-    """Compiled, then a step cache on the compiled blocks (its hooks wrap each block's compiled forward): a
-    TaylorSeer edit of 9 steps forecasts 2 of them, so it differs from the uncached image of the same seed,
-    and it is the same image again the next time; the uncached image after it is the uncached image."""
     manager = load(real_ckpt, DEVICE_MAP="cuda:0", COMPILE="on")
     try:
         status = manager.status().workers[0]
         assert status.compiled and manager.workers[0].info["warmup_seconds"]
         assert edit(manager, size=768, steps=2).images[0].size == (768, 768)
-
-        def pixels(cache=None):
-            req = EditRequest(images=(picture(96, 64),), prompt="make it red", seed=3, num_inference_steps=9,
-                              width=512, height=512, true_cfg_scale=4.0, cache=cache, source="test")
-            result = manager.edit(req)
-            assert result.images[0].info.get("cache") == cache
-            return np.asarray(result.images[0], dtype=np.int16)
-
-        plain, cached = pixels(), pixels("taylorseer")
-        assert np.abs(cached - plain).max() > 0 and np.array_equal(pixels("taylorseer"), cached)
-        assert np.array_equal(pixels(), plain)
-        assert manager.status().workers[0].restarts == 0
     finally:
         manager.close()
 

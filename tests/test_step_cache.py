@@ -74,11 +74,11 @@ def test_the_server_setting_applies_the_request_overrides_and_bad_values_are_ref
 
 
 def test_a_cache_where_the_workers_cannot_run_it_is_refused_at_start_with_the_reason(plus_ckpt):
-    """Refused before any worker starts. Compiled workers run a cache (the hooks wrap the compiled blocks; the
-    GPU test test_gpu.py::test_compiled_worker... checks it): planning compiled CPU workers is no refusal."""
+    """Compiled workers and Ulysses groups (the latter refused while planning, before any worker starts)."""
+    with pytest.raises(PlacementError, match="CACHE=taylorseer cannot run here: the workers are compiled"):
+        make_manager(plus_ckpt, CACHE="taylorseer", COMPILE="on")
     with pytest.raises(PlacementError, match="CACHE=taylorseer cannot run here: a Ulysses group splits each"):
         make_manager(plus_ckpt, plan=group_plan("ulysses", 2, 2), load=False, CACHE="taylorseer").prepare()
-    assert make_manager(plus_ckpt, load=False, CACHE="taylorseer", COMPILE="on").prepare().cache_refusal() is None
 
 
 def picture_bytes() -> bytes:

@@ -12,9 +12,9 @@ from imgedit.planning.plan import WorkerPlan
 
 
 def compile_enabled(settings: Settings, plan: WorkerPlan) -> bool:
-    """COMPILE=auto compiles GPU workers (a step cache's hooks run around the compiled blocks)."""
+    """COMPILE=auto compiles GPU workers, unless CACHE is on (the cache hooks are measured eager)."""
     mode = settings.compile
-    return mode == "on" or (mode == "auto" and plan.execution_device.startswith("cuda"))
+    return mode == "on" or (mode == "auto" and plan.execution_device.startswith("cuda") and settings.cache == "none")
 
 
 def cache_refusal(settings: Settings, plans: Sequence[WorkerPlan]) -> str | None:
@@ -22,6 +22,8 @@ def cache_refusal(settings: Settings, plans: Sequence[WorkerPlan]) -> str | None
     if any(p.ulysses > 1 for p in plans):
         return ("a Ulysses group splits each forward's sequence over its GPUs, and each would decide to skip "
                 "blocks on its own part")
+    if any(compile_enabled(settings, p) for p in plans):
+        return "the workers are compiled (COMPILE=on); the cache hooks run with COMPILE=off or auto"
     return None
 
 
@@ -30,7 +32,7 @@ def kernel_refusal(settings: Settings, plans: Sequence[WorkerPlan], heads: int |
     s = settings
     if s.compile_mode != "default" and not any(compile_enabled(s, p) for p in plans):
         return (f"COMPILE_MODE={s.compile_mode} applies to compiled workers, and none is compiled here "
-                f"(COMPILE={s.compile}; auto compiles GPU workers)")
+                f"(COMPILE={s.compile}; auto compiles GPU workers when CACHE is none)")
     if s.attention in ("cudnn", "efficient") and any(not p.execution_device.startswith("cuda") for p in plans):
         return f"ATTENTION={s.attention} is a CUDA kernel, and a worker here runs on the CPU"
     if s.attention == "flash" and any(p.memory is not None and p.memory.batch_cfg for p in plans):

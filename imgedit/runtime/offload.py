@@ -204,27 +204,19 @@ def attention_in_use(transformer: torch.nn.Module) -> str:
 
 
 def compile_transformer(transformer: torch.nn.Module, memory: MemoryMode | None, mode: str = "default") -> None:
-    """COMPILE: the repeated blocks (the regions diffusers' compile_repeated_blocks picks), in COMPILE_MODE.
-
-    Each block's `forward` is compiled, not the block's call (`block.compile()`, what compile_repeated_blocks
-    does), and without fullgraph: a step cache (imgedit.runtime.step_cache) adds diffusers' hooks per job.
-    First-block's replace a block's `forward` with one that runs their bookkeeping eagerly and then calls the
-    compiled one they found (removing them gives it back). TaylorSeer's sit on the attention inside each
-    block: the compiler traces into them and breaks the graph at their torch.compiler.disable parts, and the
-    block runs as compiled pieces around that bookkeeping (CPU-checked on the tiny model: the same image
-    as eager to 2.4e-7; a few recompiles while the hooks' step counters change). Without hooks the graph
-    is the whole block, as before. Streamed blocks stay eager: their offload hooks move weights in functions
-    torch.compile must not trace."""
-    options = {"fullgraph": False} | ({"mode": mode} if mode != "default" else {})
+    """COMPILE: the repeated blocks, as diffusers' compile_repeated_blocks does, in COMPILE_MODE.
+    Streamed blocks stay eager: their offload hooks move weights in functions torch.compile must not
+    trace (diffusers marks them torch.compiler.disable, which fullgraph=True refuses)."""
+    options = {"fullgraph": True} | ({"mode": mode} if mode != "default" else {})
+    if memory is None or not memory.streams_blocks:
+        transformer.compile_repeated_blocks(**options)
+        return
     blocks = transformer.get_submodule(block_container(transformer))
-    streamed = set(memory.streamed(len(blocks))) if memory is not None and memory.streams_blocks else set()
+    streamed = set(memory.streamed(len(blocks)))
     for i, block in enumerate(blocks):
         if i not in streamed:
-            if getattr(getattr(block, "_diffusers_hook", None), "hooks", None):  # removing them later would
-                raise RuntimeError("compile the transformer before any cache hook is added")  # drop the compile
-            block.forward = torch.compile(block.forward, **options)
-    if streamed:
-        log.info("compiled the %d resident transformer blocks; streamed blocks run eager", memory.resident_blocks)
+            block.compile(**options)
+    log.info("compiled the %d resident transformer blocks; streamed blocks run eager", memory.resident_blocks)
 
 
 def _nbytes(t: torch.Tensor) -> int:

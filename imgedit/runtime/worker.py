@@ -130,10 +130,10 @@ def _load(spec: WorkerSpec):
     info["attention"] = offload.attention_in_use(pipe.transformer)  # as the processors have it
     if spec.compile:
         compile_started = time.perf_counter()
-        # Each adapter set is one more compiled variant of the block (guards on peft's state), each of them twice
-        # on a pair that splits CFG-off jobs (Ulysses on and off); a step cache's hooks add a few (8 of room).
-        limit = (16 + 2 * len(spec.loras)) * (2 if pair_split else 1)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        if spec.loras or pair_split:  # each adapter set is one more compiled variant of the block (guards on
+            # peft's state), each of them twice on a pair that splits CFG-off jobs (Ulysses on and off)
+            limit = (8 + 2 * len(spec.loras)) * (2 if pair_split else 1)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
         offload.compile_transformer(pipe.transformer, plan.memory, spec.compile_mode)
         info["compiled"] = True
         info["warmup_seconds"] = _warm_up(runner, spec)
