@@ -75,7 +75,8 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES), help="which caches, none first (the reference)")
     args = parser.parse_args()
     modes = tuple(m.strip() for m in args.modes.split(","))
-    assert modes[0] == "none" and set(modes) <= set(MODES), modes
+    if modes[0] != "none" or not set(modes) <= set(MODES):
+        parser.error(f"--modes: none first, then any of {', '.join(MODES[1:])}")
     settings, size, steps = one_gpu_settings(args, tiny_steps=12, CACHE_THRESHOLD=args.threshold)
     device_map = "cpu" if args.tiny else "cuda:0"
     latents_file = Path(tempfile.mkdtemp()) / "latents.pt"

@@ -241,7 +241,8 @@ def test_rerun_repeats_the_speed_and_lora_and_a_retired_lora_is_a_clear_error(lo
     filled = raw.predict(fill, [listed["id"]])
     assert filled.status_code == 200, filled.text
     values = filled.json()["data"]
-    assert values[1:] == ["make it blue", "", 12, False, 4, 4.0, 1, 64, 64, "fastest", "style", 0.5]
+    # ... and the Step cache the result's PNG records (none: made without one)
+    assert values[1:] == ["make it blue", "", 12, False, 4, 4.0, 1, 64, 64, "fastest", "style", 0.5, "none"]
     assert raw.join(rerun, values).status_code == 200
     done = [m for m in raw.messages() if m.get("msg") == "process_completed"][0]
     assert done["success"], done
@@ -266,7 +267,7 @@ def test_rerun_repeats_the_speed_and_lora_and_a_retired_lora_is_a_clear_error(lo
     messages = raw.messages()
     done = [m for m in messages if m.get("msg") == "process_completed"][0]
     assert done["success"] and done["output"]["data"][1:] == [
-        "make it blue", "", 12, False, 4, 4.0, 1, 64, 64, "quality", "none", 1.0], done
+        "make it blue", "", 12, False, 4, 4.0, 1, 64, 64, "quality", "none", 1.0, "none"], done
     notices = [m["log"] for m in messages if m.get("msg") == "log" and m.get("level") == "warning"]
     assert notices and "unknown LoRA" in notices[0] and "quality and no LoRA instead" in notices[0], messages
     assert server.manager.status().workers[0].jobs_done == jobs_done

@@ -91,7 +91,8 @@ def test_a_batch_naming_one_upload_150_times_is_refused_unread(server, tmp_path)
     try:
         with path.open("rb") as f:
             uploaded = raw.http.post(f"{server.url}/gradio_api/upload", files={"files": ("noise.png", f)}).json()[0]
-        data = [[file_data(uploaded)] * 150, "make it red", "", 0, False, 2, 4.0, 1, 64, 64, "quality", "none", 1.0]
+        data = [[file_data(uploaded)] * 150, "make it red", "", 0, False, 2, 4.0, 1, 64, 64, "quality", "none", 1.0,
+                "default"]
 
         def send():
             assert raw.join(raw.fn_index("batch"), data).status_code == 200

@@ -416,3 +416,23 @@ def test_the_step_cache_in_the_page_and_batch_and_where_it_is_hidden(client, ima
     control = cache_control(plain)
     assert control.visible is True and control.value == SERVER_CACHE
     assert [value for _, value in control.choices] == [SERVER_CACHE, "none", "first-block", "taylorseer"]
+
+
+def test_a_pngs_step_cache_is_restored_only_where_the_workers_can_run_one(plus_ckpt):
+    """Restore and History's Open/Re-run set the Step cache from a PNG's `cache` ("first-block:0.08" -> first-block;
+    none when the PNG has our settings but no cache). Where the control is hidden (a server refusing caches) it
+    stays at the server's default: a restored taylorseer there would have every later edit refused."""
+    from imgedit.engine.validation import default_steps
+    from imgedit.web.speed import SERVER_CACHE, stored_cache_choice
+    from imgedit.web.tools import PageTools
+
+    settings = make_manager(plus_ckpt, load=False).prepare().settings
+    stored = {"prompt": "make it red", "seed": 3, "cache": "first-block:0.08"}
+    for offered, expected in ((True, "first-block"), (False, SERVER_CACHE)):
+        tools = PageTools(settings, "plus", default_steps(settings, "plus"), cache_offered=offered)
+        kept = tools.restorable(stored)
+        assert kept.get("cache") == (expected if offered else None) and kept["seed"] == 3
+        assert tools.restore_settings(kept)[8] == expected
+        assert tools.page_cache("taylorseer", "quality") == ("taylorseer" if offered else None)
+    assert stored_cache_choice(None, True) == "none" and stored_cache_choice("teacache", True) == SERVER_CACHE
+    assert stored_cache_choice("taylorseer", False) == SERVER_CACHE

@@ -63,7 +63,7 @@ def build_app(settings: Settings, engine, demo: bool | None = None, monitor: Gpu
                           history=parts.history, jobs=parts.jobs)
     # api_open=False: a raw POST to /gradio_api/api/<name> must not skip the line.
     blocks.queue(api_open=False, max_size=settings.queue_max_size)
-    _calm(blocks._queue)
+    _calm(getattr(blocks, "_queue", None))
 
     def gradio_waiting() -> int:
         """Jobs Gradio still holds before they reach the engine's line (normally none)."""
@@ -105,7 +105,8 @@ QUEUE_IDLE_POLL_S, PROGRESS_POLL_S = 0.02, 0.05
 
 
 def _calm(queue) -> None:
-    """Slower idle polling for Gradio's queue (private attributes: left alone if a Gradio lacks them)."""
+    """Slower idle polling for Gradio's queue (private attributes: left alone, with a warning, if a Gradio
+    lacks them)."""
     for name, value in (("sleep_when_free", QUEUE_IDLE_POLL_S), ("progress_update_sleep_when_free", PROGRESS_POLL_S)):
         if isinstance(getattr(queue, name, None), float):
             setattr(queue, name, max(getattr(queue, name), value))

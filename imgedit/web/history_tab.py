@@ -15,12 +15,13 @@ from PIL import Image
 
 from imgedit.config.settings import Settings
 from imgedit.engine.history import HistoryEntry, HistoryStore
+from imgedit.engine.images import read_settings
 from imgedit.engine.validation import lora_adapters, speed_preset
 from imgedit.errors import ImgEditError
 from imgedit.protocol import EditRequest
 from imgedit.web.exports import export_copy
 from imgedit.web.identity import page_owner
-from imgedit.web.speed import NO_LORA
+from imgedit.web.speed import NO_LORA, stored_cache_choice
 from imgedit.web.tools import refusal, user_error
 
 NO_OWNER = "History needs cookies (or sign-in): this browser sent none, so nothing is kept for it."
@@ -64,11 +65,12 @@ HISTORY_CSS = """<style>
 
 
 def build_history_tab(settings: Settings, history: HistoryStore, edit_inputs: list, edit_outputs: list, edit,
-                      gpu_group: str):
+                      gpu_group: str, cache_offered: bool = True):
     """Inside a `gr.Tabs`: the History tab. `edit_inputs`, `edit_outputs` and `edit` are the Edit tab's
-    button's (the advanced settings, then Speed, LoRA and strength), so a re-run is an ordinary edit (same
-    line, same checks and messages, stored again). Returns the `/history` API function, to be registered
-    outside the tabs."""
+    button's (the advanced settings, then Speed, LoRA, strength and Step cache), so a re-run is an ordinary
+    edit (same line, same checks and messages, stored again). The step cache an entry was made with comes
+    from its first result's PNG (the store keeps no column for it); `cache_offered`: the workers can run one.
+    Returns the `/history` API function, to be registered outside the tabs."""
     auth = settings.auth is not None
 
     def owner(request: gr.Request | None) -> str | None:
@@ -119,8 +121,9 @@ def build_history_tab(settings: Settings, history: HistoryStore, edit_inputs: li
     def values(entry: HistoryEntry, speed: tuple) -> tuple:
         inputs = [export_copy([p], f"input-{k + 1}") for k, p in enumerate(entry.input_paths)]
         cfg = settings.default_true_cfg if entry.true_cfg_scale is None else entry.true_cfg_scale
+        made_with = read_settings(entry.output_paths[0]).get("cache") if entry.output_paths else None
         return (inputs, entry.prompt, entry.negative_prompt, entry.seed, False, entry.steps, cfg, entry.num_images,
-                entry.width or 0, entry.height or 0, *speed)
+                entry.width or 0, entry.height or 0, *speed, stored_cache_choice(made_with, cache_offered))
 
     def chosen_entry(entry_id: str | None, request: gr.Request) -> HistoryEntry:
         entry = history.get(owner(request), entry_id) if entry_id and owner(request) else None

@@ -36,7 +36,7 @@ from imgedit.web.panel import panel_html
 from imgedit.web.progress import EditProgress
 from imgedit.web.public import open_snapshot
 from imgedit.web.requests import FIELDS, build_request
-from imgedit.web.speed import build_cache_control, build_speed_controls, parse_cache_input
+from imgedit.web.speed import build_cache_control, build_speed_controls
 from imgedit.web.tools import PageTools, compare_pair, user_error
 from imgedit.web.uploads import upload_folder
 
@@ -101,7 +101,8 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
     monitor = monitor or GpuMonitor()
     max_inputs = MAX_INPUT_IMAGES["plus"]
     family_steps = default_steps(settings, manager.family)
-    tools = PageTools(settings, manager.family, family_steps, manager.prompt_tokens)
+    cache_refused = manager.cache_refusal()  # the Step cache control is hidden, and its value unused, then
+    tools = PageTools(settings, manager.family, family_steps, manager.prompt_tokens, cache_offered=not cache_refused)
 
     def validate(images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
                  num_images, width, height, speed=None, lora=None, lora_scale=None, mask=None, mask_grow=None,
@@ -166,8 +167,8 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         return result.images, result.seed
 
     async def edit_page(images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
-                        num_images, width, height, speed=None, lora=None, lora_scale=None, mask=None, mask_grow=None,
-                        mask_feather=None, strength=None, cache=None, request: gr.Request = None,
+                        num_images, width, height, speed=None, lora=None, lora_scale=None, cache=None, mask=None,
+                        mask_grow=None, mask_feather=None, strength=None, request: gr.Request = None,
                         progress=gr.Progress()):
         """The Edit button: result, a status line with the seed used, the comparison, the chosen result, and
         the message beside Edit. A refused edit leaves the rest as it was and says why beside Edit until the
@@ -175,9 +176,10 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         keep = gr.update()
         try:
             masking = (mask, mask_grow, mask_feather, strength) if mask else (None,) * 4  # "": nothing painted
+            step_cache = tools.page_cache(cache, speed)
             req, result = await run_edit((images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
                                           true_cfg_scale, num_images, width, height, speed, lora, lora_scale,
-                                          *masking, False, parse_cache_input(cache, speed)), request, progress)
+                                          *masking, False, step_cache), request, progress)
         except gr.Error as exc:
             return keep, keep, keep, keep, f"**{exc.title or 'Not edited'}:** {exc.message}"
         seeds = [image.info.get("seed", "?") for image in result.images]
@@ -254,7 +256,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                         width = gr.Number(label="Width (0 = auto)", value=DEMO_SIZE if demo else 0, precision=0,
                                           minimum=0)
                         height = gr.Number(label="Height (0 = auto)", value=0, precision=0, minimum=0)
-                    cache = build_cache_control(settings, manager.cache_refusal())  # hidden where refused
+                    cache = build_cache_control(settings, cache_refused)  # hidden where refused
             with gr.Column():
                 result = gr.Gallery(label="Result", format="png", columns=2, elem_id="result", interactive=False,
                                     object_fit="contain", height="auto", buttons=["download", "fullscreen"])
@@ -310,7 +312,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         # The painted strokes become a mask file first (the canvas's own preprocessing reads them).
         masked = cleared.then(painted_mask, canvas, mask_inputs[0], queue=False, preprocess=False,
                               api_visibility="private")
-        event = masked.then(edit_page, edit_inputs + mask_inputs + [cache], page_outputs, api_visibility="private",
+        event = masked.then(edit_page, edit_inputs + [cache] + mask_inputs, page_outputs, api_visibility="private",
                             concurrency_id=GPU_GROUP, concurrency_limit=line, preprocess=False,
                             show_progress_on=[result])
         idle = gr.update(interactive=False)
@@ -350,6 +352,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
 
             with gr.Tabs():
                 build_batch_tab(settings, manager, jobs, inputs[2:] + speed_inputs + [cache])
-                history_api = build_history_tab(settings, history, edit_inputs, page_outputs, edit_page, GPU_GROUP)
+                history_api = build_history_tab(settings, history, edit_inputs + [cache], page_outputs, edit_page,
+                                                GPU_GROUP, cache_offered=not cache_refused)
             gr.api(history_api, api_name="history", queue=False)
     return blocks

@@ -86,3 +86,11 @@ def parse_cache_input(cache, speed) -> str | None:
     if not isinstance(cache, str):
         raise InvalidInput("cache must be text", "cache")
     return cache
+
+
+def stored_cache_choice(stored: str | None, offered: bool) -> str:
+    """The Step cache choice for the cache an image was made with (its PNG's `cache`: "taylorseer",
+    "first-block:0.08"; None: made without one, the exact image). Where the workers run no cache the hidden
+    control stays at the server's default: a restored cache would have every edit refused."""
+    name = (stored or "none").split(":", 1)[0]
+    return name if offered and name in CACHES else SERVER_CACHE

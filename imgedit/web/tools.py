@@ -20,6 +20,7 @@ from imgedit.errors import ImgEditError
 from imgedit.protocol import EditRequest
 from imgedit.web.exports import download_copy, export_copy
 from imgedit.web.snippets import api_values, curl_snippet, gradio_snippet, openai_snippet
+from imgedit.web.speed import SERVER_CACHE, parse_cache_input, stored_cache_choice
 from imgedit.web.uploads import gallery_paths, uploaded_paths
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,10 @@ def _index(value) -> int:
 
 
 class PageTools:
-    def __init__(self, settings: Settings, family: str, default_steps: int, tokens: PromptTokens | None = None):
+    def __init__(self, settings: Settings, family: str, default_steps: int, tokens: PromptTokens | None = None,
+                 cache_offered: bool = True):
         self.settings = settings
+        self.cache_offered = cache_offered  # the workers can run a step cache (else the control is hidden)
         self.family = family
         self.tokens = tokens
         self.allowed = MAX_INPUT_IMAGES[family]
@@ -88,7 +91,9 @@ class PageTools:
         kept = {}
         for key, value in stored.items():
             if key == "cache" and isinstance(value, str):
-                value = value.split(":", 1)[0]  # first-block:<threshold>: the threshold is the server's
+                value = stored_cache_choice(value, self.cache_offered)  # first-block:<threshold>: the server's
+                if value == SERVER_CACHE:
+                    continue
             probe = {"prompt": "x", key: value}
             try:
                 check_params(EditRequest(images=(), **probe), self.settings, self.family, self.tokens)
@@ -108,7 +113,7 @@ class PageTools:
         return (stored.get("prompt", keep), stored.get("negative_prompt", keep), stored.get("seed", keep),
                 False if "seed" in stored else keep, stored.get("num_inference_steps", keep),
                 stored.get("true_cfg_scale", keep), stored.get("width", keep), stored.get("height", keep),
-                _stored_cache(stored), gr.update(visible=False))
+                stored_cache_choice(stored.get("cache"), self.cache_offered), gr.update(visible=False))
 
     def api_call(self, images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
                  num_images, width, height, speed=None, lora=None, lora_scale=None, cache=None,
@@ -122,11 +127,25 @@ class PageTools:
         inputs = [export_copy([Path(path)], f"input-{k + 1}") for k, path in enumerate(paths)]
         values = api_values(len(paths), prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
                             true_cfg_scale, num_images, width, height, self.default_steps,
-                            self.settings.default_true_cfg, speed, lora, lora_scale, _snippet_cache(cache, speed))
+                            self.settings.default_true_cfg, speed, lora, lora_scale, self._snippet_cache(cache, speed))
         host = request.headers.get("host", "localhost:7860")
         url = f"{request.headers.get('x-forwarded-proto', 'http')}://{host}/"
         return (gr.update(visible=True), gradio_snippet(url, values, self.settings.auth is not None),
                 curl_snippet(url, values), openai_snippet(url, values), inputs or None)
+
+    def page_cache(self, cache, speed) -> str | None:
+        """The Step cache's value for the edit (None: the server's CACHE); unused where the control is hidden."""
+        try:
+            return parse_cache_input(cache, speed) if self.cache_offered else None
+        except Exception as exc:
+            raise user_error(exc) from None
+
+    def _snippet_cache(self, cache, speed) -> str | None:
+        """The form's Step cache for the snippets: only a choice the edit would use."""
+        try:
+            return self.page_cache(cache, speed)
+        except gr.Error:  # junk: the snippet leaves it out, the edit itself refuses it
+            return None
 
     def chosen_result(self, gallery, index) -> str:
         try:
@@ -216,22 +235,3 @@ def compare_pair(first: Image.Image, image: Image.Image, mask: Image.Image | Non
         before = Image.composite(Image.blend(before, tint, 0.4), before, mask.convert("L").point(
             lambda v: 255 if v >= 128 else 0))
     return before, image
-
-
-def _stored_cache(stored: dict):
-    """The Step cache choice that made a PNG (`restorable` kept its name); none when the PNG has settings
-    of ours but no cache: the exact image."""
-    from imgedit.engine.validation import CACHES
-
-    name = stored.get("cache", "none")
-    return name if name in CACHES else gr.update()
-
-
-def _snippet_cache(cache, speed) -> str | None:
-    """The form's Step cache for the snippets: only a choice the edit would use (quality, not the server's)."""
-    from imgedit.web.speed import parse_cache_input
-
-    try:
-        return parse_cache_input(cache, speed)
-    except Exception:  # noqa: BLE001 - junk: the snippet leaves it out, the edit itself refuses it
-        return None
