@@ -79,6 +79,13 @@ def test_a_cache_where_the_workers_cannot_run_it_is_refused_at_start_with_the_re
         make_manager(plus_ckpt, CACHE="taylorseer", COMPILE="on")
     with pytest.raises(PlacementError, match="CACHE=taylorseer cannot run here: a Ulysses group splits each"):
         make_manager(plus_ckpt, plan=group_plan("ulysses", 2, 2), load=False, CACHE="taylorseer").prepare()
+    # A job's (or a batch's) own `cache` on such workers: a 400 naming the field, before anything runs.
+    ulysses = make_manager(plus_ckpt, plan=group_plan("ulysses", 2, 2), load=False).prepare()
+    with pytest.raises(InvalidInput, match="cache first-block is not available on this server: a Ulysses") as refused:
+        ulysses.check_cache("first-block")
+    assert refused.value.field == "cache"
+    ulysses.check_cache("none")  # no cache asked: nothing to refuse
+    ulysses.check_cache(None)
 
 
 def picture_bytes() -> bytes:

@@ -103,6 +103,11 @@ class PipelineManager:
     def cache_refusal(self) -> str | None:
         return modes.cache_refusal(self.settings, self._plans)
 
+    def check_cache(self, cache: str | None) -> None:
+        """InvalidInput (400) when a job asks for a step cache these workers cannot run."""
+        if cache not in (None, "none") and (refusal := self.cache_refusal()) is not None:
+            raise InvalidInput(f"cache {cache} is not available on this server: {refusal}", "cache")
+
     @property
     def _plans(self) -> list:
         return [w.plan for w in self.workers]
@@ -328,8 +333,7 @@ class PipelineManager:
             else:
                 params = resolve(req, self.settings, self.family, req.images[-1].size if req.images else None,
                                  len(req.images), self.prompt_tokens)
-                if params.cache != "none" and (refusal := self.cache_refusal()) is not None:
-                    raise InvalidInput(f"cache {params.cache} is not available on this server: {refusal}", "cache")
+                self.check_cache(params.cache)
             steps = params.steps
             worker = self._acquire(cancel, on_wait, req.client)
             if cancel.is_set():

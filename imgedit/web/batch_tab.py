@@ -116,8 +116,7 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, settings_inpu
         try:
             speed, lora, lora_scale = parse_speed_inputs(speed, lora, lora_scale)
             cache = parse_cache_input(cache, speed)  # "default" (the page's) -> the server's CACHE
-            if cache not in (None, "none") and (why := manager.cache_refusal()) is not None:
-                raise InvalidInput(f"cache {cache} is not available on this server: {why}", "cache")
+            manager.check_cache(cache)  # before any item starts
             template = EditRequest(
                 images=(), prompt=prompt or "", negative_prompt=negative_prompt or "",
                 seed=None if randomize_seed else _number(seed, 0), num_inference_steps=_number(num_inference_steps),
