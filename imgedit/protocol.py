@@ -94,6 +94,7 @@ class WorkerStatus:
     node: str | None = None  # WORKERS=ray: the id of the Ray node its actors run on
     components: dict | None = None  # per component: dtype, quantization, location (imgedit.runtime.offload.describe)
     weights_mib: dict[str, float] = field(default_factory=dict)  # per GPU, measured by its ranks after loading
+    fast_weights: str = ""  # FAST_QUANTIZE as the worker built it: none, or the mode and its copies
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ class ManagerStatus:
     cache: str = "none"  # CACHE: the step cache quality edits get unless they ask otherwise
     attention: str = "native"  # ATTENTION: the transformer's attention kernel
     compile_mode: str = "off"  # COMPILE_MODE of the compiled workers, or off when none is compiled
+    fast_quantize: str = "none"  # FAST_QUANTIZE: fast jobs on a quantized copy per Lightning LoRA
 
     @property
     def healthy_workers(self) -> int:

@@ -170,13 +170,13 @@ def test_a_missing_hub_file_stops_start_up_offline(plus_ckpt, monkeypatch):
 class Local:
     """A fresh tiny pipeline: a baseline image before any LoRA exists, then the LoRAs loaded."""
 
-    def __init__(self, ckpt, lora_dir, fuse: str = "off"):
+    def __init__(self, ckpt, lora_dir, fuse: str = "off", fast: str = "none"):
         from imgedit.model.loras import check_all
 
         self.pipe = LocalPipeline(ckpt).pipe
         self.settings = load_settings(env(lora_dir, QWEN_MODEL_DIR=str(ckpt)))
         self.baseline = self.run(Runner(self.pipe, "local", ("cpu",)), EditRequest(**self.ask()))
-        self.adapters = Adapters(self.pipe, check_all(self.settings.lora_entries, ckpt), fuse=fuse)
+        self.adapters = Adapters(self.pipe, check_all(self.settings.lora_entries, ckpt), fuse=fuse, fast=fast)
         self.runner = Runner(self.pipe, "local", ("cpu",), adapters=self.adapters)
 
     @staticmethod

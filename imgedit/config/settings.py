@@ -89,6 +89,11 @@ REGISTRY: tuple[Var, ...] = (
         "auto: a job with exactly one LoRA (e.g. speed=fastest) runs it fused into the weights, no per-step cost "
         "instead of +9 %, when an exact copy of the weights it adapts (25 GiB for a Lightning LoRA) fits on the "
         "GPU with ACTIVATION_RESERVE left; else, and with off, LoRAs run unfused"),
+    Var("FAST_QUANTIZE", "none", _choice("none", "fp8", "int8"),
+        "fp8: speed=fast/fastest run on a copy of the transformer per Lightning LoRA, the LoRA fused in and every "
+        "Linear layer in fp8 (lossy; on an H100 -23 % per step, +20 GiB and minutes of compiling per copy; needs "
+        "one GPU per worker, compute capability 8.9+) | int8 (weight-only; the CPU and older GPUs, not measured "
+        "faster) | none: fast jobs run on the quality weights (FUSE_LORA)"),
     Var("QUANTIZE", "auto", parse_quantize,
         "auto (lossless first: bf16, offloaded if need be; quantized only when nothing lossless fits) | none | "
         "fp8 | int8 | nf4 (the transformer) | "
@@ -199,6 +204,7 @@ class Settings:
     fast_lora_4step: str | None = None
     fast_lora_8step: str | None = None
     fuse_lora: str = "auto"
+    fast_quantize: str = "none"
     lora_entries: tuple = ()  # imgedit.config.loras.LoraEntry for each configured LoRA (built from the four above)
     quantize: tuple[tuple[str, str], ...] | None = None  # None = auto
     quantize_skip: tuple[str, ...] = ("img_mlp",)

@@ -163,6 +163,12 @@ class PipelineManager:
             self.load_error = refusal
             raise PlacementError(refusal)
         log.info("attention kernel: %s; compile mode: %s", s.attention, modes.compile_mode(s, self._plans))
+        if s.fast_quantize != "none":
+            if (refusal := modes.fast_refusal(s, self._plans, sum(1 for f in self.loras if f.steps))) is not None:
+                self.load_error = refusal
+                raise PlacementError(refusal)
+            log.info("fast mode weights: %s copy of the transformer per Lightning LoRA, LoRA fused in (FAST_QUANTIZE; "
+                     "lossy)", s.fast_quantize)
         if s.cache != "none":
             if (refusal := self.cache_refusal()) is not None:
                 self.load_error = f"CACHE={s.cache} cannot run here: {refusal}"
@@ -179,7 +185,8 @@ class PipelineManager:
                           ulysses=plan.ulysses, loras=self.loras,
                           pair_ulysses=modes.pair_ulysses(s, plan, self.checkpoint.attention_heads),
                           encode_cache=s.encode_cache, attention=s.attention, compile_mode=s.compile_mode,
-                          fuse_lora=modes.fuse_lora(s, plan), activation_reserve=s.activation_reserve)
+                          fuse_lora=modes.fuse_lora(s, plan), activation_reserve=s.activation_reserve,
+                          fast_quantize=s.fast_quantize)
         common = dict(cache_dir=s.compile_cache_dir, max_restarts=s.worker_restarts, log_level=s.log_level,
                       on_change=self._changed, max_memory=s.max_memory)
         if s.workers == "ray":
@@ -376,7 +383,7 @@ class PipelineManager:
             cache=self.settings.cache if self.settings.cache != "first-block"
             else f"first-block (threshold {self.settings.cache_threshold:g})",
             attention=self.settings.attention,
-            compile_mode=modes.compile_mode(self.settings, self._plans))
+            compile_mode=modes.compile_mode(self.settings, self._plans), fast_quantize=self.settings.fast_quantize)
 
     def _planned_weights(self) -> dict[str, float]:
         """MiB of weights the plan put on each local GPU (the panel uses it until a worker measured

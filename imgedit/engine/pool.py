@@ -324,7 +324,8 @@ class WorkerHandle:
                             compiled=bool(self.info.get("compiled")), detail=self.detail,
                             encode_cache=int(self.info.get("encode_cache") or 0),
                             attention=str(self.info.get("attention") or ""),
-                            components=self.info.get("components"), weights_mib=dict(self.weights_mib))
+                            components=self.info.get("components"), weights_mib=dict(self.weights_mib),
+                            fast_weights=str(self.info.get("fast_weights") or ""))
 
 
 def wait_result(handle: WorkerHandle, events: queue.Queue, cancel: threading.Event,

@@ -54,6 +54,29 @@ def fuse_lora(settings: Settings, plan: WorkerPlan) -> str:
     return settings.fuse_lora
 
 
+def fast_refusal(settings: Settings, plans: Sequence[WorkerPlan], lightning: int) -> str | None:
+    """Why these workers cannot make FAST_QUANTIZE's copies (one per Lightning LoRA; `lightning` configured), or None."""
+    mode = settings.fast_quantize
+    if mode == "none":
+        return None
+    what = f"FAST_QUANTIZE={mode} makes a {mode} copy of the transformer for each Lightning LoRA"
+    if not lightning:
+        return f"{what}, and no Lightning LoRA is configured (FAST_LORA_4STEP/8STEP, LORA_DIR, LORAS)"
+    for p in plans:
+        if p.parallel != "none":
+            return (f"{what} on workers of one GPU, and {p.name} is a {p.parallel} group of {p.ranks} GPUs; use "
+                    "DEVICE_MAP=replicas or cuda:N, or FAST_QUANTIZE=none")
+        if p.components["transformer"].is_split:
+            return (f"{what} on the transformer's one GPU, and {p.name} splits it over "
+                    f"{', '.join(p.components['transformer'].devices)}; use FAST_QUANTIZE=none here")
+        if p.memory is not None and (p.memory.mode_of("transformer") != "none" or p.memory.streams_blocks):
+            return (f"{what} from the bf16 weights, and {p.name}'s transformer is "
+                    f"{'streamed from the CPU' if p.memory.streams_blocks else 'quantized'}; use FAST_QUANTIZE=none")
+        if mode == "fp8" and not p.execution_device.startswith("cuda"):
+            return f"{what}, and fp8 needs a CUDA GPU of compute capability 8.9+; {p.name} runs on the CPU: use int8"
+    return None
+
+
 def pair_ulysses(settings: Settings, plan: WorkerPlan, heads: int | None = None) -> bool:
     """PAIR_ULYSSES: whether this CFG pair runs CFG-off jobs on both ranks, the sequence split in two. auto:
     GPU pairs whose attention kernel runs diffusers' Ulysses with a masked (padded) text, native or cudnn,

@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 
 class Adapters:
     def __init__(self, pipe, files: tuple[LoraFile, ...] = (), fuse: str = "off", reserve: int = 0,
-                 caps: tuple[int, ...] = (), agree=None):
+                 caps: tuple[int, ...] = (), agree=None, fast: str = "none"):
         self.pipe = pipe
+        self.base = pipe.transformer  # the quality weights; a fast job may run on a copy (FAST_QUANTIZE)
         self.files = {f.name: f for f in files}
         # peft adapter names end up as module names, which may not contain "." (a file stem such as
         # ...-V1.0-bf16 does): each LoRA gets an internal name.
@@ -45,11 +46,19 @@ class Adapters:
             log.info("LoRA %s loaded in %.2fs", file.name, time.perf_counter() - started)
         if files:
             pipe.disable_lora()
+        self.fast = None  # imgedit.runtime.fast_weights.FastWeights: the Lightning LoRAs' own quantized copies
+        if fast != "none":
+            from imgedit.runtime.fast_weights import FastWeights
+
+            lightning = {f.name: self.adapter_names[f.name] for f in files if f.steps}
+            self.fast = FastWeights(pipe.transformer, lightning, fast, reserve, caps)
         self.fusion = None  # imgedit.runtime.fusion.Fusion: a job's one LoRA written into the weights
         if files and fuse != "off":
             from imgedit.runtime.fusion import Fusion
 
-            self.fusion = Fusion(pipe.transformer, self.adapter_names.values(), fuse, reserve, caps, agree)
+            copied = self.fast.copies if self.fast is not None else {}
+            self.fusion = Fusion(pipe.transformer, [a for a in self.adapter_names.values() if a not in copied], fuse,
+                                 reserve, caps, agree)
 
     @property
     def lightning_scheduler(self):
@@ -61,13 +70,18 @@ class Adapters:
                 self.default_scheduler.config, **LIGHTNING_SCHEDULER)
         return self._lightning
 
-    def use(self, adapters: tuple[tuple[str, float], ...], scheduler: str = "default") -> None:
-        """Activate exactly these adapters (or none) and the job's scheduler."""
+    def use(self, adapters: tuple[tuple[str, float], ...], scheduler: str = "default", cache: str = "none") -> None:
+        """Activate exactly these adapters (or none) and the job's scheduler; a Lightning job runs on its own
+        copy of the transformer when FAST_QUANTIZE made one (the quality weights are left as they are)."""
         unknown = [name for name, _ in adapters if name not in self.files]
         if unknown:  # the server checked the name against the same settings: only a bug gets here
             raise ImgEditError(f"LoRA {unknown[0]!r} is not loaded in this worker")
         self.pipe.scheduler = self.lightning_scheduler if scheduler == "lightning" else self.default_scheduler
         self.active = adapters
+        copy = self.fast.for_job(adapters, self.adapter_names, cache) if self.fast is not None else None
+        self._transformer(copy if copy is not None else self.base)
+        if copy is not None:
+            return
         one = self.adapter_names[adapters[0][0]] if len(adapters) == 1 else None
         fused = one is not None and self.fusion is not None and self.fusion.can_fuse(one)
         if self.fusion is not None and not fused:
@@ -84,6 +98,11 @@ class Adapters:
                 self._layers(True)
         else:
             self._layers(False)
+
+    def _transformer(self, transformer) -> None:
+        """The transformer the pipeline calls (diffusers registers a component on assignment: only on a change)."""
+        if self.pipe.transformer is not transformer:
+            self.pipe.transformer = transformer
 
     def _layers(self, on: bool) -> None:
         """peft's LoRA layers on or off, only when that changes: diffusers' enable_lora/disable_lora walk all
@@ -102,5 +121,6 @@ class Adapters:
         sets what it needs: back-to-back fast jobs switch nothing."""
         self.pipe.scheduler = self.default_scheduler
         if not keep:
+            self._transformer(self.base)
             self._layers(False)
         self.active = ()

@@ -182,6 +182,20 @@ def check_device(memory: MemoryMode | None, device: str) -> None:
     check_capability(memory, index, torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index))
 
 
+def check_fp8(device: str, what: str) -> None:
+    """FAST_QUANTIZE=fp8 on this worker's device: a CUDA GPU of compute capability 8.9+ (as QUANTIZE=fp8)."""
+    from imgedit.planning.memory import FP8_CAPABILITY
+
+    if not device.startswith("cuda"):
+        raise PlacementError(f"{what} needs a CUDA GPU of compute capability 8.9 or newer, but this worker runs on "
+                             "the CPU; use int8 on the CPU")
+    index = torch.device(device).index or 0
+    capability = torch.cuda.get_device_capability(index)
+    if tuple(capability) < FP8_CAPABILITY:
+        raise PlacementError(f"{what} needs compute capability 8.9 or newer, but {device} "
+                             f"({torch.cuda.get_device_name(index)}) has {capability[0]}.{capability[1]}; use int8")
+
+
 # ATTENTION -> diffusers' backend names: PyTorch's own SDPA kernels, nothing to download.
 ATTENTION_BACKENDS = {"flash": "_native_flash", "cudnn": "_native_cudnn", "efficient": "_native_efficient"}
 

@@ -126,7 +126,7 @@ class Runner:
                 rewritten = self._rewrite(job, cancel, together)
                 prompt, notice = rewritten.prompt, rewritten.notice
             if self.adapters is not None:
-                self.adapters.use(params.adapters, params.scheduler)
+                self.adapters.use(params.adapters, params.scheduler, params.cache)
             elif params.adapters or params.scheduler != "default":
                 raise ImgEditError("this worker has no LoRAs loaded")
             if self.cfg_batch is not None:

@@ -82,6 +82,8 @@ def _load(spec: WorkerSpec):
     from imgedit.runtime import offload
 
     offload.check_device(plan.memory, plan.execution_device)
+    if spec.fast_quantize == "fp8":
+        offload.check_fp8(plan.execution_device, "FAST_QUANTIZE=fp8")
     # A random-weight benchmark checkpoint is built in bf16 on the GPU before it is quantized or
     # offloaded: cap the allocator once loading is done (the cap still holds for every job).
     late_cap = plan.memory is not None and spec.checkpoint.random_weights
@@ -106,7 +108,8 @@ def _load(spec: WorkerSpec):
         def agree(ok: bool) -> bool:
             return not agree_to_stop(not ok, group)
     adapters = Adapters(pipe, spec.loras, spec.fuse_lora, spec.activation_reserve, spec.memory_caps if cuda else (),
-                        agree)
+                        agree, spec.fast_quantize)
+    fast = list(adapters.fast.copies.values()) if adapters.fast is not None else []  # FAST_QUANTIZE's copies
     weights = _weights_per_gpu() if cuda else {}  # the LoRAs' weights included
     runner = Runner(pipe, spec.name, spec.devices or plan.devices, spec.rank, spec.world, spec.parallel, group,
                     spec.auto_cleanup, spec.ulysses, cuda, adapters,
@@ -119,6 +122,7 @@ def _load(spec: WorkerSpec):
                   "load_seconds": round(time.perf_counter() - started, 2),
                   "loras": [f.name for f in spec.loras], "components": offload.describe(pipe, plan.memory),
                   "fuse_lora": adapters.fusion.describe() if adapters.fusion is not None else "off",
+                  "fast_weights": adapters.fast.describe() if adapters.fast is not None else "none",
                   "weights_mib": weights, "encode_cache": spec.encode_cache}
     if spec.hook:
         module, _, function = spec.hook.partition(":")
@@ -126,15 +130,18 @@ def _load(spec: WorkerSpec):
 
         getattr(importlib.import_module(module), function)(pipe, spec)
     if spec.attention != "native":
-        offload.use_attention(pipe.transformer, spec.attention)
+        for transformer in (pipe.transformer, *fast):
+            offload.use_attention(transformer, spec.attention)
     info["attention"] = offload.attention_in_use(pipe.transformer)  # as the processors have it
     if spec.compile:
         compile_started = time.perf_counter()
         if spec.loras or pair_split:  # each adapter set is one more compiled variant of the block (guards on
-            # peft's state), each of them twice on a pair that splits CFG-off jobs (Ulysses on and off)
-            limit = (8 + 2 * len(spec.loras)) * (2 if pair_split else 1)
+            # peft's state), each of them twice on a pair that splits CFG-off jobs (Ulysses on and off); a fast
+            # copy's quantized blocks are variants of the same block code too
+            limit = (8 + 2 * len(spec.loras) + 2 * len(fast)) * (2 if pair_split else 1)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-        offload.compile_transformer(pipe.transformer, plan.memory, spec.compile_mode)
+        for transformer in (pipe.transformer, *fast):
+            offload.compile_transformer(transformer, plan.memory, spec.compile_mode)
         info["compiled"] = True
         info["warmup_seconds"] = _warm_up(runner, spec)
         info["compile_seconds"] = round(time.perf_counter() - compile_started, 2)

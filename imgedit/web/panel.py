@@ -224,12 +224,15 @@ def panel_html(data: dict) -> str:
         if line := components_line(w.get("components")):
             if w.get("encode_cache"):
                 line += f'; encode cache: {int(w["encode_cache"])} inputs'
+            if w.get("fast_weights") not in (None, "", "none"):
+                line += f'; fast mode on {w["fast_weights"]}'
             parts.append(f'<small class="gp-foot worker-weights">{escape(w["name"])} weights: {escape(line)}</small>')
     parts.append(f'<small class="gp-foot">placement: {escape(str(data.get("placement_mode", "")))} — '
                  f'{escape(str(data.get("placement_reason", "")))}; '
                  f'CACHE: {escape(str(data.get("cache", "none")))}'
                  f'; ATTENTION: {escape(str(data.get("attention", "native")))}'
                  f'; compile: {escape(str(data.get("compile_mode", "off")))}'
+                 f'; FAST_QUANTIZE: {escape(str(data.get("fast_quantize", "none")))}'
                  f'; waiting: {int(data.get("waiting") or 0)}'
                  + (f'; batch items not yet done: {int(data["batch_items"])}' if data.get("batch_items") else "")
                  + '</small>')

@@ -1,0 +1,134 @@
+"""FAST_QUANTIZE (imgedit.runtime.fast_weights): fast jobs on a copy of the transformer per Lightning LoRA, the LoRA
+fused in and the Linear layers quantized; the quality weights untouched. In the test process (the runner as a
+worker runs it), then through a worker process and /health. fp8 needs a GPU (tests/test_gpu.py); int8 runs here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import COMPONENTS, make_manager
+from test_loras import EIGHT, FOUR, Local, linears, lora_dir  # noqa: F401  (the LoRA files and the runner)
+
+from imgedit.config.settings import load_settings
+from imgedit.errors import ImgEditError, PlacementError
+from imgedit.planning import modes
+from imgedit.planning.plan import MemoryMode, Placement, WorkerPlan
+from imgedit.protocol import EditRequest
+from imgedit.runtime.fast_weights import FastWeights, copy_bytes
+from imgedit.web.panel import panel_html
+
+
+@pytest.fixture(scope="module")
+def int8(plus_ckpt, lora_dir):  # noqa: F811  (the fixture imported above)
+    return Local(plus_ckpt, lora_dir, fuse="auto", fast="int8")
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b) ** 2))
+    return 99.0 if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def test_the_copy_is_the_fused_lora_exactly_before_quantizing(plus_ckpt, lora_dir):  # noqa: F811
+    """Unquantized ("none", for this test), a copy gives the pixels of FUSE_LORA's in-place fusing bit for bit:
+    the same W + scaling * B @ A with one rounding, and plain Linear layers where peft's were."""
+    local = Local(plus_ckpt, lora_dir, fuse="auto")
+    fused = local.edit(speed="fastest")  # FUSE_LORA: written into the quality weights
+    local.adapters.fusion.restore()
+    adapter = local.adapters.adapter_names[FOUR]
+    local.adapters.fast = FastWeights(local.adapters.base, {FOUR: adapter}, "none")
+    copy = local.adapters.fast.copies[adapter]
+    assert not any("lora_" in name for name, _ in copy.named_parameters())
+    assert copy_bytes(local.adapters.base, "none") == sum(p.numel() * p.element_size() for p in copy.parameters())
+    assert np.array_equal(local.edit(speed="fastest"), fused)
+    assert local.pipe.transformer is copy  # a finished job leaves it for the next fast one
+    assert np.array_equal(local.edit(), local.baseline)  # the quality weights were never written
+    assert local.pipe.transformer is local.adapters.base
+
+
+def test_fast_jobs_run_on_their_quantized_copy_and_every_other_job_on_the_quality_weights(int8, plus_ckpt,
+                                                                                        lora_dir):  # noqa: F811
+    fast = int8.adapters.fast
+    assert set(fast.copies) == {int8.adapters.adapter_names[n] for n in (FOUR, EIGHT)}
+    assert fast.describe().startswith(f"int8: {FOUR}, {EIGHT} (a copy of the transformer each, LoRA fused in, ")
+    assert int8.adapters.fusion.can_fuse(int8.adapters.adapter_names["style"])  # FUSE_LORA keeps the others
+    assert not int8.adapters.fusion.can_fuse(int8.adapters.adapter_names[FOUR])  # the copy serves this one
+    reference = Local(plus_ckpt, lora_dir, fuse="auto")  # the same LoRAs, fast jobs on the quality weights
+    base, base_params = int8.adapters.base, {n: p.clone() for n, p in int8.adapters.base.named_parameters()}
+    for speed, name in (("fastest", FOUR), ("fast", EIGHT)):
+        image = int8.edit(speed=speed)
+        assert int8.pipe.transformer is fast.copies[int8.adapters.adapter_names[name]], speed
+        want = reference.edit(speed=speed)
+        # int8 weights: near the bf16 fused image, not equal to it (lossy, opt-in)
+        assert not np.array_equal(image, want) and psnr(image, want) > 30, (speed, psnr(image, want))
+        if speed == "fastest":  # the LoRA is in the copy: not the no-LoRA image (the 8-step LoRA is weaker)
+            assert np.abs(image - int8.baseline).mean() > 1.0
+    for asked in (dict(speed="fastest", lora="style"), dict(lora=FOUR, lora_scale=0.5), dict(lora="style")):
+        assert np.abs(int8.edit(**asked) - reference.edit(**asked)).max() <= 1, asked  # as before: float32 rounding
+        assert int8.pipe.transformer is base, asked
+    int8.edit(speed="fastest")
+    assert np.array_equal(int8.edit(), int8.baseline)  # quality after fast: the pixels of a server without LoRAs
+    assert int8.pipe.transformer is base
+    assert all(torch.equal(p, base_params[n]) for n, p in base.named_parameters())
+
+
+def test_a_failed_job_on_the_copy_leaves_the_quality_weights_for_the_next_job(int8):
+    copy = int8.adapters.fast.copies[int8.adapters.adapter_names[FOUR]]
+
+    def fail(module, args):
+        raise KeyError("fault injected in the fast copy's forward")
+
+    hook = copy.transformer_blocks[0].register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(ImgEditError, match="internal error"):
+            int8.edit(speed="fastest")
+    finally:
+        hook.remove()
+    assert int8.pipe.transformer is int8.adapters.base
+    assert np.array_equal(int8.edit(), int8.baseline)
+
+
+def test_what_cannot_make_the_copies_is_refused_with_the_reason():
+    gpu, cpu = ({c: Placement(d) for c in COMPONENTS} for d in ("cuda:0", "cpu"))
+    split = {**gpu, "transformer": Placement("cuda:0", ("cuda:0",) * 30 + ("cuda:1",) * 30)}
+    fp8, int8 = (load_settings({"FAST_QUANTIZE": m}) for m in ("fp8", "int8"))
+    one = WorkerPlan("w", gpu)
+    cases = [
+        (fp8, [one], 0, "FAST_QUANTIZE=fp8 makes a fp8 copy of the transformer for each Lightning LoRA, and no "
+                        "Lightning LoRA is configured"),
+        (fp8, [WorkerPlan("w", gpu, "cfg", ("cuda:0", "cuda:1"))], 1, "on workers of one GPU, and w is a cfg group of 2"),
+        (fp8, [WorkerPlan("w", split)], 1, "splits it over cuda:0, cuda:1"),
+        (fp8, [WorkerPlan("w", gpu, memory=MemoryMode(quantize=(("transformer", "fp8"),)))], 1, "is quantized"),
+        (int8, [WorkerPlan("w", gpu, memory=MemoryMode(resident_blocks=10))], 1, "is streamed from the CPU"),
+        (fp8, [WorkerPlan("w", cpu)], 1, "fp8 needs a CUDA GPU of compute capability 8.9+; w runs on the CPU: use int8"),
+    ]
+    for settings, plans, lightning, says in cases:
+        refused = modes.fast_refusal(settings, plans, lightning)
+        assert refused is not None and says in refused, (says, refused)
+    assert modes.fast_refusal(int8, [WorkerPlan("w", cpu)], 2) is None
+    assert modes.fast_refusal(fp8, [one, one], 1) is None  # replicas: a copy in each
+    assert modes.fast_refusal(load_settings({}), [WorkerPlan("w", cpu)], 0) is None  # none: nothing to make
+
+
+def test_a_worker_process_serves_fast_jobs_on_the_copy_and_says_so(plus_ckpt, lora_dir):  # noqa: F811
+    refused = make_manager(plus_ckpt, load=False, LORA_DIR=str(lora_dir), FAST_QUANTIZE="fp8")
+    with pytest.raises(PlacementError, match="fp8 needs a CUDA GPU"):
+        refused.prepare()
+    assert "use int8" in refused.load_error and not any(w.pids for w in refused.workers)
+    manager = make_manager(plus_ckpt, LORA_DIR=str(lora_dir), FAST_QUANTIZE="int8")
+    status = manager.status()
+    assert status.fast_quantize == "int8"
+    assert status.workers[0].fast_weights.startswith(f"int8: {FOUR}, {EIGHT} (a copy of the transformer each")
+    req = dict(prompt="make it red", seed=3, width=64, height=64)
+    from conftest import picture
+
+    fast = manager.edit(EditRequest(images=(picture(),), speed="fastest", **req))
+    quality = manager.edit(EditRequest(images=(picture(),), num_inference_steps=2, **req))
+    assert fast.steps == 4 and quality.steps == 2 and fast.images[0].size == (64, 64)
+    from imgedit.engine.gpus import GpuMonitor, snapshot
+
+    data = snapshot(GpuMonitor(), manager.status())
+    assert data["fast_quantize"] == "int8" and data["workers"][0]["fast_weights"].startswith("int8: ")
+    html = panel_html(data)
+    assert "FAST_QUANTIZE: int8" in html and f"fast mode on int8: {FOUR}" in html
