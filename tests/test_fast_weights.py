@@ -97,11 +97,13 @@ def test_what_cannot_make_the_copies_is_refused_with_the_reason():
     cases = [
         (fp8, [one], 0, "FAST_QUANTIZE=fp8 makes a fp8 copy of the transformer for each Lightning LoRA, and no "
                         "Lightning LoRA is configured"),
-        (fp8, [WorkerPlan("w", gpu, "cfg", ("cuda:0", "cuda:1"))], 1, "on workers of one GPU, and w is a cfg group of 2"),
+        (fp8, [WorkerPlan("w", gpu, "cfg", ("cuda:0", "cuda:1"))], 1,
+         "on workers of one GPU, and w is a cfg group of 2"),
         (fp8, [WorkerPlan("w", split)], 1, "splits it over cuda:0, cuda:1"),
         (fp8, [WorkerPlan("w", gpu, memory=MemoryMode(quantize=(("transformer", "fp8"),)))], 1, "is quantized"),
         (int8, [WorkerPlan("w", gpu, memory=MemoryMode(resident_blocks=10))], 1, "is streamed from the CPU"),
-        (fp8, [WorkerPlan("w", cpu)], 1, "fp8 needs a CUDA GPU of compute capability 8.9+; w runs on the CPU: use int8"),
+        (fp8, [WorkerPlan("w", cpu)], 1,
+         "fp8 needs a CUDA GPU of compute capability 8.9+; w runs on the CPU: use int8"),
     ]
     for settings, plans, lightning, says in cases:
         refused = modes.fast_refusal(settings, plans, lightning)

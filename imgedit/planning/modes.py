@@ -55,7 +55,7 @@ def fuse_lora(settings: Settings, plan: WorkerPlan) -> str:
 
 
 def fast_refusal(settings: Settings, plans: Sequence[WorkerPlan], lightning: int) -> str | None:
-    """Why these workers cannot make FAST_QUANTIZE's copies (one per Lightning LoRA; `lightning` configured), or None."""
+    """Why these workers cannot make FAST_QUANTIZE's copies (one per Lightning LoRA, `lightning` of them), or None."""
     mode = settings.fast_quantize
     if mode == "none":
         return None

@@ -68,7 +68,7 @@ class WorkerSpec:
     loras: tuple[LoraFile, ...] = ()  # checked at start-up (imgedit.config.loras.check_all); every rank loads them all
     fuse_lora: str = "off"  # FUSE_LORA as this plan allows it: auto | off (imgedit.runtime.fusion)
     activation_reserve: int = 0  # ACTIVATION_RESERVE: what a fused LoRA's copy of the weights must leave free
-    fast_quantize: str = "none"  # FAST_QUANTIZE: the Lightning LoRAs' own quantized copies (imgedit.runtime.fast_weights)
+    fast_quantize: str = "none"  # FAST_QUANTIZE: Lightning LoRAs' quantized copies (runtime.fast_weights)
 
 
 @dataclass(frozen=True)
