@@ -18,6 +18,8 @@ from conftest import ARTIFACTS, make_manager, picture
 from imgedit.engine.gpus import GpuMonitor, discover_gpus, snapshot
 from imgedit.errors import OutOfGpuMemory
 from imgedit.model.demo_checkpoint import build_checkpoint
+from imgedit.model.lora_random import random_lora
+from imgedit.model.loras import transformer_linears
 from imgedit.protocol import EditRequest
 from imgedit.web.panel import panel_html
 
@@ -154,6 +156,37 @@ def test_compiled_worker_warms_up_and_serves_a_new_size(real_ckpt):
         assert edit(manager, size=768, steps=2).images[0].size == (768, 768)
     finally:
         manager.close()
+
+
+@pytest.mark.gpu
+def test_fast_jobs_run_on_an_fp8_copy_and_quality_jobs_keep_their_pixels(real_ckpt, tmp_path):
+    """FAST_QUANTIZE=fp8: the Lightning LoRA fused into a copy of the transformer, every Linear in fp8 (~20 GiB
+    more); a `fastest` image near the bf16 fused one, a quality image the same as a server without the copy."""
+    lora_dir = tmp_path / "loras"
+    lora_dir.mkdir()
+    random_lora(lora_dir / "Gpu-Lightning-4steps-V1.0-bf16.safetensors", transformer_linears(real_ckpt), rank=16,
+                std=0.02, seed=1)
+
+    def fastest(manager):
+        return np.asarray(manager.edit(EditRequest(images=(picture(96, 64),), prompt="make it red", seed=0, width=512,
+                                                   height=512, speed="fastest", source="test")).images[0], float)
+
+    runs = {}
+    for mode in ("none", "fp8"):
+        # FUSE_LORA=off: the bf16 row holds the quality weights alone (its LoRA unfused), the fp8 row those + the copy
+        manager = load(real_ckpt, DEVICE_MAP="cuda:0", LORA_DIR=str(lora_dir), FAST_QUANTIZE=mode, FUSE_LORA="off")
+        try:
+            runs[mode] = (fastest(manager), np.asarray(edit(manager).images[0]), manager.workers[0].info,
+                          manager.status().workers[0].fast_weights)
+        finally:
+            manager.close()
+    (fast_bf16, quality, info, _), (fast_fp8, quality_fp8, info_fp8, described) = runs["none"], runs["fp8"]
+    assert described.startswith("fp8: Gpu-Lightning-4steps-V1.0-bf16 (a copy of the transformer each"), described
+    assert np.array_equal(quality_fp8, quality)  # the quality weights are the bf16 ones, untouched
+    psnr = 10 * np.log10(255.0**2 / max(float(np.mean((fast_fp8 - fast_bf16) ** 2)), 1e-12))
+    assert not np.array_equal(fast_fp8, fast_bf16) and psnr > 20, psnr  # lossy, near the bf16 image
+    assert fast_fp8.std() > 1.0  # not a flat (NaN) image
+    assert 15 < info_fp8["memory_allocated_gib"] - info["memory_allocated_gib"] < 25, (info, info_fp8)  # the copy
 
 
 @pytest.mark.gpu
