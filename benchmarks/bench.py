@@ -70,7 +70,8 @@ def finite_check(pipe, spec) -> None:
             raise RuntimeError("non-finite latents before decoding")
         state["ok"] = None
 
-    pipe.transformer.proj_out.register_forward_hook(after_proj)
+    for transformer in (pipe.transformer, *getattr(pipe, "imgedit_fast_copies", ())):  # FAST_QUANTIZE's copies too
+        transformer.proj_out.register_forward_hook(after_proj)
     pipe.vae.decoder.register_forward_pre_hook(before_decode)
 
 

@@ -1,5 +1,5 @@
-"""Benchmark FAST_QUANTIZE: `fastest` on the quality weights with the Lightning LoRA fused (bf16) against its own
-fp8 copy (the LoRA fused in, every Linear in fp8), through the app's manager and REST, with the images compared.
+"""Benchmark FAST_QUANTIZE: `fastest` on the bf16 quality weights against its own fp8 copy (the LoRA fused in,
+every Linear in fp8), through the app's manager and REST, with the images compared.
 
     python benchmarks/bench_fast_fp8.py [--size 1024] [--repeats 3] [--rows none,fp8] [--json out.json]
     python benchmarks/bench_fast_fp8.py --tiny      # CPU smoke run (int8 instead of fp8, eager, 64x64)
@@ -7,12 +7,14 @@ fp8 copy (the LoRA fused in, every Linear in fp8), through the app's manager and
 Each row is one worker process started by imgedit's PipelineManager on cuda:0 (COMPILE=on, warmed up at the
 size, ENCODE_CACHE=0) with a real-size random checkpoint (trained-like init) and one random LoRA of the published
 Lightning 4-step shape (rank 64 on the 720 attention and MLP Linear layers; imgedit.model.lora_random) in
-LORA_DIR; FAST_QUANTIZE is the row (none: FUSE_LORA=auto fuses the LoRA into the quality weights). The worker
-hook (bench.finite_check) fails a job whose latents are not finite before decoding (NaN runs faster; the fp8
-copy's own outputs reach the latents), and every image must have contrast. Jobs: speed=fastest (4 steps, CFG
-off, a 1024x1024 input and output) through manager.edit, then through the HTTP server (REST), seeds 1..N after
-one warm-up job. Fidelity: the fp8 row's images against the bf16 row's of the same seed, PSNR and the cosine of
-the centred pixels (random weights and LoRA: no statement about a trained model's fp8 quality).
+LORA_DIR; FAST_QUANTIZE is the row (none: FUSE_LORA=auto fuses the LoRA into the quality weights where its copy
+of the adapted weights fits, as on an H200, and runs it unfused where not, as on an 80 GB H100). The worker
+hook (bench.finite_check) fails a job whose transformer output (the copy's too) or latents are not finite
+(NaN runs faster; the 2026-11-27 run checked the latents only, which the copy's outputs reach), and every
+image must have contrast. Jobs: speed=fastest (4 steps, CFG off, a 1024x1024 input and output) through
+manager.edit, then through the HTTP server (REST), seeds 1..N after one warm-up job. Fidelity: the fp8 row's
+images against the bf16 row's of the same seed, PSNR and the cosine of the centred pixels (random weights and
+LoRA: no statement about a trained model's fp8 quality).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ output: [rewrite:TEXT] makes the model answer TEXT and end its answer; [rewrite-
 forward. Without a marker the random model writes nonsense until
 the token limit.
 IMGEDIT_TEST_GPU_HEADROOM_GIB caps the worker's GPU memory at its weights plus that many GiB.
-Every forward of the main modules (text encoder, transformer, VAE encoder/decoder) appends
+Every forward of the main modules (text encoder, transformer, FAST_QUANTIZE's copies, VAE encoder/decoder) appends
 "<pid> enter|leave <module>" to the file named by IMGEDIT_TEST_PROBE, if set (conftest.ConcurrencyProbe reads it).
 """
 
@@ -56,7 +56,9 @@ def install(pipe, spec) -> None:
         if "[bug]" in prompt:
             raise KeyError("secret internal detail")
 
-    pipe.transformer.register_forward_pre_hook(before_forward)
+    copies = getattr(pipe, "imgedit_fast_copies", ())  # FAST_QUANTIZE: fast jobs run on these
+    for transformer in (pipe.transformer, *copies):
+        transformer.register_forward_pre_hook(before_forward)
     script_rewrites(pipe)
     probe = os.environ.get("IMGEDIT_TEST_PROBE")
     if probe:
@@ -72,6 +74,8 @@ def install(pipe, spec) -> None:
         block = pipe.transformer if spec.compile else pipe.transformer.transformer_blocks[0]
         modules = {"text_encoder": pipe.text_encoder, "transformer": block,
                    "vae_encoder": pipe.vae.encoder, "vae_decoder": pipe.vae.decoder}
+        for i, copy in enumerate(copies):  # "fast_transformer", "fast_transformer1", ...
+            modules["fast_transformer" + (str(i) if i else "")] = copy if spec.compile else copy.transformer_blocks[0]
         for name, module in modules.items():
             module.register_forward_pre_hook(mark("enter", name))
             module.register_forward_hook(mark("leave", name))

@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import ARTIFACTS, make_manager, picture
+from conftest import ARTIFACTS, ConcurrencyProbe, make_manager, picture
 
 from imgedit.engine.gpus import GpuMonitor, discover_gpus, snapshot
 from imgedit.errors import OutOfGpuMemory
@@ -187,6 +187,27 @@ def test_fast_jobs_run_on_an_fp8_copy_and_quality_jobs_keep_their_pixels(real_ck
     assert not np.array_equal(fast_fp8, fast_bf16) and psnr > 20, psnr  # lossy, near the bf16 image
     assert fast_fp8.std() > 1.0  # not a flat (NaN) image
     assert 15 < info_fp8["memory_allocated_gib"] - info["memory_allocated_gib"] < 25, (info, info_fp8)  # the copy
+
+
+@pytest.mark.multi_gpu
+def test_a_pair_runs_fast_jobs_on_both_gpus_fp8_copies(real_ckpt, tmp_path):
+    """FAST_QUANTIZE=fp8 on a cfg-parallel pair: each rank holds the copy, and a `fastest` job (CFG off) runs
+    on both ranks' copies, each forward's sequence split (PAIR_ULYSSES=auto), not on the quality weights."""
+    lora_dir = tmp_path / "loras"
+    lora_dir.mkdir()
+    random_lora(lora_dir / "Gpu-Lightning-4steps-V1.0-bf16.safetensors", transformer_linears(real_ckpt), rank=16,
+                std=0.02, seed=1)
+    pair = load(real_ckpt, DEVICE_MAP="cfg-parallel", LORA_DIR=str(lora_dir), FAST_QUANTIZE="fp8")
+    try:
+        assert pair.workers[0].info["pair_ulysses"] and pair.status().workers[0].fast_weights.startswith("fp8: ")
+        probe = ConcurrencyProbe(pair)
+        image = pair.edit(EditRequest(images=(picture(96, 64),), prompt="make it red", seed=0, width=512,
+                                      height=512, speed="fastest", source="test")).images[0]
+        probe.close()
+        assert np.asarray(image, float).std() > 1.0  # not a flat (NaN) image
+        assert probe.forwards.get("fast_transformer") == 2 * 4 and not probe.forwards.get("transformer"), probe.forwards
+    finally:
+        pair.close()
 
 
 @pytest.mark.gpu

@@ -205,3 +205,19 @@ def test_groups_refused_clearly():
         plan_placement(SPECS, gpus(4, gib=48), parse_device_map("cfg-parallel:4"))
     with pytest.raises(SettingsError, match="DEVICE_MAP='ulysses:3' is not valid: expected a group of 2, 4 or 8"):
         load_settings({"DEVICE_MAP": "ulysses:3"})
+
+
+def test_a_rank_destroys_its_process_groups_at_a_clean_stop():
+    """runtime.cfg_parallel.close_group, as a worker calls it after Stop (NCCL warned at every pair's exit that
+    destroy_process_group() was not called); in a fresh interpreter, a world of one over gloo."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, free_port
+
+    code = ("import torch.distributed as dist; from imgedit.runtime.cfg_parallel import close_group; "
+            f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{free_port()}', rank=0, world_size=1); "
+            "sub = dist.new_group(backend='gloo'); "
+            "print(dist.is_initialized(), close_group(timeout=30), dist.is_initialized(), close_group())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["True", "True", "False", "True"], out.stderr[-2000:]

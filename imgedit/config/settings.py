@@ -92,7 +92,8 @@ REGISTRY: tuple[Var, ...] = (
     Var("FAST_QUANTIZE", "none", _choice("none", "fp8", "int8"),
         "fp8: speed=fast/fastest run on a copy of the transformer per Lightning LoRA, the LoRA fused in and every "
         "Linear layer in fp8 (lossy; one H100: fastest 1.36 s instead of 1.80 s, +19 GiB and ~5 min of compiling "
-        "per copy; workers of one GPU, compute capability 8.9+) | int8 (weight-only: the CPU and GPUs without fp8; "
+        "per copy; workers of one GPU or CFG pairs, compute capability 8.9+) | int8 (weight-only: the CPU and GPUs "
+        "without fp8; "
         "not measured faster) | none: fast jobs run on the quality weights (FUSE_LORA)"),
     Var("QUANTIZE", "auto", parse_quantize,
         "auto (lossless first: bf16, offloaded if need be; quantized only when nothing lossless fits) | none | "

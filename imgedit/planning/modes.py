@@ -63,9 +63,9 @@ def fast_refusal(settings: Settings, plans: Sequence[WorkerPlan], lightning: int
     if not lightning:
         return f"{what}, and no Lightning LoRA is configured (FAST_LORA_4STEP/8STEP, LORA_DIR, LORAS)"
     for p in plans:
-        if p.parallel != "none":
-            return (f"{what} on workers of one GPU, and {p.name} is a {p.parallel} group of {p.ranks} GPUs; use "
-                    "DEVICE_MAP=replicas or cuda:N, or FAST_QUANTIZE=none")
+        if p.parallel != "none" and (p.parallel != "cfg" or p.ulysses != 1):
+            return (f"{what} on workers of one GPU or CFG pairs, and {p.name} is a {p.parallel} group of {p.ranks} "
+                    "GPUs; use DEVICE_MAP=cfg-parallel, replicas or cuda:N, or FAST_QUANTIZE=none")
         if p.components["transformer"].is_split:
             return (f"{what} on the transformer's one GPU, and {p.name} splits it over "
                     f"{', '.join(p.components['transformer'].devices)}; use FAST_QUANTIZE=none here")

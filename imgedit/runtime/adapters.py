@@ -52,13 +52,13 @@ class Adapters:
 
             lightning = {f.name: self.adapter_names[f.name] for f in files if f.steps}
             self.fast = FastWeights(pipe.transformer, lightning, fast, reserve, caps)
+            pipe.imgedit_fast_copies = tuple(self.fast.copies.values())  # for worker hooks that watch every transformer
         self.fusion = None  # imgedit.runtime.fusion.Fusion: a job's one LoRA written into the weights
         if files and fuse != "off":
             from imgedit.runtime.fusion import Fusion
 
-            copied = self.fast.copies if self.fast is not None else {}
-            self.fusion = Fusion(pipe.transformer, [a for a in self.adapter_names.values() if a not in copied], fuse,
-                                 reserve, caps, agree)
+            # every LoRA, the Lightning ones too (a preset's LoRA at another strength runs here), if the room is left
+            self.fusion = Fusion(pipe.transformer, self.adapter_names.values(), fuse, reserve, caps, agree)
 
     @property
     def lightning_scheduler(self):
@@ -78,7 +78,7 @@ class Adapters:
             raise ImgEditError(f"LoRA {unknown[0]!r} is not loaded in this worker")
         self.pipe.scheduler = self.lightning_scheduler if scheduler == "lightning" else self.default_scheduler
         self.active = adapters
-        copy = self.fast.for_job(adapters, self.adapter_names, cache) if self.fast is not None else None
+        copy = self.fast.for_job(adapters, self.adapter_names, scheduler, cache) if self.fast is not None else None
         self._transformer(copy if copy is not None else self.base)
         if copy is not None:
             return

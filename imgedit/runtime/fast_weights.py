@@ -3,8 +3,9 @@ in and the Linear layers quantized, which `fast`/`fastest` jobs run on instead o
 
 Why a copy: peft cannot merge a LoRA into torchao's quantized weights, so a quantized fast mode needs the LoRA
 fused in bf16 first, for good; the quality weights must stay bf16 and exact for quality edits and other LoRAs.
-Measured on one H100 (docs/BENCHMARKS.md): a fused Lightning LoRA with every Linear in fp8 ran 0.2386 s per
-step against 0.3097 s for the bf16 fused weights (-23 %), for 20 GiB more and ~200 s more compiling.
+Measured on one H100 (docs/BENCHMARKS.md, 2026-11-27): `fastest` on the fp8 copy 1.362 s, 0.2345 s per step,
+against 1.798 s and 0.3408 s on the bf16 weights (the LoRA unfused there: FUSE_LORA's copy does not fit on an
+80 GB card); the copy holds 19 GiB, and compiling its fp8 blocks took ~5 min at start-up.
 
 How: the copy is built block by block on the transformer's own device, so at most one bf16 block exists
 beside the quality weights at any time: deep-copy the block (with its peft layers), write each adapted base
@@ -12,11 +13,14 @@ weight `W + scaling * (B @ A)` (`addmm_`, one rounding, as imgedit.runtime.fusio
 the plain Linear back in place of peft's layer, then quantize the block (torchao, imgedit.runtime.offload).
 The rest of the transformer (embedders, norms, output projection) is copied and treated the same way.
 
-A job runs on a copy when its adapters are exactly that Lightning LoRA at strength 1 and it asks for no step
-cache (the hooks sit on the quality weights); every other job, a `fastest` one with an added LoRA
-included, runs on the quality weights as before. Workers of one GPU only: the copy is made on one device
-(a split transformer's blocks live on several) and a group's parallel forwards are installed on the quality
-transformer only (imgedit.planning.modes.fast_refusal says so at start-up).
+A job runs on a copy when it is a speed preset's job (the Lightning scheduler, CFG off) whose adapters are
+exactly that Lightning LoRA at strength 1, without a step cache (the hooks sit on the quality weights); every
+other job, a `fastest` one with an added LoRA or the Lightning LoRA picked for a quality edit included, runs on
+the quality weights as before. Workers of one GPU, and CFG pairs (each rank holds the copies, with the
+pair's Ulysses switch for CFG-off jobs like the quality transformer: imgedit.runtime.group); not a
+transformer split over GPUs (the copy is made on one device) or a Ulysses group
+(imgedit.planning.modes.fast_refusal says so at start-up). Worker hooks (the tests' faults, the benchmarks'
+finite check) find the copies as `pipe.imgedit_fast_copies`.
 """
 
 from __future__ import annotations
@@ -72,10 +76,7 @@ def _fuse(module: torch.nn.Module, adapter: str) -> None:
 
     for fqn, layer in [(n, m) for n, m in module.named_modules() if isinstance(m, LoraLayer)]:
         base = layer.get_base_layer()
-        if adapter in layer.lora_A:
-            if adapter in getattr(layer, "lora_variant", {}) or layer.lora_bias.get(adapter, False):
-                raise ImgEditError(f"FAST_QUANTIZE: the LoRA's layer {fqn} is a variant (DoRA, bias) that cannot be "
-                                   "fused; set FAST_QUANTIZE=none")
+        if adapter in layer.lora_A:  # FastWeights checked it with fusion.fusable_layers
             rank = layer.r[adapter]
             scaling = layer.lora_alpha[adapter] / (math.sqrt(rank) if layer.use_rslora.get(adapter) else rank)
             weight = base.weight
@@ -123,7 +124,13 @@ class FastWeights:
                     f"FAST_QUANTIZE={mode} needs {need / GIB:.1f} GiB on {device} for {len(adapters)} copy(ies) of the "
                     f"transformer (one per Lightning LoRA), and {max(room, 0) / GIB:.1f} GiB is free there with "
                     f"ACTIVATION_RESERVE kept; set FAST_QUANTIZE=none, or configure one Lightning LoRA")
+        from imgedit.runtime.fusion import fusable_layers
+
         for name, adapter in adapters.items():
+            if fusable_layers(transformer, adapter) is None:
+                raise ImgEditError(f"FAST_QUANTIZE={mode}: LoRA {name!r} cannot be fused into the weights (a LoRA "
+                                   "variant such as DoRA, a bias, or weights that are not plain floating point); set "
+                                   "FAST_QUANTIZE=none")
             started = time.perf_counter()
             self.copies[adapter] = fused_copy(transformer, adapter, mode)
             if device.type == "cuda":
@@ -132,9 +139,10 @@ class FastWeights:
                      f"{one / GIB:.2f} GiB", time.perf_counter() - started)
         self.nbytes = one * len(adapters)
 
-    def for_job(self, adapters: tuple[tuple[str, float], ...], internal: dict[str, str], cache: str):
-        """The copy a job runs on: its adapters are exactly one Lightning LoRA at strength 1, no step cache."""
-        if len(adapters) != 1 or adapters[0][1] != 1.0 or cache != "none":
+    def for_job(self, adapters: tuple[tuple[str, float], ...], internal: dict[str, str], scheduler: str, cache: str):
+        """The copy a job runs on: a speed preset's job (the Lightning scheduler) whose adapters are exactly one
+        Lightning LoRA at strength 1, without a step cache; None: the quality weights."""
+        if len(adapters) != 1 or adapters[0][1] != 1.0 or scheduler != "lightning" or cache != "none":
             return None
         return self.copies.get(internal.get(adapters[0][0], ""))
 

@@ -10,7 +10,8 @@ agree with on cancel, and the transformer wrapped for its role.
 - ulysses (a group of u): every rank takes part in every job, both CFG forwards split u ways.
 
 All process groups are made here, on every rank in the same order (torch.distributed.new_group is
-collective), right after loading.
+collective), right after loading. FAST_QUANTIZE's copies (imgedit.runtime.fast_weights) run CFG-off jobs only
+(speed presets): on a pair each gets its own Ulysses switch, set as the quality transformer's.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from imgedit.runtime.ulysses import Layout, UlyssesSwitch, enable_ulysses
 
 class ParallelGroup:
     def __init__(self, transformer, parallel: str, rank: int, world: int, ulysses: int, cuda: bool, cpu_group,
-                 pair_ulysses: bool = False):
+                 pair_ulysses: bool = False, copies: tuple = ()):
         cfg = 2 if parallel == "cfg" else 1
         if cfg * ulysses != world:
             raise ValueError(f"a {parallel} group of {world} ranks cannot split {cfg} x Ulysses-{ulysses}")
@@ -33,6 +34,7 @@ class ParallelGroup:
         self.first_half_cpu = None  # the first half's ranks: cancel agreement when only they run it
         self.cfg_pair = None
         self.switch = None  # a CFG pair's Ulysses-2 for CFG-off jobs (PAIR_ULYSSES)
+        self._copies: list = []  # the UlyssesSwitch of each FAST_QUANTIZE copy, set as the above
         degree = ulysses if ulysses > 1 else 2 if cfg == 2 and pair_ulysses else 1
         heads = transformer.config.num_attention_heads
         if heads % degree:
@@ -51,6 +53,10 @@ class ParallelGroup:
         if cfg == 2:
             peers = {u: dist.new_group(self.layout.exchange_peers(u)) for u in range(ulysses)} if ulysses > 1 else {}
             self.cfg_pair = CfgPair(transformer, self.layout.cfg_index, peers.get(self.layout.ulysses_index))
+        if copies and (cfg != 2 or ulysses != 1):  # planning.modes.fast_refusal refuses these first
+            raise ImgEditError("FAST_QUANTIZE's copies run on workers of one GPU or on CFG pairs")
+        if self.switch is not None:
+            self._copies = [UlyssesSwitch(copy, rank, "cuda" if cuda else "cpu") for copy in copies]
 
     @property
     def splits_cfg_off(self) -> bool:
@@ -69,8 +75,9 @@ class ParallelGroup:
         split_cfg = self.cfg_pair is not None and cfg_on
         if self.cfg_pair is not None:
             self.cfg_pair.begin(split_cfg)
-        if self.switch is not None:
-            self.switch.set(not cfg_on and may_split)
+        for switch in (self.switch, *self._copies):
+            if switch is not None:
+                switch.set(not cfg_on and may_split)
         pair_split = self.switch is not None and self.switch.on
         if split_cfg or pair_split or (self.cfg_pair is None and self.layout.ulysses > 1):
             return self.cpu_group if self.cpu_group is not None else dist.group.WORLD
@@ -81,5 +88,6 @@ class ParallelGroup:
     def end(self) -> None:
         if self.cfg_pair is not None:
             self.cfg_pair.begin(False)
-        if self.switch is not None:
-            self.switch.set(False)
+        for switch in (self.switch, *self._copies):
+            if switch is not None:
+                switch.set(False)

@@ -51,6 +51,10 @@ def main(spec: WorkerSpec, inbox, outbox, visible_devices: str | None, cache_dir
         return
     outbox.put(Ready(spec.rank, os.getpid(), seconds, info))
     _serve(spec, runner, inbox, outbox)
+    if spec.world > 1:  # a clean stop: every rank got Stop and left its last collective
+        from imgedit.runtime.cfg_parallel import close_group
+
+        close_group()
 
 
 def _watch_parent(parent: int) -> None:
