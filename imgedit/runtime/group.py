@@ -56,7 +56,8 @@ class ParallelGroup:
         if copies and (cfg != 2 or ulysses != 1):  # planning.modes.fast_refusal refuses these first
             raise ImgEditError("FAST_QUANTIZE's copies run on workers of one GPU or on CFG pairs")
         if self.switch is not None:
-            self._copies = [UlyssesSwitch(copy, rank, "cuda" if cuda else "cpu") for copy in copies]
+            # the quality transformer's mesh: the same NCCL communicators (one job runs at a time)
+            self._copies = [UlyssesSwitch(copy, rank, "cuda" if cuda else "cpu", self.switch.mesh) for copy in copies]
 
     @property
     def splits_cfg_off(self) -> bool:

@@ -92,14 +92,17 @@ class Layout:
         return [c * self.ulysses + ulysses_index for c in range(self.cfg)]
 
 
-def enable_ulysses(transformer: torch.nn.Module, layout: Layout, device_type: str, active=None) -> None:
+def enable_ulysses(transformer: torch.nn.Module, layout: Layout, device_type: str, active=None, mesh=None):
     """Turn on diffusers' Ulysses attention for this rank's half of the group, over a
     (cfg, ring=1, ulysses) device mesh (the layout the 4-GPU probe ran: FACTS.md). `active`: see
-    install_text_padding."""
+    install_text_padding. `mesh`: one made for another transformer of this rank, whose communicators it then
+    shares (FAST_QUANTIZE's copies: a mesh of their own made NCCL fail on the GPU machine). Returns the mesh."""
     from diffusers import ContextParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, (layout.cfg, 1, layout.ulysses), mesh_dim_names=("cfg", "ring", "ulysses"))
+    if mesh is None:
+        mesh = init_device_mesh(device_type, (layout.cfg, 1, layout.ulysses),
+                                mesh_dim_names=("cfg", "ring", "ulysses"))
     config = ContextParallelConfig(ulysses_degree=layout.ulysses, mesh=mesh)
     if device_type == "cpu":
         # diffusers picks the rank's device as `rank % torch.accelerator.device_count()`, which is a
@@ -114,6 +117,7 @@ def enable_ulysses(transformer: torch.nn.Module, layout: Layout, device_type: st
     else:
         transformer.enable_parallelism(config=config)
     install_text_padding(transformer, layout.ulysses, active)
+    return mesh
 
 
 class UlyssesSwitch:
@@ -124,11 +128,12 @@ class UlyssesSwitch:
     stays the one-GPU image). Under torch.compile each state is its own variant of the block (dynamo
     guards on the hooks' functions and the processors' config), both compiled at the warm-up."""
 
-    def __init__(self, transformer: torch.nn.Module, rank: int, device_type: str):
+    def __init__(self, transformer: torch.nn.Module, rank: int, device_type: str, mesh=None):
         from diffusers.hooks import context_parallel
 
         self.on = True
-        enable_ulysses(transformer, Layout(cfg=1, ulysses=2, rank=rank), device_type, active=lambda: self.on)
+        self.mesh = enable_ulysses(transformer, Layout(cfg=1, ulysses=2, rank=rank), device_type,
+                                   active=lambda: self.on, mesh=mesh)
         self._processors = [m.processor for m in transformer.modules()
                             if getattr(getattr(m, "processor", None), "_parallel_config", None) is not None]
         prefixes = (context_parallel._CONTEXT_PARALLEL_INPUT_HOOK_TEMPLATE.format(""),
