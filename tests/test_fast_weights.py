@@ -12,7 +12,7 @@ from conftest import COMPONENTS, ConcurrencyProbe, group_plan, make_manager, pic
 from test_loras import EIGHT, FOUR, Local, linears, lora_dir  # noqa: F401  (the LoRA files and the runner)
 
 from imgedit.config.settings import load_settings
-from imgedit.errors import ImgEditError, PlacementError
+from imgedit.errors import ImgEditError, PlacementError, SettingsError
 from imgedit.planning import modes
 from imgedit.planning.plan import MemoryMode, Placement, WorkerPlan
 from imgedit.protocol import EditRequest
@@ -113,6 +113,12 @@ def test_what_cannot_make_the_copies_is_refused_with_the_reason():
     assert modes.fast_refusal(fp8, [one, one], 1) is None  # replicas: a copy in each
     assert modes.fast_refusal(fp8, [WorkerPlan("w", gpu, "cfg", ("cuda:0", "cuda:1"))], 1) is None  # a CFG pair
     assert modes.fast_refusal(load_settings({}), [WorkerPlan("w", cpu)], 0) is None  # none: nothing to make
+    only8 = load_settings({"FAST_QUANTIZE": "int8", "FAST_QUANTIZE_SPEEDS": " Fast "})
+    assert modes.fast_steps(only8) == (8,) and modes.fast_steps(int8) == (4, 8)
+    assert modes.fast_steps(load_settings({})) == ()
+    assert "no Lightning LoRA is configured for FAST_QUANTIZE_SPEEDS=fast" in modes.fast_refusal(only8, [one], 0)
+    with pytest.raises(SettingsError, match=r"FAST_QUANTIZE_SPEEDS='quality' is not valid: expected fastest, fast"):
+        load_settings({"FAST_QUANTIZE_SPEEDS": "quality"})
 
 
 def test_a_worker_process_serves_fast_jobs_on_the_copy_and_says_so(plus_ckpt, lora_dir):  # noqa: F811
@@ -120,14 +126,15 @@ def test_a_worker_process_serves_fast_jobs_on_the_copy_and_says_so(plus_ckpt, lo
     with pytest.raises(PlacementError, match="fp8 needs a CUDA GPU"):
         refused.prepare()
     assert "use int8" in refused.load_error and not any(w.pids for w in refused.workers)
-    manager = make_manager(plus_ckpt, LORA_DIR=str(lora_dir), FAST_QUANTIZE="int8")
+    manager = make_manager(plus_ckpt, LORA_DIR=str(lora_dir), FAST_QUANTIZE="int8", FAST_QUANTIZE_SPEEDS="fastest")
     status = manager.status()
     assert status.fast_quantize == "int8"
-    assert status.workers[0].fast_weights.startswith(f"int8: {FOUR}, {EIGHT} (a copy of the transformer each")
+    assert status.workers[0].fast_weights.startswith(f"int8: {FOUR} (a copy of the transformer each")  # 4-step only
     req = dict(prompt="make it red", seed=3, width=64, height=64)
     fast = manager.edit(EditRequest(images=(picture(),), speed="fastest", **req))
+    eight = manager.edit(EditRequest(images=(picture(),), speed="fast", **req))  # no copy: the quality weights
     quality = manager.edit(EditRequest(images=(picture(),), num_inference_steps=2, **req))
-    assert fast.steps == 4 and quality.steps == 2 and fast.images[0].size == (64, 64)
+    assert (fast.steps, eight.steps, quality.steps) == (4, 8, 2) and fast.images[0].size == (64, 64)
     from imgedit.engine.gpus import GpuMonitor, snapshot
 
     data = snapshot(GpuMonitor(), manager.status())

@@ -192,6 +192,14 @@ def parse_skip(raw: str) -> tuple[str, ...]:
     return names
 
 
+def parse_speeds(raw: str) -> tuple[str, ...]:
+    """FAST_QUANTIZE_SPEEDS: the speed presets that get a copy, `fastest,fast` | `fastest` | `fast`."""
+    speeds = tuple(dict.fromkeys(p.strip().lower() for p in raw.split(",") if p.strip()))
+    if not speeds or any(s not in ("fast", "fastest") for s in speeds):
+        raise ValueError("fastest, fast, or both comma-separated")
+    return speeds
+
+
 def is_skipped(fqn: str, skip: tuple[str, ...] | list[str]) -> bool:
     """QUANTIZE_SKIP names match whole dotted segments (`img_mlp` matches blocks.3.img_mlp.net.0)."""
     return any(f".{s}." in f".{fqn}." for s in skip)

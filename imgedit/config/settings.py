@@ -33,6 +33,7 @@ from imgedit.config.parsers import (
     parse_offload,
     parse_quantize,
     parse_skip,
+    parse_speeds,
 )
 from imgedit.errors import SettingsError
 
@@ -95,6 +96,9 @@ REGISTRY: tuple[Var, ...] = (
         "per copy; workers of one GPU or CFG pairs, compute capability 8.9+) | int8 (weight-only: the CPU and GPUs "
         "without fp8; "
         "not measured faster) | none: fast jobs run on the quality weights (FUSE_LORA)"),
+    Var("FAST_QUANTIZE_SPEEDS", "fastest,fast", parse_speeds,
+        "The speed presets whose Lightning LoRA gets a FAST_QUANTIZE copy: fastest,fast | fastest | fast (one copy "
+        "fits beside the bf16 model on an 80 GB card, two do not)"),
     Var("QUANTIZE", "auto", parse_quantize,
         "auto (lossless first: bf16, offloaded if need be; quantized only when nothing lossless fits) | none | "
         "fp8 | int8 | nf4 (the transformer) | "
@@ -206,6 +210,7 @@ class Settings:
     fast_lora_8step: str | None = None
     fuse_lora: str = "auto"
     fast_quantize: str = "none"
+    fast_quantize_speeds: tuple[str, ...] = ("fastest", "fast")
     lora_entries: tuple = ()  # imgedit.config.loras.LoraEntry for each configured LoRA (built from the four above)
     quantize: tuple[tuple[str, str], ...] | None = None  # None = auto
     quantize_skip: tuple[str, ...] = ("img_mlp",)

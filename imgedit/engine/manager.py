@@ -164,11 +164,12 @@ class PipelineManager:
             raise PlacementError(refusal)
         log.info("attention kernel: %s; compile mode: %s", s.attention, modes.compile_mode(s, self._plans))
         if s.fast_quantize != "none":
-            if (refusal := modes.fast_refusal(s, self._plans, sum(1 for f in self.loras if f.steps))) is not None:
+            copied = [f for f in self.loras if f.steps in modes.fast_steps(s)]
+            if (refusal := modes.fast_refusal(s, self._plans, len(copied))) is not None:
                 self.load_error = refusal
                 raise PlacementError(refusal)
-            log.info("fast mode weights: %s copy of the transformer per Lightning LoRA, LoRA fused in (FAST_QUANTIZE; "
-                     "lossy)", s.fast_quantize)
+            log.info("fast mode weights: a %s copy of the transformer for %s, the LoRA fused in (FAST_QUANTIZE; "
+                     "lossy)", s.fast_quantize, ", ".join(f.name for f in copied))
         if s.cache != "none":
             if (refusal := self.cache_refusal()) is not None:
                 self.load_error = f"CACHE={s.cache} cannot run here: {refusal}"
@@ -186,7 +187,7 @@ class PipelineManager:
                           pair_ulysses=modes.pair_ulysses(s, plan, self.checkpoint.attention_heads),
                           encode_cache=s.encode_cache, attention=s.attention, compile_mode=s.compile_mode,
                           fuse_lora=modes.fuse_lora(s, plan), activation_reserve=s.activation_reserve,
-                          fast_quantize=s.fast_quantize)
+                          fast_quantize=s.fast_quantize, fast_steps=modes.fast_steps(s))
         common = dict(cache_dir=s.compile_cache_dir, max_restarts=s.worker_restarts, log_level=s.log_level,
                       on_change=self._changed, max_memory=s.max_memory)
         if s.workers == "ray":

@@ -54,14 +54,23 @@ def fuse_lora(settings: Settings, plan: WorkerPlan) -> str:
     return settings.fuse_lora
 
 
+def fast_steps(settings: Settings) -> tuple[int, ...]:
+    """The Lightning step counts whose LoRA gets a FAST_QUANTIZE copy (FAST_QUANTIZE_SPEEDS); () when off."""
+    from imgedit.config.loras import SPEEDS
+
+    return () if settings.fast_quantize == "none" else tuple(SPEEDS[s] for s in settings.fast_quantize_speeds)
+
+
 def fast_refusal(settings: Settings, plans: Sequence[WorkerPlan], lightning: int) -> str | None:
-    """Why these workers cannot make FAST_QUANTIZE's copies (one per Lightning LoRA, `lightning` of them), or None."""
+    """Why these workers cannot make FAST_QUANTIZE's copies (one per Lightning LoRA of FAST_QUANTIZE_SPEEDS,
+    `lightning` of them configured), or None."""
     mode = settings.fast_quantize
     if mode == "none":
         return None
     what = f"FAST_QUANTIZE={mode} makes a {mode} copy of the transformer for each Lightning LoRA"
     if not lightning:
-        return f"{what}, and no Lightning LoRA is configured (FAST_LORA_4STEP/8STEP, LORA_DIR, LORAS)"
+        return (f"{what}, and no Lightning LoRA is configured for FAST_QUANTIZE_SPEEDS="
+                f"{','.join(settings.fast_quantize_speeds)} (FAST_LORA_4STEP/8STEP, LORA_DIR, LORAS)")
     for p in plans:
         if p.parallel != "none" and (p.parallel != "cfg" or p.ulysses != 1):
             return (f"{what} on workers of one GPU or CFG pairs, and {p.name} is a {p.parallel} group of {p.ranks} "

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 class Adapters:
     def __init__(self, pipe, files: tuple[LoraFile, ...] = (), fuse: str = "off", reserve: int = 0,
-                 caps: tuple[int, ...] = (), agree=None, fast: str = "none"):
+                 caps: tuple[int, ...] = (), agree=None, fast: str = "none", fast_steps: tuple[int, ...] = (4, 8)):
         self.pipe = pipe
         self.base = pipe.transformer  # the quality weights; a fast job may run on a copy (FAST_QUANTIZE)
         self.files = {f.name: f for f in files}
@@ -50,7 +50,7 @@ class Adapters:
         if fast != "none":
             from imgedit.runtime.fast_weights import FastWeights
 
-            lightning = {f.name: self.adapter_names[f.name] for f in files if f.steps}
+            lightning = {f.name: self.adapter_names[f.name] for f in files if f.steps in fast_steps}
             self.fast = FastWeights(pipe.transformer, lightning, fast, reserve, caps)
             pipe.imgedit_fast_copies = tuple(self.fast.copies.values())  # for worker hooks that watch every transformer
         self.fusion = None  # imgedit.runtime.fusion.Fusion: a job's one LoRA written into the weights

@@ -123,7 +123,7 @@ class FastWeights:
                 raise PlacementError(
                     f"FAST_QUANTIZE={mode} needs {need / GIB:.1f} GiB on {device} for {len(adapters)} copy(ies) of the "
                     f"transformer (one per Lightning LoRA), and {max(room, 0) / GIB:.1f} GiB is free there with "
-                    f"ACTIVATION_RESERVE kept; set FAST_QUANTIZE=none, or configure one Lightning LoRA")
+                    f"ACTIVATION_RESERVE kept; set FAST_QUANTIZE_SPEEDS=fastest (one copy), or FAST_QUANTIZE=none")
         from imgedit.runtime.fusion import fusable_layers
 
         for name, adapter in adapters.items():

@@ -69,6 +69,7 @@ class WorkerSpec:
     fuse_lora: str = "off"  # FUSE_LORA as this plan allows it: auto | off (imgedit.runtime.fusion)
     activation_reserve: int = 0  # ACTIVATION_RESERVE: what a fused LoRA's copy of the weights must leave free
     fast_quantize: str = "none"  # FAST_QUANTIZE: Lightning LoRAs' quantized copies (runtime.fast_weights)
+    fast_steps: tuple[int, ...] = (4, 8)  # FAST_QUANTIZE_SPEEDS as Lightning step counts
 
 
 @dataclass(frozen=True)

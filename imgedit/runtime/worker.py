@@ -112,7 +112,7 @@ def _load(spec: WorkerSpec):
         def agree(ok: bool) -> bool:
             return not agree_to_stop(not ok, group)
     adapters = Adapters(pipe, spec.loras, spec.fuse_lora, spec.activation_reserve, spec.memory_caps if cuda else (),
-                        agree, spec.fast_quantize)
+                        agree, spec.fast_quantize, spec.fast_steps)
     fast = list(adapters.fast.copies.values()) if adapters.fast is not None else []  # FAST_QUANTIZE's copies
     weights = _weights_per_gpu() if cuda else {}  # the LoRAs' weights included
     runner = Runner(pipe, spec.name, spec.devices or plan.devices, spec.rank, spec.world, spec.parallel, group,
