@@ -57,6 +57,7 @@ class EditResult:
     request_id: str
     prompt: str | None = None  # the rewritten prompt the edit used (enhance_prompt); None: the user's own
     notice: str | None = None  # why an asked-for rewrite was not used (the user's prompt was)
+    weights: str | None = None  # the lossy copy a fast job ran on (FAST_QUANTIZE: fp8 | int8); None: the model's own
 
 
 @dataclass(frozen=True)

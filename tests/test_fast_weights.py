@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import COMPONENTS, ConcurrencyProbe, group_plan, make_manager, picture
-from test_loras import EIGHT, FOUR, Local, linears, lora_dir  # noqa: F401  (the LoRA files and the runner)
+from conftest import COMPONENTS, ConcurrencyProbe, group_plan, make_manager, picture, start_server
+from test_loras import EIGHT, FOUR, Local, linears, lora_dir, rest_edit  # noqa: F401  (LoRA files, the runner)
 
 from imgedit.config.settings import load_settings
 from imgedit.errors import ImgEditError, PlacementError, SettingsError
@@ -135,6 +135,18 @@ def test_a_worker_process_serves_fast_jobs_on_the_copy_and_says_so(plus_ckpt, lo
     eight = manager.edit(EditRequest(images=(picture(),), speed="fast", **req))  # no copy: the quality weights
     quality = manager.edit(EditRequest(images=(picture(),), num_inference_steps=2, **req))
     assert (fast.steps, eight.steps, quality.steps) == (4, 8, 2) and fast.images[0].size == (64, 64)
+    # the lossy copy is named where the image goes: the result, the PNG's settings (REST and the page show it)
+    assert (fast.weights, eight.weights, quality.weights) == ("int8", None, None)
+    assert fast.images[0].info["weights"] == "int8" and "weights" not in eight.images[0].info
+    from imgedit.web.speed import speed_choices
+
+    labels = dict((value, label) for label, value in speed_choices(manager.settings))
+    assert labels["fastest"] == "Fastest (Lightning, 4 steps, int8 weights)"
+    assert labels["fast"] == "Fast (Lightning, 8 steps)" and labels["quality"].endswith("CFG on)")
+    with start_server(manager) as server:
+        fastest, plain = rest_edit(server.url, speed="fastest"), rest_edit(server.url)
+    assert fastest.status_code == 200 and fastest.json()["weights"] == "int8"
+    assert plain.status_code == 200 and "weights" not in plain.json()
     from imgedit.engine.gpus import GpuMonitor, snapshot
 
     data = snapshot(GpuMonitor(), manager.status())

@@ -97,16 +97,19 @@ def to_rgb(image: Image.Image) -> Image.Image:
 # ---- settings carried in the PNGs we return (tEXt chunks) ----
 # Key names are the API's parameter names, so a stored PNG reads like the call that made it.
 SETTING_KEYS = ("prompt", "negative_prompt", "seed", "num_inference_steps", "true_cfg_scale", "width", "height",
-                "model", "lora", "lora_scale", "speed", "mask", "mask_grow", "mask_feather", "strength", "software")
+                "model", "lora", "lora_scale", "speed", "mask", "mask_grow", "mask_feather", "strength", "weights",
+                "software")
 RESTORABLE = {"prompt": str, "negative_prompt": str, "seed": int, "num_inference_steps": int,
               "true_cfg_scale": float, "width": int, "height": int, "cache": str}
 MAX_CHUNK = 4000  # validation.MAX_PROMPT_CHARS: a longer value is not one of ours
 
 
-def settings_text(req, params, model: str, size: tuple[int, int], rewritten: str | None = None) -> dict[str, str]:
+def settings_text(req, params, model: str, size: tuple[int, int], rewritten: str | None = None,
+                  weights: str | None = None) -> dict[str, str]:
     """What produced an image, as text: the request's prompts, the parameters the pipeline really got
     (`validation.Resolved`), the output size, the model, the LoRA (none until a request carries one).
-    `rewritten`: the enhanced prompt the edit used; then `prompt` is that one and `original_prompt` the user's."""
+    `rewritten`: the enhanced prompt the edit used; then `prompt` is that one and `original_prompt` the user's.
+    `weights`: the lossy copy of the transformer a fast job ran on (FAST_QUANTIZE), recorded as `weights`."""
     from imgedit import __version__
 
     adapters = getattr(params, "adapters", ())  # what the job really ran with, a speed preset's LoRA included
@@ -122,6 +125,8 @@ def settings_text(req, params, model: str, size: tuple[int, int], rewritten: str
         text["cache"] = params.cache if params.cache != "first-block" else f"first-block:{params.cache_threshold:g}"
     if getattr(req, "speed", None):
         text["speed"] = req.speed
+    if weights:  # lossy: a server without FAST_QUANTIZE makes a slightly different image from these settings
+        text["weights"] = weights
     if getattr(req, "mask", None) is not None:  # which mask (its hash), and how it was applied
         text.update(mask=f"sha256:{mask_digest(req.mask)}", mask_grow=str(params.mask_grow),
                     mask_feather=str(params.mask_feather), strength=f"{params.strength:g}")

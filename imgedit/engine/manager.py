@@ -355,7 +355,8 @@ class PipelineManager:
             # The one place every edge's results pass: each PNG returned or stored carries its settings.
             if task == "enhance":
                 return result
-            text = settings_text(req, params, self.settings.model_name, (result.width, result.height), result.prompt)
+            text = settings_text(req, params, self.settings.model_name, (result.width, result.height), result.prompt,
+                                 result.weights)
             for image, seed in zip(result.images, params.image_seeds, strict=True):
                 stamp([image], {**text, "seed": str(seed)})  # each image its own seed (Resolved.image_seeds)
             return result

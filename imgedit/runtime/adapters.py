@@ -47,6 +47,7 @@ class Adapters:
         if files:
             pipe.disable_lora()
         self.fast = None  # imgedit.runtime.fast_weights.FastWeights: the Lightning LoRAs' own quantized copies
+        self.weights: str | None = None  # the copy's mode while a job runs on one
         if fast != "none":
             from imgedit.runtime.fast_weights import FastWeights
 
@@ -80,6 +81,7 @@ class Adapters:
         self.active = adapters
         copy = self.fast.for_job(adapters, self.adapter_names, scheduler, cache) if self.fast is not None else None
         self._transformer(copy if copy is not None else self.base)
+        self.weights = self.fast.mode if copy is not None else None  # the job's result says so (the PNG too)
         if copy is not None:
             return
         one = self.adapter_names[adapters[0][0]] if len(adapters) == 1 else None

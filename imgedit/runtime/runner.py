@@ -184,7 +184,8 @@ class Runner:
             result = masked.composite(result)
         return EditResult(result, params.seed, params.steps, result[0].width, result[0].height,
                           time.perf_counter() - started, self.name, self.devices, req.request_id,
-                          prompt=prompt if params.enhance_tokens and notice is None else None, notice=notice)
+                          prompt=prompt if params.enhance_tokens and notice is None else None, notice=notice,
+                          weights=self.adapters.weights if self.adapters is not None else None)
 
     def _rewrite(self, job: Job, cancel: threading.Event, together):
         """The prompt rewrite (imgedit.runtime.enhance). In a group the first rank writes it and the others

@@ -192,6 +192,8 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
             done += " Only the painted area of the first image changed; the result has its size."
         if cached := result.images[0].info.get("cache"):
             done += f" Step cache: {cached} (lossy)."
+        if result.weights:
+            done += f" Ran on the server's {result.weights} fast-mode weights (lossy)."
         if notices := frame_notices(req.images):  # e.g. an animated GIF: its first frame was edited
             done += "\n\n**Note:** " + "; ".join(notices) + "."
         return result.images, done, compare_pair(req.images[0], result.images[0], req.mask), 0, ""

@@ -197,6 +197,8 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
             notices.append(result.notice)
         if notices:
             body["notices"] = notices
+        if result.weights:  # FAST_QUANTIZE: the lossy copy this fast edit ran on
+            body["weights"] = result.weights
         return JSONResponse(body)
 
     @router.post("/v1/prompts/enhance")

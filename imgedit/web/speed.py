@@ -25,8 +25,13 @@ CACHE_LABELS = {"none": "None (the exact image)",
 
 
 def speed_choices(settings: Settings) -> list[tuple[str, str]]:
-    """Quality, plus each Lightning speed whose LoRA is configured."""
-    return [(SPEED_LABELS[speed], speed) for speed, steps in SPEEDS.items()
+    """Quality, plus each Lightning speed whose LoRA is configured; a speed that runs on FAST_QUANTIZE's copy
+    says so (its images are not the bf16 weights' images)."""
+    from imgedit.planning.modes import fast_steps
+
+    quantized = fast_steps(settings)
+    return [(SPEED_LABELS[speed][:-1] + (f", {settings.fast_quantize} weights)" if steps in quantized else ")"), speed)
+            for speed, steps in SPEEDS.items()
             if steps is None or lightning_for(settings.lora_entries, steps) is not None]
 
 
