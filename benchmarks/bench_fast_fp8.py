@@ -68,6 +68,8 @@ def row(args, ckpt: Path, lora_dir: Path, mode: str) -> tuple[dict, dict[int, np
             wall = time.perf_counter() - started
             if contrast(result.images[0]) < 1.0:
                 raise RuntimeError("a flat (black/NaN) image came back")
+            if result.weights != (None if mode == "none" else mode):  # the job ran on the weights the row is about
+                raise RuntimeError(f"the {mode} row's job ran on {result.weights or 'the bf16 weights'}")
             per_step = clock.per_step
             run = {"wall_s": round(wall, 3), "worker_s": round(result.seconds, 3), "s_per_step": round(per_step, 4),
                    "outside_loop_s": round(wall - per_step * result.steps, 3)}

@@ -187,3 +187,13 @@ def test_a_cfg_pair_runs_fast_jobs_on_both_ranks_copies_split(tmp_path_factory):
     # both ranks on the copy: 4 split steps; the quality edit: 3 steps by branch, one forward per rank each
     assert probe.forwards.get("fast_transformer") == 2 * 4, probe.forwards
     assert probe.forwards["transformer"] == 2 * 3, probe.forwards
+    pair.close()
+    # A pair that does not split CFG-off jobs runs them on rank 0 alone: only rank 0 makes the copy
+    unsplit = make_manager(ckpt, plan=group_plan("cfg", 2, 1), PAIR_ULYSSES="off", **env)
+    assert not unsplit.workers[0].info["pair_ulysses"]
+    probe = ConcurrencyProbe(unsplit)
+    alone = unsplit.edit(EditRequest(images=(picture(),), prompt="make it red", seed=5, width=64, height=64,
+                                     speed="fastest"))
+    probe.close()
+    assert alone.weights == "int8" and probe.forwards.get("fast_transformer") == 4, probe.forwards
+    assert np.array_equal(np.asarray(alone.images[0], dtype=np.int16), pixels(one, speed="fastest"))

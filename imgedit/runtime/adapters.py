@@ -71,7 +71,8 @@ class Adapters:
                 self.default_scheduler.config, **LIGHTNING_SCHEDULER)
         return self._lightning
 
-    def use(self, adapters: tuple[tuple[str, float], ...], scheduler: str = "default", cache: str = "none") -> None:
+    def use(self, adapters: tuple[tuple[str, float], ...], scheduler: str = "default", cache: str = "none",
+            cfg: bool = False) -> None:
         """Activate exactly these adapters (or none) and the job's scheduler; a Lightning job runs on its own
         copy of the transformer when FAST_QUANTIZE made one (the quality weights are left as they are)."""
         unknown = [name for name, _ in adapters if name not in self.files]
@@ -79,7 +80,7 @@ class Adapters:
             raise ImgEditError(f"LoRA {unknown[0]!r} is not loaded in this worker")
         self.pipe.scheduler = self.lightning_scheduler if scheduler == "lightning" else self.default_scheduler
         self.active = adapters
-        copy = self.fast.for_job(adapters, self.adapter_names, scheduler, cache) if self.fast is not None else None
+        copy = self.fast.for_job(adapters, self.adapter_names, scheduler, cache, cfg) if self.fast is not None else None
         self._transformer(copy if copy is not None else self.base)
         self.weights = self.fast.mode if copy is not None else None  # the job's result says so (the PNG too)
         if copy is not None:
@@ -122,6 +123,7 @@ class Adapters:
         (`keep`) peft's layers stay as they are, and a fused LoRA's weights too, until the next job's `use`
         sets what it needs: back-to-back fast jobs switch nothing."""
         self.pipe.scheduler = self.default_scheduler
+        self.weights = None
         if not keep:
             self._transformer(self.base)
             self._layers(False)

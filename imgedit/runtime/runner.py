@@ -122,13 +122,14 @@ class Runner:
         # image (its own seed), so that any image of a multi-image result can be made again alone.
         generator = [torch.Generator(device="cpu").manual_seed(seed) for seed in params.image_seeds]
         out_of_memory = finished = False
-        prompt, notice = req.prompt, None
+        prompt, notice, weights = req.prompt, None, None
         try:
             if params.enhance_tokens:  # the rewrite first, on the same weights (its own cancel check)
                 rewritten = self._rewrite(job, cancel, together)
                 prompt, notice = rewritten.prompt, rewritten.notice
             if self.adapters is not None:
-                self.adapters.use(params.adapters, params.scheduler, params.cache)
+                self.adapters.use(params.adapters, params.scheduler, params.cache, self._cfg_on(job))
+                weights = self.adapters.weights  # FAST_QUANTIZE's copy, when the job runs on one
             elif params.adapters or params.scheduler != "default":
                 raise ImgEditError("this worker has no LoRAs loaded")
             if self.cfg_batch is not None:
@@ -185,7 +186,7 @@ class Runner:
         return EditResult(result, params.seed, params.steps, result[0].width, result[0].height,
                           time.perf_counter() - started, self.name, self.devices, req.request_id,
                           prompt=prompt if params.enhance_tokens and notice is None else None, notice=notice,
-                          weights=self.adapters.weights if self.adapters is not None else None)
+                          weights=weights)
 
     def _rewrite(self, job: Job, cancel: threading.Event, together):
         """The prompt rewrite (imgedit.runtime.enhance). In a group the first rank writes it and the others

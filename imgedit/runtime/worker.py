@@ -111,8 +111,10 @@ def _load(spec: WorkerSpec):
 
         def agree(ok: bool) -> bool:
             return not agree_to_stop(not ok, group)
+    # FAST_QUANTIZE's copies where fast jobs run: every rank of a pair that splits them, else rank 0 alone
+    fast = spec.fast_quantize if spec.rank == 0 or spec.pair_ulysses else "none"
     adapters = Adapters(pipe, spec.loras, spec.fuse_lora, spec.activation_reserve, spec.memory_caps if cuda else (),
-                        agree, spec.fast_quantize, spec.fast_steps)
+                        agree, fast, spec.fast_steps)
     fast = list(adapters.fast.copies.values()) if adapters.fast is not None else []  # FAST_QUANTIZE's copies
     weights = _weights_per_gpu() if cuda else {}  # the LoRAs' weights included
     runner = Runner(pipe, spec.name, spec.devices or plan.devices, spec.rank, spec.world, spec.parallel, group,
@@ -201,12 +203,17 @@ def _warm_up(runner, spec: WorkerSpec) -> list[float]:
 
     times = [run(width, height, "", true_cfg_scale=4.0) for width, height in spec.warmup_sizes]
     # CFG-off jobs are variants of their own: each Lightning LoRA's at the first size (with FUSE_LORA, the no-LoRA
-    # variant on fused weights); on a pair that splits CFG-off jobs (Ulysses on) the first one at every size.
+    # variant on fused weights); on a pair that splits CFG-off jobs (Ulysses on) the first one at every size. With
+    # FAST_QUANTIZE the Lightning jobs run on their copies: the quality weights' CFG-off variant is warmed too, and
+    # on a splitting pair every one of them at every size (each copy is a transformer of its own).
     split = runner.group is not None and runner.group.splits_cfg_off
+    copies = runner.adapters is not None and runner.adapters.fast is not None and bool(runner.adapters.fast.copies)
     offs = [((f.name, 1.0),) for f in spec.loras if f.steps] or ([()] if split else [])
+    if copies and () not in offs:
+        offs.append(())
     sizes = spec.warmup_sizes or ((1024, 1024),)
     for k, adapters in enumerate(offs):
-        for width, height in sizes if split and k == 0 else sizes[:1]:
+        for width, height in sizes if split and (k == 0 or copies) else sizes[:1]:
             times.append(run(width, height, f"{adapters[0][0] if adapters else 'cfg-off'}-", true_cfg_scale=1.0,
                              adapters=adapters, scheduler="lightning" if adapters else "default"))
     return times
