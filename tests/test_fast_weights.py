@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import COMPONENTS, ConcurrencyProbe, group_plan, make_manager, picture, start_server
-from test_loras import EIGHT, FOUR, Local, linears, lora_dir, rest_edit  # noqa: F401  (LoRA files, the runner)
+from conftest import COMPONENTS, ConcurrencyProbe, group_plan, http, make_manager, picture, start_server, wait_job
+from test_loras import EIGHT, FOUR, Local, linears, lora_dir, png_bytes, rest_edit  # noqa: F401  (LoRA files, runner)
 
 from imgedit.config.settings import load_settings
 from imgedit.errors import ImgEditError, PlacementError, SettingsError
@@ -145,8 +145,12 @@ def test_a_worker_process_serves_fast_jobs_on_the_copy_and_says_so(plus_ckpt, lo
     assert labels["fast"] == "Fast (Lightning, 8 steps)" and labels["quality"].endswith("CFG on)")
     with start_server(manager) as server:
         fastest, plain = rest_edit(server.url, speed="fastest"), rest_edit(server.url)
+        job = http.post(f"{server.url}/v1/jobs", files=[("image", ("a.png", png_bytes(), "image/png"))],
+                        data={"prompt": "make it red", "size": "64x64", "speed": "fastest"}, timeout=60).json()
+        view = wait_job(server.url, job["id"])
     assert fastest.status_code == 200 and fastest.json()["weights"] == "int8"
     assert plain.status_code == 200 and "weights" not in plain.json()
+    assert view["state"] == "succeeded" and view["items"][0]["weights"] == "int8", view  # /v1/jobs, from History
     from imgedit.engine.gpus import GpuMonitor, snapshot
 
     data = snapshot(GpuMonitor(), manager.status())
@@ -156,9 +160,9 @@ def test_a_worker_process_serves_fast_jobs_on_the_copy_and_says_so(plus_ckpt, lo
 
 
 def test_a_cfg_pair_runs_fast_jobs_on_both_ranks_copies_split(tmp_path_factory):
-    """A CFG pair holds the copy on both ranks, with a Ulysses switch like the quality transformer: a `fastest`
-    job (CFG off) runs on both ranks' copies, each forward's sequence split (PAIR_ULYSSES), and a quality edit
-    on the quality transformers, by branch. Each gives the one-process image."""
+    """A CFG pair that splits CFG-off jobs (PAIR_ULYSSES) holds the copy on both ranks, with a Ulysses switch like
+    the quality transformer's: a `fastest` job runs on both ranks' copies, each forward's sequence split, and gives
+    the image of a pair that does not split (its rank 0 runs the job alone, on the only copy it makes)."""
     from imgedit.model.demo_checkpoint import build_checkpoint
     from imgedit.model.lora_random import random_lora
     from imgedit.model.loras import transformer_linears
@@ -169,31 +173,25 @@ def test_a_cfg_pair_runs_fast_jobs_on_both_ranks_copies_split(tmp_path_factory):
     loras.mkdir()
     random_lora(loras / f"{FOUR}.safetensors", transformer_linears(ckpt), rank=4, std=0.4, seed=1)
     env = dict(LORA_DIR=str(loras), FAST_QUANTIZE="int8")
-    one = make_manager(ckpt, **env)
-    pair = make_manager(ckpt, plan=group_plan("cfg", 2, 1), PAIR_ULYSSES="on", **env)
-    assert pair.status().workers[0].fast_weights.startswith(f"int8: {FOUR}") and pair.workers[0].info["pair_ulysses"]
 
-    def pixels(manager, **kw):
-        req = EditRequest(images=(picture(),), prompt="make it red", seed=5, width=64, height=64, **kw)
-        return np.asarray(manager.edit(req).images[0], dtype=np.int16)
+    def edit(manager, **kw):
+        return manager.edit(EditRequest(images=(picture(),), prompt="make it red", seed=5, width=64, height=64, **kw))
 
-    probe = ConcurrencyProbe(pair)
-    split = pixels(pair, speed="fastest")
-    quality = pixels(pair, num_inference_steps=3, true_cfg_scale=4.0)
-    probe.close()
+    images, forwards = {}, {}
+    for split in ("on", "off"):
+        pair = make_manager(ckpt, plan=group_plan("cfg", 2, 1), PAIR_ULYSSES=split, **env)
+        assert pair.workers[0].info["pair_ulysses"] is (split == "on")
+        assert pair.status().workers[0].fast_weights.startswith(f"int8: {FOUR}")
+        probe = ConcurrencyProbe(pair)
+        fast = edit(pair, speed="fastest")
+        if split == "on":
+            edit(pair, num_inference_steps=3, true_cfg_scale=4.0)  # a quality edit: the quality transformers
+        probe.close()
+        pair.close()
+        assert fast.weights == "int8"
+        images[split], forwards[split] = np.asarray(fast.images[0], dtype=np.int16), probe.forwards
     # float32 on the CPU: the split attention sums in another order, so allow one level of rounding
-    assert np.abs(split - pixels(one, speed="fastest")).max() <= 1
-    assert np.array_equal(quality, pixels(one, num_inference_steps=3, true_cfg_scale=4.0))
-    # both ranks on the copy: 4 split steps; the quality edit: 3 steps by branch, one forward per rank each
-    assert probe.forwards.get("fast_transformer") == 2 * 4, probe.forwards
-    assert probe.forwards["transformer"] == 2 * 3, probe.forwards
-    pair.close()
-    # A pair that does not split CFG-off jobs runs them on rank 0 alone: only rank 0 makes the copy
-    unsplit = make_manager(ckpt, plan=group_plan("cfg", 2, 1), PAIR_ULYSSES="off", **env)
-    assert not unsplit.workers[0].info["pair_ulysses"]
-    probe = ConcurrencyProbe(unsplit)
-    alone = unsplit.edit(EditRequest(images=(picture(),), prompt="make it red", seed=5, width=64, height=64,
-                                     speed="fastest"))
-    probe.close()
-    assert alone.weights == "int8" and probe.forwards.get("fast_transformer") == 4, probe.forwards
-    assert np.array_equal(np.asarray(alone.images[0], dtype=np.int16), pixels(one, speed="fastest"))
+    assert np.abs(images["on"] - images["off"]).max() <= 1
+    # split: both ranks on their copies, 4 steps; the quality edit: 3 steps by branch, one forward per rank each
+    assert forwards["on"].get("fast_transformer") == 2 * 4 and forwards["on"]["transformer"] == 2 * 3, forwards
+    assert forwards["off"].get("fast_transformer") == 4 and not forwards["off"].get("transformer"), forwards

@@ -56,7 +56,7 @@ class Item:
                 "outputs": self.entry.outputs if self.entry else 0,
                 # enhance_prompt: each item's own rewrite (its images differ), None where the user's prompt ran
                 "revised_prompt": self.entry.prompt if self.entry and self.entry.original_prompt else None,
-                "notice": self.notice}
+                "notice": self.notice, "weights": self.entry.weights if self.entry else None}
 
 
 @dataclass

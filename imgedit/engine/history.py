@@ -53,7 +53,8 @@ CREATE TABLE IF NOT EXISTS results (
     speed TEXT,
     lora TEXT,
     lora_scale REAL,
-    original_prompt TEXT
+    original_prompt TEXT,
+    weights TEXT
 );
 CREATE INDEX IF NOT EXISTS results_owner ON results (owner, created);
 CREATE INDEX IF NOT EXISTS results_job ON results (job_id, item);
@@ -61,10 +62,11 @@ CREATE INDEX IF NOT EXISTS results_created ON results (created);
 """
 _COLUMNS = ("id, job_id, item, owner, created, source, name, prompt, negative_prompt, seed, steps, true_cfg_scale, "
             "num_images, width, height, out_width, out_height, outputs, inputs, folder, bytes, speed, lora, "
-            "lora_scale, original_prompt")
+            "lora_scale, original_prompt, weights")
 # Columns added after the first release, with their types: a database written by an older version gets
 # them at start-up (its rows read back as None: quality, no LoRA, which is what made them).
-_ADDED_COLUMNS = {"speed": "TEXT", "lora": "TEXT", "lora_scale": "REAL", "original_prompt": "TEXT"}
+_ADDED_COLUMNS = {"speed": "TEXT", "lora": "TEXT", "lora_scale": "REAL", "original_prompt": "TEXT",
+                  "weights": "TEXT"}
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ class HistoryEntry:
     lora: str | None = None  # the picked LoRA's name; None = none
     lora_scale: float | None = None  # its strength as asked for; None = 1
     original_prompt: str | None = None  # the user's words when the model rewrote them (`prompt` is the one used)
+    weights: str | None = None  # FAST_QUANTIZE's lossy copy the edit ran on (fp8 | int8); None = the model's own
 
     @property
     def output_paths(self) -> list[Path]:
@@ -182,12 +185,12 @@ class HistoryStore:
             req.negative_prompt or "", result.seed, result.steps, req.true_cfg_scale, len(result.images),
             req.width, req.height, result.width, result.height, len(result.images), len(req.images), folder, size,
             req.speed or None, None if req.lora in (None, "", "none") else req.lora, req.lora_scale,
-            req.prompt if result.prompt else None)
+            req.prompt if result.prompt else None, result.weights)
         row = (entry.id, entry.job_id, entry.item, entry.owner, entry.created, entry.source, entry.name, entry.prompt,
                entry.negative_prompt, entry.seed, entry.steps, entry.true_cfg_scale, entry.num_images, entry.width,
                entry.height, entry.out_width, entry.out_height, entry.outputs, entry.inputs,
                str(folder.relative_to(self.root)), entry.bytes, entry.speed, entry.lora, entry.lora_scale,
-               entry.original_prompt)
+               entry.original_prompt, entry.weights)
         with self._lock:
             self._db.execute(f"INSERT OR REPLACE INTO results ({_COLUMNS}) VALUES ({', '.join('?' * len(row))})",
                              row)

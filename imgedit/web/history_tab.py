@@ -111,7 +111,8 @@ def build_history_tab(settings: Settings, history: HistoryStore, edit_inputs: li
             raise refusal("that entry is gone (deleted by the retention rules)")
         speed, lora, scale = speed_values(entry)
         made_with = (f" · {speed}" if speed != "quality" else "") + \
-            (f" · LoRA {html.escape(lora)} ({scale:g})" if lora != NO_LORA else "")
+            (f" · LoRA {html.escape(lora)} ({scale:g})" if lora != NO_LORA else "") + \
+            (f" · {html.escape(entry.weights)} weights" if entry.weights else "")
         words = f"  \n*rewritten from:* {html.escape(entry.original_prompt)}" if entry.original_prompt else ""
         text = (f"**{html.escape(entry.prompt)}**{words}  \nseed {entry.seed} · {entry.steps} steps{made_with} · "
                 f"{entry.out_width}x{entry.out_height} · {entry.outputs} image(s) · {_when(entry.created)}")

@@ -69,7 +69,7 @@ def _restored_view(job_id: str, entries: list[HistoryEntry]) -> dict:
     first = entries[0]
     items = [{"index": e.item, "name": e.name, "state": "succeeded", "seed": e.seed, "step": e.steps,
               "total_steps": e.steps, "error": None, "outputs": e.outputs,
-              "revised_prompt": e.prompt if e.original_prompt else None} for e in entries]
+              "revised_prompt": e.prompt if e.original_prompt else None, "weights": e.weights} for e in entries]
     settings = {"prompt": first.original_prompt or first.prompt, "num_inference_steps": first.steps,
                 "n": first.num_images, "speed": first.speed, "lora": first.lora, "lora_scale": first.lora_scale,
                 "enhance_prompt": first.original_prompt is not None}
