@@ -202,8 +202,9 @@ def test_a_database_of_the_previous_version_opens_lists_and_takes_lora_rows(tmp_
         ("job-new", "fastest", "style", 0.5), ("job-old", None, None, None)]
     assert again.get("browser:x", made.id) == made
     columns = [row[1] for row in again._db.execute("PRAGMA table_info(results)")]
-    assert columns[-4:] == ["speed", "lora", "lora_scale", "original_prompt"] and len(columns) == 25
-    assert again.get("browser:x", "0123456789abcdef").original_prompt is None  # an old row: no rewrite
+    assert columns[-5:] == ["speed", "lora", "lora_scale", "original_prompt", "weights"] and len(columns) == 26
+    old = again.get("browser:x", "0123456789abcdef")
+    assert old.original_prompt is None and old.weights is None  # an old row: no rewrite, the model's own weights
 
 
 @pytest.fixture(scope="module")
