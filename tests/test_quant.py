@@ -202,6 +202,9 @@ def test_fp8_only_where_the_gpu_runs_it(real_sizes):
     with pytest.raises(PlacementError) as err:
         check_device(MemoryMode((("transformer", "fp8"),)), 0, "NVIDIA A100-SXM4-80GB", (8, 0))
     assert "cuda:0 (NVIDIA A100-SXM4-80GB) has 8.0" in err.value.message
+    with pytest.raises(PlacementError, match=r"FAST_QUANTIZE=fp8 needs compute capability 8.9 .* has 8.0; use int8"):
+        check_device(None, 0, "NVIDIA A100-SXM4-80GB", (8, 0), "fp8")
+    check_device(None, 0, "NVIDIA H100 80GB HBM3", (9, 0), "fp8")  # Hopper runs it
 
 
 def test_nothing_fits_is_refused_with_what_was_tried(real_sizes):
@@ -300,6 +303,9 @@ def test_a_worker_on_the_cpu_refuses_fp8():
     with pytest.raises(PlacementError, match="fp8 needs a CUDA GPU .* this worker runs on the CPU"):
         worker_check(MemoryMode((("transformer", "fp8"),)), "cpu")
     worker_check(MemoryMode((("transformer", "int8"),)), "cpu")  # int8 runs there
+    with pytest.raises(PlacementError, match="FAST_QUANTIZE=fp8 needs a CUDA GPU .* the CPU; use int8 on the CPU"):
+        worker_check(None, "cpu", "fp8")  # FAST_QUANTIZE's copies: the same check
+    worker_check(None, "cpu", "int8")
 
 
 def test_offload_hooks_keep_resident_blocks_and_stream_the_rest(plus_ckpt, plus_pipe):

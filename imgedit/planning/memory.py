@@ -93,12 +93,20 @@ def check_platform(quantize: Sequence[tuple[str, str]] | None, offload: Sequence
             "with OFFLOAD=text_encoder,blocks) or keep a quantized transformer resident")
 
 
-def check_device(mode: MemoryMode, index: int, name: str, capability: tuple[int, int]) -> None:
+def fp8_uses(mode: MemoryMode | None, fast_quantize: str = "none") -> list[tuple[str, str]]:
+    """(setting, what to use instead) for each fp8 a worker is asked to run: QUANTIZE, FAST_QUANTIZE."""
+    uses = [("QUANTIZE=fp8", "int8 or nf4")] if mode is not None and "fp8" in dict(mode.quantize).values() else []
+    return uses + ([("FAST_QUANTIZE=fp8", "int8")] if fast_quantize == "fp8" else [])
+
+
+def check_device(mode: MemoryMode | None, index: int, name: str, capability: tuple[int, int],
+                 fast_quantize: str = "none") -> None:
     """The worker's own check, with the capability CUDA reports (NVML may be missing)."""
-    if "fp8" in dict(mode.quantize).values() and tuple(capability) < FP8_CAPABILITY:
-        raise PlacementError(
-            f"QUANTIZE=fp8 needs compute capability 8.9 or newer, but cuda:{index} ({name}) has "
-            f"{capability[0]}.{capability[1]}; use int8 or nf4 on this GPU")
+    for what, instead in fp8_uses(mode, fast_quantize):
+        if tuple(capability) < FP8_CAPABILITY:
+            raise PlacementError(
+                f"{what} needs compute capability 8.9 or newer, but cuda:{index} ({name}) has "
+                f"{capability[0]}.{capability[1]}; use {instead} on this GPU")
 
 
 # ---- the choice ----

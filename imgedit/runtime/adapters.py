@@ -53,13 +53,18 @@ class Adapters:
 
             lightning = {f.name: self.adapter_names[f.name] for f in files if f.steps in fast_steps}
             self.fast = FastWeights(pipe.transformer, lightning, fast, reserve, caps)
-            pipe.imgedit_fast_copies = tuple(self.fast.copies.values())  # for worker hooks that watch every transformer
+            pipe.imgedit_fast_copies = self.copies  # for worker hooks that watch every transformer
         self.fusion = None  # imgedit.runtime.fusion.Fusion: a job's one LoRA written into the weights
         if files and fuse != "off":
             from imgedit.runtime.fusion import Fusion
 
             # every LoRA, the Lightning ones too (a preset's LoRA at another strength runs here), if the room is left
             self.fusion = Fusion(pipe.transformer, self.adapter_names.values(), fuse, reserve, caps, agree)
+
+    @property
+    def copies(self) -> tuple:
+        """FAST_QUANTIZE's copies of the transformer this rank holds (compiled, wrapped and warmed like it)."""
+        return tuple(self.fast.copies.values()) if self.fast is not None else ()
 
     @property
     def lightning_scheduler(self):

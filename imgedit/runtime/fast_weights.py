@@ -74,14 +74,14 @@ def _fuse(module: torch.nn.Module, adapter: str) -> None:
     """Replace each peft LoRA layer inside `module` by its base layer, `adapter` written into its weight."""
     from peft.tuners.lora import LoraLayer
 
+    from imgedit.runtime.fusion import add_lora
+
     for fqn, layer in [(n, m) for n, m in module.named_modules() if isinstance(m, LoraLayer)]:
         base = layer.get_base_layer()
         if adapter in layer.lora_A:  # FastWeights checked it with fusion.fusable_layers
             rank = layer.r[adapter]
             scaling = layer.lora_alpha[adapter] / (math.sqrt(rank) if layer.use_rslora.get(adapter) else rank)
-            weight = base.weight
-            down, up = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
-            weight.data.addmm_(up.to(weight.dtype), down.to(weight.dtype), alpha=scaling)
+            add_lora(base.weight.data, layer, adapter, scaling)  # strength 1, as peft scales it
         parent, _, attr = fqn.rpartition(".")
         setattr(module.get_submodule(parent) if parent else module, attr, base)
 
@@ -114,11 +114,11 @@ class FastWeights:
         device = next(transformer.parameters()).device
         one = copy_bytes(transformer, mode)
         if device.type == "cuda":
-            from imgedit.runtime.fusion import _room
+            from imgedit.runtime.fusion import gpu_room
 
             blocks = transformer.get_submodule(block_container(transformer))
             building = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks)
-            need, room = one * len(adapters) + building, _room(device.index or 0, caps) - reserve
+            need, room = one * len(adapters) + building, gpu_room(device.index or 0, caps) - reserve
             if need > room:
                 raise PlacementError(
                     f"FAST_QUANTIZE={mode} needs {need / GIB:.1f} GiB on {device} for {len(adapters)} copy(ies) of the "

@@ -93,8 +93,7 @@ class Fusion:
             for layer in self.layers[adapter]:
                 weight = layer.get_base_layer().weight
                 self._touched.append(weight)
-                down, up = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
-                weight.addmm_(up.to(weight.dtype), down.to(weight.dtype), alpha=layer.scaling[adapter])
+                add_lora(weight, layer, adapter, layer.scaling[adapter])
         self.fused = (adapter, strength)
 
     def restore(self) -> None:
@@ -110,6 +109,13 @@ class Fusion:
         self.fused = None
 
 
+def add_lora(weight: torch.Tensor, layer, adapter: str, scaling: float) -> None:
+    """W += scaling * (B @ A) in W's own dtype (`addmm_`: one rounding). Also FAST_QUANTIZE's copies
+    (imgedit.runtime.fast_weights)."""
+    down, up = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+    weight.addmm_(up.to(weight.dtype), down.to(weight.dtype), alpha=scaling)
+
+
 def _where(weights: list[torch.Tensor], mode: str, reserve: int, caps: tuple[int, ...]) -> str | None:
     """"beside" (the copy of the base weights goes on their own devices), or None (nothing is fused:
     FUSE_LORA=off, nothing fusable, or the copy does not fit there). CPU weights (tests, the demo) always fit."""
@@ -119,7 +125,7 @@ def _where(weights: list[torch.Tensor], mode: str, reserve: int, caps: tuple[int
     for w in (w for w in weights if w.is_cuda):
         need[w.device.index] = need.get(w.device.index, 0) + w.numel() * w.element_size()
     for index, nbytes in sorted(need.items()):
-        room = _room(index, caps)
+        room = gpu_room(index, caps)
         if nbytes + reserve > room:
             log.warning("FUSE_LORA=auto: a copy of the adapted weights (%.1f GiB on cuda:%d) does not fit in "
                         "%.1f GiB free with ACTIVATION_RESERVE %.1f GiB kept; LoRAs run unfused (+9 %% per "
@@ -128,7 +134,7 @@ def _where(weights: list[torch.Tensor], mode: str, reserve: int, caps: tuple[int
     return "beside"
 
 
-def _room(index: int, caps: tuple[int, ...]) -> int:
+def gpu_room(index: int, caps: tuple[int, ...]) -> int:
     """Bytes this process may still allocate on cuda:index: what the driver has free plus torch's unused
     cache, under MAX_MEMORY's cap when one is set (imgedit.runtime.worker._cap_memory)."""
     from imgedit.planning.placement import allocator_budget

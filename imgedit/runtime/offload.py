@@ -16,6 +16,7 @@ from imgedit.config.parsers import is_skipped
 from imgedit.errors import PlacementError
 from imgedit.model.components import block_container
 from imgedit.planning.memory import check_device as check_capability
+from imgedit.planning.memory import fp8_uses
 from imgedit.planning.plan import MemoryMode, Placement
 from imgedit.runtime import weights
 
@@ -171,29 +172,17 @@ def stream(model: torch.nn.Module, device: str, memory: MemoryMode | None) -> No
             block.to(device)
 
 
-def check_device(memory: MemoryMode | None, device: str) -> None:
-    """fp8 needs compute capability 8.9+: say which GPU this worker has and what it lacks."""
-    if memory is None or not device.startswith("cuda"):
-        if memory is not None and "fp8" in dict(memory.quantize).values():
-            raise PlacementError("QUANTIZE=fp8 needs a CUDA GPU of compute capability 8.9 or newer, but this "
-                                 "worker runs on the CPU; use int8 or nf4 on the CPU")
-        return
-    index = torch.device(device).index or 0
-    check_capability(memory, index, torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index))
-
-
-def check_fp8(device: str, what: str) -> None:
-    """FAST_QUANTIZE=fp8 on this worker's device: a CUDA GPU of compute capability 8.9+ (as QUANTIZE=fp8)."""
-    from imgedit.planning.memory import FP8_CAPABILITY
-
-    if not device.startswith("cuda"):
+def check_device(memory: MemoryMode | None, device: str, fast_quantize: str = "none") -> None:
+    """fp8 (QUANTIZE, FAST_QUANTIZE) needs compute capability 8.9+: say which GPU this worker has and what it lacks."""
+    uses = fp8_uses(memory, fast_quantize)
+    if uses and not device.startswith("cuda"):
+        what, instead = uses[0]
         raise PlacementError(f"{what} needs a CUDA GPU of compute capability 8.9 or newer, but this worker runs on "
-                             "the CPU; use int8 on the CPU")
-    index = torch.device(device).index or 0
-    capability = torch.cuda.get_device_capability(index)
-    if tuple(capability) < FP8_CAPABILITY:
-        raise PlacementError(f"{what} needs compute capability 8.9 or newer, but {device} "
-                             f"({torch.cuda.get_device_name(index)}) has {capability[0]}.{capability[1]}; use int8")
+                             f"the CPU; use {instead} on the CPU")
+    if uses:
+        index = torch.device(device).index or 0
+        check_capability(memory, index, torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index),
+                         fast_quantize)
 
 
 # ATTENTION -> diffusers' backend names: PyTorch's own SDPA kernels, nothing to download.

@@ -60,9 +60,8 @@ class Runner:
         if parallel != "none":
             from imgedit.runtime.group import ParallelGroup
 
-            copies = tuple(adapters.fast.copies.values()) if adapters is not None and adapters.fast is not None else ()
             self.group = ParallelGroup(pipe.transformer, parallel, rank, world, ulysses, cuda, group, pair_ulysses,
-                                       copies)
+                                       adapters.copies if adapters is not None else ())
         self.adapters = adapters  # imgedit.runtime.adapters.Adapters: the job's LoRAs and scheduler
         from imgedit.runtime.step_cache import StepCache
 

@@ -85,9 +85,7 @@ def _load(spec: WorkerSpec):
         group = init_group(spec.rank, spec.world, spec.master_port, cuda)
     from imgedit.runtime import offload
 
-    offload.check_device(plan.memory, plan.execution_device)
-    if spec.fast_quantize == "fp8":
-        offload.check_fp8(plan.execution_device, "FAST_QUANTIZE=fp8")
+    offload.check_device(plan.memory, plan.execution_device, spec.fast_quantize)
     # A random-weight benchmark checkpoint is built in bf16 on the GPU before it is quantized or
     # offloaded: cap the allocator once loading is done (the cap still holds for every job).
     late_cap = plan.memory is not None and spec.checkpoint.random_weights
@@ -112,10 +110,10 @@ def _load(spec: WorkerSpec):
         def agree(ok: bool) -> bool:
             return not agree_to_stop(not ok, group)
     # FAST_QUANTIZE's copies where fast jobs run: every rank of a pair that splits them, else rank 0 alone
-    fast = spec.fast_quantize if spec.rank == 0 or spec.pair_ulysses else "none"
+    fast_mode = spec.fast_quantize if spec.rank == 0 or spec.pair_ulysses else "none"
     adapters = Adapters(pipe, spec.loras, spec.fuse_lora, spec.activation_reserve, spec.memory_caps if cuda else (),
-                        agree, fast, spec.fast_steps)
-    fast = list(adapters.fast.copies.values()) if adapters.fast is not None else []  # FAST_QUANTIZE's copies
+                        agree, fast_mode, spec.fast_steps)
+    fast = adapters.copies  # FAST_QUANTIZE's copies of the transformer
     weights = _weights_per_gpu() if cuda else {}  # the LoRAs' weights included
     runner = Runner(pipe, spec.name, spec.devices or plan.devices, spec.rank, spec.world, spec.parallel, group,
                     spec.auto_cleanup, spec.ulysses, cuda, adapters,
@@ -207,7 +205,7 @@ def _warm_up(runner, spec: WorkerSpec) -> list[float]:
     # FAST_QUANTIZE the Lightning jobs run on their copies: the quality weights' CFG-off variant is warmed too, and
     # on a splitting pair every one of them at every size (each copy is a transformer of its own).
     split = runner.group is not None and runner.group.splits_cfg_off
-    copies = runner.adapters is not None and runner.adapters.fast is not None and bool(runner.adapters.fast.copies)
+    copies = runner.adapters is not None and bool(runner.adapters.copies)
     offs = [((f.name, 1.0),) for f in spec.loras if f.steps] or ([()] if split else [])
     if copies and () not in offs:
         offs.append(())
