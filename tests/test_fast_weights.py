@@ -25,15 +25,21 @@ def int8(plus_ckpt, lora_dir):  # noqa: F811  (the fixture imported above)
     return Local(plus_ckpt, lora_dir, fuse="auto", fast="int8")
 
 
+@pytest.fixture(scope="module")
+def reference(plus_ckpt, lora_dir):  # noqa: F811
+    """The same LoRAs, FUSE_LORA=auto, no copy: fast jobs on the quality weights (one pipeline for the module)."""
+    return Local(plus_ckpt, lora_dir, fuse="auto")
+
+
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
     mse = float(np.mean((a.astype(np.float64) - b) ** 2))
     return 99.0 if mse == 0 else 10 * np.log10(255.0**2 / mse)
 
 
-def test_the_copy_is_the_fused_lora_exactly_before_quantizing(plus_ckpt, lora_dir):  # noqa: F811
+def test_the_copy_is_the_fused_lora_exactly_before_quantizing(reference):
     """Unquantized ("none", for this test), a copy gives the pixels of FUSE_LORA's in-place fusing bit for bit:
     the same W + scaling * B @ A with one rounding, and plain Linear layers where peft's were."""
-    local = Local(plus_ckpt, lora_dir, fuse="auto")
+    local = reference
     fused = local.edit(speed="fastest")  # FUSE_LORA: written into the quality weights
     local.adapters.fusion.restore()
     adapter = local.adapters.adapter_names[FOUR]
@@ -45,15 +51,15 @@ def test_the_copy_is_the_fused_lora_exactly_before_quantizing(plus_ckpt, lora_di
     assert local.pipe.transformer is copy  # a finished job leaves it for the next fast one
     assert np.array_equal(local.edit(), local.baseline)  # the quality weights were never written
     assert local.pipe.transformer is local.adapters.base
+    local.adapters.fast = None  # the module's reference again: no copy
 
 
-def test_fast_jobs_run_on_their_quantized_copy_and_every_other_job_on_the_quality_weights(int8, plus_ckpt,
+def test_fast_jobs_run_on_their_quantized_copy_and_every_other_job_on_the_quality_weights(int8, reference, plus_ckpt,
                                                                                         lora_dir):  # noqa: F811
     fast = int8.adapters.fast
     assert set(fast.copies) == {int8.adapters.adapter_names[n] for n in (FOUR, EIGHT)}
     assert fast.describe().startswith(f"int8: {FOUR}, {EIGHT} (a copy of the transformer each, LoRA fused in, ")
     assert int8.adapters.fusion.can_fuse(int8.adapters.adapter_names[FOUR])  # FUSE_LORA as before, for other jobs
-    reference = Local(plus_ckpt, lora_dir, fuse="auto")  # the same LoRAs, fast jobs on the quality weights
     base, base_params = int8.adapters.base, {n: p.clone() for n, p in int8.adapters.base.named_parameters()}
     for speed, name in (("fastest", FOUR), ("fast", EIGHT)):
         image = int8.edit(speed=speed)
