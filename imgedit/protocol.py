@@ -96,6 +96,7 @@ class WorkerStatus:
     components: dict | None = None  # per component: dtype, quantization, location (imgedit.runtime.offload.describe)
     weights_mib: dict[str, float] = field(default_factory=dict)  # per GPU, measured by its ranks after loading
     fast_weights: str = ""  # FAST_QUANTIZE as the worker built it: none, or the mode and its copies
+    cpu_threads: int = 0  # PyTorch's CPU threads in the worker's processes (WORKER_THREADS)
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,32 @@ class PeakSampler:
         self.thread.join()
 
 
+@pytest.mark.gpu
+def test_pictures_cross_as_bytes_with_the_processors_pixels():
+    """runtime.pixels on a GPU: every input byte and a spread of bf16 decoder outputs (rounding ties included)
+    give what diffusers' own processor gives."""
+    import torch
+    from diffusers.image_processor import VaeImageProcessor
+    from PIL import Image
+
+    from imgedit.runtime.pixels import Pixels
+
+    processor = VaeImageProcessor(vae_scale_factor=16)
+    pixels = Pixels(processor, torch.device("cuda:0"))
+    ramp = Image.fromarray(np.arange(256, dtype=np.uint8).reshape(16, 16)).convert("RGB")
+    photo = Image.fromarray(np.random.default_rng(0).integers(0, 256, (1024, 768, 3), dtype=np.uint8))
+    for image, size in ((ramp, (16, 16)), (photo, (1024, 768))):
+        mine = pixels.to_tensor(image, *size)
+        assert mine.device.type == "cuda" and torch.equal(mine.cpu(), processor.preprocess(image, *size))
+    k = torch.arange(256, dtype=torch.float64)
+    values = torch.cat([((k + 0.5) / 255 - 0.5) / 0.5, torch.linspace(-1.1, 1.1, 3 * 16 * 16 * 64 - 256,
+                                                                     dtype=torch.float64)])
+    for dtype in (torch.bfloat16, torch.float32):
+        decoded = values.to(dtype).reshape(1, 3, -1, 16).cuda()
+        mine, theirs = pixels.to_pictures(decoded)[0], processor.postprocess(decoded)[0]
+        assert np.array_equal(np.asarray(mine), np.asarray(theirs))
+
+
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("device_map, max_memory, expect_split", [
     ("balanced", "", False), ("replicas", "", False), ("cuda:1", "", False), ("balanced", "31GiB", True),
@@ -133,8 +159,10 @@ def test_pair_image_equals_the_one_gpu_image(real_ckpt):
         b = np.asarray(edit(pair, steps=4, seed=3).images[0], dtype=np.int16)
         c = edit(pair, steps=2, cfg=1.0)  # CFG off: both GPUs, each forward's sequence split (PAIR_ULYSSES)
         split = pair.workers[0].info.get("pair_ulysses")
+        threads = pair.status().workers[0].cpu_threads
     finally:
         pair.close()
+    assert threads == min(4, len(os.sched_getaffinity(0)) // 2)  # WORKER_THREADS=auto for a GPU pair
     print("pair vs one GPU: max abs difference", int(np.abs(a - b).max()))
     c_off = np.asarray(c.images[0], dtype=np.int16)  # bf16: the split attention rounds otherwise (probe: 0.9998)
     print("CFG off, Ulysses-2 pair vs one GPU: max / mean abs difference", int(np.abs(a_off - c_off).max()),

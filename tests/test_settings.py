@@ -70,6 +70,8 @@ def test_dtype_aliases():
     ("GPU_MEMORY_RESERVE", "lots", "a size such as"),
     ("DEVICE_MAP", '{"transformer": {"0-59": 0}}', "device strings such as"),
     ("DEVICE_MAP", "[1, 2]", "a JSON object"),
+    ("WORKER_THREADS", "0", "auto or a whole number from 1 to 256"),
+    ("WORKER_THREADS", "many", "auto or a whole number from 1 to 256"),
 ])
 def test_bad_values_name_variable_value_and_allowed(name, value, allowed):
     with pytest.raises(SettingsError) as info:
@@ -157,3 +159,27 @@ def test_the_edges_do_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=__import__("pathlib").Path(__file__).resolve().parents[1])
     assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_worker_threads_for_gpu_workers_only():
+    """WORKER_THREADS: auto is 4 per GPU process, fewer where the machine has fewer CPUs for its GPU processes,
+    OMP_NUM_THREADS where set; a CPU worker keeps PyTorch's default (0); a number is used as given."""
+    from imgedit.planning.modes import worker_threads
+    from imgedit.planning.plan import Placement, WorkerPlan
+
+    def worker(device: str, ranks: int = 1) -> WorkerPlan:
+        plan = WorkerPlan("w", {c: Placement(device) for c in ("transformer", "text_encoder", "vae")})
+        if ranks > 1:
+            plan = WorkerPlan("w", plan.components, parallel="cfg", rank_devices=("cuda:0", "cuda:1"))
+        return plan
+
+    auto, eight = load_settings({}), load_settings({"WORKER_THREADS": "8"})
+    assert auto.worker_threads == 0 and eight.worker_threads == 8
+    one, pair, cpu = worker("cuda:0"), worker("cuda:0", ranks=2), worker("cpu")
+    assert pair.ranks == 2
+    assert worker_threads(auto, one, [one], 32, None) == 4
+    assert worker_threads(auto, pair, [pair], 32, None) == 4
+    assert worker_threads(auto, one, [pair, pair, pair, one], 16, None) == 2  # 7 GPU processes on 16 CPUs
+    assert worker_threads(auto, one, [one] * 8, 4, None) == 1
+    assert worker_threads(auto, one, [one], 32, "6") == 6 and worker_threads(eight, one, [one], 32, "6") == 8
+    assert worker_threads(auto, cpu, [cpu], 32, None) == 0 and worker_threads(eight, cpu, [cpu], 32, None) == 0

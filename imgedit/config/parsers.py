@@ -36,6 +36,21 @@ def _bool(raw: str) -> bool:
     raise ValueError("one of true/false, 1/0, yes/no, on/off")
 
 
+def _auto_or_int(low: int, high: int) -> Callable[[str], int]:
+    """'auto' as 0, else a whole number from low to high."""
+    numbers = _int_range(low, high)
+
+    def parse(raw: str) -> int:
+        if raw.strip().lower() == "auto":
+            return 0
+        try:
+            return numbers(raw)
+        except ValueError:
+            raise ValueError(f"auto or a whole number from {low} to {high}") from None
+
+    return parse
+
+
 def _int_range(low: int, high: int) -> Callable[[str], int]:
     def parse(raw: str) -> int:
         try:

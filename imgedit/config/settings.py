@@ -19,6 +19,7 @@ from imgedit.config.parsers import (
     GIB,
     LOG_LEVELS,
     DeviceMap,
+    _auto_or_int,
     _bool,
     _choice,
     _float_range,
@@ -127,6 +128,10 @@ REGISTRY: tuple[Var, ...] = (
     Var("ENCODE_CACHE", "8", _int_range(0, 256),
         "Input encodings each worker keeps: the same image edited again is not VAE-encoded again, the same "
         "prompt with the same images not text-encoded again (exact: the stored results); 0 = off"),
+    Var("WORKER_THREADS", "auto", _auto_or_int(1, 256),
+        "PyTorch CPU threads in each GPU worker process (prompt and picture preparation runs on its CPU): auto = 4, "
+        "or this machine's CPUs per GPU process if fewer, or OMP_NUM_THREADS where that is set; CPU workers keep "
+        "PyTorch's default. More threads than that made the steps before the loop slower (benchmarks)"),
     Var("CACHE", "none", _choice("none", "first-block", "taylorseer"),
         "Step cache for quality edits (diffusers' cache hooks): none | first-block (skip the other blocks when the "
         "first block's residual barely changed) | taylorseer (forecast blocks between full steps); lossy, opt-in; "
@@ -221,6 +226,7 @@ class Settings:
     compile_mode: str = "default"
     attention: str = "native"
     encode_cache: int = 8
+    worker_threads: int = 0  # 0 = auto
     enhance_max_tokens: int = 160
     cache: str = "none"
     cache_threshold: float = 0.08

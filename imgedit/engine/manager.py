@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from imgedit.config.settings import Settings
 from imgedit.engine.images import settings_text, stamp
 from imgedit.engine.inspection import inspect_checkpoint
-from imgedit.engine.pool import WorkerHandle, wait_result
+from imgedit.engine.pool import WorkerHandle, host_threads, wait_result
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.engine.validation import resolve, resolve_enhance
 from imgedit.errors import (
@@ -155,10 +155,10 @@ class PipelineManager:
         for line in self._plan.describe():
             log.info("%s", line)
         self.workers = [self._handle(w) for w in self._plan.workers]
-        for worker in self.workers:
-            compiled = "on" if self.compile_enabled(worker.plan) else "off"
-            log.info("%s: %d process(es), compile %s, encode cache %s", worker.name, worker.plan.ranks, compiled,
-                     f"{s.encode_cache} input(s)" if s.encode_cache else "off")
+        for w in self.workers:
+            log.info("%s: %d process(es), compile %s, encode cache %s, CPU threads %s", w.name, w.plan.ranks,
+                     "on" if self.compile_enabled(w.plan) else "off", f"{s.encode_cache} input(s)" if s.encode_cache
+                     else "off", w.spec.cpu_threads or "PyTorch's default")
         if (refusal := modes.kernel_refusal(s, self._plans, self.checkpoint.attention_heads)) is not None:
             self.load_error = refusal
             raise PlacementError(refusal)
@@ -187,7 +187,8 @@ class PipelineManager:
                           pair_ulysses=modes.pair_ulysses(s, plan, self.checkpoint.attention_heads),
                           encode_cache=s.encode_cache, attention=s.attention, compile_mode=s.compile_mode,
                           fuse_lora=modes.fuse_lora(s, plan), activation_reserve=s.activation_reserve,
-                          fast_quantize=s.fast_quantize, fast_steps=modes.fast_steps(s))
+                          fast_quantize=s.fast_quantize, fast_steps=modes.fast_steps(s),
+                          cpu_threads=modes.worker_threads(s, plan, self._plan.workers, *host_threads()))
         common = dict(cache_dir=s.compile_cache_dir, max_restarts=s.worker_restarts, log_level=s.log_level,
                       on_change=self._changed, max_memory=s.max_memory)
         if s.workers == "ray":
@@ -383,8 +384,7 @@ class PipelineManager:
             waiting=self.waiting(), workers=tuple(w.status() for w in self.workers), error=self.load_error,
             loras=tuple(f.describe() for f in self.loras), weights_mib=self._planned_weights(),
             cache=self.settings.cache if self.settings.cache != "first-block"
-            else f"first-block (threshold {self.settings.cache_threshold:g})",
-            attention=self.settings.attention,
+            else f"first-block (threshold {self.settings.cache_threshold:g})", attention=self.settings.attention,
             compile_mode=modes.compile_mode(self.settings, self._plans), fast_quantize=self.settings.fast_quantize)
 
     def _planned_weights(self) -> dict[str, float]:

@@ -78,6 +78,12 @@ def rank_gpus(plan: WorkerPlan) -> list[str]:
     return [d for d in plan.devices if d.startswith("cuda:")]
 
 
+def host_threads() -> tuple[int, str | None]:
+    """The CPUs this process may run on, and OMP_NUM_THREADS as set (planning.modes.worker_threads)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cpus, os.environ.get("OMP_NUM_THREADS")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -325,7 +331,8 @@ class WorkerHandle:
                             encode_cache=int(self.info.get("encode_cache") or 0),
                             attention=str(self.info.get("attention") or ""),
                             components=self.info.get("components"), weights_mib=dict(self.weights_mib),
-                            fast_weights=str(self.info.get("fast_weights") or ""))
+                            fast_weights=str(self.info.get("fast_weights") or ""),
+                            cpu_threads=int(self.info.get("cpu_threads") or 0))
 
 
 def wait_result(handle: WorkerHandle, events: queue.Queue, cancel: threading.Event,

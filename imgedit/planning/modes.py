@@ -99,6 +99,20 @@ def pair_ulysses(settings: Settings, plan: WorkerPlan, heads: int | None = None)
                                              and plan.execution_device.startswith("cuda"))
 
 
+def worker_threads(settings: Settings, plan: WorkerPlan, plans: Sequence[WorkerPlan], cpus: int,
+                   omp: str | None) -> int:
+    """WORKER_THREADS for one worker's processes: 0 (PyTorch's default) on the CPU; auto = OMP_NUM_THREADS where
+    set, else 4, or fewer where the machine has fewer CPUs per GPU process (the ranks of all `plans` on GPUs)."""
+    if not plan.execution_device.startswith("cuda"):
+        return 0
+    if settings.worker_threads:
+        return settings.worker_threads
+    if omp and omp.strip().isdigit() and int(omp) > 0:
+        return int(omp)
+    gpu_ranks = sum(p.ranks for p in plans if p.execution_device.startswith("cuda"))
+    return max(1, min(4, cpus // max(1, gpu_ranks)))
+
+
 def compile_mode(settings: Settings, plans: Sequence[WorkerPlan]) -> str:
     """COMPILE_MODE as the workers run it: off when none is compiled."""
     return settings.compile_mode if any(compile_enabled(settings, p) for p in plans) else "off"

@@ -70,6 +70,7 @@ class WorkerSpec:
     activation_reserve: int = 0  # ACTIVATION_RESERVE: what a fused LoRA's copy of the weights must leave free
     fast_quantize: str = "none"  # FAST_QUANTIZE: Lightning LoRAs' quantized copies (runtime.fast_weights)
     fast_steps: tuple[int, ...] = (4, 8)  # FAST_QUANTIZE_SPEEDS as Lightning step counts
+    cpu_threads: int = 0  # WORKER_THREADS (planning.modes.worker_threads); 0 = PyTorch's default
 
 
 @dataclass(frozen=True)

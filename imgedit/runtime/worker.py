@@ -78,6 +78,8 @@ def _load(spec: WorkerSpec):
     torch.set_grad_enabled(False)
     plan = spec.plan
     cuda = plan.execution_device.startswith("cuda")
+    if cuda and spec.cpu_threads:  # WORKER_THREADS: a GPU worker's CPU prepares, it does not compute
+        torch.set_num_threads(spec.cpu_threads)
     group = None
     if spec.world > 1:
         from imgedit.runtime.cfg_parallel import init_group
@@ -97,10 +99,11 @@ def _load(spec: WorkerSpec):
         dtype = torch.float32
     pipe = loader.load_pipeline(spec.checkpoint, plan, dtype)
     install_token_type_fix(pipe.text_encoder)
-    from imgedit.runtime import encode_cache
+    from imgedit.runtime import encode_cache, pixels
     from imgedit.runtime.adapters import Adapters
 
     encode_cache.install(pipe, spec.encode_cache)  # a repeated input is not encoded again (exact)
+    pixels.install(pipe)  # pictures cross to and from the VAE's GPU as bytes, the arithmetic there (exact)
 
     # every rank loads the same LoRAs, all disabled; FUSE_LORA copies the weights they adapt (counted as weights)
     agree = None  # FUSE_LORA: the ranks of a group fuse all or none (a vote over the CPU group: any "no" wins)
@@ -127,7 +130,7 @@ def _load(spec: WorkerSpec):
                   "loras": [f.name for f in spec.loras], "components": offload.describe(pipe, plan.memory),
                   "fuse_lora": adapters.fusion.describe() if adapters.fusion is not None else "off",
                   "fast_weights": adapters.fast.describe() if adapters.fast is not None else "none",
-                  "weights_mib": weights, "encode_cache": spec.encode_cache}
+                  "weights_mib": weights, "encode_cache": spec.encode_cache, "cpu_threads": torch.get_num_threads()}
     if spec.hook:
         module, _, function = spec.hook.partition(":")
         import importlib

@@ -226,6 +226,8 @@ def panel_html(data: dict) -> str:
                 line += f'; encode cache: {int(w["encode_cache"])} inputs'
             if w.get("fast_weights") not in (None, "", "none"):
                 line += f'; fast mode on {w["fast_weights"]}'
+            if w.get("cpu_threads"):
+                line += f'; {int(w["cpu_threads"])} CPU threads'
             parts.append(f'<small class="gp-foot worker-weights">{escape(w["name"])} weights: {escape(line)}</small>')
     parts.append(f'<small class="gp-foot">placement: {escape(str(data.get("placement_mode", "")))} — '
                  f'{escape(str(data.get("placement_reason", "")))}; '
