@@ -46,6 +46,7 @@ def test_every_byte_and_every_rounding_boundary_match_the_processor(installed):
     ramp = PIL.Image.fromarray(np.arange(256, dtype=np.uint8).reshape(16, 16)).convert("RGB")
     cases = ((photo, (48, 80)), (ramp, (16, 16)), ([photo, photo], (32, 64)), (photo.convert("L"), (48, 80)))
     for image, size in cases:
+        assert done._plain_input(image, None, "default") == (image is not cases[-1][0])  # grayscale: their path
         mine = processor.preprocess(image, *size)
         theirs = done.preprocess(image, *size)
         assert mine.dtype == theirs.dtype == torch.float32 and torch.equal(mine, theirs)

@@ -12,7 +12,7 @@ Exact, not close: an input byte becomes the float the processor's own `pil_to_nu
 same float32 operations in the same order (`denormalize`, `.float()`, `* 255`, `.round()`; elementwise IEEE
 operations, one kernel each, give the same result on either device). Tests pin both against the processor's own
 methods. Anything but the pipelines' plain call (PIL pictures in; 'pil' out; a processor configured otherwise;
-a VAE that is not wholly on one GPU, as when offloaded) takes the processor's own path.
+a picture that is not RGB; a VAE that is not wholly on one GPU, as when offloaded) takes the processor's own path.
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ class Pixels:
     def _plain_input(self, image, crops_coords, resize_mode) -> bool:
         config = self.processor.config
         pictures = image if isinstance(image, list) else [image]
-        return (crops_coords is None and resize_mode == "default" and config.do_resize and config.do_convert_rgb
+        return (crops_coords is None and resize_mode == "default" and config.do_resize
                 and not config.do_convert_grayscale and not config.do_binarize and len(pictures) > 0
-                and all(isinstance(p, PIL.Image.Image) for p in pictures))
+                and all(isinstance(p, PIL.Image.Image) and (p.mode == "RGB" or config.do_convert_rgb)
+                        for p in pictures))
 
     def to_tensor(self, image, height=None, width=None, resize_mode="default", crops_coords=None) -> torch.Tensor:
         """`preprocess` for PIL pictures: resized and converted by the processor, made floats on the GPU."""
@@ -48,7 +49,9 @@ class Pixels:
         processor = self.processor
         pictures = image if isinstance(image, list) else [image]
         height, width = processor.get_default_height_width(pictures[0], height, width)
-        pictures = [processor.convert_to_rgb(processor.resize(p, height, width)) for p in pictures]
+        pictures = [processor.resize(p, height, width) for p in pictures]
+        if processor.config.do_convert_rgb:
+            pictures = [processor.convert_to_rgb(p) for p in pictures]
         data = torch.from_numpy(np.stack([np.asarray(p) for p in pictures]))  # (n, h, w, 3) bytes
         return self.table[data.to(self.device).permute(0, 3, 1, 2).long()]
 
