@@ -67,8 +67,11 @@ def test_pictures_cross_as_bytes_with_the_processors_pixels():
     in the other tests' GPU memory readings."""
     import sys
 
-    done = subprocess.run([sys.executable, "-c", "import test_gpu; test_gpu.pixels_check()"], cwd=os.path.dirname(
-        __file__), capture_output=True, text=True, timeout=300)
+    paths = [str(ARTIFACTS.parent), *(os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                      if p)]  # the repository, and relative entries as this process reads them
+    done = subprocess.run([sys.executable, "-c", "import test_gpu; test_gpu.pixels_check()"],
+                          cwd=os.path.dirname(__file__), capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)})
     assert done.returncode == 0 and "pixels ok" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
