@@ -177,9 +177,10 @@ def test_worker_threads_for_gpu_workers_only():
     assert auto.worker_threads == 0 and eight.worker_threads == 8
     one, pair, cpu = worker("cuda:0"), worker("cuda:0", ranks=2), worker("cpu")
     assert pair.ranks == 2
-    assert worker_threads(auto, one, [one], 32, None) == 4
-    assert worker_threads(auto, pair, [pair], 32, None) == 4
+    assert worker_threads(auto, one, [one], 32, None) == 4  # a one-GPU worker: at most 4
+    assert worker_threads(auto, pair, [pair], 32, None) == 16  # a pair's ranks: their share
     assert worker_threads(auto, one, [pair, pair, pair, one], 16, None) == 2  # 7 GPU processes on 16 CPUs
+    assert worker_threads(auto, pair, [pair, pair, pair, one], 16, None) == 2
     assert worker_threads(auto, one, [one] * 8, 4, None) == 1
     assert worker_threads(auto, one, [one], 32, "6") == 6 and worker_threads(eight, one, [one], 32, "6") == 8
     assert worker_threads(auto, cpu, [cpu], 32, None) == 0 and worker_threads(eight, cpu, [cpu], 32, None) == 0

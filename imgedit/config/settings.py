@@ -129,9 +129,9 @@ REGISTRY: tuple[Var, ...] = (
         "Input encodings each worker keeps: the same image edited again is not VAE-encoded again, the same "
         "prompt with the same images not text-encoded again (exact: the stored results); 0 = off"),
     Var("WORKER_THREADS", "auto", _auto_or_int(1, 256),
-        "PyTorch CPU threads in each GPU worker process (prompt and picture preparation runs on its CPU): auto = 4, "
-        "or this machine's CPUs per GPU process if fewer, or OMP_NUM_THREADS where that is set; CPU workers keep "
-        "PyTorch's default. More threads than that made the steps before the loop slower (benchmarks)"),
+        "PyTorch CPU threads in each GPU worker process (prompts and pictures are prepared on its CPU): auto = the "
+        "machine's CPUs shared out over its GPU processes, at most 4 for a one-GPU worker, or OMP_NUM_THREADS where "
+        "set; CPU workers keep PyTorch's default (every CPU), which made a GPU edit's steps before the loop slower"),
     Var("CACHE", "none", _choice("none", "first-block", "taylorseer"),
         "Step cache for quality edits (diffusers' cache hooks): none | first-block (skip the other blocks when the "
         "first block's residual barely changed) | taylorseer (forecast blocks between full steps); lossy, opt-in; "

@@ -102,15 +102,18 @@ def pair_ulysses(settings: Settings, plan: WorkerPlan, heads: int | None = None)
 def worker_threads(settings: Settings, plan: WorkerPlan, plans: Sequence[WorkerPlan], cpus: int,
                    omp: str | None) -> int:
     """WORKER_THREADS for one worker's processes: 0 (PyTorch's default) on the CPU; auto = OMP_NUM_THREADS where
-    set, else 4, or fewer where the machine has fewer CPUs per GPU process (the ranks of all `plans` on GPUs)."""
+    set, else the machine's CPUs shared out over its GPU processes (the ranks of all `plans` on GPUs), at most 4
+    for a one-GPU worker. Measured on a 32-CPU 2x H100 host (docs/BENCHMARKS.md): PyTorch's default (every CPU
+    in every process) made the steps before the loop 0.07 s slower on one GPU and 0.1-0.2 s on a pair; 4 threads
+    kept one GPU's steps as they were but slowed an eager split pair's (0.273 -> 0.333 s); 16 kept them."""
     if not plan.execution_device.startswith("cuda"):
         return 0
     if settings.worker_threads:
         return settings.worker_threads
     if omp and omp.strip().isdigit() and int(omp) > 0:
         return int(omp)
-    gpu_ranks = sum(p.ranks for p in plans if p.execution_device.startswith("cuda"))
-    return max(1, min(4, cpus // max(1, gpu_ranks)))
+    share = max(1, cpus // max(1, sum(p.ranks for p in plans if p.execution_device.startswith("cuda"))))
+    return min(4, share) if plan.ranks == 1 else share
 
 
 def compile_mode(settings: Settings, plans: Sequence[WorkerPlan]) -> str:
