@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -103,7 +104,7 @@ def timeline(submitted: float, returned: float) -> dict:
     ranks: dict[int, dict] = {}
     for path in sorted(STAMPS.glob("rank*.jsonl")):
         stamps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        stamps = [s for s in stamps if submitted - 0.01 <= s["t"] <= returned + 0.01]
+        stamps = [s for s in stamps if s["t"] >= submitted - 0.01]  # a rank may stamp after the result is back
         phases_: dict[str, list] = {}
         forwards = []
         for s in stamps:
@@ -121,7 +122,7 @@ def timeline(submitted: float, returned: float) -> dict:
             if edge == ">":
                 phases_[key] = [t, None]
             else:
-                open_ = [k for k in phases_ if k.startswith(name) and phases_[k][1] is None]
+                open_ = [k for k in phases_ if re.fullmatch(re.escape(name) + r"\d*", k) and phases_[k][1] is None]
                 if open_:
                     phases_[open_[-1]][1] = t
         if stamps:
@@ -131,12 +132,12 @@ def timeline(submitted: float, returned: float) -> dict:
 
 def run_mode(name: str, variant: str, args, ckpt: Path) -> dict:
     extra = dict(pair.split("=", 1) for pair in variant.split(",") if "=" in pair)
-    os.environ.update(extra)  # worker processes start with this process's environment
-    for key in ("BENCH_THREADS", "BENCH_CUDNN", "BENCH_PIXELS"):
-        if key not in extra:
-            os.environ.pop(key, None)
+    for key in ("BENCH_THREADS", "BENCH_CUDNN", "BENCH_PIXELS"):  # the hook's: worker processes read this one's
+        os.environ.pop(key, None)
+        if key in extra:
+            os.environ[key] = extra.pop(key)
     env = {"QWEN_MODEL_DIR": str(ckpt), "COMPILE": args.compile, "ENCODE_CACHE": "0", "LOG_LEVEL": "INFO",
-           **MODES[name]}
+           **MODES[name], **extra}  # the rest are settings (WORKER_THREADS=..., PAIR_ULYSSES=...)
     if args.tiny:
         env["DEVICE_MAP"] = "cpu"
     size = 64 if args.tiny else args.size
@@ -172,11 +173,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ckpt", default="/tmp/qwen-image-edit-real-random")
     parser.add_argument("--size", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, choices=range(1, 100), metavar="N")
     parser.add_argument("--modes", default="one,pair")
     parser.add_argument("--compile", default="off", choices=("off", "on"))
-    parser.add_argument("--variants", default="base", help="';'-separated, each 'base' or KEY=V,KEY=V (BENCH_THREADS, "
-                        "BENCH_CUDNN=1, BENCH_PIXELS=0) set for the workers")
+    parser.add_argument("--variants", default="base", help="';'-separated, each [MODE:]'base' or KEY=V,KEY=V: the "
+                        "hook's BENCH_THREADS (PyTorch CPU threads; WORKER_THREADS=auto otherwise), BENCH_CUDNN=1, "
+                        "BENCH_PIXELS=0, or settings (WORKER_THREADS=32, ...)")
     parser.add_argument("--json", default="")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
@@ -190,7 +192,8 @@ def main() -> None:
             build_checkpoint(ckpt, kind="plus", size="real")
     rows = []
     for variant in args.variants.split(";"):  # MODE:VARIANT runs that mode only
-        mode, _, variant = variant.rpartition(":")
+        mode, _, rest = variant.partition(":")
+        mode, variant = (mode, rest) if rest and all(m.strip() in MODES for m in mode.split(",")) else ("", variant)
         rows += [run_mode(m.strip(), variant.strip(), args, ckpt) for m in (mode or args.modes).split(",")]
     out = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "rows": rows}
     write_results(out, {f'{r["mode"]} {r["variant"]}': {"wall_s": r["wall_s"], "startup_s": r["startup_s"],

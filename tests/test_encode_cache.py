@@ -1,4 +1,5 @@
-"""ENCODE_CACHE: a worker keeps its last input encodings and hands them back, exactly, for a repeated input.
+"""ENCODE_CACHE: a worker keeps its last input encodings and hands them back, exactly, for a repeated input;
+and runtime.pixels: the pictures' pre- and postprocessing on the VAE's device, exactly.
 
 Checked on the tiny checkpoint's real pipeline (the same code as a worker's): the pixels of an edit
 are the same bit for bit with the memo missing, hitting and off; a new image, prompt or size is
@@ -14,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import LocalPipeline, picture
+from PIL import Image
 
-from imgedit.runtime import encode_cache
+from imgedit.runtime import encode_cache, pixels
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +100,67 @@ class _uncached:
             return self.pipe(**kwargs)
         finally:
             vars(self.pipe).update(saved)
+
+
+# ---- runtime.pixels: checked against the processor's own methods (diffusers' VaeImageProcessor) on every byte,
+# every finite bfloat16 and float32 values at the rounding ties, and through a real edit on the tiny checkpoint (a
+# worker on the CPU keeps the processor's own path: here `install` is told the CPU is the device, to run this
+# code). tests/test_gpu.py checks the same on a GPU.
+@pytest.fixture
+def installed(bare):
+    processor = bare.pipe.image_processor
+    assert "preprocess" not in vars(processor)  # the class's own methods before
+    done = pixels.install(bare.pipe, torch.device("cpu"))
+    try:
+        yield bare.pipe, done
+    finally:
+        del processor.preprocess, processor.postprocess
+
+
+def test_a_vae_on_the_cpu_keeps_the_processors_own_pixels(bare):
+    assert pixels.vae_device(bare.pipe.vae) is None
+    assert pixels.install(bare.pipe) is None and "preprocess" not in vars(bare.pipe.image_processor)
+
+
+def test_pictures_as_bytes_give_the_processors_own_floats_and_bytes(installed):
+    pipe, done = installed
+    processor = pipe.image_processor
+    photo = Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 80, 3), dtype=np.uint8))
+    ramp = Image.fromarray(np.arange(256, dtype=np.uint8).reshape(16, 16)).convert("RGB")  # every byte
+    cases = ((photo, (48, 80)), (ramp, (16, 16)), ([photo, photo], (32, 64)), (photo.convert("L"), (48, 80)))
+    for image, size in cases:
+        assert done._plain_input(image, None, "default") == (image is not cases[-1][0])  # grayscale: their path
+        mine, theirs = processor.preprocess(image, *size), done.preprocess(image, *size)
+        assert mine.dtype == theirs.dtype == torch.float32 and torch.equal(mine, theirs)
+        assert mine.stride() == theirs.stride()  # the same layout too: a convolution may pick kernels by it
+    # out: every finite bfloat16, and float32 at each byte's rounding tie ((k + 0.5) / 255 denormalized) and beside
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    k = torch.arange(256, dtype=torch.float64)
+    ties = (((k + 0.5) / 255 - 0.5) / 0.5).float()
+    floats = torch.cat([ties, torch.nextafter(ties, torch.tensor(2.0)), torch.nextafter(ties, torch.tensor(-2.0)),
+                        torch.linspace(-1.2, 1.2, 4096)])
+    for values in (bits[torch.isfinite(bits)], floats):
+        values = values[: values.numel() // 48 * 48].reshape(1, 3, -1, 16)
+        mine, theirs = processor.postprocess(values), done.postprocess(values)
+        assert len(mine) == len(theirs) == 1 and np.array_equal(np.asarray(mine[0]), np.asarray(theirs[0]))
+    assert isinstance(processor.postprocess(values, output_type="pt"), torch.Tensor)  # other outputs: as before
+
+
+def test_an_edit_gives_the_same_picture_with_its_pictures_as_bytes(installed):
+    pipe, _ = installed
+    photo = picture(96, 64)
+
+    def run():
+        return pipe(image=[photo], prompt="make it red", true_cfg_scale=1.0, num_inference_steps=2, width=64,
+                    height=64, generator=torch.Generator().manual_seed(3)).images[0]
+
+    mine = run()
+    processor = pipe.image_processor
+    saved = processor.preprocess, processor.postprocess
+    del processor.preprocess, processor.postprocess
+    try:
+        theirs = run()
+    finally:
+        processor.preprocess, processor.postprocess = saved
+    assert mine.size == theirs.size == (64, 64)
+    assert np.array_equal(np.asarray(mine), np.asarray(theirs)) and np.asarray(mine).std() > 0

@@ -87,13 +87,15 @@ def pixels_check() -> None:
     ramp = Image.fromarray(np.arange(256, dtype=np.uint8).reshape(16, 16)).convert("RGB")
     photo = Image.fromarray(np.random.default_rng(0).integers(0, 256, (1024, 768, 3), dtype=np.uint8))
     for image, size in ((ramp, (16, 16)), (photo, (1024, 768))):
-        mine = pixels.to_tensor(image, *size)
-        assert mine.device.type == "cuda" and torch.equal(mine.cpu(), processor.preprocess(image, *size))
+        mine, theirs = pixels.to_tensor(image, *size), processor.preprocess(image, *size)
+        assert mine.device.type == "cuda" and torch.equal(mine.cpu(), theirs) and mine.stride() == theirs.stride()
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)  # every bf16
     k = torch.arange(256, dtype=torch.float64)
-    values = torch.cat([((k + 0.5) / 255 - 0.5) / 0.5, torch.linspace(-1.1, 1.1, 3 * 16 * 16 * 64 - 256,
-                                                                     dtype=torch.float64)])
-    for dtype in (torch.bfloat16, torch.float32):
-        decoded = values.to(dtype).reshape(1, 3, -1, 16).cuda()
+    ties = (((k + 0.5) / 255 - 0.5) / 0.5).float()  # each byte's rounding tie, and the floats beside it
+    floats = torch.cat([ties, torch.nextafter(ties, torch.tensor(2.0)), torch.nextafter(ties, torch.tensor(-2.0)),
+                        torch.linspace(-1.1, 1.1, 4096)])
+    for values in (bits[torch.isfinite(bits)], floats):
+        decoded = values[: values.numel() // 48 * 48].reshape(1, 3, -1, 16).cuda()
         mine, theirs = pixels.to_pictures(decoded)[0], processor.postprocess(decoded)[0]
         assert np.array_equal(np.asarray(mine), np.asarray(theirs))
     print("pixels ok")
@@ -172,10 +174,11 @@ def test_pair_image_equals_the_one_gpu_image(real_ckpt):
         b = np.asarray(edit(pair, steps=4, seed=3).images[0], dtype=np.int16)
         c = edit(pair, steps=2, cfg=1.0)  # CFG off: both GPUs, each forward's sequence split (PAIR_ULYSSES)
         split = pair.workers[0].info.get("pair_ulysses")
-        threads = pair.status().workers[0].cpu_threads
+        threads, on_gpu = pair.status().workers[0].cpu_threads, pair.workers[0].info.get("pixels")
     finally:
         pair.close()
-    assert threads == 3  # WORKER_THREADS reaches both GPU ranks (auto reads OMP_NUM_THREADS, 1 in the tests)
+    assert threads == 3  # WORKER_THREADS reaches rank 0 (auto would read the tests' OMP_NUM_THREADS=1)
+    assert on_gpu == "cuda:0"  # rank 0's pictures crossed to its GPU as bytes (runtime.pixels took the GPU path)
     print("pair vs one GPU: max abs difference", int(np.abs(a - b).max()))
     c_off = np.asarray(c.images[0], dtype=np.int16)  # bf16: the split attention rounds otherwise (probe: 0.9998)
     print("CFG off, Ulysses-2 pair vs one GPU: max / mean abs difference", int(np.abs(a_off - c_off).max()),

@@ -184,3 +184,6 @@ def test_worker_threads_for_gpu_workers_only():
     assert worker_threads(auto, one, [one] * 8, 4, None) == 1
     assert worker_threads(auto, one, [one], 32, "6") == 6 and worker_threads(eight, one, [one], 32, "6") == 8
     assert worker_threads(auto, cpu, [cpu], 32, None) == 0 and worker_threads(eight, cpu, [cpu], 32, None) == 0
+    ray = load_settings({"WORKERS": "ray"})  # the server's CPUs say nothing of a Ray node's: Ray's own setting
+    assert worker_threads(ray, one, [one], 32, None) == 0
+    assert worker_threads(load_settings({"WORKERS": "ray", "WORKER_THREADS": "6"}), one, [one], 32, None) == 6

@@ -131,7 +131,8 @@ REGISTRY: tuple[Var, ...] = (
     Var("WORKER_THREADS", "auto", _auto_or_int(1, 256),
         "PyTorch CPU threads in each GPU worker process (prompts and pictures are prepared on its CPU): auto = the "
         "machine's CPUs shared out over its GPU processes, at most 4 for a one-GPU worker, or OMP_NUM_THREADS where "
-        "set; CPU workers keep PyTorch's default (every CPU), which made a GPU edit's steps before the loop slower"),
+        "set (WORKERS=ray: Ray's). PyTorch's default, every CPU in every process, made the steps before the loop "
+        "slower; CPU workers keep it"),
     Var("CACHE", "none", _choice("none", "first-block", "taylorseer"),
         "Step cache for quality edits (diffusers' cache hooks): none | first-block (skip the other blocks when the "
         "first block's residual barely changed) | taylorseer (forecast blocks between full steps); lossy, opt-in; "

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 from imgedit.errors import WorkerFailed
 from imgedit.planning.plan import Placement, WorkerPlan
@@ -79,8 +80,15 @@ def rank_gpus(plan: WorkerPlan) -> list[str]:
 
 
 def host_threads() -> tuple[int, str | None]:
-    """The CPUs this process may run on, and OMP_NUM_THREADS as set (planning.modes.worker_threads)."""
+    """The CPUs this process may run on (its affinity, and a container's CPU quota where it has one), and
+    OMP_NUM_THREADS as set (planning.modes.worker_threads)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]  # cgroup v2: "max 100000" = none
+        if quota != "max":
+            cpus = max(1, min(cpus, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
     return cpus, os.environ.get("OMP_NUM_THREADS")
 
 

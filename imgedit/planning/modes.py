@@ -101,14 +101,15 @@ def pair_ulysses(settings: Settings, plan: WorkerPlan, heads: int | None = None)
 
 def worker_threads(settings: Settings, plan: WorkerPlan, plans: Sequence[WorkerPlan], cpus: int,
                    omp: str | None) -> int:
-    """WORKER_THREADS for one worker's processes: 0 (PyTorch's default) on the CPU; auto = OMP_NUM_THREADS where
-    set, else the machine's CPUs shared out over its GPU processes (the ranks of all `plans` on GPUs), at most 4
-    for a one-GPU worker. Measured on a 32-CPU 2x H100 host (docs/BENCHMARKS.md): PyTorch's default (every CPU
-    in every process) made the steps before the loop 0.07 s slower on one GPU and 0.1-0.2 s on a pair; 4 threads
-    kept one GPU's steps as they were but slowed an eager split pair's (0.273 -> 0.333 s); 16 kept them."""
+    """WORKER_THREADS for one worker's processes: 0 (PyTorch's default) on the CPU, and under WORKERS=ray unless
+    set (Ray sets each actor's OMP_NUM_THREADS); auto = OMP_NUM_THREADS where set, else the machine's CPUs shared
+    out over its GPU processes (the ranks of all `plans` on GPUs), at most 4 for a one-GPU worker. Measured on a
+    32-CPU 2x H100 host (docs/BENCHMARKS.md): PyTorch's default (every CPU in every process) made the steps before
+    the loop 0.07 s slower on one GPU and 0.1-0.2 s on a pair; 4 threads kept one GPU's steps as they were but
+    slowed an eager split pair's (0.273 -> 0.333 s); 16 kept them."""
     if not plan.execution_device.startswith("cuda"):
         return 0
-    if settings.worker_threads:
+    if settings.worker_threads or settings.workers == "ray":  # Ray gives each actor its own OMP_NUM_THREADS
         return settings.worker_threads
     if omp and omp.strip().isdigit() and int(omp) > 0:
         return int(omp)

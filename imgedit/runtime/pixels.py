@@ -52,8 +52,9 @@ class Pixels:
         pictures = [processor.resize(p, height, width) for p in pictures]
         if processor.config.do_convert_rgb:
             pictures = [processor.convert_to_rgb(p) for p in pictures]
-        data = torch.from_numpy(np.stack([np.asarray(p) for p in pictures]))  # (n, h, w, 3) bytes
-        return self.table[data.to(self.device).permute(0, 3, 1, 2).long()]
+        data = torch.from_numpy(np.stack([np.asarray(p) for p in pictures])).to(self.device)  # (n, h, w, 3) bytes
+        floats = self.table.index_select(0, data.reshape(-1).int()).view(data.shape)
+        return floats.permute(0, 3, 1, 2)  # the processor's own layout: its numpy transpose's strides
 
     def to_pictures(self, image: torch.Tensor, output_type: str = "pil", do_denormalize=None):
         """`postprocess` to 'pil': the float-to-byte arithmetic on the GPU, only the bytes copied back."""
@@ -61,7 +62,7 @@ class Pixels:
                 or image.ndim != 4 or image.shape[1] != 3):
             return self.postprocess(image, output_type=output_type, do_denormalize=do_denormalize)
         image = self.processor._denormalize_conditionally(image, do_denormalize)
-        data = (image.float() * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        data = (image.float() * 255).round_().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
         return [PIL.Image.fromarray(picture) for picture in data]
 
 

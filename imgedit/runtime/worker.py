@@ -103,7 +103,7 @@ def _load(spec: WorkerSpec):
     from imgedit.runtime.adapters import Adapters
 
     encode_cache.install(pipe, spec.encode_cache)  # a repeated input is not encoded again (exact)
-    pixels.install(pipe)  # pictures cross to and from the VAE's GPU as bytes, the arithmetic there (exact)
+    on_gpu = pixels.install(pipe)  # pictures cross to and from the VAE's GPU as bytes, the arithmetic there (exact)
 
     # every rank loads the same LoRAs, all disabled; FUSE_LORA copies the weights they adapt (counted as weights)
     agree = None  # FUSE_LORA: the ranks of a group fuse all or none (a vote over the CPU group: any "no" wins)
@@ -130,7 +130,8 @@ def _load(spec: WorkerSpec):
                   "loras": [f.name for f in spec.loras], "components": offload.describe(pipe, plan.memory),
                   "fuse_lora": adapters.fusion.describe() if adapters.fusion is not None else "off",
                   "fast_weights": adapters.fast.describe() if adapters.fast is not None else "none",
-                  "weights_mib": weights, "encode_cache": spec.encode_cache, "cpu_threads": torch.get_num_threads()}
+                  "weights_mib": weights, "encode_cache": spec.encode_cache, "cpu_threads": torch.get_num_threads(),
+                  "pixels": str(on_gpu.device) if on_gpu is not None else "cpu"}
     if spec.hook:
         module, _, function = spec.hook.partition(":")
         import importlib

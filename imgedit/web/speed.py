@@ -15,8 +15,8 @@ from imgedit.config.loras import MAX_LORA_SCALE, SPEEDS, lightning_for
 from imgedit.config.settings import Settings
 from imgedit.engine.validation import CACHES
 
-SPEED_LABELS = {"quality": "Quality (the model's steps, CFG on)", "fast": "Fast (Lightning, 8 steps)",
-                "fastest": "Fastest (Lightning, 4 steps)"}
+SPEEDS_SHOWN = {"quality": ("Quality", "the model's steps, CFG on"), "fast": ("Fast", "Lightning, 8 steps"),
+                "fastest": ("Fastest", "Lightning, 4 steps")}  # the label, then what it runs
 NO_LORA = "none"
 SERVER_CACHE = "default"  # the Step cache choice that leaves the request's `cache` out: the server's CACHE
 CACHE_LABELS = {"none": "None (the exact image)",
@@ -30,9 +30,13 @@ def speed_choices(settings: Settings) -> list[tuple[str, str]]:
     from imgedit.planning.modes import fast_steps
 
     quantized = fast_steps(settings)
-    return [(SPEED_LABELS[speed][:-1] + (f", {settings.fast_quantize} weights)" if steps in quantized else ")"), speed)
-            for speed, steps in SPEEDS.items()
-            if steps is None or lightning_for(settings.lora_entries, steps) is not None]
+    choices = []
+    for speed, steps in SPEEDS.items():
+        if steps is None or lightning_for(settings.lora_entries, steps) is not None:
+            name, runs = SPEEDS_SHOWN[speed]
+            weights = f", {settings.fast_quantize} weights" if steps in quantized else ""
+            choices.append((f"{name} ({runs}{weights})", speed))
+    return choices
 
 
 def lora_choices(settings: Settings) -> list[str]:
