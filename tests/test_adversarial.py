@@ -20,6 +20,7 @@ import openai
 import pytest
 from conftest import ROOT, ConcurrencyProbe, http, make_manager, picture, start_server, wait_for
 from gradio_client import Client, handle_file
+from gradio_client.utils import Status
 from raw_gradio import RawGradio, file_data
 
 FRAMEWORK_TEXT = ("Traceback", 'File "', "validation error", "Input should", "pydantic", "Cannot move",
@@ -334,6 +335,10 @@ def test_cancel_storm_then_everyone_else_is_served(live_server, server_manager, 
     wait_idle(server_manager)
     # Six jobs fill this server (two workers, QUEUE_MAX_SIZE=4): two to keep, four in the storm.
     keep = [bystander.submit(*args(300 + i, 3), api_name="/edit") for i in range(2)]
+    # Gradio's queue counts an event until one of the two workers' slots takes it: the storm comes once both
+    # kept jobs were taken (on a loaded machine a storm sent at once found them still queued: "Queue is full").
+    started = (Status.PROCESSING, Status.ITERATING, Status.PROGRESS, Status.FINISHED)
+    wait_for(lambda: all(job.done() or job.status().code in started for job in keep), 60, "the kept jobs never ran")
     doomed = [storm.submit(*args(400 + i, 10), api_name="/edit") for i in range(4)]
     survivors = []
     for job in doomed:
