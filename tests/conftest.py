@@ -288,6 +288,17 @@ class ConcurrencyProbe:
                 self.max_active[name] = max(self.max_active[name], active[name])
 
 
+def decoder_outputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """runtime.pixels' test values, shaped as decoded pictures (1, 3, h, 16): every finite bfloat16, and float32
+    at each byte's rounding tie ((k + 0.5) / 255 once denormalized), the floats beside each, and a spread."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    k = torch.arange(256, dtype=torch.float64)
+    ties = (((k + 0.5) / 255 - 0.5) / 0.5).float()
+    floats = torch.cat([ties, torch.nextafter(ties, torch.tensor(2.0)), torch.nextafter(ties, torch.tensor(-2.0)),
+                        torch.linspace(-1.2, 1.2, 4096)])
+    return tuple(v[: v.numel() // 48 * 48].reshape(1, 3, -1, 16) for v in (bits[torch.isfinite(bits)], floats))
+
+
 def wait_for(condition, timeout: float, what: str = "timed out") -> None:
     """Poll `condition` until it holds, failing with `what` after `timeout` seconds."""
     deadline = time.time() + timeout

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import LocalPipeline, picture
+from conftest import LocalPipeline, decoder_outputs, picture
 from PIL import Image
 
 from imgedit.runtime import encode_cache, pixels
@@ -133,14 +133,7 @@ def test_pictures_as_bytes_give_the_processors_own_floats_and_bytes(installed):
         mine, theirs = processor.preprocess(image, *size), done.preprocess(image, *size)
         assert mine.dtype == theirs.dtype == torch.float32 and torch.equal(mine, theirs)
         assert mine.stride() == theirs.stride()  # the same layout too: a convolution may pick kernels by it
-    # out: every finite bfloat16, and float32 at each byte's rounding tie ((k + 0.5) / 255 denormalized) and beside
-    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    k = torch.arange(256, dtype=torch.float64)
-    ties = (((k + 0.5) / 255 - 0.5) / 0.5).float()
-    floats = torch.cat([ties, torch.nextafter(ties, torch.tensor(2.0)), torch.nextafter(ties, torch.tensor(-2.0)),
-                        torch.linspace(-1.2, 1.2, 4096)])
-    for values in (bits[torch.isfinite(bits)], floats):
-        values = values[: values.numel() // 48 * 48].reshape(1, 3, -1, 16)
+    for values in decoder_outputs():  # out: every finite bfloat16, float32 at and beside the rounding ties
         mine, theirs = processor.postprocess(values), done.postprocess(values)
         assert len(mine) == len(theirs) == 1 and np.array_equal(np.asarray(mine[0]), np.asarray(theirs[0]))
     assert isinstance(processor.postprocess(values, output_type="pt"), torch.Tensor)  # other outputs: as before

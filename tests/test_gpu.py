@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import ARTIFACTS, ConcurrencyProbe, make_manager, picture
+from conftest import ARTIFACTS, ConcurrencyProbe, decoder_outputs, make_manager, picture
 
 from imgedit.engine.gpus import GpuMonitor, discover_gpus, snapshot
 from imgedit.errors import OutOfGpuMemory
@@ -89,13 +89,8 @@ def pixels_check() -> None:
     for image, size in ((ramp, (16, 16)), (photo, (1024, 768))):
         mine, theirs = pixels.to_tensor(image, *size), processor.preprocess(image, *size)
         assert mine.device.type == "cuda" and torch.equal(mine.cpu(), theirs) and mine.stride() == theirs.stride()
-    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)  # every bf16
-    k = torch.arange(256, dtype=torch.float64)
-    ties = (((k + 0.5) / 255 - 0.5) / 0.5).float()  # each byte's rounding tie, and the floats beside it
-    floats = torch.cat([ties, torch.nextafter(ties, torch.tensor(2.0)), torch.nextafter(ties, torch.tensor(-2.0)),
-                        torch.linspace(-1.1, 1.1, 4096)])
-    for values in (bits[torch.isfinite(bits)], floats):
-        decoded = values[: values.numel() // 48 * 48].reshape(1, 3, -1, 16).cuda()
+    for values in decoder_outputs():  # every finite bfloat16, float32 at and beside the rounding ties
+        decoded = values.cuda()
         mine, theirs = pixels.to_pictures(decoded)[0], processor.postprocess(decoded)[0]
         assert np.array_equal(np.asarray(mine), np.asarray(theirs))
     print("pixels ok")

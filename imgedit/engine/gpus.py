@@ -82,6 +82,20 @@ def host_memory() -> int | None:
     return None
 
 
+def host_threads() -> tuple[int, str | None]:
+    """The CPUs this process may run on (its affinity, and a container's CPU quota where it has one), and
+    OMP_NUM_THREADS as set (planning.modes.worker_threads)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:  # cgroup v2: "max 100000" = no quota
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cpus = max(1, min(cpus, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return cpus, os.environ.get("OMP_NUM_THREADS")
+
+
 def discover_gpus() -> list[GpuSpec]:
     """Visible GPUs with their free memory now, read through NVML (the server never touches CUDA)."""
     try:

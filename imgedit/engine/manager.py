@@ -19,9 +19,10 @@ import time
 from collections.abc import Callable, Sequence
 
 from imgedit.config.settings import Settings
+from imgedit.engine.gpus import discover_gpus, host_memory, host_threads
 from imgedit.engine.images import settings_text, stamp
 from imgedit.engine.inspection import inspect_checkpoint
-from imgedit.engine.pool import WorkerHandle, host_threads, wait_result
+from imgedit.engine.pool import WorkerHandle, wait_result
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.engine.validation import resolve, resolve_enhance
 from imgedit.errors import (
@@ -145,8 +146,6 @@ class PipelineManager:
                     specs = [c.spec("none", item) for c in sizes]
                     self._plan, self._nodes = ray_pool.plan_cluster(specs, s, ray_pool.alive_nodes())
                 else:
-                    from imgedit.engine.gpus import discover_gpus, host_memory
-
                     gpus = discover_gpus() if self._gpus is None else list(self._gpus)
                     self._plan = plan_memory(sizes, gpus, s, item, host_memory() if gpus else None)
         except Exception as exc:

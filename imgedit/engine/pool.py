@@ -20,7 +20,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 
 from imgedit.errors import WorkerFailed
 from imgedit.planning.plan import Placement, WorkerPlan
@@ -77,19 +76,6 @@ def localize(plan: WorkerPlan, visible: str | None) -> tuple[WorkerPlan, str | N
 def rank_gpus(plan: WorkerPlan) -> list[str]:
     """A rank's GPUs as the server numbers them; its process sees them as cuda:0, cuda:1, ... in this order."""
     return [d for d in plan.devices if d.startswith("cuda:")]
-
-
-def host_threads() -> tuple[int, str | None]:
-    """The CPUs this process may run on (its affinity, and a container's CPU quota where it has one), and
-    OMP_NUM_THREADS as set (planning.modes.worker_threads)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]  # cgroup v2: "max 100000" = none
-        if quota != "max":
-            cpus = max(1, min(cpus, int(quota) // int(period)))
-    except (OSError, ValueError):
-        pass
-    return cpus, os.environ.get("OMP_NUM_THREADS")
 
 
 def free_port() -> int:

@@ -144,8 +144,7 @@ class FastWeights:
         """The copy a job runs on: a speed preset's job (the Lightning scheduler, CFG off) whose adapters are exactly
         one Lightning LoRA at strength 1, without a step cache; None: the quality weights. (A pair splits CFG-on jobs
         by branch on the quality transformer only: a copy has no CFG exchange.)"""
-        if (len(adapters) != 1 or adapters[0][1] != 1.0 or scheduler != "lightning" or cache != "none"
-                or cfg):
+        if len(adapters) != 1 or adapters[0][1] != 1.0 or scheduler != "lightning" or cache != "none" or cfg:
             return None
         return self.copies.get(internal.get(adapters[0][0], ""))
 
