@@ -4,7 +4,7 @@ every Linear in fp8), through the app's manager and REST, with the images compar
     python benchmarks/bench_fast_fp8.py [--size 1024] [--repeats 3] [--rows none,fp8] [--json out.json]
     python benchmarks/bench_fast_fp8.py --tiny      # CPU smoke run (int8 instead of fp8, eager, 64x64)
 
-Each row is one worker process started by imgedit's PipelineManager on cuda:0 (COMPILE=on, warmed up at the
+Each row is one worker started by imgedit's PipelineManager on cuda:0 or --device-map (COMPILE=on, warmed up at the
 size, ENCODE_CACHE=0) with a real-size random checkpoint (trained-like init) and one random LoRA of the published
 Lightning 4-step shape (rank 64 on the 720 attention and MLP Linear layers; imgedit.model.lora_random) in
 LORA_DIR; FAST_QUANTIZE is the row (none: FUSE_LORA=auto fuses the LoRA into the quality weights where its copy
@@ -49,13 +49,14 @@ FOUR = "Bench-Lightning-4steps-V1.0-bf16"
 
 def row(args, ckpt: Path, lora_dir: Path, mode: str) -> tuple[dict, dict[int, np.ndarray]]:
     settings = load_settings({
-        "QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cpu" if args.tiny else "cuda:0", "LORA_DIR": str(lora_dir),
+        "QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cpu" if args.tiny else args.device_map, "LORA_DIR": str(lora_dir),
         "COMPILE": "off" if args.tiny else "on", "FAST_QUANTIZE": mode, "FUSE_LORA": "auto", "ENCODE_CACHE": "0",
-        "LOG_LEVEL": "INFO", "COMPILE_CACHE_DIR": tempfile.mkdtemp()})  # no compile cache from an earlier row
+        "LOG_LEVEL": "INFO", "COMPILE_CACHE_DIR": tempfile.mkdtemp()}  # no compile cache from an earlier row
+        | dict(item.split("=", 1) for item in args.env))
     size = args.size
     t0 = time.perf_counter()
     manager = PipelineManager(settings, worker_hook="bench:finite_check",
-                              warmup_sizes=((size, size),)).load(timeout=1500)
+                              warmup_sizes=() if args.fast_only else ((size, size),)).load(timeout=1500)
     startup = round(time.perf_counter() - t0, 1)
     image = reference_image(size)
     runs, images = [], {}
@@ -89,8 +90,8 @@ def row(args, ckpt: Path, lora_dir: Path, mode: str) -> tuple[dict, dict[int, np
             "s_per_step": statistics.median(r["s_per_step"] for r in runs),
             "outside_loop_s": statistics.median(r["outside_loop_s"] for r in runs), "rest": rest,
             "fast_weights": info.get("fast_weights"), "fuse_lora": info.get("fuse_lora"),
-            "memory_allocated_gib": info.get("memory_allocated_gib"),
-            "compile_seconds": info.get("compile_seconds")}, images
+            "memory_allocated_gib": info.get("memory_allocated_gib"), "cpu_threads": info.get("cpu_threads"),
+            "pixels": info.get("pixels"), "compile_seconds": info.get("compile_seconds")}, images
 
 
 def fidelity(a: dict[int, np.ndarray], b: dict[int, np.ndarray]) -> dict:
@@ -113,6 +114,13 @@ def main() -> None:
     parser.add_argument("--rows", default="none,fp8")
     parser.add_argument("--json", default="")
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--device-map", default="cuda:0",
+                        help="e.g. cfg-parallel: a pair, its ranks split each fast job")
+    parser.add_argument("--fast-only", action="store_true",
+                        help="no quality (CFG) warm-up, the fast jobs' variants alone (where the quality weights, "
+                             "the copy and a CFG forward's buffers do not fit one card together)")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="another setting for the workers (repeatable), e.g. WORKER_THREADS=32")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     folder = Path(tempfile.mkdtemp())
