@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import socket
 import struct
 import threading
@@ -14,10 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from conftest import ConcurrencyProbe, http, make_manager, picture, start_server, wait_for
-from PIL import Image
+from PIL import ExifTags, Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from imgedit.config.settings import load_settings
@@ -111,6 +113,33 @@ def test_openai_sdk_edits(live_server, image_file):
     # Each image says its own seed (image i: seed + i), in the reply and in its PNG.
     assert [d.model_extra["seed"] for d in other.data] == [8, 9]
     assert [decode(d.b64_json).info["seed"] for d in other.data] == ["8", "9"]
+
+
+
+def test_output_format_jpeg_and_webp_carry_the_same_image_and_its_settings(live_server, image_file):
+    """OpenAI's output_format / output_compression through the SDK: the same seed's image as the PNG reply,
+    lossy within a JPEG/WebP's error, with the settings as JSON in the EXIF UserComment."""
+    client = sdk(live_server.url)
+    replies = {}
+    for output_format, quality in (("png", None), ("jpeg", 95), ("webp", 95)):
+        with open(image_file, "rb") as f:
+            options = {"output_format": output_format} | ({"output_compression": quality} if quality else {})
+            replies[output_format] = client.images.edit(
+                model="qwen-image-edit", image=[f], prompt="make the sky 赤", size="64x64",
+                response_format="b64_json", extra_body={**EXTRA, "seed": 11}, **options)
+    png = np.asarray(decode(replies["png"].data[0].b64_json), dtype=np.float64)
+    for output_format in ("jpeg", "webp"):
+        reply = replies[output_format]
+        assert reply.output_format == output_format
+        image = Image.open(io.BytesIO(base64.b64decode(reply.data[0].b64_json)))
+        assert image.format == output_format.upper() and image.size == (64, 64)
+        pixels = np.asarray(image.convert("RGB"), dtype=np.float64)
+        assert np.abs(pixels - png).mean() < 8, output_format  # the same image, lossy
+        comment = image.getexif().get_ifd(ExifTags.IFD.Exif)[ExifTags.Base.UserComment]
+        assert comment.startswith(b"ASCII\0\0\0")
+        settings = json.loads(comment[8:])
+        assert (settings["prompt"], settings["seed"]) == ("make the sky 赤", "11")
+    assert replies["png"].output_format == "png"
 
 
 # ---- 2. API_KEY ----
@@ -263,6 +292,13 @@ BAD_INPUT = {
                        "num_inference_steps 10000 is out of range"),
     "url_format": (lambda url: post_edit(url, files={"image": png_bytes()},
                                          data={**GOOD_FIELDS, "response_format": "url"}), "response_format"),
+    "gif_output": (lambda url: post_edit(url, files={"image": png_bytes()},
+                                         data={**GOOD_FIELDS, "output_format": "gif"}),
+                   "output_format must be one of png, jpeg, webp"),
+    "quality_over_100": (lambda url: post_edit(url, files={"image": png_bytes()},
+                                               data={**GOOD_FIELDS, "output_format": "jpeg",
+                                                     "output_compression": "101"}),
+                         "output_compression must be 0 to 100"),
 }
 
 
