@@ -36,8 +36,11 @@ def test_history_is_per_browser_and_survives_a_restart(plus_ckpt, image_file, tm
     outputs = tmp_path / "outputs"
     with start_server(make_manager(plus_ckpt, OUTPUT_DIR=str(outputs))) as server:
         browser = Client(server.url, verbose=False)
-        _, seed = browser.predict(*edit_args([image_file], seed=11), api_name="/edit")
+        gallery, seed = browser.predict(*edit_args([image_file], seed=11), api_name="/edit")
         assert seed == 11
+        # One PNG for the client and the store: the file Gradio served is the stored one, byte for byte.
+        [stored] = outputs.glob("*/*/out-0.png")
+        assert Path(gallery[0]["image"]).read_bytes() == stored.read_bytes()
         mine = browser.predict(api_name="/history")
         assert [(e["prompt"], e["seed"], e["width"]) for e in mine] == [("make it blue", 11, 64)]
         assert Client(server.url, verbose=False).predict(api_name="/history") == []  # another browser

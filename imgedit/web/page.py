@@ -25,7 +25,7 @@ import gradio as gr
 from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
 from imgedit.engine.gpus import GpuMonitor
-from imgedit.engine.images import frame_notices
+from imgedit.engine.images import frame_notices, png_bytes
 from imgedit.engine.validation import MAX_INPUT_IMAGES, MIN_STEPS, check_params, default_steps
 from imgedit.errors import ImgEditError
 from imgedit.web.enhance_controls import build_enhance_buttons, wire_enhance
@@ -37,7 +37,7 @@ from imgedit.web.progress import EditProgress
 from imgedit.web.public import open_snapshot
 from imgedit.web.requests import FIELDS, build_request
 from imgedit.web.speed import build_cache_control, build_speed_controls
-from imgedit.web.tools import PageTools, compare_pair, user_error
+from imgedit.web.tools import PageTools, cached_pngs, page_files, user_error
 from imgedit.web.uploads import upload_folder
 
 log = logging.getLogger(__name__)
@@ -147,9 +147,12 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
             raise
         except Exception as exc:
             raise user_error(exc) from None
+        # The results' PNGs are written once (zlib level 1, with their settings), off the event loop, for the
+        # page's components and the history alike.
+        pngs = await asyncio.to_thread(lambda: [png_bytes(image) for image in result.images])
         if history is not None and owner:
-            await history.record(owner, req.request_id, 0, req, result)
-        return req, result
+            await history.record(owner, req.request_id, 0, req, result, pngs=pngs)
+        return req, result, pngs
 
     async def edit(images, prompt, negative_prompt="", seed=0, randomize_seed=True, num_inference_steps=None,
                    true_cfg_scale=None, num_images=1, width=0, height=0, speed="quality", lora="none", lora_scale=1.0,
@@ -160,11 +163,11 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         changes and the result is the first image's size. With `enhance_prompt` the model's text encoder rewrites
         the prompt first (each PNG then carries the prompt used and the original_prompt). `cache` (none,
         first-block, taylorseer; default: the server's CACHE) speeds up a quality edit, lossily."""
-        _, result = await run_edit((images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
-                                    true_cfg_scale, num_images, width, height, speed, lora, lora_scale,
-                                    mask, mask_grow, mask_feather, strength, enhance_prompt, cache),
-                                   request, progress)
-        return result.images, result.seed
+        _, result, pngs = await run_edit((images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
+                                          true_cfg_scale, num_images, width, height, speed, lora, lora_scale,
+                                          mask, mask_grow, mask_feather, strength, enhance_prompt, cache),
+                                         request, progress)
+        return await asyncio.to_thread(cached_pngs, pngs, "result"), result.seed
 
     async def edit_page(images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
                         num_images, width, height, speed=None, lora=None, lora_scale=None, cache=None, mask=None,
@@ -177,9 +180,9 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         try:
             masking = (mask, mask_grow, mask_feather, strength) if mask else (None,) * 4  # "": nothing painted
             step_cache = tools.page_cache(cache, speed)
-            req, result = await run_edit((images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
-                                          true_cfg_scale, num_images, width, height, speed, lora, lora_scale,
-                                          *masking, False, step_cache), request, progress)
+            req, result, pngs = await run_edit((images, prompt, negative_prompt, seed, randomize_seed,
+                                                num_inference_steps, true_cfg_scale, num_images, width, height, speed,
+                                                lora, lora_scale, *masking, False, step_cache), request, progress)
         except gr.Error as exc:
             return keep, keep, keep, keep, f"**{exc.title or 'Not edited'}:** {exc.message}"
         seeds = [image.info.get("seed", "?") for image in result.images]
@@ -196,7 +199,8 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
             done += f" Ran on the server's {result.weights} fast-mode weights (lossy)."
         if notices := frame_notices(req.images):  # e.g. an animated GIF: its first frame was edited
             done += "\n\n**Note:** " + "; ".join(notices) + "."
-        return result.images, done, compare_pair(req.images[0], result.images[0], req.mask), 0, ""
+        files, compare = await asyncio.to_thread(page_files, req, result.images[0], pngs)
+        return files, done, compare, 0, ""
 
     def gpu_status() -> dict:
         """Per GPU: index, name, used/total MiB, utilisation, what is placed on it, the step it runs

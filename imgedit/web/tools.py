@@ -10,10 +10,12 @@ import logging
 from pathlib import Path
 
 import gradio as gr
+from gradio.processing_utils import save_bytes_to_cache
+from gradio.utils import get_upload_folder
 from PIL import Image, ImageOps
 
 from imgedit.config.settings import Settings
-from imgedit.engine.images import open_image, read_settings
+from imgedit.engine.images import open_image, png_bytes, read_settings
 from imgedit.engine.prompt_tokens import PromptTokens
 from imgedit.engine.validation import MAX_INPUT_IMAGES, check_params
 from imgedit.errors import ImgEditError
@@ -235,3 +237,20 @@ def compare_pair(first: Image.Image, image: Image.Image, mask: Image.Image | Non
         before = Image.composite(Image.blend(before, tint, 0.4), before, mask.convert("L").point(
             lambda v: 255 if v >= 128 else 0))
     return before, image
+
+
+def cached_pngs(pngs: list[bytes], stem: str) -> list[str]:
+    """PNG files written once into Gradio's cache, which components show as they are (Gradio finds them there by
+    their hash and copies nothing). Handed a PIL image, each component writes a PNG of its own at zlib level 6:
+    0.15-0.28 s for a 1024x1024 result on the 2-core CPU machine, once for the result and again for the
+    comparison (docs/BENCHMARKS.md)."""
+    folder = get_upload_folder()
+    return [save_bytes_to_cache(png, f"{stem}-{i}.png", folder) for i, png in enumerate(pngs)]
+
+
+def page_files(req: EditRequest, first: Image.Image, pngs: list[bytes]) -> tuple[list[str], tuple[str, str]]:
+    """The result's files for the gallery, and the before/after pair for the slider: "after" is the gallery's
+    first file (`first`, the first result, as `pngs[0]`), "before" one more PNG at zlib level 1."""
+    results = cached_pngs(pngs, "result")
+    before = compare_pair(req.images[0], first, req.mask)[0]
+    return results, (cached_pngs([png_bytes(before)], "before")[0], results[0])
