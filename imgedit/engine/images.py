@@ -174,8 +174,8 @@ def encoded(image: Image.Image, output_format: str = "png", quality: int = 100) 
 
     A 1024x1024 result on the 2-core CPU machine: PNG 0.14-0.17 s for a noisy image (docs/BENCHMARKS.md),
     JPEG 5-19 ms. JPEG keeps full-resolution colour (4:4:4) from quality 90 up and halves it below, as
-    photo tools do; WebP uses libwebp's fastest method (0): 2-4x faster than its default 4, about as small at
-    quality 90 and below."""
+    photo tools do; WebP uses libwebp's fastest method (0): 1.6-4.8x faster than its default 4, as small at
+    quality 90."""
     if output_format == "png":
         return png_bytes(image)
     options: dict = {"quality": quality, "exif": settings_exif(image)}
