@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import math
 import struct
 import zlib
@@ -10,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import ExifTags, Image
 
-from imgedit.engine.images import open_image
+from imgedit.engine.images import encoded, open_image
 from imgedit.errors import InputTooLarge, InvalidInput
 
 LIMIT = 4096 * 4096
@@ -168,3 +169,26 @@ def test_an_input_with_several_frames_is_noted_and_its_first_frame_kept():
     assert first.getpixel((5, 5))[0] > 200 and first.info["frames"] == 2
     assert frame_notices([still, first]) == [
         "image 2 has 2 frames (animated or multi-page): only its first frame was edited"]
+
+
+@pytest.mark.parametrize("output_format", ["png", "jpeg", "webp"])
+@pytest.mark.parametrize("mode", ["RGB", "RGBA", "P", "L"])
+def test_a_reply_in_each_format_reads_back_with_its_settings(output_format, mode):
+    """REST's output_format: the file is the format asked for, the picture survives (lossy within a few levels
+    at quality 95), and the settings come back exactly, a non-Latin prompt included."""
+    y, x = np.mgrid[0:64, 0:64]
+    source = Image.fromarray(np.stack([x * 4, y * 4, 255 - (x + y) * 2], -1).astype(np.uint8))
+    image = source.convert(mode, palette=Image.Palette.ADAPTIVE) if mode == "P" else source.convert(mode)
+    image.info.update(prompt="mach den Himmel 赤", seed="42")
+    data = encoded(image, output_format, 95)
+    back = Image.open(io.BytesIO(data))
+    assert back.format == output_format.upper() and back.size == (64, 64)
+    want = np.asarray(image.convert("RGB"), dtype=np.float64)
+    tolerance = {"png": 0.01, "jpeg": 5, "webp": 5}[output_format]  # PNG exact, the others lossy
+    assert np.abs(np.asarray(back.convert("RGB"), dtype=np.float64) - want).mean() < tolerance
+    if output_format == "png":
+        settings = dict(back.text)
+    else:
+        comment = back.getexif().get_ifd(ExifTags.IFD.Exif)[ExifTags.Base.UserComment]
+        settings = json.loads(comment.removeprefix(b"ASCII\0\0\0"))
+    assert settings == {"prompt": "mach den Himmel 赤", "seed": "42"}

@@ -185,6 +185,8 @@ def encoded(image: Image.Image, output_format: str = "png", quality: int = 100) 
         options["method"] = 0
     else:
         raise ValueError(f"unknown output format {output_format!r}")
+    if image.mode not in ("RGB", "L"):  # JPEG has no alpha or palette (results are RGB; this is for any other)
+        image = image.convert("RGB")
     buffer = io.BytesIO()
     image.save(buffer, format=output_format.upper(), **options)
     return buffer.getvalue()
