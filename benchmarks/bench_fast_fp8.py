@@ -2,6 +2,7 @@
 every Linear in fp8), through the app's manager and REST, with the images compared.
 
     python benchmarks/bench_fast_fp8.py [--size 1024] [--repeats 3] [--rows none,fp8] [--json out.json]
+        [--device-map cfg-parallel] [--fast-only] [--env NAME=VALUE ...]
     python benchmarks/bench_fast_fp8.py --tiny      # CPU smoke run (int8 instead of fp8, eager, 64x64)
 
 Each row is one worker started by imgedit's PipelineManager on cuda:0 or --device-map (COMPILE=on, warmed up at the
@@ -122,6 +123,8 @@ def main() -> None:
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="another setting for the workers (repeatable), e.g. WORKER_THREADS=32")
     args = parser.parse_args()
+    if bad := [item for item in args.env if "=" not in item]:
+        parser.error(f"--env takes NAME=VALUE, got {bad[0]!r}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     folder = Path(tempfile.mkdtemp())
     if args.tiny:

@@ -185,7 +185,7 @@ def encoded(image: Image.Image, output_format: str = "png", quality: int = 100) 
         options["method"] = 0
     else:
         raise ValueError(f"unknown output format {output_format!r}")
-    if image.mode not in ("RGB", "L"):  # JPEG has no alpha or palette (results are RGB; this is for any other)
+    if output_format == "jpeg" and image.mode not in ("RGB", "L"):  # no alpha or palette in JPEG (results are RGB)
         image = image.convert("RGB")
     buffer = io.BytesIO()
     image.save(buffer, format=output_format.upper(), **options)
@@ -198,10 +198,18 @@ def settings_exif(image: Image.Image) -> bytes:
     reader gets the prompt back exactly."""
     exif = Image.Exif()
     text = {key: value for key, value in image.info.items() if isinstance(key, str) and isinstance(value, str)}
+    comment = json.dumps(text, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+    if len(comment) > MAX_EXIF_COMMENT:  # a JPEG's EXIF must fit one 64 KiB segment: the prompts give way first
+        prompts = ("prompt", "negative_prompt", "original_prompt")
+        text = {key: value for key, value in text.items() if key not in prompts}
+        text["prompt_left_out"] = "too long for EXIF"
+        comment = json.dumps(text, ensure_ascii=True, separators=(",", ":")).encode("ascii")
     if text:
-        comment = json.dumps(text, ensure_ascii=True, separators=(",", ":"))
-        exif.get_ifd(ExifTags.IFD.Exif)[ExifTags.Base.UserComment] = b"ASCII\0\0\0" + comment.encode("ascii")
+        exif.get_ifd(ExifTags.IFD.Exif)[ExifTags.Base.UserComment] = b"ASCII\0\0\0" + comment
     return exif.tobytes()
+
+
+MAX_EXIF_COMMENT = 60_000  # bytes; today's prompt limits (4,000 characters, 1,024 tokens) stay near 51 KB at worst
 
 
 MAX_TEXT_CHUNKS = 32  # ours carry about a dozen

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import html
 import logging
+import os
+import secrets
 from pathlib import Path
 
 import gradio as gr
-from gradio.processing_utils import save_bytes_to_cache
+from gradio.processing_utils import hash_bytes
 from gradio.utils import get_upload_folder
 from PIL import Image, ImageOps
 
@@ -84,8 +86,9 @@ class PageTools:
         for problem in problems:
             gr.Warning(html.escape(problem), title="left out")
         first = open_image(kept[0], self.settings.max_input_pixels) if kept else None
+        shown = cached_pngs([png_bytes(first)], "input")[0] if first else None  # as decoded (rotated, RGB), once
         stored = next((found for path in kept if (found := self.restorable(read_settings(path)))), {})
-        return kept, (first, first) if first else None, gr.update(visible=bool(stored)), stored
+        return kept, (shown, shown) if shown else None, gr.update(visible=bool(stored)), stored
 
     def restorable(self, stored: dict) -> dict:
         """Only values a request could carry: each is checked as that request field (a seed over
@@ -208,7 +211,8 @@ class PageTools:
             before = open_image(inputs[0], self.settings.max_input_pixels)
         except Exception as exc:
             raise user_error(exc) from None
-        compare = (before.resize(after.size, Image.Resampling.LANCZOS), after)
+        resized = png_bytes(before.resize(after.size, Image.Resampling.LANCZOS))
+        compare = (cached_pngs([resized], "before")[0], paths[evt.index])  # "after": the gallery's own file
         return evt.index, compare, gr.update(value=download_copy(paths[evt.index]), interactive=True)
 
     def download_chosen(self, gallery, index):
@@ -240,12 +244,23 @@ def compare_pair(first: Image.Image, image: Image.Image, mask: Image.Image | Non
 
 
 def cached_pngs(pngs: list[bytes], stem: str) -> list[str]:
-    """PNG files written once into Gradio's cache, which components show as they are (Gradio finds them there by
-    their hash and copies nothing). Handed a PIL image, each component writes a PNG of its own at zlib level 6:
-    0.15-0.28 s for a 1024x1024 result on the 2-core CPU machine, once for the result and again for the
-    comparison (docs/BENCHMARKS.md)."""
-    folder = get_upload_folder()
-    return [save_bytes_to_cache(png, f"{stem}-{i}.png", folder) for i, png in enumerate(pngs)]
+    """PNG files written once into Gradio's cache, which components show as they are (a file already in the
+    cache is neither copied nor hashed again). Handed a PIL image, each component writes a PNG of its own at
+    zlib level 6: 0.15-0.28 s for a 1024x1024 result on the 2-core CPU machine, once for the result and again
+    for the comparison (docs/BENCHMARKS.md). The folder is named by Gradio's own hash of the bytes; a file
+    that is there already (the same bytes) is only touched, never rewritten while a browser may be reading it."""
+    paths = []
+    for i, png in enumerate(pngs):
+        path = Path(get_upload_folder()) / hash_bytes(png) / f"{stem}-{i}.png"
+        if path.exists():
+            os.utime(path)  # Gradio's cache sweep ages files by their time
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            staging = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+            staging.write_bytes(png)
+            os.replace(staging, path)
+        paths.append(str(path.resolve()))
+    return paths
 
 
 def page_files(req: EditRequest, first: Image.Image, pngs: list[bytes]) -> tuple[list[str], tuple[str, str]]:
