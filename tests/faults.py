@@ -6,6 +6,7 @@ lowest seam (the transformer's forward), acts on markers in it:
   [cuda-fault]  raise the RuntimeError a sticky CUDA fault gives
   [bug]         raise an unexpected exception whose text must not reach the user
   [slow]        sleep 0.3 s per forward (time to cancel or kill mid-job)
+  [hold:PATH]   each forward waits while the file PATH exists (at most 120 s): the test decides when jobs run
   [rank1-oom]   raise OutOfMemoryError on rank 1 only (one rank of a pair fails)
 Prompt rewrites (imgedit.runtime.enhance) read markers in the instruction they rewrite, at the text encoder's
 output: [rewrite:TEXT] makes the model answer TEXT and end its answer; [rewrite-empty] makes it end at once;
@@ -49,6 +50,10 @@ def install(pipe, spec) -> None:
         prompt = current["prompt"]
         if "[slow]" in prompt:
             time.sleep(0.3)
+        if held := re.search(r"\[hold:([^\]]+)\]", prompt):
+            deadline = time.monotonic() + 120
+            while os.path.exists(held.group(1)) and time.monotonic() < deadline:
+                time.sleep(0.02)
         if "[oom]" in prompt or ("[rank1-oom]" in prompt and spec.rank == 1):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         if "[cuda-fault]" in prompt:

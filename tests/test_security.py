@@ -145,19 +145,31 @@ def metric(url: str, outcome: str, source: str = "api") -> float:
                if s.name == "imgedit_requests_total" and s.labels == {"source": source, "outcome": outcome})
 
 
-def test_cancel_of_one_job_leaves_the_other_jobs_of_the_client_alone(live_server, server_manager, image_file):
+def test_cancel_of_one_job_leaves_the_other_jobs_of_the_client_alone(live_server, server_manager, image_file,
+                                                                     tmp_path):
     client = Client(live_server.url, verbose=False)
     cancelled_before, ok_before = metric(live_server.url, "cancelled"), metric(live_server.url, "ok")
-    args = lambda seed: ([handle_file(str(image_file))], "make it red", "", seed, False, 8, 4.0, 1, 64, 64)  # noqa: E731
+    # "[hold:PATH]" (tests/faults.py): the workers' forwards wait while PATH exists, so the first two jobs are still
+    # running when the sixth arrives, however loaded the machine (plain jobs once all finished first).
+    hold = tmp_path / "hold"
+    hold.touch()
+    args = lambda seed: ([handle_file(str(image_file))], f"[hold:{hold}] make it red", "", seed, False, 4, 4.0, 1,  # noqa: E731
+                         64, 64)
     # Six jobs: two run on the two workers, four wait in the line (QUEUE_MAX_SIZE=4 on this server).
     jobs = [client.submit(*args(100 + i), api_name="/edit") for i in range(6)]
-    deadline = time.time() + 60
-    while not (all(w.state == "busy" for w in server_manager.workers) and server_manager.waiting() == 4):
-        assert time.time() < deadline, "the jobs never all reached the manager"
-        time.sleep(0.02)
-    doomed = {1, 3, 5}  # one that may already run, two that wait in line
-    for i in doomed:
-        jobs[i].cancel()
+    try:
+        deadline = time.time() + 60
+        while not (all(w.state == "busy" for w in server_manager.workers) and server_manager.waiting() == 4):
+            assert time.time() < deadline, ("the jobs never all reached the manager: workers "
+                                            f"{[w.state for w in server_manager.workers]}, "
+                                            f"{server_manager.waiting()} waiting, jobs "
+                                            f"{[job.status().code for job in jobs]}")
+            time.sleep(0.02)
+        doomed = {1, 3, 5}  # one that may already run, two that wait in line
+        for i in doomed:
+            jobs[i].cancel()
+    finally:
+        hold.unlink()
     seeds = sorted(jobs[i].result(timeout=180)[1] for i in range(6) if i not in doomed)
     assert seeds == [100 + i for i in range(6) if i not in doomed]
     deadline = time.time() + 30
