@@ -155,17 +155,22 @@ def test_cancel_of_one_job_leaves_the_other_jobs_of_the_client_alone(live_server
     hold.touch()
     args = lambda seed: ([handle_file(str(image_file))], f"[hold:{hold}] make it red", "", seed, False, 4, 4.0, 1,  # noqa: E731
                          64, 64)
-    # Six jobs: two run on the two workers, four wait in the line (QUEUE_MAX_SIZE=4 on this server).
-    jobs = [client.submit(*args(100 + i), api_name="/edit") for i in range(6)]
+    # Six jobs: two run on the two workers, four wait in the line (QUEUE_MAX_SIZE=4 on this server). Each is sent once
+    # the one before it reached the manager: six sent at once could find Gradio's own queue (max_size 4) still
+    # holding four of them, and the sixth was refused ('Queue is full').
+    jobs = []
     try:
-        deadline = time.time() + 60
-        while not (all(w.state == "busy" for w in server_manager.workers) and server_manager.waiting() == 4):
-            assert time.time() < deadline, ("the jobs never all reached the manager: workers "
-                                            f"{[w.state for w in server_manager.workers]}, "
-                                            f"{server_manager.waiting()} waiting, jobs "
-                                            f"{[job.status().code for job in jobs]}")
-            time.sleep(0.02)
-        doomed = {1, 3, 5}  # one that may already run, two that wait in line
+        for i in range(6):
+            jobs.append(client.submit(*args(100 + i), api_name="/edit"))
+            deadline = time.time() + 60
+            while sum(w.state == "busy" for w in server_manager.workers) + server_manager.waiting() < i + 1:
+                assert time.time() < deadline, ("the jobs never all reached the manager: workers "
+                                                f"{[w.state for w in server_manager.workers]}, "
+                                                f"{server_manager.waiting()} waiting, jobs "
+                                                f"{[job.status().code for job in jobs]}")
+                time.sleep(0.02)
+        assert all(w.state == "busy" for w in server_manager.workers) and server_manager.waiting() == 4
+        doomed = {1, 3, 5}  # one that runs (sent second), two that wait in line
         for i in doomed:
             jobs[i].cancel()
     finally:
