@@ -277,8 +277,9 @@ def rest_edit(url: str, png: bytes, form: dict) -> float:
     r = httpx.post(f"{url}/v1/images/edits", data=form, files={"image": ("in.png", png, "image/png")}, timeout=600)
     wall = time.perf_counter() - t0
     r.raise_for_status()
-    if contrast(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"])))) < 1.0:
-        raise RuntimeError("a flat image came back over REST")
+    image = Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"])))
+    if image.format != form.get("output_format", "png").upper() or contrast(image) < 1.0:
+        raise RuntimeError(f"a flat image, or not the format asked for ({image.format}), came back over REST")
     return round(wall, 3)
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import contrast, reference_image, served, write_results  # noqa: E402
+from bench import reference_image, rest_edit, served, write_results  # noqa: E402
 
 from imgedit.config.settings import load_settings  # noqa: E402
 from imgedit.engine.images import encoded  # noqa: E402
@@ -50,22 +50,6 @@ def name(fmt: str, quality: int | None) -> str:
 
 def fields(fmt: str, quality: int | None) -> dict:
     return {"output_format": fmt} | ({"output_compression": str(quality)} if quality else {})
-
-
-def rest_wall(url: str, png: bytes, form: dict) -> float:
-    import base64
-
-    import httpx
-    from PIL import Image
-
-    started = time.perf_counter()
-    reply = httpx.post(f"{url}/v1/images/edits", data=form, files={"image": ("in.png", png, "image/png")}, timeout=600)
-    wall = time.perf_counter() - started
-    reply.raise_for_status()
-    image = Image.open(io.BytesIO(base64.b64decode(reply.json()["data"][0]["b64_json"])))
-    if image.format != form.get("output_format", "png").upper() or contrast(image) < 1.0:
-        raise RuntimeError(f"a wrong or flat image came back: {image.format}")
-    return wall
 
 
 def page() -> dict:
@@ -144,14 +128,14 @@ def main() -> None:
         over: dict[str, list[float]] = {}
         with served(settings, manager) as url:
             for fmt, quality in FORMATS:  # warm-up
-                rest_wall(url, buffer.getvalue(), form | fields(fmt, quality))
+                rest_edit(url, buffer.getvalue(), form | fields(fmt, quality))
             for _ in range(args.repeats):  # interleaved: each REST edit beside a manager edit of the same round
                 started = time.perf_counter()
                 manager.edit(req)
                 direct = time.perf_counter() - started
                 walls["manager"].append(direct)
                 for fmt, quality in FORMATS:
-                    wall = rest_wall(url, buffer.getvalue(), form | fields(fmt, quality))
+                    wall = rest_edit(url, buffer.getvalue(), form | fields(fmt, quality))
                     walls.setdefault(name(fmt, quality), []).append(wall)
                     over.setdefault(name(fmt, quality), []).append(wall - direct)
         rows: dict[str, dict] = {"manager": {"wall_s": round(statistics.median(walls["manager"]), 3)}}

@@ -140,17 +140,21 @@ def mask_digest(mask: Image.Image) -> str:
 
 
 def stamp(images: list[Image.Image], text: dict[str, str]) -> None:
-    """Attach the settings to each image's `info`: `png_bytes` here and Gradio's own PNG encoder
-    (`gradio.processing_utils.get_pil_metadata`) write every text entry of `info` as a tEXt/iTXt chunk."""
+    """Attach the settings to each image's `info`: `png_bytes` writes every text entry as a tEXt/iTXt chunk,
+    `encoded` as JSON in a JPEG's or WebP's EXIF (Gradio's own PNG encoder copies them too)."""
     for image in images:
         image.info.update(text)
 
 
+def stamped_text(image: Image.Image) -> dict[str, str]:
+    """The settings `stamp` attached (the text entries of the image's `info`)."""
+    return {key: value for key, value in image.info.items() if isinstance(key, str) and isinstance(value, str)}
+
+
 def png_info(image: Image.Image) -> PngImagePlugin.PngInfo:
     info = PngImagePlugin.PngInfo()
-    for key, value in image.info.items():
-        if isinstance(key, str) and isinstance(value, str):
-            info.add_text(key, value)  # Pillow writes iTXt for non-Latin-1 text (prompts in any language)
+    for key, value in stamped_text(image).items():
+        info.add_text(key, value)  # Pillow writes iTXt for non-Latin-1 text (prompts in any language)
     return info
 
 
@@ -192,12 +196,15 @@ def encoded(image: Image.Image, output_format: str = "png", quality: int = 100) 
     return buffer.getvalue()
 
 
+MAX_EXIF_COMMENT = 60_000  # bytes; today's prompt limits (4,000 characters, 1,024 tokens) stay near 51 KB at worst
+
+
 def settings_exif(image: Image.Image) -> bytes:
     """EXIF carrying the image's settings (its `info` text) as JSON in the UserComment, in the EXIF "ASCII"
     character code: non-ASCII prompts are JSON escapes, so every EXIF reader shows the text and every JSON
     reader gets the prompt back exactly."""
     exif = Image.Exif()
-    text = {key: value for key, value in image.info.items() if isinstance(key, str) and isinstance(value, str)}
+    text = stamped_text(image)
     comment = json.dumps(text, ensure_ascii=True, separators=(",", ":")).encode("ascii")
     if len(comment) > MAX_EXIF_COMMENT:  # a JPEG's EXIF must fit one 64 KiB segment: the prompts give way first
         prompts = ("prompt", "negative_prompt", "original_prompt")
@@ -207,9 +214,6 @@ def settings_exif(image: Image.Image) -> bytes:
     if text:
         exif.get_ifd(ExifTags.IFD.Exif)[ExifTags.Base.UserComment] = b"ASCII\0\0\0" + comment
     return exif.tobytes()
-
-
-MAX_EXIF_COMMENT = 60_000  # bytes; today's prompt limits (4,000 characters, 1,024 tokens) stay near 51 KB at worst
 
 
 MAX_TEXT_CHUNKS = 32  # ours carry about a dozen
