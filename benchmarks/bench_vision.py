@@ -1,0 +1,146 @@
+"""Benchmark the vision tower's windows in one attention call (imgedit.model.vision_attention) against
+transformers' per-window loop: the vision tower alone, and the pipeline's whole prompt encoding.
+
+    python benchmarks/bench_vision.py [--ckpt /tmp/qwen-image-edit-real-random] [--repeats 20] [--json out.json]
+    python benchmarks/bench_vision.py --tiny      # CPU smoke run on the tiny checkpoint
+
+The text encoder of the real-size random checkpoint (Qwen2.5-VL 7B config, trained-like init, bf16) on cuda:0,
+loaded by the app's own loader, with the app's worker settings for CPU threads (4, WORKER_THREADS=auto on one GPU).
+Rows: the -2509/-2511 pipelines' condition picture (384² area, 16 windows a layer) and a 1024² picture (the first
+edit model's prompt picture: 100 windows a layer), through the vision tower; then the edit-plus pipeline's
+`encode_prompt` with the picture its `__call__` hands it (384² for a square input; the processor, the tower and the
+7B language model). Each is timed with a GPU sync, median of --repeats after 3 warm-ups, loop and one-call
+alternating. Fidelity: the one-call result against the loop's, max |difference| and cosine; every output must be
+finite (random weights that overflow would time NaN arithmetic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench import reference_image, write_results  # noqa: E402
+
+from imgedit.model.demo_checkpoint import build_checkpoint  # noqa: E402
+from imgedit.model.vision_attention import install_one_call_windows  # noqa: E402
+
+
+def load(ckpt: Path, device: str, dtype):
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from transformers import Qwen2Tokenizer
+
+    from imgedit.model.encoding import install_token_type_fix
+    from imgedit.model.processor import load_processor
+    from imgedit.planning.plan import Placement
+    from imgedit.runtime import weights
+    from imgedit.runtime.loader import open_checkpoint
+
+    checkpoint = open_checkpoint(str(ckpt))
+    encoder = weights.load_component("text_encoder", checkpoint, Placement(device), dtype).eval()
+    install_token_type_fix(encoder)
+    pipe = getattr(diffusers, checkpoint.pipeline_class)(
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(ckpt, subfolder="scheduler"),
+        tokenizer=Qwen2Tokenizer.from_pretrained(ckpt / "tokenizer"), processor=load_processor(ckpt / "processor"),
+        text_encoder=encoder, vae=None, transformer=None)
+    return pipe
+
+
+def loop_form(encoder) -> None:
+    for module in encoder.modules():
+        module.__dict__.pop("forward", None) if type(module).__name__ == "Qwen2_5_VLVisionAttention" else None
+
+
+def timed(fn, device: str, repeats: int) -> tuple[list[float], torch.Tensor]:
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    times, out = [], None
+    for k in range(repeats + 3):
+        sync()
+        started = time.perf_counter()
+        out = fn()
+        sync()
+        if k >= 3:
+            times.append(time.perf_counter() - started)
+    return times, out
+
+
+def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
+    a, b = a.float().flatten(), b.float().flatten()
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        raise RuntimeError("a non-finite output: the timing would be of NaN arithmetic")
+    return {"max_abs_diff": float((a - b).abs().max()), "mean_abs": float(b.abs().mean()),
+            "cosine": round(float(torch.nn.functional.cosine_similarity(a, b, dim=0)), 6)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ckpt", default="/tmp/qwen-image-edit-real-random")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--json", default="")
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    if args.tiny:
+        ckpt, device, dtype, args.repeats = build_checkpoint(Path(tempfile.mkdtemp()) / "tiny", kind="plus"), \
+            "cpu", torch.float32, 3
+    else:
+        ckpt, device, dtype = Path(args.ckpt), "cuda:0", torch.bfloat16
+        if not (ckpt / "model_index.json").is_file():
+            build_checkpoint(ckpt, kind="plus", size="real")
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    pipe = load(ckpt, device, dtype)
+    encoder, visual = pipe.text_encoder, pipe.text_encoder.model.visual
+    marker = "<|vision_start|><|image_pad|><|vision_end|>"
+    rows = {}
+    for name, side in (("tower, 384x384 picture (-2509/-2511)", 384),
+                       ("tower, 1024x1024 picture (first edit model)", 1024)):
+        inputs = pipe.processor(text=[marker], images=[reference_image(side)], return_tensors="pt").to(device)
+        pixels, grid = inputs["pixel_values"].to(dtype), inputs["image_grid_thw"]
+        rows[name] = {"grid_thw": grid.tolist()[0]}
+
+        def tower(pixels=pixels, grid=grid):
+            return visual(pixels, grid_thw=grid).pooler_output
+        rows[name] |= measure(encoder, tower, device, args.repeats)
+    plus = "Plus" in type(pipe).__name__  # its __call__ hands the text encoder the input at 384x384 (a square one)
+    side = 384 if plus else 1024
+    image = reference_image(side)
+
+    def encode():
+        return type(pipe).encode_prompt(pipe, prompt="make the sky a deep red and add a small boat",
+                                        image=[image] if plus else image, device=torch.device(device))[0]
+    rows[f"encode_prompt, {type(pipe).__name__}, {side}x{side} picture"] = measure(encoder, encode, device,
+                                                                                   args.repeats)
+    out = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "device": device,
+           "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu", "threads": args.threads,
+           "torch": torch.__version__, "rows": rows}
+    write_results(out, {k: {m: v[m] for m in ("loop_ms", "one_call_ms", "max_abs_diff", "cosine") if m in v}
+                        for k, v in rows.items()}, args.json)
+
+
+def measure(encoder, fn, device: str, repeats: int) -> dict:
+    """The loop's time and the one call's (alternating rounds), and how far apart their outputs are."""
+    loop_times, one_times = [], []
+    for _ in range(2):
+        loop_form(encoder)
+        t, loop_out = timed(fn, device, repeats // 2)
+        loop_times += t
+        if install_one_call_windows(encoder) == 0:
+            raise RuntimeError("the one-call form did not install")
+        t, one_out = timed(fn, device, repeats // 2)
+        one_times += t
+    return {"loop_ms": round(1000 * statistics.median(loop_times), 2),
+            "one_call_ms": round(1000 * statistics.median(one_times), 2)} | compare(one_out, loop_out)
+
+
+if __name__ == "__main__":
+    main()
