@@ -399,3 +399,28 @@ def test_a_prompt_rewrite_runs_on_a_streamed_text_encoder_and_writes_the_same(pl
     plain = rewrite(plus_pipe.pipe, images, "make it winter", 24, threading.Event())
     assert streamed.new_tokens == plain.new_tokens == 24 and streamed.token_ids == plain.token_ids
     assert len(set(plain.token_ids)) > 1  # a varied sequence, so the equality says something
+
+
+def test_fp8_activations_of_padded_text_rows_are_zeros_not_nan():
+    """A pair that splits a job's sequence pads the text with zero rows. fp8's per-row activation scale of a zero
+    row was 0 and the row quantized to NaN: every fp8-copy job of a pair came out non-finite on 2x H200. The
+    activation quantization each fp8 Linear applies (torchao's own, with our config's bounds; its torch path,
+    which the CPU runs) must give zeros there and leave the real rows as they were."""
+    from torchao.quantization.quantize_.workflows.float8.float8_tensor import Float8Tensor
+
+    from imgedit.runtime.offload import torchao_config
+    from imgedit.runtime.ulysses import pad_text
+
+    config = torchao_config("fp8")
+    text = torch.randn(1, 7, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    padded, mask = pad_text(text, None, multiple=2)
+    assert padded.shape[1] == 8 and not mask[0, 7] and not padded[0, 7].any()
+
+    def activations(lower_bound):
+        return Float8Tensor.from_hp(padded[0], float8_dtype=config.activation_dtype, granularity=config.granularity[0],
+                                    hp_value_lb=lower_bound, hp_value_ub=config.activation_value_ub).dequantize()
+
+    assert not torch.isfinite(activations(None)[7]).any()  # torchao's default: the NaN seen on the GPUs
+    rows = activations(config.activation_value_lb)
+    assert torch.isfinite(rows).all() and not rows[7].any()
+    torch.testing.assert_close(rows[:7], padded[0, :7], atol=0.02, rtol=0.07)  # fp8 e4m3 rounding

@@ -22,15 +22,22 @@ from imgedit.runtime import weights
 
 log = logging.getLogger(__name__)
 GIB = 1024**3
+FP8_ROW_FLOOR = 1e-12  # torchao activation_value_lb: see torchao_config
 
 
 def torchao_config(mode: str):
     """The torchao config of a QUANTIZE mode (fp8: dynamic per-row activations and weights, the
-    setting measured on the H200; int8: weight-only, per output row, runs on the CPU too)."""
+    setting measured on the H200; int8: weight-only, per output row, runs on the CPU too).
+
+    fp8's activation scale is a row's largest magnitude / 448, so an all-zero row gets scale 0 and quantizes to
+    0/0 = NaN. A CFG pair that splits a job's sequence pads the text with zero rows (masked out of attention, but
+    a NaN value times a zero attention weight is NaN): on 2x H200 every fp8-copy job of a pair came out non-finite.
+    `activation_value_lb` is torchao's own floor on that magnitude; a zero row then quantizes to zeros, as bf16
+    computes it, and no other row changes (none is that small)."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, Int8WeightOnlyConfig, PerRow
 
     if mode == "fp8":
-        return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+        return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), activation_value_lb=FP8_ROW_FLOOR)
     if mode == "int8":
         return Int8WeightOnlyConfig()
     raise ValueError(mode)
