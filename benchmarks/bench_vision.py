@@ -3,6 +3,7 @@ transformers' per-window loop: the vision tower alone, and the pipeline's whole 
 
     python benchmarks/bench_vision.py [--ckpt /tmp/qwen-image-edit-real-random] [--repeats 20] [--json out.json]
     python benchmarks/bench_vision.py --tiny      # CPU smoke run on the tiny checkpoint
+    python benchmarks/bench_vision.py --device cpu --rows tower384 --repeats 2   # fidelity on the CPU, real size
 
 The text encoder of the real-size random checkpoint (Qwen2.5-VL 7B config, trained-like init, bf16) on cuda:0,
 loaded by the app's own loader, with the app's worker settings for CPU threads (4, WORKER_THREADS=auto on one GPU).
@@ -10,13 +11,15 @@ Rows: the -2509/-2511 pipelines' condition picture (384² area, 16 windows a lay
 edit model's prompt picture: 100 windows a layer), through the vision tower; then the edit-plus pipeline's
 `encode_prompt` with the picture its `__call__` hands it (384² for a square input; the processor, the tower and the
 7B language model). Each is timed with a GPU sync, median of --repeats after 3 warm-ups, loop and one-call
-alternating. Fidelity: the one-call result against the loop's, max |difference| and cosine; every output must be
-finite (random weights that overflow would time NaN arithmetic).
+alternating. Fidelity: the one-call result against the loop's, max |difference| and cosine, and for the tower
+rows each form's bf16 output against the loop in float32 (the same weights): the one call is as exact as the loop
+when both sit as close to it. Every output must be finite (random weights that overflow would time NaN arithmetic).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import tempfile
@@ -74,7 +77,7 @@ def timed(fn, device: str, repeats: int) -> tuple[list[float], torch.Tensor]:
 
 
 def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
-    a, b = a.float().flatten(), b.float().flatten()
+    a, b = a.double().flatten(), b.double().flatten()  # a float32 cosine of ~10^6 values is off by ~1e-4 itself
     if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
         raise RuntimeError("a non-finite output: the timing would be of NaN arithmetic")
     return {"max_abs_diff": float((a - b).abs().max()), "mean_abs": float(b.abs().mean()),
@@ -88,22 +91,27 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--json", default="")
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--device", default="cuda:0", help="cpu: the real-size encoder on this machine's CPU")
+    parser.add_argument("--rows", default="tower384,tower1024,encode")
     args = parser.parse_args()
     if args.tiny:
         ckpt, device, dtype, args.repeats = build_checkpoint(Path(tempfile.mkdtemp()) / "tiny", kind="plus"), \
             "cpu", torch.float32, 3
     else:
-        ckpt, device, dtype = Path(args.ckpt), "cuda:0", torch.bfloat16
+        ckpt, device, dtype = Path(args.ckpt), args.device, torch.bfloat16
         if not (ckpt / "model_index.json").is_file():
             build_checkpoint(ckpt, kind="plus", size="real")
+    wanted = {row.strip() for row in args.rows.split(",")}
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     pipe = load(ckpt, device, dtype)
     encoder, visual = pipe.text_encoder, pipe.text_encoder.model.visual
     marker = "<|vision_start|><|image_pad|><|vision_end|>"
     rows = {}
-    for name, side in (("tower, 384x384 picture (-2509/-2511)", 384),
-                       ("tower, 1024x1024 picture (first edit model)", 1024)):
+    for key, name, side in (("tower384", "tower, 384x384 picture (-2509/-2511)", 384),
+                            ("tower1024", "tower, 1024x1024 picture (first edit model)", 1024)):
+        if key not in wanted:
+            continue
         inputs = pipe.processor(text=[marker], images=[reference_image(side)], return_tensors="pt").to(device)
         pixels, grid = inputs["pixel_values"].to(dtype), inputs["image_grid_thw"]
         rows[name] = {"grid_thw": grid.tolist()[0]}
@@ -111,6 +119,12 @@ def main() -> None:
         def tower(pixels=pixels, grid=grid):
             return visual(pixels, grid_thw=grid).pooler_output
         rows[name] |= measure(encoder, tower, device, args.repeats)
+        # float32 with transformers' loop as the reference: is the one call as close to it as the loop is?
+        loop_form(encoder)
+        reference = copy.deepcopy(visual).float()(pixels.float(), grid_thw=grid).pooler_output
+        install_one_call_windows(encoder)
+        for form in ("loop", "one_call"):
+            rows[name][f"{form}_vs_fp32_loop"] = compare(rows[name].pop(f"_{form}_out"), reference)
     plus = "Plus" in type(pipe).__name__  # its __call__ hands the text encoder the input at 384x384 (a square one)
     side = 384 if plus else 1024
     image = reference_image(side)
@@ -118,12 +132,16 @@ def main() -> None:
     def encode():
         return type(pipe).encode_prompt(pipe, prompt="make the sky a deep red and add a small boat",
                                         image=[image] if plus else image, device=torch.device(device))[0]
-    rows[f"encode_prompt, {type(pipe).__name__}, {side}x{side} picture"] = measure(encoder, encode, device,
-                                                                                   args.repeats)
+    if "encode" in wanted:
+        rows[f"encode_prompt, {type(pipe).__name__}, {side}x{side} picture"] = measure(encoder, encode, device,
+                                                                                       args.repeats)
+    for row in rows.values():
+        row.pop("_loop_out", None), row.pop("_one_call_out", None)
     out = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "device": device,
            "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu", "threads": args.threads,
            "torch": torch.__version__, "rows": rows}
-    write_results(out, {k: {m: v[m] for m in ("loop_ms", "one_call_ms", "max_abs_diff", "cosine") if m in v}
+    write_results(out, {k: {m: v[m] for m in ("loop_ms", "one_call_ms", "max_abs_diff", "cosine", "loop_vs_fp32_loop",
+                                              "one_call_vs_fp32_loop") if m in v}
                         for k, v in rows.items()}, args.json)
 
 
@@ -139,7 +157,8 @@ def measure(encoder, fn, device: str, repeats: int) -> dict:
         t, one_out = timed(fn, device, repeats // 2)
         one_times += t
     return {"loop_ms": round(1000 * statistics.median(loop_times), 2),
-            "one_call_ms": round(1000 * statistics.median(one_times), 2)} | compare(one_out, loop_out)
+            "one_call_ms": round(1000 * statistics.median(one_times), 2), "_loop_out": loop_out,
+            "_one_call_out": one_out} | compare(one_out, loop_out)
 
 
 if __name__ == "__main__":

@@ -304,7 +304,10 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
             problems.append(str(exc))
     if problems:
         raise SettingsError("Bad configuration:\n  " + "\n  ".join(problems))
-    values["cuda_visible_devices"] = env.get("CUDA_VISIBLE_DEVICES")
+    # The GPUs this process sees: discovery (NVML) reads the process's own CUDA_VISIBLE_DEVICES, so the workers'
+    # numbering must too, whatever mapping the other settings came from (a script passing a dict once put a
+    # worker on GPU 0 of the host while the server had been given GPU 1).
+    values["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
     values.update(overrides)
     return Settings(**values)
 
