@@ -97,3 +97,27 @@ def test_the_hook_steps_aside_when_the_caller_passes_the_ids(plus_pipe):
     finally:
         probe.remove()
     assert seen["ids"] is zeros
+
+
+def test_prompt_encoding_computes_one_tokens_logits_and_the_same_embeddings(plus_pipe):
+    """install_no_logits: the pipeline's encoding asks for hidden states only, so the encoder computes the last
+    token's logits alone (not 152,064 per token), and the embeddings are those of the full computation."""
+    pipe = plus_pipe.pipe
+    images = [picture(64, 48)]
+    seen = []
+    probe = pipe.text_encoder.register_forward_hook(lambda m, a, kw, out: seen.append(out.logits.shape),
+                                                    with_kwargs=True)
+    try:
+        hooked, _ = encode(pipe, images)
+        hooks = pipe.text_encoder._forward_pre_hooks
+        mine = [k for k, hook in hooks.items() if getattr(hook, "__name__", "") == "last_logits_only"]
+        assert len(mine) == 1, "the loader installs it once"
+        removed = hooks.pop(mine[0])
+        try:
+            full, _ = encode(pipe, images)
+        finally:
+            hooks[mine[0]] = removed
+    finally:
+        probe.remove()
+    assert seen[0][1] == 1 and seen[1][1] > 10, seen  # one position's logits, then every token's
+    assert torch.equal(hooked, full)
