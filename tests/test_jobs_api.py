@@ -90,6 +90,37 @@ def test_batch_of_five_from_files_and_a_zip(server):
     one = http.get(f"{server.url}/v1/jobs/{job['id']}/result?item=2", headers=A, timeout=30)
     assert one.status_code == 200 and one.headers["content-type"] == "image/png"
     assert one.content == archive.read("002-photo1.png")
+    check_other_formats(server.url, job["id"], archive)
+
+
+def check_other_formats(url: str, job_id: str, pngs: zipfile.ZipFile) -> None:
+    """The stored PNGs fetched as JPEG or WebP (OpenAI's output_format / output_compression, in the query):
+    near the PNG's pixels, the settings in the EXIF UserComment; a format it does not offer is a 400."""
+    import json
+
+    from PIL import ExifTags
+
+    webp = http.get(f"{url}/v1/jobs/{job_id}/result", params={"output_format": "webp", "output_compression": "80"},
+                    headers=A, timeout=30)
+    assert webp.status_code == 200 and webp.headers["content-type"] == "application/zip", webp.text
+    members = zipfile.ZipFile(io.BytesIO(webp.content))
+    assert members.namelist() == [n.removesuffix(".png") + ".webp" for n in pngs.namelist()]
+    jpeg = http.get(f"{url}/v1/jobs/{job_id}/result", params={"item": "2", "output_format": "jpg"}, headers=A,
+                    timeout=30)
+    assert jpeg.status_code == 200 and jpeg.headers["content-type"] == "image/jpeg", jpeg.text
+    for data, kind in ((members.read("002-photo1.webp"), "WEBP"), (jpeg.content, "JPEG")):
+        image = Image.open(io.BytesIO(data))
+        assert image.format == kind and image.size == (64, 64)
+        png = np.asarray(Image.open(pngs.open("002-photo1.png")).convert("RGB"), float)
+        assert np.abs(np.asarray(image.convert("RGB"), float) - png).mean() < 12  # lossy, the same picture
+        comment = image.getexif().get_ifd(ExifTags.IFD.Exif)[ExifTags.Base.UserComment]
+        stamped = json.loads(comment.removeprefix(b"ASCII\0\0\0"))
+        assert stamped["prompt"] == FIELDS["prompt"] and str(stamped["seed"]) == "3", stamped
+    bad = http.get(f"{url}/v1/jobs/{job_id}/result", params={"output_format": "gif"}, headers=A, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "output_format", bad.text
+    bad = http.get(f"{url}/v1/jobs/{job_id}/result", params={"output_format": "jpeg", "output_compression": "101"},
+                   headers=A, timeout=30)
+    assert bad.status_code == 400 and "output_compression must be 0 to 100" in bad.text, bad.text
 
 
 def test_single_set_gives_a_png(server):

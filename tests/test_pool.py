@@ -54,18 +54,17 @@ def test_the_cluster_plan_keeps_each_group_on_one_node(monkeypatch):
         ("node0-worker-0", ("cpu",), "aaa"), ("node1-worker-0", ("cpu",), "bbb")]
 
 
-def test_workers_are_numbered_by_the_gpus_this_process_sees(monkeypatch, tmp_path):
+def test_workers_are_numbered_by_the_gpus_this_process_sees(monkeypatch):
     """GPU discovery (NVML) reads this process's CUDA_VISIBLE_DEVICES; settings given as a mapping without it must
     still number the workers' GPUs from it (a benchmark passing a dict once put its worker on the host's GPU 0
     while its process had been given GPU 1)."""
     from imgedit.config.settings import load_settings
-    from imgedit.model.demo_checkpoint import build_checkpoint
 
-    ckpt = build_checkpoint(tmp_path / "tiny", kind="plus")
+    ckpt = "/models/qwen-image-edit"  # read as a path; nothing is loaded
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cuda:0"})
+    settings = load_settings({"QWEN_MODEL_DIR": ckpt, "DEVICE_MAP": "cuda:0"})
     assert settings.cuda_visible_devices == "1"
     one = WorkerPlan("worker-0", {c: Placement("cuda:0") for c in COMPONENTS})
     assert localize(one, settings.cuda_visible_devices)[1] == "1"  # the worker's CUDA_VISIBLE_DEVICES
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert load_settings({"QWEN_MODEL_DIR": str(ckpt), "CUDA_VISIBLE_DEVICES": "1"}).cuda_visible_devices is None
+    assert load_settings({"QWEN_MODEL_DIR": ckpt, "CUDA_VISIBLE_DEVICES": "1"}).cuda_visible_devices is None

@@ -23,7 +23,7 @@ from pathlib import PurePosixPath
 
 from imgedit.config.settings import Settings
 from imgedit.engine.history import HistoryEntry, HistoryStore
-from imgedit.engine.images import mask_digest, open_image
+from imgedit.engine.images import SUFFIXES, mask_digest, open_image, reencoded
 from imgedit.engine.job_records import JobRecords, job_state
 from imgedit.errors import Cancelled, ImgEditError, InputTooLarge, InvalidInput, QueueFull
 from imgedit.protocol import EditRequest, new_request_id
@@ -163,19 +163,24 @@ def clean_name(name: str, index: int) -> str:
     return clean or f"item-{index + 1}"
 
 
-def results_zip(items: list[tuple[str, HistoryEntry | None, str | None]]) -> bytes:
-    """A zip of every stored output, named after its item, plus errors.txt for items without one."""
+def results_zip(items: list[tuple[str, HistoryEntry | None, str | None]], output_format: str = "png",
+                quality: int = 100) -> bytes:
+    """A zip of every stored output, named after its item, plus errors.txt for items without one; the stored
+    PNGs as they are, or each made a JPEG or WebP (`images.encoded`, the settings in its EXIF)."""
     buffer = io.BytesIO()
     errors = []
-    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:  # PNGs are compressed already
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:  # the images are compressed already
         for n, (name, entry, error) in enumerate(items, 1):
             stem = PurePosixPath(name).stem or f"item-{n}"
             if entry is None:
                 errors.append(f"{n:03d} {name}: {error or 'no result'}")
                 continue
             for k, path in enumerate(entry.output_paths):
-                suffix = f"-{k + 1}" if entry.outputs > 1 else ""
-                archive.write(path, f"{n:03d}-{stem}{suffix}.png")
+                member = f"{n:03d}-{stem}{f'-{k + 1}' if entry.outputs > 1 else ''}{SUFFIXES[output_format]}"
+                if output_format == "png":
+                    archive.write(path, member)
+                else:
+                    archive.writestr(member, reencoded(path, output_format, quality))
         if errors:
             archive.writestr("errors.txt", "\n".join(errors) + "\n")
     return buffer.getvalue()

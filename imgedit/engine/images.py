@@ -196,6 +196,16 @@ def encoded(image: Image.Image, output_format: str = "png", quality: int = 100) 
     return buffer.getvalue()
 
 
+def reencoded(path, output_format: str, quality: int = 100) -> bytes:
+    """A stored PNG result in `output_format` (`encoded`), its settings text carried over."""
+    with Image.open(path) as image:
+        image.load()
+        return encoded(image, output_format, quality)
+
+
+SUFFIXES = {"png": ".png", "jpeg": ".jpg", "webp": ".webp"}
+
+
 MAX_EXIF_COMMENT = 60_000  # bytes; today's prompt limits (4,000 characters, 1,024 tokens) stay near 51 KB at worst
 
 

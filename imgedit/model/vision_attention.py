@@ -41,13 +41,15 @@ class WindowLayout:
         bounds = cu_seqlens.tolist()  # the one wait for the GPU, for every layer that shares this tensor
         lengths = [bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)]
         self.windows, self.longest = len(lengths), max(lengths)
-        device = cu_seqlens.device
+        # The rest is built where the tensor lives, from it, in shapes known here: no further wait.
+        device, cu = cu_seqlens.device, cu_seqlens.to(torch.long)
+        starts, sizes = cu[:-1], cu[1:] - cu[:-1]
         slot = torch.arange(self.longest, device=device)
-        starts = torch.tensor(bounds[:-1], device=device)
-        sizes = torch.tensor(lengths, device=device)
         valid = slot[None, :] < sizes[:, None]  # (windows, longest)
         self.gather = torch.where(valid, starts[:, None] + slot[None, :], 0).reshape(-1)
-        self.scatter = valid.reshape(-1).nonzero().squeeze(1)  # padded-batch rows that are real tokens, in order
+        tokens = torch.arange(bounds[-1] - bounds[0], device=device) + bounds[0]
+        window = torch.searchsorted(cu[1:], tokens, right=True)
+        self.scatter = window * self.longest + (tokens - starts[window])  # each token's row in the padded batch
         self.key_mask = None if all(n == self.longest for n in lengths) else valid[:, None, None, :]
 
 
@@ -110,6 +112,12 @@ def install_one_call_windows(text_encoder: torch.nn.Module) -> int:
         log.warning("vision attention: %s is not the module this was written for; its own loop stays", cls.__name__)
         return 0
     forward = _attention_forward(rotary, _Layouts())
+    forward.one_call_windows = True
+    wrapped = [m for m in modules if "forward" in m.__dict__
+               and not getattr(getattr(m.forward, "__func__", None), "one_call_windows", False)]
+    if wrapped:  # a hook's wrapper (accelerate, diffusers) would be dropped: leave them all as they are
+        log.warning("vision attention: %d module(s) already wrapped by a hook; their own loop stays", len(wrapped))
+        return 0
     for module in modules:
         module.forward = types.MethodType(forward, module)
     return len(modules)

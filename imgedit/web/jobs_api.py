@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from fastapi import APIRouter, Request
@@ -25,7 +26,7 @@ from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
 from imgedit.engine.batch import JobService, clean_name, expand_uploads, job_view, results_zip
 from imgedit.engine.history import HistoryEntry
-from imgedit.engine.images import open_image
+from imgedit.engine.images import open_image, reencoded
 from imgedit.engine.validation import check_aspect, check_counts, check_params
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.protocol import EditRequest
@@ -38,6 +39,7 @@ from imgedit.web.rest import (
     _int,
     _size,
     mask_fields,
+    output_format,
     owner_of,
     speed_fields,
 )
@@ -84,6 +86,9 @@ def _recorded_view(job_id: str, record: dict) -> dict:
 
 def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Metrics) -> APIRouter:
     router = APIRouter()
+    # JPEG/WebP results are made from the stored PNGs at each request (a job may hold 1,000 images): one thread,
+    # so such requests queue behind each other instead of taking every CPU from the server and the workers.
+    reencoding = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reencode")
 
     def refused() -> JSONResponse:
         return _error(401, UNAUTHORIZED, "invalid_api_key")
@@ -139,8 +144,13 @@ def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Me
 
     @router.get("/v1/jobs/{job_id}/result")
     async def job_result(job_id: str, request: Request, item: str | None = None) -> Response:
+        """The result as stored (PNG), or as `?output_format=jpeg|webp&output_compression=0-100` asks."""
         if (owner := owner_of(request, settings)) is None:
             return refused()
+        try:
+            image_format, quality = output_format(request.query_params)
+        except ImgEditError as exc:
+            return _error(400, exc.message, exc.kind, exc.field)
         job = jobs.get(owner, job_id)
         if job is not None:
             rows = [(i.name, i.entry, i.error) for i in job.items]
@@ -175,9 +185,14 @@ def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Me
             return _error(409, f"the job has no result ({reasons or 'nothing was stored'})", "no_result")
         try:
             if len(rows) == 1 and stored[0].outputs == 1:
-                png = await asyncio.to_thread(stored[0].output_paths[0].read_bytes)
-                return Response(png, media_type="image/png")
-            data = await asyncio.to_thread(results_zip, rows)
+                path = stored[0].output_paths[0]
+                if image_format == "png":
+                    return Response(await asyncio.to_thread(path.read_bytes), media_type="image/png")
+                data = await asyncio.get_running_loop().run_in_executor(reencoding, reencoded, path, image_format,
+                                                                         quality)
+                return Response(data, media_type=f"image/{image_format}")
+            data = await (asyncio.to_thread(results_zip, rows) if image_format == "png" else asyncio.get_running_loop()
+                          .run_in_executor(reencoding, results_zip, rows, image_format, quality))
         except FileNotFoundError:  # pruned between the lookup and the read
             return _error(410, "the stored result was deleted (OUTPUT_RETENTION_HOURS / OUTPUT_MAX_GB)", "gone")
         return Response(data, media_type="application/zip",

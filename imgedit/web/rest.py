@@ -299,11 +299,12 @@ async def _parse(request: Request, settings: Settings, manager) -> tuple[EditReq
         true_cfg_scale=_float(form, "true_cfg_scale"), num_images=_int(form, "n", 1),
         width=width, height=height, **speed_fields(form), **masking, source="rest")
     check_params(req, settings, manager.family, manager.prompt_tokens)
-    return req, _output_format(form)
+    return req, output_format(form)
 
 
-def _output_format(form) -> tuple[str, int]:
-    """OpenAI's `output_format` and `output_compression` (ignored for PNG, which is lossless)."""
+def output_format(form) -> tuple[str, int]:
+    """OpenAI's `output_format` and `output_compression` (ignored for PNG, which is lossless), from a form or
+    (`/v1/jobs/{id}/result`) the query string."""
     name = str(form.get("output_format") or "png").strip().lower()
     name = "jpeg" if name == "jpg" else name
     if name not in REPLY_FORMATS:
