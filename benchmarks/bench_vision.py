@@ -42,7 +42,7 @@ def load(ckpt: Path, device: str, dtype):
     from diffusers import FlowMatchEulerDiscreteScheduler
     from transformers import Qwen2Tokenizer
 
-    from imgedit.model.encoding import install_token_type_fix
+    from imgedit.model.encoding import prepare_text_encoder
     from imgedit.model.processor import load_processor
     from imgedit.planning.plan import Placement
     from imgedit.runtime import weights
@@ -50,7 +50,7 @@ def load(ckpt: Path, device: str, dtype):
 
     checkpoint = open_checkpoint(str(ckpt))
     encoder = weights.load_component("text_encoder", checkpoint, Placement(device), dtype).eval()
-    install_token_type_fix(encoder)
+    prepare_text_encoder(encoder)  # as a worker does; `measure` takes the vision tower's one call off and on
     pipe = getattr(diffusers, checkpoint.pipeline_class)(
         scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(ckpt, subfolder="scheduler"),
         tokenizer=Qwen2Tokenizer.from_pretrained(ckpt / "tokenizer"), processor=load_processor(ckpt / "processor"),

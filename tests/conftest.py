@@ -224,15 +224,12 @@ class LocalPipeline:
     keeps its last input encodings: a repeated input is not encoded at 1 MP again (exact; `memo=0`: none)."""
 
     def __init__(self, ckpt: Path, memo: int = 8):
-        from imgedit.model.encoding import install_no_logits, install_token_type_fix
-        from imgedit.model.vision_attention import install_one_call_windows
+        from imgedit.model.encoding import prepare_text_encoder
         from imgedit.runtime import encode_cache, loader
 
         plan = WorkerPlan("local", {c: Placement("cpu") for c in COMPONENTS})
         self.pipe = loader.load_pipeline(loader.open_checkpoint(str(ckpt)), plan, torch.float32)
-        self.encoding_fix = install_token_type_fix(self.pipe.text_encoder)
-        install_no_logits(self.pipe.text_encoder)  # as the worker does
-        install_one_call_windows(self.pipe.text_encoder)  # as the worker does
+        self.encoding_fix = prepare_text_encoder(self.pipe.text_encoder)  # as the worker does
         self.memo = encode_cache.install(self.pipe, memo)
 
 

@@ -313,7 +313,7 @@ def test_offload_hooks_keep_resident_blocks_and_stream_the_rest(plus_ckpt, plus_
     runs): the same edit as without them, block 0 and the text encoder hooked, block 1 resident."""
     from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
 
-    from imgedit.model.encoding import install_token_type_fix
+    from imgedit.model.encoding import prepare_text_encoder
 
     checkpoint = loader.open_checkpoint(str(plus_ckpt))
 
@@ -326,7 +326,7 @@ def test_offload_hooks_keep_resident_blocks_and_stream_the_rest(plus_ckpt, plus_
     assert memory.streamed(2) == [0]  # of the tiny model's two blocks, block 0 is streamed
     plan = WorkerPlan("local", {c: Placement("cpu") for c in COMPONENTS}, memory=memory)
     pipe = loader.load_pipeline(checkpoint, plan, torch.float32)
-    install_token_type_fix(pipe.text_encoder)  # as the worker does, and as plus_pipe has
+    prepare_text_encoder(pipe.text_encoder)  # as the worker does, and as plus_pipe has
     reference, streamed = edit(plus_pipe.pipe), edit(pipe)  # the same weights, with and without the hooks
     blocks = pipe.transformer.transformer_blocks
 
@@ -387,13 +387,13 @@ def test_a_prompt_rewrite_runs_on_a_streamed_text_encoder_and_writes_the_same(pl
     answer, token for token, as the text encoder without them."""
     import threading
 
-    from imgedit.model.encoding import install_token_type_fix
+    from imgedit.model.encoding import prepare_text_encoder
     from imgedit.runtime.enhance import rewrite
 
     memory = MemoryMode(offload_text_encoder=True)
     plan = WorkerPlan("local", {c: Placement("cpu") for c in COMPONENTS}, memory=memory)
     pipe = loader.load_pipeline(loader.open_checkpoint(str(plus_ckpt)), plan, torch.float32)
-    install_token_type_fix(pipe.text_encoder)
+    prepare_text_encoder(pipe.text_encoder)  # as the worker does
     images = [picture(96, 64), picture(64, 64, (200, 40, 40))]
     streamed = rewrite(pipe, images, "make it winter", 24, threading.Event())
     plain = rewrite(plus_pipe.pipe, images, "make it winter", 24, threading.Event())

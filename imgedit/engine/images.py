@@ -169,7 +169,8 @@ def png_bytes(image: Image.Image, compress_level: int = 1) -> bytes:
     return buffer.getvalue()
 
 
-REPLY_FORMATS = ("png", "jpeg", "webp")  # OpenAI's output_format values
+SUFFIXES = {"png": ".png", "jpeg": ".jpg", "webp": ".webp"}  # OpenAI's output_format values, as file names end
+REPLY_FORMATS = tuple(SUFFIXES)
 
 
 def encoded(image: Image.Image, output_format: str = "png", quality: int = 100) -> bytes:
@@ -201,9 +202,6 @@ def reencoded(path, output_format: str, quality: int = 100) -> bytes:
     with Image.open(path) as image:
         image.load()
         return encoded(image, output_format, quality)
-
-
-SUFFIXES = {"png": ".png", "jpeg": ".jpg", "webp": ".webp"}
 
 
 MAX_EXIF_COMMENT = 60_000  # bytes; today's prompt limits (4,000 characters, 1,024 tokens) stay near 51 KB at worst

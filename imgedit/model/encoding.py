@@ -7,7 +7,8 @@ positions: no error, different prompt embeddings, worse edits. We add them with 
 on the text-encoder instance (installed packages stay untouched). The hook steps aside when the
 caller passes the ids itself, so it becomes a no-op once diffusers forwards them.
 
-`install_no_logits` spares the same calls the logits of every token, which nothing reads.
+`install_no_logits` spares the same calls the logits of every token, which nothing reads; `prepare_text_encoder`
+installs these and the vision tower's one-call windows (imgedit.model.vision_attention), as every worker does.
 """
 
 from __future__ import annotations
@@ -67,3 +68,14 @@ def install_no_logits(text_encoder: torch.nn.Module):
         return args, {**kwargs, "logits_to_keep": 1}
 
     return text_encoder.register_forward_pre_hook(last_logits_only, with_kwargs=True)
+
+
+def prepare_text_encoder(text_encoder: torch.nn.Module):
+    """Everything a worker installs on its text encoder: the token-type fix, no logits for prompt encoding, the
+    vision tower's windows in one call. Returns the token-type fix's hook handle (see install_token_type_fix)."""
+    from imgedit.model.vision_attention import install_one_call_windows
+
+    handle = install_token_type_fix(text_encoder)
+    install_no_logits(text_encoder)
+    install_one_call_windows(text_encoder)
+    return handle

@@ -70,8 +70,7 @@ def _watch_parent(parent: int) -> None:
 def _load(spec: WorkerSpec):
     import torch
 
-    from imgedit.model.encoding import install_no_logits, install_token_type_fix
-    from imgedit.model.vision_attention import install_one_call_windows
+    from imgedit.model.encoding import prepare_text_encoder
     from imgedit.runtime import loader
     from imgedit.runtime.runner import Runner
 
@@ -99,9 +98,7 @@ def _load(spec: WorkerSpec):
         log.info("runs on the CPU: using float32 instead of %s", spec.dtype)  # bf16 convs are emulated, slow
         dtype = torch.float32
     pipe = loader.load_pipeline(spec.checkpoint, plan, dtype)
-    install_token_type_fix(pipe.text_encoder)
-    install_no_logits(pipe.text_encoder)  # prompt encoding wants hidden states: no logits for every token
-    install_one_call_windows(pipe.text_encoder)  # the vision tower's windows in one attention call a layer
+    prepare_text_encoder(pipe.text_encoder)  # token types, no logits, the vision tower's windows in one call
     from imgedit.runtime import encode_cache, pixels
     from imgedit.runtime.adapters import Adapters
 

@@ -184,15 +184,14 @@ def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Me
             reasons = "; ".join(f"{name}: {error}" for name, _, error in rows if error)[:500]
             return _error(409, f"the job has no result ({reasons or 'nothing was stored'})", "no_result")
         try:
+            loop = asyncio.get_running_loop()
+            executor = None if image_format == "png" else reencoding  # None: the loop's own threads (file reads)
             if len(rows) == 1 and stored[0].outputs == 1:
                 path = stored[0].output_paths[0]
-                if image_format == "png":
-                    return Response(await asyncio.to_thread(path.read_bytes), media_type="image/png")
-                data = await asyncio.get_running_loop().run_in_executor(reencoding, reencoded, path, image_format,
-                                                                         quality)
+                data = await (loop.run_in_executor(None, path.read_bytes) if image_format == "png" else
+                              loop.run_in_executor(reencoding, reencoded, path, image_format, quality))
                 return Response(data, media_type=f"image/{image_format}")
-            data = await (asyncio.to_thread(results_zip, rows) if image_format == "png" else asyncio.get_running_loop()
-                          .run_in_executor(reencoding, results_zip, rows, image_format, quality))
+            data = await loop.run_in_executor(executor, results_zip, rows, image_format, quality)
         except FileNotFoundError:  # pruned between the lookup and the read
             return _error(410, "the stored result was deleted (OUTPUT_RETENTION_HOURS / OUTPUT_MAX_GB)", "gone")
         return Response(data, media_type="application/zip",
