@@ -144,7 +144,11 @@ def test_upload_prompt_ctrl_enter_progress_result_compare_and_add_as_input(brows
     assert page.locator("#input-preview img").count() == 2
     rows = page.locator("#input-files tr").filter(has_text="×")  # the file rows (each has its remove button)
     assert "wide" in rows.first.inner_text(), rows.all_inner_texts()
-    page.locator("#input-preview img").nth(1).click()
+    # The thumbnail's select event tells the server which input is chosen; "make first" sent before its reply
+    # came back carried no choice (seen once in CI: the order never changed). Wait for that request to finish.
+    with page.expect_request_finished(lambda r: r.method == "POST" and re.search(r'"index":\s*1\b', r.post_data or ""),
+                                      timeout=30_000):
+        page.locator("#input-preview img").nth(1).click()
     page.locator("#make-first").click()
     page.wait_for_function("() => [...document.querySelectorAll('#input-files tr')].filter(r => "
                            "r.innerText.includes('×'))[1]?.innerText.includes('wide')", timeout=30_000)
