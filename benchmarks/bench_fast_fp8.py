@@ -2,7 +2,7 @@
 every Linear in fp8), through the app's manager and REST, with the images compared.
 
     python benchmarks/bench_fast_fp8.py [--size 1024] [--repeats 3] [--rows none,fp8] [--json out.json]
-        [--device-map cfg-parallel] [--fast-only] [--env NAME=VALUE ...]
+        [--device-map cfg-parallel] [--fast-only] [--env NAME=VALUE ...] [--phases N]
     python benchmarks/bench_fast_fp8.py --tiny      # CPU smoke run (int8 instead of fp8, eager, 64x64)
 
 Each row is one worker started by imgedit's PipelineManager on cuda:0 or --device-map (COMPILE=on, warmed up at the
@@ -15,7 +15,8 @@ hook (bench.finite_check) fails a job whose transformer output (the copy's too) 
 image must have contrast. Jobs: speed=fastest (4 steps, CFG off, a 1024x1024 input and output) through
 manager.edit, then through the HTTP server (REST), seeds 1..N after one warm-up job. Fidelity: the fp8 row's
 images against the bf16 row's of the same seed, PSNR and the cosine of the centred pixels (random weights and
-LoRA: no statement about a trained model's fp8 quality).
+LoRA: no statement about a trained model's fp8 quality). --phases N: after the timed jobs (which run without
+stamps), N more jobs with bench_outside's per-rank timeline (each stamp syncs the GPU), in the same workers.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench import StepClock, contrast, reference_image, write_results  # noqa: E402
 from bench_fast import PROMPT, rest_fastest  # noqa: E402
+from bench_outside import STAMPS, SWITCH, timeline  # noqa: E402
 
 from imgedit.config.settings import load_settings  # noqa: E402
 from imgedit.engine.manager import PipelineManager  # noqa: E402
@@ -56,7 +58,9 @@ def row(args, ckpt: Path, lora_dir: Path, mode: str) -> tuple[dict, dict[int, np
         | dict(item.split("=", 1) for item in args.env))
     size = args.size
     t0 = time.perf_counter()
-    manager = PipelineManager(settings, worker_hook="bench:finite_check",
+    STAMPS.mkdir(exist_ok=True)
+    SWITCH.unlink(missing_ok=True)  # the timed jobs run without stamps
+    manager = PipelineManager(settings, worker_hook="bench_outside:phases" if args.phases else "bench:finite_check",
                               warmup_sizes=() if args.fast_only else ((size, size),)).load(timeout=1500)
     startup = round(time.perf_counter() - t0, 1)
     image = reference_image(size)
@@ -79,6 +83,7 @@ def row(args, ckpt: Path, lora_dir: Path, mode: str) -> tuple[dict, dict[int, np
                 runs.append(run)
                 images[seed] = np.asarray(result.images[0], dtype=np.float64)
             log.info("%s seed %d: %s", mode, seed, run)
+        timelines = [phases_run(manager, image, size, seed) for seed in range(1, args.phases + 1)]
         try:
             rest = rest_fastest(manager, image, size, args.repeats)
         except ModuleNotFoundError as exc:  # the GPU machine may lack the web stack
@@ -92,7 +97,29 @@ def row(args, ckpt: Path, lora_dir: Path, mode: str) -> tuple[dict, dict[int, np
             "outside_loop_s": statistics.median(r["outside_loop_s"] for r in runs), "rest": rest,
             "fast_weights": info.get("fast_weights"), "fuse_lora": info.get("fuse_lora"),
             "memory_allocated_gib": info.get("memory_allocated_gib"), "cpu_threads": info.get("cpu_threads"),
-            "pixels": info.get("pixels"), "compile_seconds": info.get("compile_seconds")}, images
+            "pixels": info.get("pixels"), "compile_seconds": info.get("compile_seconds")} \
+        | ({"timelines": timelines} if timelines else {}), images
+
+
+def phases_run(manager, image, size: int, seed: int) -> dict:
+    """One more fastest job with every rank stamping its phases (bench_outside.phases): where the time goes."""
+    for path in STAMPS.glob("rank*.jsonl"):
+        path.write_text("")
+    SWITCH.touch()
+    try:
+        req = EditRequest(images=(image,), prompt=PROMPT, seed=seed, width=size, height=size, speed="fastest",
+                          source="bench")
+        submitted = time.time()
+        result = manager.edit(req)
+        returned = time.time()
+        time.sleep(0.2)  # the ranks' last stamps reach the files
+    finally:
+        SWITCH.unlink(missing_ok=True)
+    if contrast(result.images[0]) < 1.0:
+        raise RuntimeError("a flat (black/NaN) image came back")
+    run = timeline(submitted, returned)
+    log.info("phases, seed %d: %s", seed, run)
+    return run
 
 
 def fidelity(a: dict[int, np.ndarray], b: dict[int, np.ndarray]) -> dict:
@@ -120,6 +147,8 @@ def main() -> None:
     parser.add_argument("--fast-only", action="store_true",
                         help="no quality (CFG) warm-up, the fast jobs' variants alone (where the quality weights, "
                              "the copy and a CFG forward's buffers do not fit one card together)")
+    parser.add_argument("--phases", type=int, default=0, metavar="N",
+                        help="N more jobs with a per-rank timeline of their phases (after the timed ones)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="another setting for the workers (repeatable), e.g. WORKER_THREADS=32")
     args = parser.parse_args()

@@ -38,6 +38,7 @@ from imgedit.protocol import EditRequest  # noqa: E402
 
 log = logging.getLogger("bench_outside")
 STAMPS = Path(tempfile.gettempdir()) / "imgedit-phases"
+SWITCH = STAMPS / "on"  # the hook stamps while this file exists (bench_fast_fp8 times its runs without stamps)
 MODES = {"one": {"DEVICE_MAP": "cuda:0"}, "pair": {"DEVICE_MAP": "cfg-parallel", "PAIR_ULYSSES": "on"}}
 
 
@@ -64,6 +65,8 @@ def phases(pipe, spec) -> None:
     out = (STAMPS / f"rank{spec.rank}.jsonl").open("a", buffering=1)
 
     def mark(name: str) -> None:
+        if not SWITCH.exists():
+            return
         if cuda:
             torch.cuda.synchronize()
         out.write(json.dumps({"rank": spec.rank, "name": name, "t": time.time()}) + "\n")
@@ -95,8 +98,9 @@ def phases(pipe, spec) -> None:
         if module is not None:
             module.register_forward_pre_hook(lambda module, args, name=name: mark(name + ">"))
             module.register_forward_hook(lambda module, args, output, name=name: mark(name + "<"))
-    pipe.transformer.register_forward_pre_hook(lambda module, args: mark("forward>"))
-    pipe.transformer.register_forward_hook(lambda module, args, output: mark("forward<"))
+    for transformer in (pipe.transformer, *getattr(pipe, "imgedit_fast_copies", ())):  # FAST_QUANTIZE's copies too
+        transformer.register_forward_pre_hook(lambda module, args: mark("forward>"))
+        transformer.register_forward_hook(lambda module, args, output: mark("forward<"))
 
 
 def timeline(submitted: float, returned: float) -> dict:
@@ -184,6 +188,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     STAMPS.mkdir(exist_ok=True)
+    SWITCH.touch()
     if args.tiny:
         ckpt, args.modes = build_checkpoint(Path(tempfile.mkdtemp()) / "tiny", kind="plus"), "one"
     else:

@@ -92,7 +92,8 @@ def main() -> None:
     parser.add_argument("--json", default="")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--device", default="cuda:0", help="cpu: the real-size encoder on this machine's CPU")
-    parser.add_argument("--rows", default="tower384,tower1024,encode")
+    parser.add_argument("--rows", default="tower384,tower1024,encode",
+                        help="also: compiled (encode_prompt with the language model under torch.compile)")
     args = parser.parse_args()
     if args.tiny:
         ckpt, device, dtype, args.repeats = build_checkpoint(Path(tempfile.mkdtemp()) / "tiny", kind="plus"), \
@@ -135,14 +136,47 @@ def main() -> None:
     if "encode" in wanted:
         rows[f"encode_prompt, {type(pipe).__name__}, {side}x{side} picture"] = measure(encoder, encode, device,
                                                                                        args.repeats)
+    if "compiled" in wanted:  # the issue's route "compile the text encoder": its 7B language model, dynamic lengths
+        rows[f"encode_prompt, language model compiled, {side}x{side} picture"] = compiled_text(
+            encoder, pipe, image if not plus else [image], device, args.repeats)
     for row in rows.values():
         row.pop("_loop_out", None), row.pop("_one_call_out", None)
     out = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "device": device,
            "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu", "threads": args.threads,
            "torch": torch.__version__, "rows": rows}
     write_results(out, {k: {m: v[m] for m in ("loop_ms", "one_call_ms", "max_abs_diff", "cosine", "loop_vs_fp32_loop",
-                                              "one_call_vs_fp32_loop") if m in v}
+                                              "one_call_vs_fp32_loop", "prompt0", "prompt1", "first_call_s_0",
+                                              "first_call_s_1", "graph_breaks") if m in v}
                         for k, v in rows.items()}, args.json)
+
+
+def compiled_text(encoder, pipe, image, device: str, repeats: int) -> dict:
+    """encode_prompt eager against its language model under torch.compile(dynamic=True) (the vision tower in
+    one call in both), with two prompts of different lengths: the second length must not cost a compile."""
+    prompts = ("make the sky a deep red and add a small boat",
+               "replace the old wooden fence on the left with a low stone wall covered in ivy, keep the light")
+
+    def encode(prompt):
+        return lambda: type(pipe).encode_prompt(pipe, prompt=prompt, image=image, device=torch.device(device))[0]
+    install_one_call_windows(encoder)
+    eager = {p: timed(encode(p), device, repeats) for p in prompts}
+    model = encoder.model.language_model
+    model.compile(dynamic=True)
+    out = {"lengths": [int(eager[p][1].shape[1]) for p in prompts]}
+    for i, p in enumerate(prompts):
+        started = time.perf_counter()
+        encode(p)()
+        out[f"first_call_s_{i}"] = round(time.perf_counter() - started, 2)  # 0: the compile; 1: a new length
+    compiled = {p: timed(encode(p), device, repeats) for p in prompts}
+    from torch._dynamo.utils import counters
+
+    out["graph_breaks"] = sum(counters["graph_break"].values())
+    for i, p in enumerate(prompts):
+        out[f"prompt{i}"] = {"eager_ms": round(1000 * statistics.median(eager[p][0]), 2),
+                             "compiled_ms": round(1000 * statistics.median(compiled[p][0]), 2)} \
+            | compare(compiled[p][1], eager[p][1])
+    model._compiled_call_impl = None  # eager again for anything after this row
+    return out
 
 
 def measure(encoder, fn, device: str, repeats: int) -> dict:
