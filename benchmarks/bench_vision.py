@@ -93,7 +93,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--device", default="cuda:0", help="cpu: the real-size encoder on this machine's CPU")
     parser.add_argument("--rows", default="tower384,tower1024,encode",
-                        help="also: compiled (encode_prompt with the language model under torch.compile)")
+                        help="also: compiled (encode_prompt with the language model under torch.compile), "
+                             "fp8text (its Linear layers in fp8, QUANTIZE's torchao config; int8 with --tiny)")
     args = parser.parse_args()
     if args.tiny:
         ckpt, device, dtype, args.repeats = build_checkpoint(Path(tempfile.mkdtemp()) / "tiny", kind="plus"), \
@@ -139,6 +140,9 @@ def main() -> None:
     if "compiled" in wanted:  # the issue's route "compile the text encoder": its 7B language model, dynamic lengths
         rows[f"encode_prompt, language model compiled, {side}x{side} picture"] = compiled_text(
             encoder, pipe, image if not plus else [image], device, args.repeats)
+    if "fp8text" in wanted:  # the issue's other route, "quantize the text encoder": last, it changes the weights
+        rows[f"encode_prompt, language model in fp8, {side}x{side} picture"] = fp8_text(
+            encoder, pipe, image if not plus else [image], device, args.repeats, args.tiny)
     for row in rows.values():
         row.pop("_loop_out", None), row.pop("_one_call_out", None)
     out = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "device": device,
@@ -146,7 +150,8 @@ def main() -> None:
            "torch": torch.__version__, "rows": rows}
     write_results(out, {k: {m: v[m] for m in ("loop_ms", "one_call_ms", "max_abs_diff", "cosine", "loop_vs_fp32_loop",
                                               "one_call_vs_fp32_loop", "prompt0", "prompt1", "first_call_s_0",
-                                              "first_call_s_1", "graph_breaks") if m in v}
+                                              "first_call_s_1", "graph_breaks", "bf16_ms", "quantized_ms",
+                                              "layers") if m in v}
                         for k, v in rows.items()}, args.json)
 
 
@@ -177,6 +182,23 @@ def compiled_text(encoder, pipe, image, device: str, repeats: int) -> dict:
             | compare(compiled[p][1], eager[p][1])
     model._compiled_call_impl = None  # eager again for anything after this row
     return out
+
+
+def fp8_text(encoder, pipe, image, device: str, repeats: int, tiny: bool) -> dict:
+    """encode_prompt eager in bf16 against the same with the language model's Linear layers quantized as
+    QUANTIZE=fp8 does (dynamic per-row activations and weights; the vision tower stays bf16)."""
+    from imgedit.runtime.offload import quantize_module
+
+    prompt = "make the sky a deep red and add a small boat"
+
+    def encode():
+        return type(pipe).encode_prompt(pipe, prompt=prompt, image=image, device=torch.device(device))[0]
+    install_one_call_windows(encoder)
+    bf16_times, bf16_out = timed(encode, device, repeats)
+    layers = quantize_module(encoder.model.language_model, "int8" if tiny else "fp8")
+    fp8_times, fp8_out = timed(encode, device, repeats)
+    return {"layers": layers, "bf16_ms": round(1000 * statistics.median(bf16_times), 2),
+            "quantized_ms": round(1000 * statistics.median(fp8_times), 2)} | compare(fp8_out, bf16_out)
 
 
 def measure(encoder, fn, device: str, repeats: int) -> dict:
