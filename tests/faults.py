@@ -8,6 +8,7 @@ lowest seam (the transformer's forward), acts on markers in it:
   [slow]        sleep 0.3 s per forward (time to cancel or kill mid-job)
   [hold:PATH]   each forward waits while the file PATH exists (at most 120 s): the test decides when jobs run
   [rank1-oom]   raise OutOfMemoryError on rank 1 only (one rank of a pair fails)
+  [encode-bug]  raise an unexpected exception in the text encoder's forward (prompt encoding fails)
 Prompt rewrites (imgedit.runtime.enhance) read markers in the instruction they rewrite, at the text encoder's
 output: [rewrite:TEXT] makes the model answer TEXT and end its answer; [rewrite-empty] makes it end at once;
 [rewrite-slow] sleeps 0.2 s per generated token; [rewrite-bug] and [rewrite-oom] fail the rewrite's first
@@ -61,6 +62,11 @@ def install(pipe, spec) -> None:
         if "[bug]" in prompt:
             raise KeyError("secret internal detail")
 
+    def before_text_encoder(module, args):
+        if "[encode-bug]" in current["prompt"]:
+            raise KeyError("secret internal detail")
+
+    pipe.text_encoder.register_forward_pre_hook(before_text_encoder)
     copies = getattr(pipe, "imgedit_fast_copies", ())  # FAST_QUANTIZE: fast jobs run on these
     for transformer in (pipe.transformer, *copies):
         transformer.register_forward_pre_hook(before_forward)

@@ -10,10 +10,10 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import ConcurrencyProbe, group_plan, make_manager, picture
+from conftest import ConcurrencyProbe, group_plan, make_manager, picture, wait_for
 
 from imgedit.config.settings import load_settings, parse_device_map
-from imgedit.errors import Cancelled, SettingsError, WorkerFailed
+from imgedit.errors import Cancelled, ImgEditError, SettingsError, WorkerFailed
 from imgedit.model.demo_checkpoint import build_checkpoint
 from imgedit.planning.placement import GIB, PlacementError, plan_placement
 from imgedit.planning.plan import ComponentSpec, GpuSpec
@@ -116,6 +116,10 @@ def test_a_pair_splits_cfg_off_jobs_over_both_ranks_and_keeps_cfg_on_jobs_exact(
     # 3 steps per edit: CFG off, both ranks one forward each; CFG on, rank 0 the prompt's and rank 1 the
     # negative prompt's; with the cache, rank 0 alone
     assert probe.forwards["transformer"] == 2 * 3 * len(PROMPTS) + 2 * 3 + 3
+    # A split job's prompt is encoded once, on rank 0 (imgedit.runtime.shared_prompt), into rank 0's encode memo.
+    # CFG on: rank 0 encodes the negative prompt (its prompt is in the memo), rank 1 both (its memo never saw them).
+    # The cached job (rank 0 alone) finds its prompt in the memo. Each rank encoding every split job: 10.
+    assert probe.forwards["text_encoder"] == len(PROMPTS) + 1 + 2
     assert pair_split.status().workers[0].parallel == "cfg" and pair_split.workers[0].info["pair_ulysses"] is True
 
 
@@ -162,6 +166,19 @@ def test_cancel_stops_a_split_pair_job_on_both_ranks_and_the_pair_serves_on(pair
     status = pair_split.status().workers[0]
     assert status.state == "idle" and status.restarts == 0  # neither rank left waiting in an all-to-all
     assert pair_split.edit(request()).images and pair_split.edit(request(true_cfg_scale=1.0)).images
+
+
+def test_a_split_jobs_prompt_encoding_failing_on_rank_0_fails_both_ranks_and_the_pair_comes_back(pair_split):
+    """Rank 0 encodes a split job's prompt for both ranks: when that fails, rank 1 is told instead of waiting in
+    a collective rank 0 never reaches; the user gets a clear error without internals, and the pair serves on."""
+    before = pair_split.status().workers[0]
+    with pytest.raises(ImgEditError, match="internal error") as failed:
+        pair_split.edit(request(prompt="[encode-bug] make it red", true_cfg_scale=1.0))
+    assert "secret" not in str(failed.value) and "KeyError" not in str(failed.value)
+    wait_for(lambda: pair_split.status().workers[0].state == "idle", 120)
+    after = pair_split.status().workers[0]
+    assert after.restarts == before.restarts + 1 and set(after.pids).isdisjoint(before.pids)
+    assert pair_split.edit(request(true_cfg_scale=1.0)).images
 
 
 def test_ulysses_refuses_a_transformer_whose_heads_it_cannot_split(tmp_path):

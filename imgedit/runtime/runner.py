@@ -62,6 +62,10 @@ class Runner:
 
             self.group = ParallelGroup(pipe.transformer, parallel, rank, world, ulysses, cuda, group, pair_ulysses,
                                        adapters.copies if adapters is not None else ())
+            if self.group.splits_cfg_off:  # a split job's prompt: encoded on rank 0, sent to rank 1
+                from imgedit.runtime import shared_prompt
+
+                shared_prompt.install(pipe, rank, lambda: self.group.switch.on, self.group.cpu_group)
         self.adapters = adapters  # imgedit.runtime.adapters.Adapters: the job's LoRAs and scheduler
         from imgedit.runtime.step_cache import StepCache
 
