@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench import StepClock, contrast, reference_image, write_results  # noqa: E402
 from bench_fast import PROMPT, rest_fastest  # noqa: E402
-from bench_outside import STAMPS, SWITCH, timeline  # noqa: E402
+from bench_outside import STAMPS, SWITCH, stamped_edit  # noqa: E402
 
 from imgedit.config.settings import load_settings  # noqa: E402
 from imgedit.engine.manager import PipelineManager  # noqa: E402
@@ -103,21 +103,12 @@ def row(args, ckpt: Path, lora_dir: Path, mode: str) -> tuple[dict, dict[int, np
 
 def phases_run(manager, image, size: int, seed: int) -> dict:
     """One more fastest job with every rank stamping its phases (bench_outside.phases): where the time goes."""
-    for path in STAMPS.glob("rank*.jsonl"):
-        path.write_text("")
     SWITCH.touch()
     try:
-        req = EditRequest(images=(image,), prompt=PROMPT, seed=seed, width=size, height=size, speed="fastest",
-                          source="bench")
-        submitted = time.time()
-        result = manager.edit(req)
-        returned = time.time()
-        time.sleep(0.2)  # the ranks' last stamps reach the files
+        run = stamped_edit(manager, EditRequest(images=(image,), prompt=PROMPT, seed=seed, width=size, height=size,
+                                                speed="fastest", source="bench"))
     finally:
         SWITCH.unlink(missing_ok=True)
-    if contrast(result.images[0]) < 1.0:
-        raise RuntimeError("a flat (black/NaN) image came back")
-    run = timeline(submitted, returned)
     log.info("phases, seed %d: %s", seed, run)
     return run
 

@@ -134,6 +134,20 @@ def timeline(submitted: float, returned: float) -> dict:
     return {"returned": round(returned - submitted, 4), "ranks": ranks}
 
 
+def stamped_edit(manager, req: EditRequest) -> dict:
+    """One job with every rank stamping its phases (the hook's switch on): its timeline. The image must have
+    contrast (not a flat, NaN-made one)."""
+    for path in STAMPS.glob("rank*.jsonl"):
+        path.write_text("")
+    submitted = time.time()
+    result = manager.edit(req)
+    returned = time.time()
+    if contrast(result.images[0]) < 1.0:
+        raise RuntimeError("a flat (black/NaN) image came back")
+    time.sleep(0.2)  # the ranks' last stamps (rank 1 may still be decoding) reach the files
+    return timeline(submitted, returned)
+
+
 def run_mode(name: str, variant: str, args, ckpt: Path) -> dict:
     extra = dict(pair.split("=", 1) for pair in variant.split(",") if "=" in pair)
     for key in ("BENCH_THREADS", "BENCH_CUDNN", "BENCH_PIXELS"):  # the hook's: worker processes read this one's
@@ -153,17 +167,9 @@ def run_mode(name: str, variant: str, args, ckpt: Path) -> dict:
     runs = []
     try:
         for seed in range(args.repeats + 1):
-            for path in STAMPS.glob("rank*.jsonl"):
-                path.write_text("")
             req = EditRequest(images=(image,), prompt="turn the sky into a sunset", seed=seed, width=size, height=size,
                               num_inference_steps=4, true_cfg_scale=1.0, source="bench")
-            submitted = time.time()
-            result = manager.edit(req)
-            returned = time.time()
-            if contrast(result.images[0]) < 1.0:
-                raise RuntimeError("a flat (black/NaN) image came back")
-            time.sleep(0.2)  # the ranks' last stamps (rank 1 may still be decoding) reach the files
-            run = timeline(submitted, returned)
+            run = stamped_edit(manager, req)
             log.info("%s seed %d: %s", name, seed, json.dumps(run))
             if seed:
                 runs.append(run)

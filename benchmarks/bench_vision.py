@@ -36,6 +36,8 @@ from bench import reference_image, write_results  # noqa: E402
 from imgedit.model.demo_checkpoint import build_checkpoint  # noqa: E402
 from imgedit.model.vision_attention import install_one_call_windows  # noqa: E402
 
+PROMPT = "make the sky a deep red and add a small boat"
+
 
 def load(ckpt: Path, device: str, dtype):
     import diffusers
@@ -56,6 +58,11 @@ def load(ckpt: Path, device: str, dtype):
         tokenizer=Qwen2Tokenizer.from_pretrained(ckpt / "tokenizer"), processor=load_processor(ckpt / "processor"),
         text_encoder=encoder, vae=None, transformer=None)
     return pipe
+
+
+def encoded(pipe, prompt: str, image, device: str) -> torch.Tensor:
+    """The pipeline class's own encode_prompt (no worker's memo): the prompt embeddings."""
+    return type(pipe).encode_prompt(pipe, prompt=prompt, image=image, device=torch.device(device))[0]
 
 
 def loop_form(encoder) -> None:
@@ -132,8 +139,7 @@ def main() -> None:
     image = reference_image(side)
 
     def encode():
-        return type(pipe).encode_prompt(pipe, prompt="make the sky a deep red and add a small boat",
-                                        image=[image] if plus else image, device=torch.device(device))[0]
+        return encoded(pipe, PROMPT, [image] if plus else image, device)
     if "encode" in wanted:
         rows[f"encode_prompt, {type(pipe).__name__}, {side}x{side} picture"] = measure(encoder, encode, device,
                                                                                        args.repeats)
@@ -158,11 +164,10 @@ def main() -> None:
 def compiled_text(encoder, pipe, image, device: str, repeats: int) -> dict:
     """encode_prompt eager against its language model under torch.compile(dynamic=True) (the vision tower in
     one call in both), with two prompts of different lengths: the second length must not cost a compile."""
-    prompts = ("make the sky a deep red and add a small boat",
-               "replace the old wooden fence on the left with a low stone wall covered in ivy, keep the light")
+    prompts = (PROMPT, "replace the old wooden fence on the left with a low stone wall covered in ivy, keep the light")
 
     def encode(prompt):
-        return lambda: type(pipe).encode_prompt(pipe, prompt=prompt, image=image, device=torch.device(device))[0]
+        return lambda: encoded(pipe, prompt, image, device)
     install_one_call_windows(encoder)
     eager = {p: timed(encode(p), device, repeats) for p in prompts}
     model = encoder.model.language_model
@@ -189,10 +194,8 @@ def fp8_text(encoder, pipe, image, device: str, repeats: int, tiny: bool) -> dic
     QUANTIZE=fp8 does (dynamic per-row activations and weights; the vision tower stays bf16)."""
     from imgedit.runtime.offload import quantize_module
 
-    prompt = "make the sky a deep red and add a small boat"
-
     def encode():
-        return type(pipe).encode_prompt(pipe, prompt=prompt, image=image, device=torch.device(device))[0]
+        return encoded(pipe, PROMPT, image, device)
     install_one_call_windows(encoder)
     bf16_times, bf16_out = timed(encode, device, repeats)
     layers = quantize_module(encoder.model.language_model, "int8" if tiny else "fp8")

@@ -188,9 +188,8 @@ def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Me
             executor = None if image_format == "png" else reencoding  # None: the loop's own threads (file reads)
             if len(rows) == 1 and stored[0].outputs == 1:
                 path = stored[0].output_paths[0]
-                data = await (loop.run_in_executor(None, path.read_bytes) if image_format == "png" else
-                              loop.run_in_executor(reencoding, reencoded, path, image_format, quality))
-                return Response(data, media_type=f"image/{image_format}")
+                call = (path.read_bytes,) if image_format == "png" else (reencoded, path, image_format, quality)
+                return Response(await loop.run_in_executor(executor, *call), media_type=f"image/{image_format}")
             data = await loop.run_in_executor(executor, results_zip, rows, image_format, quality)
         except FileNotFoundError:  # pruned between the lookup and the read
             return _error(410, "the stored result was deleted (OUTPUT_RETENTION_HOURS / OUTPUT_MAX_GB)", "gone")
