@@ -97,6 +97,8 @@ class WorkerStatus:
     weights_mib: dict[str, float] = field(default_factory=dict)  # per GPU, measured by its ranks after loading
     fast_weights: str = ""  # FAST_QUANTIZE as the worker built it: none, or the mode and its copies
     cpu_threads: int = 0  # PyTorch's CPU threads in the worker's processes (WORKER_THREADS)
+    # optimisations that failed to build and what the worker runs instead ("compile failed → eager: ...")
+    fallbacks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

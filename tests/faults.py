@@ -139,3 +139,15 @@ def script_rewrites(pipe) -> None:
 
     pipe.text_encoder.register_forward_pre_hook(before, with_kwargs=True)
     pipe.text_encoder.register_forward_hook(after, with_kwargs=True)
+
+
+def break_compile(pipe, spec) -> None:
+    """install(), and the failure seen on 2x H200 (the default balanced placement with a LoRA): an accelerate
+    device hook inside a transformer block, whose pre_forward torch.compile refuses under fullgraph=True
+    (`Skip calling torch.compiler.disable()'d function AlignDevicesHook.pre_forward`). Eager, the hook is
+    harmless: it moves inputs to the device they are already on."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    install(pipe, spec)
+    add_hook_to_module(pipe.transformer.transformer_blocks[0].attn.to_q,
+                       AlignDevicesHook(execution_device=spec.plan.execution_device))

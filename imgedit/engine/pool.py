@@ -24,7 +24,19 @@ from dataclasses import replace
 from imgedit.errors import WorkerFailed
 from imgedit.planning.plan import Placement, WorkerPlan
 from imgedit.protocol import WorkerStatus
-from imgedit.runtime.messages import Cancel, Channel, Done, Failed, Job, LoadFailed, Ready, Step, Stop, WorkerSpec
+from imgedit.runtime.messages import (
+    Cancel,
+    Channel,
+    Done,
+    Failed,
+    Job,
+    LoadFailed,
+    Loading,
+    Ready,
+    Step,
+    Stop,
+    WorkerSpec,
+)
 
 log = logging.getLogger(__name__)
 _START_LOCK = threading.Lock()
@@ -254,6 +266,9 @@ class WorkerHandle:
                 self.state, self.detail = "idle", None
                 log.info("%s ready in %.1fs %s", self.name, message.seconds, self.info)
                 self.on_change()
+        elif isinstance(message, Loading):
+            if message.rank == 0 and self.state == "loading":  # rank 0 speaks for its group
+                self.detail = f"{message.doing} ({message.elapsed:.0f} s)"
         elif isinstance(message, LoadFailed):
             self.state, self.error, self.detail = "failed", f"rank {message.rank}: {message.message}", None
             log.error("%s failed to load: %s", self.name, self.error)
@@ -326,7 +341,8 @@ class WorkerHandle:
                             attention=str(self.info.get("attention") or ""),
                             components=self.info.get("components"), weights_mib=dict(self.weights_mib),
                             fast_weights=str(self.info.get("fast_weights") or ""),
-                            cpu_threads=int(self.info.get("cpu_threads") or 0))
+                            cpu_threads=int(self.info.get("cpu_threads") or 0),
+                            fallbacks=tuple(self.info.get("fallbacks") or ()))
 
 
 def wait_result(handle: WorkerHandle, events: queue.Queue, cancel: threading.Event,

@@ -13,8 +13,11 @@ job runs its adapters unfused, on the base weights restored first.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
+
+import torch
 
 from imgedit.config.loras import LIGHTNING_SCHEDULER, LoraFile
 from imgedit.errors import ImgEditError
@@ -24,7 +27,8 @@ log = logging.getLogger(__name__)
 
 class Adapters:
     def __init__(self, pipe, files: tuple[LoraFile, ...] = (), fuse: str = "off", reserve: int = 0,
-                 caps: tuple[int, ...] = (), agree=None, fast: str = "none", fast_steps: tuple[int, ...] = (4, 8)):
+                 caps: tuple[int, ...] = (), agree=None, fast: str = "none", fast_steps: tuple[int, ...] = (4, 8),
+                 fast_agree=None):
         self.pipe = pipe
         self.base = pipe.transformer  # the quality weights; a fast job may run on a copy (FAST_QUANTIZE)
         self.files = {f.name: f for f in files}
@@ -46,13 +50,29 @@ class Adapters:
             log.info("LoRA %s loaded in %.2fs", file.name, time.perf_counter() - started)
         if files:
             pipe.disable_lora()
+        self.fallbacks: list[str] = []  # what failed to build, and what runs instead (/health shows it)
         self.fast = None  # imgedit.runtime.fast_weights.FastWeights: the Lightning LoRAs' own quantized copies
         self.weights: str | None = None  # the copy's mode while a job runs on one
         if fast != "none":
             from imgedit.runtime.fast_weights import FastWeights
 
             lightning = {f.name: self.adapter_names[f.name] for f in files if f.steps in fast_steps}
-            self.fast = FastWeights(pipe.transformer, lightning, fast, reserve, caps)
+            failure = None
+            try:
+                self.fast = FastWeights(pipe.transformer, lightning, fast, reserve, caps)
+            except Exception as exc:  # noqa: BLE001 - an optimisation never takes the worker down
+                failure = exc
+            # the ranks of a group that all build copies (a pair splitting fast jobs) keep all or none
+            if fast_agree is not None and not fast_agree(failure is None) and failure is None:
+                failure = RuntimeError("another rank of this group could not build its copies")
+            if failure is not None:
+                self.fast = None
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                reason = f"{type(failure).__name__}: {str(failure).strip()[:160]}"
+                log.warning("fast-mode %s copies failed → bf16: %s", fast, reason)
+                self.fallbacks.append(f"fast-mode {fast} copies failed → bf16: {reason}")
             pipe.imgedit_fast_copies = self.copies  # for worker hooks that watch every transformer
         self.fusion = None  # imgedit.runtime.fusion.Fusion: a job's one LoRA written into the weights
         if files and fuse != "off":

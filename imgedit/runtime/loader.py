@@ -66,6 +66,13 @@ def load_pipeline(checkpoint: Checkpoint, worker: WorkerPlan, dtype: torch.dtype
         **parts,
     )
     pipe.set_progress_bar_config(disable=True)
+    if any(hasattr(model, "_hf_hook") for model in parts.values()):
+        # A pipeline placed by a device map, marked as diffusers' own from_pretrained(device_map=...) marks it.
+        # Unmarked, load_lora_weights() takes our device hooks for sequential CPU offload: it removes every
+        # hook, the block splits' too, then calls enable_sequential_cpu_offload(), which streams the whole
+        # pipeline from the CPU (lora_base._func_optionally_disable_offloading; measured on 2x H200: the
+        # default balanced placement with a LoRA failed its compile warm-up on AlignDevicesHook.pre_forward).
+        pipe.hf_device_map = {name: worker.components[name].describe() for name in parts}
     if pipe._execution_device != torch.device(worker.execution_device):
         raise PlacementError(
             f"{worker.name}: the pipeline would run on {pipe._execution_device}, "

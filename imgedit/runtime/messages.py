@@ -103,6 +103,15 @@ class Ready:
 
 
 @dataclass(frozen=True)
+class Loading:
+    """What a loading rank is doing now ("compiling: warm-up 2 of 5 (...)"), for /health and the page."""
+
+    rank: int
+    doing: str
+    elapsed: float
+
+
+@dataclass(frozen=True)
 class LoadFailed:
     rank: int
     message: str

@@ -229,6 +229,13 @@ def compile_transformer(transformer: torch.nn.Module, memory: MemoryMode | None,
     log.info("compiled the %d resident transformer blocks; streamed blocks run eager", memory.resident_blocks)
 
 
+def uncompile_transformer(transformer: torch.nn.Module) -> None:
+    """Undo compile_transformer: every module compiled with Module.compile runs its eager forward again."""
+    for module in transformer.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module._compiled_call_impl = None
+
+
 def _nbytes(t: torch.Tensor) -> int:
     """Bytes a (possibly quantized, tensor-subclass) weight really holds."""
     if hasattr(t, "__tensor_flatten__") and type(t) not in (torch.Tensor, torch.nn.Parameter):

@@ -11,12 +11,25 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import threading
 import time
 import traceback
 
 from imgedit.errors import Cancelled, ImgEditError
-from imgedit.runtime.messages import Cancel, Channel, Done, Failed, Job, LoadFailed, Ready, Step, Stop, WorkerSpec
+from imgedit.runtime.messages import (
+    Cancel,
+    Channel,
+    Done,
+    Failed,
+    Job,
+    LoadFailed,
+    Loading,
+    Ready,
+    Step,
+    Stop,
+    WorkerSpec,
+)
 
 log = logging.getLogger(__name__)
 # Library messages that say nothing about this app's health, seen at every worker start (2026-11-25, CPU and
@@ -41,8 +54,13 @@ def main(spec: WorkerSpec, inbox, outbox, visible_devices: str | None, cache_dir
 
         transformers_logging.disable_progress_bar()  # "Loading weights: 100%" bars in the server's log
     _watch_parent(os.getppid())
+    started = time.perf_counter()
+
+    def say(doing: str) -> None:  # what /health and the page show while this rank loads
+        outbox.put(Loading(spec.rank, doing, round(time.perf_counter() - started, 1)))
+
     try:
-        runner, info, seconds = _load(spec)
+        runner, info, seconds = _load(spec, say)
     except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
         log.error("loading failed:\n%s", traceback.format_exc())
         # Only our own words leave the process (the panel and /health show them): details are in the log above.
@@ -67,7 +85,7 @@ def _watch_parent(parent: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _load(spec: WorkerSpec):
+def _load(spec: WorkerSpec, say=lambda doing: None):
     import torch
 
     from imgedit.model.encoding import prepare_text_encoder
@@ -97,6 +115,7 @@ def _load(spec: WorkerSpec):
     if not cuda and dtype != torch.float32:
         log.info("runs on the CPU: using float32 instead of %s", spec.dtype)  # bf16 convs are emulated, slow
         dtype = torch.float32
+    say("loading the weights")
     pipe = loader.load_pipeline(spec.checkpoint, plan, dtype)
     prepare_text_encoder(pipe.text_encoder)  # token types, no logits, the vision tower's windows in one call
     from imgedit.runtime import encode_cache, pixels
@@ -114,8 +133,11 @@ def _load(spec: WorkerSpec):
             return not agree_to_stop(not ok, group)
     # FAST_QUANTIZE's copies where fast jobs run: every rank of a pair that splits them, else rank 0 alone
     fast_mode = spec.fast_quantize if spec.rank == 0 or spec.pair_ulysses else "none"
+    if spec.loras or fast_mode != "none":
+        say(f"loading {len(spec.loras)} LoRA(s)" + (f", building the {fast_mode} fast-mode copies"
+                                                   if fast_mode != "none" else ""))
     adapters = Adapters(pipe, spec.loras, spec.fuse_lora, spec.activation_reserve, spec.memory_caps if cuda else (),
-                        agree, fast_mode, spec.fast_steps)
+                        agree, fast_mode, spec.fast_steps, fast_agree=agree if spec.pair_ulysses else None)
     fast = adapters.copies  # FAST_QUANTIZE's copies of the transformer
     weights = _weights_per_gpu() if cuda else {}  # the LoRAs' weights included
     runner = Runner(pipe, spec.name, spec.devices or plan.devices, spec.rank, spec.world, spec.parallel, group,
@@ -131,7 +153,8 @@ def _load(spec: WorkerSpec):
                   "fuse_lora": adapters.fusion.describe() if adapters.fusion is not None else "off",
                   "fast_weights": adapters.fast.describe() if adapters.fast is not None else "none",
                   "weights_mib": weights, "encode_cache": spec.encode_cache, "cpu_threads": torch.get_num_threads(),
-                  "pixels": str(on_gpu.device) if on_gpu is not None else "cpu"}
+                  "pixels": str(on_gpu.device) if on_gpu is not None else "cpu",
+                  "fallbacks": list(adapters.fallbacks)}
     if spec.hook:
         module, _, function = spec.hook.partition(":")
         import importlib
@@ -142,17 +165,7 @@ def _load(spec: WorkerSpec):
             offload.use_attention(transformer, spec.attention)
     info["attention"] = offload.attention_in_use(pipe.transformer)  # as the processors have it
     if spec.compile:
-        compile_started = time.perf_counter()
-        if spec.loras or pair_split:  # each adapter set is one more compiled variant of the block (guards on
-            # peft's state), each of them twice on a pair that splits CFG-off jobs (Ulysses on and off); a fast
-            # copy's quantized blocks are variants of the same block code too
-            limit = (8 + 2 * len(spec.loras) + 2 * len(fast)) * (2 if pair_split else 1)
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-        for transformer in (pipe.transformer, *fast):
-            offload.compile_transformer(transformer, plan.memory, spec.compile_mode)
-        info["compiled"] = True
-        info["warmup_seconds"] = _warm_up(runner, spec)
-        info["compile_seconds"] = round(time.perf_counter() - compile_started, 2)
+        _compile(spec, runner, (pipe.transformer, *fast), info, agree, say)
     if cuda:
         info["memory_allocated_gib"] = round(torch.cuda.memory_allocated() / 1024**3, 2)
         info["memory_reserved_gib"] = round(torch.cuda.memory_reserved() / 1024**3, 2)
@@ -183,7 +196,64 @@ def _cap_memory(caps: tuple[int, ...]) -> None:
         log.info("cuda:%d: allocator capped at %.1f GiB (MAX_MEMORY)", index, fraction * total / 1024**3)
 
 
-def _warm_up(runner, spec: WorkerSpec) -> list[float]:
+def _compile(spec: WorkerSpec, runner, transformers: tuple, info: dict, agree, say) -> None:
+    """COMPILE: compile the transformer(s) and warm every variant up before any user waits. An
+    optimisation never takes the server down: if compiling or the warm-up fails (on any rank of a group:
+    they vote), the worker runs eager and says why in its fallbacks (/health, the panel, the page)."""
+    import torch
+
+    from imgedit.runtime import offload
+
+    started = time.perf_counter()
+    split = runner.group is not None and runner.group.splits_cfg_off
+    if spec.loras or split:
+        # each adapter set is one more compiled variant of the block (guards on peft's state), each of them
+        # twice on a pair that splits CFG-off jobs (Ulysses on and off); a fast copy's quantized blocks are
+        # variants of the same block code too
+        limit = (8 + 2 * len(spec.loras) + 2 * (len(transformers) - 1)) * (2 if split else 1)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+    failure: BaseException | None = None
+    try:
+        for transformer in transformers:
+            offload.compile_transformer(transformer, spec.plan.memory, spec.compile_mode)
+        info["warmup_seconds"] = _warm_up(runner, spec, say)
+    except Exception as exc:  # noqa: BLE001 - reported below; the worker serves eager
+        failure = exc
+        log.debug("the compile warm-up failed:\n%s", traceback.format_exc())
+    if agree is not None and agree(failure is None) is False and failure is None:
+        failure = RuntimeError("another rank of this group failed its compile warm-up")
+    if failure is None:
+        info["compiled"] = True
+        info["compile_seconds"] = round(time.perf_counter() - started, 2)
+        return
+    for transformer in transformers:
+        offload.uncompile_transformer(transformer)
+    torch._dynamo.reset()
+    runner.cleanup(force=True)
+    reason = _one_line(failure)
+    log.warning("compile failed → eager: %s", reason)
+    info["fallbacks"].append(f"compile failed → eager: {reason}")
+
+
+def _one_line(exc: BaseException, limit: int = 200) -> str:
+    """The cause of a failure as one line: the exception under our own wrapping (the runner turns an
+    unexpected one into "internal error"), its type and the first line of its text (dynamo's run to pages)."""
+    while isinstance(exc, ImgEditError) or type(exc).__name__ == "FatalError":
+        inner = exc.__cause__ or exc.__context__ or getattr(exc, "error", None)
+        if inner is None or inner is exc:
+            break
+        exc = inner
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else ""
+    # dynamo names where it stopped after "from user code:"; the last frame is the code it could not trace
+    frames = re.findall(r'File "([^"]+)", line \d+, in (\S+)', text.partition("from user code:")[2])
+    if frames:
+        path, function = frames[-1]
+        line += f" (in {'/'.join(path.split('/')[-2:])}, {function})"
+    return f"{type(exc).__name__}: {line}"[:limit]
+
+
+def _warm_up(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
     """Compile before any user waits: one short CFG edit per warm-up size (the second size makes the
     compiler mark the sequence lengths dynamic, so later sizes do not recompile from scratch)."""
     from PIL import Image
@@ -191,8 +261,11 @@ def _warm_up(runner, spec: WorkerSpec) -> list[float]:
     from imgedit.protocol import EditRequest, Resolved
 
     family = spec.checkpoint.family
+    runs: list[tuple[int, int, str, dict]] = [(width, height, "", {"true_cfg_scale": 4.0})
+                                              for width, height in spec.warmup_sizes]
 
-    def run(width: int, height: int, name: str, **params) -> float:
+    def execute(k: int, width: int, height: int, name: str, params: dict) -> float:
+        say(f"compiling: warm-up {k} of {len(runs)} ({name.rstrip('-') or 'quality'} at {width}x{height})")
         image = Image.new("RGB", (width, height), (120, 130, 140))
         req = EditRequest(images=(image,), prompt="warm up", request_id=f"warmup-{name}{width}x{height}",
                           source="warmup")
@@ -203,7 +276,6 @@ def _warm_up(runner, spec: WorkerSpec) -> list[float]:
             runner.run(job, threading.Event())
         return round(time.perf_counter() - started, 2)
 
-    times = [run(width, height, "", true_cfg_scale=4.0) for width, height in spec.warmup_sizes]
     # CFG-off jobs are variants of their own: each Lightning LoRA's at the first size (with FUSE_LORA, the no-LoRA
     # variant on fused weights); on a pair that splits CFG-off jobs (Ulysses on) the first one at every size. With
     # FAST_QUANTIZE the Lightning jobs run on their copies: the quality weights' CFG-off variant is warmed too, and
@@ -216,9 +288,10 @@ def _warm_up(runner, spec: WorkerSpec) -> list[float]:
     sizes = spec.warmup_sizes or ((1024, 1024),)
     for k, adapters in enumerate(offs):
         for width, height in sizes if split and (k == 0 or copies) else sizes[:1]:
-            times.append(run(width, height, f"{adapters[0][0] if adapters else 'cfg-off'}-", true_cfg_scale=1.0,
-                             adapters=adapters, scheduler="lightning" if adapters else "default"))
-    return times
+            runs.append((width, height, f"{adapters[0][0] if adapters else 'cfg-off'}-",
+                         {"true_cfg_scale": 1.0, "adapters": adapters,
+                          "scheduler": "lightning" if adapters else "default"}))
+    return [execute(k, *one) for k, one in enumerate(runs, 1)]
 
 
 def _serve(spec: WorkerSpec, runner, inbox, outbox) -> None:

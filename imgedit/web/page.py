@@ -32,7 +32,7 @@ from imgedit.web.enhance_controls import build_enhance_buttons, wire_enhance
 from imgedit.web.examples import example_rows
 from imgedit.web.identity import page_owner
 from imgedit.web.mask_controls import build_mask_controls, follow_first_input, painted_mask
-from imgedit.web.panel import panel_html
+from imgedit.web.panel import banner_html, panel_html
 from imgedit.web.progress import EditProgress
 from imgedit.web.public import open_snapshot
 from imgedit.web.requests import FIELDS, build_request
@@ -207,11 +207,11 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         (the open view: no job ids, process ids or paths; see imgedit.web.public)."""
         return open_snapshot(monitor, manager.status())
 
-    def panel() -> str:
+    def panel() -> tuple[str, str]:
         data = open_snapshot(monitor, manager.status(), history=True)
         # Batch items wait in their job (one at a time enters the line): "waiting: 0" alone hid them.
         data["batch_items"] = jobs.pending_items() if jobs is not None else 0
-        return panel_html(data)
+        return panel_html(data), banner_html(data)
 
     # Gradio's cache keeps every upload and every file an event returned: files older than
     # UPLOAD_CACHE_AGE_S go every UPLOAD_CACHE_SWEEP_S, and all of them when the server stops.
@@ -219,6 +219,9 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         gr.Markdown("# imgedit — edit images with Qwen-Image-Edit")
         if demo:
             gr.Markdown(DEMO_BANNER, elem_id="demo-banner")
+        # Loading (and what it is doing), a worker that could not load, an optimisation that fell back: one
+        # line each, refreshed with the GPU panel; empty when all is well.
+        banner = gr.HTML(elem_id="server-banner", padding=False)
         with gr.Row():
             with gr.Column():
                 files = gr.File(label=f"Input images (1 for Qwen-Image-Edit, up to {max_inputs} for 2509/2511)",
@@ -349,8 +352,8 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         again.click(tools.use_result, [result, chosen], files, preprocess=False, api_visibility="private")
         add.click(tools.add_result, [files, result, chosen], files, preprocess=False, api_visibility="private")
         # No progress timer over the panel: it is refreshed every 2 s.
-        blocks.load(panel, None, gpu_panel, queue=False, api_visibility="private", show_progress="hidden")
-        timer.tick(panel, None, gpu_panel, queue=False, api_visibility="private", show_progress="hidden")
+        blocks.load(panel, None, [gpu_panel, banner], queue=False, api_visibility="private", show_progress="hidden")
+        timer.tick(panel, None, [gpu_panel, banner], queue=False, api_visibility="private", show_progress="hidden")
         gr.api(gpu_status, api_name="gpu_status", queue=False)
         if jobs is not None:  # Batch and History tabs (imgedit.web.batch_tab, imgedit.web.history_tab)
             from imgedit.web.batch_tab import build_batch_tab

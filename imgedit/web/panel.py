@@ -117,6 +117,30 @@ def _readiness(data: dict) -> str:
     return "loading the model"
 
 
+BANNER_STYLE = """<style>
+.server-banner{padding:6px 10px;border-radius:6px;margin:2px 0;font-size:14px}
+.banner-info{background:#eff6ff;color:#1e3a8a}.banner-warn{background:#fffbeb;color:#92400e}
+.banner-error{background:#fef2f2;color:#991b1b}
+</style>"""
+
+
+def banner_html(data: dict) -> str:
+    """One line above the page's form while something is not as it should be: the model still loading
+    (and what it is doing), a worker that could not load (why), or an optimisation that failed to build
+    and what runs instead. Empty when the server is ready with every mode it was asked for."""
+    lines = []
+    for w in data["workers"]:
+        if w["state"] == "failed":
+            lines.append(("error", f'{w["name"]} could not load: {w.get("error") or "see the server log"}'))
+        elif w["state"] in ("loading", "restarting") and not data.get("ready"):
+            lines.append(("info", f'Loading the model — {w["name"]}: {w.get("detail") or w["state"]}'))
+        lines.extend(("warn", f'{w["name"]}: {why}') for why in w.get("fallbacks") or ())
+    if not lines:
+        return ""
+    return BANNER_STYLE + "".join(f'<div class="server-banner banner-{kind}">{escape(text)}</div>'
+                                  for kind, text in lines)
+
+
 def _state_text(w: dict) -> str:
     state = escape(w["state"])
     if w["state"] in ("failed", "restarting") and (w.get("error") or w.get("detail")):
@@ -220,6 +244,9 @@ def panel_html(data: dict) -> str:
         names = ", ".join(lora["name"] + (f' (Lightning {n}-step)' if (n := lora["lightning_steps"]) else "")
                           for lora in data["loras"])
         parts.append(f'<small class="gp-foot gpu-loras">LoRAs loaded: {escape(names)}</small>')
+    for w in workers:  # optimisations that failed to build, and what runs instead
+        parts.extend(f'<small class="gp-foot gp-fallback">{escape(w["name"])}: {escape(why)}</small>'
+                     for why in w.get("fallbacks") or ())
     for w in workers:  # each component's dtype/quantization and where it lives
         if line := components_line(w.get("components")):
             if w.get("encode_cache"):
