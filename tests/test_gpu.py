@@ -197,6 +197,28 @@ def test_compiled_worker_warms_up_and_serves_a_new_size(real_ckpt):
         manager.close()
 
 
+@pytest.mark.multi_gpu
+def test_balanced_over_two_gpus_with_a_lora_compiles_and_keeps_its_placement(real_ckpt, tmp_path):
+    """The default placement with the most common add-on: on 2x H200 the LoRA's loading took our device hooks for
+    sequential CPU offload and the compile warm-up failed on them (a dead server). Now: compiled, no fallback,
+    every weight still on its GPU, a `fastest` and a quality edit finite."""
+    lora_dir = tmp_path / "loras"
+    lora_dir.mkdir()
+    random_lora(lora_dir / "Gpu-Lightning-4steps-V1.0-bf16.safetensors", transformer_linears(real_ckpt), rank=16,
+                std=0.02, seed=1)
+    manager = load(real_ckpt, DEVICE_MAP="balanced", LORA_DIR=str(lora_dir), COMPILE="on")
+    try:
+        status = manager.status().workers[0]
+        assert len(status.devices) == 2 and status.compiled and status.fallbacks == (), status
+        assert all("cpu" not in c["bytes"] for c in status.components.values()), status.components
+        fast = manager.edit(EditRequest(images=(picture(96, 64),), prompt="make it red", seed=0, width=512,
+                                        height=512, speed="fastest", source="test")).images[0]
+        assert np.asarray(fast, float).std() > 1.0  # not a flat (NaN) image
+        assert np.asarray(edit(manager).images[0], float).std() > 1.0
+    finally:
+        manager.close()
+
+
 @pytest.mark.gpu
 def test_fast_jobs_run_on_an_fp8_copy_and_quality_jobs_keep_their_pixels(real_ckpt, tmp_path):
     """FAST_QUANTIZE=fp8: the Lightning LoRA fused into a copy of the transformer, every Linear in fp8 (~20 GiB

@@ -23,7 +23,9 @@ def cache_refusal(settings: Settings, plans: Sequence[WorkerPlan]) -> str | None
         return ("a Ulysses group splits each forward's sequence over its GPUs, and each would decide to skip "
                 "blocks on its own part")
     if any(compile_enabled(settings, p) for p in plans):
-        return "the workers are compiled (COMPILE=on); the cache hooks run with COMPILE=off or auto"
+        how = "COMPILE=on" if settings.compile == "on" else "COMPILE=auto compiles GPU workers when CACHE is none"
+        return (f"the workers are compiled ({how}); a step cache runs on eager workers: set CACHE for the whole "
+                "server (auto then leaves them eager) or COMPILE=off")
     return None
 
 
