@@ -496,6 +496,11 @@ def process_env(settings: dict[str, str]) -> dict[str, str]:
     """This process's environment without any imgedit setting, then the row's settings."""
     names = {var.name for var in REGISTRY}
     inherited = {k: v for k, v in os.environ.items() if k not in names and k != "TORCHINDUCTOR_CACHE_DIR"}
+    settings = dict(settings)
+    if "CUDA_VISIBLE_DEVICES" in settings and inherited.get("CUDA_VISIBLE_DEVICES"):
+        # a row's GPUs count within the ones this script was given (rows can run side by side on one host)
+        given = inherited["CUDA_VISIBLE_DEVICES"].split(",")
+        settings["CUDA_VISIBLE_DEVICES"] = ",".join(given[int(i)] for i in settings["CUDA_VISIBLE_DEVICES"].split(","))
     return {**inherited, "PYTHONUNBUFFERED": "1", **settings}
 
 
