@@ -3,6 +3,7 @@ cache), against bench_enhance's plain worker: milliseconds per generated token f
 torch profiler's top CPU and CUDA operations of one rewrite.
 
     python benchmarks/probe_enhance.py --settings "COMPILE=off" "COMPILE=auto" [--lora] [--tokens 160]
+    python benchmarks/probe_enhance.py --settings "COMPILE=off DECODE=static"   # static KV cache, compiled decode
     python benchmarks/probe_enhance.py --tiny --settings "COMPILE=off"      # CPU smoke run
 
 Each settings string is one worker (loaded, timed, closed) on cuda:0 with the real-size random checkpoint.
@@ -37,6 +38,14 @@ def hooks(pipe, spec) -> None:
 
     from imgedit.runtime import enhance
 
+    if os.environ.get("IMGEDIT_PROBE_DECODE") == "static":  # the experiment: a static KV cache, whose decode
+        # steps transformers compiles (CUDA graphs: one launch a step instead of ~960 kernels)
+        generate = pipe.text_encoder.generate
+
+        def static_generate(*args, **kwargs):
+            return generate(*args, cache_implementation="static", **kwargs)
+
+        pipe.text_encoder.generate = static_generate
     plain = enhance.rewrite
     calls = {"n": 0}
 
@@ -80,6 +89,7 @@ def main() -> None:
     results = []
     for setting in args.settings:
         extra = dict(item.split("=", 1) for item in setting.split())
+        os.environ["IMGEDIT_PROBE_DECODE"] = extra.pop("DECODE", "dynamic")  # DECODE=static: the experiment
         os.environ["IMGEDIT_PROBE_NAME"] = "_".join(f"{k}-{v}" for k, v in extra.items()) or "default"
         started = time.perf_counter()
         manager = PipelineManager(load_settings({**env, **extra}), worker_hook="probe_enhance:hooks").load(
