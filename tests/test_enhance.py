@@ -17,6 +17,7 @@ import threading
 import numpy as np
 import openai
 import pytest
+import torch
 from conftest import http, picture, wait_job
 from gradio_client import Client, handle_file
 from PIL import Image
@@ -188,3 +189,29 @@ def test_a_job_with_enhance_prompt_rewrites_each_item_for_its_own_images(live_se
     png = http.get(f"{live_server.url}/v1/jobs/{job_id}/result?item=2", timeout=30)
     text = Image.open(io.BytesIO(png.content)).text
     assert text["prompt"] == REWRITE and text["original_prompt"] == ASKED
+
+
+def test_a_static_cache_writes_the_same_rewrite_and_is_kept_off_the_cpu_and_hooked_encoders(plus_pipe, monkeypatch):
+    """On a GPU the rewrite decodes with a static KV cache (transformers then compiles each step): the same
+    greedy tokens as the dynamic cache. Forced here on the CPU, where static_cache itself says no."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+    from transformers import StaticCache
+
+    from imgedit.runtime import enhance
+
+    pipe, image = plus_pipe.pipe, picture(256, 256)
+    assert enhance.static_cache(pipe.text_encoder, 100) is None  # the CPU: generate's own dynamic cache
+    dynamic = enhance.rewrite(pipe, [image], "make it winter", 24, threading.Event())
+    used = []
+
+    def forced(encoder, needed):
+        used.append(needed)
+        return StaticCache(config=encoder.config, max_cache_len=enhance.STATIC_CACHE_TOKENS)
+
+    monkeypatch.setattr(enhance, "static_cache", forced)
+    static = enhance.rewrite(pipe, [image], "make it winter", 24, threading.Event())
+    assert used and static.token_ids == dynamic.token_ids and len(static.token_ids) == 24
+    encoder = torch.nn.Linear(2, 2)
+    add_hook_to_module(encoder, AlignDevicesHook(execution_device="cpu"))
+    monkeypatch.undo()
+    assert enhance.static_cache(encoder, 100) is None  # hooked: never compiled

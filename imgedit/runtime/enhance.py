@@ -28,6 +28,7 @@ INSTRUCTION = (Path(__file__).with_name("enhance_instruction.txt")).read_text(en
 _PICTURE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 _CHAT = "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 VIEW_AREA = 384 * 384  # what the model sees of each input (the Plus pipelines' condition-image size)
+STATIC_CACHE_TOKENS = 4096  # prompt, pictures and answer of any rewrite the settings allow (~235 MB on the 7B)
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,23 @@ def view(image: Image.Image) -> Image.Image:
     return image.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
 
 
+def static_cache(encoder, needed: int):
+    """A static KV cache for a text encoder resident on one GPU, or None (then generate() keeps its dynamic one).
+
+    With a static cache transformers compiles each decoding step of generate() (CUDA graphs): on an H200 a
+    160-token rewrite went from 29.6-34.6 ms a token (eager, launch-bound: ~960 kernels a token, 6 ms of GPU
+    work) to 10.1 ms, after a one-time compile (~33 s, in the worker's start-up warm-up). The length is fixed
+    (STATIC_CACHE_TOKENS, or the next 1024 above `needed`) so that every prompt and picture count reuses the
+    one compiled step. Not for a streamed or hooked encoder (24 GB mode, an encoder on another GPU than the
+    latents): their hooks move weights and inputs in functions the compiler must not trace."""
+    hooked = hasattr(encoder, "_hf_hook") or any(hasattr(m, "_diffusers_hook") for m in encoder.modules())
+    if hooked or encoder.device.type != "cuda":
+        return None
+    from transformers import StaticCache
+
+    return StaticCache(config=encoder.config, max_cache_len=max(STATIC_CACHE_TOKENS, -(-needed // 1024) * 1024))
+
+
 def rewrite(pipe, images, prompt: str, max_new_tokens: int, cancel: threading.Event) -> Rewrite:
     """Rewrite `prompt` for `images` with `pipe.text_encoder`. Raises Cancelled."""
     from transformers import StoppingCriteriaList
@@ -73,11 +91,12 @@ def rewrite(pipe, images, prompt: str, max_new_tokens: int, cancel: threading.Ev
     if "pixel_values" in inputs:
         inputs["pixel_values"] = inputs["pixel_values"].to(encoder.dtype)
     end = [t for t in (tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id) if t is not None]
+    cache = static_cache(encoder, inputs["input_ids"].shape[1] + max_new_tokens)
     with torch.inference_mode():
         output = encoder.generate(
             **inputs, max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
             eos_token_id=end, pad_token_id=tokenizer.pad_token_id or end[0],
-            stopping_criteria=StoppingCriteriaList([_Stop(cancel)]))
+            stopping_criteria=StoppingCriteriaList([_Stop(cancel)]), **({"past_key_values": cache} if cache else {}))
     new = output[0, inputs["input_ids"].shape[1]:].tolist()
     del output, inputs  # with them the KV cache of the call: nothing is kept for later
     if cancel.is_set():
