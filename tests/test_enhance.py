@@ -215,3 +215,27 @@ def test_a_static_cache_writes_the_same_rewrite_and_is_kept_off_the_cpu_and_hook
     add_hook_to_module(encoder, AlignDevicesHook(execution_device="cpu"))
     monkeypatch.undo()
     assert enhance.static_cache(encoder, 100) is None  # hooked: never compiled
+
+
+def test_an_encoder_on_another_device_rewrites_there_without_its_hook_and_gets_it_back(plus_ckpt, plus_pipe):
+    """The balanced placement's text encoder sits whole on another GPU with a hook moving its inputs: a rewrite
+    runs there directly (so its decoding steps can be compiled) and the hook is back for the next edit. "cpu:0"
+    is a second name for the CPU, so the loader hooks the encoder as it does on a second GPU."""
+    from imgedit.model.encoding import prepare_text_encoder
+    from imgedit.planning.checkpoint import MODEL_COMPONENTS
+    from imgedit.planning.plan import Placement, WorkerPlan
+    from imgedit.runtime import enhance, loader
+
+    plan = WorkerPlan("split", {name: Placement("cpu:0" if name == "text_encoder" else "cpu")
+                                for name in MODEL_COMPONENTS})
+    pipe = loader.load_pipeline(loader.open_checkpoint(str(plus_ckpt)), plan, torch.float32)
+    prepare_text_encoder(pipe.text_encoder)
+    hook = pipe.text_encoder._hf_hook
+    seen = []
+    pipe.text_encoder.register_forward_pre_hook(lambda m, a: seen.append(hasattr(m, "_hf_hook")))
+    image = picture(256, 256)
+    moved = enhance.rewrite(pipe, [image], "make it winter", 16, threading.Event())
+    assert seen and not any(seen)  # every forward of the rewrite ran without the hook
+    assert pipe.text_encoder._hf_hook is hook  # and it is back
+    assert moved.token_ids == enhance.rewrite(plus_pipe.pipe, [image], "make it winter", 16,
+                                              threading.Event()).token_ids

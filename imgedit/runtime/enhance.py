@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +61,26 @@ def view(image: Image.Image) -> Image.Image:
     return image.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
 
 
+@contextmanager
+def on_its_own_gpu(encoder):
+    """The encoder without the hook that moves its inputs to its GPU and its outputs back, while a rewrite runs
+    there directly (yields that device; None, and nothing changed, for any other encoder). The balanced
+    placement puts the text encoder whole on another GPU than the latents: the hook only moves a few tensors,
+    but torch.compile may not trace it, and the static cache's compiled steps are what make a rewrite fast."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module
+
+    hook = getattr(encoder, "_hf_hook", None)
+    devices = {p.device for p in encoder.parameters()}
+    if not (type(hook) is AlignDevicesHook and not hook.offload and len(devices) == 1):
+        yield None
+        return
+    remove_hook_from_module(encoder)
+    try:
+        yield next(iter(devices))
+    finally:
+        add_hook_to_module(encoder, hook)
+
+
 def static_cache(encoder, needed: int):
     """A static KV cache for a text encoder resident on one GPU, or None (then generate() keeps its dynamic one).
 
@@ -67,8 +88,8 @@ def static_cache(encoder, needed: int):
     160-token rewrite went from 29.6-34.6 ms a token (eager, launch-bound: ~960 kernels a token, 6 ms of GPU
     work) to 10.1 ms, after a one-time compile (~33 s, in the worker's start-up warm-up). The length is fixed
     (STATIC_CACHE_TOKENS, or the next 1024 above `needed`) so that every prompt and picture count reuses the
-    one compiled step. Not for a streamed or hooked encoder (24 GB mode, an encoder on another GPU than the
-    latents): their hooks move weights and inputs in functions the compiler must not trace."""
+    one compiled step. Not for a streamed or split encoder (24 GB mode, blocks over GPUs): their hooks move
+    weights and inputs in functions the compiler must not trace (on_its_own_gpu takes a whole encoder's off)."""
     hooked = hasattr(encoder, "_hf_hook") or any(hasattr(m, "_diffusers_hook") for m in encoder.modules())
     if hooked or encoder.device.type != "cuda":
         return None
@@ -86,13 +107,13 @@ def rewrite(pipe, images, prompt: str, max_new_tokens: int, cancel: threading.Ev
     text = _CHAT.format(system=INSTRUCTION, user=f"{pictures}Instruction: {prompt}")
     encoder = pipe.text_encoder
     tokenizer = pipe.processor.tokenizer
-    inputs = pipe.processor(text=[text], images=[view(i) for i in images] or None, padding=True,
-                            return_tensors="pt").to(pipe._execution_device)
-    if "pixel_values" in inputs:
-        inputs["pixel_values"] = inputs["pixel_values"].to(encoder.dtype)
     end = [t for t in (tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id) if t is not None]
-    cache = static_cache(encoder, inputs["input_ids"].shape[1] + max_new_tokens)
-    with torch.inference_mode():
+    with on_its_own_gpu(encoder) as device, torch.inference_mode():
+        inputs = pipe.processor(text=[text], images=[view(i) for i in images] or None, padding=True,
+                                return_tensors="pt").to(device or pipe._execution_device)
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(encoder.dtype)
+        cache = static_cache(encoder, inputs["input_ids"].shape[1] + max_new_tokens)
         output = encoder.generate(
             **inputs, max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
             eos_token_id=end, pad_token_id=tokenizer.pad_token_id or end[0],
