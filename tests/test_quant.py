@@ -5,6 +5,8 @@ tiny checkpoint quantized (int8, nf4) and with the offload hooks (streamed block
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,7 @@ from imgedit.config.parsers import GIB, parse_offload, parse_quantize
 from imgedit.config.settings import load_settings
 from imgedit.engine.gpus import GpuMonitor, snapshot
 from imgedit.engine.inspection import inspect_checkpoint
-from imgedit.errors import PlacementError, SettingsError
+from imgedit.errors import InvalidInput, PlacementError, SettingsError
 from imgedit.model.demo_checkpoint import build_checkpoint
 from imgedit.planning.memory import (
     BYTES_PER_WEIGHT,
@@ -24,7 +26,7 @@ from imgedit.planning.memory import (
     host_bytes,
     plan_memory,
 )
-from imgedit.planning.plan import ComponentSpec, GpuSpec, Placement, WorkerPlan
+from imgedit.planning.plan import ComponentSpec, GpuSpec, Placement, Plan, WorkerPlan
 from imgedit.protocol import EditRequest
 from imgedit.runtime import loader, weights
 from imgedit.web.panel import panel_html
@@ -424,3 +426,24 @@ def test_fp8_activations_of_padded_text_rows_are_zeros_not_nan():
     rows = activations(config.activation_value_lb)
     assert torch.isfinite(rows).all() and not rows[7].any()
     torch.testing.assert_close(rows[:7], padded[0, :7], atol=0.02, rtol=0.07)  # fp8 e4m3 rounding
+
+
+def test_a_server_whose_text_encoder_is_streamed_refuses_prompt_rewrites_by_name_and_edits_on(plus_ckpt):
+    """On an H200 capped at 22 GiB (2026-11-27) every rewrite on the streamed text encoder failed with a device
+    error (the stream's prefetch order, traced on prompt encoding, misses the rotary embedding on generate()'s
+    decoding steps), and each word would stream its 15 GiB again: the server refuses rewrites with a 400 instead
+    of a 500, and edits go on."""
+    memory = MemoryMode(offload_text_encoder=True)
+    plan = Plan("balanced", (WorkerPlan("worker-0", {c: Placement("cpu") for c in COMPONENTS}, memory=memory),),
+                "a CPU worker with its text encoder streamed")
+    manager = make_manager(plus_ckpt, plan=plan)
+    request = EditRequest(images=(picture(64, 64),), prompt="make it winter", num_inference_steps=2, width=64,
+                          height=64, source="test")
+    with pytest.raises(InvalidInput, match="prompt rewriting is not available on this server: the text encoder "
+                                           "is kept on the CPU") as refused:
+        manager.enhance(request)
+    assert refused.value.field is None
+    with pytest.raises(InvalidInput) as refused:
+        manager.edit(replace(request, enhance_prompt=True))
+    assert refused.value.field == "enhance_prompt"
+    assert manager.edit(request).images[0].size == (64, 64)

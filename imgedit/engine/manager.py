@@ -109,6 +109,13 @@ class PipelineManager:
         if cache not in (None, "none") and (refusal := self.cache_refusal()) is not None:
             raise InvalidInput(f"cache {cache} is not available on this server: {refusal}", "cache")
 
+    def check_enhance(self, params) -> None:
+        """InvalidInput (400) when a job asks for a prompt rewrite these workers cannot write."""
+        if params.task == "enhance" or params.enhance_tokens:
+            if (refusal := modes.enhance_refusal(self._plans)) is not None:
+                raise InvalidInput(f"prompt rewriting is not available on this server: {refusal}",
+                                   None if params.task == "enhance" else "enhance_prompt")
+
     @property
     def _plans(self) -> list:
         return [w.plan for w in self.workers]
@@ -342,6 +349,7 @@ class PipelineManager:
                 params = resolve(req, self.settings, self.family, req.images[-1].size if req.images else None,
                                  len(req.images), self.prompt_tokens)
                 self.check_cache(params.cache)
+            self.check_enhance(params)
             steps = params.steps
             worker = self._acquire(cancel, on_wait, req.client)
             if cancel.is_set():

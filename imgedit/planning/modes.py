@@ -29,6 +29,17 @@ def cache_refusal(settings: Settings, plans: Sequence[WorkerPlan]) -> str | None
     return None
 
 
+def enhance_refusal(plans: Sequence[WorkerPlan]) -> str | None:
+    """Why these workers cannot rewrite prompts, or None."""
+    if any(p.memory is not None and p.memory.offload_text_encoder for p in plans):
+        # measured on an H200 under MAX_MEMORY=22GiB (2026-11-27): the stream's prefetch order, traced on prompt
+        # encoding, misses the rotary embedding on generate()'s decoding steps (no vision tower): a device error
+        return ("the text encoder is kept on the CPU and streamed to the GPU for each prompt (MAX_MEMORY leaves no "
+                "room for it), and every word of a rewrite would stream all of its weights again; edit without "
+                "it, or give the server a GPU with room for the text encoder")
+    return None
+
+
 def kernel_refusal(settings: Settings, plans: Sequence[WorkerPlan], heads: int | None = None) -> str | None:
     """Why these workers cannot run ATTENTION / COMPILE_MODE as set, or None."""
     s = settings

@@ -166,7 +166,8 @@ def _load(spec: WorkerSpec, say=lambda doing: None):
     info["attention"] = offload.attention_in_use(pipe.transformer)  # as the processors have it
     if spec.compile:
         _compile(spec, runner, (pipe.transformer, *fast), info, agree, say)
-    if cuda and spec.rank == 0:  # the rank that writes a group's rewrites
+    streamed = plan.memory is not None and plan.memory.offload_text_encoder  # rewrites refused (planning.modes)
+    if cuda and spec.rank == 0 and not streamed:  # the rank that writes a group's rewrites
         say("warming up prompt rewriting")
         info["rewrite_warmup_seconds"] = _warm_up_rewrite(pipe)
     if cuda:
