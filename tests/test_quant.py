@@ -447,3 +447,44 @@ def test_a_server_whose_text_encoder_is_streamed_refuses_prompt_rewrites_by_name
         manager.edit(replace(request, enhance_prompt=True))
     assert refused.value.field == "enhance_prompt"
     assert manager.edit(request).images[0].size == (64, 64)
+
+
+def test_loading_a_lora_keeps_the_resident_blocks_resident(plus_ckpt, tmp_path):
+    """diffusers' load_lora_weights re-applies group offloading to the whole transformer (seen on an H200 under
+    MAX_MEMORY=22GiB with a Lightning LoRA: the compile warm-up then met the hooks and fell back to eager). The
+    worker lays its blocks out again (offload.restream): block 1 resident, block 0 streamed with its LoRA layers,
+    and a LoRA edit equals the same edit on the resident pipeline."""
+    from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
+
+    from imgedit.config.loras import LoraFile
+    from imgedit.model.lora_random import random_lora
+    from imgedit.model.loras import transformer_linears
+    from imgedit.runtime.adapters import Adapters
+    from imgedit.runtime.offload import restream
+
+    def hooked(module):
+        return hasattr(module, "_diffusers_hook") and module._diffusers_hook.get_hook(_GROUP_OFFLOADING) is not None
+
+    path = random_lora(tmp_path / "style.safetensors", transformer_linears(plus_ckpt), rank=4)
+    lora = (LoraFile("style", str(path), None, 4, 0),)
+    memory = MemoryMode(resident_blocks=1)
+    checkpoint = loader.open_checkpoint(str(plus_ckpt))
+    streamed = loader.load_pipeline(checkpoint, WorkerPlan("s", {c: Placement("cpu") for c in COMPONENTS},
+                                                           memory=memory), torch.float32)
+    resident = loader.load_pipeline(checkpoint, WorkerPlan("r", {c: Placement("cpu") for c in COMPONENTS}),
+                                    torch.float32)
+    blocks = streamed.transformer.transformer_blocks
+    Adapters(streamed, lora)
+    assert hooked(blocks[0]) and hooked(blocks[1])  # what diffusers leaves: every block streamed
+    restream(streamed.transformer, "cpu", memory)
+    assert hooked(blocks[0]) and not hooked(blocks[1])
+    images = []
+    for pipe in (streamed, resident):
+        if pipe is resident:
+            Adapters(pipe, lora)
+        pipe.enable_lora()
+        pipe.set_adapters(["lora_0"], [1.0])
+        images.append(pipe(image=[picture()], prompt="make it blue", negative_prompt=" ", true_cfg_scale=4.0,
+                           num_inference_steps=2, height=64, width=64, output_type="np",
+                           generator=torch.Generator().manual_seed(0)).images[0])
+    np.testing.assert_array_equal(images[0], images[1])

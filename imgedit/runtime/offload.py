@@ -179,6 +179,24 @@ def stream(model: torch.nn.Module, device: str, memory: MemoryMode | None) -> No
             block.to(device)
 
 
+def restream(model: torch.nn.Module, device: str, memory: MemoryMode) -> None:
+    """Lay the streamed blocks out again after LoRAs were loaded. diffusers' load_lora_weights removes a group-
+    offloaded model's hooks and applies them again to the whole model (its new LoRA layers must move with their
+    blocks): every block streamed, the resident ones too, and compiled blocks then meet the hooks' functions.
+    Our hooks off again, then stream() as at loading: the LoRA layers of a streamed block move with it."""
+    from diffusers.hooks import HookRegistry
+    from diffusers.hooks.group_offloading import (
+        _GROUP_OFFLOADING,
+        _LAYER_EXECUTION_TRACKER,
+        _LAZY_PREFETCH_GROUP_OFFLOADING,
+    )
+
+    registry = HookRegistry.check_if_exists_or_initialize(model)
+    for name in (_GROUP_OFFLOADING, _LAYER_EXECUTION_TRACKER, _LAZY_PREFETCH_GROUP_OFFLOADING):
+        registry.remove_hook(name, recurse=True)
+    stream(model, device, memory)
+
+
 def check_device(memory: MemoryMode | None, device: str, fast_quantize: str = "none") -> None:
     """fp8 (QUANTIZE, FAST_QUANTIZE) needs compute capability 8.9+: say which GPU this worker has and what it lacks."""
     uses = fp8_uses(memory, fast_quantize)

@@ -138,6 +138,8 @@ def _load(spec: WorkerSpec, say=lambda doing: None):
                                                    if fast_mode != "none" else ""))
     adapters = Adapters(pipe, spec.loras, spec.fuse_lora, spec.activation_reserve, spec.memory_caps if cuda else (),
                         agree, fast_mode, spec.fast_steps, fast_agree=agree if spec.pair_ulysses else None)
+    if spec.loras and plan.memory is not None and plan.memory.streams_blocks:  # the LoRAs' loading streamed them all
+        offload.restream(pipe.transformer, plan.components["transformer"].device, plan.memory)
     fast = adapters.copies  # FAST_QUANTIZE's copies of the transformer
     weights = _weights_per_gpu() if cuda else {}  # the LoRAs' weights included
     runner = Runner(pipe, spec.name, spec.devices or plan.devices, spec.rank, spec.world, spec.parallel, group,
