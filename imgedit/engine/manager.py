@@ -24,7 +24,7 @@ from imgedit.engine.images import settings_text, stamp
 from imgedit.engine.inspection import inspect_checkpoint
 from imgedit.engine.pool import WorkerHandle, wait_result
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
-from imgedit.engine.validation import resolve, resolve_enhance
+from imgedit.engine.validation import check_enhance, resolve, resolve_enhance
 from imgedit.errors import (
     Cancelled,
     ImgEditError,
@@ -108,13 +108,6 @@ class PipelineManager:
         """InvalidInput (400) when a job asks for a step cache these workers cannot run."""
         if cache not in (None, "none") and (refusal := self.cache_refusal()) is not None:
             raise InvalidInput(f"cache {cache} is not available on this server: {refusal}", "cache")
-
-    def check_enhance(self, params) -> None:
-        """InvalidInput (400) when a job asks for a prompt rewrite these workers cannot write."""
-        if params.task == "enhance" or params.enhance_tokens:
-            if (refusal := modes.enhance_refusal(self._plans)) is not None:
-                raise InvalidInput(f"prompt rewriting is not available on this server: {refusal}",
-                                   None if params.task == "enhance" else "enhance_prompt")
 
     @property
     def _plans(self) -> list:
@@ -349,7 +342,7 @@ class PipelineManager:
                 params = resolve(req, self.settings, self.family, req.images[-1].size if req.images else None,
                                  len(req.images), self.prompt_tokens)
                 self.check_cache(params.cache)
-            self.check_enhance(params)
+            check_enhance(params, self._plans)
             steps = params.steps
             worker = self._acquire(cancel, on_wait, req.client)
             if cancel.is_set():

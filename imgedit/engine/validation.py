@@ -16,6 +16,7 @@ from imgedit.config.settings import Settings
 from imgedit.engine.masks import check_mask_fields, check_mask_size
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.errors import InvalidInput
+from imgedit.planning import modes
 from imgedit.protocol import EditRequest, Resolved  # noqa: F401  (Resolved: re-exported for the edges)
 
 MAX_INPUT_IMAGES = {"edit": 1, "plus": 3}
@@ -184,6 +185,14 @@ def step_cache(req: EditRequest, settings: Settings, preset) -> str:
                                "steps with nothing to skip: leave cache out", "cache")
         return "none"
     return req.cache or settings.cache
+
+
+def check_enhance(params: Resolved, plans) -> None:
+    """InvalidInput (400) when a job asks for a prompt rewrite these workers cannot write (planning.modes)."""
+    if params.task == "enhance" or params.enhance_tokens:
+        if (refusal := modes.enhance_refusal(plans)) is not None:
+            raise InvalidInput(f"prompt rewriting is not available on this server: {refusal}",
+                               None if params.task == "enhance" else "enhance_prompt")
 
 
 def resolve_enhance(req: EditRequest, settings: Settings, family: str, n_images: int | None,
