@@ -325,12 +325,12 @@ def free_port() -> int:
 class LiveServer:
     """The real app (REST + Gradio) under uvicorn in a thread, on a free loopback port."""
 
-    def __init__(self, app, port: int):
+    def __init__(self, app, port: int, **options):
         import uvicorn
 
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **options))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):
@@ -350,8 +350,9 @@ class LiveServer:
 def start_server(manager) -> LiveServer:
     """A LiveServer for `manager` (use as a context manager); its settings decide auth, limits, ..."""
     from imgedit.web.app import build_app
+    from imgedit.web.connections import uvicorn_options
 
-    return LiveServer(build_app(manager.settings, manager), free_port())
+    return LiveServer(build_app(manager.settings, manager), free_port(), **uvicorn_options(manager.settings))
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse
 
 from imgedit.config.settings import Settings
 from imgedit.engine.shutdown import REFUSED, Shutdown
+from imgedit.web.connections import uvicorn_options
 
 log = logging.getLogger(__name__)
 
@@ -53,5 +54,6 @@ def serve(app, settings: Settings, shutdown: Shutdown) -> None:
             shutdown.begin(then=lambda: setattr(self, "should_exit", True))
 
     config = uvicorn.Config(app, host=settings.gradio_server_name, port=settings.gradio_server_port,
-                            log_level=settings.log_level.lower(), timeout_graceful_shutdown=UVICORN_CLOSE_S)
+                            log_level=settings.log_level.lower(), timeout_graceful_shutdown=UVICORN_CLOSE_S,
+                            **uvicorn_options(settings))  # the headers' deadline, the connection caps
     GracefulServer(config).run()
