@@ -426,3 +426,45 @@ def test_a_hanging_test_fails_fast_and_is_named(tmp_path):
                             cwd=tmp_path)
     assert result.returncode != 0 and time.time() - started < 60
     assert "Timeout" in result.stdout and "test_sleeps_forever" in result.stdout, result.stdout[-2000:]
+
+
+# ---- #47: a folder posing as a file; uploads abandoned mid-body ----
+
+def test_a_folder_given_as_an_input_file_is_refused_before_gradio_records_it(live_server, raw, server_manager,
+                                                                            image_file):
+    folder = str(Path(upload(live_server.url, image_file)).parent)  # a real folder inside the upload cache
+    before = jobs_done(server_manager)
+    r = raw.join(raw.fn_index(api_name="edit"), edit_data([file_data(folder)]))
+    assert r.status_code == 400, r.text
+    assert "was not uploaded to this server" in r.json()["detail"]
+    assert jobs_done(server_manager) == before and Path(folder).is_dir()
+
+
+def test_an_upload_abandoned_mid_body_leaves_no_partial_file(impatient_server):
+    """Content-Length says 20 MB, 5 MB come, the client hangs up: Gradio's partial tmp* file at the top of the
+    upload folder is deleted by the sweeper (BODY_READ_TIMEOUT=2 here: untouched for 7 s means abandoned)."""
+    from imgedit.web.uploads import PartialUploadSweeper
+
+    folder = Path(upload_folder())
+    stale = folder / "tmpimgedit-stale-test"  # left by an earlier run: gone at the next sweep
+    stale.write_bytes(b"x" * 1000)
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    before = {p.name for p in folder.glob("tmp*")}
+    boundary = "b0undary"
+    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"files\"; filename=\"big.png\"\r\n"
+            f"Content-Type: image/png\r\n\r\n").encode()
+    sock = socket.create_connection(("127.0.0.1", impatient_server.port), timeout=15)
+    sock.sendall(f"POST /gradio_api/upload HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; "
+                 f"boundary={boundary}\r\nContent-Length: 20000000\r\n\r\n".encode() + head)
+    for _ in range(80):
+        sock.sendall(b"\x89" * 65536)  # 5 MB of the body
+    deadline = time.monotonic() + 10
+    while not (partial := {p.name for p in folder.glob("tmp*")} - before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert partial, "Gradio wrote no partial file"
+    sock.close()  # hang up mid-body
+    deadline = time.monotonic() + 25
+    while ({p.name for p in folder.glob("tmp*")} & (partial | {stale.name})) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not (folder / next(iter(partial))).exists() and not stale.exists()
+    assert PartialUploadSweeper(2).sweep() == 0  # nothing else to find

@@ -31,7 +31,7 @@ from imgedit.web.rest import build_router, openai_error
 from imgedit.web.serving import ShutdownGate
 from imgedit.web.serving import serve as serve_until_drained
 from imgedit.web.timeouts import BodyReadTimeout
-from imgedit.web.uploads import EventGuard
+from imgedit.web.uploads import EventGuard, PartialUploadSweeper
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,8 @@ def build_app(settings: Settings, engine, demo: bool | None = None, monitor: Gpu
     app.include_router(build_router(settings, parts.engine, metrics, parts.monitor))
     app.include_router(build_cancel_router(blocks))  # ahead of the mount: it replaces Gradio's cancel route
     app.state.imgedit = parts
+    # abandoned partial uploads (Gradio keeps them): deleted now and every few seconds
+    app.state.upload_sweeper = PartialUploadSweeper(settings.body_read_timeout).start()
     app.state.metrics, app.state.manager, app.state.shutdown = metrics, parts.engine, parts.shutdown
     app.state.history, app.state.jobs = parts.history, parts.jobs
     app.add_middleware(ShutdownGate, shutdown=parts.shutdown)

@@ -15,6 +15,8 @@ import contextlib
 import json
 import logging
 import os
+import threading
+import time
 from collections.abc import Sequence
 
 from gradio.utils import get_upload_folder
@@ -34,11 +36,63 @@ def upload_folder() -> str:
 
 
 def in_upload_folder(path: str) -> bool:
-    """True for a file under the upload cache, after links and `..` are resolved."""
+    """True for a regular file under the upload cache, after links and `..` are resolved (a folder given as
+    an input file was recorded by Gradio, and its cleanup then failed on it at every sweep and at shutdown)."""
     if not path or "\x00" in path:
         return False
     real, folder = os.path.realpath(path), upload_folder()
-    return real != folder and os.path.commonpath([real, folder]) == folder
+    return real != folder and os.path.commonpath([real, folder]) == folder and os.path.isfile(real)
+
+
+class PartialUploadSweeper:
+    """Deletes the upload folder's abandoned partial uploads, at start-up and every few seconds after.
+
+    Gradio streams each uploaded file into a `tmp*` file at the top of the upload folder and moves it into
+    a folder of its own once the upload is complete; when the client hangs up mid-body (or stalls until
+    BODY_READ_TIMEOUT), Gradio deletes nothing: 60 abandoned uploads left 49 MB that survived restarts. A
+    top-level `tmp*` file untouched for longer than BODY_READ_TIMEOUT (plus a margin) belongs to no live
+    upload: a live one is written at least that often, or the server cuts it off. Another server sharing
+    the folder loses only what it abandoned too. (How much one client may have in flight at once is bounded
+    by MAX_CONNECTIONS_PER_CLIENT uploads of MAX_FILE_SIZE each.)"""
+
+    def __init__(self, body_read_timeout: float, folder: str | None = None):
+        self.idle_s = body_read_timeout + 5
+        self.folder = folder or upload_folder()
+        self.removed = 0
+        self._stop = threading.Event()
+
+    def sweep(self) -> int:
+        now, removed = time.time(), 0
+        try:
+            entries = list(os.scandir(self.folder))
+        except OSError:
+            return 0
+        for entry in entries:
+            try:
+                if (entry.name.startswith("tmp") and entry.is_file(follow_symlinks=False)
+                        and now - entry.stat(follow_symlinks=False).st_mtime > self.idle_s):
+                    os.unlink(entry.path)
+                    removed += 1
+            except OSError:  # gone meanwhile, or not ours to delete: the next sweep looks again
+                continue
+        if removed:
+            log.info("deleted %d abandoned partial upload(s) from %s", removed, self.folder)
+        self.removed += removed
+        return removed
+
+    def start(self) -> PartialUploadSweeper:
+        self.sweep()
+
+        def run():
+            while not self._stop.wait(min(10.0, self.idle_s)):
+                self.sweep()
+
+        threading.Thread(target=run, name="partial-upload-sweeper", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.sweep()
 
 
 def uploaded_path(value, label: str, field: str = "images") -> str:
