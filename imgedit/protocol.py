@@ -99,6 +99,7 @@ class WorkerStatus:
     cpu_threads: int = 0  # PyTorch's CPU threads in the worker's processes (WORKER_THREADS)
     # optimisations that failed to build and what the worker runs instead ("compile failed → eager: ...")
     fallbacks: tuple[str, ...] = ()
+    job_client: str | None = None  # who asked for the running job (imgedit.web.identity's owner); never shown
 
 
 @dataclass(frozen=True)

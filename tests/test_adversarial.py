@@ -240,7 +240,8 @@ def test_owned_keys_and_logins_each_see_their_own_and_open_views_show_no_ids(key
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (other, r.text)
     assert http.get(f"{server.url}/v1/jobs/{made[0]}/result", timeout=30).status_code == 401
 
-    # While a job runs: the open views say "a job", /v1/status (any key) names it and the pids.
+    # While a job runs: the open views say "a job"; /v1/status names it to its owner alone, and shows the
+    # worker processes' ids to the operator's API_KEY alone (#47 item 4).
     slow = threading.Thread(target=lambda: http.post(
         f"{server.url}/v1/images/edits", files={"image": ("a.png", png(), "image/png")},
         data={**FIELDS, "prompt": "[slow] make it red", "num_inference_steps": "8"}, headers=keys["alice"],
@@ -253,7 +254,12 @@ def test_owned_keys_and_logins_each_see_their_own_and_open_views_show_no_ids(key
         return next((w for w in details["workers"] if w["job_id"]), None)
 
     wait_for(lambda: running() is not None, 60)
-    job_id, pids = running()["job_id"], running()["pids"]
+    job_id = running()["job_id"]
+    assert "pids" not in running()  # a named key is no operator
+    others = [http.get(f"{server.url}/v1/status", headers=keys[k], timeout=30).json() for k in ("ci", "shared")]
+    assert all([w["job_id"] for w in other["workers"]] == ["a job"] for other in others), others
+    pids = others[1]["workers"][0]["pids"]  # API_KEY: the operator
+    assert "pids" not in others[0]["workers"][0] and job_id not in json.dumps(others)
     health = http.get(f"{server.url}/health", timeout=30)
     gpu_status = Client(server.url, auth=("bob", "pw-2"), verbose=False).predict(api_name="/gpu_status")
     for open_view in (health.json(), gpu_status):

@@ -113,6 +113,7 @@ class WorkerHandle:
         self.detail: str | None = "starting"
         self.error: str | None = None
         self.job_id: str | None = None
+        self.job_client: str | None = None
         self.step = self.total_steps = 0
         self.jobs_done = 0
         self.restarts = 0
@@ -210,6 +211,7 @@ class WorkerHandle:
         events: queue.Queue = queue.Queue()
         self._events = events
         self.job_id, self.step, self.total_steps = job.request_id, 0, job.params.steps
+        self.job_client = job.request.client  # who asked: /v1/status shows the job's id to them alone
         for inbox in self._inboxes:
             inbox.put(job)
         return events
@@ -223,7 +225,7 @@ class WorkerHandle:
 
     def finish(self) -> None:
         self._events = None
-        self.job_id = None
+        self.job_id = self.job_client = None
         self.step = self.total_steps = 0
 
     # ---- the pump: messages and process deaths ----
@@ -342,7 +344,7 @@ class WorkerHandle:
                             components=self.info.get("components"), weights_mib=dict(self.weights_mib),
                             fast_weights=str(self.info.get("fast_weights") or ""),
                             cpu_threads=int(self.info.get("cpu_threads") or 0),
-                            fallbacks=tuple(self.info.get("fallbacks") or ()))
+                            fallbacks=tuple(self.info.get("fallbacks") or ()), job_client=self.job_client)
 
 
 def wait_result(handle: WorkerHandle, events: queue.Queue, cancel: threading.Event,

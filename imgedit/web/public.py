@@ -24,19 +24,29 @@ def _hide_path(text: str | None, model: str) -> str | None:
 def open_snapshot(monitor: GpuMonitor, status: ManagerStatus, history: bool = False) -> dict:
     """The panel's data for anyone: `snapshot` of a status with the ids, paths and files left out."""
     workers = tuple(replace(w, job_id=RUNNING if w.job_id else None, error=_hide_path(w.error, status.model),
-                            detail=_hide_path(w.detail, status.model)) for w in status.workers)
+                            detail=_hide_path(w.detail, status.model), job_client=None) for w in status.workers)
     shown = replace(status, model=public_model_name(status.model), workers=workers,
                     error=_hide_path(status.error, status.model),
                     loras=tuple({k: v for k, v in lora.items() if k != "file"} for lora in status.loras))
     data = snapshot(monitor, shown, history=history)  # the pids are still there: NVML's readings need them
     for worker in data["workers"]:
         worker.pop("pids", None)
+        worker.pop("job_client", None)
     data.update(model=shown.model, family=status.family, error=shown.error)
     return data
 
 
-def full_snapshot(monitor: GpuMonitor, status: ManagerStatus) -> dict:
-    """Everything, for key holders (`/v1/status`): job ids, process ids, the checkpoint, LoRA files."""
-    data = snapshot(monitor, status)
+def full_snapshot(monitor: GpuMonitor, status: ManagerStatus, caller: str | None) -> dict:
+    """For key holders (`/v1/status`): the checkpoint, LoRA files, and the id of a running job when the caller
+    asked for it (another owner's shows as "a job"). The worker processes' ids only for the operator: the
+    holder of API_KEY, or anyone on a server without keys (imgedit.web.identity: owners "token:..."), never
+    for the owners API_KEYS names ("key:...")."""
+    workers = tuple(replace(w, job_id=w.job_id if w.job_client == caller else (RUNNING if w.job_id else None),
+                            job_client=None) for w in status.workers)
+    data = snapshot(monitor, replace(status, workers=workers))
+    for worker in data["workers"]:
+        worker.pop("job_client", None)
+        if not (caller or "").startswith("token:"):
+            worker.pop("pids", None)
     data.update(model=status.model, family=status.family, error=status.error)
     return data

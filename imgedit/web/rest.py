@@ -152,9 +152,9 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
     @router.get("/v1/status")
     def details(request: Request) -> JSONResponse:
         """What /health leaves out (job ids, process ids, the checkpoint, LoRA files), for key holders."""
-        if owner_of(request, settings) is None:
+        if (caller := owner_of(request, settings)) is None:
             return openai_error(401, UNAUTHORIZED, "invalid_api_key")
-        return JSONResponse(full_snapshot(monitor, manager.status()))
+        return JSONResponse(full_snapshot(monitor, manager.status(), caller))
 
     @router.get("/metrics")
     def prometheus(request: Request) -> Response:
