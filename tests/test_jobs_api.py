@@ -406,3 +406,16 @@ def test_a_result_item_that_is_not_a_number_is_an_openai_shaped_400(server):
         assert "item must be a whole number" in error["message"] and "Input should be" not in r.text
     assert http.get(f"{server.url}/v1/jobs/{job['id']}/result", params={"item": "1"}, headers=A,
                      timeout=30).status_code == 200
+
+
+def test_too_many_files_or_fields_name_the_limit(live_server):
+    """#47 item 5: 200 batch files were "malformed multipart body (HTTPException)"; 5,000 form fields too."""
+    files = [("batch", (f"in{i}.png", b"x", "image/png")) for i in range(200)]
+    r = http.post(f"{live_server.url}/v1/jobs", data={"prompt": "x"}, files=files, timeout=60)
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and "too many files" in message and "BATCH_MAX_ITEMS" in message, r.text
+    fields = {f"field{i}": "1" for i in range(5000)}
+    for route in ("/v1/jobs", "/v1/images/edits"):
+        r = http.post(f"{live_server.url}{route}", data={"prompt": "x", **fields},
+                      files=[("image", ("in.png", b"x", "image/png"))], timeout=60)
+        assert r.status_code == 400 and "too many form fields: at most 64" in r.json()["error"]["message"], r.text

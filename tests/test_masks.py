@@ -199,3 +199,33 @@ def test_a_job_applies_one_mask_to_every_item_and_refuses_an_item_of_another_siz
 def test_a_mask_for_another_size_is_refused_before_the_line():
     with pytest.raises(InvalidInput, match="must be the same size"):
         mask_from(white_left_half(), (W, H + 16))
+
+
+def huge_png_header(width: int, height: int) -> bytes:
+    """A PNG that says it is width x height: Pillow reads the header and refuses it before decoding anything."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b""))
+
+
+def test_a_huge_mask_is_too_large_and_bad_numbers_name_their_parameter(live_server, server_manager):
+    """#47 item 7: a 30000x30000 mask is too large (the pixel limit), not "not a readable image"; nan, inf and
+    words for mask_grow, mask_feather and strength name the parameter."""
+    before = sum(w.jobs_done for w in server_manager.workers)
+    r = http.post(f"{live_server.url}/v1/images/edits", timeout=60, data={"prompt": "make it red"},
+                  files=[("image", ("in.png", png_bytes(photo()), "image/png")),
+                         ("mask", ("m.png", huge_png_header(30000, 30000), "image/png"))])
+    error = r.json()["error"]
+    assert r.status_code == 413 and "the mask is too large to decode safely" in error["message"], r.text
+    assert error["param"] == "mask" and "MAX_INPUT_PIXELS" in error["message"]
+    for field in ("mask_grow", "mask_feather", "strength"):
+        for value in ("nan", "inf", "-inf", "lots"):
+            r = http.post(f"{live_server.url}/v1/images/edits", timeout=60, data={"prompt": "x", field: value},
+                          files=[("image", ("in.png", png_bytes(photo()), "image/png"))])
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, value, r.text)
+    assert sum(w.jobs_done for w in server_manager.workers) == before

@@ -64,6 +64,9 @@ def open_mask(raw: bytes, image_size: tuple[int, int], max_pixels: int) -> Image
         image.load()
     except (InvalidInput, InputTooLarge) as exc:
         raise type(exc)(exc.message, "mask") from None
+    except Image.DecompressionBombError:  # Pillow refuses past ~179 MP before our own header check can
+        raise InputTooLarge(f"the mask is too large to decode safely (limit {max_pixels:,} pixels, "
+                            "MAX_INPUT_PIXELS)", "mask") from None
     except Exception:
         raise InvalidInput("the mask is not a readable image: send a PNG the size of the first image", "mask") from None
     return mask_from(image, image_size)

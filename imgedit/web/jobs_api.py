@@ -41,6 +41,7 @@ from imgedit.web.rest import (
     mask_fields,
     output_format,
     owner_of,
+    read_form,
     speed_fields,
 )
 
@@ -218,10 +219,8 @@ async def _parse(request: Request, settings: Settings, manager) -> tuple[EditReq
         raise InputTooLarge(f"request body is {int(length):,} bytes; the limit is {limit:,}")
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise InvalidInput("send multipart/form-data with 'image' (or 'batch') files and a 'prompt'")
-    try:
-        form = await request.form(max_files=3 * settings.batch_max_items + 3, max_fields=64)
-    except Exception as exc:
-        raise InvalidInput(f"malformed multipart body ({type(exc).__name__})") from None
+    form = await read_form(request, 3 * settings.batch_max_items + 3,
+                           f"a job takes at most {settings.batch_max_items} input sets: BATCH_MAX_ITEMS")
 
     # The cheap fields first: a request without a prompt (or with a bad number) costs no file read.
     prompt = form.get("prompt")

@@ -73,7 +73,7 @@ def _int(form, name: str, default: int | None) -> int | None:
             raise ValueError
         return int(text)
     except ValueError:
-        raise InvalidInput(f"{name} must be a whole number, got {str(raw)[:40]!r}") from None
+        raise InvalidInput(f"{name} must be a whole number, got {str(raw)[:40]!r}", name) from None
 
 
 def _float(form, name: str) -> float | None:
@@ -83,7 +83,7 @@ def _float(form, name: str) -> float | None:
     try:
         value = float(str(raw))
     except ValueError:
-        raise InvalidInput(f"{name} must be a number, got {str(raw)[:40]!r}") from None
+        raise InvalidInput(f"{name} must be a number, got {str(raw)[:40]!r}", name) from None
     if not math.isfinite(value):  # nan, inf, 1e400: no setting takes them, and JSON cannot carry them
         raise InvalidInput(f"{name} must be a finite number, got {str(raw)[:40]!r}", name)
     return value
@@ -326,11 +326,26 @@ async def _form(request: Request, settings: Settings):
         raise InputTooLarge(f"request body is {int(length):,} bytes; the limit is {limit:,}")
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise InvalidInput("send multipart/form-data with one or more 'image' files and a 'prompt'")
+    return await read_form(request, 8, "an edit takes at most three 'image' files and a 'mask'")
+
+
+MAX_FORM_FIELDS = 64  # text fields of one REST request: every parameter of ours fits many times over
+
+
+async def read_form(request: Request, max_files: int, files_why: str):
+    """The multipart form, or InvalidInput naming the limit a request went over (Starlette's own text named
+    no parameter: 200 batch files were "malformed multipart body (HTTPException)")."""
     try:
-        form = await request.form(max_files=8, max_fields=64)
+        return await request.form(max_files=max_files, max_fields=MAX_FORM_FIELDS)
     except Exception as exc:
+        detail = str(getattr(exc, "detail", exc))
+        if detail.startswith("Too many files"):
+            raise InvalidInput(f"too many files: at most {max_files} in one request ({files_why})") from None
+        if detail.startswith("Too many fields"):
+            raise InvalidInput(f"too many form fields: at most {MAX_FORM_FIELDS} in one request") from None
+        if detail.startswith(("Field exceeded", "Part exceeded")):
+            raise InvalidInput(f"a form field is too large: {detail}") from None
         raise InvalidInput(f"malformed multipart body ({type(exc).__name__})") from None
-    return form
 
 
 async def _images(form, settings: Settings, manager) -> list:
