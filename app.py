@@ -28,8 +28,15 @@ def main(argv: list[str] | None = None) -> int:
                "auth): .env.example lists every one with its default, and README.md explains them.")
     parser.add_argument("--demo", action="store_true",
                         help="serve a tiny random-weight model on the CPU (no download; outputs are noise)")
+    parser.add_argument("--host", help="the address to listen on (sets GRADIO_SERVER_NAME; default 127.0.0.1, "
+                        "this machine only; 0.0.0.0 opens it to the network)")
+    parser.add_argument("--port", type=int, help="the port to serve on (sets GRADIO_SERVER_PORT; default 7860)")
     args = parser.parse_args(argv)
     load_dotenv()  # .env fills in what the environment does not set
+    if args.host is not None:
+        os.environ["GRADIO_SERVER_NAME"] = args.host
+    if args.port is not None:
+        os.environ["GRADIO_SERVER_PORT"] = str(args.port)
     try:
         settings = load_settings()
         writable_folder("OUTPUT_DIR", settings.output_dir)
@@ -38,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("imgedit")
+    if (busy := _port_in_use(settings.gradio_server_name, settings.gradio_server_port)) is not None:
+        log.error("port %d is in use on %s (%s): stop what serves there, or choose another port with --port or "
+                  "GRADIO_SERVER_PORT", settings.gradio_server_port, settings.gradio_server_name, busy)
+        return 2
     if settings.torch_dtype == "float16":
         log.warning("TORCH_DTYPE=float16: Qwen-Image-Edit is known to give NaN/black images in fp16; use bfloat16")
 
@@ -81,6 +92,20 @@ def main(argv: list[str] | None = None) -> int:
         log.info("stopping the worker processes")
         manager.close()
     return 0
+
+
+def _port_in_use(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port (bound as uvicorn binds it), or None. Checked before
+    anything starts, so that a busy port neither starts workers nor claims to serve."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 def _exit_quietly(signum, frame) -> None:

@@ -18,6 +18,7 @@ import functools
 import html
 import json
 import logging
+import tempfile
 from dataclasses import replace
 
 import gradio as gr
@@ -246,7 +247,10 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                     # Active only while an edit of this page runs (it looked ready to click when idle).
                     stop = gr.Button("Cancel", variant="stop", elem_id="cancel-button", interactive=False)
                 message = gr.Markdown(elem_id="edit-message")  # why the last edit was refused, until the next run
-                rows, labels = example_rows(f"{upload_folder()}/imgedit-examples", MAX_INPUT_IMAGES[manager.family])
+                # a folder of this server's own: Gradio deletes the files it served when its server stops, and
+                # a shared folder left another running server's examples blank (403)
+                examples_folder = tempfile.mkdtemp(prefix="imgedit-examples-", dir=upload_folder())
+                rows, labels = example_rows(examples_folder, MAX_INPUT_IMAGES[manager.family])
                 gr.Examples(rows, [files, prompt], example_labels=labels, label="Examples (click one to fill the form)",
                             elem_id="examples")
                 speed_inputs = build_speed_controls(settings)  # Speed, LoRA, strength (imgedit.web.speed)

@@ -1,0 +1,69 @@
+"""Several real servers on one machine (#46 items 1, 8, 13): one server's stop never deletes another's files,
+and a busy port stops a start before anything claims to serve."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+from conftest import ROOT, free_port, wait_for
+
+
+def start(port: int, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "app.py", "--demo", "--port", str(port)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def ready(server: subprocess.Popen, port: int) -> None:
+    def healthy() -> bool:
+        assert server.poll() is None, server.stderr.read()[-3000:]
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(healthy, 180)
+
+
+def example_files(cache: str) -> set[str]:
+    """Every example picture a server drew into the shared upload cache."""
+    return {str(p) for p in Path(cache).glob("imgedit-examples*/*.png")}
+
+
+def test_stopping_one_server_or_failing_on_a_busy_port_leaves_the_others_examples(tmp_path):
+    cache = tempfile.mkdtemp(prefix="gradio-shared-")  # both servers' upload cache, as /tmp/gradio is by default
+    env = {**os.environ, "GRADIO_TEMP_DIR": cache,
+           "DEMO_DIR": str(tmp_path / "demo"), "OUTPUT_DIR": str(tmp_path / "outputs"), "LOG_LEVEL": "WARNING"}
+    first_port, second_port = free_port(), free_port()
+    first = start(first_port, env)
+    try:
+        ready(first, first_port)
+        examples = example_files(cache)
+        assert len(examples) >= 4, examples
+        second = start(second_port, env)
+        ready(second, second_port)
+        assert len(example_files(cache) - examples) >= 4  # the second server draws its own
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(60) == 0
+        busy = start(first_port, env)  # the first one's port: refused before anything starts
+        assert busy.wait(60) == 2
+        said = busy.stderr.read()
+        assert f"port {first_port} is in use" in said and "serving on" not in said, said[-2000:]
+        for path in examples:  # the first server's examples are all still there, and served
+            assert os.path.isfile(path), path
+            assert httpx.get(f"http://127.0.0.1:{first_port}/gradio_api/file={path}", timeout=30).status_code == 200
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(60)
+
+
+def test_help_offers_host_and_port_and_names_their_variables():
+    out = subprocess.run([sys.executable, "app.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    assert "--host" in out.stdout and "GRADIO_SERVER_NAME" in out.stdout
+    assert "--port" in out.stdout and "GRADIO_SERVER_PORT" in out.stdout
