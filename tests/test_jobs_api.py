@@ -350,7 +350,7 @@ def test_speed_and_lora_reach_every_item_of_a_job(server):
     ({"lora": "nope"}, "lora", "unknown LoRA 'nope'; configured LoRAs: " + FOUR + ", style"),
     ({"speed": "fast"}, "speed", "speed fast needs a Lightning 8-step LoRA"),
     ({"speed": "warp"}, "speed", "speed must be one of quality, fast, fastest"),
-    ({"lora": "style", "lora_scale": "many"}, None, "lora_scale must be a number"),
+    ({"lora": "style", "lora_scale": "many"}, "lora_scale", "lora_scale must be a number"),  # named since #47
 ])
 def test_bad_speed_or_lora_is_a_400_before_anything_runs(server, fields, param, says):
     done = server.manager.status().workers[0].jobs_done

@@ -15,11 +15,13 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import queue
+import random
 import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 from imgedit.errors import WorkerFailed
 from imgedit.planning.plan import Placement, WorkerPlan
@@ -91,6 +93,20 @@ def rank_gpus(plan: WorkerPlan) -> list[str]:
 
 
 def free_port() -> int:
+    """A free port for a group's rendezvous, below the ephemeral range when one is free there: the OS hands
+    ports of that range to every outgoing connection, and one of them taking the port between this check and
+    rank 0's bind failed a group's start (EADDRINUSE, seen under a test's connection flood)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for port in random.sample(range(max(1024, low - 12000), low), 32) if low > 2048 else ():
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # every address, as the rendezvous server binds
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
