@@ -411,3 +411,18 @@ def test_an_animated_gif_is_edited_by_its_first_frame_and_the_reply_says_so(live
     still = post_edit(live_server.url, files={"image": ("in.png", png_bytes(), "image/png")},
                       data={"prompt": "make it red", "size": "64x64", "num_inference_steps": "2", "seed": "1"})
     assert "notices" not in still.json()
+
+
+def test_errors_speak_the_callers_words(live_server, image_file):
+    """#46 item 9: a bad file is named by its file name, and REST's `n` is `n` (not the gradio API's num_images)."""
+    r = http.post(f"{live_server.url}/v1/images/edits", data=GOOD_FIELDS, timeout=60,
+                  files=[("image", ("good.png", image_file.read_bytes(), "image/png")),
+                         ("image", ("notanimage.png", b"just text", "image/png"))])
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("notanimage.png (image 2) is not a readable image"), r.text
+    for route in ("/v1/images/edits", "/v1/jobs"):
+        r = http.post(f"{live_server.url}{route}", data={**GOOD_FIELDS, "n": "99"}, timeout=60,
+                      files=[("image", ("in.png", image_file.read_bytes(), "image/png"))])
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "n" and error["message"].startswith("n 99 is out of range")
+        assert "num_images" not in error["message"], error

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,13 @@ def open_image(source: str | Path | bytes | Image.Image, max_pixels: int, label:
         raise InvalidInput(f"{label} could not be read") from None
     except Exception:  # truncated, corrupt or exotic files: Pillow raises many kinds
         raise InvalidInput(f"{label} is not a readable image (allowed: {', '.join(FORMATS)})") from None
+
+
+def image_label(number: int, name: str | None = None) -> str:
+    """How a message names an input: the file's own name as the user sent it, and its place among the inputs
+    ("notanimage.png (image 2)"); the place alone when no name came with it."""
+    name = " ".join(os.path.basename(str(name or "")).split())[:80]
+    return f"{name} (image {number})" if name else f"image {number}"
 
 
 def frame_notices(images) -> list[str]:

@@ -42,6 +42,7 @@ from imgedit.web.rest import (
     output_format,
     owner_of,
     read_form,
+    rest_words,
     speed_fields,
 )
 
@@ -51,6 +52,7 @@ BATCH_FIELDS = ("batch", "batch[]")
 
 
 def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
+    message, param = rest_words(message, param)
     kind = "invalid_request_error" if status < 500 and status not in (401, 429) else (
         "authentication_error" if status == 401 else "rate_limit_error" if status == 429 else "server_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},

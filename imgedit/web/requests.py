@@ -4,7 +4,7 @@ arrive, and our own checks say what is wrong)."""
 from __future__ import annotations
 
 from imgedit.config.settings import Settings
-from imgedit.engine.images import open_image
+from imgedit.engine.images import image_label, open_image
 from imgedit.engine.masks import open_mask
 from imgedit.engine.validation import check_counts
 from imgedit.errors import InvalidInput
@@ -46,7 +46,7 @@ def build_request(settings: Settings, family: str, images, prompt, negative_prom
     """Parse one event's raw values. Every file must lie in Gradio's upload cache (imgedit.web.uploads)."""
     paths = uploaded_paths(images)
     check_counts(len(paths), family)
-    decoded = tuple(open_image(p, settings.max_input_pixels, f"image {i + 1}") for i, p in enumerate(paths))
+    decoded = tuple(open_image(p, settings.max_input_pixels, image_label(i + 1, p)) for i, p in enumerate(paths))
     speed, lora, lora_scale = parse_speed_inputs(speed, lora, lora_scale)
     masking = {}
     if mask_paths := uploaded_paths(mask, "mask"):
@@ -80,5 +80,5 @@ def build_enhance_request(settings: Settings, family: str, images, prompt, *, so
     """A prompt rewrite's raw values (the images and the instruction) as an EditRequest."""
     paths = uploaded_paths(images)
     check_counts(len(paths), family)
-    decoded = tuple(open_image(p, settings.max_input_pixels, f"image {i + 1}") for i, p in enumerate(paths))
+    decoded = tuple(open_image(p, settings.max_input_pixels, image_label(i + 1, p)) for i, p in enumerate(paths))
     return EditRequest(images=decoded, prompt=_text(prompt, "prompt"), source=source)

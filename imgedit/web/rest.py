@@ -27,7 +27,7 @@ from starlette.datastructures import UploadFile
 from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
 from imgedit.engine.gpus import GpuMonitor
-from imgedit.engine.images import REPLY_FORMATS, encoded, frame_notices, open_image
+from imgedit.engine.images import REPLY_FORMATS, encoded, frame_notices, image_label, open_image
 from imgedit.engine.masks import open_mask
 from imgedit.engine.validation import check_counts, check_params
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
@@ -49,7 +49,19 @@ V1_ROUTES = {"/v1/images/edits": ("POST",), "/v1/prompts/enhance": ("POST",), "/
 HTTP_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
+# The request's fields as REST callers name them (OpenAI's words), where the shared checks use ours.
+REST_NAMES = {"num_images": "n"}
+
+
+def rest_words(message: str, param: str | None) -> tuple[str, str | None]:
+    """A shared check's message and parameter in the REST caller's words ("n 5 is out of range", param n)."""
+    if param in REST_NAMES:
+        return message.replace(param, REST_NAMES[param], 1), REST_NAMES[param]
+    return message, param
+
+
 def openai_error(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
+    message, param = rest_words(message, param)
     body = {"error": {"message": message, "type": ERROR_TYPE.get(status, "server_error"), "param": param,
                       "code": code}}
     return JSONResponse(body, status_code=status)
@@ -356,10 +368,11 @@ async def _images(form, settings: Settings, manager) -> list:
     check_counts(len(uploads), manager.family)
     images = []
     for i, upload in enumerate(uploads):
+        label = image_label(i + 1, upload.filename)
         raw = await upload.read(settings.max_file_size + 1)
         if len(raw) > settings.max_file_size:
-            raise InputTooLarge(f"image {i + 1} is larger than {human_size(settings.max_file_size)} (MAX_FILE_SIZE)")
-        images.append(await asyncio.to_thread(open_image, raw, settings.max_input_pixels, f"image {i + 1}"))
+            raise InputTooLarge(f"{label} is larger than {human_size(settings.max_file_size)} (MAX_FILE_SIZE)")
+        images.append(await asyncio.to_thread(open_image, raw, settings.max_input_pixels, label))
     return images
 
 
