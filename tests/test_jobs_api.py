@@ -81,6 +81,8 @@ def test_batch_of_five_from_files_and_a_zip(server):
     view = wait_finished(server.url, job["id"])
     assert view["state"] == "succeeded" and view["done"] == 5, view
     assert {i["seed"] for i in view["items"]} == {3}
+    # one numbering (#46 item 4): the items count from 1, as ?item=N and the zip's names do
+    assert [i["item"] for i in view["items"]] == [1, 2, 3, 4, 5] and all("index" not in i for i in view["items"])
     r = http.get(f"{server.url}/v1/jobs/{job['id']}/result", headers=A, timeout=30)
     assert r.status_code == 200 and r.headers["content-type"] == "application/zip"
     archive = zipfile.ZipFile(io.BytesIO(r.content))

@@ -110,9 +110,11 @@ class Job:
 
 def job_view(job_id: str, state: str, created: float, position: int | None, settings: dict,
              items: list[dict]) -> dict:
-    """What GET /v1/jobs/<id> answers, for a job in memory or one read back from disk."""
+    """What GET /v1/jobs/<id> answers, for a job in memory or one read back from disk. Items are numbered
+    from 1 (`item`), as `?item=N` fetches them (the records' own `index` counts from 0)."""
+    shown = [{"item": i["index"] + 1, **{k: v for k, v in i.items() if k != "index"}} for i in items]
     return {"id": job_id, "object": "job", "state": state, "created": int(created), "position": position,
-            **settings, "items": items, "done": sum(i["state"] == "succeeded" for i in items),
+            **settings, "items": shown, "done": sum(i["state"] == "succeeded" for i in items),
             "failed": sum(i["state"] in ("failed", "cancelled") for i in items)}
 
 
