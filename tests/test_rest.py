@@ -284,7 +284,7 @@ BAD_INPUT = {
     "n_not_a_number": (lambda url: post_edit(url, files={"image": png_bytes()}, data={**GOOD_FIELDS, "n": "abc"}),
                        "n must be a whole number"),
     "n_zero": (lambda url: post_edit(url, files={"image": png_bytes()}, data={**GOOD_FIELDS, "n": "0"}),
-               "num_images 0 is out of range"),
+               "n 0 is out of range"),
     "size_garbage": (lambda url: post_edit(url, files={"image": png_bytes()}, data={**GOOD_FIELDS, "size": "abc"}),
                      "size must be"),
     "too_many_steps": (lambda url: post_edit(url, files={"image": png_bytes()},
