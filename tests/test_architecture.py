@@ -234,7 +234,7 @@ def test_the_server_process_never_imports_torch(tmp_path):
         assert server.wait(60) == 0, server.stderr.read()[-3000:]
         log = server.stderr.read()
         assert "no GPU and no QWEN_MODEL/QWEN_MODEL_DIR set: serving the demo model" in log
-        # Known-harmless library noise stays out of the log (imgedit.runtime.worker.KNOWN_NOISE).
+        # Known-harmless library noise stays out of the log (imgedit.model.KNOWN_NOISE).
         noises = ("Failed to load", "Detected no triton", "_pytree", "Unable to import `torchao`", "Loading weights")
         for noise in noises:
             assert noise not in log, log[-3000:]

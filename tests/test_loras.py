@@ -404,3 +404,14 @@ def test_lightning_job_on_a_cfg_pair_runs_on_rank_zero_only(plus_ckpt, lora_dir)
     assert os.environ.get("IMGEDIT_TEST_PROBE") and result.steps == 4
     assert forwards.count(str(pids[0])) == 4 and forwards.count(str(pids[1])) == 0
     pair.close()
+
+
+def test_the_random_lora_command_prints_its_own_line_only(plus_ckpt, tmp_path):
+    """#46 item 12: the README's `python -m imgedit.model.lora_random ...` printed torchao's "Failed to load ..." and
+    diffusers' "Unable to import `torchao` Tensor objects": library notes at import, no news to the user."""
+    out = subprocess.run([sys.executable, "-m", "imgedit.model.lora_random", str(plus_ckpt),
+                          str(tmp_path / "style.safetensors")], capture_output=True, text=True, timeout=120)
+    said = out.stdout + out.stderr
+    assert out.returncode == 0 and (tmp_path / "style.safetensors").is_file(), said
+    assert "wrote " in said and "Failed to load" not in said and "Unable to import" not in said, said
+    assert "_pytree" not in said and "no triton" not in said, said

@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     transformer, e.g. the demo's, to try the LoRA menu and fast mode without a download."""
     import argparse
 
+    from imgedit.model import quiet_known_noise
+
+    quiet_known_noise()  # torchao's and diffusers' import-time notes are no news to the user
     from imgedit.model.loras import transformer_linears
 
     parser = argparse.ArgumentParser(description="Write a random LoRA for a checkpoint's transformer (to try the "

@@ -17,6 +17,7 @@ import time
 import traceback
 
 from imgedit.errors import Cancelled, ImgEditError
+from imgedit.model import quiet_known_noise
 from imgedit.runtime.messages import (
     Cancel,
     Channel,
@@ -32,11 +33,6 @@ from imgedit.runtime.messages import (
 )
 
 log = logging.getLogger(__name__)
-# Library messages that say nothing about this app's health, seen at every worker start (2026-11-25, CPU and
-# GPU machines): torchao's optional kernels that this build cannot load and its "no triton" on the CPU,
-# torch's pytree deprecation notes for torchao's enums, diffusers' note on torchao's tensor classes. Only
-# their errors are shown; LOG_LEVEL=DEBUG shows everything.
-KNOWN_NOISE = ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer")
 
 
 def main(spec: WorkerSpec, inbox, outbox, visible_devices: str | None, cache_dir: str | None,
@@ -48,8 +44,7 @@ def main(spec: WorkerSpec, inbox, outbox, visible_devices: str | None, cache_dir
     inbox, outbox = Channel(inbox), Channel(outbox)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s {spec.name}.{spec.rank}: %(message)s")
     if log_level != "DEBUG":
-        for name in KNOWN_NOISE:
-            logging.getLogger(name).setLevel(logging.ERROR)
+        quiet_known_noise()  # imgedit.model.KNOWN_NOISE
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()  # "Loading weights: 100%" bars in the server's log
