@@ -230,7 +230,7 @@ def test_a_batch_does_not_hold_up_a_single_edit(server):
 
 
 @pytest.mark.parametrize("case, status, code, text", [
-    ("not_an_image", 400, "invalid_input", "notes.png is not a readable image"),
+    ("not_an_image", 400, "invalid_input", "notes.png is not a readable image"),  # the job's only file
     ("bad_zip", 400, "invalid_input", "broken.zip is not a readable zip file"),
     ("too_many", 400, "invalid_input", "BATCH_MAX_ITEMS"),
     ("no_image", 400, "invalid_input", "no input image"),
@@ -243,8 +243,8 @@ def test_bad_requests_are_refused_up_front(plus_ckpt, case, status, code, text, 
     headers = {"Authorization": "Bearer secret"}
     data = FIELDS
     files = [("batch", ("p.png", png(), "image/png"))]
-    if case == "not_an_image":
-        files.append(("batch", ("notes.png", b"hello", "image/png")))
+    if case == "not_an_image":  # nothing could run (one readable file among bad ones runs: see below)
+        files = [("batch", ("notes.png", b"hello", "image/png"))]
     elif case == "bad_zip":
         files.append(("batch", ("broken.zip", b"PK\x03\x04 truncated", "application/zip")))
     elif case == "too_many":
@@ -421,3 +421,23 @@ def test_too_many_files_or_fields_name_the_limit(live_server):
         r = http.post(f"{live_server.url}{route}", data={"prompt": "x", **fields},
                       files=[("image", ("in.png", b"x", "image/png"))], timeout=60)
         assert r.status_code == 400 and "too many form fields: at most 64" in r.json()["error"]["message"], r.text
+
+
+def test_one_unreadable_file_fails_alone_and_the_rest_run(server):
+    """#46 item 5: a zip with one broken member was refused whole (400) where the page's Batch tab runs the rest:
+    now the job runs what can run and reports each failure by its name ("partial: 3 of 4")."""
+    files = [("batch", ("photo.png", png(), "image/png")), ("batch", ("notes.png", b"hello", "image/png")),
+             ("batch", ("more.zip", zipped(["a.png", "b.png"]), "application/zip"))]
+    broken = io.BytesIO()
+    with zipfile.ZipFile(broken, "w") as archive:
+        archive.writestr("good.png", png())
+        archive.writestr("broken.png", b"\x89PNG\r\n\x1a\n not really")
+    files.append(("batch", ("mixed.zip", broken.getvalue(), "application/zip")))
+    r = http.post(f"{server.url}/v1/jobs", files=files, data=FIELDS, headers=A, timeout=60)
+    assert r.status_code == 202, r.text
+    view = wait_finished(server.url, r.json()["id"])
+    states = {i["name"]: (i["state"], i["error"]) for i in view["items"]}
+    assert view["state"] == "partial" and view["done"] == 4 and view["failed"] == 2, view
+    assert states["notes.png"][0] == "failed" and "notes.png is not a readable image" in states["notes.png"][1]
+    assert states["broken.png"][0] == "failed" and "broken.png is not a readable image" in states["broken.png"][1]
+    assert all(states[n][0] == "succeeded" for n in ("photo.png", "a.png", "b.png", "good.png")), states

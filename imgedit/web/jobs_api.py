@@ -274,13 +274,17 @@ async def _parse(request: Request, settings: Settings, manager) -> tuple[EditReq
                            "(BATCH_MAX_ITEMS)", "images")
     for _, raws in sets:
         check_counts(len(raws), manager.family)
-    # Check every image now, so a bad file is refused before anything runs: one at a time, its
-    # pixels dropped at once (the bytes are kept, not the pixels, while items wait).
-    firsts = await asyncio.to_thread(check_images, sets, settings, manager.family)
+    # Check every image now, one at a time, its pixels dropped at once (the bytes are kept, not the pixels,
+    # while items wait). As on the page's Batch tab, what can run runs: an item whose file cannot be read
+    # fails alone, by name, when its turn comes; only a job of which nothing can run is refused.
+    checked = await asyncio.to_thread(check_images, sets, settings, manager.family)
+    if all(isinstance(c, ImgEditError) for c in checked):
+        raise checked[0]
+    firsts = [c for c in checked if not isinstance(c, ImgEditError)]
     if form.getlist("mask"):  # one mask for every item: each item's first image must have its size
         masking = await mask_fields(form, settings, firsts[0])
-        for (name, _), size in zip(sets, firsts, strict=True):
-            if size != firsts[0]:
+        for (name, _), size in zip(sets, checked, strict=True):
+            if not isinstance(size, ImgEditError) and size != firsts[0]:
                 raise InvalidInput(f"{name} is {size[0]}x{size[1]} but the mask is {firsts[0][0]}x{firsts[0][1]}: "
                                    "one mask is used for every item, so each item's first image must be its size",
                                    "mask")
@@ -288,17 +292,23 @@ async def _parse(request: Request, settings: Settings, manager) -> tuple[EditReq
     return template, sets
 
 
-def check_images(sets: list[tuple[str, list[bytes]]], settings: Settings, family: str) -> list[tuple[int, int]]:
+def check_images(sets: list[tuple[str, list[bytes]]], settings: Settings,
+                 family: str) -> list[tuple[int, int] | ImgEditError]:
     """Decode each image alone (its header is checked against MAX_INPUT_PIXELS before any pixel is
     decoded) and check its aspect as /v1/images/edits does; never more than one image in memory.
-    Returns each set's first image's size (a mask must match it)."""
-    firsts = []
+    Returns per set its first image's size (a mask must match it), or why the set cannot run."""
+    checked: list[tuple[int, int] | ImgEditError] = []
     for name, raws in sets:
-        for k, raw in enumerate(raws):
-            label = name if len(raws) == 1 else f"{name} (image {k + 1})"
-            image = open_image(raw, settings.max_input_pixels, label)
-            check_aspect(image.size, family, label)
-            if k == 0:
-                firsts.append(image.size)
-            del image
-    return firsts
+        try:
+            for k, raw in enumerate(raws):
+                label = name if len(raws) == 1 else f"{name} (image {k + 1})"
+                image = open_image(raw, settings.max_input_pixels, label)
+                check_aspect(image.size, family, label)
+                if k == 0:
+                    first = image.size
+                del image
+        except ImgEditError as exc:
+            checked.append(exc)
+            continue
+        checked.append(first)
+    return checked
