@@ -215,6 +215,10 @@ def test_a_static_cache_writes_the_same_rewrite_and_is_kept_off_the_cpu_and_hook
     add_hook_to_module(encoder, AlignDevicesHook(execution_device="cpu"))
     monkeypatch.undo()
     assert enhance.static_cache(encoder, 100) is None  # hooked: never compiled
+    gpu_like = torch.nn.Linear(2, 2)
+    gpu_like.device = torch.device("cuda")  # what static_cache reads of a resident encoder
+    enhance.no_static_cache(gpu_like)  # the worker's fallback when the compiled decoding failed to build
+    assert enhance.static_cache(gpu_like, 100) is None
 
 
 def test_an_encoder_on_another_device_rewrites_there_without_its_hook_and_gets_it_back(plus_ckpt, plus_pipe):

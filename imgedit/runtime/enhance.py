@@ -91,11 +91,17 @@ def static_cache(encoder, needed: int):
     one compiled step. Not for a streamed or split encoder (24 GB mode, blocks over GPUs): their hooks move
     weights and inputs in functions the compiler must not trace (on_its_own_gpu takes a whole encoder's off)."""
     hooked = hasattr(encoder, "_hf_hook") or any(hasattr(m, "_diffusers_hook") for m in encoder.modules())
-    if hooked or encoder.device.type != "cuda":
+    if hooked or getattr(encoder, "_imgedit_eager_decoding", False) or encoder.device.type != "cuda":
         return None
     from transformers import StaticCache
 
     return StaticCache(config=encoder.config, max_cache_len=max(STATIC_CACHE_TOKENS, -(-needed // 1024) * 1024))
+
+
+def no_static_cache(encoder) -> None:
+    """This encoder's rewrites decode with generate()'s dynamic cache from now on (its compiled decoding step
+    failed to build: the worker falls back and says so)."""
+    encoder._imgedit_eager_decoding = True
 
 
 def rewrite(pipe, images, prompt: str, max_new_tokens: int, cancel: threading.Event) -> Rewrite:

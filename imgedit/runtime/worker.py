@@ -166,7 +166,7 @@ def _load(spec: WorkerSpec, say=lambda doing: None):
     streamed = plan.memory is not None and plan.memory.offload_text_encoder  # rewrites refused (planning.modes)
     if cuda and spec.rank == 0 and not streamed:  # the rank that writes a group's rewrites
         say("warming up prompt rewriting")
-        info["rewrite_warmup_seconds"] = _warm_up_rewrite(pipe)
+        info["rewrite_warmup_seconds"] = _warm_up_rewrite(pipe, info["fallbacks"])
     if cuda:
         info["memory_allocated_gib"] = round(torch.cuda.memory_allocated() / 1024**3, 2)
         info["memory_reserved_gib"] = round(torch.cuda.memory_reserved() / 1024**3, 2)
@@ -236,7 +236,7 @@ def _compile(spec: WorkerSpec, runner, transformers: tuple, info: dict, agree, s
     info["fallbacks"].append(f"compile failed → eager: {reason}")
 
 
-def _warm_up_rewrite(pipe) -> float:
+def _warm_up_rewrite(pipe, fallbacks: list[str]) -> float:
     """A short prompt rewrite before any user waits: a worker's first rewrite ran 1.6-2.3x slower a token than
     its third (2026-11-27, H200: 58.7 against 25.5 ms, 160 tokens), the kernels and the GPU's matrix routines
     loading on first use. One picture at the rewrite's view size, 8 tokens."""
@@ -245,10 +245,21 @@ def _warm_up_rewrite(pipe) -> float:
     from imgedit.runtime import enhance
 
     started = time.perf_counter()
-    try:
+
+    def once() -> None:
         enhance.rewrite(pipe, [Image.new("RGB", (1024, 1024), (120, 130, 140))], "warm up", 8, threading.Event())
-    except Exception as exc:  # noqa: BLE001 - a warm-up: the first user rewrite is then slower, no more
-        log.warning("the prompt rewrite warm-up failed: %s", _one_line(exc))
+
+    try:
+        once()
+    except Exception as exc:  # noqa: BLE001 - the compiled decoding failed to build: decode eagerly instead
+        reason = _one_line(exc)
+        enhance.no_static_cache(pipe.text_encoder)
+        log.warning("prompt rewrites' compiled decoding failed → eager decoding: %s", reason)
+        fallbacks.append(f"compiled rewrite decoding failed → eager: {reason}")
+        try:
+            once()
+        except Exception as again:  # noqa: BLE001 - a warm-up: the first user rewrite says what is wrong
+            log.warning("the prompt rewrite warm-up failed: %s", _one_line(again))
     return round(time.perf_counter() - started, 2)
 
 
