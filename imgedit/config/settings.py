@@ -82,7 +82,7 @@ REGISTRY: tuple[Var, ...] = (
         "Seconds a connection may take to send a request's headers before the server answers 408 and hangs up"),
     Var("MAX_CONNECTIONS", "512", _int_range(0, 100_000),
         "Most connections open at once; more are answered 503 and closed (0 = no cap)"),
-    Var("MAX_CONNECTIONS_PER_CLIENT", "64", _int_range(0, 100_000),
+    Var("MAX_CONNECTIONS_PER_CLIENT", "256", _int_range(0, 100_000),
         "Most connections open at once from one address (raise it behind a proxy, which is one address; 0 = no cap)"),
     Var("MAX_IMAGES_PER_PROMPT", "4", _int_range(1, 16), "Largest number of images one request may ask for"),
     Var("LORA_DIR", "", _optional_str,
@@ -217,7 +217,7 @@ class Settings:
     body_read_timeout: int = 30
     header_read_timeout: int = 10
     max_connections: int = 512
-    max_connections_per_client: int = 64
+    max_connections_per_client: int = 256
     max_images_per_prompt: int = 4
     lora_dir: str | None = None
     loras: tuple[tuple[str, str], ...] = ()
