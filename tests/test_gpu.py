@@ -29,6 +29,15 @@ def real_ckpt(tmp_path_factory):
     return build_checkpoint(tmp_path_factory.mktemp("real") / "qwen", kind="plus", size="real")
 
 
+def lightning_dir(ckpt, tmp_path):
+    """A LORA_DIR holding one random Lightning-shaped 4-step LoRA (rank 16, trained-like values) for `ckpt`."""
+    lora_dir = tmp_path / "loras"
+    lora_dir.mkdir()
+    random_lora(lora_dir / "Gpu-Lightning-4steps-V1.0-bf16.safetensors", transformer_linears(ckpt), rank=16,
+                std=0.02, seed=1)
+    return lora_dir
+
+
 def load(ckpt, **env):
     return make_manager(ckpt, plan="planner", **{"COMPILE": "off", **env})
 
@@ -202,10 +211,7 @@ def test_balanced_over_two_gpus_with_a_lora_compiles_and_keeps_its_placement(rea
     """The default placement with the most common add-on: on 2x H200 the LoRA's loading took our device hooks for
     sequential CPU offload and the compile warm-up failed on them (a dead server). Now: compiled, no fallback,
     every weight still on its GPU, a `fastest` and a quality edit finite."""
-    lora_dir = tmp_path / "loras"
-    lora_dir.mkdir()
-    random_lora(lora_dir / "Gpu-Lightning-4steps-V1.0-bf16.safetensors", transformer_linears(real_ckpt), rank=16,
-                std=0.02, seed=1)
+    lora_dir = lightning_dir(real_ckpt, tmp_path)
     manager = load(real_ckpt, DEVICE_MAP="balanced", LORA_DIR=str(lora_dir), COMPILE="on")
     try:
         status = manager.status().workers[0]
@@ -223,10 +229,7 @@ def test_balanced_over_two_gpus_with_a_lora_compiles_and_keeps_its_placement(rea
 def test_fast_jobs_run_on_an_fp8_copy_and_quality_jobs_keep_their_pixels(real_ckpt, tmp_path):
     """FAST_QUANTIZE=fp8: the Lightning LoRA fused into a copy of the transformer, every Linear in fp8 (~20 GiB
     more); a `fastest` image near the bf16 fused one, a quality image the same as a server without the copy."""
-    lora_dir = tmp_path / "loras"
-    lora_dir.mkdir()
-    random_lora(lora_dir / "Gpu-Lightning-4steps-V1.0-bf16.safetensors", transformer_linears(real_ckpt), rank=16,
-                std=0.02, seed=1)
+    lora_dir = lightning_dir(real_ckpt, tmp_path)
 
     def fastest(manager):
         return np.asarray(manager.edit(EditRequest(images=(picture(96, 64),), prompt="make it red", seed=0, width=512,
@@ -254,10 +257,7 @@ def test_fast_jobs_run_on_an_fp8_copy_and_quality_jobs_keep_their_pixels(real_ck
 def test_a_pair_runs_fast_jobs_on_both_gpus_fp8_copies(real_ckpt, tmp_path):
     """FAST_QUANTIZE=fp8 on a cfg-parallel pair: each rank holds the copy, and a `fastest` job (CFG off) runs
     on both ranks' copies, each forward's sequence split (PAIR_ULYSSES=auto), not on the quality weights."""
-    lora_dir = tmp_path / "loras"
-    lora_dir.mkdir()
-    random_lora(lora_dir / "Gpu-Lightning-4steps-V1.0-bf16.safetensors", transformer_linears(real_ckpt), rank=16,
-                std=0.02, seed=1)
+    lora_dir = lightning_dir(real_ckpt, tmp_path)
     pair = load(real_ckpt, DEVICE_MAP="cfg-parallel", LORA_DIR=str(lora_dir), FAST_QUANTIZE="fp8")
     try:
         assert pair.workers[0].info["pair_ulysses"] and pair.status().workers[0].fast_weights.startswith("fp8: ")

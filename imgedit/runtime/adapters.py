@@ -21,6 +21,7 @@ import torch
 
 from imgedit.config.loras import LIGHTNING_SCHEDULER, LoraFile
 from imgedit.errors import ImgEditError
+from imgedit.runtime.fallback import agreed, cause
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +64,13 @@ class Adapters:
             except Exception as exc:  # noqa: BLE001 - an optimisation never takes the worker down
                 failure = exc
             # the ranks of a group that all build copies (a pair splitting fast jobs) keep all or none
-            if fast_agree is not None and not fast_agree(failure is None) and failure is None:
-                failure = RuntimeError("another rank of this group could not build its copies")
+            failure = agreed(failure, fast_agree, "its fast-mode copies")
             if failure is not None:
                 self.fast = None
                 gc.collect()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-                reason = f"{type(failure).__name__}: {str(failure).strip()[:160]}"
+                reason = cause(failure)
                 log.warning("fast-mode %s copies failed → bf16: %s", fast, reason)
                 self.fallbacks.append(f"fast-mode {fast} copies failed → bf16: {reason}")
             pipe.imgedit_fast_copies = self.copies  # for worker hooks that watch every transformer

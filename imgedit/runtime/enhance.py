@@ -90,17 +90,23 @@ def static_cache(encoder, needed: int):
     (STATIC_CACHE_TOKENS, or the next 1024 above `needed`) so that every prompt and picture count reuses the
     one compiled step. Not for a streamed or split encoder (24 GB mode, blocks over GPUs): their hooks move
     weights and inputs in functions the compiler must not trace (on_its_own_gpu takes a whole encoder's off)."""
-    hooked = hasattr(encoder, "_hf_hook") or any(hasattr(m, "_diffusers_hook") for m in encoder.modules())
-    if hooked or getattr(encoder, "_imgedit_eager_decoding", False) or encoder.device.type != "cuda":
+    if not decodes_compiled(encoder):
         return None
     from transformers import StaticCache
 
     return StaticCache(config=encoder.config, max_cache_len=max(STATIC_CACHE_TOKENS, -(-needed // 1024) * 1024))
 
 
+def decodes_compiled(encoder) -> bool:
+    """Whether this encoder's rewrites decode with the static cache (compiled steps): resident on one GPU, no
+    hooks of its own (on_its_own_gpu takes a whole encoder's off), and not turned eager by no_static_cache."""
+    hooked = hasattr(encoder, "_hf_hook") or any(hasattr(m, "_diffusers_hook") for m in encoder.modules())
+    return not (hooked or getattr(encoder, "_imgedit_eager_decoding", False) or encoder.device.type != "cuda")
+
+
 def no_static_cache(encoder) -> None:
-    """This encoder's rewrites decode with generate()'s dynamic cache from now on (its compiled decoding step
-    failed to build: the worker falls back and says so)."""
+    """This encoder's rewrites decode with generate()'s dynamic cache from now on: the worker is not compiled
+    (COMPILE=off), or its compiled decoding step failed to build (the worker falls back and says so)."""
     encoder._imgedit_eager_decoding = True
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import re
 import threading
 import time
 import traceback
 
 from imgedit.errors import Cancelled, ImgEditError
 from imgedit.model import quiet_known_noise
+from imgedit.runtime.fallback import agreed, cause
 from imgedit.runtime.messages import (
     Cancel,
     Channel,
@@ -166,7 +166,7 @@ def _load(spec: WorkerSpec, say=lambda doing: None):
     streamed = plan.memory is not None and plan.memory.offload_text_encoder  # rewrites refused (planning.modes)
     if cuda and spec.rank == 0 and not streamed:  # the rank that writes a group's rewrites
         say("warming up prompt rewriting")
-        info["rewrite_warmup_seconds"] = _warm_up_rewrite(pipe, info["fallbacks"])
+        info["rewrite_warmup_seconds"] = _warm_up_rewrite(pipe, info["fallbacks"], spec.compile)
     if cuda:
         info["memory_allocated_gib"] = round(torch.cuda.memory_allocated() / 1024**3, 2)
         info["memory_reserved_gib"] = round(torch.cuda.memory_reserved() / 1024**3, 2)
@@ -221,8 +221,7 @@ def _compile(spec: WorkerSpec, runner, transformers: tuple, info: dict, agree, s
     except Exception as exc:  # noqa: BLE001 - reported below; the worker serves eager
         failure = exc
         log.debug("the compile warm-up failed:\n%s", traceback.format_exc())
-    if agree is not None and agree(failure is None) is False and failure is None:
-        failure = RuntimeError("another rank of this group failed its compile warm-up")
+    failure = agreed(failure, agree, "its compiled transformer")
     if failure is None:
         info["compiled"] = True
         info["compile_seconds"] = round(time.perf_counter() - started, 2)
@@ -231,12 +230,12 @@ def _compile(spec: WorkerSpec, runner, transformers: tuple, info: dict, agree, s
         offload.uncompile_transformer(transformer)
     torch._dynamo.reset()
     runner.cleanup(force=True)
-    reason = _one_line(failure)
+    reason = cause(failure)
     log.warning("compile failed → eager: %s", reason)
     info["fallbacks"].append(f"compile failed → eager: {reason}")
 
 
-def _warm_up_rewrite(pipe, fallbacks: list[str]) -> float:
+def _warm_up_rewrite(pipe, fallbacks: list[str], compiled: bool) -> float:
     """A short prompt rewrite before any user waits: a worker's first rewrite ran 1.6-2.3x slower a token than
     its third (2026-11-27, H200: 58.7 against 25.5 ms, 160 tokens), the kernels and the GPU's matrix routines
     loading on first use. One picture at the rewrite's view size, 8 tokens."""
@@ -244,41 +243,29 @@ def _warm_up_rewrite(pipe, fallbacks: list[str]) -> float:
 
     from imgedit.runtime import enhance
 
+    if not compiled:  # COMPILE=off: rewrites decode eagerly too, nothing is compiled at start-up
+        enhance.no_static_cache(pipe.text_encoder)
     started = time.perf_counter()
 
     def once() -> None:
         enhance.rewrite(pipe, [Image.new("RGB", (1024, 1024), (120, 130, 140))], "warm up", 8, threading.Event())
 
+    with enhance.on_its_own_gpu(pipe.text_encoder):  # the encoder as a rewrite sees it
+        static = enhance.decodes_compiled(pipe.text_encoder)
     try:
         once()
-    except Exception as exc:  # noqa: BLE001 - the compiled decoding failed to build: decode eagerly instead
-        reason = _one_line(exc)
+    except Exception as exc:  # noqa: BLE001 - a warm-up: a compiled decoding falls back, an eager one just says so
+        if not static:
+            log.warning("the prompt rewrite warm-up failed: %s", cause(exc))
+            return round(time.perf_counter() - started, 2)
         enhance.no_static_cache(pipe.text_encoder)
-        log.warning("prompt rewrites' compiled decoding failed → eager decoding: %s", reason)
-        fallbacks.append(f"compiled rewrite decoding failed → eager: {reason}")
+        log.warning("prompt rewrites' compiled decoding failed → eager decoding: %s", cause(exc))
+        fallbacks.append(f"compiled rewrite decoding failed → eager: {cause(exc)}")
         try:
             once()
-        except Exception as again:  # noqa: BLE001 - a warm-up: the first user rewrite says what is wrong
-            log.warning("the prompt rewrite warm-up failed: %s", _one_line(again))
+        except Exception as again:  # noqa: BLE001 - the first user rewrite then says what is wrong
+            log.warning("the prompt rewrite warm-up failed: %s", cause(again))
     return round(time.perf_counter() - started, 2)
-
-
-def _one_line(exc: BaseException, limit: int = 200) -> str:
-    """The cause of a failure as one line: the exception under our own wrapping (the runner turns an
-    unexpected one into "internal error"), its type and the first line of its text (dynamo's run to pages)."""
-    while isinstance(exc, ImgEditError) or type(exc).__name__ == "FatalError":
-        inner = exc.__cause__ or exc.__context__ or getattr(exc, "error", None)
-        if inner is None or inner is exc:
-            break
-        exc = inner
-    text = str(exc).strip()
-    line = text.splitlines()[0] if text else ""
-    # dynamo names where it stopped after "from user code:"; the last frame is the code it could not trace
-    frames = re.findall(r'File "([^"]+)", line \d+, in (\S+)', text.partition("from user code:")[2])
-    if frames:
-        path, function = frames[-1]
-        line += f" (in {'/'.join(path.split('/')[-2:])}, {function})"
-    return f"{type(exc).__name__}: {line}"[:limit]
 
 
 def _warm_up(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
