@@ -58,8 +58,6 @@ class PartialUploadSweeper:
     def __init__(self, body_read_timeout: float, folder: str | None = None):
         self.idle_s = body_read_timeout + 5
         self.folder = folder or upload_folder()
-        self.removed = 0
-        self._stop = threading.Event()
 
     def sweep(self) -> int:
         now, removed = time.time(), 0
@@ -77,22 +75,18 @@ class PartialUploadSweeper:
                 continue
         if removed:
             log.info("deleted %d abandoned partial upload(s) from %s", removed, self.folder)
-        self.removed += removed
         return removed
 
     def start(self) -> PartialUploadSweeper:
         self.sweep()
 
         def run():
-            while not self._stop.wait(min(10.0, self.idle_s)):
+            while True:  # a daemon thread: it ends with the server process
+                time.sleep(min(10.0, self.idle_s))
                 self.sweep()
 
         threading.Thread(target=run, name="partial-upload-sweeper", daemon=True).start()
         return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.sweep()
 
 
 def uploaded_path(value, label: str, field: str = "images") -> str:
