@@ -151,3 +151,28 @@ def break_compile(pipe, spec) -> None:
     install(pipe, spec)
     add_hook_to_module(pipe.transformer.transformer_blocks[0].attn.to_q,
                        AlignDevicesHook(execution_device=spec.plan.execution_device))
+
+
+def count_compiles(pipe, spec) -> None:
+    """install(), and torch.compile on the CPU with aot_eager, which writes one line to the file named by
+    IMGEDIT_TEST_COMPILES per graph it compiles (tests/test_warmup.py: nothing compiles after the warm-up).
+    inductor's CPU code generation fails on the Ulysses-split block (an `InductorError` in its vectorizer,
+    nothing of ours); dynamo decides what compiles and when, whatever the backend."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    install(pipe, spec)
+    path = os.environ["IMGEDIT_TEST_COMPILES"]
+    aot_eager = lookup_backend("aot_eager")
+
+    def counting(graph, example_inputs):
+        with open(path, "a") as out:
+            out.write(f"{os.getpid()} {len(graph.graph.nodes)}\n")
+        return aot_eager(graph, example_inputs)
+
+    original = torch.nn.Module.compile
+
+    def compile(module, *args, **kwargs):
+        kwargs.pop("mode", None)
+        return original(module, *args, **{**kwargs, "backend": counting})
+
+    torch.nn.Module.compile = compile

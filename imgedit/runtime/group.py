@@ -64,6 +64,13 @@ class ParallelGroup:
         """A CFG pair that runs CFG-off jobs on both ranks (PAIR_ULYSSES)."""
         return self.switch is not None
 
+    def text_multiple(self, cfg_on: bool) -> int:
+        """What a job's text is padded to (with a mask) on this group: the Ulysses degree where the job's
+        sequence is split, else 1. Under torch.compile padded and unpadded forwards are separate variants."""
+        if self.layout.ulysses > 1:
+            return self.layout.ulysses
+        return 2 if self.switch is not None and not cfg_on else 1
+
     def takes_part(self, cfg_on: bool, may_split: bool = True) -> bool:
         """With CFG off a cfg group's second half has nothing to do, unless a pair splits the sequence
         (`may_split`: the job has no step cache)."""

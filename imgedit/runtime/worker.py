@@ -206,12 +206,14 @@ def _compile(spec: WorkerSpec, runner, transformers: tuple, info: dict, agree, s
     from imgedit.runtime import offload
 
     started = time.perf_counter()
-    split = runner.group is not None and runner.group.splits_cfg_off
+    group = runner.group
+    split = group is not None and (group.splits_cfg_off or group.layout.ulysses > 1)
     if spec.loras or split:
         # each adapter set is one more compiled variant of the block (guards on peft's state), each of them
-        # twice on a pair that splits CFG-off jobs (Ulysses on and off); a fast copy's quantized blocks are
-        # variants of the same block code too
-        limit = (8 + 2 * len(spec.loras) + 2 * (len(transformers) - 1)) * (2 if split else 1)
+        # up to four times where text is split (a pair's Ulysses on with and without the padding mask, and
+        # off; a first static entry before the dynamic one); a fast copy's quantized blocks are variants of the
+        # same block code too
+        limit = (8 + 2 * len(spec.loras) + 2 * (len(transformers) - 1)) * (4 if split else 1)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
     failure: BaseException | None = None
     try:
@@ -282,13 +284,19 @@ def _warm_up(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
     def execute(k: int, width: int, height: int, name: str, params: dict) -> float:
         say(f"compiling: warm-up {k} of {len(runs)} ({name.rstrip('-') or 'quality'} at {width}x{height})")
         image = Image.new("RGB", (width, height), (120, 130, 140))
-        req = EditRequest(images=(image,), prompt="warm up", request_id=f"warmup-{name}{width}x{height}",
-                          source="warmup")
-        job = Job(req, Resolved(steps=2, negative_prompt=" ", seed=0, num_images=1, width=width, height=height,
-                                **params), family)
+        cfg_on = params["true_cfg_scale"] > 1
+        multiple = runner.group.text_multiple(cfg_on) if runner.group is not None else 1
         started = time.perf_counter()
-        if runner.takes_part(job):
-            runner.run(job, threading.Event())
+        for i, prompt in enumerate(warmup_prompts(getattr(runner.pipe, "tokenizer", None), multiple)):
+            # a text padded to the Ulysses degree carries a mask, one not padded none: two variants of the
+            # compiled block, each warmed at every size (or a user's first prompt of the other kind compiles)
+            negative = prompt if cfg_on and multiple > 1 else " "
+            req = EditRequest(images=(image,), prompt=prompt, request_id=f"warmup-{name}{width}x{height}-{i}",
+                              source="warmup")
+            job = Job(req, Resolved(steps=2, negative_prompt=negative, seed=0, num_images=1, width=width,
+                                    height=height, **params), family)
+            if runner.takes_part(job):
+                runner.run(job, threading.Event())
         return round(time.perf_counter() - started, 2)
 
     # CFG-off jobs are variants of their own: each Lightning LoRA's at the first size (with FUSE_LORA, the no-LoRA
@@ -307,6 +315,27 @@ def _warm_up(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
                          {"true_cfg_scale": 1.0, "adapters": adapters,
                           "scheduler": "lightning" if adapters else "default"}))
     return [execute(k, *one) for k, one in enumerate(runs, 1)]
+
+
+WARMUP_PROMPT = "warm up"
+
+
+def warmup_prompts(tokenizer, multiple: int) -> list[str]:
+    """Warm-up prompts whose token counts leave every remainder modulo `multiple` (the Ulysses degree a text
+    is padded to): so both the padded (masked) and the unpadded variant are compiled. The prompt sits between
+    special tokens in every template, so its count shifts the text's length by the same amount."""
+    if multiple <= 1 or tokenizer is None:
+        return [WARMUP_PROMPT]
+    prompts, remainders = [], set()
+    for extra in range(4 * multiple):
+        prompt = WARMUP_PROMPT + " up" * extra
+        remainder = len(tokenizer(prompt)["input_ids"]) % multiple
+        if remainder not in remainders:
+            remainders.add(remainder)
+            prompts.append(prompt)
+        if len(remainders) == multiple:
+            break
+    return prompts
 
 
 def _serve(spec: WorkerSpec, runner, inbox, outbox) -> None:

@@ -1,0 +1,79 @@
+"""The compile warm-up covers what users send: no job compiles after the server is ready.
+
+A CFG pair that splits CFG-off jobs (PAIR_ULYSSES) pads a text of odd length to even, with a mask; an even one
+goes unpadded and unmasked. Under torch.compile those are two variants of the block, and the warm-up's one
+prompt compiled only one of them at each size (each then static in the text's length): on 2x H200 the first
+`speed=fastest` edit of a prompt of the other kind took 23.2 s, the next 1.30 s. The warm-up now runs prompts
+of both kinds at every size (worker.warmup_prompts)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+from conftest import _MANAGERS, cfg_plan, picture
+from transformers import AutoTokenizer
+
+from imgedit.config.settings import load_settings
+from imgedit.engine.manager import PipelineManager
+from imgedit.model.demo_checkpoint import build_checkpoint
+from imgedit.model.lora_random import random_lora
+from imgedit.model.loras import transformer_linears
+from imgedit.protocol import EditRequest
+from imgedit.runtime.worker import warmup_prompts
+
+FOUR = "Qwen-Image-Edit-2509-Lightning-4steps-V1.0-bf16"
+
+
+@pytest.fixture(scope="module")
+def pair_ckpt(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("warmup")
+    ckpt = build_checkpoint(folder / "plus2", kind="plus", seed=0, heads=2)  # Ulysses-2 needs even heads
+    loras = folder / "loras"
+    loras.mkdir()
+    random_lora(loras / f"{FOUR}.safetensors", transformer_linears(ckpt), rank=4, std=0.4, seed=1)
+    return ckpt, loras
+
+
+def test_warmup_prompts_leave_every_remainder(pair_ckpt):
+    tokenizer = AutoTokenizer.from_pretrained(pair_ckpt[0] / "tokenizer")
+    counts = [len(tokenizer(p)["input_ids"]) for p in warmup_prompts(tokenizer, 2)]
+    assert sorted(c % 2 for c in counts) == [0, 1]
+    counts = [len(tokenizer(p)["input_ids"]) for p in warmup_prompts(tokenizer, 4)]
+    assert sorted(c % 4 for c in counts) == [0, 1, 2, 3]
+    assert warmup_prompts(tokenizer, 1) == warmup_prompts(None, 2) == ["warm up"]
+
+
+def test_a_compiled_splitting_pair_compiles_nothing_after_its_warm_up(pair_ckpt):
+    ckpt, loras = pair_ckpt
+    tokenizer = AutoTokenizer.from_pretrained(ckpt / "tokenizer")
+    prompts = ["make it red", "make it blue", "turn the sky into a sunset and keep everything else unchanged"]
+    assert {len(tokenizer(p)["input_ids"]) % 2 for p in prompts} == {0, 1}  # both kinds of text
+    compiles = tempfile.NamedTemporaryFile(prefix="imgedit-compiles-", delete=False).name
+    os.environ["IMGEDIT_TEST_COMPILES"] = compiles  # the forkserver's workers inherit it
+    try:
+        settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cpu", "COMPILE": "on",
+                                  "PAIR_ULYSSES": "on", "LORA_DIR": str(loras), "WORKER_START": "forkserver",
+                                  "OUTPUT_DIR": tempfile.mkdtemp(prefix="imgedit-out-")})
+        manager = PipelineManager(settings, plan=cfg_plan(1), worker_hook="faults:count_compiles",
+                                  warmup_sizes=((64, 64), (64, 96)))
+        _MANAGERS.append(manager)
+        manager.load()
+        worker = manager.workers[0].info
+        assert (worker.get("compiled"), worker.get("pair_ulysses"), worker.get("fallbacks")) == (True, True, []), worker
+        with open(compiles) as f:
+            at_ready = f.read().splitlines()
+        assert at_ready  # the warm-up compiled
+        for prompt in prompts:
+            for speed in ("fastest", "quality"):
+                steps = {} if speed == "fastest" else {"num_inference_steps": 2}
+                result = manager.edit(EditRequest(images=(picture(64, 64),), prompt=prompt, seed=1, width=64,
+                                                  height=64, speed=speed, **steps))
+                assert len(result.images) == 1
+        with open(compiles) as f:
+            after = f.read().splitlines()
+        assert after == at_ready, f"compiled after the warm-up: {after[len(at_ready):]}"
+    finally:
+        os.environ.pop("IMGEDIT_TEST_COMPILES", None)
+        os.unlink(compiles)
