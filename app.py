@@ -45,10 +45,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("imgedit")
-    if (busy := _port_in_use(settings.gradio_server_name, settings.gradio_server_port)) is not None:
+    # The port is bound now and answered from the first second: /health and the page say what the server
+    # is doing while it inspects the checkpoint and starts the workers (a minute on a slow first start).
+    from imgedit.web.starting import StartingServer
+
+    try:
+        starting = StartingServer(settings.gradio_server_name, settings.gradio_server_port,
+                                  "inspecting the checkpoint and the LoRA files")
+    except OSError as exc:
         log.error("port %d is in use on %s (%s): stop what serves there, or choose another port with --port or "
-                  "GRADIO_SERVER_PORT", settings.gradio_server_port, settings.gradio_server_name, busy)
+                  "GRADIO_SERVER_PORT", settings.gradio_server_port, settings.gradio_server_name,
+                  exc.strerror or exc)
         return 2
+    try:
+        return _start(args, settings, starting, log)
+    finally:
+        starting.close()  # the port, where the real server never took it over
+
+
+def _start(args, settings, starting, log) -> int:
     if settings.torch_dtype == "float16":
         log.warning("TORCH_DTYPE=float16: Qwen-Image-Edit is known to give NaN/black images in fp16; use bfloat16")
 
@@ -76,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     manager = PipelineManager(settings)
     try:
         if settings.demo:
+            starting.say("building the demo checkpoint")
             ensure_demo_checkpoint(settings.model_source, settings.quantize_skip)  # in a subprocess (torch)
         manager.prepare()  # checkpoint and placement plan: the page needs the model family and workers
     except ImgEditError as exc:
@@ -85,27 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     # turn that into a normal exit so the worker processes are stopped below.
     for stop_signal in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop_signal, _exit_quietly)
+    starting.say("starting the worker processes")
     manager.start()  # worker processes load the weights; /health says 503 until they are ready
     try:
-        serve(build_app(settings, manager), settings)  # returns on SIGTERM / Ctrl-C
+        starting.say("building the page")
+        app = build_app(settings, manager)
+        serve(app, settings, starting.handover())  # returns on SIGTERM / Ctrl-C
     finally:
         log.info("stopping the worker processes")
         manager.close()
     return 0
-
-
-def _port_in_use(host: str, port: int) -> str | None:
-    """Why the server could not listen on host:port (bound as uvicorn binds it), or None. Checked before
-    anything starts, so that a busy port neither starts workers nor claims to serve."""
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((host, port))
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    return None
 
 
 def _exit_quietly(signum, frame) -> None:

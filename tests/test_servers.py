@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -67,3 +68,48 @@ def test_help_offers_host_and_port_and_names_their_variables():
     assert out.returncode == 0
     assert "--host" in out.stdout and "GRADIO_SERVER_NAME" in out.stdout
     assert "--port" in out.stdout and "GRADIO_SERVER_PORT" in out.stdout
+
+
+def test_the_port_answers_from_the_start_and_says_what_the_server_is_doing(tmp_path):
+    """While app.py inspects the checkpoint and starts its workers (before the app exists) the port is already
+    open: /health says "loading" with what it does, the page is a notice that reloads itself, REST says 503
+    with Retry-After; the app then serves on the same socket, which is never closed in between (#44 item 4)."""
+    env = {**os.environ, "DEMO_DIR": str(tmp_path / "demo"), "OUTPUT_DIR": str(tmp_path / "outputs"),
+           "LOG_LEVEL": "WARNING"}
+    port = free_port()
+    server = start(port, env)
+    url = f"http://127.0.0.1:{port}"
+    details, answered, pages = [], False, []
+    try:
+        deadline = time.monotonic() + 240
+        with httpx.Client(timeout=5) as http:
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+                assert server.poll() is None, server.stderr.read()[-3000:]
+                try:
+                    health = http.get(f"{url}/health")
+                except httpx.TransportError as exc:
+                    assert not answered, f"the port closed after it had answered: {exc!r}"
+                    continue
+                answered = True
+                body = health.json()
+                if health.status_code == 200:
+                    break
+                assert health.status_code == 503 and body["status"] == "loading", (health.status_code, body)
+                if "detail" in body and "workers" in body and not body["workers"]:  # the starting server's
+                    details.append(body["detail"])
+                    if not pages:
+                        pages.append(http.get(url))
+                        pages.append(http.post(f"{url}/v1/images/edits", data={"prompt": "x"}))
+            else:
+                raise AssertionError(f"not ready; seen: {details}")
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0
+    assert details, "the starting server was never seen"
+    assert any(d.startswith(("building the demo checkpoint (", "inspecting the checkpoint")) for d in details), details
+    assert all(d.endswith(" s)") for d in details), details
+    page, rest = pages
+    assert page.status_code == 503 and "imgedit is starting" in page.text and "http-equiv='refresh'" in page.text
+    assert rest.status_code == 503 and rest.headers["retry-after"] == "5"
+    assert rest.json()["error"]["code"] == "not_ready" and "the server is starting" in rest.json()["error"]["message"]

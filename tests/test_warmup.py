@@ -21,7 +21,7 @@ from imgedit.model.demo_checkpoint import build_checkpoint
 from imgedit.model.lora_random import random_lora
 from imgedit.model.loras import transformer_linears
 from imgedit.protocol import EditRequest
-from imgedit.runtime.worker import warmup_prompts
+from imgedit.runtime.warmup import warmup_prompts
 
 FOUR = "Qwen-Image-Edit-2509-Lightning-4steps-V1.0-bf16"
 

@@ -17,7 +17,6 @@ import traceback
 
 from imgedit.errors import Cancelled, ImgEditError
 from imgedit.model import quiet_known_noise
-from imgedit.runtime.fallback import agreed, cause
 from imgedit.runtime.messages import (
     Cancel,
     Channel,
@@ -113,7 +112,7 @@ def _load(spec: WorkerSpec, say=lambda doing: None):
     say("loading the weights")
     pipe = loader.load_pipeline(spec.checkpoint, plan, dtype)
     prepare_text_encoder(pipe.text_encoder)  # token types, no logits, the vision tower's windows in one call
-    from imgedit.runtime import encode_cache, pixels
+    from imgedit.runtime import encode_cache, pixels, warmup
     from imgedit.runtime.adapters import Adapters
 
     encode_cache.install(pipe, spec.encode_cache)  # a repeated input is not encoded again (exact)
@@ -162,11 +161,11 @@ def _load(spec: WorkerSpec, say=lambda doing: None):
             offload.use_attention(transformer, spec.attention)
     info["attention"] = offload.attention_in_use(pipe.transformer)  # as the processors have it
     if spec.compile:
-        _compile(spec, runner, (pipe.transformer, *fast), info, agree, say)
+        warmup.compile_and_warm_up(spec, runner, (pipe.transformer, *fast), info, agree, say)
     streamed = plan.memory is not None and plan.memory.offload_text_encoder  # rewrites refused (planning.modes)
     if cuda and spec.rank == 0 and not streamed:  # the rank that writes a group's rewrites
         say("warming up prompt rewriting")
-        info["rewrite_warmup_seconds"] = _warm_up_rewrite(pipe, info["fallbacks"], spec.compile)
+        info["rewrite_warmup_seconds"] = warmup.warm_up_rewrite(pipe, info["fallbacks"], spec.compile)
     if cuda:
         info["memory_allocated_gib"] = round(torch.cuda.memory_allocated() / 1024**3, 2)
         info["memory_reserved_gib"] = round(torch.cuda.memory_reserved() / 1024**3, 2)
@@ -195,147 +194,6 @@ def _cap_memory(caps: tuple[int, ...]) -> None:
         fraction = min(1.0, max(0.01, allocator_budget(cap) / total))
         torch.cuda.set_per_process_memory_fraction(fraction, index)
         log.info("cuda:%d: allocator capped at %.1f GiB (MAX_MEMORY)", index, fraction * total / 1024**3)
-
-
-def _compile(spec: WorkerSpec, runner, transformers: tuple, info: dict, agree, say) -> None:
-    """COMPILE: compile the transformer(s) and warm every variant up before any user waits. An
-    optimisation never takes the server down: if compiling or the warm-up fails (on any rank of a group:
-    they vote), the worker runs eager and says why in its fallbacks (/health, the panel, the page)."""
-    import torch
-
-    from imgedit.runtime import offload
-
-    started = time.perf_counter()
-    group = runner.group
-    split = group is not None and (group.splits_cfg_off or group.layout.ulysses > 1)
-    if spec.loras or split:
-        # each adapter set is one more compiled variant of the block (guards on peft's state), each of them
-        # up to four times where text is split (a pair's Ulysses on with and without the padding mask, and
-        # off; a first static entry before the dynamic one); a fast copy's quantized blocks are variants of the
-        # same block code too
-        limit = (8 + 2 * len(spec.loras) + 2 * (len(transformers) - 1)) * (4 if split else 1)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-    failure: BaseException | None = None
-    try:
-        for transformer in transformers:
-            offload.compile_transformer(transformer, spec.plan.memory, spec.compile_mode)
-        info["warmup_seconds"] = _warm_up(runner, spec, say)
-    except Exception as exc:  # noqa: BLE001 - reported below; the worker serves eager
-        failure = exc
-        log.debug("the compile warm-up failed:\n%s", traceback.format_exc())
-    failure = agreed(failure, agree, "its compiled transformer")
-    if failure is None:
-        info["compiled"] = True
-        info["compile_seconds"] = round(time.perf_counter() - started, 2)
-        return
-    for transformer in transformers:
-        offload.uncompile_transformer(transformer)
-    torch._dynamo.reset()
-    runner.cleanup(force=True)
-    reason = cause(failure)
-    log.warning("compile failed → eager: %s", reason)
-    info["fallbacks"].append(f"compile failed → eager: {reason}")
-
-
-def _warm_up_rewrite(pipe, fallbacks: list[str], compiled: bool) -> float:
-    """A short prompt rewrite before any user waits: a worker's first rewrite ran 1.6-2.3x slower a token than
-    its third (2026-11-27, H200: 58.7 against 25.5 ms, 160 tokens), the kernels and the GPU's matrix routines
-    loading on first use. One picture at the rewrite's view size, 8 tokens."""
-    from PIL import Image
-
-    from imgedit.runtime import enhance
-
-    if not compiled:  # COMPILE=off: rewrites decode eagerly too, nothing is compiled at start-up
-        enhance.no_static_cache(pipe.text_encoder)
-    started = time.perf_counter()
-
-    def once() -> None:
-        enhance.rewrite(pipe, [Image.new("RGB", (1024, 1024), (120, 130, 140))], "warm up", 8, threading.Event())
-
-    with enhance.on_its_own_gpu(pipe.text_encoder):  # the encoder as a rewrite sees it
-        static = enhance.decodes_compiled(pipe.text_encoder)
-    try:
-        once()
-    except Exception as exc:  # noqa: BLE001 - a warm-up: a compiled decoding falls back, an eager one just says so
-        if not static:
-            log.warning("the prompt rewrite warm-up failed: %s", cause(exc))
-            return round(time.perf_counter() - started, 2)
-        enhance.no_static_cache(pipe.text_encoder)
-        log.warning("prompt rewrites' compiled decoding failed → eager decoding: %s", cause(exc))
-        fallbacks.append(f"compiled rewrite decoding failed → eager: {cause(exc)}")
-        try:
-            once()
-        except Exception as again:  # noqa: BLE001 - the first user rewrite then says what is wrong
-            log.warning("the prompt rewrite warm-up failed: %s", cause(again))
-    return round(time.perf_counter() - started, 2)
-
-
-def _warm_up(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
-    """Compile before any user waits: one short CFG edit per warm-up size (the second size makes the
-    compiler mark the sequence lengths dynamic, so later sizes do not recompile from scratch)."""
-    from PIL import Image
-
-    from imgedit.protocol import EditRequest, Resolved
-
-    family = spec.checkpoint.family
-    runs: list[tuple[int, int, str, dict]] = [(width, height, "", {"true_cfg_scale": 4.0})
-                                              for width, height in spec.warmup_sizes]
-
-    def execute(k: int, width: int, height: int, name: str, params: dict) -> float:
-        say(f"compiling: warm-up {k} of {len(runs)} ({name.rstrip('-') or 'quality'} at {width}x{height})")
-        image = Image.new("RGB", (width, height), (120, 130, 140))
-        cfg_on = params["true_cfg_scale"] > 1
-        multiple = runner.group.text_multiple(cfg_on) if runner.group is not None else 1
-        started = time.perf_counter()
-        for i, prompt in enumerate(warmup_prompts(getattr(runner.pipe, "tokenizer", None), multiple)):
-            # a text padded to the Ulysses degree carries a mask, one not padded none: two variants of the
-            # compiled block, each warmed at every size (or a user's first prompt of the other kind compiles)
-            negative = prompt if cfg_on and multiple > 1 else " "
-            req = EditRequest(images=(image,), prompt=prompt, request_id=f"warmup-{name}{width}x{height}-{i}",
-                              source="warmup")
-            job = Job(req, Resolved(steps=2, negative_prompt=negative, seed=0, num_images=1, width=width,
-                                    height=height, **params), family)
-            if runner.takes_part(job):
-                runner.run(job, threading.Event())
-        return round(time.perf_counter() - started, 2)
-
-    # CFG-off jobs are variants of their own: each Lightning LoRA's at the first size (with FUSE_LORA, the no-LoRA
-    # variant on fused weights); on a pair that splits CFG-off jobs (Ulysses on) the first one at every size. With
-    # FAST_QUANTIZE the Lightning jobs run on their copies: the quality weights' CFG-off variant is warmed too, and
-    # on a splitting pair every one of them at every size (each copy is a transformer of its own).
-    split = runner.group is not None and runner.group.splits_cfg_off
-    copies = runner.adapters is not None and bool(runner.adapters.copies)
-    offs = [((f.name, 1.0),) for f in spec.loras if f.steps] or ([()] if split else [])
-    if copies and () not in offs:
-        offs.append(())
-    sizes = spec.warmup_sizes or ((1024, 1024),)
-    for k, adapters in enumerate(offs):
-        for width, height in sizes if split and (k == 0 or copies) else sizes[:1]:
-            runs.append((width, height, f"{adapters[0][0] if adapters else 'cfg-off'}-",
-                         {"true_cfg_scale": 1.0, "adapters": adapters,
-                          "scheduler": "lightning" if adapters else "default"}))
-    return [execute(k, *one) for k, one in enumerate(runs, 1)]
-
-
-WARMUP_PROMPT = "warm up"
-
-
-def warmup_prompts(tokenizer, multiple: int) -> list[str]:
-    """Warm-up prompts whose token counts leave every remainder modulo `multiple` (the Ulysses degree a text
-    is padded to): so both the padded (masked) and the unpadded variant are compiled. The prompt sits between
-    special tokens in every template, so its count shifts the text's length by the same amount."""
-    if multiple <= 1 or tokenizer is None:
-        return [WARMUP_PROMPT]
-    prompts, remainders = [], set()
-    for extra in range(4 * multiple):
-        prompt = WARMUP_PROMPT + " up" * extra
-        remainder = len(tokenizer(prompt)["input_ids"]) % multiple
-        if remainder not in remainders:
-            remainders.add(remainder)
-            prompts.append(prompt)
-        if len(remainders) == multiple:
-            break
-    return prompts
 
 
 def _serve(spec: WorkerSpec, runner, inbox, outbox) -> None:

@@ -124,6 +124,7 @@ async def _invalid_request(request, exc: RequestValidationError) -> JSONResponse
     return openai_error(400, f"{param or 'a request value'} is not valid", "invalid_input", param)
 
 
-def serve(app: FastAPI, settings: Settings) -> None:
+def serve(app: FastAPI, settings: Settings, sock=None) -> None:
+    """`sock`: the port, already listening (web.starting answered on it while the server started)."""
     log.info("serving on http://%s:%d", settings.gradio_server_name, settings.gradio_server_port)
-    serve_until_drained(app, settings, app.state.shutdown)  # SIGTERM: drain, then exit
+    serve_until_drained(app, settings, app.state.shutdown, sock)  # SIGTERM: drain, then exit

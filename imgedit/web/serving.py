@@ -39,9 +39,10 @@ class ShutdownGate:
         await self.app(scope, receive, send)
 
 
-def serve(app, settings: Settings, shutdown: Shutdown) -> None:
+def serve(app, settings: Settings, shutdown: Shutdown, sock=None) -> None:
     """uvicorn, except that the first SIGTERM/SIGINT starts the drain instead of closing at once;
-    a second SIGINT (Ctrl-C twice) quits without waiting."""
+    a second SIGINT (Ctrl-C twice) quits without waiting. `sock`: a listening socket to serve from (else
+    uvicorn binds GRADIO_SERVER_NAME:GRADIO_SERVER_PORT)."""
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
@@ -56,4 +57,4 @@ def serve(app, settings: Settings, shutdown: Shutdown) -> None:
     config = uvicorn.Config(app, host=settings.gradio_server_name, port=settings.gradio_server_port,
                             log_level=settings.log_level.lower(), timeout_graceful_shutdown=UVICORN_CLOSE_S,
                             **uvicorn_options(settings))  # the headers' deadline, the connection caps
-    GracefulServer(config).run()
+    GracefulServer(config).run(sockets=[sock] if sock is not None else None)
