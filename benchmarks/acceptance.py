@@ -239,7 +239,7 @@ class Server:
 def health_messages(body: dict) -> list[str]:
     """What /health says a user is waiting for: the state, each worker's state and detail, its fallbacks
     and errors, the server's error."""
-    lines = [f"status {body.get('status')}"]
+    lines = [f"status {body.get('status')}" + (f" - {body['detail']}" if body.get("detail") else "")]
     for worker in body.get("workers") or ():
         line = f"{worker.get('name')}: {worker.get('state')}"
         if worker.get("detail"):

@@ -85,11 +85,11 @@ def test_an_enhanced_edit_runs_the_rewrite_and_its_png_keeps_both_prompts(plus_m
 def test_bad_rewrite_requests_are_refused_like_edits_and_cancel_stops_one(plus_manager):
     done = sum(w.jobs_done for w in plus_manager.workers)
     for req, field in ((EditRequest(images=(photo(),), prompt="  "), "prompt"),
-                       (EditRequest(images=(photo(),) * 4, prompt="x"), None),
+                       (EditRequest(images=(photo(),) * 4, prompt="x"), "images"),
                        (EditRequest(images=(photo(),), prompt="x" * 5000), "prompt")):
         with pytest.raises(InvalidInput) as refused:
             plus_manager.enhance(req)
-        assert field is None or refused.value.field == field
+        assert refused.value.field == field
     assert sum(w.jobs_done for w in plus_manager.workers) == done  # nothing reached a worker
     cancel = threading.Event()
     threading.Timer(3.0, cancel.set).start()
@@ -123,11 +123,11 @@ def test_rest_enhance_route_edits_with_enhance_prompt_and_the_metrics(live_serve
     kept = http.post(f"{url}/v1/prompts/enhance", files=files, data={"prompt": "x [rewrite-empty]"}, timeout=120)
     assert kept.json()["prompt"] == "x [rewrite-empty]" and "came back empty" in kept.json()["notice"]
     for data, files_, field in (({"prompt": " "}, files, "prompt"), ({}, files, "prompt"),
-                                ({"prompt": "x"}, [], None)):
+                                ({"prompt": "x"}, [], "image")):
         bad = http.post(f"{url}/v1/prompts/enhance", files=files_ or {"x": ("x", b"", "text/plain")}, data=data,
                          timeout=60)
         assert bad.status_code == 400 and "Traceback" not in bad.text, bad.text
-        assert field is None or bad.json()["error"]["param"] == field, bad.text
+        assert bad.json()["error"]["param"] == field, bad.text
     assert sample(url, "imgedit_prompt_rewrites_total", source="rest", outcome="ok") == before + 2
     assert sample(url, "imgedit_requests_total", source="rest") == edits_before  # rewrites are not edits
     # The openai SDK: enhance_prompt as an extra field; OpenAI's own `revised_prompt` carries the rewrite.

@@ -120,10 +120,6 @@ class Draining:
                 job.reason = job.reason or message
                 job.cancel.set()
 
-    def in_flight(self) -> int:
-        with self._cond:
-            return len(self._jobs)
-
     def wait_idle(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         with self._cond:

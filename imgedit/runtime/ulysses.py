@@ -32,7 +32,6 @@ import types
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 
 def pad_text(hidden: torch.Tensor, mask: torch.Tensor | None, multiple: int = 1,
@@ -162,11 +161,3 @@ def _unchanged_inputs(module, *args, **kwargs):
 
 def _unchanged_output(module, output):
     return output
-
-
-def subgroups(layout: Layout, backend: str | None = None) -> tuple[dict[int, object], dict[int, object]]:
-    """Every half's and every exchange set's process group, made on every rank in the same order
-    (torch.distributed.new_group is collective). Returns ({cfg_index: group}, {ulysses_index: group})."""
-    halves = {c: dist.new_group(layout.half(c), backend=backend) for c in range(layout.cfg)}
-    peers = {u: dist.new_group(layout.exchange_peers(u), backend=backend) for u in range(layout.ulysses)}
-    return halves, peers

@@ -80,11 +80,10 @@ def build_app(settings: Settings, engine, demo: bool | None = None, monitor: Gpu
     app.include_router(build_jobs_router(settings, parts.engine, parts.jobs, metrics))
     app.include_router(build_router(settings, parts.engine, metrics, parts.monitor))
     app.include_router(build_cancel_router(blocks))  # ahead of the mount: it replaces Gradio's cancel route
-    app.state.imgedit = parts
     # abandoned partial uploads (Gradio keeps them): deleted now and every few seconds
-    app.state.upload_sweeper = PartialUploadSweeper(settings.body_read_timeout).start()
-    app.state.metrics, app.state.manager, app.state.shutdown = metrics, parts.engine, parts.shutdown
-    app.state.history, app.state.jobs = parts.history, parts.jobs
+    PartialUploadSweeper(settings.body_read_timeout).start()
+    # what outlives the build: the drain (serve), the history (REST's `save` and tests read it)
+    app.state.shutdown, app.state.history = parts.shutdown, parts.history
     app.add_middleware(ShutdownGate, shutdown=parts.shutdown)
     app.add_middleware(BrowserCookie)
     # show_error=False: only gr.Error text (our own messages) reaches users, never Gradio's or Python's.

@@ -315,8 +315,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         page_outputs = [result, status, compare, chosen, message]
         # No Gradio limit: every job goes straight to the manager's line, where UI, API and REST jobs
         # wait together in arrival order and QUEUE_MAX_SIZE is enforced once; the workers' locks keep
-        # each GPU to one job.
-        line = None
+        # each GPU to one job (concurrency_limit=None below).
         edit_inputs = inputs + speed_inputs
         # The last refusal's message goes first, then the edit (one chain: two listeners raced, and a quick
         # refusal was wiped by the clearing of the one before).
@@ -326,12 +325,12 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         masked = cleared.then(painted_mask, canvas, mask_inputs[0], queue=False, preprocess=False,
                               api_visibility="private")
         event = masked.then(edit_page, edit_inputs + [cache] + mask_inputs, page_outputs, api_visibility="private",
-                            concurrency_id=GPU_GROUP, concurrency_limit=line, preprocess=False,
+                            concurrency_id=GPU_GROUP, concurrency_limit=None, preprocess=False,
                             show_progress_on=[result])
         idle = gr.update(interactive=False)
         event.then(lambda: idle, None, stop, queue=False, api_visibility="private")  # done, refused or failed
         api_button.click(edit, api_inputs, api_outputs, api_name="edit", concurrency_id=GPU_GROUP,
-                                     concurrency_limit=line, validator=validate, preprocess=False)
+                                     concurrency_limit=None, validator=validate, preprocess=False)
         stop.click(lambda: ("Cancelled: nothing was kept from that run.", idle), None, [status, stop],
                    cancels=[event], queue=False, api_visibility="private")
         event.success(tools.download_chosen, [result, chosen], download, preprocess=False, queue=False,

@@ -50,13 +50,16 @@ HTTP_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
 # The request's fields as REST callers name them (OpenAI's words), where the shared checks use ours.
-REST_NAMES = {"num_images": "n"}
+REST_NAMES = {"num_images": "n", "images": "image"}
 
 
 def rest_words(message: str, param: str | None) -> tuple[str, str | None]:
-    """A shared check's message and parameter in the REST caller's words ("n 5 is out of range", param n)."""
+    """A shared check's message and parameter in the REST caller's words ("n 5 is out of range", param n);
+    a message that names the parameter first is reworded, one in plain words ("3 input images given") is not."""
     if param in REST_NAMES:
-        return message.replace(param, REST_NAMES[param], 1), REST_NAMES[param]
+        if message.startswith(param + " "):
+            message = REST_NAMES[param] + message[len(param):]
+        return message, REST_NAMES[param]
     return message, param
 
 
