@@ -48,3 +48,8 @@ class WorkerFailed(ImgEditError):
 
 class NotReady(ImgEditError):
     kind = "not_ready"
+
+
+def user_text(exc: BaseException) -> str:
+    """Our own errors carry user-safe text; others are named by type only (details go to the log)."""
+    return exc.message if isinstance(exc, ImgEditError) else f"{type(exc).__name__} (see the server log)"

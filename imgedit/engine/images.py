@@ -147,6 +147,13 @@ def mask_digest(mask: Image.Image) -> str:
     return hashlib.sha256(mask.tobytes()).hexdigest()[:16]
 
 
+def stamp_result(result, req, params, model: str) -> None:
+    """Each image of an edit's result carries its settings, and its own seed (Resolved.image_seeds)."""
+    text = settings_text(req, params, model, (result.width, result.height), result.prompt, result.weights)
+    for image, seed in zip(result.images, params.image_seeds, strict=True):
+        stamp([image], {**text, "seed": str(seed)})
+
+
 def stamp(images: list[Image.Image], text: dict[str, str]) -> None:
     """Attach the settings to each image's `info`: `png_bytes` writes every text entry as a tEXt/iTXt chunk,
     `encoded` as JSON in a JPEG's or WebP's EXIF (Gradio's own PNG encoder copies them too)."""

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 from imgedit.config.settings import Settings
 from imgedit.engine.gpus import discover_gpus, host_memory, host_threads
-from imgedit.engine.images import settings_text, stamp
+from imgedit.engine.images import stamp_result
 from imgedit.engine.inspection import inspect_checkpoint
 from imgedit.engine.pool import WorkerHandle, wait_result
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
@@ -34,12 +34,13 @@ from imgedit.errors import (
     PlacementError,
     QueueFull,
     WorkerFailed,
+    user_text,
 )
 from imgedit.planning import modes
 from imgedit.planning.checkpoint import Checkpoint, open_checkpoint
 from imgedit.planning.memory import bytes_item, plan_memory
 from imgedit.planning.plan import GpuSpec, Plan
-from imgedit.protocol import EditRequest, EditResult, JobRecord, ManagerStatus
+from imgedit.protocol import EditRequest, EditResult, JobRecord, ManagerStatus, Resolved
 from imgedit.runtime.messages import Done, Job, WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ class PipelineManager:
                     gpus = discover_gpus() if self._gpus is None else list(self._gpus)
                     self._plan = plan_memory(sizes, gpus, s, item, host_memory() if gpus else None)
         except Exception as exc:
-            self.load_error = _safe_text(exc)
+            self.load_error = user_text(exc)
             raise
         for line in self._plan.describe():
             log.info("%s", line)
@@ -294,7 +295,7 @@ class PipelineManager:
 
     async def run(self, req: EditRequest, on_step: StepCallback | None = None,
                   on_wait: WaitCallback | None = None, cancel: threading.Event | None = None,
-                  task: str = "edit") -> EditResult:
+                  task: str = "edit", params: Resolved | None = None) -> EditResult:
         """`edit` for async edges. It runs on the manager's own threads (sized to hold every job the
         line may take, so waiting jobs never starve the event loop's executor) with the caller's
         context variables, so a Gradio progress bar fed from the callbacks reaches its page. If the
@@ -307,7 +308,8 @@ class PipelineManager:
                     self._executor = concurrent.futures.ThreadPoolExecutor(size, thread_name_prefix="imgedit-job")
         cancel = cancel or threading.Event()
         context = contextvars.copy_context()
-        job = asyncio.wrap_future(self._executor.submit(context.run, self.edit, req, on_step, on_wait, cancel, task))
+        job = asyncio.wrap_future(self._executor.submit(context.run, self.edit, req, on_step, on_wait, cancel, task,
+                                                       params))
         job.add_done_callback(lambda f: f.cancelled() or f.exception())  # no "never retrieved" noise
         try:
             return await asyncio.shield(job)
@@ -321,9 +323,22 @@ class PipelineManager:
         `prompt` is the rewrite, or None with a `notice` when the user's prompt is kept."""
         return self.edit(req, None, on_wait, cancel, task="enhance")
 
+    def resolve(self, req: EditRequest, task: str = "edit") -> Resolved:
+        """The exact parameters of a decoded request, or InvalidInput naming the field: every check, done once
+        (an edge resolves and hands them to `run`/`edit`, which then take them as they are)."""
+        if task == "enhance":
+            params = resolve_enhance(req, self.settings, self.family, len(req.images), self.prompt_tokens)
+        else:
+            params = resolve(req, self.settings, self.family, req.images[-1].size if req.images else None,
+                             len(req.images), self.prompt_tokens)
+            self.check_cache(params.cache)
+        check_enhance(params, self._plans)
+        return params
+
     def edit(self, req: EditRequest, on_step: StepCallback | None = None, on_wait: WaitCallback | None = None,
-             cancel: threading.Event | None = None, task: str = "edit") -> EditResult:
-        """Wait in line for a worker, run the job in its process(es), give the worker back."""
+             cancel: threading.Event | None = None, task: str = "edit", params: Resolved | None = None) -> EditResult:
+        """Wait in line for a worker, run the job in its process(es), give the worker back. `params`: the
+        request as `resolve` made it at the edge (resolved here when absent)."""
         started = time.perf_counter()
         worker: WorkerHandle | None = None
         outcome, steps = "error", 0
@@ -336,13 +351,7 @@ class PipelineManager:
                 if self.load_error or (self.workers and not self._alive()):
                     raise NotReady("the model failed to load; see /health and the server log")
                 raise NotReady("the model is still loading; try again shortly")
-            if task == "enhance":
-                params = resolve_enhance(req, self.settings, self.family, len(req.images), self.prompt_tokens)
-            else:
-                params = resolve(req, self.settings, self.family, req.images[-1].size if req.images else None,
-                                 len(req.images), self.prompt_tokens)
-                self.check_cache(params.cache)
-            check_enhance(params, self._plans)
+            params = params or self.resolve(req, task)
             steps = params.steps
             worker = self._acquire(cancel, on_wait, req.client)
             if cancel.is_set():
@@ -356,10 +365,7 @@ class PipelineManager:
             # The one place every edge's results pass: each PNG returned or stored carries its settings.
             if task == "enhance":
                 return result
-            text = settings_text(req, params, self.settings.model_name, (result.width, result.height), result.prompt,
-                                 result.weights)
-            for image, seed in zip(result.images, params.image_seeds, strict=True):
-                stamp([image], {**text, "seed": str(seed)})  # each image its own seed (Resolved.image_seeds)
+            stamp_result(result, req, params, self.settings.model_name)
             return result
         except ImgEditError as exc:
             outcome = exc.kind
@@ -388,13 +394,6 @@ class PipelineManager:
             compile_mode=modes.compile_mode(self.settings, self._plans), fast_quantize=self.settings.fast_quantize)
 
     def _planned_weights(self) -> dict[str, float]:
-        """MiB of weights the plan put on each local GPU (the panel uses it until a worker measured
-        its own). Ray plans name GPUs of other machines: not these."""
-        if self._plan is None or self.settings.workers == "ray":
-            return {}
-        return {d: round(n / 1024**2, 1) for d, n in self._plan.bytes_per_device.items() if d.startswith("cuda:")}
-
-
-def _safe_text(exc: BaseException) -> str:
-    """Our own errors carry user-safe text; others are named by type only (details go to the log)."""
-    return exc.message if isinstance(exc, ImgEditError) else f"{type(exc).__name__} (see the server log)"
+        """The plan's weights on each local GPU (the panel's until a worker measured its own). Ray plans name
+        GPUs of other machines: not these."""
+        return {} if self._plan is None or self.settings.workers == "ray" else self._plan.gpu_weights_mib()

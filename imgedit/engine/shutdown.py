@@ -85,14 +85,15 @@ class Draining:
         return self._refusal is None
 
     async def run(self, req: EditRequest, on_step=None, on_wait=None, cancel: threading.Event | None = None,
-                  task: str = "edit") -> EditResult:
+                  task: str = "edit", params=None) -> EditResult:
         if self._refusal is not None:
             raise ShuttingDown(self._refusal)
         job = _InFlight(req.request_id, _Linked(cancel))
         with self._cond:
             self._jobs[id(job)] = job
         try:
-            return await self._manager.run(req, on_step=on_step, on_wait=on_wait, cancel=job.cancel, task=task)
+            return await self._manager.run(req, on_step=on_step, on_wait=on_wait, cancel=job.cancel, task=task,
+                                           params=params)
         except Cancelled:
             if job.reason is not None and not (cancel is not None and cancel.is_set()):
                 raise ShuttingDown(job.reason) from None

@@ -191,6 +191,10 @@ class Plan:
             lines.append(f"  weights on {device}: {nbytes / GIB:.2f} GiB")
         return lines
 
+    def gpu_weights_mib(self) -> dict[str, float]:
+        """MiB of weights the plan puts on each GPU."""
+        return {d: round(n / 1024**2, 1) for d, n in self.bytes_per_device.items() if d.startswith("cuda:")}
+
 
 def bytes_per_device(components: Sequence[ComponentSpec], placed: Mapping[str, Placement]) -> dict[str, int]:
     out: dict[str, int] = {}

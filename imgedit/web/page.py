@@ -129,14 +129,14 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         try:  # decoding up to three large images: off the event loop
             parse = functools.partial(build_request, settings, manager.family, *values, source=source)
             req = await asyncio.to_thread(parse)
-            check_params(req, settings, manager.family, manager.prompt_tokens)
+            params = manager.resolve(req)  # every check, once: the job runs with these
         except Exception as exc:
             raise user_error(exc) from None
         owner = page_owner(request, settings.auth is not None)
         # The line's share is per login or browser; a client without cookies (gradio_client) per session.
         req = replace(req, client=owner or (f"session:{request.session_hash}" if request is not None else None))
         track = EditProgress(req.request_id)
-        job = asyncio.ensure_future(manager.run(req, on_step=track.on_step, on_wait=track.on_wait))
+        job = asyncio.ensure_future(manager.run(req, on_step=track.on_step, on_wait=track.on_wait, params=params))
         try:
             while not job.done():
                 value, desc = track.render(manager.status())

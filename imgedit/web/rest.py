@@ -29,9 +29,9 @@ from imgedit.config.settings import Settings
 from imgedit.engine.gpus import GpuMonitor
 from imgedit.engine.images import REPLY_FORMATS, encoded, frame_notices, image_label, open_image
 from imgedit.engine.masks import open_mask
-from imgedit.engine.validation import check_counts, check_params
+from imgedit.engine.validation import check_counts
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
-from imgedit.protocol import EditRequest
+from imgedit.protocol import EditRequest, Resolved
 from imgedit.web.identity import rest_owner
 from imgedit.web.metrics import CONTENT_TYPE, Metrics
 from imgedit.web.public import full_snapshot, open_snapshot
@@ -182,7 +182,7 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
         if (owner := owner_of(request, settings)) is None:
             return openai_error(401, UNAUTHORIZED, "invalid_api_key")
         try:
-            req, (output_format, quality) = await _parse(request, settings, manager)
+            req, params, (output_format, quality) = await _parse(request, settings, manager)
         except ImgEditError as exc:
             metrics.record_rejected("rest", exc.kind)
             return openai_error(STATUS.get(exc.kind, 400), exc.message, exc.kind, exc.field)
@@ -191,7 +191,7 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
             metrics.record_rejected("rest", "invalid_input")
             return openai_error(400, "the request could not be read", "invalid_input")
         req = replace(req, client=owner)  # the line's share is per key (or token)
-        result = await _run(request, manager, req)
+        result = await _run(request, manager, req, params=params)
         if isinstance(result, JSONResponse):
             return result
         # The images are encoded once, off the event loop, for the reply and (PNGs) for the stored result
@@ -271,13 +271,13 @@ def _in_background(work) -> None:
     task.add_done_callback(_BACKGROUND.discard)
 
 
-async def _run(request: Request, manager, req: EditRequest, task: str = "edit"):
-    """The job through the line, cancelled if the client goes away: its EditResult, or its error as
-    OpenAI's error response."""
+async def _run(request: Request, manager, req: EditRequest, task: str = "edit", params: Resolved | None = None):
+    """The job through the line (`params`: as the edge resolved it), cancelled if the client goes away: its
+    EditResult, or its error as OpenAI's error response."""
     cancel = threading.Event()
     watcher = asyncio.create_task(_cancel_on_disconnect(request, cancel))
     try:
-        return await manager.run(req, cancel=cancel, task=task)
+        return await manager.run(req, cancel=cancel, task=task, params=params)
     except ImgEditError as exc:
         return openai_error(STATUS.get(exc.kind, 500), exc.message, exc.kind, exc.field)
     except Exception:
@@ -295,8 +295,8 @@ async def _cancel_on_disconnect(request: Request, cancel: threading.Event) -> No
     cancel.set()
 
 
-async def _parse(request: Request, settings: Settings, manager) -> tuple[EditRequest, tuple[str, int]]:
-    """The edit request, and the reply's format and quality."""
+async def _parse(request: Request, settings: Settings, manager) -> tuple[EditRequest, Resolved, tuple[str, int]]:
+    """The edit request, its exact parameters (every check, once), and the reply's format and quality."""
     form = await _form(request, settings)
     images = await _images(form, settings, manager)
     masking = await mask_fields(form, settings, images[0].size)
@@ -313,8 +313,7 @@ async def _parse(request: Request, settings: Settings, manager) -> tuple[EditReq
         seed=_int(form, "seed", None), num_inference_steps=_int(form, "num_inference_steps", None),
         true_cfg_scale=_float(form, "true_cfg_scale"), num_images=_int(form, "n", 1),
         width=width, height=height, **speed_fields(form), **masking, source="rest")
-    check_params(req, settings, manager.family, manager.prompt_tokens)
-    return req, output_format(form)
+    return req, manager.resolve(req), output_format(form)
 
 
 def output_format(form) -> tuple[str, int]:
