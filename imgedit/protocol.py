@@ -16,6 +16,77 @@ def new_request_id() -> str:
     return "req_" + secrets.token_urlsafe(12)
 
 
+# ---- an edit's parameters, declared once ----
+# Where a parameter is taken: the page and the gradio `/edit` API ("edit"), OpenAI-style REST
+# (/v1/images/edits: "rest"), the jobs API (/v1/jobs: "jobs"). REST and the jobs API parse their form fields
+# from this table (imgedit.web.rest.form_fields), `/edit`'s parameter order is its "edit" entries
+# (imgedit.web.requests.FIELDS), and docs/PARAMETERS.md is generated from it (tests/test_parameters.py).
+EDIT, REST, JOBS = "edit", "rest", "jobs"
+EVERYWHERE = frozenset((EDIT, REST, JOBS))
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter as callers send it. `kind`: text, whole, number, flag, size (REST's WxH) or file.
+    `field`: the EditRequest field it fills ("" = its own name; None = none: a caller's switch that shapes
+    other fields, such as randomize_seed). `rest`: the form field's name over REST and /v1/jobs where OpenAI
+    names it otherwise. `png`: recorded in each result PNG's settings under the parameter's name."""
+
+    name: str
+    kind: str
+    help: str
+    takes: frozenset = EVERYWHERE
+    default: object = None
+    rest: str = ""
+    field: str | None = ""
+    required: bool = False
+    png: bool = False
+
+    @property
+    def form_name(self) -> str:
+        return self.rest or self.name
+
+    @property
+    def request_field(self) -> str | None:
+        return self.name if self.field == "" else self.field
+
+
+PARAMETERS: tuple[Param, ...] = (
+    Param("images", "file", "the image(s) to edit: 1 for Qwen-Image-Edit, 1-3 for 2509/2511", rest="image",
+          required=True),
+    Param("prompt", "text", "what to change, in words (up to 4,000 characters and 1,024 tokens)", default="",
+          required=True, png=True),
+    Param("negative_prompt", "text", "what to avoid (true CFG)", default="", png=True),
+    Param("seed", "whole", "0 to 2**32-1; absent: a random one, returned with the result", png=True),
+    Param("randomize_seed", "flag", "ignore `seed` and draw one", takes=frozenset((EDIT,)), default=False,
+          field=None),
+    Param("num_inference_steps", "whole", "denoising steps, 2 to MAX_STEPS; absent: the model's", png=True),
+    Param("true_cfg_scale", "number", "1 to 20 (1 turns CFG off); absent: DEFAULT_TRUE_CFG", png=True),
+    Param("num_images", "whole", "images per prompt, 1 to MAX_IMAGES_PER_PROMPT", default=1, rest="n"),
+    Param("width", "whole", "output width; 0 or absent: from the last input's aspect, about 1 megapixel",
+          takes=frozenset((EDIT,)), png=True),
+    Param("height", "whole", "output height; 0 or absent: as width", takes=frozenset((EDIT,)), png=True),
+    Param("size", "size", "`auto` or WIDTHxHEIGHT (OpenAI's name for width and height)",
+          takes=frozenset((REST, JOBS)), field=None),
+    Param("speed", "text", "quality, fast (Lightning 8 steps) or fastest (4 steps), where offered", png=True),
+    Param("lora", "text", "a configured LoRA's name, or none", png=True),
+    Param("lora_scale", "number", "that LoRA's strength, 0 to 2; absent: 1", png=True),
+    Param("mask", "file", "where to edit: white (or OpenAI's transparent) = edit; the first image's size "
+          "(one mask for every item of a job)", png=True),
+    Param("mask_grow", "whole", "pixels the mask is grown by, 0 to 256; absent: 0", png=True),
+    Param("mask_feather", "whole", "pixels of soft edge inside the mask, 0 to 256; absent: 8", png=True),
+    Param("strength", "number", "how far the masked area may move from the input, above 0 to 1; absent: 1", png=True),
+    Param("enhance_prompt", "flag", "rewrite the prompt with the model's own text encoder first", default=False),
+    Param("cache", "text", "step cache for quality edits: none, first-block or taylorseer, where offered",
+          png=True),
+)
+
+
+def parameters(entry: str) -> tuple[Param, ...]:
+    """The parameters one entry point takes, in the declaration's order."""
+    return tuple(p for p in PARAMETERS if entry in p.takes)
+
+
 @dataclass(frozen=True)
 class EditRequest:
     """One edit as the user asked for it. None means "the model's default"."""

@@ -15,6 +15,8 @@ from gradio_client.exceptions import AppError, ValidationError
 from gradio_client.utils import QueueError
 from PIL import Image
 
+from imgedit.protocol import EDIT, parameters
+
 
 def edit_args(files, steps=2, seed=1, randomize=False, width=64, height=64, prompt="make it red", n=1):
     return ([handle_file(str(f)) for f in files], prompt, "", seed, randomize, steps, 4.0, n, width, height)
@@ -280,10 +282,11 @@ def test_edit_api_takes_the_documented_keyword_names_and_explains_out_of_range_v
                                                                                       image_file):
     """Issue #14 defect 5: the README's names work as keywords; out-of-range values get our reason."""
     params = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/edit"]["parameters"]
-    assert [p["parameter_name"] for p in params] == ["images", "prompt", "negative_prompt", "seed", "randomize_seed",
-                                                     "num_inference_steps", "true_cfg_scale", "num_images", "width",
-                                                     "height", "speed", "lora", "lora_scale", "mask", "mask_grow",
-                                                     "mask_feather", "strength", "enhance_prompt", "cache"]
+    # the page's inputs, as Gradio publishes them, follow the declaration (imgedit.protocol.PARAMETERS)
+    assert [p["parameter_name"] for p in params] == [p.name for p in parameters(EDIT)] == [
+        "images", "prompt", "negative_prompt", "seed", "randomize_seed", "num_inference_steps", "true_cfg_scale",
+        "num_images", "width", "height", "speed", "lora", "lora_scale", "mask", "mask_grow", "mask_feather",
+        "strength", "enhance_prompt", "cache"]
     call = dict(images=[handle_file(str(image_file))], prompt="make it red", negative_prompt="", seed=3,
                 randomize_seed=False, num_inference_steps=2, true_cfg_scale=4.0, num_images=1, width=64, height=64)
     gallery, seed = client.predict(**call, api_name="/edit")

@@ -105,9 +105,6 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 # ---- settings carried in the PNGs we return (tEXt chunks) ----
 # Key names are the API's parameter names, so a stored PNG reads like the call that made it.
-SETTING_KEYS = ("prompt", "negative_prompt", "seed", "num_inference_steps", "true_cfg_scale", "width", "height",
-                "model", "lora", "lora_scale", "speed", "mask", "mask_grow", "mask_feather", "strength", "weights",
-                "software")
 RESTORABLE = {"prompt": str, "negative_prompt": str, "seed": int, "num_inference_steps": int,
               "true_cfg_scale": float, "width": int, "height": int, "cache": str}
 MAX_CHUNK = 4000  # validation.MAX_PROMPT_CHARS: a longer value is not one of ours

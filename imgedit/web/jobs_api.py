@@ -29,21 +29,18 @@ from imgedit.engine.history import HistoryEntry
 from imgedit.engine.images import open_image, reencoded
 from imgedit.engine.validation import check_aspect, check_counts, check_params
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
-from imgedit.protocol import EditRequest
+from imgedit.protocol import JOBS, EditRequest
 from imgedit.web.metrics import Metrics
 from imgedit.web.rest import (
     IMAGE_FIELDS,
     STATUS,
     UNAUTHORIZED,
-    _float,
-    _int,
-    _size,
+    form_fields,
     mask_fields,
     output_format,
     owner_of,
     read_form,
     rest_words,
-    speed_fields,
 )
 
 log = logging.getLogger(__name__)
@@ -225,18 +222,7 @@ async def _parse(request: Request, settings: Settings, manager) -> tuple[EditReq
                            f"a job takes at most {settings.batch_max_items} input sets: BATCH_MAX_ITEMS")
 
     # The cheap fields first: a request without a prompt (or with a bad number) costs no file read.
-    prompt = form.get("prompt")
-    if not isinstance(prompt, str):
-        raise InvalidInput("prompt is required (a text field)", "prompt")
-    width, height = _size(form.get("size"))
-    negative = form.get("negative_prompt")
-    template = EditRequest(
-        images=(), prompt=prompt, negative_prompt=negative if isinstance(negative, str) else "",
-        seed=_int(form, "seed", None), num_inference_steps=_int(form, "num_inference_steps", None),
-        true_cfg_scale=_float(form, "true_cfg_scale"), num_images=_int(form, "n", 1),
-        width=width, height=height, **speed_fields(form), mask_grow=_int(form, "mask_grow", None),
-        mask_feather=_int(form, "mask_feather", None), strength=_float(form, "strength"),
-        source="rest")  # every item runs with these
+    template = EditRequest(images=(), **form_fields(form, JOBS), source="rest")  # every item runs with these
     check_params(template, settings, manager.family, manager.prompt_tokens)
     # Then count the input sets from the field names alone (a zip counts once here, its members below).
     numbered = sorted((int(m.group(1)), key) for key in set(form.keys()) if (m := SET_FIELD.fullmatch(key)))

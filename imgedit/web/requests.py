@@ -8,14 +8,12 @@ from imgedit.engine.images import image_label, open_image
 from imgedit.engine.masks import open_mask
 from imgedit.engine.validation import check_counts
 from imgedit.errors import InvalidInput
-from imgedit.protocol import EditRequest
+from imgedit.protocol import EDIT, EditRequest, parameters
 from imgedit.web.speed import parse_speed_inputs
 from imgedit.web.uploads import uploaded_paths
 
-# The `/edit` API's parameters, in order (README documents them).
-FIELDS = ("images", "prompt", "negative_prompt", "seed", "randomize_seed", "num_inference_steps",
-          "true_cfg_scale", "num_images", "width", "height", "speed", "lora", "lora_scale", "mask", "mask_grow",
-          "mask_feather", "strength", "enhance_prompt", "cache")
+# The `/edit` API's parameters, in order: the declaration's (the page lays its inputs out in this order).
+FIELDS = tuple(p.name for p in parameters(EDIT))
 
 
 def _number(value, name: str, default=None):

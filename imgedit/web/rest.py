@@ -31,7 +31,7 @@ from imgedit.engine.images import REPLY_FORMATS, encoded, frame_notices, image_l
 from imgedit.engine.masks import open_mask
 from imgedit.engine.validation import check_counts
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
-from imgedit.protocol import EditRequest, Resolved
+from imgedit.protocol import REST, EditRequest, Resolved, parameters
 from imgedit.web.identity import rest_owner
 from imgedit.web.metrics import CONTENT_TYPE, Metrics
 from imgedit.web.public import full_snapshot, open_snapshot
@@ -116,15 +116,29 @@ def _bool(form, name: str) -> bool:
     raise InvalidInput(f"{name} must be true or false, got {str(raw)[:40]!r}", name)
 
 
-def speed_fields(form) -> dict:
-    """`speed`, `lora`, `lora_scale`, `enhance_prompt` and `cache` of a form as EditRequest fields
-    (validation.resolve checks the values); shared by /v1/images/edits and /v1/jobs."""
-    speed, lora, cache = form.get("speed"), form.get("lora"), form.get("cache")
-    for name, value in (("speed", speed), ("lora", lora), ("cache", cache)):
-        if value is not None and not isinstance(value, str):
-            raise InvalidInput(f"{name} must be a text field", name)
-    return {"speed": speed or None, "lora": lora or None, "lora_scale": _float(form, "lora_scale"),
-            "enhance_prompt": _bool(form, "enhance_prompt"), "cache": cache or None}
+def form_fields(form, entry: str) -> dict:
+    """Every declared parameter `entry` (REST or JOBS) takes as a plain form field, parsed by its kind, as
+    EditRequest fields (protocol.PARAMETERS; validation.resolve checks the values). Files are read apart."""
+    out: dict = {}
+    for param in parameters(entry):
+        raw = form.get(param.form_name)
+        if param.kind == "file":
+            continue
+        if param.kind == "size":
+            out["width"], out["height"] = _size(raw)
+        elif param.kind == "text":
+            if raw is not None and not isinstance(raw, str):
+                raise InvalidInput(f"{param.form_name} must be a text field", param.form_name)
+            if param.required and raw is None:
+                raise InvalidInput(f"{param.form_name} is required (a text field)", param.form_name)
+            out[param.request_field] = raw or param.default  # an empty field is an absent one
+        elif param.kind == "whole":
+            out[param.request_field] = _int(form, param.form_name, param.default)
+        elif param.kind == "number":
+            out[param.request_field] = _float(form, param.form_name)
+        elif param.kind == "flag":
+            out[param.request_field] = _bool(form, param.form_name)
+    return out
 
 
 def _size(raw: str | None) -> tuple[int | None, int | None]:
@@ -303,16 +317,7 @@ async def _parse(request: Request, settings: Settings, manager) -> tuple[EditReq
     response_format = str(form.get("response_format") or "b64_json")
     if response_format != "b64_json":
         raise InvalidInput("response_format must be b64_json (this server does not host image URLs)")
-    prompt = form.get("prompt")
-    if not isinstance(prompt, str):
-        raise InvalidInput("prompt is required (a text field)")
-    width, height = _size(form.get("size"))
-    negative = form.get("negative_prompt")
-    req = EditRequest(
-        images=tuple(images), prompt=prompt, negative_prompt=negative if isinstance(negative, str) else "",
-        seed=_int(form, "seed", None), num_inference_steps=_int(form, "num_inference_steps", None),
-        true_cfg_scale=_float(form, "true_cfg_scale"), num_images=_int(form, "n", 1),
-        width=width, height=height, **speed_fields(form), **masking, source="rest")
+    req = EditRequest(images=tuple(images), **form_fields(form, REST), **masking, source="rest")
     return req, manager.resolve(req), output_format(form)
 
 
@@ -379,10 +384,9 @@ async def _images(form, settings: Settings, manager) -> list:
 
 
 async def mask_fields(form, settings: Settings, first_size: tuple[int, int]) -> dict:
-    """`mask` (a file: OpenAI's transparent-means-edit PNG, or black and white with white = edit), `mask_grow`,
-    `mask_feather`, `strength` as EditRequest fields; shared by /v1/images/edits and /v1/jobs."""
-    out: dict = {"mask_grow": _int(form, "mask_grow", None), "mask_feather": _int(form, "mask_feather", None),
-                 "strength": _float(form, "strength")}
+    """`mask` (a file: OpenAI's transparent-means-edit PNG, or black and white with white = edit) as the
+    EditRequest's mask, the first image's size (its grow, feather and strength are form_fields)."""
+    out: dict = {}
     masks = form.getlist("mask")
     if not masks:
         return out

@@ -1,0 +1,109 @@
+"""#45 item 1: an edit's parameters are declared once (imgedit.protocol.PARAMETERS) and the entry points follow
+the declaration: REST and /v1/jobs parse their form fields from it, `/edit`'s parameters come in its order,
+each result PNG records the parameters declared `png`, and docs/PARAMETERS.md is generated from it.
+
+    python tests/test_parameters.py     # rewrites docs/PARAMETERS.md from the declaration
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from imgedit.protocol import EDIT, JOBS, PARAMETERS, REST, EditRequest, Resolved, parameters  # noqa: E402
+
+DOC = ROOT / "docs" / "PARAMETERS.md"
+WHERE = {EDIT: "page, gradio `/edit`", REST: "`/v1/images/edits`", JOBS: "`/v1/jobs`"}
+# A valid value for every declared form field over REST and /v1/jobs (64x64 pictures, the tiny model)
+VALID = {"prompt": "make it red", "negative_prompt": "blurry", "seed": "7", "num_inference_steps": "2",
+         "true_cfg_scale": "3.5", "n": "1", "size": "64x64", "speed": "quality", "lora": "none", "lora_scale": "1",
+         "mask_grow": "2", "mask_feather": "3", "strength": "0.9", "enhance_prompt": "false", "cache": "none"}
+INVALID = {"whole": "1.5x", "number": "many", "flag": "perhaps", "size": "big", "text": None}
+
+
+def render() -> str:
+    lines = ["# An edit's parameters", "",
+             "Generated from `imgedit/protocol.py` (`PARAMETERS`) by `python tests/test_parameters.py`; a test fails",
+             "when this file and the declaration differ. Names are the gradio `/edit` API's; REST and `/v1/jobs` take",
+             "the form field named in the second column.", "",
+             "| parameter | REST / jobs form field | kind | where | default | what it does |",
+             "|---|---|---|---|---|---|"]
+    for p in PARAMETERS:
+        rest = f"`{p.form_name}`" if p.takes & {REST, JOBS} else "—"
+        where = ", ".join(WHERE[e] for e in (EDIT, REST, JOBS) if e in p.takes)
+        default = "required" if p.required else "—" if p.default in (None, "") else f"`{p.default}`"
+        lines.append(f"| `{p.name}` | {rest} | {p.kind} | {where} | {default} | {p.help} |")
+    return "\n".join(lines) + "\n"
+
+
+def test_the_parameters_page_is_the_declaration():
+    assert DOC.read_text() == render(), "docs/PARAMETERS.md is out of date: run `python tests/test_parameters.py`"
+
+
+def test_every_declared_field_is_a_request_field_and_each_name_is_one_parameter():
+    fields = {f.name for f in dataclasses.fields(EditRequest)}
+    assert {p.request_field for p in PARAMETERS if p.request_field} <= fields
+    for entry in (EDIT, REST, JOBS):
+        names = [p.form_name if entry != EDIT else p.name for p in parameters(entry)]
+        assert len(names) == len(set(names)), entry
+
+
+def test_each_png_records_every_parameter_declared_png():
+    from imgedit.engine.images import settings_text
+
+    mask = Image.new("L", (64, 64), 255)
+    req = EditRequest(images=(Image.new("RGB", (64, 64)),), prompt="p", negative_prompt="n", speed="quality",
+                      mask=mask, lora="x", lora_scale=0.5, cache="first-block")
+    params = Resolved(steps=2, true_cfg_scale=4.0, negative_prompt="n", seed=1, num_images=1, width=64, height=64,
+                      adapters=(("x", 0.5),), mask_grow=1, mask_feather=2, strength=0.5, cache="first-block",
+                      cache_threshold=0.1)
+    written = settings_text(req, params, "model", (64, 64))
+    assert {p.name for p in PARAMETERS if p.png} <= set(written), written
+
+
+def png(size=(64, 64), mode="RGB", color=(30, 120, 200)) -> bytes:
+    """A picture, or (mode L) a mask whose left half is white: edit there."""
+    image = Image.new(mode, size, color if mode == "RGB" else 0)
+    if mode == "L":
+        image.paste(255, (0, 0, size[0] // 2, size[1]))
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def test_rest_and_jobs_take_every_declared_field_and_name_a_bad_one(live_server):
+    files = [("image", ("in.png", png(), "image/png")), ("mask", ("mask.png", png(mode="L"), "image/png"))]
+    for entry, path in ((REST, "/v1/images/edits"), (JOBS, "/v1/jobs")):
+        declared = {p.form_name for p in parameters(entry) if p.kind != "file"}
+        assert declared <= set(VALID), declared - set(VALID)  # every declared field is sent below
+        r = httpx.post(f"{live_server.url}{path}", files=files, data={k: VALID[k] for k in declared}, timeout=120)
+        assert r.status_code in (200, 202), (entry, r.text)
+        if entry == JOBS:
+            deadline = time.monotonic() + 120
+            while (view := httpx.get(f"{live_server.url}/v1/jobs/{r.json()['id']}", timeout=30).json())[
+                    "state"] not in ("succeeded", "failed", "cancelled") and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert view["state"] == "succeeded", view
+        for p in parameters(entry):
+            if p.kind == "file" or INVALID[p.kind] is None:
+                continue
+            bad = httpx.post(f"{live_server.url}{path}", files=files, timeout=60,
+                             data={**{k: VALID[k] for k in declared}, p.form_name: INVALID[p.kind]})
+            assert bad.status_code == 400, (entry, p.name, bad.text)
+            error = bad.json()["error"]
+            if p.kind != "size":
+                assert error["param"] == p.form_name and p.form_name in error["message"], (entry, p.name, error)
+
+
+if __name__ == "__main__":
+    DOC.write_text(render())
+    print(f"wrote {DOC}")
