@@ -131,7 +131,8 @@ def test_gradio_itself_refuses_files_not_uploaded(live_server, secret):
     gradio_app = next(route.app for route in app.routes if isinstance(route, Mount))
     raw = RawGradio("http://testserver", TestClient(gradio_app, raise_server_exceptions=False))
     # "Copy as API call" runs unqueued and takes the file input as it is (it only counts the files).
-    data = [[file_data(str(secret))], "p", "", 0, True, 4, 4, 1, 0, 0, "quality", "none", 1]
+    # the edit's 13 inputs, then the step cache, the mask canvas, grow, feather and strength
+    data = [[file_data(str(secret))], "p", "", 0, True, 4, 4, 1, 0, 0, "quality", "none", 1, None, None, 0, 8, 1.0]
     r = raw.predict(raw.fn_index(trigger=("copy-api", "click")), data)
     assert r.status_code == 500 and "/gradio_api/file=" not in r.text, r.text
     assert copies_in_cache(secret) == []

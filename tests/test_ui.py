@@ -374,22 +374,43 @@ def test_the_api_snippets_run_as_copied_with_a_login_and_a_key(server_manager, i
     port = free_port()
     with LiveServer(build_app(settings, server_manager), port):
         tools = PageTools(settings, server_manager.family, 4, server_manager.prompt_tokens)
-        shown = tools.api_call([{"path": str(upload)}], "make it red", "", 5, False, 2, 4.0, 1, 64, 64,
+        # #46 items 2 and 3: one side given (128, height 0: the server makes 128x96 of the 80x60 input) and a
+        # painted mask (its left half): every snippet repeats exactly that edit
+        layer = upload.parent / "strokes.png"
+        strokes = Image.new("RGBA", (80, 60), (0, 0, 0, 0))
+        strokes.paste((255, 255, 255, 255), (0, 0, 40, 60))
+        strokes.save(layer)
+        canvas = {"background": {"path": str(upload)}, "layers": [{"path": str(layer)}], "composite": None}
+        shown = tools.api_call([{"path": str(upload)}], "make it red", "", 5, False, 2, 4.0, 1, 128, 0,
+                               None, None, None, None, canvas, 2, 3, 0.8,
                                request=SimpleNamespace(headers={"host": f"127.0.0.1:{port}"}))
         gradio_code, curl_code, openai_code, inputs = shown[1:]
-        assert [Path(p).name for p in inputs] == ["input-1.png"]  # offered beside the snippets
-        shutil.copyfile(inputs[0], tmp_path / "input-1.png")
+        assert [Path(p).name for p in inputs] == ["input-1.png", "mask.png"]  # offered beside the snippets
+        # the size each one asks for is the one the page's edit ran at (REST has no "one side": both)
+        assert "width=128," in gradio_code and "height=96," in gradio_code
+        assert "size=128x96" in curl_code and "size='128x96'" in openai_code
+        for offered in inputs:
+            shutil.copyfile(offered, tmp_path / Path(offered).name)
         env = {**os.environ, "IMGEDIT_USER": "ann", "IMGEDIT_PASSWORD": "pw-1", "IMGEDIT_API_KEY": "key-1"}
         runs = {"gradio": [sys.executable, "-c", gradio_code], "curl": ["bash", "-c", curl_code],
                 "openai": [sys.executable, "-c", openai_code]}
+        settings_of = {}
         for name, argv in runs.items():
             (tmp_path / "out.png").unlink(missing_ok=True)
             out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
             assert out.returncode == 0, (name, out.stdout[-1000:], out.stderr[-2000:])
             if name == "gradio":
                 assert out.stdout.strip().endswith(" 5"), out.stdout  # the result's file and the seed
+                made = Image.open(out.stdout.strip().splitlines()[-1].rsplit(" ", 1)[0])
             else:
-                assert Image.open(tmp_path / "out.png").size == (64, 64) and "wrote out.png" in out.stdout
+                assert "wrote out.png" in out.stdout
+                made = Image.open(tmp_path / "out.png")
+            # a masked edit comes back the first input's size; the model ran at the size asked for
+            assert made.size == (80, 60), (name, made.size)
+            settings_of[name] = {k: made.text.get(k) for k in ("width", "height", "mask", "mask_grow",
+                                                                "mask_feather", "strength")}
+        assert settings_of["gradio"] == settings_of["curl"] == settings_of["openai"], settings_of
+        assert settings_of["gradio"]["mask"].startswith("sha256:") and settings_of["gradio"]["mask_grow"] == "2"
         # A wrong key: curl's pipe says what the server said (it once failed with KeyError: 'data').
         wrong = subprocess.run(runs["curl"], cwd=tmp_path, env={**env, "IMGEDIT_API_KEY": "nope"},
                                capture_output=True, text=True, timeout=120)

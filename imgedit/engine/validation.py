@@ -83,6 +83,11 @@ def check_aspect(size: tuple[int, int], family: str, label: str) -> None:
                            f"1:{max_aspect(family)}: crop or pad it", "images")
 
 
+def output_size(width: int, height: int, last_image_size: tuple[int, int], settings: Settings) -> tuple[int, int]:
+    """The size an edit with one side given (the other 0) comes out at (InvalidInput when out of range)."""
+    return _size(width, height, last_image_size, settings)
+
+
 def _size(width: int | None, height: int | None, last_image_size: tuple[int, int] | None,
           settings: Settings) -> tuple[int | None, int | None]:
     """The output size the pipeline gets: None/None = from the input's aspect (about 1 MP). With one

@@ -343,7 +343,8 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         restore.click(tools.restore_settings, stored,
                       [prompt, negative, seed, randomize, steps, cfg, width, height, cache, restore],
                       api_visibility="private")
-        copy_api.click(tools.api_call, edit_inputs + [cache], [snippets, *snippet_code, snippet_inputs],
+        copy_api.click(tools.api_call, edit_inputs + [cache, canvas] + mask_inputs[1:],
+                       [snippets, *snippet_code, snippet_inputs],
                        preprocess=False, queue=False, api_visibility="private")
         # Any change of the inputs (upload, removal, an example, a result used as input) redraws the thumbnails.
         files.change(tools.preview_inputs, files, preview, preprocess=False, queue=False, api_visibility="private")

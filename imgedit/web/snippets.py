@@ -20,11 +20,16 @@ def _number(value, default):
     return int(number) if number.is_integer() else number
 
 
+MASK_FILE = "mask.png"
+MASK_FIELDS = ("mask_grow", "mask_feather", "strength")
+
+
 def api_values(n_images: int, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
                num_images, width, height, default_steps: int, default_cfg: float, speed=None, lora=None,
-               lora_scale=None, cache=None) -> dict:
-    """The `/edit` API's keyword arguments for the current form (input files named input-N.png); speed,
-    LoRA and step cache only when the form sets them."""
+               lora_scale=None, cache=None, mask: bool = False, mask_grow=None, mask_feather=None,
+               strength=None) -> dict:
+    """The `/edit` API's keyword arguments for the current form (input files named input-N.png, the painted
+    mask mask.png); speed, LoRA, step cache and mask only when the form sets them."""
     extra = {}
     if isinstance(speed, str) and speed not in ("", "quality"):
         extra["speed"] = speed
@@ -32,6 +37,10 @@ def api_values(n_images: int, prompt, negative_prompt, seed, randomize_seed, num
         extra.update(lora=lora, lora_scale=_number(lora_scale, 1.0))
     if isinstance(cache, str) and cache:
         extra["cache"] = cache
+    if mask:
+        extra.update(mask=MASK_FILE, **{name: _number(value, None) for name, value in
+                                        zip(MASK_FIELDS, (mask_grow, mask_feather, strength), strict=True)
+                                        if _number(value, None) is not None})
     return {
         "images": [f"input-{i + 1}.png" for i in range(max(1, n_images))],
         "prompt": prompt if isinstance(prompt, str) else "",
@@ -56,7 +65,8 @@ def gradio_snippet(url: str, values: dict, auth: bool) -> str:
     lines += ["from gradio_client import Client, handle_file", "", f"client = Client({url!r}{login})",
               "gallery, seed = client.predict(",
               f"    images=[{', '.join(f'handle_file({name!r})' for name in values['images'])}],"]
-    lines += [f"    {key}={value!r}," for key, value in values.items() if key != "images"]
+    lines += [f"    {key}=handle_file({value!r})," if key == "mask" else f"    {key}={value!r},"
+              for key, value in values.items() if key != "images"]
     lines += ['    api_name="/edit",', ")", 'print(gallery[0]["image"], seed)  # a PNG file and the seed used']
     return "\n".join(lines)
 
@@ -84,6 +94,8 @@ def curl_snippet(url: str, values: dict) -> str:
     if not values["randomize_seed"]:
         fields.append(f"seed={values['seed']}")
     fields += [f"{key}={values[key]}" for key in ("speed", "lora", "lora_scale", "cache") if key in values]
+    if "mask" in values:
+        fields += [f"mask=@{values['mask']}"] + [f"{key}={values[key]}" for key in MASK_FIELDS if key in values]
     parts = [f"curl -sS {shlex.quote(url + 'v1/images/edits')}", '-H "Authorization: Bearer $IMGEDIT_API_KEY"']
     parts += [f"-F {shlex.quote(field)}" for field in fields]
     return "\n".join([INPUTS_NOTE, KEY_NOTE, " \\\n  ".join([*parts, f"| python3 -c {shlex.quote(_DECODE)}"])])
@@ -94,14 +106,15 @@ def openai_snippet(url: str, values: dict) -> str:
              "true_cfg_scale": values["true_cfg_scale"]}
     if not values["randomize_seed"]:
         extra["seed"] = values["seed"]
-    extra.update({key: values[key] for key in ("speed", "lora", "lora_scale", "cache") if key in values})
+    extra.update({key: values[key] for key in ("speed", "lora", "lora_scale", "cache", *MASK_FIELDS) if key in values})
     files = ", ".join(f"open({name!r}, 'rb')" for name in values["images"])
+    mask = f" mask=open({values['mask']!r}, 'rb')," if "mask" in values else ""
     return "\n".join([
         "# pip install openai  (the REST endpoint speaks the OpenAI images API)", INPUTS_NOTE, KEY_NOTE,
         "import base64", "import os", "from openai import OpenAI", "",
         f"client = OpenAI(base_url={url + 'v1'!r}, api_key=os.environ.get('IMGEDIT_API_KEY', 'none'))",
         f"result = client.images.edit(model='qwen-image-edit', image=[{files}],",
-        f"                            prompt={values['prompt']!r}, n={values['num_images']!r},",
+        f"                            prompt={values['prompt']!r}, n={values['num_images']!r},{mask}",
         f"                            size={_size(values)!r}, response_format='b64_json',",
         f"                            extra_body={extra!r})",
         "open('out.png', 'wb').write(base64.b64decode(result.data[0].b64_json))", "print('wrote out.png')"])

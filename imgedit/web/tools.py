@@ -19,11 +19,12 @@ from PIL import Image, ImageOps
 from imgedit.config.settings import Settings
 from imgedit.engine.images import open_image, png_bytes, read_settings
 from imgedit.engine.prompt_tokens import PromptTokens
-from imgedit.engine.validation import MAX_INPUT_IMAGES, check_params
+from imgedit.engine.validation import MAX_INPUT_IMAGES, check_params, output_size
 from imgedit.errors import ImgEditError
 from imgedit.protocol import EditRequest
 from imgedit.web.exports import download_copy, export_copy
-from imgedit.web.snippets import api_values, curl_snippet, gradio_snippet, openai_snippet
+from imgedit.web.mask_controls import painted_mask
+from imgedit.web.snippets import MASK_FILE, api_values, curl_snippet, gradio_snippet, openai_snippet
 from imgedit.web.speed import SERVER_CACHE, parse_cache_input, stored_cache_choice
 from imgedit.web.uploads import gallery_paths, uploaded_paths
 
@@ -121,22 +122,41 @@ class PageTools:
                 stored_cache_choice(stored.get("cache"), self.cache_offered), gr.update(visible=False))
 
     def api_call(self, images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
-                 num_images, width, height, speed=None, lora=None, lora_scale=None, cache=None,
-                 request: gr.Request = None):
-        """Copy as API call: the form as gradio_client, curl and OpenAI-SDK code, for this server's address."""
+                 num_images, width, height, speed=None, lora=None, lora_scale=None, cache=None, canvas=None,
+                 mask_grow=None, mask_feather=None, strength=None, request: gr.Request = None):
+        """Copy as API call: the form as gradio_client, curl and OpenAI-SDK code, for this server's address.
+        Each snippet repeats the page's edit: the painted mask (mask.png, offered with the inputs) and the
+        output size the server would make (one side given: both, from the last input's aspect)."""
         try:
             paths = uploaded_paths(images)
         except Exception:  # noqa: BLE001 - the snippets still show; the inputs are offered when they can be read
             paths = []
         # The snippets name their files input-1.png, ...: the same files under those names, to save beside them.
         inputs = [export_copy([Path(path)], f"input-{k + 1}") for k, path in enumerate(paths)]
+        mask = painted_mask(canvas) if canvas is not None else ""
+        if mask:
+            inputs.append(export_copy([Path(mask)], Path(MASK_FILE).stem))
+        width, height = self._snippet_size(width, height, paths)
         values = api_values(len(paths), prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
                             true_cfg_scale, num_images, width, height, self.default_steps,
-                            self.settings.default_true_cfg, speed, lora, lora_scale, self._snippet_cache(cache, speed))
+                            self.settings.default_true_cfg, speed, lora, lora_scale, self._snippet_cache(cache, speed),
+                            bool(mask), mask_grow, mask_feather, strength)
         host = request.headers.get("host", "localhost:7860")
         url = f"{request.headers.get('x-forwarded-proto', 'http')}://{host}/"
         return (gr.update(visible=True), gradio_snippet(url, values, self.settings.auth is not None),
                 curl_snippet(url, values), openai_snippet(url, values), inputs or None)
+
+    def _snippet_size(self, width, height, paths: list[str]):
+        """The form's width and height as the server resolves them when one side is given (the other from the
+        last input's aspect), so that REST's `size` (both sides or auto) makes what the page makes."""
+        try:
+            width, height = int(float(width or 0)), int(float(height or 0))
+            if bool(width) == bool(height) or not paths:
+                return width, height
+            with Image.open(paths[-1]) as last:  # the header only
+                return output_size(width, height, last.size, self.settings)
+        except Exception:  # noqa: BLE001 - junk or an unreadable file: the snippet repeats the form as it is
+            return width, height
 
     def page_cache(self, cache, speed) -> str | None:
         """The Step cache's value for the edit (None: the server's CACHE); unused where the control is hidden."""
