@@ -88,6 +88,23 @@ def test_only_the_masked_area_changes_and_the_png_says_which_mask(plus_manager):
     assert outside == 0 and np.abs(np.asarray(grown, np.int16) - np.asarray(photo(), np.int16))[:, 50:56].mean() > 10
 
 
+def test_a_masked_edit_restored_from_its_png_repeats_itself(plus_manager, tmp_path):
+    """#46 item 7: the PNG of a masked edit recorded the output size (the first image's) as width and height, and
+    restoring it ran the model at that size: another edit. It records the size the edit ran at."""
+    from imgedit.engine.images import png_bytes, read_settings
+
+    mask = mask_from(white_left_half(), (W, H))
+    ask = dict(images=(photo(),), prompt="make it red", mask=mask, num_inference_steps=2, seed=5)
+    first = plus_manager.edit(EditRequest(**ask, width=64, height=64)).images[0]
+    assert first.size == (W, H)  # the first image's size
+    (tmp_path / "result.png").write_bytes(png_bytes(first))
+    stored = read_settings(tmp_path / "result.png")
+    assert (stored["width"], stored["height"]) == (64, 64)  # what it ran at, as the form asks for it
+    again = plus_manager.edit(EditRequest(**{**ask, "seed": stored["seed"]}, width=stored["width"],
+                                          height=stored["height"])).images[0]
+    assert np.array_equal(np.asarray(again), np.asarray(first))
+
+
 def test_a_lower_strength_starts_from_the_input(plus_manager):
     mask = mask_from(white_left_half(), (W, H))
     ask = dict(images=(photo(),), prompt="make it red", mask=mask, num_inference_steps=4, width=W, height=H, seed=2)

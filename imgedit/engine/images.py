@@ -113,15 +113,19 @@ MAX_CHUNK = 4000  # validation.MAX_PROMPT_CHARS: a longer value is not one of ou
 def settings_text(req, params, model: str, size: tuple[int, int], rewritten: str | None = None,
                   weights: str | None = None) -> dict[str, str]:
     """What produced an image, as text: the request's prompts, the parameters the pipeline really got
-    (`validation.Resolved`), the output size, the model, the LoRA (none until a request carries one).
+    (`validation.Resolved`), the output size (a masked edit's: the size it ran at), the model, the LoRA.
     `rewritten`: the enhanced prompt the edit used; then `prompt` is that one and `original_prompt` the user's.
     `weights`: the lossy copy of the transformer a fast job ran on (FAST_QUANTIZE), recorded as `weights`."""
     from imgedit import __version__
 
     adapters = getattr(params, "adapters", ())  # what the job really ran with, a speed preset's LoRA included
+    # A masked edit comes back the first image's size but runs at the resolved size: the PNG records the
+    # size to ask for again (restored into the form, it repeats the edit)
+    masked = getattr(req, "mask", None) is not None and getattr(params, "width", None)
+    run = (params.width, params.height) if masked else size
     text = {"prompt": req.prompt, "negative_prompt": req.negative_prompt or "", "seed": str(params.seed),
             "num_inference_steps": str(params.steps), "true_cfg_scale": f"{params.true_cfg_scale:g}",
-            "width": str(size[0]), "height": str(size[1]), "model": model,
+            "width": str(run[0]), "height": str(run[1]), "model": model,
             "lora": ",".join(name for name, _ in adapters) or "none", "software": f"imgedit {__version__}"}
     if adapters:
         text["lora_scale"] = ",".join(f"{scale:g}" for _, scale in adapters)
