@@ -41,6 +41,11 @@ class Param:
     field: str | None = ""
     required: bool = False
     png: bool = False
+    api_default: object = ...  # the gradio `/edit` signature's default where it is not `default`
+
+    @property
+    def edit_default(self) -> object:
+        return self.default if self.api_default is ... else self.api_default
 
     @property
     def form_name(self) -> str:
@@ -57,20 +62,22 @@ PARAMETERS: tuple[Param, ...] = (
     Param("prompt", "text", "what to change, in words (up to 4,000 characters and 1,024 tokens)", default="",
           required=True, png=True),
     Param("negative_prompt", "text", "what to avoid (true CFG)", default="", png=True),
-    Param("seed", "whole", "0 to 2**32-1; absent: a random one, returned with the result", png=True),
+    Param("seed", "whole", "0 to 2**32-1; absent: a random one, returned with the result", png=True, api_default=0),
     Param("randomize_seed", "flag", "ignore `seed` and draw one", takes=frozenset((EDIT,)), default=False,
-          field=None),
+          field=None, api_default=True),
     Param("num_inference_steps", "whole", "denoising steps, 2 to MAX_STEPS; absent: the model's", png=True),
     Param("true_cfg_scale", "number", "1 to 20 (1 turns CFG off); absent: DEFAULT_TRUE_CFG", png=True),
     Param("num_images", "whole", "images per prompt, 1 to MAX_IMAGES_PER_PROMPT", default=1, rest="n"),
     Param("width", "whole", "output width; 0 or absent: from the last input's aspect, about 1 megapixel",
-          takes=frozenset((EDIT,)), png=True),
-    Param("height", "whole", "output height; 0 or absent: as width", takes=frozenset((EDIT,)), png=True),
+          takes=frozenset((EDIT,)), png=True, api_default=0),
+    Param("height", "whole", "output height; 0 or absent: as width", takes=frozenset((EDIT,)), png=True,
+          api_default=0),
     Param("size", "size", "`auto` or WIDTHxHEIGHT (OpenAI's name for width and height)",
           takes=frozenset((REST, JOBS)), field=None),
-    Param("speed", "text", "quality, fast (Lightning 8 steps) or fastest (4 steps), where offered", png=True),
-    Param("lora", "text", "a configured LoRA's name, or none", png=True),
-    Param("lora_scale", "number", "that LoRA's strength, 0 to 2; absent: 1", png=True),
+    Param("speed", "text", "quality, fast (Lightning 8 steps) or fastest (4 steps), where offered", png=True,
+          api_default="quality"),
+    Param("lora", "text", "a configured LoRA's name, or none", png=True, api_default="none"),
+    Param("lora_scale", "number", "that LoRA's strength, 0 to 2; absent: 1", png=True, api_default=1.0),
     Param("mask", "file", "where to edit: white (or OpenAI's transparent) = edit; the first image's size "
           "(one mask for every item of a job)", png=True),
     Param("mask_grow", "whole", "pixels the mask is grown by, 0 to 256; absent: 0", png=True),

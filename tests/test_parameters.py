@@ -70,6 +70,19 @@ def test_each_png_records_every_parameter_declared_png():
     assert {p.name for p in PARAMETERS if p.png} <= set(written), written
 
 
+def test_the_edit_api_publishes_the_declared_names_and_defaults(live_server):
+    """Gradio reads `/edit`'s parameters from the function's signature, which edit_signature makes from the
+    declaration: names, order, which are required and each default, as gradio_client sees them."""
+    from gradio_client import Client
+
+    published = Client(live_server.url, verbose=False).view_api(print_info=False, return_format="dict")
+    shown = [(p["parameter_name"], p["parameter_has_default"], p.get("parameter_default"))
+             for p in published["named_endpoints"]["/edit"]["parameters"]]
+    assert shown == [(p.name, not p.required, None if p.required else p.edit_default) for p in parameters(EDIT)]
+    assert shown[:5] == [("images", False, None), ("prompt", False, None), ("negative_prompt", True, ""),
+                         ("seed", True, 0), ("randomize_seed", True, True)]
+
+
 def png(size=(64, 64), mode="RGB", color=(30, 120, 200)) -> bytes:
     """A picture, or (mode L) a mask whose left half is white: edit there."""
     image = Image.new(mode, size, color if mode == "RGB" else 0)

@@ -36,7 +36,7 @@ from imgedit.web.mask_controls import build_mask_controls, follow_first_input, p
 from imgedit.web.panel import banner_html, panel_html
 from imgedit.web.progress import EditProgress
 from imgedit.web.public import open_snapshot
-from imgedit.web.requests import FIELDS, build_request
+from imgedit.web.requests import FIELDS, build_request, edit_signature
 from imgedit.web.speed import build_cache_control, build_speed_controls
 from imgedit.web.tools import PageTools, cached_pngs, page_files, user_error
 from imgedit.web.uploads import upload_folder
@@ -105,16 +105,12 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
     cache_refused = manager.cache_refusal()  # the Step cache control is hidden, and its value unused, then
     tools = PageTools(settings, manager.family, family_steps, manager.prompt_tokens, cache_offered=not cache_refused)
 
-    def validate(images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
-                 num_images, width, height, speed=None, lora=None, lora_scale=None, mask=None, mask_grow=None,
-                 mask_feather=None, strength=None, enhance_prompt=None, cache=None):
+    def validate(*values):
         """Runs before an API job enters the queue: bad input costs nothing else. The message goes to
-        the input at fault."""
+        the input at fault. `values`: `/edit`'s parameters in order (imgedit.web.requests.FIELDS)."""
         verdicts = [gr.validate(True, "")] * len(FIELDS)
         try:
-            req = build_request(settings, manager.family, images, prompt, negative_prompt, seed, randomize_seed,
-                                num_inference_steps, true_cfg_scale, num_images, width, height, speed, lora, lora_scale,
-                                mask, mask_grow, mask_feather, strength, enhance_prompt, cache, source="validator")
+            req = build_request(settings, manager.family, *values, source="validator")
             check_params(req, settings, manager.family, manager.prompt_tokens)
         except ImgEditError as exc:
             at = FIELDS.index(exc.field) if exc.field in FIELDS else 0
@@ -155,19 +151,15 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
             await history.record(owner, req.request_id, 0, req, result, pngs=pngs)
         return req, result, pngs
 
-    async def edit(images, prompt, negative_prompt="", seed=0, randomize_seed=True, num_inference_steps=None,
-                   true_cfg_scale=None, num_images=1, width=0, height=0, speed="quality", lora="none", lora_scale=1.0,
-                   mask=None, mask_grow=None, mask_feather=None, strength=None, enhance_prompt=False, cache=None,
-                   request: gr.Request = None, progress=gr.Progress()):
+    @edit_signature  # the API's parameters and defaults: the declaration's (imgedit.protocol.PARAMETERS)
+    async def edit(*args):
         """Edit the images as the prompt says; returns the result images and the seed used. With `mask` (an
         image the first image's size: white, or fully transparent, marks where to edit) only that area
         changes and the result is the first image's size. With `enhance_prompt` the model's text encoder rewrites
         the prompt first (each PNG then carries the prompt used and the original_prompt). `cache` (none,
         first-block, taylorseer; default: the server's CACHE) speeds up a quality edit, lossily."""
-        _, result, pngs = await run_edit((images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
-                                          true_cfg_scale, num_images, width, height, speed, lora, lora_scale,
-                                          mask, mask_grow, mask_feather, strength, enhance_prompt, cache),
-                                         request, progress)
+        *values, request, progress = args  # Gradio passes them after the parameters (edit_signature)
+        _, result, pngs = await run_edit(tuple(values), request, progress)
         return await asyncio.to_thread(cached_pngs, pngs, "result"), result.seed
 
     async def edit_page(images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,

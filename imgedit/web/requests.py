@@ -3,6 +3,10 @@ arrive, and our own checks say what is wrong)."""
 
 from __future__ import annotations
 
+import inspect
+
+import gradio as gr
+
 from imgedit.config.settings import Settings
 from imgedit.engine.images import image_label, open_image
 from imgedit.engine.masks import open_mask
@@ -37,33 +41,53 @@ def _text(value, name: str) -> str:
     return value
 
 
-def build_request(settings: Settings, family: str, images, prompt, negative_prompt, seed, randomize_seed,
-                  num_inference_steps, true_cfg_scale, num_images, width, height, speed=None, lora=None,
-                  lora_scale=None, mask=None, mask_grow=None, mask_feather=None, strength=None,
-                  enhance_prompt=None, cache=None, *, source: str) -> EditRequest:
-    """Parse one event's raw values. Every file must lie in Gradio's upload cache (imgedit.web.uploads)."""
-    paths = uploaded_paths(images)
+def build_request(settings: Settings, family: str, *values, source: str) -> EditRequest:
+    """Parse one event's raw values, `/edit`'s parameters in the declaration's order (protocol.PARAMETERS; absent
+    trailing ones take their defaults), each by its kind. Every file must lie in Gradio's upload cache
+    (imgedit.web.uploads)."""
+    raw = dict(zip(FIELDS, values, strict=False))
+    paths = uploaded_paths(raw.get("images"))
     check_counts(len(paths), family)
     decoded = tuple(open_image(p, settings.max_input_pixels, image_label(i + 1, p)) for i, p in enumerate(paths))
-    speed, lora, lora_scale = parse_speed_inputs(speed, lora, lora_scale)
-    masking = {}
-    if mask_paths := uploaded_paths(mask, "mask"):
+    fields: dict = {}
+    for param in parameters(EDIT):
+        value = raw.get(param.name)
+        if param.request_field is None or param.kind == "file":
+            continue
+        if param.kind == "text":
+            fields[param.name] = _text(value, param.name) or param.default
+        elif param.kind in ("whole", "number"):
+            fields[param.name] = _number(value, param.name, param.default)
+        elif param.kind == "flag":
+            fields[param.name] = _flag(value, param.name)
+    # what the form's controls mean: a ticked "randomize" draws the seed, 0 is an automatic side, the speed
+    # controls' "quality" and "none" are no preset and no LoRA
+    fields["seed"] = None if _flag(raw.get("randomize_seed"), "randomize_seed") else fields["seed"] or 0
+    fields["width"], fields["height"] = fields["width"] or None, fields["height"] or None
+    fields["speed"], fields["lora"], fields["lora_scale"] = parse_speed_inputs(
+        raw.get("speed"), raw.get("lora"), raw.get("lora_scale"))
+    if mask_paths := uploaded_paths(raw.get("mask"), "mask"):
         if len(mask_paths) > 1:
             raise InvalidInput("send one mask (for the first image)", "mask")
         with open(mask_paths[0], "rb") as f:
-            raw = f.read(settings.max_file_size + 1)
-        masking["mask"] = open_mask(raw, decoded[0].size, settings.max_input_pixels)
-    if any(v not in (None, "") for v in (mask_grow, mask_feather, strength)):
-        masking.update(mask_grow=_number(mask_grow, "mask_grow"), mask_feather=_number(mask_feather, "mask_feather"),
-                       strength=_number(strength, "strength"))
-    return EditRequest(**masking,
-        images=decoded, prompt=_text(prompt, "prompt"), negative_prompt=_text(negative_prompt, "negative_prompt"),
-        seed=None if randomize_seed else _number(seed, "seed", 0),
-        num_inference_steps=_number(num_inference_steps, "num_inference_steps"),
-        true_cfg_scale=_number(true_cfg_scale, "true_cfg_scale"), num_images=_number(num_images, "num_images", 1),
-        width=_number(width, "width", 0) or None, height=_number(height, "height", 0) or None, speed=speed,
-        lora=lora, lora_scale=lora_scale, enhance_prompt=_flag(enhance_prompt, "enhance_prompt"),
-        cache=_text(cache, "cache") or None, source=source)
+            data = f.read(settings.max_file_size + 1)
+        fields["mask"] = open_mask(data, decoded[0].size, settings.max_input_pixels)
+    return EditRequest(images=decoded, **fields, source=source)
+
+
+def edit_signature(function):
+    """`function(*values, request, progress)` with the gradio `/edit` API's signature, made from the declaration:
+    Gradio names the API's parameters and their defaults after it, and passes gr.Request and gr.Progress where
+    it puts them (after the parameters). Returns the function."""
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [inspect.Parameter(p.name, positional,
+                                default=inspect.Parameter.empty if p.required else p.edit_default)
+              for p in parameters(EDIT)]
+    params += [inspect.Parameter("request", positional, default=None, annotation=gr.Request),
+               inspect.Parameter("progress", positional, default=gr.Progress())]
+    function.__signature__ = inspect.Signature(params)
+    function.__annotations__ = {"request": gr.Request}
+    return function
 
 
 def _flag(value, name: str) -> bool:
