@@ -469,3 +469,32 @@ def test_an_upload_abandoned_mid_body_leaves_no_partial_file(impatient_server):
         time.sleep(0.5)
     assert not (folder / next(iter(partial))).exists() and not stale.exists()
     assert PartialUploadSweeper(2).sweep() == 0  # nothing else to find
+
+
+def test_gradios_sweep_survives_an_entry_that_is_not_a_regular_file(tmp_path):
+    """#47 item 3: a folder among the files Gradio recorded stopped its sweep (os.remove: IsADirectoryError, only
+    FileNotFoundError caught) and failed the server's shutdown. EventGuard refuses such inputs first; the sweep
+    itself now drops the entry (leaving the folder alone), logs it and deletes the rest."""
+    import gradio as gr
+    from gradio import route_utils
+
+    from imgedit.web.uploads import guard_gradio_cleanup
+
+    def recorded():
+        folder, cached = tmp_path / "a-folder", tmp_path / "cached.png"
+        folder.mkdir(exist_ok=True)
+        cached.write_bytes(b"x")
+        blocks = gr.Blocks()
+        blocks.temp_file_sets = [{str(folder), str(cached)}]
+        return blocks, folder, cached
+
+    blocks, folder, cached = recorded()
+    gradios = getattr(route_utils.delete_files_created_by_app, "__wrapped__", route_utils.delete_files_created_by_app)
+    with pytest.raises(IsADirectoryError):  # Gradio's own sweep, as it stands (the app guards it once built)
+        gradios(blocks, None)
+    guard_gradio_cleanup()
+    guard_gradio_cleanup()  # once is enough: a second call changes nothing
+    blocks, folder, cached = recorded()
+    route_utils.delete_files_created_by_app(blocks, None)
+    assert not cached.exists() and folder.is_dir()
+    assert blocks.temp_file_sets == [set()]

@@ -31,7 +31,7 @@ from imgedit.web.rest import build_router, openai_error
 from imgedit.web.serving import ShutdownGate
 from imgedit.web.serving import serve as serve_until_drained
 from imgedit.web.timeouts import BodyReadTimeout
-from imgedit.web.uploads import EventGuard, PartialUploadSweeper
+from imgedit.web.uploads import EventGuard, PartialUploadSweeper, guard_gradio_cleanup
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,7 @@ def build_app(settings: Settings, engine, demo: bool | None = None, monitor: Gpu
     app.include_router(build_cancel_router(blocks))  # ahead of the mount: it replaces Gradio's cancel route
     # abandoned partial uploads (Gradio keeps them): deleted now and every few seconds
     PartialUploadSweeper(settings.body_read_timeout).start()
+    guard_gradio_cleanup()  # one bad entry never stops Gradio's own sweep nor the shutdown
     # what outlives the build: the drain (serve), the history (REST's `save` and tests read it)
     app.state.shutdown, app.state.history = parts.shutdown, parts.history
     app.add_middleware(ShutdownGate, shutdown=parts.shutdown)

@@ -89,6 +89,39 @@ class PartialUploadSweeper:
         return self
 
 
+def guard_gradio_cleanup() -> None:
+    """Gradio's sweep of the files it recorded (route_utils.delete_files_created_by_app: every few seconds, and at
+    shutdown) catches only FileNotFoundError: one entry that is a folder (IsADirectoryError) or cannot be removed
+    stopped the whole sweep and failed the server's shutdown. EventGuard refuses such inputs before Gradio records
+    them; this makes the sweep itself survive one: entries that are not regular files leave Gradio's records
+    unremoved, and an error on one file is logged and does not stop the rest. Idempotent."""
+    from gradio import route_utils
+
+    original = route_utils.delete_files_created_by_app
+    if getattr(original, "imgedit_guarded", False):
+        return
+
+    def delete_files_created_by_app(blocks, age):
+        for temp_set in list(getattr(blocks, "temp_file_sets", ())):
+            for entry in list(temp_set):
+                try:
+                    irregular = os.path.lexists(entry) and not os.path.isfile(entry) or os.path.islink(entry)
+                except (OSError, TypeError, ValueError):
+                    irregular = True
+                if irregular:
+                    log.warning("gradio's file records held %r, which is not a regular file: dropped, not deleted",
+                                str(entry)[:200])
+                    temp_set.discard(entry)
+        try:
+            original(blocks, age)
+        except OSError as exc:
+            log.warning("gradio's cleanup of its cached files stopped at one file: %s", exc)
+
+    delete_files_created_by_app.imgedit_guarded = True
+    delete_files_created_by_app.__wrapped__ = original
+    route_utils.delete_files_created_by_app = delete_files_created_by_app
+
+
 def uploaded_path(value, label: str, field: str = "images") -> str:
     """The real path of one uploaded file (a FileData dict, an object with `.path`, or a str), or
     InvalidInput when it is not a file in the upload cache."""
