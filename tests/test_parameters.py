@@ -27,7 +27,8 @@ WHERE = {EDIT: "page, gradio `/edit`", REST: "`/v1/images/edits`", JOBS: "`/v1/j
 VALID = {"prompt": "make it red", "negative_prompt": "blurry", "seed": "7", "num_inference_steps": "2",
          "true_cfg_scale": "3.5", "n": "1", "size": "64x64", "speed": "quality", "lora": "none", "lora_scale": "1",
          "mask_grow": "2", "mask_feather": "3", "strength": "0.9", "enhance_prompt": "false", "cache": "none"}
-INVALID = {"whole": "1.5x", "number": "many", "flag": "perhaps", "size": "big", "text": None}
+# a bad value of each kind (nan: #47 item 7's siblings: every number field of both routes names itself)
+INVALID = {"whole": "1.5x", "number": "nan", "flag": "perhaps", "size": "big", "text": None}
 
 
 def render() -> str:
