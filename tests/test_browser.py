@@ -201,6 +201,24 @@ def test_too_many_images_and_out_of_range_values_get_our_message(browser, server
     assert [r.levelname for r in caplog.records if r.message.startswith("page: refused")] == ["INFO"]
 
 
+def test_the_prompt_counts_itself_and_enhance_clears_the_last_refusal(browser, server, manager):
+    """#46 item 10: a character and token count by the prompt (the checkpoint's tokenizer, the edit's limits),
+    and the red refusal beside Edit no longer stays on screen through a later Enhance."""
+    before = jobs_done(manager)
+    page = open_page(browser, server)
+    count = page.locator("#prompt-count")
+    page.locator("#prompt textarea").fill("make it red")
+    count.get_by_text(re.compile(r"^11 / 4,000 characters · \d+ / 1,024 tokens$")).wait_for(timeout=30_000)
+    page.locator("#edit-button").click()  # no input image: refused beside Edit
+    page.locator("#edit-message").get_by_text("no input image").wait_for(timeout=30_000)
+    page.locator("#prompt textarea").fill("x" * 4001)
+    count.get_by_text(re.compile(r"4,001 / 4,000 characters.*too long for the model")).wait_for(timeout=30_000)
+    page.locator("#enhance-button").click()
+    page.wait_for_function("() => !document.querySelector('#edit-message').innerText.trim()", timeout=30_000)
+    page.locator("#enhance-note").get_by_text("no input image").wait_for(timeout=30_000)  # the rewrite's own
+    assert jobs_done(manager) == before
+
+
 def test_the_result_buttons_wait_for_a_result(browser, server):
     """Download, "Use this result" and "Add it as another input" are disabled until there is a result (the
     two once only said "there is no result yet" when clicked); a result enables them (see the test above)."""

@@ -228,6 +228,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                 prompt = gr.Textbox(label="What to change", lines=2, elem_id="prompt",
                                     placeholder="e.g. make the sky a sunset, keep the people unchanged",
                                     info="Ctrl+Enter (⌘+Enter on a Mac) runs the edit")
+                counter = gr.Markdown(elem_id="prompt-count")  # characters and tokens, as the edit counts them
                 enhance_controls = build_enhance_buttons()  # the model rewrites the instruction
                 restore = gr.Button("Restore the settings saved in this PNG", visible=False, size="sm",
                                     elem_id="restore-settings")
@@ -342,6 +343,9 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         files.change(tools.preview_inputs, files, preview, preprocess=False, queue=False, api_visibility="private")
         follow_first_input(files, canvas)
         wire_enhance(settings, manager, files, prompt, enhance_controls, GPU_GROUP)
+        prompt.change(tools.prompt_count, prompt, counter, queue=False, preprocess=False, api_visibility="private")
+        # the last refusal beside Edit is about the last edit: a rewrite starts afresh
+        enhance_controls[0].click(lambda: "", None, message, queue=False, api_visibility="private")
         preview.select(tools.chosen_input, None, chosen_input, queue=False, api_visibility="private")
         first.click(tools.make_first, [files, chosen_input], files, preprocess=False, queue=False,
                     api_visibility="private")

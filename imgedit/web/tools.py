@@ -18,8 +18,8 @@ from PIL import Image, ImageOps
 
 from imgedit.config.settings import Settings
 from imgedit.engine.images import open_image, png_bytes, read_settings
-from imgedit.engine.prompt_tokens import PromptTokens
-from imgedit.engine.validation import MAX_INPUT_IMAGES, check_params, output_size
+from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
+from imgedit.engine.validation import MAX_INPUT_IMAGES, MAX_PROMPT_CHARS, check_params, output_size
 from imgedit.errors import ImgEditError
 from imgedit.protocol import EditRequest
 from imgedit.web.exports import download_copy, export_copy
@@ -63,6 +63,21 @@ class PageTools:
         self.tokens = tokens
         self.allowed = MAX_INPUT_IMAGES[family]
         self.default_steps = default_steps
+
+    def prompt_count(self, text) -> str:
+        """The line under the prompt box: its characters and tokens against the limits the edit checks (the
+        checkpoint's own tokenizer), over a limit in bold with what to do."""
+        if not isinstance(text, str) or not text:
+            return ""
+        chars = len(text)
+        parts = [f"{chars:,} / {MAX_PROMPT_CHARS:,} characters"]
+        tokens = self.tokens.count(text) if self.tokens is not None else None
+        if tokens is not None:
+            parts.append(f"{tokens:,} / {MAX_PROMPT_TOKENS:,} tokens")
+        line = " · ".join(parts)
+        if chars > MAX_PROMPT_CHARS or (tokens or 0) > MAX_PROMPT_TOKENS:
+            return f"**{line}: too long for the model, shorten it**"
+        return line
 
     def _paths(self, images) -> list[str]:
         try:
