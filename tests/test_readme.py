@@ -1,4 +1,5 @@
-"""The README's API examples, run as printed against a live server with an API key (the tiny checkpoint).
+"""The README's and docs/api.md's API examples, run as printed against a live server with an API key (the tiny
+checkpoint).
 
 Each fenced block of the README's "API" section runs as it stands: the Python ones with this venv's
 interpreter, the shell ones with bash and curl. Only what a reader replaces is replaced: the server's
@@ -30,10 +31,13 @@ pytestmark = pytest.mark.skipif(shutil.which("curl") is None or shutil.which("ba
 
 
 def api_blocks() -> list[tuple[str, str]]:
+    """The fenced blocks of the README's "API" section, then docs/api.md's (a block in both runs once)."""
     text = (ROOT / "README.md").read_text()
     section = text[text.index("\n## API\n"):]
     section = section[:section.index("\n## ", 1)]
-    return re.findall(r"```(\w+)\n(.*?)```", section, re.S)
+    blocks = re.findall(r"```(\w+)\n(.*?)```", section, re.S)
+    blocks += re.findall(r"```(\w+)\n(.*?)```", (ROOT / "docs" / "api.md").read_text(), re.S)
+    return list(dict.fromkeys(blocks))
 
 
 @pytest.fixture(scope="module")

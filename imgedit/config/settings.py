@@ -58,7 +58,7 @@ REGISTRY: tuple[Var, ...] = (
     Var("DEMO_DIR", "~/.cache/imgedit/demo", _str, "Where the demo checkpoint is built and cached"),
     Var("DEVICE_MAP", "balanced", parse_device_map,
         "balanced | auto | replicas | cfg-parallel | cfg-parallel:4|8 | ulysses[:2|4|8] | cuda | cuda:N | cpu | "
-        "JSON map (see README)"),
+        "JSON map (see docs/gpus.md)"),
     Var("MAX_MEMORY", "", _max_memory,
         "Per-GPU memory caps, e.g. 75GiB,75GiB (one per visible GPU, or one for all); empty = free memory"),
     Var("GPU_MEMORY_RESERVE", "1.5GiB", _size,

@@ -1,7 +1,7 @@
 """Edit masks as users send them, turned into one form: an 8-bit greyscale image the size of the first
 input, 255 where the edit may change pixels and 0 where the input's pixels are kept.
 
-Two conventions are read (the README says which is which):
+Two conventions are read (docs/features.md says which is which):
 - OpenAI's (`images.edit(mask=...)`): a PNG with an alpha channel; fully transparent pixels mark the
   area to edit, everything else is kept.
 - A plain black-and-white image (no transparency): white marks the area to edit, black keeps.

@@ -16,7 +16,7 @@ import gradio as gr
 import numpy as np
 from PIL import Image
 
-from imgedit.engine.masks import DEFAULT_FEATHER
+from imgedit.engine.masks import DEFAULT_FEATHER, MAX_FEATHER, MAX_GROW
 from imgedit.web.uploads import upload_folder, uploaded_paths
 
 MASK_COLOUR = "#ff2d6f"
@@ -32,8 +32,9 @@ def build_mask_controls():
             brush=gr.Brush(colors=[MASK_COLOUR], color_mode="fixed", default_size=32),
             eraser=gr.Eraser(default_size=32))
         with gr.Row():
-            feather = gr.Slider(0, 64, value=DEFAULT_FEATHER, step=1, label="Soft edge (px)", elem_id="mask-feather")
-            grow = gr.Slider(0, 64, value=0, step=1, label="Grow (px)", elem_id="mask-grow")
+            feather = gr.Slider(0, MAX_FEATHER, value=DEFAULT_FEATHER, step=1, label="Soft edge (px)",
+                                elem_id="mask-feather")
+            grow = gr.Slider(0, MAX_GROW, value=0, step=1, label="Grow (px)", elem_id="mask-grow")
             strength = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Strength (1 = repaint)",
                                  elem_id="mask-strength")
     painted = gr.Textbox(visible=False)  # a path in the upload cache, or ""
