@@ -63,7 +63,7 @@ def folder(tmp_path_factory):
 def run(language: str, code: str, server, folder: Path) -> str:
     code = code.replace("http://localhost:7860", server.url).replace("localhost:7860", server.url)
     command = [sys.executable, "-c", code] if language == "python" else ["bash", "-euo", "pipefail", "-c", code]
-    env = {**os.environ, "API_KEY": KEY}
+    env = {**os.environ, "IMGEDIT_API_KEY": KEY}  # the variable the examples (and the page's snippets) read
     done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, f"{language} example failed:\n{code}\n--- out\n{done.stdout}\n--- err\n{done.stderr}"
     assert "Traceback" not in done.stdout + done.stderr
