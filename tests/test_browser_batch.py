@@ -5,6 +5,8 @@ Saves a screenshot to artifacts/browser-batch.png.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import ARTIFACTS, make_manager, open_app, picture, start_server
 
@@ -74,6 +76,10 @@ def test_batch_in_the_page_then_history_per_browser(browser, plus_ckpt, tmp_path
         shown = page.locator("#history-result img").first.bounding_box()  # one result: not a full-width banner
         assert shown["width"] <= 340 and shown["height"] <= 340, shown
         page.locator("#history-download a").first.wait_for(state="visible", timeout=30_000)
+        # #46 item 6: named as Download PNG names a result (it was imgedit-<hash>.png)
+        link = page.locator("#history-download a").first
+        name = link.get_attribute("download") or link.get_attribute("href").rsplit("/", 1)[-1]
+        assert re.fullmatch(r"turn-the-stripes-blue-seed\d+\.png", name.strip()), name
         page.locator("#history-open").click()
         expect(page.locator("#prompt textarea")).to_have_value("turn the stripes blue", timeout=30_000)
         expect(page.locator("#input-files")).to_contain_text("input-1", timeout=30_000)

@@ -19,7 +19,7 @@ from imgedit.engine.images import read_settings
 from imgedit.engine.validation import lora_adapters, speed_preset
 from imgedit.errors import ImgEditError
 from imgedit.protocol import EditRequest
-from imgedit.web.exports import export_copy
+from imgedit.web.exports import download_name, export_copy
 from imgedit.web.identity import page_owner
 from imgedit.web.speed import NO_LORA, stored_cache_choice
 from imgedit.web.tools import refusal, user_error
@@ -117,7 +117,8 @@ def build_history_tab(settings: Settings, history: HistoryStore, edit_inputs: li
         text = (f"**{html.escape(entry.prompt)}**{words}  \nseed {entry.seed} · {entry.steps} steps{made_with} · "
                 f"{entry.out_width}x{entry.out_height} · {entry.outputs} image(s) · {_when(entry.created)}")
         images = [Image.open(p) for p in entry.output_paths]
-        return entry.id, text, images, export_copy(entry.output_paths, f"imgedit-{entry.id}")
+        # named as the page's Download PNG names a result: its prompt's first words and its seed
+        return entry.id, text, images, export_copy(entry.output_paths, download_name(entry.prompt, entry.seed))
 
     def values(entry: HistoryEntry, speed: tuple) -> tuple:
         inputs = [export_copy([p], f"input-{k + 1}") for k, p in enumerate(entry.input_paths)]
