@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from conftest import make_manager, start_server
+from conftest import make_manager, start_server, wait_for
 
 HALF_OPEN = b"GET /health HTTP/1.1\r\nHost: x\r\n"  # no final blank line: the headers never end
 
@@ -94,13 +94,11 @@ def test_a_flood_from_many_addresses_meets_the_servers_cap(guarded_server):
     finally:
         for s in socks:
             s.close()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # the server lets go of the closed sockets, then serves again
+    def serves() -> bool:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                break
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    else:
-        pytest.fail("the server did not serve again after the flood")
+            return False
+
+    # the server lets go of the closed sockets, then serves again
+    wait_for(serves, 10, "the server did not serve again after the flood")

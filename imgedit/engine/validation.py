@@ -83,13 +83,8 @@ def check_aspect(size: tuple[int, int], family: str, label: str) -> None:
                            f"1:{max_aspect(family)}: crop or pad it", "images")
 
 
-def output_size(width: int, height: int, last_image_size: tuple[int, int], settings: Settings) -> tuple[int, int]:
-    """The size an edit with one side given (the other 0) comes out at (InvalidInput when out of range)."""
-    return _size(width, height, last_image_size, settings)
-
-
-def _size(width: int | None, height: int | None, last_image_size: tuple[int, int] | None,
-          settings: Settings) -> tuple[int | None, int | None]:
+def output_size(width: int | None, height: int | None, last_image_size: tuple[int, int] | None,
+                settings: Settings) -> tuple[int | None, int | None]:
     """The output size the pipeline gets: None/None = from the input's aspect (about 1 MP). With one
     side given the other follows the last input's aspect; sides are rounded down to multiples of 16."""
     width = width or None
@@ -162,11 +157,11 @@ def resolve(req: EditRequest, settings: Settings, family: str,
         # A masked edit follows the first image (the one it changes), not the last as the pipelines do.
         first = req.images[0].size
         check_mask_size(req.mask.size, first)
-        width, height = _size(req.width, req.height, first, settings)
+        width, height = output_size(req.width, req.height, first, settings)
         if width is None:
             width, height = _masked_size(first, settings)
     else:
-        width, height = _size(req.width, req.height, last_image_size, settings)
+        width, height = output_size(req.width, req.height, last_image_size, settings)
     # True CFG runs only when a negative prompt is passed: always pass one (" " when empty).
     negative = req.negative_prompt if (req.negative_prompt or "").strip() else " "
     adapters = lora_adapters(req, settings, preset)

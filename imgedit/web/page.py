@@ -343,7 +343,9 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         files.change(tools.preview_inputs, files, preview, preprocess=False, queue=False, api_visibility="private")
         follow_first_input(files, canvas)
         wire_enhance(settings, manager, files, prompt, enhance_controls, GPU_GROUP)
-        prompt.change(tools.prompt_count, prompt, counter, queue=False, preprocess=False, api_visibility="private")
+        # typing sends one count at a time: keystrokes while one is on its way collapse into the last
+        prompt.change(tools.prompt_count, prompt, counter, queue=False, preprocess=False, api_visibility="private",
+                      trigger_mode="always_last")
         # the last refusal beside Edit is about the last edit: a rewrite starts afresh
         enhance_controls[0].click(lambda: "", None, message, queue=False, api_visibility="private")
         preview.select(tools.chosen_input, None, chosen_input, queue=False, api_visibility="private")

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -105,10 +106,12 @@ def guard_gradio_cleanup() -> None:
         for temp_set in list(getattr(blocks, "temp_file_sets", ())):
             for entry in list(temp_set):
                 try:
-                    irregular = os.path.lexists(entry) and not os.path.isfile(entry) or os.path.islink(entry)
+                    regular = stat.S_ISREG(os.lstat(entry).st_mode)  # a link, a folder: not a file of its own
+                except FileNotFoundError:
+                    continue  # gone already: Gradio's sweep forgets it
                 except (OSError, TypeError, ValueError):
-                    irregular = True
-                if irregular:
+                    regular = False
+                if not regular:
                     log.warning("gradio's file records held %r, which is not a regular file: dropped, not deleted",
                                 str(entry)[:200])
                     temp_set.discard(entry)
