@@ -173,6 +173,7 @@ def count_compiles(pipe, spec) -> None:
 
     def compile(module, *args, **kwargs):
         kwargs.pop("mode", None)
+        kwargs.pop("options", None)  # inductor's
         return original(module, *args, **{**kwargs, "backend": counting})
 
     torch.nn.Module.compile = compile

@@ -12,7 +12,7 @@ import os
 import tempfile
 
 import pytest
-from conftest import _MANAGERS, cfg_plan, picture
+from conftest import _MANAGERS, cfg_plan, cpu_plan, picture
 from transformers import AutoTokenizer
 
 from imgedit.config.settings import load_settings
@@ -71,6 +71,35 @@ def test_a_compiled_splitting_pair_compiles_nothing_after_its_warm_up(pair_ckpt)
                 result = manager.edit(EditRequest(images=(picture(64, 64),), prompt=prompt, seed=1, width=64,
                                                   height=64, speed=speed, **steps))
                 assert len(result.images) == 1
+        with open(compiles) as f:
+            after = f.read().splitlines()
+        assert after == at_ready, f"compiled after the warm-up: {after[len(at_ready):]}"
+    finally:
+        os.environ.pop("IMGEDIT_TEST_COMPILES", None)
+        os.unlink(compiles)
+
+
+def test_the_blocks_compile_dynamic_from_the_first_size(pair_ckpt):
+    """One warm-up size, then edits at other sizes: nothing compiles after ready (the blocks are compiled
+    dynamic in the sequence lengths; a static first compile cost every variant one more compile at start-up)."""
+    ckpt, _ = pair_ckpt
+    compiles = tempfile.NamedTemporaryFile(prefix="imgedit-compiles-", delete=False).name
+    os.environ["IMGEDIT_TEST_COMPILES"] = compiles
+    try:
+        settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cpu", "COMPILE": "on",
+                                  "WORKER_START": "forkserver", "OUTPUT_DIR": tempfile.mkdtemp(prefix="imgedit-out-")})
+        manager = PipelineManager(settings, plan=cpu_plan(1), worker_hook="faults:count_compiles",
+                                  warmup_sizes=((64, 64),))
+        _MANAGERS.append(manager)
+        manager.load()
+        assert manager.workers[0].info.get("compiled") is True, manager.workers[0].info
+        with open(compiles) as f:
+            at_ready = f.read().splitlines()
+        assert at_ready
+        for width, height in ((96, 64), (64, 128)):
+            result = manager.edit(EditRequest(images=(picture(width, height),), prompt="make it red", seed=1,
+                                              width=width, height=height, num_inference_steps=2))
+            assert result.images[0].size == (width, height)
         with open(compiles) as f:
             after = f.read().splitlines()
         assert after == at_ready, f"compiled after the warm-up: {after[len(at_ready):]}"

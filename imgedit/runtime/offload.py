@@ -234,8 +234,20 @@ def attention_in_use(transformer: torch.nn.Module) -> str:
 def compile_transformer(transformer: torch.nn.Module, memory: MemoryMode | None, mode: str = "default") -> None:
     """COMPILE: the repeated blocks, as diffusers' compile_repeated_blocks does, in COMPILE_MODE.
     Streamed blocks stay eager: their offload hooks move weights in functions torch.compile must not
-    trace (diffusers marks them torch.compiler.disable, which fullgraph=True refuses)."""
-    options = {"fullgraph": True} | ({"mode": mode} if mode != "default" else {})
+    trace (diffusers marks them torch.compiler.disable, which fullgraph=True refuses).
+
+    Dynamic in the sequence lengths from the first compile: a static first compile is never used again once
+    a second size recompiles dynamic (dynamo tries its newest entry first), so it only cost start-up time, once
+    per variant of the block (on a CPU pair with a Lightning LoRA and an int8 fast copy: 14 compiles to ready,
+    10 dynamic). In the default mode, no GEMM autotuning: inductor autotunes fp8's `_scaled_mm` against Triton
+    templates even outside max-autotune (`tuned_scaled_mm` asks `use_triton_template(..., check_max_autotune=False)`),
+    which made each compile of an fp8 block take minutes; `max_autotune_gemm_backends=ATEN` keeps cuBLAS's
+    kernel, as the bf16 matmuls already do in this mode."""
+    options: dict = {"fullgraph": True, "dynamic": True}
+    if mode == "default":
+        options["options"] = {"max_autotune_gemm_backends": "ATEN"}
+    else:
+        options["mode"] = mode
     if memory is None or not memory.streams_blocks:
         transformer.compile_repeated_blocks(**options)
         return

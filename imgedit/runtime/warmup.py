@@ -29,7 +29,7 @@ def compile_and_warm_up(spec: WorkerSpec, runner, transformers: tuple, info: dic
     if spec.loras or split:
         # each adapter set is one more compiled variant of the block (guards on peft's state), each of them
         # up to four times where text is split (a pair's Ulysses on with and without the padding mask, and
-        # off; a first static entry before the dynamic one); a fast copy's quantized blocks are variants of the
+        # off; a batch of one specialised apart from n > 1); a fast copy's quantized blocks are variants of the
         # same block code too
         limit = (8 + 2 * len(spec.loras) + 2 * (len(transformers) - 1)) * (4 if split else 1)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
@@ -89,8 +89,9 @@ def warm_up_rewrite(pipe, fallbacks: list[str], compiled: bool) -> float:
 
 
 def warm_up(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
-    """Compile before any user waits: one short CFG edit per warm-up size (the second size makes the
-    compiler mark the sequence lengths dynamic, so later sizes do not recompile from scratch)."""
+    """Compile before any user waits: one short CFG edit per warm-up size. The blocks compile dynamic in the
+    sequence lengths from the first size (offload.compile_transformer); the second size checks, before any user
+    waits, that no guard of the first one specialised a length."""
     from PIL import Image
 
     from imgedit.protocol import EditRequest, Resolved
