@@ -239,15 +239,12 @@ def compile_transformer(transformer: torch.nn.Module, memory: MemoryMode | None,
     Dynamic in the sequence lengths from the first compile: a static first compile is never used again once
     a second size recompiles dynamic (dynamo tries its newest entry first), so it only cost start-up time, once
     per variant of the block (on a CPU pair with a Lightning LoRA and an int8 fast copy: 14 compiles to ready,
-    10 dynamic). In the default mode, no GEMM autotuning: inductor autotunes fp8's `_scaled_mm` against Triton
-    templates even outside max-autotune (`tuned_scaled_mm` asks `use_triton_template(..., check_max_autotune=False)`),
-    which made each compile of an fp8 block take minutes; `max_autotune_gemm_backends=ATEN` keeps cuBLAS's
-    kernel, as the bf16 matmuls already do in this mode."""
-    options: dict = {"fullgraph": True, "dynamic": True}
-    if mode == "default":
-        options["options"] = {"max_autotune_gemm_backends": "ATEN"}
-    else:
-        options["mode"] = mode
+    10 dynamic; on 2x H200 the second warm-up size now compiles nothing). Inductor autotunes fp8's `_scaled_mm`
+    against Triton templates even in the default mode (`tuned_scaled_mm`); keeping cuBLAS's kernel instead
+    (`max_autotune_gemm_backends=ATEN`) did not make an fp8 block's compile short (182 s for one variant, a 2x H200
+    host alone; 2.3-4.1 min with autotuning on a shared 4x H200 host: docs/BENCHMARKS.md), and its step time was
+    not measured, so inductor keeps its own choice until benchmarks/probe_fp8_compile.py says more."""
+    options: dict = {"fullgraph": True, "dynamic": True} | ({"mode": mode} if mode != "default" else {})
     if memory is None or not memory.streams_blocks:
         transformer.compile_repeated_blocks(**options)
         return
