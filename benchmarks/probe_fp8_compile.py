@@ -71,7 +71,7 @@ def one(mode: str, gemms: str, device: str, backend: str) -> dict:
     first = call()
     second = call()
     names, values = compile_times(repr="csv", aggregate=True)
-    breakdown = {name: round(float(value), 2) for name, value in zip(names, values)}
+    breakdown = {name: round(float(value), 2) for name, value in zip(names, values, strict=True)}
     return {"mode": mode, "gemms": gemms, "backend": backend, "device": device, "quantized_linears": quantized,
             "compile_s": round(first, 1), "second_call_s": round(second, 3), "finite": call.finite,
             "breakdown_s": {k: v for k, v in breakdown.items() if v >= 0.5},

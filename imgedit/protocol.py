@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
+from enum import Enum
 
 from PIL import Image
 
@@ -151,12 +152,40 @@ class JobRecord:
     task: str = "edit"  # edit | enhance (a prompt rewrite alone)
 
 
+class WorkerState(str, Enum):
+    """Where a worker is in its life. Written only by its handle (imgedit.engine.pool: its pump thread as the
+    processes report, `claim()`/`release()` for the manager's line); a str, so /health and the panel read the
+    value."""
+
+    LOADING = "loading"
+    IDLE = "idle"
+    BUSY = "busy"
+    RESTARTING = "restarting"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+    __str__ = str.__str__  # "idle", in logs and f-strings as in JSON
+
+    @property
+    def serving(self) -> bool:
+        return self in (WorkerState.IDLE, WorkerState.BUSY)
+
+    @property
+    def coming(self) -> bool:
+        """Loading or restarting: it will serve (or fail) soon."""
+        return self in (WorkerState.LOADING, WorkerState.RESTARTING)
+
+    @property
+    def ended(self) -> bool:
+        return self in (WorkerState.FAILED, WorkerState.STOPPED)
+
+
 @dataclass(frozen=True)
 class WorkerStatus:
     name: str
     devices: tuple[str, ...]
     placement: dict[str, str]
-    state: str  # loading | idle | busy | restarting | failed | stopped
+    state: WorkerState
     job_id: str | None
     step: int
     total_steps: int
@@ -178,6 +207,9 @@ class WorkerStatus:
     # optimisations that failed to build and what the worker runs instead ("compile failed → eager: ...")
     fallbacks: tuple[str, ...] = ()
     job_client: str | None = None  # who asked for the running job (imgedit.web.identity's owner); never shown
+
+    def __post_init__(self):
+        object.__setattr__(self, "state", WorkerState(self.state))  # "busy" given as text is the member
 
 
 @dataclass(frozen=True)

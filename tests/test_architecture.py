@@ -41,6 +41,8 @@ CHILD_ENTRIES = {("imgedit.engine.pool", "imgedit.runtime.worker"),
                  ("imgedit.engine.ray_pool", "imgedit.runtime.worker")}
 TOP_LEVEL_MAX = 6
 LINES_MAX = 400
+LINES_HARD = 600
+WIDTH_MAX = 110
 
 
 def modules() -> dict[str, Path]:
@@ -147,12 +149,41 @@ def test_base_modules_import_only_each_other():
 def test_the_layout_stays_small():
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= TOP_LEVEL_MAX, f"{len(top)} modules directly under imgedit/: {top}"
-    lines = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
-    long = {name: n for name, n in lines.items() if n > LINES_MAX}
-    assert long == {}, f"modules over {LINES_MAX} lines: {long}"
+    # A module's length is a signal, not a rule: one concern may run past LINES_MAX, unpacked (no line over
+    # WIDTH_MAX characters: lines packed to stay short are what the signal was to prevent).
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text().splitlines()
+        if len(text) > LINES_MAX:
+            wide = [i for i, line in enumerate(text, 1) if len(line) > WIDTH_MAX]
+            assert len(text) <= LINES_HARD and not wide, (
+                f"{path.relative_to(ROOT)}: {len(text)} lines; over {LINES_MAX} it must be one concern, under "
+                f"{LINES_HARD} lines, none over {WIDTH_MAX} characters (lines {wide[:10]})")
     for package in ALLOWED:
         doc = ast.get_docstring(ast.parse((ROOT / package.replace(".", "/") / "__init__.py").read_text()))
         assert doc and "import" in doc.lower(), f"{package} must say in its docstring what it owns and may import"
+
+
+def state_writers(path: Path) -> list[int]:
+    """Lines that assign a worker's `state` (`worker.state = ...`, `w.state, w.detail = ...`)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Assign):
+            targets = [t for target in node.targets
+                       for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+            if any(isinstance(t, ast.Attribute) and t.attr == "state" and isinstance(t.value, ast.Name)
+                   and t.value.id in ("worker", "w", "handle") for t in targets):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_handle_writes_a_workers_state(tmp_path):
+    """A worker's state has one owner: its handle (its pump thread, claim() and release()); the manager's line
+    asks the handle, it does not write the state itself."""
+    writers = {name: found for name, path in modules().items() if (found := state_writers(path))}
+    assert writers == {}, f"a worker's state written outside its handle: {writers}"
+    planted = tmp_path / "line.py"
+    planted.write_text("def take(worker):\n    worker.state = 'busy'\n")
+    assert state_writers(planted) == [2]
 
 
 def test_the_checker_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):

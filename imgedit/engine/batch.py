@@ -26,7 +26,7 @@ from imgedit.engine.history import HistoryEntry, HistoryStore
 from imgedit.engine.images import SUFFIXES, mask_digest, open_image, reencoded
 from imgedit.engine.job_records import JobRecords, job_state
 from imgedit.errors import Cancelled, ImgEditError, InputTooLarge, InvalidInput, QueueFull
-from imgedit.protocol import EditRequest, new_request_id
+from imgedit.protocol import EditRequest, WorkerState, new_request_id
 
 log = logging.getLogger(__name__)
 
@@ -227,11 +227,11 @@ class JobService:
                             f"would hold more than {most} of the {settings.jobs_max_pending} places (CLIENT_SHARE of "
                             "JOBS_MAX_PENDING); try again when some have finished")
         status = self.manager.status()
-        if status.waiting >= settings.queue_max_size and not any(w.state == "idle" for w in status.workers):
+        if status.waiting >= settings.queue_max_size and not any(w.state is WorkerState.IDLE for w in status.workers):
             raise QueueFull(f"the server is busy ({status.waiting} jobs waiting); try again later")
         job = Job("job_" + secrets.token_urlsafe(12), owner, source, template,
                   [Item(n, clean_name(name, n), data) for n, (name, data) in enumerate(inputs)])
-        ahead = status.waiting + sum(w.state == "busy" for w in status.workers)
+        ahead = status.waiting + sum(w.state is WorkerState.BUSY for w in status.workers)
         job.items[0].position = ahead
         self._jobs[job.id] = job
         self._persist(job)

@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from imgedit.planning.plan import GpuSpec
-from imgedit.protocol import ManagerStatus
+from imgedit.protocol import ManagerStatus, WorkerState
 
 log = logging.getLogger(__name__)
 MIB = 1024**2
@@ -248,7 +248,7 @@ def _annotate(readings: list[GpuReading], status: ManagerStatus) -> None:
                     elif any(part.endswith(f" -> {device}") for part in where.split(", ")):
                         label = f"{component} ({_blocks_on(where, device)}){extra}"
                         by_device[device].holds.append(f"{worker.name}: {label}")
-        if worker.state == "busy" and worker.job_id:
+        if worker.state is WorkerState.BUSY and worker.job_id:
             for device in worker.devices:
                 if device in by_device:
                     by_device[device].running.append(
@@ -268,7 +268,7 @@ def _split_memory(by_device: dict[str, GpuReading], status: ManagerStatus) -> No
     for worker in status.workers:
         for device, mib in worker.weights_mib.items():
             measured[device] = measured.get(device, 0.0) + mib
-    loaded = {d for w in status.workers if w.state in ("idle", "busy") for d in w.devices}
+    loaded = {d for w in status.workers if w.state.serving for d in w.devices}
     for device, r in by_device.items():
         if device in measured:
             weights, r.weights_source = measured[device], "measured"

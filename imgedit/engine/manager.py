@@ -40,7 +40,7 @@ from imgedit.planning import modes
 from imgedit.planning.checkpoint import Checkpoint, open_checkpoint
 from imgedit.planning.memory import bytes_item, plan_memory
 from imgedit.planning.plan import GpuSpec, Plan
-from imgedit.protocol import EditRequest, EditResult, JobRecord, ManagerStatus, Resolved
+from imgedit.protocol import EditRequest, EditResult, JobRecord, ManagerStatus, Resolved, WorkerState
 from imgedit.runtime.messages import Done, Job, WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class PipelineManager:
 
     @property
     def ready(self) -> bool:
-        return any(w.state in ("idle", "busy") for w in self.workers)
+        return any(w.state.serving for w in self.workers)
 
     @property
     def capacity(self) -> int:
@@ -215,7 +215,7 @@ class PipelineManager:
         self.start()
         deadline = time.monotonic() + timeout
         with self._cond:
-            while any(w.state in ("loading", "restarting") for w in self.workers):
+            while any(w.state.coming for w in self.workers):
                 if time.monotonic() > deadline:
                     raise WorkerFailed(f"the workers did not load within {timeout:.0f}s")
                 self._cond.wait(0.1)
@@ -245,7 +245,7 @@ class PipelineManager:
             return len(self._line)
 
     def _alive(self) -> bool:
-        return any(w.state in ("idle", "busy", "loading", "restarting") for w in self.workers)
+        return any(not w.state.ended for w in self.workers)
 
     def client_places(self) -> int:
         """The most places in the line one client may hold (CLIENT_SHARE of QUEUE_MAX_SIZE, at least one)."""
@@ -254,7 +254,7 @@ class PipelineManager:
     def _acquire(self, cancel: threading.Event | None, on_wait: WaitCallback | None,
                  client: str | None = None) -> WorkerHandle:
         with self._cond:
-            idle = [w for w in self.workers if w.state == "idle"]
+            idle = [w for w in self.workers if w.state is WorkerState.IDLE]
             if len(self._line) >= self.settings.queue_max_size and not idle:
                 raise QueueFull(f"the server is busy ({len(self._line)} jobs waiting); try again later")
             held = sum(t.client == client for t in self._line) if client is not None else 0
@@ -273,10 +273,9 @@ class PipelineManager:
                         raise WorkerFailed("no healthy GPU worker is left; see /health")
                     if self._line[0] is ticket:
                         for worker in self.workers:
-                            if worker.state == "idle" and worker.lock.acquire(blocking=False):
-                                worker.state = "busy"
+                            if worker.claim():
                                 return worker
-                    ahead = self._line.index(ticket) + sum(w.state == "busy" for w in self.workers)
+                    ahead = self._line.index(ticket) + sum(w.state is WorkerState.BUSY for w in self.workers)
                     if on_wait is not None and ahead != reported:
                         reported = ahead
                         on_wait(ahead)
@@ -287,10 +286,7 @@ class PipelineManager:
 
     def _release(self, worker: WorkerHandle) -> None:
         with self._cond:
-            worker.finish()
-            if worker.state == "busy":
-                worker.state = "idle"
-            worker.lock.release()
+            worker.release()
             self._cond.notify_all()
 
     async def run(self, req: EditRequest, on_step: StepCallback | None = None,
@@ -344,7 +340,8 @@ class PipelineManager:
         outcome, steps = "error", 0
         cancel = cancel or threading.Event()
         try:
-            restarting = any(w.state == "restarting" or (w.state == "loading" and w.restarts) for w in self.workers)
+            restarting = any(w.state is WorkerState.RESTARTING or (w.state is WorkerState.LOADING and w.restarts)
+                             for w in self.workers)
             if not self.ready and not restarting:  # a restarting worker is waited for, in line
                 if self.load_error and not self.workers:
                     raise NotReady(f"no worker is available: {self.load_error}")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from imgedit.errors import WorkerFailed
 from imgedit.planning.plan import Placement, WorkerPlan
-from imgedit.protocol import WorkerStatus
+from imgedit.protocol import WorkerState, WorkerStatus
 from imgedit.runtime.messages import (
     Cancel,
     Channel,
@@ -88,7 +88,8 @@ def localize(plan: WorkerPlan, visible: str | None) -> tuple[WorkerPlan, str | N
 
 
 def rank_gpus(plan: WorkerPlan) -> list[str]:
-    """A rank's GPUs as the server numbers them; its process sees them as cuda:0, cuda:1, ... in this order."""
+    """A rank's GPUs as the server numbers them; its process sees them as cuda:0, cuda:1, ... in this
+    order."""
     return [d for d in plan.devices if d.startswith("cuda:")]
 
 
@@ -125,7 +126,7 @@ class WorkerHandle:
         self.max_memory = max_memory  # MAX_MEMORY as set: one value for all GPUs, or one per visible GPU
         self.on_change = on_change
         self.lock = threading.Lock()  # held by the job thread that owns the worker
-        self.state = "loading"  # loading | idle | busy | restarting | failed | stopped
+        self.state = WorkerState.LOADING  # written here only: the pump thread, claim() and release()
         self.detail: str | None = "starting"
         self.error: str | None = None
         self.job_id: str | None = None
@@ -134,7 +135,8 @@ class WorkerHandle:
         self.jobs_done = 0
         self.restarts = 0
         self.info: dict = {}
-        self.weights_mib: dict[str, float] = {}  # per GPU (server numbering), as the ranks measured after loading
+        # per GPU (server numbering), as the ranks measured after loading
+        self.weights_mib: dict[str, float] = {}
         self.pids: tuple[int, ...] = ()
         self._procs: list = []
         self._inboxes: list[Channel] = []
@@ -143,6 +145,14 @@ class WorkerHandle:
         self._ready: set[int] = set()
         self._closing = False
         self._pump: threading.Thread | None = None
+
+    @property
+    def state(self) -> WorkerState:
+        return self._state
+
+    @state.setter
+    def state(self, value: WorkerState | str) -> None:
+        self._state = WorkerState(value)  # a test's planted "failed" is the member too
 
     # ---- life cycle ----
     def start(self) -> None:
@@ -166,9 +176,10 @@ class WorkerHandle:
                 if visible is not None:
                     os.environ["CUDA_VISIBLE_DEVICES"] = visible
                 # A forked worker inherits the forkserver's environment, not ours: it gets ours as of now.
-                proc = ctx.Process(target=_entry, name=f"imgedit-{self.name}-rank{rank}", daemon=True,
-                                   args=(dict(os.environ), spec, inbox_read, outbox_write, visible, self.cache_dir,
-                                         self.log_level))
+                args = (dict(os.environ), spec, inbox_read, outbox_write, visible, self.cache_dir,
+                        self.log_level)
+                name = f"imgedit-{self.name}-rank{rank}"
+                proc = ctx.Process(target=_entry, name=name, daemon=True, args=args)
                 try:
                     proc.start()
                 finally:
@@ -202,7 +213,7 @@ class WorkerHandle:
             except Exception:  # noqa: BLE001 - a broken queue: terminate below
                 pass
         self._reap(timeout)
-        self.state, self.detail = "stopped", None
+        self.state, self.detail = WorkerState.STOPPED, None
         if self._pump is not None and self._pump is not threading.current_thread():
             self._pump.join(timeout=2)
 
@@ -221,6 +232,21 @@ class WorkerHandle:
             channel.close()
         for conn in self._outboxes:
             conn.close()
+
+    # ---- the manager's line: one job at a time ----
+    def claim(self) -> bool:
+        """Take this worker for one job if it is idle (the calling job thread then holds `lock`)."""
+        if self.state is WorkerState.IDLE and self.lock.acquire(blocking=False):
+            self.state = WorkerState.BUSY
+            return True
+        return False
+
+    def release(self) -> None:
+        """Give the worker back after its job (it may have failed or be restarting meanwhile)."""
+        self.finish()
+        if self.state is WorkerState.BUSY:
+            self.state = WorkerState.IDLE
+        self.lock.release()
 
     # ---- jobs (called by the manager's job thread, which holds self.lock) ----
     def submit(self, job: Job) -> queue.Queue:
@@ -246,10 +272,11 @@ class WorkerHandle:
 
     # ---- the pump: messages and process deaths ----
     def _run_pump(self) -> None:
-        while not self._closing and self.state not in ("failed", "stopped"):
+        while not self._closing and not self.state.ended:
             outboxes, procs = list(self._outboxes), list(self._procs)
             try:
-                ready = multiprocessing.connection.wait([*outboxes, *(p.sentinel for p in procs)], timeout=0.5)
+                watched = [*outboxes, *(p.sentinel for p in procs)]
+                ready = multiprocessing.connection.wait(watched, timeout=0.5)
             except (OSError, ValueError):  # closed by stop()
                 time.sleep(0.05)
                 continue
@@ -281,14 +308,15 @@ class WorkerHandle:
                 if index < len(gpus):
                     self.weights_mib[gpus[index]] = mib
             if len(self._ready) == self.plan.ranks:
-                self.state, self.detail = "idle", None
+                self.state, self.detail = WorkerState.IDLE, None
                 log.info("%s ready in %.1fs %s", self.name, message.seconds, self.info)
                 self.on_change()
         elif isinstance(message, Loading):
-            if message.rank == 0 and self.state == "loading":  # rank 0 speaks for its group
+            if message.rank == 0 and self.state is WorkerState.LOADING:  # rank 0 speaks for its group
                 self.detail = f"{message.doing} ({message.elapsed:.0f} s)"
         elif isinstance(message, LoadFailed):
-            self.state, self.error, self.detail = "failed", f"rank {message.rank}: {message.message}", None
+            self.state, self.detail = WorkerState.FAILED, None
+            self.error = f"rank {message.rank}: {message.message}"
             log.error("%s failed to load: %s", self.name, self.error)
             self._closing = True
             self._reap(2)
@@ -303,7 +331,7 @@ class WorkerHandle:
                 self.jobs_done += 1
             if isinstance(message, Failed) and message.fatal:
                 # The rank exits now: no new job may reach this worker before its restart.
-                self.state, self.detail = "restarting", "a rank failed; restarting"
+                self.state, self.detail = WorkerState.RESTARTING, "a rank failed; restarting"
             if events is not None:
                 events.put(message)
 
@@ -315,36 +343,43 @@ class WorkerHandle:
                     self._handle(conn.recv())
             except (EOFError, OSError):
                 continue
-        if self.state in ("failed", "stopped") or self._closing:
+        if self.state.ended or self._closing:
             return
         codes = ", ".join(f"rank {self._procs.index(p)} exit code {p.exitcode}" for p in dead)
-        was_loading = self.state == "loading" and not self._ready
+        was_loading = self.state is WorkerState.LOADING and not self._ready
         log.error("%s: worker process ended (%s)%s", self.name, codes,
                   f" during {self.job_id}" if self.job_id else "")
         self._reap(1)  # the other ranks of a group cannot go on alone
         if self._events is not None:
             self._events.put(WorkerDied(
                 f"{self.name}'s process stopped during the job ({codes}); the worker is being restarted"))
-        if was_loading or self.restarts >= self.max_restarts:
-            self.state, self.detail = "failed", None
-            self.error = (f"the worker process ended while loading ({codes})" if was_loading else
-                          f"the worker process ended {self.restarts + 1} times; last: {codes}")
-            self.on_change()
+        if not self._restart_or_fail("the worker process", codes, was_loading):
             return
-        self.restarts += 1
-        self.state, self.detail = "restarting", f"restart {self.restarts} of {self.max_restarts}"
-        self.on_change()
         try:
             self._spawn()
         except (OSError, EOFError) as exc:  # e.g. the forkserver is gone (the server is being killed)
             log.error("%s: could not start a new worker process: %r", self.name, exc)
             self._reap(1)
-            self.state, self.detail = "failed", None
+            self.state, self.detail = WorkerState.FAILED, None
             self.error = f"the worker process ended ({codes}) and a new one could not be started: {exc!r}"
             self.on_change()
             return
-        self.state = "loading" if self.state == "restarting" else self.state
+        self.state = WorkerState.LOADING if self.state is WorkerState.RESTARTING else self.state
         self.detail = f"restarting ({self.restarts} of {self.max_restarts})"
+
+    def _restart_or_fail(self, what: str, reason: str, was_loading: bool) -> bool:
+        """The restart policy, one for both transports (processes here, Ray actors): a worker whose first load
+        died, or that used up MAX_RESTARTS, is failed; any other death is one more restart (True: respawn)."""
+        if was_loading or self.restarts >= self.max_restarts:
+            self.state, self.detail = WorkerState.FAILED, None
+            self.error = (f"{what} ended while loading ({reason})" if was_loading else
+                          f"{what} ended {self.restarts + 1} times; last: {reason}")
+            self.on_change()
+            return False
+        self.restarts += 1
+        self.state, self.detail = WorkerState.RESTARTING, f"restart {self.restarts} of {self.max_restarts}"
+        self.on_change()
+        return True
 
     # ---- status ----
     def status(self) -> WorkerStatus:

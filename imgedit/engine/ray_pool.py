@@ -23,6 +23,7 @@ from imgedit.engine.pool import WorkerDied, WorkerHandle, free_port, localize
 from imgedit.errors import WorkerFailed
 from imgedit.planning.placement import plan_placement
 from imgedit.planning.plan import ComponentSpec, Placement, Plan, WorkerPlan
+from imgedit.protocol import WorkerState
 from imgedit.runtime.messages import Ready
 
 log = logging.getLogger(__name__)
@@ -305,9 +306,9 @@ class RayWorkerHandle(WorkerHandle):
         ray = _ray()
         pending: dict = {}
         generation = 0
-        while not self._closing and self.state not in ("failed", "stopped"):
+        while not self._closing and not self.state.ended:
             if not ray.is_initialized():
-                self.state, self.error = "failed", "disconnected from the Ray cluster"
+                self.state, self.error = WorkerState.FAILED, "disconnected from the Ray cluster"
                 self.on_change()
                 return
             if generation != self._generation:
@@ -321,7 +322,7 @@ class RayWorkerHandle(WorkerHandle):
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S * 2)
             except BaseException:  # noqa: BLE001 - ray shut down under us (it raises SystemExit then)
                 if not ray.is_initialized():
-                    self.state, self.error = "failed", "disconnected from the Ray cluster"
+                    self.state, self.error = WorkerState.FAILED, "disconnected from the Ray cluster"
                     self.on_change()
                     return
                 raise
@@ -344,28 +345,21 @@ class RayWorkerHandle(WorkerHandle):
                     pending[actors[rank].poll.remote(POLL_S)] = ("poll", rank)
 
     def _on_actor_death(self, rank: int, exc: BaseException) -> None:
-        if self.state in ("failed", "stopped") or self._closing:
+        if self.state.ended or self._closing:
             return
         reason = _death_reason(exc)
         where = f"node {self.node[:8]}" if self.node else "its node"
         # A first load that fails is a fault of the model or the code (no retry); a restart that dies
         # while loading (its node going away, say) is one more restart.
-        was_loading = self.state == "loading" and not self._ready and self.restarts == 0
+        was_loading = self.state is WorkerState.LOADING and not self._ready and self.restarts == 0
         log.error("%s: Ray actor of rank %d on %s ended (%s)%s", self.name, rank, where, reason,
                   f" during {self.job_id}" if self.job_id else "")
         self._reap(0)  # the other ranks of a group cannot go on alone
         if self._events is not None:
             self._events.put(WorkerDied(f"{self.name}'s Ray actor (rank {rank} on {where}) stopped during the job "
                                         f"({reason}); the worker is being restarted"))
-        if was_loading or self.restarts >= self.max_restarts:
-            self.state, self.detail = "failed", None
-            self.error = (f"the Ray actor ended while loading ({reason})" if was_loading else
-                          f"the Ray actor ended {self.restarts + 1} times; last: {reason}")
-            self.on_change()
+        if not self._restart_or_fail("the Ray actor", reason, was_loading):
             return
-        self.restarts += 1
-        self.state, self.detail = "restarting", f"restart {self.restarts} of {self.max_restarts}"
-        self.on_change()
         node_gone = reason == NODE_LEFT or self._node_left(wait=NODE_VERDICT_S if reason == UNAVAILABLE else 0)
         if self.node_id and node_gone:
             # Its node left: place it again wherever the cluster has room (a node that comes back
@@ -374,7 +368,7 @@ class RayWorkerHandle(WorkerHandle):
             self._remove_group()
             self.node_id = None
         self._spawn()
-        self.state = "loading"
+        self.state = WorkerState.LOADING
         self.detail = f"restarting ({self.restarts} of {self.max_restarts}); waiting for room in the cluster"
 
     def _node_left(self, wait: float) -> bool:

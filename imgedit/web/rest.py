@@ -31,7 +31,7 @@ from imgedit.engine.images import REPLY_FORMATS, encoded, frame_notices, image_l
 from imgedit.engine.masks import open_mask
 from imgedit.engine.validation import check_counts
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
-from imgedit.protocol import REST, EditRequest, Resolved, parameters
+from imgedit.protocol import REST, EditRequest, Resolved, WorkerState, parameters
 from imgedit.web.identity import rest_owner
 from imgedit.web.metrics import CONTENT_TYPE, Metrics
 from imgedit.web.public import full_snapshot, open_snapshot
@@ -158,8 +158,9 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
         """Liveness + readiness: 200 once every worker has loaded and one is healthy; 503 otherwise. A
         worker being restarted does not make a server with another healthy worker unready."""
         status = manager.status()
-        first_load = not status.workers or any(w.state == "loading" and not w.restarts for w in status.workers)
-        coming_back = any(w.state in ("loading", "restarting") and w.restarts for w in status.workers)
+        first_load = not status.workers or any(w.state is WorkerState.LOADING and not w.restarts
+                                               for w in status.workers)
+        coming_back = any(w.state.coming and w.restarts for w in status.workers)
         ready = status.ready and not first_load
         if ready:
             state = "ok"
