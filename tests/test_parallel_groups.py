@@ -225,14 +225,14 @@ def test_groups_refused_clearly():
 
 
 def test_a_rank_destroys_its_process_groups_at_a_clean_stop():
-    """runtime.cfg_parallel.close_group, as a worker calls it after Stop (NCCL warned at every pair's exit that
+    """runtime.group.close_group, as a worker calls it after Stop (NCCL warned at every pair's exit that
     destroy_process_group() was not called); in a fresh interpreter, a world of one over gloo."""
     import subprocess
     import sys
 
     from conftest import ROOT, free_port
 
-    code = ("import torch.distributed as dist; from imgedit.runtime.cfg_parallel import close_group; "
+    code = ("import torch.distributed as dist; from imgedit.runtime.group import close_group; "
             f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{free_port()}', rank=0, world_size=1); "
             "sub = dist.new_group(backend='gloo'); "
             "print(dist.is_initialized(), close_group(timeout=30), dist.is_initialized(), close_group())")

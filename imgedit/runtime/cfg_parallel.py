@@ -19,13 +19,10 @@ Surviving a diffusers upgrade needs only "two transformer calls per step, cond f
 
 from __future__ import annotations
 
-import logging
 import types
 
 import torch
 import torch.distributed as dist
-
-log = logging.getLogger(__name__)
 
 
 class CfgPair:
@@ -132,46 +129,3 @@ def wrap_output(tensor: torch.Tensor, return_dict: bool):
 
         return Transformer2DModelOutput(sample=tensor)
     return (tensor,)
-
-
-def init_group(rank: int, world: int, port: int, cuda: bool):
-    """One small torch.distributed world per worker (its own port): gloo for control on the CPU,
-    NCCL for tensors on GPUs. Returns the CPU group used to agree on cancel."""
-    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-    kwargs = {}
-    if cuda:
-        kwargs["device_id"] = torch.device("cuda", 0)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **kwargs)
-    return dist.new_group(backend="gloo") if cuda else None
-
-
-def close_group(timeout: float = 10.0) -> bool:
-    """At a clean stop: destroy this rank's process groups, so NCCL frees its communicators and does not warn
-    "destroy_process_group() was not called before program exit" (it did at every pair's exit). Bounded: a peer
-    that is already gone must not keep this process alive. Returns whether it finished in time."""
-    import threading
-
-    if not dist.is_initialized():
-        return True
-    done = threading.Event()
-
-    def destroy() -> None:
-        try:
-            dist.destroy_process_group()
-        except Exception as exc:  # noqa: BLE001 - the process is ending either way
-            log.warning("destroying the process group failed: %r", exc)
-        finally:
-            done.set()
-
-    threading.Thread(target=destroy, name="destroy-group", daemon=True).start()
-    if not done.wait(timeout):
-        log.warning("destroying the process group did not finish in %.0fs; the process ends anyway", timeout)
-        return False
-    return True
-
-
-def agree_to_stop(local: bool, group=None) -> bool:
-    """Every rank of the group must stop at the same step, or one would wait forever in a collective."""
-    flag = torch.tensor([1 if local else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())

@@ -16,7 +16,7 @@ import torch
 
 from imgedit.errors import Cancelled, ImgEditError, OutOfGpuMemory, WorkerFailed
 from imgedit.protocol import EditResult
-from imgedit.runtime.cfg_parallel import agree_to_stop
+from imgedit.runtime.group import agree_to_stop
 from imgedit.runtime.messages import Job
 
 log = logging.getLogger(__name__)

@@ -64,7 +64,7 @@ def main(spec: WorkerSpec, inbox, outbox, visible_devices: str | None, cache_dir
     outbox.put(Ready(spec.rank, os.getpid(), seconds, info))
     _serve(spec, runner, inbox, outbox)
     if spec.world > 1:  # a clean stop: every rank got Stop and left its last collective
-        from imgedit.runtime.cfg_parallel import close_group
+        from imgedit.runtime.group import close_group
 
         close_group()
 
@@ -94,7 +94,7 @@ def _load(spec: WorkerSpec, say=lambda doing: None):
         torch.set_num_threads(spec.cpu_threads)
     group = None
     if spec.world > 1:
-        from imgedit.runtime.cfg_parallel import init_group
+        from imgedit.runtime.group import init_group
 
         group = init_group(spec.rank, spec.world, spec.master_port, cuda)
     from imgedit.runtime import offload
@@ -121,7 +121,7 @@ def _load(spec: WorkerSpec, say=lambda doing: None):
     # every rank loads the same LoRAs, all disabled; FUSE_LORA copies the weights they adapt (counted as weights)
     agree = None  # FUSE_LORA: the ranks of a group fuse all or none (a vote over the CPU group: any "no" wins)
     if spec.world > 1:
-        from imgedit.runtime.cfg_parallel import agree_to_stop
+        from imgedit.runtime.group import agree_to_stop
 
         def agree(ok: bool) -> bool:
             return not agree_to_stop(not ok, group)
