@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from imgedit.config.settings import Settings
-from imgedit.engine.gpus import discover_gpus, host_memory, host_threads
+from imgedit.engine import startup
+from imgedit.engine.gpus import discover_gpus, host_memory
 from imgedit.engine.images import stamp_result
 from imgedit.engine.inspection import inspect_checkpoint
 from imgedit.engine.pool import WorkerHandle, wait_result
@@ -41,7 +42,7 @@ from imgedit.planning.checkpoint import Checkpoint, open_checkpoint
 from imgedit.planning.memory import bytes_item, plan_memory
 from imgedit.planning.plan import GpuSpec, Plan
 from imgedit.protocol import EditRequest, EditResult, JobRecord, ManagerStatus, Resolved, WorkerState
-from imgedit.runtime.messages import Done, Job, WorkerSpec
+from imgedit.runtime.messages import Done, Job
 
 log = logging.getLogger(__name__)
 
@@ -159,36 +160,15 @@ class PipelineManager:
             log.info("%s: %d process(es), compile %s, encode cache %s, CPU threads %s", w.name, w.plan.ranks,
                      "on" if self.compile_enabled(w.plan) else "off", f"{s.encode_cache} input(s)" if s.encode_cache
                      else "off", w.spec.cpu_threads or "PyTorch's default")
-        if (refusal := modes.kernel_refusal(s, self._plans, self.checkpoint.attention_heads)) is not None:
-            self.load_error = refusal
-            raise PlacementError(refusal)
-        log.info("attention kernel: %s; compile mode: %s", s.attention, modes.compile_mode(s, self._plans))
-        if s.fast_quantize != "none":
-            copied = [f for f in self.loras if f.steps in modes.fast_steps(s)]
-            if (refusal := modes.fast_refusal(s, self._plans, len(copied))) is not None:
-                self.load_error = refusal
-                raise PlacementError(refusal)
-            log.info("fast mode weights: a %s copy of the transformer for %s, the LoRA fused in (FAST_QUANTIZE; "
-                     "lossy)", s.fast_quantize, ", ".join(f.name for f in copied))
-        if s.cache != "none":
-            if (refusal := self.cache_refusal()) is not None:
-                self.load_error = f"CACHE={s.cache} cannot run here: {refusal}"
-                raise PlacementError(self.load_error)
-            log.info("step cache for quality edits: %s%s", s.cache,
-                     f" (threshold {s.cache_threshold:g})" if s.cache == "first-block" else "")
+        if (refused := startup.refusal(s, self._plans, self.checkpoint, self.loras)) is not None:
+            self.load_error = refused
+            raise PlacementError(refused)
         return self
 
     def _handle(self, plan) -> WorkerHandle:
         s = self.settings
-        spec = WorkerSpec(name=plan.name, rank=0, world=plan.ranks, parallel=plan.parallel, plan=plan,
-                          checkpoint=self.checkpoint, dtype=s.torch_dtype, compile=self.compile_enabled(plan),
-                          hook=self.worker_hook, auto_cleanup=s.auto_cleanup, warmup_sizes=self.warmup_sizes,
-                          ulysses=plan.ulysses, loras=self.loras,
-                          pair_ulysses=modes.pair_ulysses(s, plan, self.checkpoint.attention_heads),
-                          encode_cache=s.encode_cache, attention=s.attention, compile_mode=s.compile_mode,
-                          fuse_lora=modes.fuse_lora(s, plan), activation_reserve=s.activation_reserve,
-                          fast_quantize=s.fast_quantize, fast_steps=modes.fast_steps(s),
-                          cpu_threads=modes.worker_threads(s, plan, self._plan.workers, *host_threads()))
+        spec = startup.worker_spec(s, plan, self._plan.workers, self.checkpoint, self.loras, self.worker_hook,
+                                   self.warmup_sizes)
         common = dict(cache_dir=s.compile_cache_dir, max_restarts=s.worker_restarts, log_level=s.log_level,
                       on_change=self._changed, max_memory=s.max_memory)
         if s.workers == "ray":
