@@ -6,6 +6,7 @@ Saves a screenshot to artifacts/browser-batch.png.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from conftest import ARTIFACTS, make_manager, open_app, picture, start_server
@@ -84,9 +85,24 @@ def test_batch_in_the_page_then_history_per_browser(browser, plus_ckpt, tmp_path
         expect(page.locator("#prompt textarea")).to_have_value("turn the stripes blue", timeout=30_000)
         expect(page.locator("#input-files")).to_contain_text("input-1", timeout=30_000)
 
+        # #46 item 6: a re-run's result shows here, where it was asked for, and joins the list; Delete removes
+        # an entry and its files
+        stored = Path(manager.settings.output_dir)
+        page.locator("#history-rerun").click()
+        page.locator("#history-details").get_by_text("Re-run done").wait_for(timeout=120_000)
+        expect(page.locator("#history-gallery img")).to_have_count(4, timeout=30_000)
+        page.locator("#history-result img").first.wait_for(state="visible", timeout=30_000)
+        assert "turn the stripes blue" in page.locator("#history-details").inner_text()
+        assert len(list(stored.rglob("thumb.png"))) == 4
+        page.locator("#history-delete").click()
+        page.locator("#history-details").get_by_text("Deleted:").wait_for(timeout=30_000)
+        expect(page.locator("#history-gallery img")).to_have_count(3, timeout=30_000)
+        assert len(list(stored.rglob("thumb.png"))) == 3
+        assert page.locator("#history-result img").count() == 0
+
         stranger = browser.new_context().new_page()
         open_app(stranger, server.url)
         stranger.get_by_role("tab", name="History").click()
         stranger.get_by_text("Nothing here yet").wait_for(timeout=30_000)
         assert stranger.locator("#history-gallery img").count() == 0
-        assert sum(w.jobs_done for w in manager.workers) == 3
+        assert sum(w.jobs_done for w in manager.workers) == 4  # the batch's three and the re-run

@@ -279,6 +279,31 @@ def test_rerun_repeats_the_speed_and_lora_and_a_retired_lora_is_a_clear_error(lo
 
 
 
+def test_delete_removes_ones_own_entry_and_its_files_and_never_anothers(lora_server, image_file):
+    """#46 item 6: History's Delete (the page's event, as the browser sends it) removes the chosen entry and its
+    folder; another browser naming the same entry id deletes nothing."""
+    from raw_gradio import RawGradio
+
+    owner = Client(lora_server.url, verbose=False)
+    owner.predict(*edit_args([image_file], seed=3), "quality", "none", 1.0, api_name="/edit")
+    listed = owner.predict(api_name="/history")
+    entry = listed[0]
+    folder = lora_server.manager.settings.output_dir
+    thumbs = {str(p) for p in Path(folder).rglob("thumb.png")}
+    other = Client(lora_server.url, verbose=False)  # another browser: a cookie of its own
+    stranger = RawGradio(lora_server.url, httpx.Client(timeout=60, cookies={COOKIE: other.cookies[COOKIE]}))
+    delete = stranger.fn_index(trigger=("history-delete", "click"))
+    refused = stranger.predict(delete, [entry["id"]])
+    assert refused.json()["error"] == "choose an entry in the history first", refused.text
+    assert {str(p) for p in Path(folder).rglob("thumb.png")} == thumbs  # nothing of the owner's went
+    mine = RawGradio(lora_server.url, httpx.Client(timeout=60, cookies={COOKIE: owner.cookies[COOKIE]}))
+    done = mine.predict(delete, [entry["id"]])
+    assert done.status_code == 200, done.text
+    assert done.json()["data"][1].startswith("Deleted:")
+    assert [e["id"] for e in owner.predict(api_name="/history")] == [e["id"] for e in listed[1:]]
+    assert len({str(p) for p in Path(folder).rglob("thumb.png")}) == len(thumbs) - 1
+
+
 def test_history_exports_are_swept_not_left_one_folder_a_click(tmp_path):
     """#27 item 5: "pick" and "Open in the editor" hand Gradio a copy; 25 clicks once left 25 folders."""
     import os

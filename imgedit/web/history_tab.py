@@ -1,8 +1,9 @@
 """The page's History tab and the `/history` gradio API: this browser's (or user's) stored edits.
 
 Lists thumbnails with prompt, seed and time; a chosen entry can be re-opened (its result and a
-download), loaded into the editor, or re-run with the same settings. Every lookup names the caller's
-owner (`imgedit.web.identity`), so another browser's entries are never found.
+download), loaded into the editor, re-run with the same settings (the new result is shown here, where the
+user clicked, as well as in the editor) or deleted with its files. Every lookup names the caller's owner
+(`imgedit.web.identity`), so another browser's entries are never found or deleted.
 """
 
 from __future__ import annotations
@@ -93,32 +94,66 @@ def build_history_tab(settings: Settings, history: HistoryStore, edit_inputs: li
         with gr.Row():
             reopen = gr.Button("Open in the editor", elem_id="history-open")
             rerun = gr.Button("Re-run with the same settings", elem_id="history-rerun")
+            delete = gr.Button("Delete", variant="stop", elem_id="history-delete")
 
-    def load(request: gr.Request):
+    def relist(request: gr.Request):
         who = owner(request)
-        if who is None:
-            return [], [], NO_OWNER
-        entries = history.list(who)
+        entries = history.list(who) if who is not None else []
         shown = [(Image.open(e.thumb_path), f"{e.prompt[:60]} · seed {e.seed} · {_when(e.created)}")
                  for e in entries if e.thumb_path.exists()]
-        ids = [e.id for e in entries if e.thumb_path.exists()]
-        return shown, ids, "" if entries else "Nothing here yet: finished edits appear here."
+        return shown, [e.id for e in entries if e.thumb_path.exists()]
 
-    def pick(ids: list[str], request: gr.Request, evt: gr.SelectData):
-        who = owner(request)
-        entry = history.get(who, ids[evt.index]) if who and 0 <= evt.index < len(ids) else None
-        if entry is None:
-            raise refusal("that entry is gone (deleted by the retention rules)")
+    def load(request: gr.Request):
+        if owner(request) is None:
+            return [], [], NO_OWNER
+        shown, ids = relist(request)
+        return shown, ids, "" if ids else "Nothing here yet: finished edits appear here."
+
+    def opened(entry: HistoryEntry, heading: str = "") -> tuple:
+        """(chosen id, details, result pictures, download) for one entry."""
         speed, lora, scale = speed_values(entry)
         made_with = (f" · {speed}" if speed != "quality" else "") + \
             (f" · LoRA {html.escape(lora)} ({scale:g})" if lora != NO_LORA else "") + \
             (f" · {html.escape(entry.weights)} weights" if entry.weights else "")
         words = f"  \n*rewritten from:* {html.escape(entry.original_prompt)}" if entry.original_prompt else ""
-        text = (f"**{html.escape(entry.prompt)}**{words}  \nseed {entry.seed} · {entry.steps} steps{made_with} · "
-                f"{entry.out_width}x{entry.out_height} · {entry.outputs} image(s) · {_when(entry.created)}")
+        text = (f"{heading}**{html.escape(entry.prompt)}**{words}  \nseed {entry.seed} · {entry.steps} steps"
+                f"{made_with} · {entry.out_width}x{entry.out_height} · {entry.outputs} image(s) · "
+                f"{_when(entry.created)}")
         images = [Image.open(p) for p in entry.output_paths]
         # named as the page's Download PNG names a result: its prompt's first words and its seed
         return entry.id, text, images, export_copy(entry.output_paths, download_name(entry.prompt, entry.seed))
+
+    def pick(ids: list[str], request: gr.Request, evt: gr.SelectData):
+        who = owner(request)
+        entry = history.get(who, ids[evt.index]) if who and 0 <= evt.index < len(ids) else None
+        if entry is None:
+            raise refusal("that entry is gone (deleted, or removed by the retention rules)")
+        return opened(entry)
+
+    def rerun_done(request: gr.Request):
+        """The re-run's result where the user clicked: the newest entry is the one the re-run just stored."""
+        who = owner(request)
+        newest = history.list(who, limit=1) if who else []
+        if not newest:
+            raise refusal("the re-run finished, but its result was not stored (see the editor above)")
+        return opened(newest[0], "Re-run done (also in the editor above):  \n")
+
+    def rerun_notice(entry_id: str | None, request: gr.Request) -> str:
+        """What the History tab says while a re-run runs (or why it does not: the editor's error says it too)."""
+        entry = history.get(owner(request), entry_id) if entry_id and owner(request) else None
+        if entry is None:
+            return "Choose an entry first."
+        try:
+            check_still_offered(entry, settings)
+        except ImgEditError as exc:
+            return f"Not re-run: {html.escape(exc.message)}."
+        return "Re-running with the same settings… the result appears here and in the editor."
+
+    def delete_entry(entry_id: str | None, request: gr.Request):
+        """Delete the chosen entry and its files (the caller's own only)."""
+        entry = chosen_entry(entry_id, request)
+        history.delete(owner(request), entry.id)
+        return "", f"Deleted: *{html.escape(entry.prompt[:80])}* (seed {entry.seed}).", [], None
 
     def values(entry: HistoryEntry, speed: tuple) -> tuple:
         inputs = [export_copy([p], f"input-{k + 1}") for k, p in enumerate(entry.input_paths)]
@@ -160,12 +195,19 @@ def build_history_tab(settings: Settings, history: HistoryStore, edit_inputs: li
         return [_describe(e) for e in history.list(who)] if who else []
 
     shown = [listing, ids, details]
+    entry_view = [chosen, details, outputs, download]
     refresh.click(load, None, shown, queue=False, api_visibility="private")
     tab.select(load, None, shown, queue=False, api_visibility="private")
-    listing.select(pick, ids, [chosen, details, outputs, download], queue=False, api_visibility="private")
+    listing.select(pick, ids, entry_view, queue=False, api_visibility="private")
     # Queued (its own default group, never behind GPU jobs): only queued events can show fill's notice.
     reopen.click(fill, chosen, edit_inputs, api_visibility="private")
+    # A re-run is an ordinary edit of the editor's; its progress and its result show here too.
     rerun.click(fill_for_rerun, chosen, edit_inputs, queue=False, api_visibility="private").success(
         edit, edit_inputs, edit_outputs, concurrency_id=gpu_group, concurrency_limit=None, preprocess=False,
-        show_progress_on=edit_outputs[:1], api_visibility="private")
+        show_progress_on=[edit_outputs[0], outputs], api_visibility="private"
+    ).success(rerun_done, None, entry_view, queue=False, api_visibility="private").then(
+        relist, None, [listing, ids], queue=False, api_visibility="private")
+    rerun.click(rerun_notice, chosen, details, queue=False, api_visibility="private")
+    delete.click(delete_entry, chosen, entry_view, queue=False, api_visibility="private").success(
+        relist, None, [listing, ids], queue=False, api_visibility="private")
     return history_api

@@ -35,7 +35,9 @@ def refusal(message: str, title: str | None = None) -> gr.Error:
     """A user's error for the page: one INFO line in the log, not the traceback Gradio prints for every
     gr.Error it catches (print_exception). The message is rendered as HTML, so pass it escaped."""
     log.info("page: refused (%s): %s", title or "error", message)
-    return gr.Error(message, title=title, print_exception=False)
+    # always titled: an untitled gr.Error of an unqueued event (History's buttons) reached its caller as the
+    # generic "could not be processed" (imgedit.web.uploads lets only titled errors through as ours)
+    return gr.Error(message, title=title or "Error", print_exception=False)
 
 
 def user_error(exc: BaseException) -> gr.Error:
