@@ -381,13 +381,15 @@ def test_paint_a_mask_and_only_that_area_changes(browser, server, manager, photo
     expect(page.locator("#mask-canvas button[aria-label=Undo]")).to_be_enabled(timeout=60_000)
     expect(page.locator("#mask-canvas [data-testid=status-tracker]")).to_have_class(re.compile(r"\bhide\b"),
                                                                                    timeout=60_000)
-    box = canvas.bounding_box()
-    y = box["y"] + box["height"] / 2
+    # the inputs' thumbnails above the canvas render from the upload's answer: the canvas moves down then
+    page.locator("#input-preview img").first.wait_for(state="visible", timeout=30_000)
     # The editor sends its layers to the server after a stroke (several uploads); an Edit clicked before they
     # land edits with the value before the stroke (seen in a CI-like run on the loaded 2-core machine). Once,
     # on a machine loaded beyond CI's, the uploads after the stroke carried no paint at all and the edit ran
     # unmasked: the stroke is drawn again until an upload carries it (the edit below must then be masked).
     for _ in range(3):
+        box = canvas.bounding_box()  # measured again for each stroke: the page's layout may have moved it
+        y = box["y"] + box["height"] / 2
         since, painted_after = time.monotonic(), time.time() - 1  # file times: a second of slack for their rounding
         page.mouse.move(box["x"] + box["width"] * 0.3, y)
         page.mouse.down()
@@ -453,3 +455,51 @@ def test_enhance_puts_the_models_rewrite_in_the_prompt_and_one_click_brings_the_
     page.locator("#enhance-button").click()
     expect(page.locator("#enhance-note")).to_contain_text("image", timeout=60_000)
     assert page.locator("#prompt textarea").input_value() == "make it winter"
+
+
+def test_output_size_presets_match_an_input_or_an_aspect(browser, server, manager, tmp_path):
+    """#46 (an editor): the output's shape by name. With a landscape and a portrait input the output used to
+    follow the last one; "match image 1" gives image 1's shape, an aspect preset its own, and an edit's output
+    has that size."""
+    landscape, portrait = tmp_path / "landscape.png", tmp_path / "portrait.png"
+    picture(160, 80).save(landscape)
+    picture(60, 120, (200, 60, 60)).save(portrait)
+    page = open_page(browser, server, small=False)
+    page.get_by_text("Advanced").click()
+    page.locator("#input-files input[type=file]").set_input_files([str(landscape), str(portrait)])
+    page.locator("#input-preview img").nth(1).wait_for(state="visible", timeout=30_000)
+    width, height = page.get_by_label("Width (0 = auto)"), page.get_by_label("Height (0 = auto)")
+    assert (width.input_value(), height.input_value()) == ("0", "0")  # auto: the pipeline's own size
+
+    def choose(name: str) -> tuple[int, int]:
+        before = (width.input_value(), height.input_value())
+        page.locator("#size-preset input").click()
+        page.get_by_role("option", name=name).click()
+        deadline = time.monotonic() + 30
+        while (width.input_value(), height.input_value()) == before:  # the server's answer fills them in
+            assert time.monotonic() < deadline, f"{name} left the size at {before}"
+            page.wait_for_timeout(100)
+        return int(width.input_value()), int(height.input_value())
+
+    w, h = choose("match image 1")
+    assert w % 16 == 0 and h % 16 == 0 and abs(w / h - 2) < 0.05 and 0.9e6 < w * h < 1.1e6, (w, h)
+    w, h = choose("tall 9:16")
+    assert abs(w / h - 9 / 16) < 0.03 and 0.9e6 < w * h < 1.1e6, (w, h)
+    w, h = choose("match image 2")
+    assert abs(w / h - 0.5) < 0.03, (w, h)
+    w, h = choose("match image 1")
+    page.get_by_label("Steps (2-").fill("2")
+    page.locator("#prompt textarea").fill("make it blue")
+    page.locator("#edit-button").click()
+    page.locator("#edit-status").get_by_text("Seed used").wait_for(timeout=120_000)
+    assert f"{w}x{h}" in page.locator("#edit-status").inner_text()  # image 1's shape, not the last input's
+    # "match image 1" follows the inputs: the portrait made image 1
+    with page.expect_request_finished(lambda r: r.method == "POST" and re.search(r'"index":\s*1\b', r.post_data or ""),
+                                      timeout=30_000):
+        page.locator("#input-preview img").nth(1).click()
+    page.locator("#make-first").click()
+    deadline = time.monotonic() + 30
+    while (width.input_value(), height.input_value()) == (str(w), str(h)):
+        assert time.monotonic() < deadline, "the size did not follow the new image 1"
+        page.wait_for_timeout(100)
+    assert abs(int(width.input_value()) / int(height.input_value()) - 0.5) < 0.03
