@@ -37,7 +37,6 @@ from imgedit.web.panel import banner_html, panel_html
 from imgedit.web.progress import EditProgress
 from imgedit.web.public import open_snapshot
 from imgedit.web.requests import FIELDS, build_request, edit_signature
-from imgedit.web.sizes import size_presets, wire_size_presets
 from imgedit.web.speed import build_cache_control, build_speed_controls
 from imgedit.web.tools import PageTools, cached_pngs, page_files, user_error
 from imgedit.web.uploads import upload_folder
@@ -249,7 +248,6 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                             elem_id="examples")
                 speed_inputs = build_speed_controls(settings)  # Speed, LoRA, strength (imgedit.web.speed)
                 canvas, *mask_inputs = build_mask_controls()  # painted mask, grow, feather, strength
-                size_preset = size_presets(MAX_INPUT_IMAGES[manager.family])  # the output's shape by name
                 with gr.Accordion("Advanced", open=False):
                     negative = gr.Textbox(label="Negative prompt", value="")
                     with gr.Row():
@@ -265,9 +263,6 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                                           minimum=0)
                         height = gr.Number(label="Height (0 = auto)", value=0, precision=0, minimum=0)
                     cache = build_cache_control(settings, cache_refused)  # hidden where refused
-                follow_size = wire_size_presets(size_preset, files, width, height,
-                                                area=DEMO_SIZE**2 if demo else 1024**2,
-                                                auto_width=DEMO_SIZE if demo else 0)
             with gr.Column():
                 result = gr.Gallery(label="Result", format="png", columns=2, elem_id="result", interactive=False,
                                     object_fit="contain", height="auto", buttons=["download", "fullscreen"])
@@ -345,10 +340,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                        [snippets, *snippet_code, snippet_inputs],
                        preprocess=False, queue=False, api_visibility="private")
         # Any change of the inputs (upload, removal, an example, a result used as input) redraws the thumbnails.
-        # the numbered thumbnails, and the size of a "match image k" preset (one event per change of the inputs)
-        files.change(lambda images, preset: (tools.preview_inputs(images), *follow_size(preset, images)),
-                     [files, size_preset], [preview, width, height], preprocess=False, queue=False,
-                     api_visibility="private")
+        files.change(tools.preview_inputs, files, preview, preprocess=False, queue=False, api_visibility="private")
         follow_first_input(files, canvas)
         wire_enhance(settings, manager, files, prompt, enhance_controls, GPU_GROUP)
         # typing sends one count at a time: keystrokes while one is on its way collapse into the last
