@@ -8,8 +8,10 @@ of both kinds at every size (worker.warmup_prompts)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 from conftest import _MANAGERS, cfg_plan, cpu_plan, picture
@@ -36,6 +38,19 @@ def pair_ckpt(tmp_path_factory):
     return ckpt, loras
 
 
+@contextlib.contextmanager
+def compile_log():
+    """The file faults.count_compiles writes one line to per graph compiled (the forkserver's workers inherit
+    the variable); yields a function that reads its lines."""
+    path = tempfile.NamedTemporaryFile(prefix="imgedit-compiles-", delete=False).name
+    os.environ["IMGEDIT_TEST_COMPILES"] = path
+    try:
+        yield lambda: Path(path).read_text().splitlines()
+    finally:
+        os.environ.pop("IMGEDIT_TEST_COMPILES", None)
+        os.unlink(path)
+
+
 def test_warmup_prompts_leave_every_remainder(pair_ckpt):
     tokenizer = AutoTokenizer.from_pretrained(pair_ckpt[0] / "tokenizer")
     counts = [len(tokenizer(p)["input_ids"]) for p in warmup_prompts(tokenizer, 2)]
@@ -50,9 +65,7 @@ def test_a_compiled_splitting_pair_compiles_nothing_after_its_warm_up(pair_ckpt)
     tokenizer = AutoTokenizer.from_pretrained(ckpt / "tokenizer")
     prompts = ["make it red", "make it blue", "turn the sky into a sunset and keep everything else unchanged"]
     assert {len(tokenizer(p)["input_ids"]) % 2 for p in prompts} == {0, 1}  # both kinds of text
-    compiles = tempfile.NamedTemporaryFile(prefix="imgedit-compiles-", delete=False).name
-    os.environ["IMGEDIT_TEST_COMPILES"] = compiles  # the forkserver's workers inherit it
-    try:
+    with compile_log() as compiled:
         settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cpu", "COMPILE": "on",
                                   "PAIR_ULYSSES": "on", "LORA_DIR": str(loras), "WORKER_START": "forkserver",
                                   "OUTPUT_DIR": tempfile.mkdtemp(prefix="imgedit-out-")})
@@ -62,8 +75,7 @@ def test_a_compiled_splitting_pair_compiles_nothing_after_its_warm_up(pair_ckpt)
         manager.load()
         worker = manager.workers[0].info
         assert (worker.get("compiled"), worker.get("pair_ulysses"), worker.get("fallbacks")) == (True, True, []), worker
-        with open(compiles) as f:
-            at_ready = f.read().splitlines()
+        at_ready = compiled()
         assert at_ready  # the warm-up compiled
         for prompt in prompts:
             for speed in ("fastest", "quality"):
@@ -71,21 +83,15 @@ def test_a_compiled_splitting_pair_compiles_nothing_after_its_warm_up(pair_ckpt)
                 result = manager.edit(EditRequest(images=(picture(64, 64),), prompt=prompt, seed=1, width=64,
                                                   height=64, speed=speed, **steps))
                 assert len(result.images) == 1
-        with open(compiles) as f:
-            after = f.read().splitlines()
+        after = compiled()
         assert after == at_ready, f"compiled after the warm-up: {after[len(at_ready):]}"
-    finally:
-        os.environ.pop("IMGEDIT_TEST_COMPILES", None)
-        os.unlink(compiles)
 
 
 def test_the_blocks_compile_dynamic_from_the_first_size(pair_ckpt):
     """One warm-up size, then edits at other sizes: nothing compiles after ready (the blocks are compiled
     dynamic in the sequence lengths; a static first compile cost every variant one more compile at start-up)."""
     ckpt, _ = pair_ckpt
-    compiles = tempfile.NamedTemporaryFile(prefix="imgedit-compiles-", delete=False).name
-    os.environ["IMGEDIT_TEST_COMPILES"] = compiles
-    try:
+    with compile_log() as compiled:
         settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cpu", "COMPILE": "on",
                                   "WORKER_START": "forkserver", "OUTPUT_DIR": tempfile.mkdtemp(prefix="imgedit-out-")})
         manager = PipelineManager(settings, plan=cpu_plan(1), worker_hook="faults:count_compiles",
@@ -93,16 +99,11 @@ def test_the_blocks_compile_dynamic_from_the_first_size(pair_ckpt):
         _MANAGERS.append(manager)
         manager.load()
         assert manager.workers[0].info.get("compiled") is True, manager.workers[0].info
-        with open(compiles) as f:
-            at_ready = f.read().splitlines()
+        at_ready = compiled()
         assert at_ready
         for width, height in ((96, 64), (64, 128)):
             result = manager.edit(EditRequest(images=(picture(width, height),), prompt="make it red", seed=1,
                                               width=width, height=height, num_inference_steps=2))
             assert result.images[0].size == (width, height)
-        with open(compiles) as f:
-            after = f.read().splitlines()
+        after = compiled()
         assert after == at_ready, f"compiled after the warm-up: {after[len(at_ready):]}"
-    finally:
-        os.environ.pop("IMGEDIT_TEST_COMPILES", None)
-        os.unlink(compiles)

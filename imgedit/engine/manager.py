@@ -49,8 +49,8 @@ log = logging.getLogger(__name__)
 StepCallback = Callable[[int, int], None]  # (step, total)
 WaitCallback = Callable[[int], None]  # jobs ahead of this one (running ones included)
 ERRORS = {cls.kind: cls for cls in (Cancelled, OutOfGpuMemory, WorkerFailed, NotReady, QueueFull)}
-# Sizes compiled at start-up: the default square and a portrait one (after the second size the
-# compiler treats sequence lengths as dynamic).
+# Sizes warmed at start-up: the default square and a portrait one (the blocks compile dynamic from the
+# first; the second checks that no guard specialised a length: imgedit.runtime.warmup).
 WARMUP_SIZES = ((1024, 1024), (832, 1248))
 
 
