@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -95,8 +97,10 @@ def main() -> None:
     runs = []
     for mode in args.modes.split(","):
         for gemms in args.gemms.split(","):
-            proc = subprocess.run([sys.executable, __file__, "--one", f"{mode}:{gemms}", "--device", args.device,
-                                   "--backend", args.backend], capture_output=True, text=True)
+            with tempfile.TemporaryDirectory() as cache:  # inductor's on-disk caches: each run compiles from scratch
+                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": f"{cache}/triton"}
+                proc = subprocess.run([sys.executable, __file__, "--one", f"{mode}:{gemms}", "--device", args.device,
+                                       "--backend", args.backend], capture_output=True, text=True, env=env)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             run = json.loads(lines[-1]) if lines else {"mode": mode, "gemms": gemms, "error": proc.stderr[-2000:]}
             print(json.dumps(run), flush=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +27,11 @@ from imgedit.web.panel import panel_html
 
 @pytest.fixture(scope="module")
 def real_ckpt(tmp_path_factory):
+    """GPU_TEST_CHECKPOINT: a real-size checkpoint built before (benchmarks/acceptance.py's --ckpt), so that a run
+    beside the acceptance run does not write another 58 GB to the disk."""
+    given = os.environ.get("GPU_TEST_CHECKPOINT")
+    if given and (Path(given) / "model_index.json").is_file():
+        return Path(given)
     return build_checkpoint(tmp_path_factory.mktemp("real") / "qwen", kind="plus", size="real")
 
 
