@@ -2,7 +2,7 @@
 (torchao, as FAST_QUANTIZE quantizes), compiled as the workers compile it (offload.compile_transformer's
 options), called once at a 1024² edit's sequence lengths.
 
-    python benchmarks/probe_fp8_compile.py --modes none,fp8 --gemms aten,default [--json out.json]
+    python benchmarks/probe_fp8_compile.py --modes none,fp8 --gemms default --tuning off,torchao [--json out.json]
     python benchmarks/probe_fp8_compile.py --device cpu --backend aot_eager      # the tracing alone, on a CPU
 
 Why: on a 2× H200 host each compile of the fp8 copy's block variant took ~3 minutes through the app, against
@@ -16,6 +16,7 @@ call's time, and that the output is finite.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -30,7 +31,7 @@ IMAGE_TOKENS = 2 * 4096  # the edited image and one reference at 1024²
 TEXT_TOKENS = 212
 
 
-def one(mode: str, gemms: str, device: str, backend: str) -> dict:
+def one(mode: str, gemms: str, device: str, backend: str, tuning: str) -> dict:
     """One compile in this process (each run in a fresh process: nothing cached in memory)."""
     import torch
     from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope, QwenImageTransformerBlock
@@ -48,6 +49,10 @@ def one(mode: str, gemms: str, device: str, backend: str) -> dict:
     for p in block.parameters():
         p.data.normal_(0, 0.02)
     quantized = quantize_module(block, mode) if mode != "none" else 0
+    if tuning == "torchao":  # what torchao's quantize_ set for the whole process before the app turned it off
+        import torchao.quantization.utils
+
+        torchao.quantization.utils.recommended_inductor_config_setter()
     x = torch.randn(1, IMAGE_TOKENS, 3072, device=device, dtype=torch.bfloat16)
     text = torch.randn(1, TEXT_TOKENS, 3072, device=device, dtype=torch.bfloat16)
     temb = torch.randn(1, 3072, device=device, dtype=torch.bfloat16)
@@ -72,10 +77,12 @@ def one(mode: str, gemms: str, device: str, backend: str) -> dict:
 
     first = call()
     second = call()
+    steady = sorted(call() for _ in range(20))[10]  # the median of 20 calls: the compiled block's speed
     names, values = compile_times(repr="csv", aggregate=True)
     breakdown = {name: round(float(value), 2) for name, value in zip(names, values, strict=True)}
-    return {"mode": mode, "gemms": gemms, "backend": backend, "device": device, "quantized_linears": quantized,
-            "compile_s": round(first, 1), "second_call_s": round(second, 3), "finite": call.finite,
+    return {"mode": mode, "gemms": gemms, "tuning": tuning, "backend": backend, "device": device,
+            "quantized_linears": quantized, "compile_s": round(first, 1), "second_call_s": round(second, 3),
+            "block_ms": round(steady * 1000, 3), "finite": call.finite,
             "breakdown_s": {k: v for k, v in breakdown.items() if v >= 0.5},
             "counters": {k: dict(v) for k, v in counters.items() if k in ("inductor", "aten_mm_info")}}
 
@@ -85,27 +92,29 @@ def main() -> None:
     ap.add_argument("--modes", default="none,fp8")
     ap.add_argument("--gemms", default="aten,default", help="aten: max_autotune_gemm_backends=ATEN (the app's "
                     "default mode); default: inductor's own choice (autotunes _scaled_mm)")
+    ap.add_argument("--tuning", default="off", help="off (the app's) or torchao,off: torchao's recommended inductor "
+                    "settings (coordinate-descent tuning) as quantize_ set them by default")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--json")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        mode, gemms = args.one.split(":")
-        print(json.dumps(one(mode, gemms, args.device, args.backend)))
+        mode, gemms, tuning = args.one.split(":")
+        print(json.dumps(one(mode, gemms, args.device, args.backend, tuning)))
         return
     runs = []
-    for mode in args.modes.split(","):
-        for gemms in args.gemms.split(","):
-            with tempfile.TemporaryDirectory() as cache:  # inductor's on-disk caches: each run compiles from scratch
-                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": f"{cache}/triton"}
-                proc = subprocess.run([sys.executable, __file__, "--one", f"{mode}:{gemms}", "--device", args.device,
-                                       "--backend", args.backend], capture_output=True, text=True, env=env)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-            run = json.loads(lines[-1]) if lines else {"mode": mode, "gemms": gemms, "error": proc.stderr[-2000:]}
-            print(json.dumps(run), flush=True)
-            runs.append(run)
-            assert run.get("finite", False), f"not finite or failed: {run}"
+    for mode, gemms, tuning in itertools.product(args.modes.split(","), args.gemms.split(","), args.tuning.split(",")):
+        with tempfile.TemporaryDirectory() as cache:  # inductor's on-disk caches: each run compiles from scratch
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": f"{cache}/triton"}
+            command = [sys.executable, __file__, "--one", f"{mode}:{gemms}:{tuning}", "--device", args.device,
+                       "--backend", args.backend]
+            proc = subprocess.run(command, capture_output=True, text=True, env=env)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        run = json.loads(lines[-1]) if lines else {"mode": mode, "gemms": gemms, "error": proc.stderr[-2000:]}
+        print(json.dumps(run), flush=True)
+        runs.append(run)
+        assert run.get("finite", False), f"not finite or failed: {run}"
     if args.json:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
                                                "runs": runs}, indent=1))

@@ -33,13 +33,20 @@ def torchao_config(mode: str):
     0/0 = NaN. A CFG pair that splits a job's sequence pads the text with zero rows (masked out of attention, but
     a NaN value times a zero attention weight is NaN): on 2x H200 every fp8-copy job of a pair came out non-finite.
     `activation_value_lb` is torchao's own floor on that magnitude; a zero row then quantizes to zeros, as bf16
-    computes it, and no other row changes (none is that small)."""
+    computes it, and no other row changes (none is that small).
+
+    `set_inductor_config=False`: by default torchao's quantize_ turns on inductor's coordinate-descent tuning for
+    the whole process (`recommended_inductor_config_setter`), so every block compiled after it, the bf16 quality
+    ones included, benchmarked hundreds of kernel configurations: one real-size fp8 block compiled in 122.5 s, of
+    which 103.4 s were that tuning, against 21.0 s for a bf16 block (2x H200, benchmarks/probe_fp8_compile.py,
+    2026-11-27). That was the fp8 fast mode's start-up of over 9 minutes."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, Int8WeightOnlyConfig, PerRow
 
     if mode == "fp8":
-        return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), activation_value_lb=FP8_ROW_FLOOR)
+        return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), activation_value_lb=FP8_ROW_FLOOR,
+                                                         set_inductor_config=False)
     if mode == "int8":
-        return Int8WeightOnlyConfig()
+        return Int8WeightOnlyConfig(set_inductor_config=False)
     raise ValueError(mode)
 
 
