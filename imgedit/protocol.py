@@ -6,7 +6,7 @@ manager and its workers report. Below the server and the worker side alike; impo
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 
 from PIL import Image
@@ -31,7 +31,11 @@ class Param:
     """One parameter as callers send it. `kind`: text, whole, number, flag, size (REST's WxH) or file.
     `field`: the EditRequest field it fills ("" = its own name; None = none: a caller's switch that shapes
     other fields, such as randomize_seed). `rest`: the form field's name over REST and /v1/jobs where OpenAI
-    names it otherwise. `png`: recorded in each result PNG's settings under the parameter's name."""
+    names it otherwise. `png`: recorded in each result PNG's settings under the parameter's name; `restore`: the
+    page's "Restore the settings saved in this PNG" puts it back into the form.
+
+    A parameter that is not an EditRequest attribute travels in `EditRequest.options` (by name), from every entry
+    point to the worker: adding one is its Param here and the worker code that reads it."""
 
     name: str
     kind: str
@@ -42,6 +46,7 @@ class Param:
     field: str | None = ""
     required: bool = False
     png: bool = False
+    restore: bool = False
     api_default: object = ...  # the gradio `/edit` signature's default where it is not `default`
 
     @property
@@ -61,18 +66,21 @@ PARAMETERS: tuple[Param, ...] = (
     Param("images", "file", "the image(s) to edit: 1 for Qwen-Image-Edit, 1-3 for 2509/2511", rest="image",
           required=True),
     Param("prompt", "text", "what to change, in words (up to 4,000 characters and 1,024 tokens)", default="",
-          required=True, png=True),
-    Param("negative_prompt", "text", "what to avoid (true CFG)", default="", png=True),
-    Param("seed", "whole", "0 to 2**32-1; absent: a random one, returned with the result", png=True, api_default=0),
+          required=True, png=True, restore=True),
+    Param("negative_prompt", "text", "what to avoid (true CFG)", default="", png=True, restore=True),
+    Param("seed", "whole", "0 to 2**32-1; absent: a random one, returned with the result", png=True, restore=True,
+          api_default=0),
     Param("randomize_seed", "flag", "ignore `seed` and draw one", takes=frozenset((EDIT,)), default=False,
           field=None, api_default=True),
-    Param("num_inference_steps", "whole", "denoising steps, 2 to MAX_STEPS; absent: the model's", png=True),
-    Param("true_cfg_scale", "number", "1 to 20 (1 turns CFG off); absent: DEFAULT_TRUE_CFG", png=True),
+    Param("num_inference_steps", "whole", "denoising steps, 2 to MAX_STEPS; absent: the model's", png=True,
+          restore=True),
+    Param("true_cfg_scale", "number", "1 to 20 (1 turns CFG off); absent: DEFAULT_TRUE_CFG", png=True,
+          restore=True),
     Param("num_images", "whole", "images per prompt, 1 to MAX_IMAGES_PER_PROMPT", default=1, rest="n"),
     Param("width", "whole", "output width; 0 or absent: from the last input's aspect, about 1 megapixel",
-          takes=frozenset((EDIT,)), png=True, api_default=0),
+          takes=frozenset((EDIT,)), png=True, restore=True, api_default=0),
     Param("height", "whole", "output height; 0 or absent: as width", takes=frozenset((EDIT,)), png=True,
-          api_default=0),
+          restore=True, api_default=0),
     Param("size", "size", "`auto` or WIDTHxHEIGHT (OpenAI's name for width and height)",
           takes=frozenset((REST, JOBS)), field=None),
     Param("speed", "text", "quality, fast (Lightning 8 steps) or fastest (4 steps), where offered", png=True,
@@ -86,13 +94,24 @@ PARAMETERS: tuple[Param, ...] = (
     Param("strength", "number", "how far the masked area may move from the input, above 0 to 1; absent: 1", png=True),
     Param("enhance_prompt", "flag", "rewrite the prompt with the model's own text encoder first", default=False),
     Param("cache", "text", "step cache for quality edits: none, first-block or taylorseer, where offered",
-          png=True),
+          png=True, restore=True),
 )
 
 
-def parameters(entry: str) -> tuple[Param, ...]:
-    """The parameters one entry point takes, in the declaration's order."""
-    return tuple(p for p in PARAMETERS if entry in p.takes)
+def parameters(entry: str | None = None) -> tuple[Param, ...]:
+    """The parameters one entry point takes (all of them: None), in the declaration's order. Read at each call:
+    nothing keeps a copy of the declaration from import time."""
+    return tuple(p for p in PARAMETERS if entry is None or entry in p.takes)
+
+
+def request_kwargs(values: dict) -> dict:
+    """{EditRequest field or declared parameter name: value} as EditRequest's keyword arguments: a name that is not
+    one of its attributes goes into `options`."""
+    attributes = {f.name for f in fields(EditRequest)}
+    kwargs = {k: v for k, v in values.items() if k in attributes}
+    if options := {k: v for k, v in values.items() if k not in attributes}:
+        kwargs["options"] = {**kwargs.get("options", {}), **options}
+    return kwargs
 
 
 @dataclass(frozen=True)
@@ -121,6 +140,14 @@ class EditRequest:
     request_id: str = field(default_factory=new_request_id)
     source: str = "ui"  # ui | api | rest: for logs and metrics
     client: str | None = None  # who asked (imgedit.web.identity's owner): for each client's share of the line
+    # declared parameters (PARAMETERS) without an attribute of their own, by name: request_kwargs() puts them here
+    options: dict = field(default_factory=dict)
+
+    def value(self, name: str, default=None):
+        """A declared parameter's value as asked for: its attribute, or its entry in `options`."""
+        if name in self.options:
+            return self.options[name]
+        return getattr(self, name, default)
 
 
 @dataclass(frozen=True)

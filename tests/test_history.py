@@ -17,6 +17,7 @@ from PIL import Image
 from imgedit.engine.history import HistoryStore
 from imgedit.protocol import EditRequest
 from imgedit.web.identity import COOKIE
+from imgedit.web.requests import edit_fields
 
 FIELDS = {"prompt": "make it red", "size": "64x64", "num_inference_steps": "2", "seed": "7"}
 A = {"Authorization": "Bearer token-a"}
@@ -244,9 +245,14 @@ def test_rerun_repeats_the_speed_and_lora_and_a_retired_lora_is_a_clear_error(lo
     rerun = next(d["id"] for d in raw.config["dependencies"] if d.get("trigger_after") == fill)
     filled = raw.predict(fill, [listed["id"]])
     assert filled.status_code == 200, filled.text
-    values = filled.json()["data"]
-    # ... and the Step cache the result's PNG records (none: made without one)
-    assert values[1:] == ["make it blue", "", 12, False, 4, 4.0, 1, 64, 64, "fastest", "style", 0.5, "none"]
+    values = filled.json()["data"]  # a value for each of the page's edit controls, in `/edit`'s order
+    form = dict(zip(edit_fields(), values, strict=True))
+    # ... and the Step cache the result's PNG records (none: made without one); no mask, no rewrite
+    assert [form[name] for name in edit_fields()[1:13]] == ["make it blue", "", 12, False, 4, 4.0, 1, 64, 64,
+                                                           "fastest", "style", 0.5]
+    assert (form["cache"], form["mask"], form["enhance_prompt"]) == ("none", None, False)
+    # the mask's grow, feather and strength stay as the form has them (the page sends its values; here none)
+    values = [None if isinstance(v, dict) and v.get("__type__") == "update" else v for v in values]
     assert raw.join(rerun, values).status_code == 200
     done = [m for m in raw.messages() if m.get("msg") == "process_completed"][0]
     assert done["success"], done
@@ -270,8 +276,9 @@ def test_rerun_repeats_the_speed_and_lora_and_a_retired_lora_is_a_clear_error(lo
     assert raw.join(raw.fn_index(trigger=("history-open", "click")), [listed["id"]]).status_code == 200
     messages = raw.messages()
     done = [m for m in messages if m.get("msg") == "process_completed"][0]
-    assert done["success"] and done["output"]["data"][1:] == [
-        "make it blue", "", 12, False, 4, 4.0, 1, 64, 64, "quality", "none", 1.0, "none"], done
+    opened = dict(zip(edit_fields(), done["output"]["data"], strict=True)) if done["success"] else done
+    assert [opened[name] for name in edit_fields()[1:13]] == [
+        "make it blue", "", 12, False, 4, 4.0, 1, 64, 64, "quality", "none", 1.0] and opened["cache"] == "none", done
     notices = [m["log"] for m in messages if m.get("msg") == "log" and m.get("level") == "warning"]
     assert notices and "unknown LoRA" in notices[0] and "quality and no LoRA instead" in notices[0], messages
     assert server.manager.status().workers[0].jobs_done == jobs_done

@@ -38,7 +38,7 @@ def render() -> str:
              "the form field named in the second column.", "",
              "| parameter | REST / jobs form field | kind | where | default | what it does |",
              "|---|---|---|---|---|---|"]
-    for p in PARAMETERS:
+    for p in parameters():  # the declaration as it is now (a test may add to it)
         rest = f"`{p.form_name}`" if p.takes & {REST, JOBS} else "—"
         where = ", ".join(WHERE[e] for e in (EDIT, REST, JOBS) if e in p.takes)
         default = "required" if p.required else "—" if p.default in (None, "") else f"`{p.default}`"

@@ -336,7 +336,9 @@ def test_api_call_snippets_are_valid_code_for_the_form():
 
     from imgedit.web.snippets import api_values, curl_snippet, gradio_snippet, openai_snippet
 
-    values = api_values(2, "it's \"red\"", "", "7", False, None, "4.5", 2, 64, 0, 40, 4.0)
+    form = {"prompt": "it's \"red\"", "negative_prompt": "", "seed": "7", "randomize_seed": False,
+            "num_inference_steps": None, "true_cfg_scale": "4.5", "num_images": 2, "width": 64, "height": 0}
+    values = api_values(form, 2, 40, 4.0)
     assert values["seed"] == 7 and values["num_inference_steps"] == 40 and values["true_cfg_scale"] == 4.5
     code = gradio_snippet("http://host:7860/", values, auth=False)
     compile(code, "gradio_snippet", "exec")
@@ -381,9 +383,10 @@ def test_the_api_snippets_run_as_copied_with_a_login_and_a_key(server_manager, i
         strokes.paste((255, 255, 255, 255), (0, 0, 40, 60))
         strokes.save(layer)
         canvas = {"background": {"path": str(upload)}, "layers": [{"path": str(layer)}], "composite": None}
-        shown = tools.api_call([{"path": str(upload)}], "make it red", "", 5, False, 2, 4.0, 1, 128, 0,
-                               None, None, None, None, canvas, 2, 3, 0.8,
-                               request=SimpleNamespace(headers={"host": f"127.0.0.1:{port}"}))
+        form = {"images": [{"path": str(upload)}], "prompt": "make it red", "negative_prompt": "", "seed": 5,
+                "randomize_seed": False, "num_inference_steps": 2, "true_cfg_scale": 4.0, "num_images": 1,
+                "width": 128, "height": 0, "mask_grow": 2, "mask_feather": 3, "strength": 0.8}
+        shown = tools.api_call(form, canvas, request=SimpleNamespace(headers={"host": f"127.0.0.1:{port}"}))
         gradio_code, curl_code, openai_code, inputs = shown[1:]
         assert [Path(p).name for p in inputs] == ["input-1.png", "mask.png"]  # offered beside the snippets
         # the size each one asks for is the one the page's edit ran at (REST has no "one side": both)
@@ -456,7 +459,8 @@ def test_a_pngs_step_cache_is_restored_only_where_the_workers_can_run_one(plus_c
         tools = PageTools(settings, "plus", default_steps(settings, "plus"), cache_offered=offered)
         kept = tools.restorable(stored)
         assert kept.get("cache") == (expected if offered else None) and kept["seed"] == 3
-        assert tools.restore_settings(kept)[8] == expected
+        names = ("prompt", "seed", "cache")
+        assert tools.restore_settings(kept, names)[2] == expected
         assert tools.page_cache("taylorseer", "quality") == ("taylorseer" if offered else None)
     assert stored_cache_choice(None, True) == "none" and stored_cache_choice("teacache", True) == SERVER_CACHE
     assert stored_cache_choice("taylorseer", False) == SERVER_CACHE

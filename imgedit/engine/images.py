@@ -16,6 +16,7 @@ import numpy as np
 from PIL import ExifTags, Image, ImageOps, PngImagePlugin
 
 from imgedit.errors import InputTooLarge, InvalidInput
+from imgedit.protocol import parameters
 
 FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
 
@@ -105,8 +106,15 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 # ---- settings carried in the PNGs we return (tEXt chunks) ----
 # Key names are the API's parameter names, so a stored PNG reads like the call that made it.
-RESTORABLE = {"prompt": str, "negative_prompt": str, "seed": int, "num_inference_steps": int,
-              "true_cfg_scale": float, "width": int, "height": int, "cache": str}
+KIND_TYPES = {"text": str, "whole": int, "number": float}
+
+
+def restorable() -> dict[str, type]:
+    """The declared parameters a PNG's settings give back to the form (protocol.PARAMETERS' `restore`), each
+    with its type."""
+    return {p.name: KIND_TYPES[p.kind] for p in parameters() if p.restore and p.kind in KIND_TYPES}
+
+
 MAX_CHUNK = 4000  # validation.MAX_PROMPT_CHARS: a longer value is not one of ours
 
 
@@ -140,6 +148,9 @@ def settings_text(req, params, model: str, size: tuple[int, int], rewritten: str
     if getattr(req, "mask", None) is not None:  # which mask (its hash), and how it was applied
         text.update(mask=f"sha256:{mask_digest(req.mask)}", mask_grow=str(params.mask_grow),
                     mask_feather=str(params.mask_feather), strength=f"{params.strength:g}")
+    for name, value in getattr(req, "options", {}).items():  # declared parameters of their own (protocol)
+        if value is not None and any(p.name == name and p.png for p in parameters()):
+            text[name] = f"{value:g}" if isinstance(value, float) else str(value)
     return text
 
 
@@ -290,7 +301,7 @@ def read_settings(path: str | Path) -> dict[str, str | int | float]:
     if not str(chunks.get("software", "")).startswith("imgedit"):
         return {}
     restored: dict[str, str | int | float] = {}
-    for key, kind in RESTORABLE.items():
+    for key, kind in restorable().items():
         value = chunks.get(key)
         if not isinstance(value, str) or len(value) > MAX_CHUNK:
             continue

@@ -65,14 +65,16 @@ HISTORY_CSS = """<style>
 </style>"""
 
 
-def build_history_tab(settings: Settings, history: HistoryStore, edit_inputs: list, edit_outputs: list, edit,
+def build_history_tab(settings: Settings, history: HistoryStore, controls: dict, edit_outputs: list, edit,
                       gpu_group: str, cache_offered: bool = True):
-    """Inside a `gr.Tabs`: the History tab. `edit_inputs`, `edit_outputs` and `edit` are the Edit tab's
-    button's (the advanced settings, then Speed, LoRA, strength and Step cache), so a re-run is an ordinary
-    edit (same line, same checks and messages, stored again). The step cache an entry was made with comes
-    from its first result's PNG (the store keeps no column for it); `cache_offered`: the workers can run one.
+    """Inside a `gr.Tabs`: the History tab. `controls` ({declared parameter: the page's control}, in `/edit`'s
+    order), `edit_outputs` and `edit` are the Edit tab's button's, so a re-run is an ordinary edit (same line,
+    same checks and messages, stored again); a parameter the store keeps no column for stays as the form has it.
+    The step cache an entry was made with comes from its first result's PNG (the store keeps no column for it);
+    `cache_offered`: the workers can run one.
     Returns the `/history` API function, to be registered outside the tabs."""
     auth = settings.auth is not None
+    edit_inputs = list(controls.values())
 
     def owner(request: gr.Request | None) -> str | None:
         return page_owner(request, auth)
@@ -159,8 +161,13 @@ def build_history_tab(settings: Settings, history: HistoryStore, edit_inputs: li
         inputs = [export_copy([p], f"input-{k + 1}") for k, p in enumerate(entry.input_paths)]
         cfg = settings.default_true_cfg if entry.true_cfg_scale is None else entry.true_cfg_scale
         made_with = read_settings(entry.output_paths[0]).get("cache") if entry.output_paths else None
-        return (inputs, entry.prompt, entry.negative_prompt, entry.seed, False, entry.steps, cfg, entry.num_images,
-                entry.width or 0, entry.height or 0, *speed, stored_cache_choice(made_with, cache_offered))
+        stored = dict(images=inputs, prompt=entry.prompt, negative_prompt=entry.negative_prompt, seed=entry.seed,
+                      randomize_seed=False, num_inference_steps=entry.steps, true_cfg_scale=cfg,
+                      num_images=entry.num_images, width=entry.width or 0, height=entry.height or 0,
+                      speed=speed[0], lora=speed[1], lora_scale=speed[2],
+                      cache=stored_cache_choice(made_with, cache_offered),
+                      mask=None, enhance_prompt=False)  # the store keeps no mask: the edit was unmasked or is not
+        return tuple(stored.get(name, gr.update()) for name in controls)
 
     def chosen_entry(entry_id: str | None, request: gr.Request) -> HistoryEntry:
         entry = history.get(owner(request), entry_id) if entry_id and owner(request) else None

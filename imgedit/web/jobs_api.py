@@ -29,7 +29,7 @@ from imgedit.engine.history import HistoryEntry
 from imgedit.engine.images import open_image, reencoded
 from imgedit.engine.validation import check_aspect, check_counts, check_params
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
-from imgedit.protocol import JOBS, EditRequest
+from imgedit.protocol import JOBS, EditRequest, request_kwargs
 from imgedit.web.metrics import Metrics
 from imgedit.web.rest import (
     IMAGE_FIELDS,
@@ -222,7 +222,8 @@ async def _parse(request: Request, settings: Settings, manager) -> tuple[EditReq
                            f"a job takes at most {settings.batch_max_items} input sets: BATCH_MAX_ITEMS")
 
     # The cheap fields first: a request without a prompt (or with a bad number) costs no file read.
-    template = EditRequest(images=(), **form_fields(form, JOBS), source="rest")  # every item runs with these
+    # every item runs with these
+    template = EditRequest(images=(), **request_kwargs(form_fields(form, JOBS)), source="rest")
     check_params(template, settings, manager.family, manager.prompt_tokens)
     # Then count the input sets from the field names alone (a zip counts once here, its members below).
     numbered = sorted((int(m.group(1)), key) for key in set(form.keys()) if (m := SET_FIELD.fullmatch(key)))

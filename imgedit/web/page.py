@@ -29,6 +29,7 @@ from imgedit.engine.gpus import GpuMonitor
 from imgedit.engine.images import frame_notices, png_bytes
 from imgedit.engine.validation import MAX_INPUT_IMAGES, MIN_STEPS, check_params, default_steps
 from imgedit.errors import ImgEditError
+from imgedit.protocol import EDIT, parameters
 from imgedit.web.enhance_controls import build_enhance_buttons, wire_enhance
 from imgedit.web.examples import example_rows
 from imgedit.web.identity import page_owner
@@ -36,7 +37,7 @@ from imgedit.web.mask_controls import build_mask_controls, follow_first_input, p
 from imgedit.web.panel import banner_html, panel_html
 from imgedit.web.progress import EditProgress
 from imgedit.web.public import open_snapshot
-from imgedit.web.requests import FIELDS, build_request, edit_signature
+from imgedit.web.requests import api_component, build_request, edit_fields, edit_signature, form_signature, page_control
 from imgedit.web.speed import build_cache_control, build_speed_controls
 from imgedit.web.tools import PageTools, cached_pngs, page_files, user_error
 from imgedit.web.uploads import upload_folder
@@ -45,6 +46,11 @@ log = logging.getLogger(__name__)
 UPLOAD_CACHE_SWEEP_S = 600
 UPLOAD_CACHE_AGE_S = 2 * 3600  # a result on a page left open longer is in History
 GPU_GROUP = "gpu"
+# The declared parameters (protocol.PARAMETERS) the page lays out itself, in the order its controls are made; any
+# other one gets a control of its own under Advanced (imgedit.web.requests.page_control).
+LAID_OUT = ("images", "prompt", "negative_prompt", "seed", "randomize_seed", "num_inference_steps", "true_cfg_scale",
+            "num_images", "width", "height", "speed", "lora", "lora_scale", "cache", "mask", "mask_grow",
+            "mask_feather", "strength", "enhance_prompt")
 DEMO_BANNER = ("**Demo mode**: a tiny random-weight model runs on the CPU, so outputs are noise. "
                "Set `QWEN_MODEL` or `QWEN_MODEL_DIR` to serve a real checkpoint.")
 DEMO_SIZE, DEMO_STEPS = 256, 4  # a first-time visitor of the demo sees a result in seconds
@@ -104,16 +110,17 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
     family_steps = default_steps(settings, manager.family)
     cache_refused = manager.cache_refusal()  # the Step cache control is hidden, and its value unused, then
     tools = PageTools(settings, manager.family, family_steps, manager.prompt_tokens, cache_offered=not cache_refused)
+    fields = edit_fields()  # `/edit`'s parameters in the declaration's order: the page's edit inputs follow it
 
     def validate(*values):
         """Runs before an API job enters the queue: bad input costs nothing else. The message goes to
-        the input at fault. `values`: `/edit`'s parameters in order (imgedit.web.requests.FIELDS)."""
-        verdicts = [gr.validate(True, "")] * len(FIELDS)
+        the input at fault. `values`: `/edit`'s parameters in order (imgedit.web.requests.edit_fields)."""
+        verdicts = [gr.validate(True, "")] * len(fields)
         try:
             req = build_request(settings, manager.family, *values, source="validator")
             check_params(req, settings, manager.family, manager.prompt_tokens)
         except ImgEditError as exc:
-            at = FIELDS.index(exc.field) if exc.field in FIELDS else 0
+            at = fields.index(exc.field) if exc.field in fields else 0
             verdicts[at] = gr.validate(False, html.escape(exc.message))
         except Exception:
             log.exception("validator failed")
@@ -162,20 +169,20 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         _, result, pngs = await run_edit(tuple(values), request, progress)
         return await asyncio.to_thread(cached_pngs, pngs, "result"), result.seed
 
-    async def edit_page(images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
-                        num_images, width, height, speed=None, lora=None, lora_scale=None, cache=None, mask=None,
-                        mask_grow=None, mask_feather=None, strength=None, request: gr.Request = None,
-                        progress=gr.Progress()):
+    @form_signature(fields, progress=True)
+    async def edit_page(*args):
         """The Edit button: result, a status line with the seed used, the comparison, the chosen result, and
         the message beside Edit. A refused edit leaves the rest as it was and says why beside Edit until the
-        next run (as a toast it vanished after a few seconds and left a bare "Error" badge on the result)."""
+        next run (as a toast it vanished after a few seconds and left a bare "Error" badge on the result).
+        `args`: the page's controls in `/edit`'s order, then the request and the progress."""
+        *values, request, progress = args
+        form = dict(zip(fields, values, strict=True))
         keep = gr.update()
         try:
-            masking = (mask, mask_grow, mask_feather, strength) if mask else (None,) * 4  # "": nothing painted
-            step_cache = tools.page_cache(cache, speed)
-            req, result, pngs = await run_edit((images, prompt, negative_prompt, seed, randomize_seed,
-                                                num_inference_steps, true_cfg_scale, num_images, width, height, speed,
-                                                lora, lora_scale, *masking, False, step_cache), request, progress)
+            if not form["mask"]:  # "": nothing painted
+                form.update(mask=None, mask_grow=None, mask_feather=None, strength=None)
+            form["cache"] = tools.page_cache(form["cache"], form["speed"])
+            req, result, pngs = await run_edit(tuple(form[name] for name in fields), request, progress)
         except gr.Error as exc:
             return keep, keep, keep, keep, f"**{exc.title or 'Not edited'}:** {exc.message}"
         seeds = [image.info.get("seed", "?") for image in result.images]
@@ -263,6 +270,10 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                                           minimum=0)
                         height = gr.Number(label="Height (0 = auto)", value=0, precision=0, minimum=0)
                     cache = build_cache_control(settings, cache_refused)  # hidden where refused
+                    # a declared parameter the page does not lay out below: a control of its own, from the declaration
+                    generic = {p.name: page_control(p) for p in parameters(EDIT) if p.name not in LAID_OUT}
+                # the page rewrites a prompt with its own button (imgedit.web.enhance_controls): never on Edit
+                enhance = gr.Checkbox(False, visible=False)
             with gr.Column():
                 result = gr.Gallery(label="Result", format="png", columns=2, elem_id="result", interactive=False,
                                     object_fit="contain", height="auto", buttons=["download", "fullscreen"])
@@ -291,11 +302,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         with gr.Row(visible=False):
             # Every parameter after `prompt` is optional in gradio_client (a value here, or a None default in
             # `edit`'s signature), and the results are named.
-            api_inputs = [gr.File(file_count="multiple"), gr.Textbox(), gr.Textbox(""), gr.Number(0),
-                          gr.Checkbox(True), gr.Number(None), gr.Number(None), gr.Number(1), gr.Number(0),
-                          gr.Number(0), gr.Textbox("quality"), gr.Textbox("none"), gr.Number(1.0),
-                          gr.File(), gr.Number(None), gr.Number(None), gr.Number(None), gr.Checkbox(False),
-                          gr.Textbox(None)]
+            api_inputs = [api_component(p) for p in parameters(EDIT)]
             api_outputs = [gr.Gallery(format="png", label="images"), gr.Number(label="seed")]
             api_button = gr.Button()
 
@@ -305,11 +312,13 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         files.upload(tools.check_uploads, files, [files, compare, restore, stored], preprocess=False,
                      api_visibility="private")
         inputs = [files, prompt, negative, seed, randomize, steps, cfg, num, width, height]
+        controls = dict(zip(LAID_OUT, inputs + speed_inputs + [cache] + mask_inputs + [enhance], strict=True))
+        controls = {name: {**controls, **generic}[name] for name in fields}  # in `/edit`'s order
         page_outputs = [result, status, compare, chosen, message]
         # No Gradio limit: every job goes straight to the manager's line, where UI, API and REST jobs
         # wait together in arrival order and QUEUE_MAX_SIZE is enforced once; the workers' locks keep
         # each GPU to one job (concurrency_limit=None below).
-        edit_inputs = inputs + speed_inputs
+        edit_inputs = list(controls.values())
         # The last refusal's message goes first, then the edit (one chain: two listeners raced, and a quick
         # refusal was wiped by the clearing of the one before).
         cleared = run.click(lambda: ("", gr.update(interactive=True)), None, [message, stop], queue=False,
@@ -317,7 +326,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         # The painted strokes become a mask file first (the canvas's own preprocessing reads them).
         masked = cleared.then(painted_mask, canvas, mask_inputs[0], queue=False, preprocess=False,
                               api_visibility="private")
-        event = masked.then(edit_page, edit_inputs + [cache] + mask_inputs, page_outputs, api_visibility="private",
+        event = masked.then(edit_page, edit_inputs, page_outputs, api_visibility="private",
                             concurrency_id=GPU_GROUP, concurrency_limit=None, preprocess=False,
                             show_progress_on=[result])
         idle = gr.update(interactive=False)
@@ -333,11 +342,16 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         result.select(tools.select_result, [files, result], [chosen, compare, download], preprocess=False,
                       api_visibility="private")
         # Queued (its own default group, never behind GPU jobs): only queued events can show a toast.
-        restore.click(tools.restore_settings, stored,
-                      [prompt, negative, seed, randomize, steps, cfg, width, height, cache, restore],
-                      api_visibility="private")
-        copy_api.click(tools.api_call, edit_inputs + [cache, canvas] + mask_inputs[1:],
-                       [snippets, *snippet_code, snippet_inputs],
+        restored = tuple(p.name for p in parameters(EDIT) if p.restore)  # what a PNG's settings give back
+        restore.click(functools.partial(tools.restore_settings, names=restored), stored,
+                      [controls[name] for name in restored] + [randomize, restore], api_visibility="private")
+
+        @form_signature([*fields, "canvas"])
+        def api_call(*args):
+            *values, canvas, request = args
+            return tools.api_call(dict(zip(fields, values, strict=True)), canvas, request)
+
+        copy_api.click(api_call, edit_inputs + [canvas], [snippets, *snippet_code, snippet_inputs],
                        preprocess=False, queue=False, api_visibility="private")
         # Any change of the inputs (upload, removal, an example, a result used as input) redraws the thumbnails.
         files.change(tools.preview_inputs, files, preview, preprocess=False, queue=False, api_visibility="private")
@@ -363,7 +377,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
 
             with gr.Tabs():
                 build_batch_tab(settings, manager, jobs, inputs[2:] + speed_inputs + [cache])
-                history_api = build_history_tab(settings, history, edit_inputs + [cache], page_outputs, edit_page,
+                history_api = build_history_tab(settings, history, controls, page_outputs, edit_page,
                                                 GPU_GROUP, cache_offered=not cache_refused)
             gr.api(history_api, api_name="history", queue=False)
     return blocks

@@ -12,12 +12,43 @@ from imgedit.engine.images import image_label, open_image
 from imgedit.engine.masks import open_mask
 from imgedit.engine.validation import check_counts
 from imgedit.errors import InvalidInput
-from imgedit.protocol import EDIT, EditRequest, parameters
+from imgedit.protocol import EDIT, EditRequest, parameters, request_kwargs
 from imgedit.web.speed import parse_speed_inputs
 from imgedit.web.uploads import uploaded_paths
 
-# The `/edit` API's parameters, in order: the declaration's (the page lays its inputs out in this order).
-FIELDS = tuple(p.name for p in parameters(EDIT))
+
+def edit_fields() -> tuple[str, ...]:
+    """The `/edit` API's parameters, in order: the declaration's (the page's edit event takes its inputs in this
+    order too)."""
+    return tuple(p.name for p in parameters(EDIT))
+
+
+def api_component(param):
+    """The hidden input of `/edit` for one declared parameter: no ranges, so that every value reaches our checks
+    (and our messages), and the declared default for gradio_client."""
+    if param.kind == "file":
+        return gr.File(file_count="multiple" if param.name == "images" else "single")
+    if param.required:  # no value: gradio_client then asks for it
+        return gr.Textbox() if param.kind == "text" else gr.Number()
+    if param.kind == "flag":
+        return gr.Checkbox(param.edit_default)
+    if param.kind in ("whole", "number"):
+        return gr.Number(param.edit_default)
+    return gr.Textbox(param.edit_default)
+
+
+def page_control(param):
+    """The page's control for a declared parameter it does not lay out itself (in Advanced): named and explained
+    by the declaration."""
+    label, info = param.name.replace("_", " ").capitalize(), param.help
+    if param.kind == "flag":
+        return gr.Checkbox(param.default or False, label=label, info=info, elem_id=f"param-{param.name}")
+    if param.kind in ("whole", "number"):
+        return gr.Number(param.default, label=label, info=info, precision=0 if param.kind == "whole" else None,
+                         elem_id=f"param-{param.name}")
+    if param.kind == "file":
+        return gr.File(label=label, elem_id=f"param-{param.name}")
+    return gr.Textbox(param.default or "", label=label, info=info, elem_id=f"param-{param.name}")
 
 
 def _number(value, name: str, default=None):
@@ -45,7 +76,7 @@ def build_request(settings: Settings, family: str, *values, source: str) -> Edit
     """Parse one event's raw values, `/edit`'s parameters in the declaration's order (protocol.PARAMETERS; absent
     trailing ones take their defaults), each by its kind. Every file must lie in Gradio's upload cache
     (imgedit.web.uploads)."""
-    raw = dict(zip(FIELDS, values, strict=False))
+    raw = dict(zip(edit_fields(), values, strict=False))
     paths = uploaded_paths(raw.get("images"))
     check_counts(len(paths), family)
     decoded = tuple(open_image(p, settings.max_input_pixels, image_label(i + 1, p)) for i, p in enumerate(paths))
@@ -72,7 +103,24 @@ def build_request(settings: Settings, family: str, *values, source: str) -> Edit
         with open(mask_paths[0], "rb") as f:
             data = f.read(settings.max_file_size + 1)
         fields["mask"] = open_mask(data, decoded[0].size, settings.max_input_pixels)
-    return EditRequest(images=decoded, **fields, source=source)
+    return EditRequest(images=decoded, **request_kwargs(fields), source=source)
+
+
+def form_signature(names, *, progress: bool = False):
+    """A decorator: `function(*values, request[, progress])` as Gradio must see it to pass gr.Request (and
+    gr.Progress) after a page event's inputs, one per name."""
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [inspect.Parameter(name, positional, default=None) for name in names]
+    params.append(inspect.Parameter("request", positional, default=None, annotation=gr.Request))
+    if progress:
+        params.append(inspect.Parameter("progress", positional, default=gr.Progress()))
+
+    def signed(function):
+        function.__signature__ = inspect.Signature(params)
+        function.__annotations__ = {"request": gr.Request}
+        return function
+
+    return signed
 
 
 def edit_signature(function):

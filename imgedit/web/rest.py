@@ -31,7 +31,7 @@ from imgedit.engine.images import REPLY_FORMATS, encoded, frame_notices, image_l
 from imgedit.engine.masks import open_mask
 from imgedit.engine.validation import check_counts
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
-from imgedit.protocol import REST, EditRequest, Resolved, WorkerState, parameters
+from imgedit.protocol import REST, EditRequest, Resolved, WorkerState, parameters, request_kwargs
 from imgedit.web.identity import rest_owner
 from imgedit.web.metrics import CONTENT_TYPE, Metrics
 from imgedit.web.public import full_snapshot, open_snapshot
@@ -318,7 +318,7 @@ async def _parse(request: Request, settings: Settings, manager) -> tuple[EditReq
     response_format = str(form.get("response_format") or "b64_json")
     if response_format != "b64_json":
         raise InvalidInput("response_format must be b64_json (this server does not host image URLs)")
-    req = EditRequest(images=tuple(images), **form_fields(form, REST), **masking, source="rest")
+    req = EditRequest(images=tuple(images), **request_kwargs({**form_fields(form, REST), **masking}), source="rest")
     return req, manager.resolve(req), output_format(form)
 
 

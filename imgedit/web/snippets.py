@@ -1,12 +1,15 @@
 """"Copy as API call": the page's current settings as a gradio_client, curl and OpenAI-SDK snippet.
 
 Pure text from the raw form values (no checks: a snippet repeats what the form says, and the server
-checks the call when it is made). A new API parameter is one more entry in `api_values`.
+checks the call when it is made). A declared parameter (protocol.PARAMETERS) is written as the form sets it;
+the ones whose controls mean something else (`LAID_OUT`) are written by `api_values` itself.
 """
 
 from __future__ import annotations
 
 import shlex
+
+from imgedit.protocol import EDIT, REST, parameters
 
 
 def _number(value, default):
@@ -24,32 +27,50 @@ MASK_FILE = "mask.png"
 MASK_FIELDS = ("mask_grow", "mask_feather", "strength")
 
 
-def api_values(n_images: int, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
-               num_images, width, height, default_steps: int, default_cfg: float, speed=None, lora=None,
-               lora_scale=None, cache=None, mask: bool = False, mask_grow=None, mask_feather=None,
-               strength=None) -> dict:
-    """The `/edit` API's keyword arguments for the current form (input files named input-N.png, the painted
-    mask mask.png); speed, LoRA, step cache and mask only when the form sets them."""
+# What api_values writes itself (the form's controls that mean something else than their raw value); every other
+# declared parameter the form sets is written as it is (protocol.PARAMETERS).
+LAID_OUT = frozenset(("images", "prompt", "negative_prompt", "seed", "randomize_seed", "num_inference_steps",
+                      "true_cfg_scale", "num_images", "width", "height", "speed", "lora", "lora_scale", "cache",
+                      "mask", *MASK_FIELDS, "enhance_prompt"))
+
+
+def api_values(form: dict, n_images: int, default_steps: int, default_cfg: float, mask: bool = False) -> dict:
+    """The `/edit` API's keyword arguments for the current form ({declared parameter: the form's raw value}; input
+    files named input-N.png, the painted mask mask.png); speed, LoRA, step cache and mask only when the form sets
+    them, any other declared parameter when it is not its default."""
+    speed, lora, cache = form.get("speed"), form.get("lora"), form.get("cache")
     extra = {}
     if isinstance(speed, str) and speed not in ("", "quality"):
         extra["speed"] = speed
     if isinstance(lora, str) and lora not in ("", "none"):
-        extra.update(lora=lora, lora_scale=_number(lora_scale, 1.0))
+        extra.update(lora=lora, lora_scale=_number(form.get("lora_scale"), 1.0))
     if isinstance(cache, str) and cache:
         extra["cache"] = cache
     if mask:
-        extra.update(mask=MASK_FILE, **{name: _number(value, None) for name, value in
-                                        zip(MASK_FIELDS, (mask_grow, mask_feather, strength), strict=True)
-                                        if _number(value, None) is not None})
+        extra.update(mask=MASK_FILE, **{name: _number(form.get(name), None) for name in MASK_FIELDS
+                                        if _number(form.get(name), None) is not None})
+    for param in parameters(EDIT):
+        value = form.get(param.name)
+        if param.name in LAID_OUT or value is None or value == "" or value == param.edit_default:
+            continue
+        extra[param.name] = _number(value, value) if param.kind in ("whole", "number") else value
+    prompt, negative = form.get("prompt"), form.get("negative_prompt")
     return {
         "images": [f"input-{i + 1}.png" for i in range(max(1, n_images))],
         "prompt": prompt if isinstance(prompt, str) else "",
-        "negative_prompt": negative_prompt if isinstance(negative_prompt, str) else "",
-        "seed": _number(seed, 0), "randomize_seed": bool(randomize_seed),
-        "num_inference_steps": _number(num_inference_steps, default_steps),
-        "true_cfg_scale": _number(true_cfg_scale, default_cfg), "num_images": _number(num_images, 1),
-        "width": _number(width, 0), "height": _number(height, 0), **extra,
+        "negative_prompt": negative if isinstance(negative, str) else "",
+        "seed": _number(form.get("seed"), 0), "randomize_seed": bool(form.get("randomize_seed")),
+        "num_inference_steps": _number(form.get("num_inference_steps"), default_steps),
+        "true_cfg_scale": _number(form.get("true_cfg_scale"), default_cfg),
+        "num_images": _number(form.get("num_images"), 1),
+        "width": _number(form.get("width"), 0), "height": _number(form.get("height"), 0), **extra,
     }
+
+
+def _rest_options(values: dict) -> dict:
+    """The declared parameters beyond the laid-out ones that REST takes too (sent as they are)."""
+    rest = {p.name for p in parameters(REST)}
+    return {key: value for key, value in values.items() if key not in LAID_OUT and key in rest}
 
 
 INPUTS_NOTE = "# The inputs: save the files offered next to this snippet (input-1.png, ...) beside it."
@@ -96,6 +117,7 @@ def curl_snippet(url: str, values: dict) -> str:
     fields += [f"{key}={values[key]}" for key in ("speed", "lora", "lora_scale", "cache") if key in values]
     if "mask" in values:
         fields += [f"mask=@{values['mask']}"] + [f"{key}={values[key]}" for key in MASK_FIELDS if key in values]
+    fields += [f"{key}={value}" for key, value in _rest_options(values).items()]
     parts = [f"curl -sS {shlex.quote(url + 'v1/images/edits')}", '-H "Authorization: Bearer $IMGEDIT_API_KEY"']
     parts += [f"-F {shlex.quote(field)}" for field in fields]
     return "\n".join([INPUTS_NOTE, KEY_NOTE, " \\\n  ".join([*parts, f"| python3 -c {shlex.quote(_DECODE)}"])])
@@ -107,6 +129,7 @@ def openai_snippet(url: str, values: dict) -> str:
     if not values["randomize_seed"]:
         extra["seed"] = values["seed"]
     extra.update({key: values[key] for key in ("speed", "lora", "lora_scale", "cache", *MASK_FIELDS) if key in values})
+    extra.update(_rest_options(values))
     files = ", ".join(f"open({name!r}, 'rb')" for name in values["images"])
     mask = f" mask=open({values['mask']!r}, 'rb')," if "mask" in values else ""
     return "\n".join([

@@ -21,7 +21,7 @@ from imgedit.engine.images import open_image, png_bytes, read_settings
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.engine.validation import MAX_INPUT_IMAGES, MAX_PROMPT_CHARS, check_params, output_size
 from imgedit.errors import ImgEditError
-from imgedit.protocol import EditRequest
+from imgedit.protocol import EditRequest, request_kwargs
 from imgedit.web.exports import download_copy, export_copy
 from imgedit.web.mask_controls import painted_mask
 from imgedit.web.snippets import MASK_FILE, api_values, curl_snippet, gradio_snippet, openai_snippet
@@ -119,33 +119,35 @@ class PageTools:
                     continue
             probe = {"prompt": "x", key: value}
             try:
-                check_params(EditRequest(images=(), **probe), self.settings, self.family, self.tokens)
+                check_params(EditRequest(images=(), **request_kwargs(probe)), self.settings, self.family,
+                             self.tokens)
             except Exception:  # noqa: BLE001 - ImgEditError, or a value of the wrong kind: not offered
                 continue
             kept[key] = value
         return kept
 
-    def restore_settings(self, stored):
-        """The settings a result PNG carries, back into the form (seed fixed, so the edit repeats)."""
+    def restore_settings(self, stored, names: tuple[str, ...]):
+        """The settings a result PNG carries, back into the form (seed fixed, so the edit repeats): a value for
+        each of `names` (the declared parameters the form restores, protocol.PARAMETERS' `restore`), then
+        Randomize seed and the Restore button."""
         if not isinstance(stored, dict) or not stored:
             raise refusal("this PNG carries no settings of this app", "nothing to restore")
         gr.Info("Restored the prompt, seed, steps, CFG, size and step cache saved in the PNG (this image's own seed: "
                 "one image per prompt makes it again). The input images are not in the PNG: add the same ones.",
                 title="settings restored")
         keep = gr.update()
-        return (stored.get("prompt", keep), stored.get("negative_prompt", keep), stored.get("seed", keep),
-                False if "seed" in stored else keep, stored.get("num_inference_steps", keep),
-                stored.get("true_cfg_scale", keep), stored.get("width", keep), stored.get("height", keep),
-                stored_cache_choice(stored.get("cache"), self.cache_offered), gr.update(visible=False))
+        values = [stored.get(name, keep) for name in names]
+        if "cache" in names:
+            values[names.index("cache")] = stored_cache_choice(stored.get("cache"), self.cache_offered)
+        return (*values, False if "seed" in stored else keep, gr.update(visible=False))
 
-    def api_call(self, images, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
-                 num_images, width, height, speed=None, lora=None, lora_scale=None, cache=None, canvas=None,
-                 mask_grow=None, mask_feather=None, strength=None, request: gr.Request = None):
-        """Copy as API call: the form as gradio_client, curl and OpenAI-SDK code, for this server's address.
-        Each snippet repeats the page's edit: the painted mask (mask.png, offered with the inputs) and the
-        output size the server would make (one side given: both, from the last input's aspect)."""
+    def api_call(self, form: dict, canvas, request: gr.Request):
+        """Copy as API call: the form ({declared parameter: raw value}) as gradio_client, curl and OpenAI-SDK code,
+        for this server's address. Each snippet repeats the page's edit: the painted mask (mask.png, offered with
+        the inputs) and the output size the server would make (one side given: both, from the last input's
+        aspect)."""
         try:
-            paths = uploaded_paths(images)
+            paths = uploaded_paths(form.get("images"))
         except Exception:  # noqa: BLE001 - the snippets still show; the inputs are offered when they can be read
             paths = []
         # The snippets name their files input-1.png, ...: the same files under those names, to save beside them.
@@ -153,11 +155,10 @@ class PageTools:
         mask = painted_mask(canvas) if canvas is not None else ""
         if mask:
             inputs.append(export_copy([Path(mask)], Path(MASK_FILE).stem))
-        width, height = self._snippet_size(width, height, paths)
-        values = api_values(len(paths), prompt, negative_prompt, seed, randomize_seed, num_inference_steps,
-                            true_cfg_scale, num_images, width, height, self.default_steps,
-                            self.settings.default_true_cfg, speed, lora, lora_scale, self._snippet_cache(cache, speed),
-                            bool(mask), mask_grow, mask_feather, strength)
+        width, height = self._snippet_size(form.get("width"), form.get("height"), paths)
+        form = {**form, "width": width, "height": height,
+                "cache": self._snippet_cache(form.get("cache"), form.get("speed"))}
+        values = api_values(form, len(paths), self.default_steps, self.settings.default_true_cfg, bool(mask))
         host = request.headers.get("host", "localhost:7860")
         url = f"{request.headers.get('x-forwarded-proto', 'http')}://{host}/"
         return (gr.update(visible=True), gradio_snippet(url, values, self.settings.auth is not None),

@@ -1,0 +1,132 @@
+"""#45 item 1's proof: a parameter added to the declaration (imgedit.protocol.PARAMETERS) and nowhere else reaches
+every entry point. A harmless test-only parameter, `note` (text, recorded in the PNG and restored from it), is
+declared for this module's server only; then:
+
+- gradio `/edit` publishes it and takes it, over gradio_client;
+- the page has a control for it (under Advanced, named and explained by the declaration);
+- REST `/v1/images/edits` and `/v1/jobs` take it as a form field;
+- the result PNGs record it (the request carried it through the line and the worker), and the page's
+  "Restore the settings saved in this PNG" gives it back;
+- the page's "Copy as API call" snippets send it (gradio_client, curl, OpenAI SDK);
+- docs/PARAMETERS.md's generator lists it.
+
+Not derived yet (and so not shown here): the Batch tab's `/batch` parameters and the History store's columns
+(a re-run keeps the form's value of a parameter the store has no column for).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import pickle
+import time
+
+import httpx
+import pytest
+from conftest import make_manager, start_server
+from PIL import Image
+
+from imgedit import protocol
+from imgedit.protocol import EVERYWHERE, EditRequest, Param
+
+NOTE = Param("note", "text", "a test-only note, kept with the result", takes=EVERYWHERE, default="", png=True,
+             restore=True)
+
+
+@pytest.fixture(scope="module")
+def declared():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(protocol, "PARAMETERS", (*protocol.PARAMETERS, NOTE))
+        yield
+
+
+@pytest.fixture(scope="module")
+def manager(declared, plus_ckpt):
+    return make_manager(plus_ckpt)
+
+
+@pytest.fixture(scope="module")
+def server(manager):
+    with start_server(manager) as live:
+        yield live
+
+
+def png_bytes(size=(64, 64)) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, (30, 120, 200)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def note_of(data: bytes) -> str | None:
+    with Image.open(io.BytesIO(data)) as image:
+        return image.info.get("note")
+
+
+def test_gradio_edit_publishes_and_takes_the_declared_field(server, tmp_path):
+    from gradio_client import Client, handle_file
+
+    from imgedit.engine.images import read_settings
+
+    client = Client(server.url, verbose=False)
+    published = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/edit"]["parameters"]
+    assert [p["parameter_name"] for p in published][-1] == "note"
+    picture = tmp_path / "in.png"
+    picture.write_bytes(png_bytes())
+    gallery, _seed = client.predict(images=[handle_file(str(picture))], prompt="make it red", num_inference_steps=2,
+                                    width=64, height=64, note="kept by gradio", api_name="/edit")
+    result = gallery[0]["image"]
+    assert note_of(open(result, "rb").read()) == "kept by gradio"
+    assert read_settings(result)["note"] == "kept by gradio"  # what Restore gives back to the form
+
+
+def test_rest_and_jobs_take_the_declared_field(server):
+    files = [("image", ("in.png", png_bytes(), "image/png"))]
+    data = {"prompt": "make it red", "num_inference_steps": "2", "size": "64x64", "note": "kept by REST"}
+    reply = httpx.post(f"{server.url}/v1/images/edits", files=files, data=data, timeout=120)
+    assert reply.status_code == 200, reply.text
+    assert note_of(base64.b64decode(reply.json()["data"][0]["b64_json"])) == "kept by REST"
+
+    job = httpx.post(f"{server.url}/v1/jobs", files=files, data={**data, "note": "kept by a job"}, timeout=120)
+    assert job.status_code == 202, job.text
+    deadline = time.monotonic() + 120
+    while (view := httpx.get(f"{server.url}/v1/jobs/{job.json()['id']}", timeout=30).json())["state"] not in (
+            "succeeded", "failed", "cancelled") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert view["state"] == "succeeded", view
+    stored = httpx.get(f"{server.url}/v1/jobs/{job.json()['id']}/result", timeout=30)
+    assert stored.status_code == 200 and note_of(stored.content) == "kept by a job"
+
+
+def test_the_page_has_a_control_for_it_and_restores_it(server, manager):
+    config = httpx.get(f"{server.url}/config", timeout=30).json()
+    controls = [c for c in config["components"] if c.get("props", {}).get("elem_id") == "param-note"]
+    assert len(controls) == 1 and controls[0]["type"] == "textbox", controls
+    assert controls[0]["props"]["label"] == "Note" and NOTE.help in controls[0]["props"]["info"]
+
+    from imgedit.engine.images import restorable
+    from imgedit.web.tools import PageTools
+
+    assert restorable()["note"] is str
+    tools = PageTools(manager.settings, manager.family, 2)
+    names = ("prompt", "note")
+    restored = tools.restore_settings({"prompt": "p", "note": "from the PNG"}, names)
+    assert restored[:2] == ("p", "from the PNG")
+
+
+def test_the_snippets_send_it_and_leave_it_out_at_its_default(declared):
+    from imgedit.web.snippets import api_values, curl_snippet, gradio_snippet, openai_snippet
+
+    form = {"prompt": "make it red", "seed": 3, "randomize_seed": False, "note": "kept by a snippet"}
+    values = api_values(form, 1, 2, 4.0)
+    assert "note='kept by a snippet'," in gradio_snippet("http://h/", values, auth=False)
+    assert "-F 'note=kept by a snippet'" in curl_snippet("http://h/", values)
+    assert "'note': 'kept by a snippet'" in openai_snippet("http://h/", values)
+    assert "note" not in api_values({**form, "note": ""}, 1, 2, 4.0)
+
+
+def test_the_parameter_table_lists_it_and_the_request_carries_it_to_the_worker(declared):
+    from test_parameters import render
+
+    assert any(line.startswith("| `note` |") for line in render().splitlines())
+    req = EditRequest(images=(), **protocol.request_kwargs({"prompt": "p", "note": "n"}))
+    assert req.value("note") == "n" and pickle.loads(pickle.dumps(req)).value("note") == "n"  # as a worker gets it
