@@ -19,11 +19,13 @@ def new_request_id() -> str:
 
 # ---- an edit's parameters, declared once ----
 # Where a parameter is taken: the page and the gradio `/edit` API ("edit"), OpenAI-style REST
-# (/v1/images/edits: "rest"), the jobs API (/v1/jobs: "jobs"). REST and the jobs API parse their form fields
-# from this table (imgedit.web.rest.form_fields), `/edit`'s parameter order is its "edit" entries
-# (imgedit.web.requests.FIELDS), and docs/PARAMETERS.md is generated from it (tests/test_parameters.py).
-EDIT, REST, JOBS = "edit", "rest", "jobs"
-EVERYWHERE = frozenset((EDIT, REST, JOBS))
+# (/v1/images/edits: "rest"), the jobs API (/v1/jobs: "jobs"), the page's Batch tab and gradio `/batch`
+# ("batch": every item of a batch runs with them). REST and the jobs API parse their form fields from this table
+# (imgedit.web.rest.form_fields), `/edit`'s and `/batch`'s parameters and the page's controls follow its order
+# (imgedit.web.requests), and docs/PARAMETERS.md is generated from it (tests/test_parameters.py).
+EDIT, REST, JOBS, BATCH = "edit", "rest", "jobs", "batch"
+EVERYWHERE = frozenset((EDIT, REST, JOBS, BATCH))
+SINGLE = frozenset((EDIT, REST, JOBS))  # an edit's own: not the Batch tab's (its files, no mask, no rewrite)
 
 
 @dataclass(frozen=True)
@@ -64,13 +66,13 @@ class Param:
 
 PARAMETERS: tuple[Param, ...] = (
     Param("images", "file", "the image(s) to edit: 1 for Qwen-Image-Edit, 1-3 for 2509/2511", rest="image",
-          required=True),
+          takes=SINGLE, required=True),
     Param("prompt", "text", "what to change, in words (up to 4,000 characters and 1,024 tokens)", default="",
           required=True, png=True, restore=True),
     Param("negative_prompt", "text", "what to avoid (true CFG)", default="", png=True, restore=True),
     Param("seed", "whole", "0 to 2**32-1; absent: a random one, returned with the result", png=True, restore=True,
           api_default=0),
-    Param("randomize_seed", "flag", "ignore `seed` and draw one", takes=frozenset((EDIT,)), default=False,
+    Param("randomize_seed", "flag", "ignore `seed` and draw one", takes=frozenset((EDIT, BATCH)), default=False,
           field=None, api_default=True),
     Param("num_inference_steps", "whole", "denoising steps, 2 to MAX_STEPS; absent: the model's", png=True,
           restore=True),
@@ -78,8 +80,8 @@ PARAMETERS: tuple[Param, ...] = (
           restore=True),
     Param("num_images", "whole", "images per prompt, 1 to MAX_IMAGES_PER_PROMPT", default=1, rest="n"),
     Param("width", "whole", "output width; 0 or absent: from the last input's aspect, about 1 megapixel",
-          takes=frozenset((EDIT,)), png=True, restore=True, api_default=0),
-    Param("height", "whole", "output height; 0 or absent: as width", takes=frozenset((EDIT,)), png=True,
+          takes=frozenset((EDIT, BATCH)), png=True, restore=True, api_default=0),
+    Param("height", "whole", "output height; 0 or absent: as width", takes=frozenset((EDIT, BATCH)), png=True,
           restore=True, api_default=0),
     Param("size", "size", "`auto` or WIDTHxHEIGHT (OpenAI's name for width and height)",
           takes=frozenset((REST, JOBS)), field=None),
@@ -88,11 +90,14 @@ PARAMETERS: tuple[Param, ...] = (
     Param("lora", "text", "a configured LoRA's name, or none", png=True, api_default="none"),
     Param("lora_scale", "number", "that LoRA's strength, 0 to 2; absent: 1", png=True, api_default=1.0),
     Param("mask", "file", "where to edit: white (or OpenAI's transparent) = edit; the first image's size "
-          "(one mask for every item of a job)", png=True),
-    Param("mask_grow", "whole", "pixels the mask is grown by, 0 to 256; absent: 0", png=True),
-    Param("mask_feather", "whole", "pixels of soft edge inside the mask, 0 to 256; absent: 8", png=True),
-    Param("strength", "number", "how far the masked area may move from the input, above 0 to 1; absent: 1", png=True),
-    Param("enhance_prompt", "flag", "rewrite the prompt with the model's own text encoder first", default=False),
+          "(one mask for every item of a job)", takes=SINGLE, png=True),
+    Param("mask_grow", "whole", "pixels the mask is grown by, 0 to 256; absent: 0", takes=SINGLE, png=True),
+    Param("mask_feather", "whole", "pixels of soft edge inside the mask, 0 to 256; absent: 8", takes=SINGLE,
+          png=True),
+    Param("strength", "number", "how far the masked area may move from the input, above 0 to 1; absent: 1",
+          takes=SINGLE, png=True),
+    Param("enhance_prompt", "flag", "rewrite the prompt with the model's own text encoder first", takes=SINGLE,
+          default=False),
     Param("cache", "text", "step cache for quality edits: none, first-block or taylorseer, where offered",
           png=True, restore=True),
 )

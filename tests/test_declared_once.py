@@ -2,16 +2,15 @@
 every entry point. A harmless test-only parameter, `note` (text, recorded in the PNG and restored from it), is
 declared for this module's server only; then:
 
-- gradio `/edit` publishes it and takes it, over gradio_client;
+- gradio `/edit` and `/batch` publish it and take it, over gradio_client;
 - the page has a control for it (under Advanced, named and explained by the declaration);
 - REST `/v1/images/edits` and `/v1/jobs` take it as a form field;
 - the result PNGs record it (the request carried it through the line and the worker), and the page's
   "Restore the settings saved in this PNG" gives it back;
 - the page's "Copy as API call" snippets send it (gradio_client, curl, OpenAI SDK);
+- the History store keeps it: `/history` lists it and the History tab's Re-run puts it back into the form;
 - docs/PARAMETERS.md's generator lists it.
 
-Not derived yet (and so not shown here): the Batch tab's `/batch` parameters and the History store's columns
-(a re-run keeps the form's value of a parameter the store has no column for).
 """
 
 from __future__ import annotations
@@ -25,9 +24,12 @@ import httpx
 import pytest
 from conftest import make_manager, start_server
 from PIL import Image
+from raw_gradio import RawGradio
 
 from imgedit import protocol
 from imgedit.protocol import EVERYWHERE, EditRequest, Param
+from imgedit.web.identity import COOKIE
+from imgedit.web.requests import edit_fields
 
 NOTE = Param("note", "text", "a test-only note, kept with the result", takes=EVERYWHERE, default="", png=True,
              restore=True)
@@ -77,6 +79,20 @@ def test_gradio_edit_publishes_and_takes_the_declared_field(server, tmp_path):
     result = gallery[0]["image"]
     assert note_of(open(result, "rb").read()) == "kept by gradio"
     assert read_settings(result)["note"] == "kept by gradio"  # what Restore gives back to the form
+
+    [stored] = [e for e in client.predict(api_name="/history") if e.get("note") == "kept by gradio"]
+    raw = RawGradio(server.url, httpx.Client(timeout=60, cookies={COOKIE: client.cookies[COOKIE]}))
+    filled = raw.predict(raw.fn_index(trigger=("history-rerun", "click")), [stored["id"]])
+    assert filled.status_code == 200, filled.text
+    assert dict(zip(edit_fields(), filled.json()["data"], strict=True))["note"] == "kept by gradio"
+    raw.close()
+
+    batch = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/batch"]["parameters"]
+    assert [p["parameter_name"] for p in batch][-1] == "note"
+    gallery, report, _zip = client.predict(files=[handle_file(str(picture))], prompt="make it red",
+                                           num_inference_steps=2, width=64, height=64, note="kept by a batch",
+                                           api_name="/batch")
+    assert "1 of 1 done" in report and note_of(open(gallery[0]["image"], "rb").read()) == "kept by a batch"
 
 
 def test_rest_and_jobs_take_the_declared_field(server):

@@ -206,9 +206,11 @@ def test_a_database_of_the_previous_version_opens_lists_and_takes_lora_rows(tmp_
         ("job-new", "fastest", "style", 0.5), ("job-old", None, None, None)]
     assert again.get("browser:x", made.id) == made
     columns = [row[1] for row in again._db.execute("PRAGMA table_info(results)")]
-    assert columns[-5:] == ["speed", "lora", "lora_scale", "original_prompt", "weights"] and len(columns) == 26
+    assert columns[-6:] == ["speed", "lora", "lora_scale", "original_prompt", "weights", "options"]
+    assert len(columns) == 27
     old = again.get("browser:x", "0123456789abcdef")
-    assert old.original_prompt is None and old.weights is None  # an old row: no rewrite, the model's own weights
+    # an old row: no rewrite, the model's own weights, no parameters beyond the columns
+    assert old.original_prompt is None and old.weights is None and old.options == {}
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,10 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from imgedit.protocol import EDIT, JOBS, PARAMETERS, REST, EditRequest, Resolved, parameters  # noqa: E402
+from imgedit.protocol import BATCH, EDIT, JOBS, PARAMETERS, REST, EditRequest, Resolved, parameters  # noqa: E402
 
 DOC = ROOT / "docs" / "PARAMETERS.md"
-WHERE = {EDIT: "page, gradio `/edit`", REST: "`/v1/images/edits`", JOBS: "`/v1/jobs`"}
+WHERE = {EDIT: "page, gradio `/edit`", REST: "`/v1/images/edits`", JOBS: "`/v1/jobs`", BATCH: "Batch tab, `/batch`"}
 # A valid value for every declared form field over REST and /v1/jobs (64x64 pictures, the tiny model)
 VALID = {"prompt": "make it red", "negative_prompt": "blurry", "seed": "7", "num_inference_steps": "2",
          "true_cfg_scale": "3.5", "n": "1", "size": "64x64", "speed": "quality", "lora": "none", "lora_scale": "1",
@@ -40,7 +40,7 @@ def render() -> str:
              "|---|---|---|---|---|---|"]
     for p in parameters():  # the declaration as it is now (a test may add to it)
         rest = f"`{p.form_name}`" if p.takes & {REST, JOBS} else "—"
-        where = ", ".join(WHERE[e] for e in (EDIT, REST, JOBS) if e in p.takes)
+        where = ", ".join(WHERE[e] for e in (EDIT, REST, JOBS, BATCH) if e in p.takes)
         default = "required" if p.required else "—" if p.default in (None, "") else f"`{p.default}`"
         lines.append(f"| `{p.name}` | {rest} | {p.kind} | {where} | {default} | {p.help} |")
     return "\n".join(lines) + "\n"

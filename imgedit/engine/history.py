@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import secrets
 import shutil
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from imgedit.config.settings import Settings
@@ -54,7 +55,8 @@ CREATE TABLE IF NOT EXISTS results (
     lora TEXT,
     lora_scale REAL,
     original_prompt TEXT,
-    weights TEXT
+    weights TEXT,
+    options TEXT
 );
 CREATE INDEX IF NOT EXISTS results_owner ON results (owner, created);
 CREATE INDEX IF NOT EXISTS results_job ON results (job_id, item);
@@ -62,11 +64,11 @@ CREATE INDEX IF NOT EXISTS results_created ON results (created);
 """
 _COLUMNS = ("id, job_id, item, owner, created, source, name, prompt, negative_prompt, seed, steps, true_cfg_scale, "
             "num_images, width, height, out_width, out_height, outputs, inputs, folder, bytes, speed, lora, "
-            "lora_scale, original_prompt, weights")
+            "lora_scale, original_prompt, weights, options")
 # Columns added after the first release, with their types: a database written by an older version gets
 # them at start-up (its rows read back as None: quality, no LoRA, which is what made them).
 _ADDED_COLUMNS = {"speed": "TEXT", "lora": "TEXT", "lora_scale": "REAL", "original_prompt": "TEXT",
-                  "weights": "TEXT"}
+                  "weights": "TEXT", "options": "TEXT"}
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,8 @@ class HistoryEntry:
     lora_scale: float | None = None  # its strength as asked for; None = 1
     original_prompt: str | None = None  # the user's words when the model rewrote them (`prompt` is the one used)
     weights: str | None = None  # FAST_QUANTIZE's lossy copy the edit ran on (fp8 | int8); None = the model's own
+    # the declared parameters without a column of their own (EditRequest.options), as asked for: JSON in the store
+    options: dict = field(default_factory=dict)
 
     @property
     def output_paths(self) -> list[Path]:
@@ -185,12 +189,12 @@ class HistoryStore:
             req.negative_prompt or "", result.seed, result.steps, req.true_cfg_scale, len(result.images),
             req.width, req.height, result.width, result.height, len(result.images), len(req.images), folder, size,
             req.speed or None, None if req.lora in (None, "", "none") else req.lora, req.lora_scale,
-            req.prompt if result.prompt else None, result.weights)
+            req.prompt if result.prompt else None, result.weights, dict(req.options))
         row = (entry.id, entry.job_id, entry.item, entry.owner, entry.created, entry.source, entry.name, entry.prompt,
                entry.negative_prompt, entry.seed, entry.steps, entry.true_cfg_scale, entry.num_images, entry.width,
                entry.height, entry.out_width, entry.out_height, entry.outputs, entry.inputs,
                str(folder.relative_to(self.root)), entry.bytes, entry.speed, entry.lora, entry.lora_scale,
-               entry.original_prompt, entry.weights)
+               entry.original_prompt, entry.weights, json.dumps(entry.options) if entry.options else None)
         with self._lock:
             self._db.execute(f"INSERT OR REPLACE INTO results ({_COLUMNS}) VALUES ({', '.join('?' * len(row))})",
                              row)
@@ -226,7 +230,7 @@ class HistoryStore:
     def _select(self, where: str, args: tuple) -> list[HistoryEntry]:
         with self._lock:
             rows = self._db.execute(f"SELECT {_COLUMNS} FROM results {where}", args).fetchall()
-        return [HistoryEntry(*row[:19], self.root / row[19], *row[20:]) for row in rows]
+        return [HistoryEntry(*row[:19], self.root / row[19], *row[20:-1], _options(row[-1])) for row in rows]
 
     # ---- pruning ----
     def total_bytes(self) -> int:
@@ -267,3 +271,12 @@ class HistoryStore:
             self._db.executemany("DELETE FROM results WHERE id = ?", [(e.id,) for e in entries])
         for entry in entries:
             shutil.rmtree(entry.folder, ignore_errors=True)
+
+
+def _options(stored: str | None) -> dict:
+    """The options column as written by `save` (JSON of an object), {} for none or anything else."""
+    try:
+        options = json.loads(stored) if stored else {}
+    except ValueError:
+        return {}
+    return options if isinstance(options, dict) else {}

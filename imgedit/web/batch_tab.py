@@ -22,18 +22,13 @@ from imgedit.config.settings import Settings
 from imgedit.engine.batch import Job, JobService, expand_uploads, results_zip
 from imgedit.engine.validation import check_params
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
-from imgedit.protocol import EditRequest
+from imgedit.protocol import BATCH, EditRequest, parameters, request_kwargs
 from imgedit.web.identity import page_owner
-from imgedit.web.speed import parse_cache_input, parse_speed_inputs
+from imgedit.web.requests import api_signature, form_fields
+from imgedit.web.speed import parse_cache_input
 from imgedit.web.tools import refusal, user_error
 
 BATCH_GROUP = "batch"  # unlimited in Gradio: the manager's line and JOBS_MAX_PENDING bound batches
-
-
-def _number(value, default=None):
-    if value is None or value == "":
-        return default
-    return int(value) if float(value).is_integer() else value
 
 
 def _report(job: Job) -> str:
@@ -74,10 +69,11 @@ BATCH_CSS = """<style>
 </style>"""
 
 
-def build_batch_tab(settings: Settings, manager, jobs: JobService, settings_inputs: list) -> None:
-    """Inside a `gr.Tabs`: the Batch tab. `settings_inputs` are the Edit tab's advanced settings
-    (negative prompt, seed, randomize, steps, cfg, images per prompt, width, height), then its Speed,
-    LoRA and strength (imgedit.web.speed): every item runs with them, as a single edit would."""
+def build_batch_tab(settings: Settings, manager, jobs: JobService, controls: dict) -> None:
+    """Inside a `gr.Tabs`: the Batch tab. `controls` are the Edit tab's ({declared parameter: its control}): every
+    item runs with the ones the declaration gives the batch (protocol.PARAMETERS' "batch": the advanced settings,
+    Speed, LoRA, strength and Step cache; the tab has its own files and prompt), as a single edit would."""
+    names = [p.name for p in parameters(BATCH)]  # `/batch`'s parameters after its files
     with gr.Tab("Batch", id="batch"):
         gr.Markdown("One prompt over many images, with the editor's settings above (speed, LoRA, steps, seed, size). "
                     "Each image is its own edit in the shared line, so single edits are not held up by a batch.")
@@ -94,36 +90,27 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, settings_inpu
         download = gr.File(label="All results (zip)", elem_id="batch-zip", interactive=False)
         api_only = gr.Button(visible=False, elem_id="batch-api")  # /batch's trigger: never shown
 
-    async def run_batch(files, prompt, negative_prompt="", seed=0, randomize_seed=True, num_inference_steps=None,
-                        true_cfg_scale=None, num_images=1, width=0, height=0, speed="quality", lora="none",
-                        lora_scale=1.0, cache=None, request: gr.Request = None):
+    @api_signature(BATCH, leading=("files",), progress=False)  # names and defaults: the declaration's
+    async def run_batch(*args):
         """Run one prompt over every uploaded image; yields (gallery, report, zip) as items finish."""
-        async with contextlib.aclosing(updates(
-                files, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale, num_images,
-                width, height, speed, lora, lora_scale, cache, request)) as values:
+        async with contextlib.aclosing(updates(*args)) as values:
             async for shown, report_text, archive, _ in values:  # closed with this one (a cancel stops the job)
                 yield shown, report_text, archive
 
     @functools.wraps(run_batch)  # the same parameters (names, defaults, the request) as the API's
-    async def run_batch_in_page(*args, **kwargs):
+    async def run_batch_in_page(*args):
         """The page's: the API's three values and the progress line."""
-        async with contextlib.aclosing(updates(*args, **kwargs)) as values:
+        async with contextlib.aclosing(updates(*args)) as values:
             async for update in values:
                 yield update
 
-    async def updates(files, prompt, negative_prompt, seed, randomize_seed, num_inference_steps, true_cfg_scale,
-                      num_images, width, height, speed, lora, lora_scale, cache, request):
+    async def updates(files, *args):
+        *values, request = args
         try:
-            speed, lora, lora_scale = parse_speed_inputs(speed, lora, lora_scale)
-            cache = parse_cache_input(cache, speed)  # "default" (the page's) -> the server's CACHE
-            manager.check_cache(cache)  # before any item starts
-            template = EditRequest(
-                images=(), prompt=prompt or "", negative_prompt=negative_prompt or "",
-                seed=None if randomize_seed else _number(seed, 0), num_inference_steps=_number(num_inference_steps),
-                true_cfg_scale=None if true_cfg_scale is None else float(true_cfg_scale),
-                num_images=_number(num_images, 1), width=_number(width, 0) or None,
-                height=_number(height, 0) or None, speed=speed, lora=lora, lora_scale=lora_scale, cache=cache,
-                source="ui")
+            fields = form_fields(dict(zip(names, values, strict=True)))
+            fields["cache"] = parse_cache_input(fields.get("cache"), fields["speed"])  # "default": the server's
+            manager.check_cache(fields["cache"])  # before any item starts
+            template = EditRequest(images=(), **request_kwargs(fields), source="ui")
             # the cheap fields before any file is read
             check_params(template, settings, manager.family, manager.prompt_tokens)
             uploads = await asyncio.to_thread(read_uploads, files, settings.batch_max_items, settings.max_file_size)
@@ -153,7 +140,8 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, settings_inpu
             job.cancel.set()  # a no-op once finished; stops the rest when the user cancelled
             shutil.rmtree(folder, ignore_errors=True)
 
-    inputs = [files, prompt, *settings_inputs]
+    # the tab's files and prompt, the editor's controls for the rest
+    inputs = [files, *(prompt if name == "prompt" else controls[name] for name in names)]
     active, idle = gr.update(interactive=True), gr.update(interactive=False)  # Cancel only while a batch runs
     started = run.click(lambda: active, None, stop, queue=False, api_visibility="private")
     event = started.then(run_batch_in_page, inputs, [gallery, report, download, line], api_visibility="private",

@@ -37,7 +37,7 @@ def _describe(entry: HistoryEntry) -> dict:
             "seed": entry.seed, "num_inference_steps": entry.steps, "true_cfg_scale": entry.true_cfg_scale,
             "num_images": entry.num_images, "width": entry.out_width, "height": entry.out_height,
             "source": entry.source, "name": entry.name, "speed": entry.speed or "quality", "lora": entry.lora,
-            "lora_scale": entry.lora_scale, "original_prompt": entry.original_prompt}
+            "lora_scale": entry.lora_scale, "original_prompt": entry.original_prompt, **entry.options}
 
 
 def check_still_offered(entry: HistoryEntry, settings) -> None:
@@ -69,7 +69,7 @@ def build_history_tab(settings: Settings, history: HistoryStore, controls: dict,
                       gpu_group: str, cache_offered: bool = True):
     """Inside a `gr.Tabs`: the History tab. `controls` ({declared parameter: the page's control}, in `/edit`'s
     order), `edit_outputs` and `edit` are the Edit tab's button's, so a re-run is an ordinary edit (same line,
-    same checks and messages, stored again); a parameter the store keeps no column for stays as the form has it.
+    same checks and messages, stored again); the mask's settings (not stored) stay as the form has them.
     The step cache an entry was made with comes from its first result's PNG (the store keeps no column for it);
     `cache_offered`: the workers can run one.
     Returns the `/history` API function, to be registered outside the tabs."""
@@ -166,7 +166,8 @@ def build_history_tab(settings: Settings, history: HistoryStore, controls: dict,
                       num_images=entry.num_images, width=entry.width or 0, height=entry.height or 0,
                       speed=speed[0], lora=speed[1], lora_scale=speed[2],
                       cache=stored_cache_choice(made_with, cache_offered),
-                      mask=None, enhance_prompt=False)  # the store keeps no mask: the edit was unmasked or is not
+                      mask=None, enhance_prompt=False,  # the store keeps no mask: the edit was unmasked or is not
+                      **entry.options)  # declared parameters without a column of their own
         return tuple(stored.get(name, gr.update()) for name in controls)
 
     def chosen_entry(entry_id: str | None, request: gr.Request) -> HistoryEntry:

@@ -376,7 +376,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
             from imgedit.web.history_tab import build_history_tab
 
             with gr.Tabs():
-                build_batch_tab(settings, manager, jobs, inputs[2:] + speed_inputs + [cache])
+                build_batch_tab(settings, manager, jobs, controls)
                 history_api = build_history_tab(settings, history, controls, page_outputs, edit_page,
                                                 GPU_GROUP, cache_offered=not cache_refused)
             gr.api(history_api, api_name="history", queue=False)

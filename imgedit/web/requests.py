@@ -72,18 +72,14 @@ def _text(value, name: str) -> str:
     return value
 
 
-def build_request(settings: Settings, family: str, *values, source: str) -> EditRequest:
-    """Parse one event's raw values, `/edit`'s parameters in the declaration's order (protocol.PARAMETERS; absent
-    trailing ones take their defaults), each by its kind. Every file must lie in Gradio's upload cache
-    (imgedit.web.uploads)."""
-    raw = dict(zip(edit_fields(), values, strict=False))
-    paths = uploaded_paths(raw.get("images"))
-    check_counts(len(paths), family)
-    decoded = tuple(open_image(p, settings.max_input_pixels, image_label(i + 1, p)) for i, p in enumerate(paths))
+def form_fields(raw: dict) -> dict:
+    """A form's raw values ({`/edit` parameter: value}, any JSON) as EditRequest fields: each declared parameter
+    named in `raw` but the files, parsed by its kind, then what the form's controls mean: a ticked "randomize"
+    draws the seed, 0 is an automatic side, the speed controls' "quality" and "none" are no preset and no LoRA."""
     fields: dict = {}
     for param in parameters(EDIT):
         value = raw.get(param.name)
-        if param.request_field is None or param.kind == "file":
+        if param.request_field is None or param.kind == "file" or param.name not in raw:
             continue
         if param.kind == "text":
             fields[param.name] = _text(value, param.name) or param.default
@@ -91,12 +87,23 @@ def build_request(settings: Settings, family: str, *values, source: str) -> Edit
             fields[param.name] = _number(value, param.name, param.default)
         elif param.kind == "flag":
             fields[param.name] = _flag(value, param.name)
-    # what the form's controls mean: a ticked "randomize" draws the seed, 0 is an automatic side, the speed
-    # controls' "quality" and "none" are no preset and no LoRA
-    fields["seed"] = None if _flag(raw.get("randomize_seed"), "randomize_seed") else fields["seed"] or 0
-    fields["width"], fields["height"] = fields["width"] or None, fields["height"] or None
+    fields["seed"] = None if _flag(raw.get("randomize_seed"), "randomize_seed") else fields.get("seed") or 0
+    fields["width"], fields["height"] = fields.get("width") or None, fields.get("height") or None
     fields["speed"], fields["lora"], fields["lora_scale"] = parse_speed_inputs(
         raw.get("speed"), raw.get("lora"), raw.get("lora_scale"))
+    return fields
+
+
+def build_request(settings: Settings, family: str, *values, source: str) -> EditRequest:
+    """Parse one event's raw values, `/edit`'s parameters in the declaration's order (protocol.PARAMETERS; absent
+    trailing ones take their defaults), each by its kind. Every file must lie in Gradio's upload cache
+    (imgedit.web.uploads)."""
+    names = edit_fields()
+    raw = dict(zip(names, values, strict=False))
+    paths = uploaded_paths(raw.get("images"))
+    check_counts(len(paths), family)
+    decoded = tuple(open_image(p, settings.max_input_pixels, image_label(i + 1, p)) for i, p in enumerate(paths))
+    fields = form_fields({name: raw.get(name) for name in names})  # an absent trailing one: its default
     if mask_paths := uploaded_paths(raw.get("mask"), "mask"):
         if len(mask_paths) > 1:
             raise InvalidInput("send one mask (for the first image)", "mask")
@@ -123,19 +130,30 @@ def form_signature(names, *, progress: bool = False):
     return signed
 
 
-def edit_signature(function):
-    """`function(*values, request, progress)` with the gradio `/edit` API's signature, made from the declaration:
-    Gradio names the API's parameters and their defaults after it, and passes gr.Request and gr.Progress where
-    it puts them (after the parameters). Returns the function."""
+def api_signature(entry: str = EDIT, leading: tuple[str, ...] = (), progress: bool = True):
+    """A decorator: `function(*values, request[, progress])` with a gradio API's signature made from the declaration
+    (`/edit`'s, or `/batch`'s after its `leading` required inputs): Gradio names the API's parameters and their
+    defaults after it, and passes gr.Request and gr.Progress where it puts them (after the parameters)."""
     positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    params = [inspect.Parameter(p.name, positional,
-                                default=inspect.Parameter.empty if p.required else p.edit_default)
-              for p in parameters(EDIT)]
-    params += [inspect.Parameter("request", positional, default=None, annotation=gr.Request),
-               inspect.Parameter("progress", positional, default=gr.Progress())]
-    function.__signature__ = inspect.Signature(params)
-    function.__annotations__ = {"request": gr.Request}
-    return function
+    params = [inspect.Parameter(name, positional) for name in leading]
+    params += [inspect.Parameter(p.name, positional,
+                                 default=inspect.Parameter.empty if p.required else p.edit_default)
+               for p in parameters(entry)]
+    params.append(inspect.Parameter("request", positional, default=None, annotation=gr.Request))
+    if progress:
+        params.append(inspect.Parameter("progress", positional, default=gr.Progress()))
+
+    def signed(function):
+        function.__signature__ = inspect.Signature(params)
+        function.__annotations__ = {"request": gr.Request}
+        return function
+
+    return signed
+
+
+def edit_signature(function):
+    """`function(*values, request, progress)` with the gradio `/edit` API's signature (api_signature)."""
+    return api_signature(EDIT)(function)
 
 
 def _flag(value, name: str) -> bool:
