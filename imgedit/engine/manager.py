@@ -10,7 +10,6 @@ cross the process boundary as small messages (imgedit.runtime.messages).
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import contextvars
 import logging
@@ -23,6 +22,7 @@ from imgedit.engine import startup
 from imgedit.engine.gpus import discover_gpus, host_memory
 from imgedit.engine.images import stamp_result
 from imgedit.engine.inspection import inspect_checkpoint
+from imgedit.engine.line import Line, WaitCallback
 from imgedit.engine.pool import WorkerHandle, wait_result
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.engine.validation import check_enhance, resolve, resolve_enhance
@@ -47,20 +47,10 @@ from imgedit.runtime.messages import Done, Job
 log = logging.getLogger(__name__)
 
 StepCallback = Callable[[int, int], None]  # (step, total)
-WaitCallback = Callable[[int], None]  # jobs ahead of this one (running ones included)
 ERRORS = {cls.kind: cls for cls in (Cancelled, OutOfGpuMemory, WorkerFailed, NotReady, QueueFull)}
 # Sizes warmed at start-up: the default square and a portrait one (the blocks compile dynamic from the
 # first; the second checks that no guard specialised a length: imgedit.runtime.warmup).
 WARMUP_SIZES = ((1024, 1024), (832, 1248))
-
-
-class _Ticket:
-    """A place in the line (compared by identity), and whose it is."""
-
-    __slots__ = ("client",)
-
-    def __init__(self, client: str | None):
-        self.client = client
 
 
 class PipelineManager:
@@ -74,8 +64,8 @@ class PipelineManager:
         self.workers: list[WorkerHandle] = []
         self.checkpoint: Checkpoint | None = None
         self.load_error: str | None = None
-        self._cond = threading.Condition()
-        self._line: collections.deque[_Ticket] = collections.deque()
+        self.line = Line(settings, lambda: self.workers)  # the one FIFO line (imgedit.engine.line)
+        self._executor_lock = threading.Lock()
         self.listeners: list[Callable[[JobRecord], None]] = []
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._started = False
@@ -178,8 +168,7 @@ class PipelineManager:
         return WorkerHandle(plan, spec, visible=s.cuda_visible_devices, start_method=s.worker_start, **common)
 
     def _changed(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
+        self.line.changed()
 
     def start(self) -> PipelineManager:
         """Spawn the worker processes; they load in the background."""
@@ -193,12 +182,8 @@ class PipelineManager:
     def load(self, timeout: float = 600) -> PipelineManager:
         """start(), then wait until no worker is loading. Raises when none could be loaded."""
         self.start()
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while any(w.state.coming for w in self.workers):
-                if time.monotonic() > deadline:
-                    raise WorkerFailed(f"the workers did not load within {timeout:.0f}s")
-                self._cond.wait(0.1)
+        if not self.line.wait_while(lambda: any(w.state.coming for w in self.workers), timeout):
+            raise WorkerFailed(f"the workers did not load within {timeout:.0f}s")
         if self.load_error and not self.workers:
             raise WorkerFailed(self.load_error)
         if not self.ready:
@@ -214,78 +199,38 @@ class PipelineManager:
             t.start()
         for t in threads:
             t.join()
-        with self._cond:
-            self._cond.notify_all()
+        self.line.changed()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
-    # ---- the line ----
+    # ---- the line (imgedit.engine.line) ----
     def waiting(self) -> int:
-        with self._cond:
-            return len(self._line)
-
-    def _alive(self) -> bool:
-        return any(not w.state.ended for w in self.workers)
-
-    def client_places(self) -> int:
-        """The most places in the line one client may hold (CLIENT_SHARE of QUEUE_MAX_SIZE, at least one)."""
-        return max(1, int(self.settings.queue_max_size * self.settings.client_share))
-
-    def _acquire(self, cancel: threading.Event | None, on_wait: WaitCallback | None,
-                 client: str | None = None) -> WorkerHandle:
-        with self._cond:
-            idle = [w for w in self.workers if w.state is WorkerState.IDLE]
-            if len(self._line) >= self.settings.queue_max_size and not idle:
-                raise QueueFull(f"the server is busy ({len(self._line)} jobs waiting); try again later")
-            held = sum(t.client == client for t in self._line) if client is not None else 0
-            if held >= self.client_places() and not idle:
-                raise QueueFull(f"you already have {held} edit(s) waiting; one client may hold at most "
-                                f"{self.client_places()} of the line's {self.settings.queue_max_size} places "
-                                "(CLIENT_SHARE); try again when one has started")
-            ticket = _Ticket(client)
-            self._line.append(ticket)
-            reported = -1
-            try:
-                while True:
-                    if cancel is not None and cancel.is_set():
-                        raise Cancelled("cancelled while waiting")
-                    if not self._alive():
-                        raise WorkerFailed("no healthy GPU worker is left; see /health")
-                    if self._line[0] is ticket:
-                        for worker in self.workers:
-                            if worker.claim():
-                                return worker
-                    ahead = self._line.index(ticket) + sum(w.state is WorkerState.BUSY for w in self.workers)
-                    if on_wait is not None and ahead != reported:
-                        reported = ahead
-                        on_wait(ahead)
-                    self._cond.wait(timeout=0.05)
-            finally:
-                self._line.remove(ticket)
-                self._cond.notify_all()
-
-    def _release(self, worker: WorkerHandle) -> None:
-        with self._cond:
-            worker.release()
-            self._cond.notify_all()
+        return len(self.line)
 
     async def run(self, req: EditRequest, on_step: StepCallback | None = None,
                   on_wait: WaitCallback | None = None, cancel: threading.Event | None = None,
-                  task: str = "edit", params: Resolved | None = None) -> EditResult:
+                  params: Resolved | None = None) -> EditResult:
         """`edit` for async edges. It runs on the manager's own threads (sized to hold every job the
         line may take, so waiting jobs never starve the event loop's executor) with the caller's
         context variables, so a Gradio progress bar fed from the callbacks reaches its page. If the
         caller is cancelled (Cancel button, gradio_client cancel, client gone), the job is told to
         stop at its next step; the worker stays taken until it has."""
-        if self._executor is None:
-            with self._cond:
-                if self._executor is None:
-                    size = self.settings.queue_max_size + self.capacity + 2
-                    self._executor = concurrent.futures.ThreadPoolExecutor(size, thread_name_prefix="imgedit-job")
         cancel = cancel or threading.Event()
+        return await self._in_thread(cancel, self.edit, req, on_step, on_wait, cancel, params)
+
+    async def run_enhance(self, req: EditRequest, on_wait: WaitCallback | None = None,
+                          cancel: threading.Event | None = None) -> EditResult:
+        """`enhance` for async edges, as `run` is `edit`'s."""
+        cancel = cancel or threading.Event()
+        return await self._in_thread(cancel, self.enhance, req, on_wait, cancel)
+
+    async def _in_thread(self, cancel: threading.Event, call, *args) -> EditResult:
+        with self._executor_lock:
+            if self._executor is None:
+                size = self.settings.queue_max_size + self.capacity + 2
+                self._executor = concurrent.futures.ThreadPoolExecutor(size, thread_name_prefix="imgedit-job")
         context = contextvars.copy_context()
-        job = asyncio.wrap_future(self._executor.submit(context.run, self.edit, req, on_step, on_wait, cancel, task,
-                                                       params))
+        job = asyncio.wrap_future(self._executor.submit(context.run, call, *args))
         job.add_done_callback(lambda f: f.cancelled() or f.exception())  # no "never retrieved" noise
         try:
             return await asyncio.shield(job)
@@ -293,28 +238,38 @@ class PipelineManager:
             cancel.set()
             raise
 
-    def enhance(self, req: EditRequest, on_wait: WaitCallback | None = None,
-                cancel: threading.Event | None = None) -> EditResult:
-        """A prompt rewrite alone (imgedit.runtime.enhance), through the same line as edits: the result's
-        `prompt` is the rewrite, or None with a `notice` when the user's prompt is kept."""
-        return self.edit(req, None, on_wait, cancel, task="enhance")
-
-    def resolve(self, req: EditRequest, task: str = "edit") -> Resolved:
-        """The exact parameters of a decoded request, or InvalidInput naming the field: every check, done once
+    def resolve(self, req: EditRequest) -> Resolved:
+        """The exact parameters of a decoded edit, or InvalidInput naming the field: every check, done once
         (an edge resolves and hands them to `run`/`edit`, which then take them as they are)."""
-        if task == "enhance":
-            params = resolve_enhance(req, self.settings, self.family, len(req.images), self.prompt_tokens)
-        else:
-            params = resolve(req, self.settings, self.family, req.images[-1].size if req.images else None,
-                             len(req.images), self.prompt_tokens)
-            self.check_cache(params.cache)
+        params = resolve(req, self.settings, self.family, req.images[-1].size if req.images else None,
+                         len(req.images), self.prompt_tokens)
+        self.check_cache(params.cache)
+        check_enhance(params, self._plans)
+        return params
+
+    def resolve_enhance(self, req: EditRequest) -> Resolved:
+        """A prompt rewrite's parameters (the images and the instruction), or InvalidInput naming the field."""
+        params = resolve_enhance(req, self.settings, self.family, len(req.images), self.prompt_tokens)
         check_enhance(params, self._plans)
         return params
 
     def edit(self, req: EditRequest, on_step: StepCallback | None = None, on_wait: WaitCallback | None = None,
-             cancel: threading.Event | None = None, task: str = "edit", params: Resolved | None = None) -> EditResult:
-        """Wait in line for a worker, run the job in its process(es), give the worker back. `params`: the
-        request as `resolve` made it at the edge (resolved here when absent)."""
+             cancel: threading.Event | None = None, params: Resolved | None = None) -> EditResult:
+        """Wait in line for a worker, run the edit in its process(es), give the worker back. `params`: the
+        request as `resolve` made it at the edge (resolved here when absent). Each result image carries its
+        settings: this is the one place every edge's results pass."""
+        result, params = self._through_line(req, "edit", params, on_step, on_wait, cancel)
+        stamp_result(result, req, params, self.settings.model_name)
+        return result
+
+    def enhance(self, req: EditRequest, on_wait: WaitCallback | None = None,
+                cancel: threading.Event | None = None) -> EditResult:
+        """A prompt rewrite alone (imgedit.runtime.enhance), through the same line as edits: the result's
+        `prompt` is the rewrite, or None with a `notice` when the user's prompt is kept."""
+        return self._through_line(req, "enhance", None, None, on_wait, cancel)[0]
+
+    def _through_line(self, req: EditRequest, task: str, params: Resolved | None, on_step: StepCallback | None,
+                      on_wait: WaitCallback | None, cancel: threading.Event | None) -> tuple[EditResult, Resolved]:
         started = time.perf_counter()
         worker: WorkerHandle | None = None
         outcome, steps = "error", 0
@@ -325,12 +280,12 @@ class PipelineManager:
             if not self.ready and not restarting:  # a restarting worker is waited for, in line
                 if self.load_error and not self.workers:
                     raise NotReady(f"no worker is available: {self.load_error}")
-                if self.load_error or (self.workers and not self._alive()):
+                if self.load_error or (self.workers and not any(not w.state.ended for w in self.workers)):
                     raise NotReady("the model failed to load; see /health and the server log")
                 raise NotReady("the model is still loading; try again shortly")
-            params = params or self.resolve(req, task)
+            params = params or (self.resolve_enhance(req) if task == "enhance" else self.resolve(req))
             steps = params.steps
-            worker = self._acquire(cancel, on_wait, req.client)
+            worker = self.line.acquire(cancel, on_wait, req.client)
             if cancel.is_set():
                 raise Cancelled("cancelled before it started")
             events = worker.submit(Job(req, params, self.family))
@@ -338,18 +293,13 @@ class PipelineManager:
             if not isinstance(answer, Done):
                 raise ERRORS.get(answer.kind, ImgEditError)(answer.message)
             outcome = "ok"
-            result = answer.result
-            # The one place every edge's results pass: each PNG returned or stored carries its settings.
-            if task == "enhance":
-                return result
-            stamp_result(result, req, params, self.settings.model_name)
-            return result
+            return answer.result, params
         except ImgEditError as exc:
             outcome = exc.kind
             raise
         finally:
             if worker is not None:
-                self._release(worker)
+                self.line.release(worker)
             seconds = time.perf_counter() - started
             log.info("%s %s source=%s outcome=%s worker=%s steps=%d %.2fs", req.request_id, task, req.source,
                      outcome, worker.name if worker else "-", steps, seconds)

@@ -85,15 +85,22 @@ class Draining:
         return self._refusal is None
 
     async def run(self, req: EditRequest, on_step=None, on_wait=None, cancel: threading.Event | None = None,
-                  task: str = "edit", params=None) -> EditResult:
+                  params=None) -> EditResult:
+        return await self._tracked(req, cancel, lambda linked: self._manager.run(
+            req, on_step=on_step, on_wait=on_wait, cancel=linked, params=params))
+
+    async def run_enhance(self, req: EditRequest, on_wait=None, cancel: threading.Event | None = None) -> EditResult:
+        return await self._tracked(req, cancel, lambda linked: self._manager.run_enhance(
+            req, on_wait=on_wait, cancel=linked))
+
+    async def _tracked(self, req: EditRequest, cancel: threading.Event | None, through_line) -> EditResult:
         if self._refusal is not None:
             raise ShuttingDown(self._refusal)
         job = _InFlight(req.request_id, _Linked(cancel))
         with self._cond:
             self._jobs[id(job)] = job
         try:
-            return await self._manager.run(req, on_step=on_step, on_wait=on_wait, cancel=job.cancel, task=task,
-                                           params=params)
+            return await through_line(job.cancel)
         except Cancelled:
             if job.reason is not None and not (cancel is not None and cancel.is_set()):
                 raise ShuttingDown(job.reason) from None

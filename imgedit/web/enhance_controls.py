@@ -47,7 +47,7 @@ def wire_enhance(settings: Settings, manager, files, prompt, controls, concurren
         owner = page_owner(request, settings.auth is not None)
         req = replace(req, client=owner or (f"session:{request.session_hash}" if request is not None else None))
         try:
-            return req, await manager.run(req, task="enhance")
+            return req, await manager.run_enhance(req)
         except Exception as exc:  # asyncio.CancelledError is not an Exception: it goes on (manager.run cancels)
             raise user_error(exc) from None
 

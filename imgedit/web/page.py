@@ -37,7 +37,14 @@ from imgedit.web.mask_controls import build_mask_controls, follow_first_input, p
 from imgedit.web.panel import banner_html, panel_html
 from imgedit.web.progress import EditProgress
 from imgedit.web.public import open_snapshot
-from imgedit.web.requests import api_component, build_request, edit_fields, edit_signature, form_signature, page_control
+from imgedit.web.requests import (
+    api_component,
+    build_request,
+    edit_fields,
+    edit_signature,
+    form_signature,
+    page_control,
+)
 from imgedit.web.speed import build_cache_control, build_speed_controls
 from imgedit.web.tools import PageTools, cached_pngs, page_files, user_error
 from imgedit.web.uploads import upload_folder
@@ -46,11 +53,11 @@ log = logging.getLogger(__name__)
 UPLOAD_CACHE_SWEEP_S = 600
 UPLOAD_CACHE_AGE_S = 2 * 3600  # a result on a page left open longer is in History
 GPU_GROUP = "gpu"
-# The declared parameters (protocol.PARAMETERS) the page lays out itself, in the order its controls are made; any
-# other one gets a control of its own under Advanced (imgedit.web.requests.page_control).
-LAID_OUT = ("images", "prompt", "negative_prompt", "seed", "randomize_seed", "num_inference_steps", "true_cfg_scale",
-            "num_images", "width", "height", "speed", "lora", "lora_scale", "cache", "mask", "mask_grow",
-            "mask_feather", "strength", "enhance_prompt")
+# The declared parameters (protocol.PARAMETERS) the page lays out itself, in the order its controls are
+# made; any other one gets a control of its own under Advanced (imgedit.web.requests.page_control).
+LAID_OUT = ("images", "prompt", "negative_prompt", "seed", "randomize_seed", "num_inference_steps",
+            "true_cfg_scale", "num_images", "width", "height", "speed", "lora", "lora_scale", "cache", "mask",
+            "mask_grow", "mask_feather", "strength", "enhance_prompt")
 DEMO_BANNER = ("**Demo mode**: a tiny random-weight model runs on the CPU, so outputs are noise. "
                "Set `QWEN_MODEL` or `QWEN_MODEL_DIR` to serve a real checkpoint.")
 DEMO_SIZE, DEMO_STEPS = 256, 4  # a first-time visitor of the demo sees a result in seconds
@@ -60,8 +67,8 @@ def page_head(settings: Settings) -> str:
     """Ctrl+Enter runs the edit; on a phone, Edit scrolls to the progress; Gradio's own upload-size message
     ("exceed the maximum allowed size of 23.8 Mb" for MAX_FILE_SIZE=25MB: it counts in MiB and says Mb) says
     the limit as the setting wrote it."""
-    limit = json.dumps(f"larger than {human_size(settings.max_file_size)}, the largest upload this server takes "
-                       "(MAX_FILE_SIZE)")
+    largest = human_size(settings.max_file_size)
+    limit = json.dumps(f"larger than {largest}, the largest upload this server takes (MAX_FILE_SIZE)")
     return PAGE_SCRIPT.replace("__LIMIT__", limit.replace("</", "<\\/"))
 
 
@@ -103,14 +110,16 @@ INPUT_PREVIEW_CSS = """<style>
 </style>"""
 
 
-def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMonitor | None = None, history=None,
-                 jobs=None) -> gr.Blocks:
+def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMonitor | None = None,
+                 history=None, jobs=None) -> gr.Blocks:
     monitor = monitor or GpuMonitor()
     max_inputs = MAX_INPUT_IMAGES["plus"]
     family_steps = default_steps(settings, manager.family)
     cache_refused = manager.cache_refusal()  # the Step cache control is hidden, and its value unused, then
-    tools = PageTools(settings, manager.family, family_steps, manager.prompt_tokens, cache_offered=not cache_refused)
-    fields = edit_fields()  # `/edit`'s parameters in the declaration's order: the page's edit inputs follow it
+    tools = PageTools(settings, manager.family, family_steps, manager.prompt_tokens,
+                      cache_offered=not cache_refused)
+    # `/edit`'s parameters in the declaration's order: the page's edit inputs follow it
+    fields = edit_fields()
 
     def validate(*values):
         """Runs before an API job enters the queue: bad input costs nothing else. The message goes to
@@ -137,9 +146,11 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
             raise user_error(exc) from None
         owner = page_owner(request, settings.auth is not None)
         # The line's share is per login or browser; a client without cookies (gradio_client) per session.
-        req = replace(req, client=owner or (f"session:{request.session_hash}" if request is not None else None))
+        session = f"session:{request.session_hash}" if request is not None else None
+        req = replace(req, client=owner or session)
         track = EditProgress(req.request_id)
-        job = asyncio.ensure_future(manager.run(req, on_step=track.on_step, on_wait=track.on_wait, params=params))
+        running = manager.run(req, on_step=track.on_step, on_wait=track.on_wait, params=params)
+        job = asyncio.ensure_future(running)
         try:
             while not job.done():
                 value, desc = track.render(manager.status())
@@ -162,9 +173,9 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
     async def edit(*args):
         """Edit the images as the prompt says; returns the result images and the seed used. With `mask` (an
         image the first image's size: white, or fully transparent, marks where to edit) only that area
-        changes and the result is the first image's size. With `enhance_prompt` the model's text encoder rewrites
-        the prompt first (each PNG then carries the prompt used and the original_prompt). `cache` (none,
-        first-block, taylorseer; default: the server's CACHE) speeds up a quality edit, lossily."""
+        changes and the result is the first image's size. With `enhance_prompt` the model's text encoder
+        rewrites the prompt first (each PNG then carries the prompt used and the original_prompt). `cache`
+        (none, first-block, taylorseer; default: the server's CACHE) speeds up a quality edit, lossily."""
         *values, request, progress = args  # Gradio passes them after the parameters (edit_signature)
         _, result, pngs = await run_edit(tuple(values), request, progress)
         return await asyncio.to_thread(cached_pngs, pngs, "result"), result.seed
@@ -186,11 +197,13 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         except gr.Error as exc:
             return keep, keep, keep, keep, f"**{exc.title or 'Not edited'}:** {exc.message}"
         seeds = [image.info.get("seed", "?") for image in result.images]
-        each = (f" Image i was drawn from seed + i ({', '.join(seeds)}): that seed with one image makes it again."
-                if len(seeds) > 1 else "")
-        done = (f"Done in {result.seconds:.1f} s: {len(result.images)} image(s), {result.width}x{result.height}, "
-                f"{result.steps} steps. **Seed used: {result.seed}** (to repeat it, untick *Randomize seed* "
-                f"under Advanced and enter this seed).{each}")
+        each = ""
+        if len(seeds) > 1:
+            each = (f" Image i was drawn from seed + i ({', '.join(seeds)}): that seed with one image makes "
+                    "it again.")
+        done = (f"Done in {result.seconds:.1f} s: {len(result.images)} image(s), "
+                f"{result.width}x{result.height}, {result.steps} steps. **Seed used: {result.seed}** "
+                f"(to repeat it, untick *Randomize seed* under Advanced and enter this seed).{each}")
         if req.mask is not None:
             done += " Only the painted area of the first image changed; the result has its size."
         if cached := result.images[0].info.get("cache"):
@@ -224,18 +237,20 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         banner = gr.HTML(elem_id="server-banner", padding=False)
         with gr.Row():
             with gr.Column():
-                files = gr.File(label=f"Input images (1 for Qwen-Image-Edit, up to {max_inputs} for 2509/2511)",
-                                file_count="multiple", file_types=["image"], elem_id="input-files")
+                files = gr.File(
+                    label=f"Input images (1 for Qwen-Image-Edit, up to {max_inputs} for 2509/2511)",
+                    file_count="multiple", file_types=["image"], elem_id="input-files")
                 # The inputs as pictures (remove one with its x in the list above; click one to choose it).
                 preview = gr.Gallery(label="Inputs, in the order the model gets them", columns=max_inputs,
-                                     object_fit="contain", height=170, interactive=False, elem_id="input-preview",
-                                     buttons=[], allow_preview=False)
+                                     object_fit="contain", height=170, interactive=False,
+                                     elem_id="input-preview", buttons=[], allow_preview=False)
                 chosen_input = gr.Number(value=-1, visible=False)
                 first = gr.Button("Make the chosen input image 1", size="sm", elem_id="make-first")
                 prompt = gr.Textbox(label="What to change", lines=2, elem_id="prompt",
                                     placeholder="e.g. make the sky a sunset, keep the people unchanged",
                                     info="Ctrl+Enter (⌘+Enter on a Mac) runs the edit")
-                counter = gr.Markdown(elem_id="prompt-count")  # characters and tokens, as the edit counts them
+                # characters and tokens, as the edit counts them
+                counter = gr.Markdown(elem_id="prompt-count")
                 enhance_controls = build_enhance_buttons()  # the model rewrites the instruction
                 restore = gr.Button("Restore the settings saved in this PNG", visible=False, size="sm",
                                     elem_id="restore-settings")
@@ -246,13 +261,14 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                     run = gr.Button("Edit", variant="primary", elem_id="edit-button")
                     # Active only while an edit of this page runs (it looked ready to click when idle).
                     stop = gr.Button("Cancel", variant="stop", elem_id="cancel-button", interactive=False)
-                message = gr.Markdown(elem_id="edit-message")  # why the last edit was refused, until the next run
+                # why the last edit was refused, until the next run
+                message = gr.Markdown(elem_id="edit-message")
                 # a folder of this server's own: Gradio deletes the files it served when its server stops, and
                 # a shared folder left another running server's examples blank (403)
                 examples_folder = tempfile.mkdtemp(prefix="imgedit-examples-", dir=upload_folder())
                 rows, labels = example_rows(examples_folder, MAX_INPUT_IMAGES[manager.family])
-                gr.Examples(rows, [files, prompt], example_labels=labels, label="Examples (click one to fill the form)",
-                            elem_id="examples")
+                gr.Examples(rows, [files, prompt], example_labels=labels,
+                            label="Examples (click one to fill the form)", elem_id="examples")
                 speed_inputs = build_speed_controls(settings)  # Speed, LoRA, strength (imgedit.web.speed)
                 canvas, *mask_inputs = build_mask_controls()  # painted mask, grow, feather, strength
                 with gr.Accordion("Advanced", open=False):
@@ -262,21 +278,24 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                         randomize = gr.Checkbox(label="Randomize seed", value=True)
                     steps = gr.Number(label=f"Steps ({MIN_STEPS}-{settings.max_steps})", precision=0,
                                       value=min(DEMO_STEPS, family_steps) if demo else family_steps)
-                    cfg = gr.Slider(1.0, 20.0, value=settings.default_true_cfg, step=0.5, label="True CFG scale")
-                    num = gr.Slider(1, settings.max_images_per_prompt, value=1, step=1, label="Images per prompt")
+                    cfg = gr.Slider(1.0, 20.0, value=settings.default_true_cfg, step=0.5,
+                                    label="True CFG scale")
+                    num = gr.Slider(1, settings.max_images_per_prompt, value=1, step=1,
+                                    label="Images per prompt")
                     with gr.Row():
                         # The demo: a small width, the height from the input's aspect (0 = auto).
-                        width = gr.Number(label="Width (0 = auto)", value=DEMO_SIZE if demo else 0, precision=0,
-                                          minimum=0)
+                        width = gr.Number(label="Width (0 = auto)", value=DEMO_SIZE if demo else 0,
+                                          precision=0, minimum=0)
                         height = gr.Number(label="Height (0 = auto)", value=0, precision=0, minimum=0)
                     cache = build_cache_control(settings, cache_refused)  # hidden where refused
-                    # a declared parameter the page does not lay out below: a control of its own, from the declaration
+                    # a declared parameter the page does not lay out: a control of its own (the declaration's)
                     generic = {p.name: page_control(p) for p in parameters(EDIT) if p.name not in LAID_OUT}
                 # the page rewrites a prompt with its own button (imgedit.web.enhance_controls): never on Edit
                 enhance = gr.Checkbox(False, visible=False)
             with gr.Column():
-                result = gr.Gallery(label="Result", format="png", columns=2, elem_id="result", interactive=False,
-                                    object_fit="contain", height="auto", buttons=["download", "fullscreen"])
+                result = gr.Gallery(label="Result", format="png", columns=2, elem_id="result",
+                                    interactive=False, object_fit="contain", height="auto",
+                                    buttons=["download", "fullscreen"])
                 status = gr.Markdown("Results appear here.", elem_id="edit-status")
                 with gr.Row():
                     # Enabled once there is a result (they only said "there is no result yet" before).
@@ -288,17 +307,20 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                 chosen = gr.Number(value=0, visible=False)  # the result the buttons and the comparison use
                 copy_api = gr.Button("Copy as API call", size="sm", elem_id="copy-api")
                 with gr.Group(visible=False, elem_id="api-call") as snippets:
-                    snippet_code = [gr.Code(language=language, label=label, interactive=False, elem_id=f"api-{key}")
-                                    for key, language, label in (("gradio", "python", "gradio_client"),
-                                                                 ("curl", "shell", "curl (REST)"),
-                                                                 ("openai", "python", "OpenAI SDK (REST)"))]
-                    snippet_inputs = gr.File(label="The inputs as the snippets name them (save them beside it)",
+                    kinds = (("gradio", "python", "gradio_client"), ("curl", "shell", "curl (REST)"),
+                             ("openai", "python", "OpenAI SDK (REST)"))
+                    snippet_code = [gr.Code(language=language, label=label, interactive=False,
+                                            elem_id=f"api-{key}")
+                                    for key, language, label in kinds]
+                    snippet_inputs = gr.File(
+                        label="The inputs as the snippets name them (save them beside it)",
                                              file_count="multiple", interactive=False, elem_id="api-inputs")
         with gr.Accordion("GPUs", open=True):
             gpu_panel = gr.HTML(elem_id="gpu-panel")  # filled on every page load (below)
         timer = gr.Timer(2.0)
         gr.HTML(INPUT_PREVIEW_CSS, padding=False)  # a style block: here it leaves no gap in the form
-        # The `/edit` API: hidden inputs without ranges, so every value reaches the validator and our messages.
+        # The `/edit` API: hidden inputs without ranges, so every value reaches the validator and our
+        # messages.
         with gr.Row(visible=False):
             # Every parameter after `prompt` is optional in gradio_client (a value here, or a None default in
             # `edit`'s signature), and the results are named.
@@ -353,23 +375,27 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
 
         copy_api.click(api_call, edit_inputs + [canvas], [snippets, *snippet_code, snippet_inputs],
                        preprocess=False, queue=False, api_visibility="private")
-        # Any change of the inputs (upload, removal, an example, a result used as input) redraws the thumbnails.
-        files.change(tools.preview_inputs, files, preview, preprocess=False, queue=False, api_visibility="private")
+        # Any change of the inputs (upload, removal, an example, a result used as input) redraws the
+        # thumbnails.
+        files.change(tools.preview_inputs, files, preview, preprocess=False, queue=False,
+                     api_visibility="private")
         follow_first_input(files, canvas)
         wire_enhance(settings, manager, files, prompt, enhance_controls, GPU_GROUP)
         # typing sends one count at a time: keystrokes while one is on its way collapse into the last
-        prompt.change(tools.prompt_count, prompt, counter, queue=False, preprocess=False, api_visibility="private",
-                      trigger_mode="always_last")
+        prompt.change(tools.prompt_count, prompt, counter, queue=False, preprocess=False,
+                      api_visibility="private", trigger_mode="always_last")
         # the last refusal beside Edit is about the last edit: a rewrite starts afresh
         enhance_controls[0].click(lambda: "", None, message, queue=False, api_visibility="private")
         preview.select(tools.chosen_input, None, chosen_input, queue=False, api_visibility="private")
         first.click(tools.make_first, [files, chosen_input], files, preprocess=False, queue=False,
                     api_visibility="private")
         again.click(tools.use_result, [result, chosen], files, preprocess=False, api_visibility="private")
-        add.click(tools.add_result, [files, result, chosen], files, preprocess=False, api_visibility="private")
+        add.click(tools.add_result, [files, result, chosen], files, preprocess=False,
+                  api_visibility="private")
         # No progress timer over the panel: it is refreshed every 2 s.
-        blocks.load(panel, None, [gpu_panel, banner], queue=False, api_visibility="private", show_progress="hidden")
-        timer.tick(panel, None, [gpu_panel, banner], queue=False, api_visibility="private", show_progress="hidden")
+        for refresh in (blocks.load, timer.tick):
+            refresh(panel, None, [gpu_panel, banner], queue=False, api_visibility="private",
+                    show_progress="hidden")
         gr.api(gpu_status, api_name="gpu_status", queue=False)
         if jobs is not None:  # Batch and History tabs (imgedit.web.batch_tab, imgedit.web.history_tab)
             from imgedit.web.batch_tab import build_batch_tab

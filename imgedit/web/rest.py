@@ -206,7 +206,7 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
             metrics.record_rejected("rest", "invalid_input")
             return openai_error(400, "the request could not be read", "invalid_input")
         req = replace(req, client=owner)  # the line's share is per key (or token)
-        result = await _run(request, manager, req, params=params)
+        result = await _run(request, req, lambda cancel: manager.run(req, cancel=cancel, params=params))
         if isinstance(result, JSONResponse):
             return result
         # The images are encoded once, off the event loop, for the reply and (PNGs) for the stored result
@@ -251,7 +251,7 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
             log.exception("unreadable /v1/prompts/enhance request")
             metrics.record_rejected("rest", "invalid_input", "enhance")
             return openai_error(400, "the request could not be read", "invalid_input")
-        result = await _run(request, manager, req, task="enhance")
+        result = await _run(request, req, lambda cancel: manager.run_enhance(req, cancel=cancel))
         if isinstance(result, JSONResponse):
             return result
         body = {"prompt": result.prompt or prompt, "original_prompt": prompt, "request_id": req.request_id}
@@ -286,13 +286,13 @@ def _in_background(work) -> None:
     task.add_done_callback(_BACKGROUND.discard)
 
 
-async def _run(request: Request, manager, req: EditRequest, task: str = "edit", params: Resolved | None = None):
-    """The job through the line (`params`: as the edge resolved it), cancelled if the client goes away: its
-    EditResult, or its error as OpenAI's error response."""
+async def _run(request: Request, req: EditRequest, through_line):
+    """`through_line(cancel)`: the job through the line (manager.run or run_enhance), cancelled if the client goes
+    away: its EditResult, or its error as OpenAI's error response."""
     cancel = threading.Event()
     watcher = asyncio.create_task(_cancel_on_disconnect(request, cancel))
     try:
-        return await manager.run(req, cancel=cancel, task=task, params=params)
+        return await through_line(cancel)
     except ImgEditError as exc:
         return openai_error(STATUS.get(exc.kind, 500), exc.message, exc.kind, exc.field)
     except Exception:

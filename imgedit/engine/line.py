@@ -1,0 +1,107 @@
+"""The one FIFO line in front of the workers: jobs from the page, the gradio API, REST and batches wait here
+together, in arrival order, for a free worker. QUEUE_MAX_SIZE bounds the line and CLIENT_SHARE one client's
+places in it. No torch; the workers' handles (imgedit.engine.pool) are claimed and released here only.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+
+from imgedit.config.settings import Settings
+from imgedit.engine.pool import WorkerHandle
+from imgedit.errors import Cancelled, QueueFull, WorkerFailed
+from imgedit.protocol import WorkerState
+
+WaitCallback = Callable[[int], None]  # jobs ahead of this one (running ones included)
+
+
+class _Ticket:
+    """A place in the line (compared by identity), and whose it is."""
+
+    __slots__ = ("client",)
+
+    def __init__(self, client: str | None):
+        self.client = client
+
+
+class Line:
+    """`workers()`: the handles jobs wait for (the manager's list, read at each look). The line's condition is
+    also what start-up waits on: `changed()` wakes everyone when a worker's state changes."""
+
+    def __init__(self, settings: Settings, workers: Callable[[], list[WorkerHandle]]):
+        self.settings = settings
+        self._workers = workers
+        self._cond = threading.Condition()
+        self._tickets: collections.deque[_Ticket] = collections.deque()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._tickets)
+
+    def client_places(self) -> int:
+        """The most places in the line one client may hold (CLIENT_SHARE of QUEUE_MAX_SIZE, at least one)."""
+        return max(1, int(self.settings.queue_max_size * self.settings.client_share))
+
+    def changed(self) -> None:
+        """A worker's state changed (or the workers stop): every waiter looks again."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_while(self, condition: Callable[[], bool], timeout: float) -> bool:
+        """Wait while `condition()` holds, looking again at each change (at least every 0.1 s); False when
+        `timeout` seconds passed first."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while condition():
+                if time.monotonic() > deadline:
+                    return False
+                self._cond.wait(0.1)
+        return True
+
+    def acquire(self, cancel: threading.Event | None, on_wait: WaitCallback | None,
+                client: str | None = None) -> WorkerHandle:
+        """Wait in line for a free worker and claim it (WorkerHandle.claim). Refused at once when the line is
+        full or the client holds its share of it; Cancelled when `cancel` is set while waiting; WorkerFailed
+        when no worker is left alive."""
+        with self._cond:
+            workers = self._workers()
+            idle = [w for w in workers if w.state is WorkerState.IDLE]
+            size = self.settings.queue_max_size
+            if len(self._tickets) >= size and not idle:
+                raise QueueFull(f"the server is busy ({len(self._tickets)} jobs waiting); try again later")
+            held = sum(t.client == client for t in self._tickets) if client is not None else 0
+            if held >= self.client_places() and not idle:
+                raise QueueFull(f"you already have {held} edit(s) waiting; one client may hold at most "
+                                f"{self.client_places()} of the line's {size} places (CLIENT_SHARE); try again "
+                                "when one has started")
+            ticket = _Ticket(client)
+            self._tickets.append(ticket)
+            reported = -1
+            try:
+                while True:
+                    workers = self._workers()
+                    if cancel is not None and cancel.is_set():
+                        raise Cancelled("cancelled while waiting")
+                    if not any(not w.state.ended for w in workers):
+                        raise WorkerFailed("no healthy GPU worker is left; see /health")
+                    if self._tickets[0] is ticket:
+                        for worker in workers:
+                            if worker.claim():
+                                return worker
+                    ahead = self._tickets.index(ticket) + sum(w.state is WorkerState.BUSY for w in workers)
+                    if on_wait is not None and ahead != reported:
+                        reported = ahead
+                        on_wait(ahead)
+                    self._cond.wait(timeout=0.05)
+            finally:
+                self._tickets.remove(ticket)
+                self._cond.notify_all()
+
+    def release(self, worker: WorkerHandle) -> None:
+        """Give a claimed worker back; the first in line takes it."""
+        with self._cond:
+            worker.release()
+            self._cond.notify_all()
