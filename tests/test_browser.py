@@ -274,6 +274,24 @@ def test_phone_view_shows_the_progress_after_edit(browser, server, photos):
     page.screenshot(path=str(ARTIFACTS / "browser-phone.png"), full_page=False)
 
 
+def test_on_a_phone_the_result_comes_right_after_the_edit_button(browser, server):
+    """#46: on a phone the columns stacked, so the result (and its progress) came after Examples, Speed, LoRA,
+    Mask and Advanced, far below the Edit button. Now it comes right after the Edit button and its message; on
+    a wide screen it stays in the right-hand column."""
+    def tops(page) -> dict[str, float]:
+        return page.evaluate("""() => Object.fromEntries(['edit-button', 'edit-message', 'result', 'examples',
+            'mask-accordion', 'advanced'].map(id => [id, document.getElementById(id).getBoundingClientRect().top
+            + window.scrollY]))""")
+
+    phone = open_page(browser, server, width=390, height=844, small=False)
+    at = tops(phone)
+    assert at["edit-button"] < at["edit-message"] <= at["result"], at
+    assert at["result"] < min(at["examples"], at["mask-accordion"], at["advanced"]), at
+    wide = open_page(browser, server, small=False)
+    left, right = (wide.locator(f"#{name}").bounding_box() for name in ("edit-button", "result"))
+    assert right["x"] > left["x"] + left["width"] and right["y"] < left["y"], (left, right)
+
+
 def test_page_says_ready_and_seed_is_no_input_before_a_run(browser, server):
     page = open_page(browser, server, small=False)
     # The panel is filled by the page's load event (no progress timer over it): wait for its text.

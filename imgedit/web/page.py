@@ -102,11 +102,19 @@ new MutationObserver(() => {
 </script>"""
 
 
-# Fixed-size thumbnail cells: one input would otherwise fill the column's width.
+# Fixed-size thumbnail cells: one input would otherwise fill the column's width. On a narrow screen (the
+# columns stack below about 2 x 320 px) the result column comes right after the Edit button and its message,
+# before Examples, Speed, LoRA, Mask and Advanced (#editor-more): the columns give their children to the row.
 INPUT_PREVIEW_CSS = """<style>
 #input-preview .grid-container{grid-template-columns:repeat(auto-fill,120px)!important;
   grid-template-rows:none!important;grid-auto-rows:120px!important}
 #input-preview img{object-fit:contain!important}
+@media (max-width: 700px) {
+  #editor{flex-direction:column!important;flex-wrap:nowrap!important}
+  #editor-left,#editor-right{display:contents!important}
+  #editor-right>*{order:1}
+  #editor-more{order:2}
+}
 </style>"""
 
 
@@ -235,8 +243,8 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         # Loading (and what it is doing), a worker that could not load, an optimisation that fell back: one
         # line each, refreshed with the GPU panel; empty when all is well.
         banner = gr.HTML(elem_id="server-banner", padding=False)
-        with gr.Row():
-            with gr.Column():
+        with gr.Row(elem_id="editor"):
+            with gr.Column(elem_id="editor-left"):
                 files = gr.File(
                     label=f"Input images (1 for Qwen-Image-Edit, up to {max_inputs} for 2509/2511)",
                     file_count="multiple", file_types=["image"], elem_id="input-files")
@@ -263,36 +271,40 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                     stop = gr.Button("Cancel", variant="stop", elem_id="cancel-button", interactive=False)
                 # why the last edit was refused, until the next run
                 message = gr.Markdown(elem_id="edit-message")
-                # a folder of this server's own: Gradio deletes the files it served when its server stops, and
-                # a shared folder left another running server's examples blank (403)
-                examples_folder = tempfile.mkdtemp(prefix="imgedit-examples-", dir=upload_folder())
-                rows, labels = example_rows(examples_folder, MAX_INPUT_IMAGES[manager.family])
-                gr.Examples(rows, [files, prompt], example_labels=labels,
-                            label="Examples (click one to fill the form)", elem_id="examples")
-                speed_inputs = build_speed_controls(settings)  # Speed, LoRA, strength (imgedit.web.speed)
-                canvas, *mask_inputs = build_mask_controls()  # painted mask, grow, feather, strength
-                with gr.Accordion("Advanced", open=False):
-                    negative = gr.Textbox(label="Negative prompt", value="")
-                    with gr.Row():
-                        seed = gr.Number(label="Seed", value=0, precision=0, minimum=0)
-                        randomize = gr.Checkbox(label="Randomize seed", value=True)
-                    steps = gr.Number(label=f"Steps ({MIN_STEPS}-{settings.max_steps})", precision=0,
-                                      value=min(DEMO_STEPS, family_steps) if demo else family_steps)
-                    cfg = gr.Slider(1.0, 20.0, value=settings.default_true_cfg, step=0.5,
-                                    label="True CFG scale")
-                    num = gr.Slider(1, settings.max_images_per_prompt, value=1, step=1,
-                                    label="Images per prompt")
-                    with gr.Row():
-                        # The demo: a small width, the height from the input's aspect (0 = auto).
-                        width = gr.Number(label="Width (0 = auto)", value=DEMO_SIZE if demo else 0,
-                                          precision=0, minimum=0)
-                        height = gr.Number(label="Height (0 = auto)", value=0, precision=0, minimum=0)
-                    cache = build_cache_control(settings, cache_refused)  # hidden where refused
-                    # a declared parameter the page does not lay out: a control of its own (the declaration's)
-                    generic = {p.name: page_control(p) for p in parameters(EDIT) if p.name not in LAID_OUT}
+                # What comes after the Edit button on a phone, below the result (INPUT_PREVIEW_CSS)
+                with gr.Column(elem_id="editor-more"):
+                    # a folder of this server's own: Gradio deletes the files it served when its server
+                    # stops, and a shared folder left another running server's examples blank (403)
+                    examples_folder = tempfile.mkdtemp(prefix="imgedit-examples-", dir=upload_folder())
+                    rows, labels = example_rows(examples_folder, MAX_INPUT_IMAGES[manager.family])
+                    gr.Examples(rows, [files, prompt], example_labels=labels,
+                                label="Examples (click one to fill the form)", elem_id="examples")
+                    speed_inputs = build_speed_controls(settings)  # Speed, LoRA, strength (imgedit.web.speed)
+                    canvas, *mask_inputs = build_mask_controls()  # painted mask, grow, feather, strength
+                    with gr.Accordion("Advanced", open=False, elem_id="advanced"):
+                        negative = gr.Textbox(label="Negative prompt", value="")
+                        with gr.Row():
+                            seed = gr.Number(label="Seed", value=0, precision=0, minimum=0)
+                            randomize = gr.Checkbox(label="Randomize seed", value=True)
+                        steps = gr.Number(label=f"Steps ({MIN_STEPS}-{settings.max_steps})", precision=0,
+                                          value=min(DEMO_STEPS, family_steps) if demo else family_steps)
+                        cfg = gr.Slider(1.0, 20.0, value=settings.default_true_cfg, step=0.5,
+                                        label="True CFG scale")
+                        num = gr.Slider(1, settings.max_images_per_prompt, value=1, step=1,
+                                        label="Images per prompt")
+                        with gr.Row():
+                            # The demo: a small width, the height from the input's aspect (0 = auto).
+                            width = gr.Number(label="Width (0 = auto)", value=DEMO_SIZE if demo else 0,
+                                              precision=0, minimum=0)
+                            height = gr.Number(label="Height (0 = auto)", value=0, precision=0, minimum=0)
+                        cache = build_cache_control(settings, cache_refused)  # hidden where refused
+                        # a declared parameter the page does not lay out: a control of its own (the
+                        # declaration's)
+                        generic = {p.name: page_control(p) for p in parameters(EDIT)
+                                   if p.name not in LAID_OUT}
                 # the page rewrites a prompt with its own button (imgedit.web.enhance_controls): never on Edit
                 enhance = gr.Checkbox(False, visible=False)
-            with gr.Column():
+            with gr.Column(elem_id="editor-right"):
                 result = gr.Gallery(label="Result", format="png", columns=2, elem_id="result",
                                     interactive=False, object_fit="contain", height="auto",
                                     buttons=["download", "fullscreen"])
