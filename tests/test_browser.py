@@ -473,3 +473,38 @@ def test_enhance_puts_the_models_rewrite_in_the_prompt_and_one_click_brings_the_
     page.locator("#enhance-button").click()
     expect(page.locator("#enhance-note")).to_contain_text("image", timeout=60_000)
     assert page.locator("#prompt textarea").input_value() == "make it winter"
+
+
+def test_output_size_presets_match_an_input_or_an_aspect(browser, server, tmp_path):
+    """#46 (an editor): the output's shape by name. With a landscape and a portrait input the output followed the
+    last one (the portrait); "match image 1" gives image 1's shape and an aspect preset its own, about a
+    megapixel in multiples of 16, written into Width and Height (which the edit checks and uses as typed: the
+    size tests of test_ui). "auto" gives the size back to the pipeline. No edit runs here: a megapixel edit on
+    the 2-core machine would load the other browser tests."""
+    landscape, portrait = tmp_path / "landscape.png", tmp_path / "portrait.png"
+    picture(160, 80).save(landscape)
+    picture(60, 120, (200, 60, 60)).save(portrait)
+    page = open_page(browser, server, small=False)
+    page.get_by_text("Advanced").click()
+    page.locator("#input-files input[type=file]").set_input_files([str(landscape), str(portrait)])
+    page.locator("#input-preview img").nth(1).wait_for(state="visible", timeout=30_000)
+    width, height = page.get_by_label("Width (0 = auto)"), page.get_by_label("Height (0 = auto)")
+    assert (width.input_value(), height.input_value()) == ("0", "0")  # auto: the pipeline's own size
+
+    def choose(name: str) -> tuple[int, int]:
+        before = (width.input_value(), height.input_value())
+        page.locator("#size-preset input").click()
+        page.get_by_role("option", name=name).click()
+        deadline = time.monotonic() + 30
+        while (width.input_value(), height.input_value()) == before:  # the server's answer fills them in
+            assert time.monotonic() < deadline, f"{name} left the size at {before}"
+            page.wait_for_timeout(100)
+        return int(width.input_value()), int(height.input_value())
+
+    w, h = choose("match image 1")
+    assert w % 16 == 0 and h % 16 == 0 and abs(w / h - 2) < 0.05 and 0.9e6 < w * h < 1.1e6, (w, h)
+    w, h = choose("tall 9:16")
+    assert abs(w / h - 9 / 16) < 0.03 and 0.9e6 < w * h < 1.1e6, (w, h)
+    w, h = choose("match image 2")
+    assert abs(w / h - 0.5) < 0.03, (w, h)
+    assert choose("auto: as the last input") == (0, 0)

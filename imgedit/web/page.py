@@ -45,6 +45,7 @@ from imgedit.web.requests import (
     form_signature,
     page_control,
 )
+from imgedit.web.sizes import size_presets, wire_size_presets
 from imgedit.web.speed import build_cache_control, build_speed_controls
 from imgedit.web.tools import PageTools, cached_pngs, page_files, user_error
 from imgedit.web.uploads import upload_folder
@@ -281,6 +282,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                                 label="Examples (click one to fill the form)", elem_id="examples")
                     speed_inputs = build_speed_controls(settings)  # Speed, LoRA, strength (imgedit.web.speed)
                     canvas, *mask_inputs = build_mask_controls()  # painted mask, grow, feather, strength
+                    size_preset = size_presets(MAX_INPUT_IMAGES[manager.family])  # the output's shape by name
                     with gr.Accordion("Advanced", open=False, elem_id="advanced"):
                         negative = gr.Textbox(label="Negative prompt", value="")
                         with gr.Row():
@@ -302,6 +304,8 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                         # declaration's)
                         generic = {p.name: page_control(p) for p in parameters(EDIT)
                                    if p.name not in LAID_OUT}
+                    area, auto_width = (DEMO_SIZE**2, DEMO_SIZE) if demo else (1024**2, 0)
+                    wire_size_presets(size_preset, files, width, height, area=area, auto_width=auto_width)
                 # the page rewrites a prompt with its own button (imgedit.web.enhance_controls): never on Edit
                 enhance = gr.Checkbox(False, visible=False)
             with gr.Column(elem_id="editor-right"):
