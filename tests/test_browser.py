@@ -508,3 +508,58 @@ def test_output_size_presets_match_an_input_or_an_aspect(browser, server, tmp_pa
     w, h = choose("match image 2")
     assert abs(w / h - 0.5) < 0.03, (w, h)
     assert choose("auto: as the last input") == (0, 0)
+
+
+def test_an_edit_chain_with_undo_redo_and_going_back(browser, server, photos):
+    """#46 (an editor): "Use this result as input" builds a visible chain of the inputs each edit started from;
+    Undo and Redo move along it and a click on a step goes back to it (its inputs return to the editor)."""
+    from playwright.sync_api import expect
+
+    page = open_page(browser, server)  # 64x64 edits
+    page.get_by_label("Steps (2-").fill("2")
+    page.locator("#input-files input[type=file]").set_input_files(str(photos[0]))
+    page.locator("#compare img").first.wait_for(state="visible", timeout=30_000)  # the upload check is done
+    page.locator("#prompt textarea").fill("make it blue")
+    thumbnail = page.locator("#input-preview img").first
+    strip = page.locator("#chain-strip img")
+
+    def shown_input(other_than: str | None = None, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            src = thumbnail.get_attribute("src") if thumbnail.count() else None
+            if src and src != other_than:
+                return src
+            assert time.monotonic() < deadline, f"the input stayed {other_than}"
+            page.wait_for_timeout(100)
+
+    def edit_and_use_it(before: str) -> str:
+        result = page.locator("#result img").first
+        last = result.get_attribute("src") if result.count() else None
+        page.locator("#edit-button").click()
+        deadline = time.monotonic() + 120
+        while not (result.count() and result.get_attribute("src") not in (None, last)):
+            assert time.monotonic() < deadline, "no new result"
+            page.wait_for_timeout(100)
+        expect(page.locator("#use-result")).to_be_enabled(timeout=30_000)
+        page.locator("#use-result").click()
+        return shown_input(other_than=before)
+
+    start = shown_input()
+    assert not page.locator("#chain-strip").is_visible()  # no chain before a result is used
+    first = edit_and_use_it(start)
+    expect(strip).to_have_count(2, timeout=30_000)
+    second = edit_and_use_it(first)
+    expect(strip).to_have_count(3, timeout=30_000)
+    assert len({start, first, second}) == 3
+    expect(page.locator("#chain-redo")).to_be_disabled()
+    page.locator("#chain-undo").click()
+    assert shown_input(other_than=second) == first
+    expect(page.locator("#chain-redo")).to_be_enabled(timeout=30_000)
+    page.locator("#chain-redo").click()
+    assert shown_input(other_than=first) == second
+    strip.first.click()  # back to the start: the photo as it was uploaded
+    assert shown_input(other_than=second) == start
+    expect(page.locator("#chain-undo")).to_be_disabled(timeout=30_000)
+    expect(page.locator("#chain-strip")).to_contain_text("start (now)")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.locator("#edit-chain").last.screenshot(path=str(ARTIFACTS / "browser-chain.png"))

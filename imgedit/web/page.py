@@ -30,6 +30,7 @@ from imgedit.engine.images import frame_notices, png_bytes
 from imgedit.engine.validation import MAX_INPUT_IMAGES, MIN_STEPS, check_params, default_steps
 from imgedit.errors import ImgEditError
 from imgedit.protocol import EDIT, parameters
+from imgedit.web.chain import build_chain_controls, wire_chain
 from imgedit.web.enhance_controls import build_enhance_buttons, wire_enhance
 from imgedit.web.examples import example_rows
 from imgedit.web.identity import page_owner
@@ -318,6 +319,8 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                     again = gr.Button("Use this result as input", elem_id="use-result", interactive=False)
                     add = gr.Button("Add it as another input", elem_id="add-result", interactive=False)
                     download = gr.DownloadButton("Download PNG", elem_id="download-result", interactive=False)
+                # "Use this result as input" builds a chain of steps with Undo and Redo (imgedit.web.chain)
+                chain_controls = build_chain_controls()
                 compare = gr.ImageSlider(label="Before / after (drag the handle)", format="png", type="pil",
                                          interactive=False, elem_id="compare", max_height=420)
                 chosen = gr.Number(value=0, visible=False)  # the result the buttons and the comparison use
@@ -405,7 +408,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         preview.select(tools.chosen_input, None, chosen_input, queue=False, api_visibility="private")
         first.click(tools.make_first, [files, chosen_input], files, preprocess=False, queue=False,
                     api_visibility="private")
-        again.click(tools.use_result, [result, chosen], files, preprocess=False, api_visibility="private")
+        wire_chain(tools, files, result, chosen, again, chain_controls)
         add.click(tools.add_result, [files, result, chosen], files, preprocess=False,
                   api_visibility="private")
         # No progress timer over the panel: it is refreshed every 2 s.

@@ -1,0 +1,93 @@
+"""The edit chain: "Use this result as input" builds a visible chain of the inputs each edit started from, with
+Undo, Redo and a click on any step to go back to it (its inputs return to the editor), for as long as the page
+is open.
+
+The chain lives in the page (a hidden JSON value, not a gr.State: State holds a heartbeat connection open for
+each page's lifetime) as lists of file paths in Gradio's upload cache; every path that comes back from the
+browser is checked to lie there before it is used (imgedit.web.uploads), as every other file of the page is.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from imgedit.web.tools import refusal, user_error
+from imgedit.web.uploads import uploaded_paths
+
+CHAIN_LIMIT = 20  # steps kept: the oldest go first (each is a file in the upload cache, not in memory)
+EMPTY = {"steps": [], "at": -1}
+
+
+def build_chain_controls() -> tuple:
+    """(chain value, the strip of steps, Undo, Redo): hidden until a result has been used as input."""
+    chain = gr.JSON(EMPTY, visible=False)
+    with gr.Group(visible=False, elem_id="edit-chain") as group:
+        strip = gr.Gallery(label="Edit chain: the inputs of each step (click one to go back to it)", columns=8,
+                           height=130, allow_preview=False, interactive=False, object_fit="contain",
+                           elem_id="chain-strip", buttons=[])
+        with gr.Row():
+            undo = gr.Button("Undo", size="sm", elem_id="chain-undo", interactive=False)
+            redo = gr.Button("Redo", size="sm", elem_id="chain-redo", interactive=False)
+    return chain, group, strip, undo, redo
+
+
+def _checked(chain) -> tuple[list[list[str]], int]:
+    """The chain's steps and position as the browser sent them, every path checked."""
+    if not isinstance(chain, dict) or not isinstance(chain.get("steps"), list):
+        return [], -1
+    try:
+        steps = [uploaded_paths(step) for step in chain["steps"][-CHAIN_LIMIT:]]
+    except Exception as exc:
+        raise user_error(exc) from None
+    at = chain.get("at")
+    return steps, at if isinstance(at, int) and 0 <= at < len(steps) else len(steps) - 1
+
+
+def _shown(steps: list[list[str]], at: int) -> tuple:
+    """(chain value, group, strip, undo, redo) updates for these steps."""
+    captions = [("start" if i == 0 else f"edit {i}") + (" (now)" if i == at else "") for i in range(len(steps))]
+    return ({"steps": steps, "at": at}, gr.update(visible=len(steps) > 1),
+            [(step[0], caption) for step, caption in zip(steps, captions, strict=True) if step],
+            gr.update(interactive=at > 0), gr.update(interactive=at < len(steps) - 1))
+
+
+def use_result(tools, images, gallery, index, chain) -> tuple:
+    """"Use this result as input": the chosen result becomes the only input, and a step of the chain after the
+    inputs it was made from (a step undone before is dropped, as an editor's redo history is)."""
+    result = tools.use_result(gallery, index)
+    steps, at = _checked(chain)
+    current = uploaded_paths(images) if images else []
+    steps = steps[:at + 1]
+    if current and (not steps or steps[-1] != current):  # the inputs as they were, changed by hand or not
+        steps.append(current)
+    steps = [*steps, result][-CHAIN_LIMIT:]
+    return (result, *_shown(steps, len(steps) - 1))
+
+
+def go_to(chain, step: int) -> tuple:
+    """Back (or forward) to a step: its inputs return to the editor."""
+    steps, _ = _checked(chain)
+    if not 0 <= step < len(steps):
+        raise refusal("that step of the chain is gone", "not in the chain")
+    return (steps[step], *_shown(steps, step))
+
+
+def wire_chain(tools, files, result, chosen, use_button, controls: tuple) -> None:
+    """`use_button` ("Use this result as input") extends the chain; Undo, Redo and the strip move along it."""
+    chain, group, strip, undo, redo = controls
+    outputs = [files, chain, group, strip, undo, redo]
+
+    def position(value) -> int:
+        return _checked(value)[1]
+
+    use_button.click(lambda images, gallery, index, value: use_result(tools, images, gallery, index, value),
+                     [files, result, chosen, chain], outputs, preprocess=False, api_visibility="private")
+    undo.click(lambda value: go_to(value, position(value) - 1), chain, outputs, preprocess=False,
+               api_visibility="private")
+    redo.click(lambda value: go_to(value, position(value) + 1), chain, outputs, preprocess=False,
+               api_visibility="private")
+
+    def pick(value, evt: gr.SelectData):
+        return go_to(value, evt.index)
+
+    strip.select(pick, chain, outputs, preprocess=False, api_visibility="private")
