@@ -115,12 +115,18 @@ def test_junk_over_the_gradio_queue_is_refused_with_our_words(live_server, raw, 
 def test_junk_to_the_private_events_is_refused_with_our_words(raw, uploaded):
     preview = raw.fn_index(trigger=("input-files", "upload"))
     again = raw.fn_index(trigger=("use-result", "click"))
+    undo = raw.fn_index(trigger=("chain-undo", "click"))  # the edit chain's steps come back from the browser
     panel = raw.fn_index(api_name="panel")
+    def used(gallery, index, chain=None) -> list:  # "Use this result as input": inputs, results, chosen, chain
+        return [None, gallery, index, chain]
+
     cases = [(preview, [[file_data("/etc/hosts")]]), (preview, ["x"]), (preview, [5]), (preview, [[{"path": 1}]]),
-             (preview, []), (preview, [None, None]), (again, [[], 0]), (again, [None, 0]), (again, [["x"], 0]),
-             (again, [[{"image": file_data("/etc/hostname"), "caption": None}], 0]), (again, [[{"image": 5}], "x"]),
+             (preview, []), (preview, [None, None]), (again, used([], 0)), (again, used(None, 0)),
+             (again, used(["x"], 0)), (again, used([{"image": file_data("/etc/hostname"), "caption": None}], 0)),
+             (again, used([{"image": 5}], "x")), (again, used([], 0, {"steps": [["/etc/hosts"]], "at": 0})),
+             (undo, [{"steps": [["/etc/hosts"], ["/etc/passwd"]], "at": 1}]), (undo, ["x"]), (undo, [None]),
              (panel, ["extra"]), (9999, [])]
-    queued = {preview, again}  # their warnings are toasts, so they run through the queue
+    queued = {preview, again, undo}  # their warnings are toasts, so they run through the queue
 
     def send(fn, data) -> tuple[int, str]:
         if fn not in queued:

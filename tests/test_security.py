@@ -22,6 +22,7 @@ from raw_gradio import RawGradio, file_data
 from starlette.routing import Mount
 from starlette.testclient import TestClient
 
+from imgedit.web.requests import edit_fields
 from imgedit.web.uploads import upload_folder
 
 EDIT_REST = {"prompt": "make it red", "size": "64x64", "num_inference_steps": "2", "seed": "1"}
@@ -85,7 +86,9 @@ def test_private_events_neither_open_nor_serve_a_file_not_uploaded(live_server, 
     preview = raw.fn_index(trigger=("input-files", "upload"))
     again = raw.fn_index(trigger=("use-result", "click"))
     for path in outside_paths(secret):  # both events are queued (their warnings are toasts): the guard stops the join
-        for fn, data in ((preview, [[file_data(path)]]), (again, [[{"image": file_data(path), "caption": None}], 0])):
+        # "Use this result as input" takes the inputs, the results, the chosen one and the edit chain
+        used = [None, [{"image": file_data(path), "caption": None}], 0, None]
+        for fn, data in ((preview, [[file_data(path)]]), (again, used)):
             r = raw.join(fn, data)
             assert r.status_code == 400, (path, r.text)
             assert "was not uploaded to this server" in r.json()["detail"]
@@ -117,7 +120,9 @@ def test_uploaded_files_and_results_still_work_by_hand(live_server, raw, secret)
     assert done and done[0]["success"], done
     gallery, seed = done[0]["output"]["data"]
     assert seed == 3
-    r = raw.join(raw.fn_index(trigger=("use-result", "click")), [gallery, 0])
+    # "Use this result as input": the inputs, the results, the chosen one and the edit chain (imgedit.web.chain)
+    chain = {"steps": [], "at": -1}
+    r = raw.join(raw.fn_index(trigger=("use-result", "click")), [[file_data(cached)], gallery, 0, chain])
     assert r.status_code == 200, r.text
     done = [m for m in raw.messages() if m.get("msg") == "process_completed"]
     assert done and done[0]["success"], done
@@ -131,8 +136,9 @@ def test_gradio_itself_refuses_files_not_uploaded(live_server, secret):
     gradio_app = next(route.app for route in app.routes if isinstance(route, Mount))
     raw = RawGradio("http://testserver", TestClient(gradio_app, raise_server_exceptions=False))
     # "Copy as API call" runs unqueued and takes the file input as it is (it only counts the files).
-    # the edit's 13 inputs, then the step cache, the mask canvas, grow, feather and strength
-    data = [[file_data(str(secret))], "p", "", 0, True, 4, 4, 1, 0, 0, "quality", "none", 1, None, None, 0, 8, 1.0]
+    # the page's edit controls in `/edit`'s order (imgedit.web.requests.edit_fields), then the mask canvas
+    form = {"images": [file_data(str(secret))], "prompt": "p", "num_inference_steps": 4, "true_cfg_scale": 4}
+    data = [form.get(name) for name in edit_fields()] + [None]
     r = raw.predict(raw.fn_index(trigger=("copy-api", "click")), data)
     assert r.status_code == 500 and "/gradio_api/file=" not in r.text, r.text
     assert copies_in_cache(secret) == []
