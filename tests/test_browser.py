@@ -512,7 +512,8 @@ def test_output_size_presets_match_an_input_or_an_aspect(browser, server, tmp_pa
 
 def test_an_edit_chain_with_undo_redo_and_going_back(browser, server, photos):
     """#46 (an editor): "Use this result as input" builds a visible chain of the inputs each edit started from;
-    Undo and Redo move along it and a click on a step goes back to it (its inputs return to the editor)."""
+    Undo and Redo move along it and a click on a step goes back to it (its inputs return to the editor); a
+    reload of the page keeps it."""
     from playwright.sync_api import expect
 
     page = open_page(browser, server)  # 64x64 edits
@@ -563,3 +564,9 @@ def test_an_edit_chain_with_undo_redo_and_going_back(browser, server, photos):
     expect(page.locator("#chain-strip")).to_contain_text("start (now)")
     ARTIFACTS.mkdir(exist_ok=True)
     page.locator("#edit-chain").last.screenshot(path=str(ARTIFACTS / "browser-chain.png"))
+    # kept per browser: a reload shows the chain again, and a step still brings its inputs back
+    page.reload()
+    page.locator("#edit-button").wait_for(timeout=60_000)
+    expect(strip).to_have_count(3, timeout=30_000)
+    strip.nth(1).click()
+    assert shown_input() == first

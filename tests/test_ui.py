@@ -9,7 +9,7 @@ import zlib
 from pathlib import Path
 
 import pytest
-from conftest import ConcurrencyProbe, group_plan, http, make_manager, start_server
+from conftest import ConcurrencyProbe, group_plan, http, make_manager, picture, start_server
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError, ValidationError
 from gradio_client.utils import QueueError
@@ -464,3 +464,33 @@ def test_a_pngs_step_cache_is_restored_only_where_the_workers_can_run_one(plus_c
         assert tools.page_cache("taylorseer", "quality") == ("taylorseer" if offered else None)
     assert stored_cache_choice(None, True) == "none" and stored_cache_choice("teacache", True) == SERVER_CACHE
     assert stored_cache_choice("taylorseer", False) == SERVER_CACHE
+
+
+def test_a_reloaded_edit_chain_drops_the_steps_whose_files_are_gone():
+    """The edit chain is kept in the browser (imgedit.web.chain): on a reload a step whose file the upload cache's
+    sweep removed, or that names a file outside the cache, is dropped and the rest shows as it was."""
+    import shutil
+    import uuid
+
+    from gradio.utils import get_upload_folder
+
+    from imgedit.web.chain import reload
+
+    folder = Path(get_upload_folder()) / f"chain-{uuid.uuid4().hex}"
+    folder.mkdir(parents=True)
+    steps = []
+    for i in range(3):
+        path = folder / f"step-{i}.png"
+        picture().save(path)
+        steps.append([str(path)])
+    try:
+        value, group, strip, undo, redo = reload({"steps": steps, "at": 1})
+        assert value == {"steps": steps, "at": 1} and group["visible"] and len(strip) == 3
+        assert undo["interactive"] and redo["interactive"]
+        Path(steps[1][0]).unlink()  # swept
+        value, _, strip, undo, redo = reload({"steps": [*steps, ["/etc/hosts"]], "at": 1})
+        assert value == {"steps": [steps[0], steps[2]], "at": 1} and [s[1] for s in strip] == ["start", "edit 1 (now)"]
+        assert undo["interactive"] and not redo["interactive"]
+        assert reload("junk")[0] == {"steps": [], "at": -1} and not reload(None)[1]["visible"]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,10 +1,12 @@
 """The edit chain: "Use this result as input" builds a visible chain of the inputs each edit started from, with
-Undo, Redo and a click on any step to go back to it (its inputs return to the editor), for as long as the page
-is open.
+Undo, Redo and a click on any step to go back to it (its inputs return to the editor), kept per browser: a
+reload shows the chain again.
 
-The chain lives in the page (a hidden JSON value, not a gr.State: State holds a heartbeat connection open for
-each page's lifetime) as lists of file paths in Gradio's upload cache; every path that comes back from the
-browser is checked to lie there before it is used (imgedit.web.uploads), as every other file of the page is.
+The chain lives in the browser (gr.BrowserState: its localStorage, encrypted with a secret of this server's
+run; not a gr.State, which holds a heartbeat connection open for each page's lifetime) as lists of file paths
+in Gradio's upload cache. Every path that comes back from the browser is checked to lie there before it is used
+(imgedit.web.uploads), as every other file of the page is; steps whose files the cache's sweep removed are
+dropped when the page loads.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ EMPTY = {"steps": [], "at": -1}
 
 def build_chain_controls() -> tuple:
     """(chain value, the strip of steps, Undo, Redo): hidden until a result has been used as input."""
-    chain = gr.JSON(EMPTY, visible=False)
+    chain = gr.BrowserState(EMPTY, storage_key="imgedit-edit-chain")
     with gr.Group(visible=False, elem_id="edit-chain") as group:
         strip = gr.Gallery(label="Edit chain: the inputs of each step (click one to go back to it)", columns=8,
                            height=130, allow_preview=False, interactive=False, object_fit="contain",
@@ -72,7 +74,26 @@ def go_to(chain, step: int) -> tuple:
     return (steps[step], *_shown(steps, step))
 
 
-def wire_chain(tools, files, result, chosen, use_button, controls: tuple) -> None:
+def reload(chain) -> tuple:
+    """A page (re)loaded: the chain as it was, without the steps whose files are gone (the cache's sweep removes
+    files after UPLOAD_CACHE_AGE_S) or are not in the upload cache; the position stays where every step is
+    kept, else it moves to the last one. The inputs stay as the page has them."""
+    if not isinstance(chain, dict) or not isinstance(chain.get("steps"), list):
+        return _shown([], -1)
+    given = chain["steps"][-CHAIN_LIMIT:]
+    kept = []
+    for step in given:
+        try:
+            kept.append(uploaded_paths(step))
+        except Exception:  # noqa: BLE001 - gone, or never ours: that step is dropped, nothing of it is used
+            continue
+    at = chain.get("at")
+    if len(kept) != len(given) or not isinstance(at, int) or not 0 <= at < len(kept):
+        at = len(kept) - 1
+    return _shown(kept, at)
+
+
+def wire_chain(blocks, tools, files, result, chosen, use_button, controls: tuple) -> None:
     """`use_button` ("Use this result as input") extends the chain; Undo, Redo and the strip move along it."""
     chain, group, strip, undo, redo = controls
     outputs = [files, chain, group, strip, undo, redo]
@@ -91,3 +112,4 @@ def wire_chain(tools, files, result, chosen, use_button, controls: tuple) -> Non
         return go_to(value, evt.index)
 
     strip.select(pick, chain, outputs, preprocess=False, api_visibility="private")
+    blocks.load(reload, chain, outputs[1:], preprocess=False, queue=False, api_visibility="private")
