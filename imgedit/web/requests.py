@@ -113,12 +113,11 @@ def build_request(settings: Settings, family: str, *values, source: str) -> Edit
     return EditRequest(images=decoded, **request_kwargs(fields), source=source)
 
 
-def form_signature(names, *, progress: bool = False):
-    """A decorator: `function(*values, request[, progress])` as Gradio must see it to pass gr.Request (and
-    gr.Progress) after a page event's inputs, one per name."""
+def _signed(params: list[inspect.Parameter], progress: bool):
+    """A decorator giving a function `params`, then gr.Request (and gr.Progress): Gradio reads an event's
+    parameters from the signature and passes those two where it finds them (after the inputs)."""
     positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    params = [inspect.Parameter(name, positional, default=None) for name in names]
-    params.append(inspect.Parameter("request", positional, default=None, annotation=gr.Request))
+    params = [*params, inspect.Parameter("request", positional, default=None, annotation=gr.Request)]
     if progress:
         params.append(inspect.Parameter("progress", positional, default=gr.Progress()))
 
@@ -128,27 +127,24 @@ def form_signature(names, *, progress: bool = False):
         return function
 
     return signed
+
+
+def form_signature(names, *, progress: bool = False):
+    """A decorator: `function(*values, request[, progress])` for a page event's inputs, one per name."""
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return _signed([inspect.Parameter(name, positional, default=None) for name in names], progress)
 
 
 def api_signature(entry: str = EDIT, leading: tuple[str, ...] = (), progress: bool = True):
     """A decorator: `function(*values, request[, progress])` with a gradio API's signature made from the declaration
     (`/edit`'s, or `/batch`'s after its `leading` required inputs): Gradio names the API's parameters and their
-    defaults after it, and passes gr.Request and gr.Progress where it puts them (after the parameters)."""
+    defaults after it."""
     positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
     params = [inspect.Parameter(name, positional) for name in leading]
     params += [inspect.Parameter(p.name, positional,
                                  default=inspect.Parameter.empty if p.required else p.edit_default)
                for p in parameters(entry)]
-    params.append(inspect.Parameter("request", positional, default=None, annotation=gr.Request))
-    if progress:
-        params.append(inspect.Parameter("progress", positional, default=gr.Progress()))
-
-    def signed(function):
-        function.__signature__ = inspect.Signature(params)
-        function.__annotations__ = {"request": gr.Request}
-        return function
-
-    return signed
+    return _signed(params, progress)
 
 
 def edit_signature(function):
