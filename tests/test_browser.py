@@ -405,8 +405,13 @@ def test_paint_a_mask_and_only_that_area_changes(browser, server, manager, photo
     # land edits with the value before the stroke (seen in a CI-like run on the loaded 2-core machine). Once,
     # on a machine loaded beyond CI's, the uploads after the stroke carried no paint at all and the edit ran
     # unmasked: the stroke is drawn again until an upload carries it (the edit below must then be masked).
+    boxes = []
     for _ in range(3):
-        box = canvas.bounding_box()  # measured again for each stroke: the page's layout may have moved it
+        # on screen, then measured, for each stroke: the page's layout may have moved it (the mouse paints only
+        # inside the viewport, and the canvas's middle lies near the fold of a 1000 px high window)
+        canvas.scroll_into_view_if_needed()
+        box = canvas.bounding_box()
+        boxes.append(box)
         y = box["y"] + box["height"] / 2
         since, painted_after = time.monotonic(), time.time() - 1  # file times: a second of slack for their rounding
         page.mouse.move(box["x"] + box["width"] * 0.3, y)
@@ -418,7 +423,8 @@ def test_paint_a_mask_and_only_that_area_changes(browser, server, manager, photo
         if uploads.painted_since(painted_after):
             break
     else:
-        pytest.fail("three strokes on the mask canvas and no upload carried paint")
+        pytest.fail(f"three strokes on the mask canvas and no upload carried paint (canvas at {boxes}, "
+                    f"viewport {page.viewport_size})")
     page.locator("#prompt textarea").fill("make the stroke red")
     page.locator("#edit-button").click()
     page.locator("#edit-status").get_by_text("Done in").wait_for(timeout=120_000)
