@@ -1,4 +1,5 @@
-"""The manager: the one FIFO line in front of the worker processes. No torch, no CUDA context.
+"""The manager: start-up, and jobs through the one FIFO line (imgedit.engine.line) to the worker processes.
+No torch, no CUDA context.
 
 `prepare()` opens the checkpoint and plans the placement; `start()` spawns one worker per planned
 worker (imgedit.engine.pool) and returns at once (the workers load in their own processes, /health says

@@ -24,7 +24,7 @@ from imgedit.engine.validation import check_params
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.protocol import BATCH, EditRequest, parameters, request_kwargs
 from imgedit.web.identity import page_owner
-from imgedit.web.requests import api_signature, form_fields
+from imgedit.web.requests import api_signature, event_fields
 from imgedit.web.speed import parse_cache_input
 from imgedit.web.tools import refusal, user_error
 
@@ -107,7 +107,7 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, controls: dic
     async def updates(files, *args):
         *values, request = args
         try:
-            fields = form_fields(dict(zip(names, values, strict=True)))
+            fields = event_fields(dict(zip(names, values, strict=True)))
             fields["cache"] = parse_cache_input(fields.get("cache"), fields["speed"])  # "default": the server's
             manager.check_cache(fields["cache"])  # before any item starts
             template = EditRequest(images=(), **request_kwargs(fields), source="ui")

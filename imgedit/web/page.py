@@ -353,8 +353,9 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         files.upload(tools.check_uploads, files, [files, compare, restore, stored], preprocess=False,
                      api_visibility="private")
         inputs = [files, prompt, negative, seed, randomize, steps, cfg, num, width, height]
-        controls = dict(zip(LAID_OUT, inputs + speed_inputs + [cache] + mask_inputs + [enhance], strict=True))
-        controls = {name: {**controls, **generic}[name] for name in fields}  # in `/edit`'s order
+        made = {**dict(zip(LAID_OUT, inputs + speed_inputs + [cache] + mask_inputs + [enhance], strict=True)),
+                **generic}
+        controls = {name: made[name] for name in fields}  # in `/edit`'s order
         page_outputs = [result, status, compare, chosen, message]
         # No Gradio limit: every job goes straight to the manager's line, where UI, API and REST jobs
         # wait together in arrival order and QUEUE_MAX_SIZE is enforced once; the workers' locks keep

@@ -72,7 +72,7 @@ def _text(value, name: str) -> str:
     return value
 
 
-def form_fields(raw: dict) -> dict:
+def event_fields(raw: dict) -> dict:
     """A form's raw values ({`/edit` parameter: value}, any JSON) as EditRequest fields: each declared parameter
     named in `raw` but the files, parsed by its kind, then what the form's controls mean: a ticked "randomize"
     draws the seed, 0 is an automatic side, the speed controls' "quality" and "none" are no preset and no LoRA."""
@@ -103,7 +103,7 @@ def build_request(settings: Settings, family: str, *values, source: str) -> Edit
     paths = uploaded_paths(raw.get("images"))
     check_counts(len(paths), family)
     decoded = tuple(open_image(p, settings.max_input_pixels, image_label(i + 1, p)) for i, p in enumerate(paths))
-    fields = form_fields({name: raw.get(name) for name in names})  # an absent trailing one: its default
+    fields = event_fields({name: raw.get(name) for name in names})  # an absent trailing one: its default
     if mask_paths := uploaded_paths(raw.get("mask"), "mask"):
         if len(mask_paths) > 1:
             raise InvalidInput("send one mask (for the first image)", "mask")
