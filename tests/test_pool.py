@@ -1,4 +1,5 @@
-"""Pure parts of the worker pool: each rank's GPUs as its process sees them, and its memory caps."""
+"""Parts of the worker pool without worker processes: each rank's GPUs as its process sees them, its memory caps,
+and closing its pipes once when two threads reap at once."""
 
 from __future__ import annotations
 
@@ -68,3 +69,35 @@ def test_workers_are_numbered_by_the_gpus_this_process_sees(monkeypatch):
     assert localize(one, settings.cuda_visible_devices)[1] == "1"  # the worker's CUDA_VISIBLE_DEVICES
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert load_settings({"QWEN_MODEL_DIR": ckpt, "CUDA_VISIBLE_DEVICES": "1"}).cuda_visible_devices is None
+
+
+def test_stop_and_the_pump_may_reap_at_once():
+    """A failed load makes the pump thread reap while the manager's stop() reaps too (seen in CI as the pump's
+    'OSError: Bad file descriptor'): the pipes are closed once, whoever comes second finds them closed."""
+    import multiprocessing
+    import threading
+
+    from imgedit.runtime.messages import Channel
+
+    plan = WorkerPlan("worker-0", {c: Placement("cpu") for c in COMPONENTS})
+    errors = []
+
+    def reap(handle, start):
+        start.wait()
+        try:
+            handle._reap(0)
+        except Exception as exc:  # noqa: BLE001 - what the test looks for
+            errors.append(exc)
+
+    for _ in range(300):
+        handle = WorkerHandle(plan, None, visible=None, cache_dir=None, max_restarts=0)
+        pipes = [multiprocessing.Pipe(duplex=False) for _ in range(8)]
+        handle._inboxes = [Channel(write) for _, write in pipes]
+        handle._outboxes = [read for read, _ in pipes]
+        start = threading.Barrier(2)
+        threads = [threading.Thread(target=reap, args=(handle, start)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors[:3]

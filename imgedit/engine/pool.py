@@ -145,6 +145,9 @@ class WorkerHandle:
         self._ready: set[int] = set()
         self._closing = False
         self._pump: threading.Thread | None = None
+        # stop() and the pump (a failed load, a death) may reap at once: two closes of one pipe in two
+        # threads can close a file descriptor number the process has meanwhile given to another file
+        self._reaping = threading.Lock()
 
     @property
     def state(self) -> WorkerState:
@@ -218,20 +221,21 @@ class WorkerHandle:
             self._pump.join(timeout=2)
 
     def _reap(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for proc in self._procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(2)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(2)
-        for channel in self._inboxes:
-            channel.close()
-        for conn in self._outboxes:
-            conn.close()
+        with self._reaping:
+            deadline = time.monotonic() + timeout
+            for proc in self._procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+            for proc in self._procs:
+                if proc.is_alive():
+                    proc.terminate()
+                    proc.join(2)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(2)
+            for channel in self._inboxes:
+                channel.close()  # a second close is a no-op (multiprocessing forgets the handle)
+            for conn in self._outboxes:
+                conn.close()
 
     # ---- the manager's line: one job at a time ----
     def claim(self) -> bool:
