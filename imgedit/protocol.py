@@ -21,7 +21,7 @@ def new_request_id() -> str:
 # Where a parameter is taken: the page and the gradio `/edit` API ("edit"), OpenAI-style REST
 # (/v1/images/edits: "rest"), the jobs API (/v1/jobs: "jobs"), the page's Batch tab and gradio `/batch`
 # ("batch": every item of a batch runs with them). REST and the jobs API parse their form fields from this table
-# (imgedit.web.rest.form_fields), `/edit`'s and `/batch`'s parameters and the page's controls follow its order
+# (imgedit.web.rest_requests.form_fields), `/edit`'s and `/batch`'s parameters and the page's controls follow its order
 # (imgedit.web.requests), and docs/PARAMETERS.md is generated from it (tests/test_parameters.py).
 EDIT, REST, JOBS, BATCH = "edit", "rest", "jobs", "batch"
 EVERYWHERE = frozenset((EDIT, REST, JOBS, BATCH))
@@ -260,6 +260,8 @@ class ManagerStatus:
     attention: str = "native"  # ATTENTION: the transformer's attention kernel
     compile_mode: str = "off"  # COMPILE_MODE of the compiled workers, or off when none is compiled
     fast_quantize: str = "none"  # FAST_QUANTIZE: fast jobs on a quantized copy per Lightning LoRA
+    # the model family's defaults and what it takes (engine.manager.defaults): steps, CFG, images, text to image
+    defaults: dict = field(default_factory=dict)
 
     @property
     def healthy_workers(self) -> int:

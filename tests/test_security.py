@@ -254,13 +254,14 @@ def test_the_prompt_token_limit_is_the_pipelines_own(family, plus_manager, edit_
     """At MAX_PROMPT_TOKENS, with the most input images, the real pipeline edits; 3,900 emoji (under the
     character limit, ~4x the tokens) make the pipeline itself fail, and we refuse them up front, counted."""
     from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS
-    from imgedit.engine.validation import MAX_INPUT_IMAGES, MAX_PROMPT_CHARS
+    from imgedit.engine.validation import MAX_PROMPT_CHARS
     from imgedit.errors import InvalidInput
+    from imgedit.planning.families import FAMILIES
     from imgedit.protocol import EditRequest
 
     manager = plus_manager if family == "plus" else edit_manager
     assert "tokenizer.json" in manager.prompt_tokens.source  # the checkpoint's own tokenizer, not the byte bound
-    images = (picture(),) * MAX_INPUT_IMAGES[family]
+    images = (picture(),) * FAMILIES[family].max_images
     at_limit = prompt_of(manager.prompt_tokens, MAX_PROMPT_TOKENS)
     ok = manager.edit(EditRequest(images=images, prompt=at_limit, num_inference_steps=2, true_cfg_scale=1.0,
                                   width=64, height=64, seed=1))  # (CFG off: the negative prompt's pass is the same)
@@ -328,7 +329,8 @@ def test_the_upload_route_refuses_what_is_no_image_by_content_and_by_name(live_s
 @pytest.mark.parametrize("method, path, status", [
     ("GET", "/v1/images/edits", 405), ("PUT", "/v1/images/edits", 405), ("DELETE", "/v1/images/edits", 405),
     ("GET", "/v1/models", 404), ("POST", "/v1/chat/completions", 404), ("GET", "/v1", 404),
-    ("POST", "/v1/images/generations", 404), ("GET", "/v1/images/edits/x/../../..", 404),
+    ("POST", "/v1/images/variations", 404), ("GET", "/v1/images/edits/x/../../..", 404),
+    ("GET", "/v1/images/generations", 405),
 ])
 def test_v1_wrong_method_or_path_is_openai_shaped(live_server, method, path, status):
     r = http.request(method, f"{live_server.url}{path}", timeout=30)

@@ -26,6 +26,7 @@ from imgedit.engine.history import HistoryEntry, HistoryStore
 from imgedit.engine.images import SUFFIXES, mask_digest, open_image, reencoded
 from imgedit.engine.job_records import JobRecords, job_state
 from imgedit.errors import Cancelled, ImgEditError, InputTooLarge, InvalidInput, QueueFull
+from imgedit.planning.families import FAMILIES
 from imgedit.protocol import EditRequest, WorkerState, new_request_id
 
 log = logging.getLogger(__name__)
@@ -199,6 +200,11 @@ class JobService:
         self._tasks: set[asyncio.Task] = set()
         self.records = JobRecords(history.root)  # every item's state on disk, for after a restart
 
+    @property
+    def alpha(self) -> bool:
+        """Whether inputs keep their transparency (a model that takes RGBA, planning.families)."""
+        return FAMILIES[self.manager.family].rgba
+
     def pending_items(self, owner: str | None = None) -> int:
         return sum(i.state in ("queued", "running") for j in self._jobs.values() for i in j.items
                    if owner is None or j.owner == owner)
@@ -285,8 +291,9 @@ class JobService:
         try:
             if job.cancel.is_set():
                 raise Cancelled("cancelled before it started")
+            alpha = self.alpha
             images = await asyncio.to_thread(
-                lambda: tuple(open_image(raw, settings.max_input_pixels, f"{item.name}") for raw in item.inputs))
+                lambda: tuple(open_image(raw, settings.max_input_pixels, f"{item.name}", alpha) for raw in item.inputs))
             # The template's prompt and every setting (speed, lora and lora_scale included) carry over.
             req = replace(job.template, images=images, request_id=new_request_id(), source=job.source, client=job.owner)
 

@@ -311,6 +311,7 @@ def snapshot(monitor: GpuMonitor, status: ManagerStatus, history: bool = False, 
         "attention": status.attention,
         "compile_mode": status.compile_mode,
         "fast_quantize": status.fast_quantize,
+        "defaults": dict(status.defaults),
         "history_window_s": monitor.history.window_s,
         "history_interval_s": monitor.history.interval_s,
     }

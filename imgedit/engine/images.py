@@ -30,8 +30,10 @@ def image_or_zip(head: bytes) -> bool:
     return head.startswith(_MAGIC) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")
 
 
-def open_image(source: str | Path | bytes | Image.Image, max_pixels: int, label: str = "image") -> Image.Image:
-    """Decode one input to an RGB image, or raise InvalidInput / InputTooLarge naming `label`."""
+def open_image(source: str | Path | bytes | Image.Image, max_pixels: int, label: str = "image",
+               alpha: bool = False) -> Image.Image:
+    """Decode one input to an RGB image (RGBA if it has transparency and `alpha`: a model that takes it,
+    planning.families), or raise InvalidInput / InputTooLarge naming `label`."""
     try:
         if isinstance(source, Image.Image):
             image = source
@@ -42,7 +44,7 @@ def open_image(source: str | Path | bytes | Image.Image, max_pixels: int, label:
             _check_pixels(image.size, max_pixels, label)  # header only: nothing decoded yet
             image.load()
         frames = getattr(image, "n_frames", 1)
-        image = to_rgb(image)
+        image = to_rgb(image, alpha)
         if frames > 1:  # an animated GIF/WebP/PNG or a multi-page TIFF: its first frame is what gets edited
             image.info["frames"] = frames
         return image
@@ -89,8 +91,9 @@ def _grey_to_8bit(image: Image.Image) -> Image.Image:
     return Image.fromarray(scaled, mode="L")
 
 
-def to_rgb(image: Image.Image) -> Image.Image:
-    """EXIF rotation, then 8-bit RGB: alpha on white, 16-bit scaled, CMYK and palette converted."""
+def to_rgb(image: Image.Image, alpha: bool = False) -> Image.Image:
+    """EXIF rotation, then 8-bit RGB: alpha on white (kept as RGBA with `alpha`), 16-bit scaled, CMYK and
+    palette converted."""
     image = ImageOps.exif_transpose(image)
     if image.mode.startswith("I") or image.mode == "F":
         image = _grey_to_8bit(image)
@@ -98,6 +101,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
         image = image.convert("RGBA" if "transparency" in image.info else "RGB")
     if image.mode in ("LA", "La", "PA"):
         image = image.convert("RGBA")
+    if image.mode in ("RGBA", "RGBa") and alpha:
+        return image.convert("RGBA")
     if image.mode in ("RGBA", "RGBa"):
         background = Image.new("RGBA", image.size, (255, 255, 255, 255))
         image = Image.alpha_composite(background, image.convert("RGBA"))
@@ -217,8 +222,8 @@ def encoded(image: Image.Image, output_format: str = "png", quality: int = 100) 
         options["method"] = 0
     else:
         raise ValueError(f"unknown output format {output_format!r}")
-    if output_format == "jpeg" and image.mode not in ("RGB", "L"):  # no alpha or palette in JPEG (results are RGB)
-        image = image.convert("RGB")
+    if output_format == "jpeg" and image.mode not in ("RGB", "L"):  # no alpha or palette in JPEG
+        image = to_rgb(image)  # a transparent result (Qwen-Image-2.1) on white
     buffer = io.BytesIO()
     image.save(buffer, format=output_format.upper(), **options)
     return buffer.getvalue()

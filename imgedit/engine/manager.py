@@ -26,7 +26,7 @@ from imgedit.engine.inspection import inspect_checkpoint
 from imgedit.engine.line import Line, WaitCallback
 from imgedit.engine.pool import WorkerHandle, wait_result
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
-from imgedit.engine.validation import check_enhance, resolve, resolve_enhance
+from imgedit.engine.validation import check_enhance, default_steps, resolve, resolve_enhance
 from imgedit.errors import (
     Cancelled,
     ImgEditError,
@@ -40,6 +40,7 @@ from imgedit.errors import (
 )
 from imgedit.planning import modes
 from imgedit.planning.checkpoint import Checkpoint, open_checkpoint
+from imgedit.planning.families import FAMILIES
 from imgedit.planning.memory import bytes_item, plan_memory
 from imgedit.planning.plan import GpuSpec, Plan
 from imgedit.protocol import EditRequest, EditResult, JobRecord, ManagerStatus, Resolved, WorkerState
@@ -137,10 +138,12 @@ class PipelineManager:
                 item = bytes_item(s.torch_dtype)  # QUANTIZE / OFFLOAD: the planner sizes each mode
                 if s.workers == "ray":
                     specs = [c.spec("none", item) for c in sizes]
-                    self._plan, self._nodes = ray_pool.plan_cluster(specs, s, ray_pool.alive_nodes())
+                    self._plan, self._nodes = ray_pool.plan_cluster(specs, s, ray_pool.alive_nodes(),
+                                                                    self.checkpoint.family)
                 else:
                     gpus = discover_gpus() if self._gpus is None else list(self._gpus)
-                    self._plan = plan_memory(sizes, gpus, s, item, host_memory() if gpus else None)
+                    self._plan = plan_memory(sizes, gpus, s, item, host_memory() if gpus else None,
+                                             self.checkpoint.family)
         except Exception as exc:
             self.load_error = user_text(exc)
             raise
@@ -245,13 +248,13 @@ class PipelineManager:
         params = resolve(req, self.settings, self.family, req.images[-1].size if req.images else None,
                          len(req.images), self.prompt_tokens)
         self.check_cache(params.cache)
-        check_enhance(params, self._plans)
+        check_enhance(params, self._plans, self.family)
         return params
 
     def resolve_enhance(self, req: EditRequest) -> Resolved:
         """A prompt rewrite's parameters (the images and the instruction), or InvalidInput naming the field."""
         params = resolve_enhance(req, self.settings, self.family, len(req.images), self.prompt_tokens)
-        check_enhance(params, self._plans)
+        check_enhance(params, self._plans, self.family)
         return params
 
     def edit(self, req: EditRequest, on_step: StepCallback | None = None, on_wait: WaitCallback | None = None,
@@ -319,7 +322,16 @@ class PipelineManager:
             loras=tuple(f.describe() for f in self.loras), weights_mib=self._planned_weights(),
             cache=self.settings.cache if self.settings.cache != "first-block"
             else f"first-block (threshold {self.settings.cache_threshold:g})", attention=self.settings.attention,
-            compile_mode=modes.compile_mode(self.settings, self._plans), fast_quantize=self.settings.fast_quantize)
+            compile_mode=modes.compile_mode(self.settings, self._plans), fast_quantize=self.settings.fast_quantize,
+            defaults=self.defaults())
+
+    def defaults(self) -> dict:
+        """What a request gets when it leaves a value out, and what the model takes (planning.families)."""
+        family = FAMILIES[self.family]
+        return {"num_inference_steps": default_steps(self.settings, self.family),
+                "true_cfg_scale": family.cfg(self.settings.default_true_cfg), "max_images": family.max_images,
+                "text_to_image": family.generates, "output_resolution": family.output_resolution,
+                "transparency": family.rgba}
 
     def _planned_weights(self) -> dict[str, float]:
         """The plan's weights on each local GPU (the panel's until a worker measured its own). Ray plans name

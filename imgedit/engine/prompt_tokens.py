@@ -41,6 +41,8 @@ class PromptTokens:
     @classmethod
     def from_checkpoint(cls, folder: str | Path) -> PromptTokens:
         folder = Path(folder) / "tokenizer"
+        if not folder.is_dir():  # Qwen-Image-2.1: the processor holds the tokenizer
+            folder = folder.with_name("processor")
         files = "tokenizer.json" if (folder / "tokenizer.json").is_file() else "vocab.json + merges.txt"
         try:
             return cls(_read(folder), f"the checkpoint's tokenizer ({files})")

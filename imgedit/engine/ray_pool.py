@@ -124,7 +124,8 @@ def _discover_here(count: int) -> list:
     return discover_gpus()[:count]
 
 
-def plan_cluster(components: Sequence[ComponentSpec], settings: Settings, nodes: Sequence[Node]) -> tuple[Plan, dict]:
+def plan_cluster(components: Sequence[ComponentSpec], settings: Settings, nodes: Sequence[Node],
+                 family: str = "plus") -> tuple[Plan, dict]:
     """One plan for the cluster: each node planned on its own GPUs with the usual planner (so a
     group's GPUs are always on one node). Without any GPU in the cluster, or with DEVICE_MAP=cpu, one
     CPU worker per node; otherwise nodes without GPUs (the server's own, say) get none.
@@ -142,7 +143,7 @@ def plan_cluster(components: Sequence[ComponentSpec], settings: Settings, nodes:
                         "one CPU worker")
         else:
             plan = plan_placement(components, _node_gpus(node), settings.device_map, settings.max_memory,
-                                  settings.gpu_memory_reserve, settings.activation_reserve)
+                                  settings.gpu_memory_reserve, settings.activation_reserve, family)
         reasons.append(f"node{number} ({node.address}, {node.node_id[:8]}): {plan.reason}")
         for worker in plan.workers:
             named = replace(worker, name=f"node{number}-{worker.name}")

@@ -11,6 +11,7 @@ from imgedit.config.settings import Settings
 from imgedit.engine.gpus import host_threads
 from imgedit.planning import modes
 from imgedit.planning.checkpoint import Checkpoint
+from imgedit.planning.families import FAMILIES, not_built
 from imgedit.planning.plan import WorkerPlan
 from imgedit.runtime.messages import WorkerSpec
 
@@ -21,6 +22,8 @@ def refusal(settings: Settings, plans: list[WorkerPlan], checkpoint: Checkpoint,
     """The first mode these workers cannot run (the attention kernel, FAST_QUANTIZE, CACHE), or None; each
     mode that can run is logged as it will run."""
     s = settings
+    if (refused := family_refusal(s, plans, checkpoint.family)) is not None:
+        return refused
     if (refused := modes.kernel_refusal(s, plans, checkpoint.attention_heads)) is not None:
         return refused
     log.info("attention kernel: %s; compile mode: %s", s.attention, modes.compile_mode(s, plans))
@@ -35,6 +38,19 @@ def refusal(settings: Settings, plans: list[WorkerPlan], checkpoint: Checkpoint,
             return f"CACHE={s.cache} cannot run here: {refused}"
         log.info("step cache for quality edits: %s%s", s.cache,
                  f" (threshold {s.cache_threshold:g})" if s.cache == "first-block" else "")
+    return None
+
+
+def family_refusal(settings: Settings, plans: list[WorkerPlan], family: str) -> str | None:
+    """The first setting that asks for a mode not built for the checkpoint's model family, or None."""
+    s = settings
+    model = FAMILIES[family].model
+    asked = [("cache", s.cache != "none", f"CACHE={s.cache}"),
+             ("lightning", s.fast_quantize != "none", f"FAST_QUANTIZE={s.fast_quantize}"),
+             ("batch_cfg", any(p.memory is not None and p.memory.batch_cfg for p in plans), "BATCH_CFG")]
+    for mode, on, setting in asked:
+        if on and (why := not_built(family, mode)) is not None:
+            return f"{setting} cannot serve {model}: {why}"
     return None
 
 

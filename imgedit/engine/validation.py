@@ -17,19 +17,18 @@ from imgedit.engine.masks import check_mask_fields, check_mask_size
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.errors import InvalidInput
 from imgedit.planning import modes
+from imgedit.planning.families import FAMILIES, not_built
 from imgedit.protocol import EditRequest, Resolved  # noqa: F401  (Resolved: re-exported for the edges)
 
-MAX_INPUT_IMAGES = {"edit": 1, "plus": 3}
-DEFAULT_STEPS = {"edit": 50, "plus": 40}
-SIDE_MULTIPLE = 16  # the VAE downsamples 8x and latents are packed in 2x2 patches
+SIDE_MULTIPLE = 16  # the edit families' VAE downsamples 8x and latents are packed in 2x2 patches (2.1: 32)
 MIN_SIDE = 64
 MAX_PROMPT_CHARS = 4000
 MAX_SEED = 2**32 - 1
 # How the pipelines resize each input (diffusers `calculate_dimensions`: the input's aspect at a target
-# area, sides rounded to multiples of 32). The text encoder sees the image at VL_AREA, the VAE at
-# VAE_AREA; a very elongated input rounds its short side to 0 ("height and width must be > 0"), and
-# before that the Qwen2-VL image processor refuses an aspect above 200 (transformers `smart_resize`).
-VL_AREA = {"edit": 1024 * 1024, "plus": 384 * 384}
+# area, sides rounded to multiples of 32). The text encoder sees the image at the family's `vl_area`, the
+# VAE at VAE_AREA (Qwen-Image-2.1: both at output_resolution²); a very elongated input rounds its short side
+# to 0 ("height and width must be > 0"), and before that the Qwen-VL image processor refuses an aspect above
+# 200 (transformers `smart_resize`).
 VAE_AREA = 1024 * 1024
 # One step of the checkpoints' FlowMatch scheduler (shift_terminal 0.02) stretches its single sigma to 0/0:
 # a NaN latent, a black image (diffusers 0.42.1, checked on the CPU). Two steps are the fewest that work.
@@ -40,12 +39,12 @@ CONTROL_TOKEN = re.compile(r"<\|(?:im_start|im_end|endoftext|vision_start|vision
 
 
 def check_counts(n_images: int, family: str) -> None:
-    allowed = MAX_INPUT_IMAGES[family]
-    if n_images < 1:
+    """A family that generates takes no image too (text to image)."""
+    fam = FAMILIES[family]
+    if n_images < fam.min_images:
         raise InvalidInput("no input image: upload the image to edit", "images")
-    if n_images > allowed:
-        model = "Qwen-Image-Edit" if family == "edit" else "Qwen-Image-Edit-2509/2511"
-        raise InvalidInput(f"{n_images} input images given; {model} takes at most {allowed}", "images")
+    if n_images > fam.max_images:
+        raise InvalidInput(f"{n_images} input images given; {fam.model} takes at most {fam.max_images}", "images")
 
 
 def _pipeline_size(area: int, ratio: float) -> tuple[int, int]:
@@ -59,8 +58,10 @@ def pipeline_accepts(size: tuple[int, int], family: str) -> bool:
     """Whether the pipeline can resize an input of this size without a side of 0 or an aspect the
     text encoder's image processor refuses."""
     ratio = size[0] / size[1]
-    vl_w, vl_h = _pipeline_size(VL_AREA[family], ratio)
-    vae_w, vae_h = _pipeline_size(VAE_AREA, ratio)
+    fam = FAMILIES[family]
+    vae_area = (fam.output_resolution or 1024) ** 2
+    vl_w, vl_h = _pipeline_size(fam.vl_area or vae_area, ratio)
+    vae_w, vae_h = _pipeline_size(vae_area, ratio)
     return min(vl_w, vl_h, vae_w, vae_h) > 0 and max(vl_w, vl_h) / min(vl_w, vl_h) <= VL_MAX_ASPECT
 
 
@@ -84,9 +85,11 @@ def check_aspect(size: tuple[int, int], family: str, label: str) -> None:
 
 
 def output_size(width: int | None, height: int | None, last_image_size: tuple[int, int] | None,
-                settings: Settings) -> tuple[int | None, int | None]:
+                settings: Settings, family: str = "plus") -> tuple[int | None, int | None]:
     """The output size the pipeline gets: None/None = from the input's aspect (about 1 MP). With one
-    side given the other follows the last input's aspect; sides are rounded down to multiples of 16."""
+    side given the other follows the last input's aspect; sides are rounded down to the family's
+    multiple (16; 32 for Qwen-Image-2.1)."""
+    multiple = FAMILIES[family].side_multiple
     width = width or None
     height = height or None
     for name, value in (("width", width), ("height", height)):
@@ -100,8 +103,8 @@ def output_size(width: int | None, height: int | None, last_image_size: tuple[in
         aspect = last_image_size[0] / last_image_size[1]
         width = width or max(MIN_SIDE, round(height * aspect))
         height = height or max(MIN_SIDE, round(width / aspect))
-    width = max(MIN_SIDE, width // SIDE_MULTIPLE * SIDE_MULTIPLE)
-    height = max(MIN_SIDE, height // SIDE_MULTIPLE * SIDE_MULTIPLE)
+    width = max(MIN_SIDE, width // multiple * multiple)
+    height = max(MIN_SIDE, height // multiple * multiple)
     if width * height > settings.max_output_pixels:
         raise InvalidInput(
             f"output {width}x{height} is {width * height:,} pixels; the limit is {settings.max_output_pixels:,} "
@@ -128,9 +131,11 @@ def resolve(req: EditRequest, settings: Settings, family: str,
             last_image_size: tuple[int, int] | None, n_images: int | None,
             tokens: PromptTokens | None = None) -> Resolved:
     _check_inputs(req, family, n_images, tokens)
+    if last_image_size is None and not req.images and FAMILIES[family].generates:
+        last_image_size = (1, 1)  # text to image: one side given, the image is square
     if not isinstance(req.enhance_prompt, bool):
         raise InvalidInput("enhance_prompt must be true or false", "enhance_prompt")
-    preset = speed_preset(req, settings)  # a Lightning preset sets its steps and turns CFG off
+    preset = speed_preset(req, settings, family)  # a Lightning preset sets its steps and turns CFG off
     steps = req.num_inference_steps if preset is None else preset.steps
     if steps is None:
         steps = default_steps(settings, family)
@@ -139,7 +144,7 @@ def resolve(req: EditRequest, settings: Settings, family: str,
         raise InvalidInput(f"num_inference_steps {steps} is out of range: {MIN_STEPS} to {settings.max_steps}"
                            + (" (one step makes a blank image: the model's scheduler needs two)" if steps == 1 else ""),
                            "num_inference_steps")
-    cfg = settings.default_true_cfg if req.true_cfg_scale is None else req.true_cfg_scale
+    cfg = FAMILIES[family].cfg(settings.default_true_cfg) if req.true_cfg_scale is None else req.true_cfg_scale
     if preset is not None:
         cfg = 1.0
     if not 1.0 <= cfg <= 20.0:
@@ -153,28 +158,30 @@ def resolve(req: EditRequest, settings: Settings, family: str,
     if not 0 <= seed <= MAX_SEED:
         raise InvalidInput(f"seed {seed} is out of range: 0 to {MAX_SEED}", "seed")
     grow, feather, strength = check_mask_fields(req.mask_grow, req.mask_feather, req.strength)
+    if req.mask is not None and (refused := not_built(family, "mask")) is not None:
+        raise InvalidInput(f"masked edits are not available for this model: {refused}", "mask")
     if req.mask is not None and req.images:
         # A masked edit follows the first image (the one it changes), not the last as the pipelines do.
         first = req.images[0].size
         check_mask_size(req.mask.size, first)
-        width, height = output_size(req.width, req.height, first, settings)
+        width, height = output_size(req.width, req.height, first, settings, family)
         if width is None:
             width, height = _masked_size(first, settings)
     else:
-        width, height = output_size(req.width, req.height, last_image_size, settings)
+        width, height = output_size(req.width, req.height, last_image_size, settings, family)
     # True CFG runs only when a negative prompt is passed: always pass one (" " when empty).
     negative = req.negative_prompt if (req.negative_prompt or "").strip() else " "
     adapters = lora_adapters(req, settings, preset)
     return Resolved(int(steps), float(cfg), negative, int(seed), int(req.num_images), width, height, adapters,
                     "default" if preset is None else "lightning", grow, feather, strength,
                     enhance_tokens=settings.enhance_max_tokens if req.enhance_prompt else 0,
-                    cache=step_cache(req, settings, preset), cache_threshold=settings.cache_threshold)
+                    cache=step_cache(req, settings, preset, family), cache_threshold=settings.cache_threshold)
 
 
 CACHES = ("none", "first-block", "taylorseer")
 
 
-def step_cache(req: EditRequest, settings: Settings, preset) -> str:
+def step_cache(req: EditRequest, settings: Settings, preset, family: str = "plus") -> str:
     """The request's `cache`, else CACHE; for quality edits only (a Lightning preset's 4 or 8 steps leave
     nothing to skip: asked for explicitly, that is refused; CACHE alone does not apply to them)."""
     if req.cache is not None and req.cache not in CACHES:
@@ -184,13 +191,15 @@ def step_cache(req: EditRequest, settings: Settings, preset) -> str:
             raise InvalidInput(f"cache {req.cache} is for quality edits; speed {req.speed} runs a few Lightning "
                                "steps with nothing to skip: leave cache out", "cache")
         return "none"
+    if req.cache not in (None, "none") and (refused := not_built(family, "cache")) is not None:
+        raise InvalidInput(f"cache {req.cache} is not available for this model: {refused}", "cache")
     return req.cache or settings.cache
 
 
-def check_enhance(params: Resolved, plans) -> None:
+def check_enhance(params: Resolved, plans, family: str = "plus") -> None:
     """InvalidInput (400) when a job asks for a prompt rewrite these workers cannot write (planning.modes)."""
     if params.task == "enhance" or params.enhance_tokens:
-        if (refusal := modes.enhance_refusal(plans)) is not None:
+        if (refusal := modes.enhance_refusal(plans, family)) is not None:
             raise InvalidInput(f"prompt rewriting is not available on this server: {refusal}",
                                None if params.task == "enhance" else "enhance_prompt")
 
@@ -237,7 +246,7 @@ def _masked_size(first: tuple[int, int], settings: Settings) -> tuple[int, int]:
 
 
 def default_steps(settings: Settings, family: str) -> int:
-    return min(settings.default_steps or DEFAULT_STEPS[family], settings.max_steps)
+    return min(settings.default_steps or FAMILIES[family].default_steps, settings.max_steps)
 
 
 def _whole(name: str, value) -> None:
@@ -246,7 +255,7 @@ def _whole(name: str, value) -> None:
         raise InvalidInput(f"{name} must be a whole number, got {value!r}", name)
 
 
-def speed_preset(req: EditRequest, settings: Settings):
+def speed_preset(req: EditRequest, settings: Settings, family: str = "plus"):
     """The Lightning LoRA entry a fast/fastest request runs with; None for quality."""
     speed = "quality" if req.speed in (None, "") else req.speed
     if not isinstance(speed, str) or speed.lower() not in SPEEDS:
@@ -254,6 +263,8 @@ def speed_preset(req: EditRequest, settings: Settings):
     steps = SPEEDS[speed.lower()]
     if steps is None:
         return None
+    if (refused := not_built(family, "lightning")) is not None:
+        raise InvalidInput(f"speed {speed.lower()} is not available for this model: {refused}", "speed")
     entry = lightning_for(settings.lora_entries, steps)
     if entry is None:
         raise InvalidInput(f"speed {speed.lower()} needs a Lightning {steps}-step LoRA and none is configured: "

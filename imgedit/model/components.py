@@ -5,6 +5,7 @@ divides, and the trained-like init that keeps random weights' activations finite
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -12,21 +13,36 @@ import torch
 MODEL_COMPONENTS = ("transformer", "text_encoder", "vae")  # as planning.checkpoint names them
 
 
-def component_classes():
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
-    from transformers import Qwen2_5_VLForConditionalGeneration
+# The classes a served checkpoint's model_index.json may name for its components (imgedit.planning.families).
+KNOWN_CLASSES = {
+    "transformer": ("QwenImageTransformer2DModel", "QwenImage21Transformer2DModel"),
+    "vae": ("AutoencoderKLQwenImage", "AutoencoderKLQwenImage21"),
+    "text_encoder": ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration"),
+}
 
-    return {"transformer": QwenImageTransformer2DModel, "vae": AutoencoderKLQwenImage,
-            "text_encoder": Qwen2_5_VLForConditionalGeneration}
+
+def component_classes(folder: Path) -> dict:
+    """Each component's class as the checkpoint's model_index.json names it (one of KNOWN_CLASSES)."""
+    import diffusers
+    import transformers
+
+    index = json.loads((Path(folder) / "model_index.json").read_text())
+    classes = {}
+    for name, known in KNOWN_CLASSES.items():
+        library, class_name = index[name]
+        if class_name not in known:
+            raise ValueError(f"{folder}: the {name} is a {class_name}; imgedit loads {' or '.join(known)}")
+        classes[name] = getattr(diffusers if library == "diffusers" else transformers, class_name)
+    return classes
 
 
 def from_config(name: str, folder: Path):
-    cls = component_classes()[name]
+    cls = component_classes(folder)[name]
     if name == "text_encoder":
         from transformers import AutoConfig
 
-        return cls._from_config(AutoConfig.from_pretrained(folder / name))
-    return cls.from_config(cls.load_config(folder / name))
+        return cls._from_config(AutoConfig.from_pretrained(Path(folder) / name))
+    return cls.from_config(cls.load_config(Path(folder) / name))
 
 
 def block_container(model: torch.nn.Module) -> str:

@@ -1,6 +1,6 @@
 """Write a random-weight Qwen image-edit checkpoint folder, fully offline.
 
-    python -m imgedit.model.demo_checkpoint OUT_DIR [--kind plus|edit] [--seed 0] [--size tiny|real]
+    python -m imgedit.model.demo_checkpoint OUT_DIR [--kind plus|edit|21] [--seed 0] [--size tiny|real]
 
 `tiny` (the default) is a 2-layer model of about a megabyte that runs an edit on a CPU in seconds:
 the demo mode and the tests load it exactly like a real checkpoint. `real` writes the published
@@ -8,7 +8,9 @@ configs of the full model (60-block 20.4 B transformer, Qwen2.5-VL-7B text encod
 with no weight files; `imgedit.runtime.loader` can materialise random weights for it directly on the GPUs,
 for benchmarks (speed and memory do not depend on the weights' values).
 The tokenizer is a byte-level BPE trained here on a few sentences, with Qwen's special tokens at
-their real ids.
+their real ids. `--kind 21` writes a Qwen-Image-2.1 checkpoint (QwenImage21Pipeline: a Qwen3-VL text
+encoder with the processor holding the tokenizer, a single-stream transformer, a 16x RGBA VAE), its tiny
+configs as diffusers' own tests of that pipeline build them.
 """
 
 from __future__ import annotations
@@ -28,7 +30,15 @@ SPECIAL_TOKENS = (
 )
 FIRST_SPECIAL_ID = 151643
 VOCAB_SIZE = 152064
-PIPELINE_CLASS = {"edit": "QwenImageEditPipeline", "plus": "QwenImageEditPlusPipeline"}
+PIPELINE_CLASS = {"edit": "QwenImageEditPipeline", "plus": "QwenImageEditPlusPipeline", "21": "QwenImage21Pipeline"}
+# The Qwen chat template the 2.1 pipeline runs on its system message (it counts the tokens to drop by it, so
+# it must lay messages out as the pipeline's hand-written prompt does).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}"
+    "{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 _CORPUS = (
     "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
     "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
@@ -36,6 +46,7 @@ _CORPUS = (
     "appropriate.<|im_end|>\n<|im_start|>user\n",
     "Picture 1: Picture 2: Picture 3: make the sky blue, add a cat, remove the text, turn it into a watercolor",
     "change the background to a beach at sunset and keep the person unchanged",
+    "Comprehend and analyze the provided prompt.",
     "<|im_end|>\n<|im_start|>assistant\n",
 )
 SCHEDULER_CONFIG = {
@@ -91,6 +102,74 @@ def _configs(size: str) -> dict:
                            "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
         ),
     }
+
+
+def _configs_21(size: str) -> dict:
+    """Qwen-Image-2.1's components. Tiny: diffusers' tests of QwenImage21Pipeline (z_dim 8, not 4: the pipeline
+    takes a condition image with as many channels as the latents for latents already, and RGBA has 4), with
+    one attention head. A vision token covers 32 pixels (patch 16, merge 2), the 2x2 latents of the 16x VAE."""
+    if size != "tiny":
+        raise ValueError("a real-size Qwen-Image-2.1 checkpoint is not written yet: its published configs are "
+                         "needed (transformer, Qwen3-VL text encoder, VAE)")
+    z_dim = 8
+    return {
+        "transformer": dict(patch_size=1, in_channels=z_dim, out_channels=z_dim, num_layers=2, attention_head_dim=16,
+                            num_attention_heads=1, context_in_dim=16, mlp_ratio=2, axes_dims_rope=(4, 6, 6)),
+        "vae": dict(base_dim=4, decoder_base_dim=4, z_dim=z_dim, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=1,
+                    attn_scales=[], temperal_downsample=[False, True, True, True], latents_mean=[0.0] * z_dim,
+                    latents_std=[1.0] * z_dim),
+        "text_encoder": dict(
+            text_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+                         "num_key_value_heads": 2, "head_dim": 8, "vocab_size": VOCAB_SIZE,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                                             "mrope_section": [1, 1, 2]}},
+            vision_config={"depth": 2, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
+                           "out_hidden_size": 16, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                           "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
+        ),
+        # as published (processor/preprocessor_config.json: size 256² to 4096²): every input is resized to
+        # output_resolution² before the processor, which lets it through unresized
+        "image_processor": dict(patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=256 * 256,
+                                max_pixels=4096 * 4096),
+    }
+
+
+def _special_id(token: str) -> int:
+    return FIRST_SPECIAL_ID + SPECIAL_TOKENS.index(token)
+
+
+def _build_21(out: Path, seed: int, size: str, tokenizer) -> None:
+    import torch
+    from diffusers import AutoencoderKLQwenImage21, QwenImage21Transformer2DModel
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.utils import is_torchvision_available
+
+    cfg = _configs_21(size)
+    image_processor = Qwen2VLImageProcessorPil(**cfg["image_processor"])
+    if is_torchvision_available():
+        from transformers import Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+        processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
+                                     video_processor=Qwen3VLVideoProcessor(patch_size=16, merge_size=2,
+                                                                           temporal_patch_size=2))
+    else:
+        from imgedit.model.processor import ImageOnlyQwen3Processor
+
+        processor = ImageOnlyQwen3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                            chat_template=CHAT_TEMPLATE)
+    processor.save_pretrained(out / "processor")
+    te_config = Qwen3VLConfig(text_config=cfg["text_encoder"]["text_config"],
+                              vision_config=cfg["text_encoder"]["vision_config"],
+                              image_token_id=_special_id("<|image_pad|>"), video_token_id=_special_id("<|video_pad|>"),
+                              vision_start_token_id=_special_id("<|vision_start|>"),
+                              vision_end_token_id=_special_id("<|vision_end|>"))
+    torch.manual_seed(seed)
+    QwenImage21Transformer2DModel(**cfg["transformer"]).save_pretrained(out / "transformer")
+    torch.manual_seed(seed)
+    AutoencoderKLQwenImage21(**cfg["vae"]).save_pretrained(out / "vae")
+    torch.manual_seed(seed)
+    Qwen3VLForConditionalGeneration(te_config).save_pretrained(out / "text_encoder")
 
 
 def build_tokenizer():
@@ -158,9 +237,24 @@ def build_checkpoint(out: str | Path, kind: str = "plus", seed: int = 0, size: s
     if heads is not None:
         cfg["transformer"]["num_attention_heads"] = heads
     tokenizer = build_tokenizer()
+    FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG).save_pretrained(out / "scheduler")
+    if kind == "21":
+        _build_21(out, seed, size, tokenizer)
+        _write_json(out / "model_index.json", {
+            "_class_name": PIPELINE_CLASS[kind],
+            "_diffusers_version": "0.42.1",
+            "processor": ["transformers", "Qwen3VLProcessor"],
+            "sample_sigmas": None,
+            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+            "text_encoder": ["transformers", "Qwen3VLForConditionalGeneration"],
+            "transformer": ["diffusers", "QwenImage21Transformer2DModel"],
+            "vae": ["diffusers", "AutoencoderKLQwenImage21"],
+            "imgedit_demo": {"seed": seed, "size": size, "random_weights": size != "tiny"},
+        })
+        log.info("wrote %s %s checkpoint (seed %d) to %s", size, PIPELINE_CLASS[kind], seed, out)
+        return out
     tokenizer.save_pretrained(out / "tokenizer")
     _processor(tokenizer).save_pretrained(out / "processor")
-    FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG).save_pretrained(out / "scheduler")
     te_config = text_encoder_config(size)
     if size == "tiny":
         torch.manual_seed(seed)

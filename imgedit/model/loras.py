@@ -59,10 +59,11 @@ def transformer_linears(folder: Path) -> dict[str, tuple[int, int]]:
     from its config alone (meta device: no weights read)."""
     import torch
     from accelerate import init_empty_weights
-    from diffusers import QwenImageTransformer2DModel
+
+    from imgedit.model.components import from_config
 
     with init_empty_weights():
-        model = QwenImageTransformer2DModel.from_config(QwenImageTransformer2DModel.load_config(folder / "transformer"))
+        model = from_config("transformer", folder)
     return {name: (m.in_features, m.out_features) for name, m in model.named_modules()
             if isinstance(m, torch.nn.Linear)}
 

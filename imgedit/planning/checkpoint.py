@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from imgedit.errors import PlacementError
+from imgedit.planning.families import BY_PIPELINE
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+SUPPORTED_PIPELINES = tuple(BY_PIPELINE)
 MODEL_COMPONENTS = ("transformer", "text_encoder", "vae")
 # What a diffusers checkpoint of these pipelines holds (the weights as safetensors, no .bin copies).
 DOWNLOAD_PATTERNS = ["model_index.json", "*/*.json", "*/*.safetensors", "*/*.txt", "*/*.model", "*/*.jinja"]
@@ -29,7 +30,7 @@ class Checkpoint:
 
     @property
     def family(self) -> str:
-        return "plus" if self.pipeline_class == "QwenImageEditPlusPipeline" else "edit"
+        return BY_PIPELINE[self.pipeline_class].key
 
     @property
     def attention_heads(self) -> int | None:

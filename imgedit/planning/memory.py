@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from imgedit.config.parsers import GIB
 from imgedit.config.settings import Settings
 from imgedit.errors import PlacementError
+from imgedit.planning.families import not_built
 from imgedit.planning.placement import budgets, plan_placement
 from imgedit.planning.plan import ComponentSpec, GpuSpec, MemoryMode, Plan
 
@@ -152,7 +153,7 @@ def host_bytes(sizes: Sequence[ComponentSizes], mode: MemoryMode, item: int) -> 
 
 
 def plan_memory(sizes: Sequence[ComponentSizes], gpus: Sequence[GpuSpec], settings: Settings, item: int,
-                host_memory: int | None = None) -> Plan:
+                host_memory: int | None = None, family: str = "plus") -> Plan:
     """Plan with QUANTIZE and OFFLOAD applied: the first candidate whose sizes fit (lossless first, see
     `candidates`), or a PlacementError that lists what was tried and why each did not fit. `host_memory`
     (bytes of CPU memory available, when known) bounds what the workers may keep there to stream: every
@@ -163,9 +164,9 @@ def plan_memory(sizes: Sequence[ComponentSizes], gpus: Sequence[GpuSpec], settin
     for quant, off in candidates(settings.quantize, settings.offload, gpus, on_cpu):
         try:
             check_platform(quant, off, gpus, on_cpu)
-            specs, mode = component_specs(sizes, quant, off, settings, gpus, item)
+            specs, mode = component_specs(sizes, quant, off, settings, gpus, item, family)
             plan = plan_placement(specs, gpus, settings.device_map, settings.max_memory,
-                                  settings.gpu_memory_reserve, settings.activation_reserve)
+                                  settings.gpu_memory_reserve, settings.activation_reserve, family)
             held = host_bytes(sizes, mode, item) * sum(w.ranks for w in plan.workers)
             if held and host_memory is not None and held > host_memory - HOST_RESERVE:
                 raise PlacementError(
@@ -195,7 +196,7 @@ def _show(value) -> str:
 
 
 def component_specs(sizes: Sequence[ComponentSizes], quant, off, settings: Settings, gpus: Sequence[GpuSpec],
-                    item: int) -> tuple[list[ComponentSpec], MemoryMode]:
+                    item: int, family: str = "plus") -> tuple[list[ComponentSpec], MemoryMode]:
     """What each component costs on the GPU in this mode, and the mode itself (with the number of
     transformer blocks that stay resident when blocks are streamed)."""
     modes = dict(quant)
@@ -239,7 +240,8 @@ def component_specs(sizes: Sequence[ComponentSizes], quant, off, settings: Setti
             head = t.head.nbytes(mode, item)
             specs = [ComponentSpec("transformer", head + used + buffer) if sp.name == "transformer" else sp
                      for sp in specs]
-    batch = settings.batch_cfg == "on" or (settings.batch_cfg == "auto" and resident is not None)
+    batch = settings.batch_cfg == "on" or (settings.batch_cfg == "auto" and resident is not None
+                                           and not_built(family, "batch_cfg") is None)
     memory = MemoryMode(tuple(quant), settings.quantize_skip if modes.get("transformer") else (),
                         "text_encoder" in off, resident, batch)
     return specs, memory

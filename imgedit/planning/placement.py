@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 
 from imgedit.config.parsers import GIB, DeviceMap
 from imgedit.errors import PlacementError
+from imgedit.planning.families import not_built
 from imgedit.planning.manual_map import manual_plan
 from imgedit.planning.plan import (
     ANCHOR,
@@ -84,8 +85,10 @@ def plan_placement(
     max_memory: Sequence[int] = (),
     reserve: int = int(1.5 * GIB),
     activation_reserve: int = 4 * GIB,
+    family: str = "plus",
 ) -> Plan:
     """Decide where every component of every worker goes. Raises PlacementError when it cannot fit.
+    `family` (planning.families): a family without CFG-parallel pairs or Ulysses groups gets neither.
 
     `reserve` is kept free on every GPU (CUDA context, fragmentation); `activation_reserve` on each
     worker's execution device, where the latents, the attention activations and the VAE's
@@ -123,6 +126,9 @@ def plan_placement(
     if mode in ("cfg-parallel", "ulysses"):
         size = device_map.group
         name = mode if size == 2 else f"{mode}:{size}"
+        if (refused := not_built(family, mode)) is not None:
+            raise PlacementError(f"DEVICE_MAP={name} cannot serve this model: {refused}; use DEVICE_MAP=replicas "
+                                 "(a job per GPU) or auto")
         if len(budget) < size:
             raise PlacementError(f"DEVICE_MAP={name} needs groups of {size} GPUs but {len(budget)} are visible; "
                                  + ("use DEVICE_MAP=cuda or balanced" if size == 2 else
@@ -137,9 +143,15 @@ def plan_placement(
             return _groups(components, budget, name, mode, size)
         return _pairs(components, budget, "cfg-parallel")
     if mode == "auto":
-        if _fits_every_gpu(total + NCCL_BUFFERS, budget) and len(budget) >= 2:
+        pairs = not_built(family, "cfg-parallel") is None
+        if pairs and _fits_every_gpu(total + NCCL_BUFFERS, budget) and len(budget) >= 2:
             return _pairs(components, budget, "auto")
         if _fits_every_gpu(total, budget):
+            if len(budget) >= 2 and not pairs:
+                why = not_built(family, "cfg-parallel")
+                return _replicas(components, budget, "auto",
+                                 f"a full copy ({total / GIB:.1f} GiB) fits every GPU, so one pipeline on each of "
+                                 f"{len(budget)} (no CFG-parallel pairs for this model: {why})")
             return _replicas(components, budget, "auto",
                              f"a full copy ({total / GIB:.1f} GiB) fits the GPU, so one pipeline on it")
         plan = _balanced(components, budget, activation_reserve)

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from imgedit.errors import PlacementError
-from imgedit.model.processor import load_processor
+from imgedit.model.processor import load_processor, processor_class
 from imgedit.planning.checkpoint import MODEL_COMPONENTS, Checkpoint, open_checkpoint  # noqa: F401  (re-exported)
 from imgedit.planning.plan import WorkerPlan
 from imgedit.runtime import offload, single_frame, weights
@@ -59,10 +59,13 @@ def load_pipeline(checkpoint: Checkpoint, worker: WorkerPlan, dtype: torch.dtype
 
         add_hook_to_module(parts["vae"], AlignDevicesHook(execution_device=worker.execution_device))
     pipeline_cls = getattr(diffusers, checkpoint.pipeline_class)
+    kwargs = {}
+    if (folder / "tokenizer").is_dir():  # the edit pipelines take a tokenizer; Qwen-Image-2.1's processor has it
+        kwargs["tokenizer"] = Qwen2Tokenizer.from_pretrained(folder / "tokenizer")
     pipe = pipeline_cls(
         scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler"),
-        tokenizer=Qwen2Tokenizer.from_pretrained(folder / "tokenizer"),
-        processor=load_processor(folder / "processor"),
+        processor=load_processor(folder / "processor", processor_class(folder)),
+        **kwargs,
         **parts,
     )
     pipe.set_progress_bar_config(disable=True)

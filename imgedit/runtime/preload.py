@@ -31,6 +31,9 @@ else:  # no GPU to break: the rest of what a worker imports, once (~0.6 CPU-s a 
     import peft  # noqa: F401
     from diffusers import (  # noqa: F401
         AutoencoderKLQwenImage,
+        AutoencoderKLQwenImage21,
+        QwenImage21Pipeline,
+        QwenImage21Transformer2DModel,
         QwenImageEditPipeline,
         QwenImageEditPlusPipeline,
         QwenImageTransformer2DModel,

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from imgedit.errors import Cancelled, ImgEditError, OutOfGpuMemory, WorkerFailed
+from imgedit.planning.families import FAMILIES, Family
 from imgedit.protocol import EditResult
 from imgedit.runtime.group import agree_to_stop
 from imgedit.runtime.messages import Job
@@ -120,7 +121,11 @@ class Runner:
 
         if cancel.is_set() and not collective:
             raise Cancelled("cancelled before it started")
-        images = list(req.images) if job.family == "plus" else req.images[0]
+        family = FAMILIES[job.family]
+        images = (list(req.images) or None) if family.images_as_list else req.images[0]
+        extra = {}
+        if family.output_resolution:  # Qwen-Image-2.1: inputs resized to the output's area (1024² unless sized)
+            extra["output_resolution"] = output_resolution(family, params.width, params.height)
         # CPU generators give the same noise for a seed on every placement, device and rank; one per output
         # image (its own seed), so that any image of a multi-image result can be made again alone.
         generator = [torch.Generator(device="cpu").manual_seed(seed) for seed in params.image_seeds]
@@ -146,11 +151,13 @@ class Runner:
                                         params.mask_grow, params.mask_feather, params.strength, params.steps,
                                         params.image_seeds)
                 output = self.pipe(
-                    image=images, prompt=prompt, negative_prompt=params.negative_prompt,
+                    image=images, prompt=prompt,
+                    # CFG runs with a negative prompt and a scale above 1; without, the pipelines warn of one unused
+                    negative_prompt=params.negative_prompt if params.true_cfg_scale > 1 else None,
                     true_cfg_scale=params.true_cfg_scale, num_inference_steps=params.steps,
                     num_images_per_prompt=params.num_images, width=params.width, height=params.height,
                     generator=generator, callback_on_step_end=step_end,
-                    callback_on_step_end_tensor_inputs=["latents"] if masked is not None else [],
+                    callback_on_step_end_tensor_inputs=["latents"] if masked is not None else [], **extra,
                 )
             finished = True
         except _Abort:
@@ -244,6 +251,16 @@ class Runner:
             gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def output_resolution(family: Family, width: int | None, height: int | None) -> int:
+    """QwenImage21Pipeline's `output_resolution`, the side of the square whose area every condition image is
+    resized to (and a text-to-image's size when none is given): the family's 1024, or the asked output's
+    area (sides rounded to 32 as the pipeline rounds them; at least `min_resolution`), so a small output does
+    not encode 1 MP inputs."""
+    if not (width and height):
+        return family.output_resolution
+    return max(family.min_resolution, round((width * height) ** 0.5 / 32) * 32)
 
 
 def is_device_fault(exc: BaseException) -> bool:

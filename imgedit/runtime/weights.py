@@ -35,7 +35,7 @@ def module_device_map(model: torch.nn.Module, placement: Placement) -> dict[str,
 
 
 def load_component(name: str, checkpoint: Checkpoint, placement: Placement, dtype: torch.dtype):
-    cls = component_classes()[name]
+    cls = component_classes(checkpoint.folder)[name]
     if placement.is_split:
         from accelerate import init_empty_weights
 

@@ -29,19 +29,11 @@ from imgedit.engine.history import HistoryEntry
 from imgedit.engine.images import open_image, reencoded
 from imgedit.engine.validation import check_aspect, check_counts, check_params
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
+from imgedit.planning.families import FAMILIES
 from imgedit.protocol import JOBS, EditRequest, request_kwargs
 from imgedit.web.metrics import Metrics
-from imgedit.web.rest import (
-    IMAGE_FIELDS,
-    STATUS,
-    UNAUTHORIZED,
-    form_fields,
-    mask_fields,
-    output_format,
-    owner_of,
-    read_form,
-    rest_words,
-)
+from imgedit.web.rest import STATUS, UNAUTHORIZED, owner_of, rest_words
+from imgedit.web.rest_requests import IMAGE_FIELDS, form_fields, mask_fields, output_format, read_form
 
 log = logging.getLogger(__name__)
 SET_FIELD = re.compile(r"set(\d{1,4})(\[\])?")
@@ -289,7 +281,7 @@ def check_images(sets: list[tuple[str, list[bytes]]], settings: Settings,
         try:
             for k, raw in enumerate(raws):
                 label = name if len(raws) == 1 else f"{name} (image {k + 1})"
-                image = open_image(raw, settings.max_input_pixels, label)
+                image = open_image(raw, settings.max_input_pixels, label, FAMILIES[family].rgba)
                 check_aspect(image.size, family, label)
                 if k == 0:
                     first = image.size

@@ -27,8 +27,9 @@ from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
 from imgedit.engine.gpus import GpuMonitor
 from imgedit.engine.images import frame_notices, png_bytes
-from imgedit.engine.validation import MAX_INPUT_IMAGES, MIN_STEPS, check_params, default_steps
+from imgedit.engine.validation import MIN_STEPS, check_params, default_steps
 from imgedit.errors import ImgEditError
+from imgedit.planning.families import FAMILIES
 from imgedit.protocol import EDIT, parameters
 from imgedit.web.chain import build_chain_controls, wire_chain
 from imgedit.web.enhance_controls import build_enhance_buttons, wire_enhance
@@ -123,7 +124,8 @@ INPUT_PREVIEW_CSS = """<style>
 def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMonitor | None = None,
                  history=None, jobs=None) -> gr.Blocks:
     monitor = monitor or GpuMonitor()
-    max_inputs = MAX_INPUT_IMAGES["plus"]
+    family = FAMILIES[manager.family]
+    max_inputs = family.max_images
     family_steps = default_steps(settings, manager.family)
     cache_refused = manager.cache_refusal()  # the Step cache control is hidden, and its value unused, then
     tools = PageTools(settings, manager.family, family_steps, manager.prompt_tokens,
@@ -247,9 +249,8 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         banner = gr.HTML(elem_id="server-banner", padding=False)
         with gr.Row(elem_id="editor"):
             with gr.Column(elem_id="editor-left"):
-                files = gr.File(
-                    label=f"Input images (1 for Qwen-Image-Edit, up to {max_inputs} for 2509/2511)",
-                    file_count="multiple", file_types=["image"], elem_id="input-files")
+                files = gr.File(label=family.inputs_label, file_count="multiple", file_types=["image"],
+                                elem_id="input-files")
                 # The inputs as pictures (remove one with its x in the list above; click one to choose it).
                 preview = gr.Gallery(label="Inputs, in the order the model gets them", columns=max_inputs,
                                      object_fit="contain", height=170, interactive=False,
@@ -268,7 +269,9 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                 # hold a heartbeat connection open for the session's lifetime.
                 stored = gr.JSON({}, visible=False)
                 with gr.Row():
-                    run = gr.Button("Edit", variant="primary", elem_id="edit-button")
+                    # a model that generates: "Generate" while there is no input image (imgedit.web.tools)
+                    run = gr.Button("Generate" if family.generates else "Edit", variant="primary",
+                                    elem_id="edit-button")
                     # Active only while an edit of this page runs (it looked ready to click when idle).
                     stop = gr.Button("Cancel", variant="stop", elem_id="cancel-button", interactive=False)
                 # why the last edit was refused, until the next run
@@ -278,12 +281,12 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                     # a folder of this server's own: Gradio deletes the files it served when its server
                     # stops, and a shared folder left another running server's examples blank (403)
                     examples_folder = tempfile.mkdtemp(prefix="imgedit-examples-", dir=upload_folder())
-                    rows, labels = example_rows(examples_folder, MAX_INPUT_IMAGES[manager.family])
+                    rows, labels = example_rows(examples_folder, max_inputs)
                     gr.Examples(rows, [files, prompt], example_labels=labels,
                                 label="Examples (click one to fill the form)", elem_id="examples")
                     speed_inputs = build_speed_controls(settings)  # Speed, LoRA, strength (imgedit.web.speed)
                     canvas, *mask_inputs = build_mask_controls()  # painted mask, grow, feather, strength
-                    size_preset = size_presets(MAX_INPUT_IMAGES[manager.family])  # the output's shape by name
+                    size_preset = size_presets(max_inputs)  # the output's shape by name
                     with gr.Accordion("Advanced", open=False, elem_id="advanced"):
                         negative = gr.Textbox(label="Negative prompt", value="")
                         with gr.Row():
@@ -291,7 +294,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                             randomize = gr.Checkbox(label="Randomize seed", value=True)
                         steps = gr.Number(label=f"Steps ({MIN_STEPS}-{settings.max_steps})", precision=0,
                                           value=min(DEMO_STEPS, family_steps) if demo else family_steps)
-                        cfg = gr.Slider(1.0, 20.0, value=settings.default_true_cfg, step=0.5,
+                        cfg = gr.Slider(1.0, 20.0, value=family.cfg(settings.default_true_cfg), step=0.5,
                                         label="True CFG scale")
                         num = gr.Slider(1, settings.max_images_per_prompt, value=1, step=1,
                                         label="Images per prompt")
@@ -399,6 +402,9 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         # thumbnails.
         files.change(tools.preview_inputs, files, preview, preprocess=False, queue=False,
                      api_visibility="private")
+        if family.generates:  # no input image: the button makes one from the prompt
+            files.change(lambda paths: gr.update(value="Edit" if paths else "Generate"), files, run,
+                         preprocess=False, queue=False, api_visibility="private")
         follow_first_input(files, canvas)
         wire_enhance(settings, manager, files, prompt, enhance_controls, GPU_GROUP)
         # typing sends one count at a time: keystrokes while one is on its way collapse into the last

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from html import escape
 
+from imgedit.planning.families import FAMILIES
+
 GIB_PER_MIB = 1 / 1024
 # (key in a GPU's reading, label, colour); the bar and the plot use the same colours.
 SEGMENTS = (
@@ -256,6 +258,8 @@ def panel_html(data: dict) -> str:
             if w.get("cpu_threads"):
                 line += f'; {int(w["cpu_threads"])} CPU threads'
             parts.append(f'<small class="gp-foot worker-weights">{escape(w["name"])} weights: {escape(line)}</small>')
+    if line := defaults_line(data.get("family"), data.get("defaults")):
+        parts.append(f'<small class="gp-foot model-defaults">{escape(line)}</small>')
     parts.append(f'<small class="gp-foot">placement: {escape(str(data.get("placement_mode", "")))} — '
                  f'{escape(str(data.get("placement_reason", "")))}; '
                  f'CACHE: {escape(str(data.get("cache", "none")))}'
@@ -267,6 +271,22 @@ def panel_html(data: dict) -> str:
                  + '</small>')
     parts.append("</div>")
     return "".join(parts)
+
+
+def defaults_line(family: str | None, defaults: dict | None) -> str:
+    """The model's defaults as the panel says them: "model: Qwen-Image-2.1 — 40 steps, CFG off, ..."."""
+    if not defaults or family not in FAMILIES:
+        return ""
+    cfg = defaults["true_cfg_scale"]
+    parts = [f'{defaults["num_inference_steps"]} steps', "CFG off" if cfg <= 1 else f"CFG {cfg:g}",
+             f'up to {defaults["max_images"]} input image(s)']
+    if defaults.get("text_to_image"):
+        parts.append("text to image without one")
+    if defaults.get("output_resolution"):
+        parts.append(f'{defaults["output_resolution"]}² output by default')
+    if defaults.get("transparency"):
+        parts.append("keeps transparency")
+    return f"model: {FAMILIES[family].model} — " + ", ".join(parts)
 
 
 def components_line(components: dict[str, dict] | None) -> str:

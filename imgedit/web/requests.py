@@ -12,6 +12,7 @@ from imgedit.engine.images import image_label, open_image
 from imgedit.engine.masks import open_mask
 from imgedit.engine.validation import check_counts
 from imgedit.errors import InvalidInput
+from imgedit.planning.families import FAMILIES
 from imgedit.protocol import EDIT, EditRequest, parameters, request_kwargs
 from imgedit.web.speed import parse_speed_inputs
 from imgedit.web.uploads import uploaded_paths
@@ -102,7 +103,8 @@ def build_request(settings: Settings, family: str, *values, source: str) -> Edit
     raw = dict(zip(names, values, strict=False))
     paths = uploaded_paths(raw.get("images"))
     check_counts(len(paths), family)
-    decoded = tuple(open_image(p, settings.max_input_pixels, image_label(i + 1, p)) for i, p in enumerate(paths))
+    alpha = FAMILIES[family].rgba
+    decoded = tuple(open_image(p, settings.max_input_pixels, image_label(i + 1, p), alpha) for i, p in enumerate(paths))
     fields = event_fields({name: raw.get(name) for name in names})  # an absent trailing one: its default
     if mask_paths := uploaded_paths(raw.get("mask"), "mask"):
         if len(mask_paths) > 1:
@@ -164,5 +166,6 @@ def build_enhance_request(settings: Settings, family: str, images, prompt, *, so
     """A prompt rewrite's raw values (the images and the instruction) as an EditRequest."""
     paths = uploaded_paths(images)
     check_counts(len(paths), family)
-    decoded = tuple(open_image(p, settings.max_input_pixels, image_label(i + 1, p)) for i, p in enumerate(paths))
+    alpha = FAMILIES[family].rgba
+    decoded = tuple(open_image(p, settings.max_input_pixels, image_label(i + 1, p), alpha) for i, p in enumerate(paths))
     return EditRequest(images=decoded, prompt=_text(prompt, "prompt"), source=source)

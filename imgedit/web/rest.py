@@ -1,4 +1,4 @@
-"""REST for operators and OpenAI clients: /health, /metrics and /v1/images/edits.
+"""REST for operators and OpenAI clients: /health, /metrics, /v1/images/edits and /v1/images/generations.
 
 `/v1/images/edits` speaks OpenAI's Images API (multipart; `image` or `image[]`, `prompt`, `n`, `size`,
 `response_format=b64_json`) plus the extensions `negative_prompt`, `seed`, `num_inference_steps`,
@@ -8,6 +8,10 @@ extensions through `extra_body`). OpenAI's `output_format` (png | jpeg | webp) a
 OpenAI's `mask` is taken (imgedit.engine.masks), with `mask_grow`, `mask_feather` and `strength`. Jobs go
 to the same manager line and workers as the UI. Errors come back in OpenAI's shape:
 {"error": {"message", "type", "param", "code"}}.
+
+`/v1/images/generations` is OpenAI's text to image (a JSON body: `prompt`, `n`, `size`, `response_format`,
+`output_format`, `output_compression`, and the same extensions) for a model that makes images from a prompt
+alone (Qwen-Image-2.1); the edit-only models answer it with a 400 that says so.
 """
 
 from __future__ import annotations
@@ -15,26 +19,22 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import math
 import threading
 import time
 from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.datastructures import UploadFile
 
-from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
 from imgedit.engine.gpus import GpuMonitor
-from imgedit.engine.images import REPLY_FORMATS, encoded, frame_notices, image_label, open_image
-from imgedit.engine.masks import open_mask
-from imgedit.engine.validation import check_counts
-from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
-from imgedit.protocol import REST, EditRequest, Resolved, WorkerState, parameters, request_kwargs
+from imgedit.engine.images import encoded, frame_notices
+from imgedit.errors import ImgEditError, InvalidInput
+from imgedit.protocol import EditRequest, Resolved, WorkerState
 from imgedit.web.identity import rest_owner
 from imgedit.web.metrics import CONTENT_TYPE, Metrics
 from imgedit.web.public import full_snapshot, open_snapshot
+from imgedit.web.rest_requests import edit_form, parse_edit, parse_generation, read_images
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,9 @@ STATUS = {"invalid_input": 400, "too_large": 413, "busy": 429, "cancelled": 499,
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
               405: "invalid_request_error", 413: "invalid_request_error",
               429: "rate_limit_error", 503: "server_error", 507: "server_error", 500: "server_error"}
-IMAGE_FIELDS = ("image", "image[]", "images", "images[]")
 # every /v1 route and its methods, for the 404/405 fallback
-V1_ROUTES = {"/v1/images/edits": ("POST",), "/v1/prompts/enhance": ("POST",), "/v1/status": ("GET",)}
+V1_ROUTES = {"/v1/images/edits": ("POST",), "/v1/images/generations": ("POST",), "/v1/prompts/enhance": ("POST",),
+             "/v1/status": ("GET",)}
 HTTP_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
@@ -76,78 +76,6 @@ def owner_of(request: Request, settings: Settings) -> str | None:
 
 
 UNAUTHORIZED = "missing or wrong API key (Authorization: Bearer <key>)"
-
-
-def _int(form, name: str, default: int | None) -> int | None:
-    raw = form.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        text = str(raw).strip()
-        if len(text) > 20:
-            raise ValueError
-        return int(text)
-    except ValueError:
-        raise InvalidInput(f"{name} must be a whole number, got {str(raw)[:40]!r}", name) from None
-
-
-def _float(form, name: str) -> float | None:
-    raw = form.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        value = float(str(raw))
-    except ValueError:
-        raise InvalidInput(f"{name} must be a number, got {str(raw)[:40]!r}", name) from None
-    if not math.isfinite(value):  # nan, inf, 1e400: no setting takes them, and JSON cannot carry them
-        raise InvalidInput(f"{name} must be a finite number, got {str(raw)[:40]!r}", name)
-    return value
-
-
-def _bool(form, name: str) -> bool:
-    raw = form.get(name)
-    if raw is None or raw == "":
-        return False
-    text = str(raw).strip().lower() if isinstance(raw, str) else None
-    if text in ("true", "1", "yes", "on"):
-        return True
-    if text in ("false", "0", "no", "off"):
-        return False
-    raise InvalidInput(f"{name} must be true or false, got {str(raw)[:40]!r}", name)
-
-
-def form_fields(form, entry: str) -> dict:
-    """Every declared parameter `entry` (REST or JOBS) takes as a plain form field, parsed by its kind, as
-    EditRequest fields (protocol.PARAMETERS; validation.resolve checks the values). Files are read apart."""
-    out: dict = {}
-    for param in parameters(entry):
-        raw = form.get(param.form_name)
-        if param.kind == "file":
-            continue
-        if param.kind == "size":
-            out["width"], out["height"] = _size(raw)
-        elif param.kind == "text":
-            if raw is not None and not isinstance(raw, str):
-                raise InvalidInput(f"{param.form_name} must be a text field", param.form_name)
-            if param.required and raw is None:
-                raise InvalidInput(f"{param.form_name} is required (a text field)", param.form_name)
-            out[param.request_field] = raw or param.default  # an empty field is an absent one
-        elif param.kind == "whole":
-            out[param.request_field] = _int(form, param.form_name, param.default)
-        elif param.kind == "number":
-            out[param.request_field] = _float(form, param.form_name)
-        elif param.kind == "flag":
-            out[param.request_field] = _bool(form, param.form_name)
-    return out
-
-
-def _size(raw: str | None) -> tuple[int | None, int | None]:
-    if raw is None or raw in ("", "auto"):
-        return None, None
-    w, sep, h = str(raw).lower().partition("x")
-    if not sep or not (w.isdecimal() and h.isdecimal() and len(w) <= 6 and len(h) <= 6):
-        raise InvalidInput(f"size must be 'auto' or WIDTHxHEIGHT such as 1024x1024, got {str(raw)[:40]!r}")
-    return int(w), int(h)
 
 
 def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMonitor) -> APIRouter:
@@ -194,18 +122,32 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
 
     @router.post("/v1/images/edits")
     async def images_edits(request: Request) -> Response:
+        return await _images_route(request, "/v1/images/edits", lambda: parse_edit(request, settings, manager))
+
+    @router.post("/v1/images/generations")
+    async def images_generations(request: Request) -> Response:
+        """OpenAI's text to image, for a model that generates (imgedit.planning.families)."""
+        return await _images_route(request, "/v1/images/generations", lambda: parse_generation(request, manager))
+
+    async def _images_route(request: Request, route: str, parse) -> Response:
+        """An images route: the key, the request parsed and resolved by `parse()`, then the job and its reply."""
         if (owner := owner_of(request, settings)) is None:
             return openai_error(401, UNAUTHORIZED, "invalid_api_key")
         try:
-            req, params, (output_format, quality) = await _parse(request, settings, manager)
+            req, params, (output_format, quality) = await parse()
         except ImgEditError as exc:
             metrics.record_rejected("rest", exc.kind)
             return openai_error(STATUS.get(exc.kind, 400), exc.message, exc.kind, exc.field)
         except Exception:
-            log.exception("unreadable /v1/images/edits request")
+            log.exception("unreadable %s request", route)
             metrics.record_rejected("rest", "invalid_input")
             return openai_error(400, "the request could not be read", "invalid_input")
-        req = replace(req, client=owner)  # the line's share is per key (or token)
+        return await _image_reply(request, replace(req, client=owner), params, output_format, quality)
+
+    async def _image_reply(request: Request, req: EditRequest, params: Resolved, output_format: str,
+                           quality: int) -> Response:
+        """Run the job through the line and answer with its images (OpenAI's shape, our extensions)."""
+        owner = req.client
         result = await _run(request, req, lambda cancel: manager.run(req, cancel=cancel, params=params))
         if isinstance(result, JSONResponse):
             return result
@@ -238,8 +180,8 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
         if (owner := owner_of(request, settings)) is None:
             return openai_error(401, UNAUTHORIZED, "invalid_api_key")
         try:
-            form = await _form(request, settings)
-            images = await _images(form, settings, manager)
+            form = await edit_form(request, settings, manager.family)
+            images = await read_images(form, settings, manager)
             prompt = form.get("prompt")
             if not isinstance(prompt, str):
                 raise InvalidInput("prompt is required (a text field)", "prompt")
@@ -308,93 +250,3 @@ async def _cancel_on_disconnect(request: Request, cancel: threading.Event) -> No
     while not await request.is_disconnected():
         await asyncio.sleep(0.5)
     cancel.set()
-
-
-async def _parse(request: Request, settings: Settings, manager) -> tuple[EditRequest, Resolved, tuple[str, int]]:
-    """The edit request, its exact parameters (every check, once), and the reply's format and quality."""
-    form = await _form(request, settings)
-    images = await _images(form, settings, manager)
-    masking = await mask_fields(form, settings, images[0].size)
-    response_format = str(form.get("response_format") or "b64_json")
-    if response_format != "b64_json":
-        raise InvalidInput("response_format must be b64_json (this server does not host image URLs)")
-    req = EditRequest(images=tuple(images), **request_kwargs({**form_fields(form, REST), **masking}), source="rest")
-    return req, manager.resolve(req), output_format(form)
-
-
-def output_format(form) -> tuple[str, int]:
-    """OpenAI's `output_format` and `output_compression` (ignored for PNG, which is lossless), from a form or
-    (`/v1/jobs/{id}/result`) the query string."""
-    name = str(form.get("output_format") or "png").strip().lower()
-    name = "jpeg" if name == "jpg" else name
-    if name not in REPLY_FORMATS:
-        raise InvalidInput(f"output_format must be one of {', '.join(REPLY_FORMATS)}, got {name[:20]!r}",
-                           "output_format")
-    quality = _int(form, "output_compression", 100)
-    if not 0 <= quality <= 100:
-        raise InvalidInput(f"output_compression must be 0 to 100, got {quality}", "output_compression")
-    return name, quality
-
-
-async def _form(request: Request, settings: Settings):
-    """The multipart form, its size checked before it is read."""
-    length = request.headers.get("content-length", "")
-    limit = settings.max_file_size * 4 + 1_000_000  # up to three images and a mask, plus the text fields
-    if not length.isdecimal() or len(length) > 15:
-        raise InvalidInput("send the body with a Content-Length (chunked uploads are not accepted)")
-    if int(length) > limit:
-        raise InputTooLarge(f"request body is {int(length):,} bytes; the limit is {limit:,}")
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise InvalidInput("send multipart/form-data with one or more 'image' files and a 'prompt'")
-    return await read_form(request, 8, "an edit takes at most three 'image' files and a 'mask'")
-
-
-MAX_FORM_FIELDS = 64  # text fields of one REST request: every parameter of ours fits many times over
-
-
-async def read_form(request: Request, max_files: int, files_why: str):
-    """The multipart form, or InvalidInput naming the limit a request went over (Starlette's own text named
-    no parameter: 200 batch files were "malformed multipart body (HTTPException)")."""
-    try:
-        return await request.form(max_files=max_files, max_fields=MAX_FORM_FIELDS)
-    except Exception as exc:
-        detail = str(getattr(exc, "detail", exc))
-        if detail.startswith("Too many files"):
-            raise InvalidInput(f"too many files: at most {max_files} in one request ({files_why})") from None
-        if detail.startswith("Too many fields"):
-            raise InvalidInput(f"too many form fields: at most {MAX_FORM_FIELDS} in one request") from None
-        if detail.startswith(("Field exceeded", "Part exceeded")):
-            raise InvalidInput(f"a form field is too large: {detail}") from None
-        raise InvalidInput(f"malformed multipart body ({type(exc).__name__})") from None
-
-
-async def _images(form, settings: Settings, manager) -> list:
-    """The `image`/`image[]` files, each read up to MAX_FILE_SIZE and opened within MAX_INPUT_PIXELS."""
-    uploads = [v for key in IMAGE_FIELDS for v in form.getlist(key)]
-    if any(not isinstance(u, UploadFile) for u in uploads):
-        raise InvalidInput("'image' must be a file upload, not a text field")
-    check_counts(len(uploads), manager.family)
-    images = []
-    for i, upload in enumerate(uploads):
-        label = image_label(i + 1, upload.filename)
-        raw = await upload.read(settings.max_file_size + 1)
-        if len(raw) > settings.max_file_size:
-            raise InputTooLarge(f"{label} is larger than {human_size(settings.max_file_size)} (MAX_FILE_SIZE)")
-        images.append(await asyncio.to_thread(open_image, raw, settings.max_input_pixels, label))
-    return images
-
-
-async def mask_fields(form, settings: Settings, first_size: tuple[int, int]) -> dict:
-    """`mask` (a file: OpenAI's transparent-means-edit PNG, or black and white with white = edit) as the
-    EditRequest's mask, the first image's size (its grow, feather and strength are form_fields)."""
-    out: dict = {}
-    masks = form.getlist("mask")
-    if not masks:
-        return out
-    if len(masks) > 1 or not isinstance(masks[0], UploadFile):
-        raise InvalidInput("'mask' must be one file upload (a PNG the size of the first image)", "mask")
-    raw = await masks[0].read(settings.max_file_size + 1)
-    if len(raw) > settings.max_file_size:
-        raise InputTooLarge(f"the mask is larger than {human_size(settings.max_file_size)} (MAX_FILE_SIZE)", "mask")
-    out["mask"] = await asyncio.to_thread(open_mask, raw, first_size, settings.max_input_pixels)
-    return out

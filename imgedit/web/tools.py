@@ -19,8 +19,9 @@ from PIL import Image, ImageOps
 from imgedit.config.settings import Settings
 from imgedit.engine.images import open_image, png_bytes, read_settings
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
-from imgedit.engine.validation import MAX_INPUT_IMAGES, MAX_PROMPT_CHARS, check_params, output_size
+from imgedit.engine.validation import MAX_PROMPT_CHARS, check_params, output_size
 from imgedit.errors import ImgEditError
+from imgedit.planning.families import FAMILIES
 from imgedit.protocol import EditRequest, request_kwargs
 from imgedit.web.exports import download_copy, export_copy
 from imgedit.web.mask_controls import painted_mask
@@ -63,7 +64,7 @@ class PageTools:
         self.cache_offered = cache_offered  # the workers can run a step cache (else the control is hidden)
         self.family = family
         self.tokens = tokens
-        self.allowed = MAX_INPUT_IMAGES[family]
+        self.allowed = FAMILIES[family].max_images
         self.default_steps = default_steps
 
     def prompt_count(self, text) -> str:
@@ -158,7 +159,8 @@ class PageTools:
         width, height = self._snippet_size(form.get("width"), form.get("height"), paths)
         form = {**form, "width": width, "height": height,
                 "cache": self._snippet_cache(form.get("cache"), form.get("speed"))}
-        values = api_values(form, len(paths), self.default_steps, self.settings.default_true_cfg, bool(mask))
+        cfg = FAMILIES[self.family].cfg(self.settings.default_true_cfg)
+        values = api_values(form, len(paths), self.default_steps, cfg, bool(mask))
         host = request.headers.get("host", "localhost:7860")
         url = f"{request.headers.get('x-forwarded-proto', 'http')}://{host}/"
         return (gr.update(visible=True), gradio_snippet(url, values, self.settings.auth is not None),
@@ -172,7 +174,7 @@ class PageTools:
             if bool(width) == bool(height) or not paths:
                 return width, height
             with Image.open(paths[-1]) as last:  # the header only
-                return output_size(width, height, last.size, self.settings)
+                return output_size(width, height, last.size, self.settings, self.family)
         except Exception:  # noqa: BLE001 - junk or an unreadable file: the snippet repeats the form as it is
             return width, height
 

@@ -1,0 +1,225 @@
+"""REST requests as edit requests: OpenAI's multipart edit forms and JSON generation bodies, parsed by the
+declaration (protocol.PARAMETERS: each parameter's kind), the image and mask files read within MAX_FILE_SIZE and
+MAX_INPUT_PIXELS, every limit named when a request goes over it. `/v1/images/edits`, `/v1/images/generations`,
+`/v1/prompts/enhance` (imgedit.web.rest) and `/v1/jobs` (imgedit.web.jobs_api) read their requests here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+from fastapi import Request
+from starlette.datastructures import UploadFile
+
+from imgedit.config.parsers import human_size
+from imgedit.config.settings import Settings
+from imgedit.engine.images import REPLY_FORMATS, image_label, open_image
+from imgedit.engine.masks import open_mask
+from imgedit.engine.validation import check_counts
+from imgedit.errors import InputTooLarge, InvalidInput
+from imgedit.planning.families import FAMILIES
+from imgedit.protocol import REST, EditRequest, Resolved, parameters, request_kwargs
+
+IMAGE_FIELDS = ("image", "image[]", "images", "images[]")
+MAX_JSON_BODY = 1_000_000  # a generation's JSON: the prompts and the parameters
+
+
+def _int(form, name: str, default: int | None) -> int | None:
+    raw = form.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        text = str(raw).strip()
+        if len(text) > 20:
+            raise ValueError
+        return int(text)
+    except ValueError:
+        raise InvalidInput(f"{name} must be a whole number, got {str(raw)[:40]!r}", name) from None
+
+
+def _float(form, name: str) -> float | None:
+    raw = form.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = float(str(raw))
+    except ValueError:
+        raise InvalidInput(f"{name} must be a number, got {str(raw)[:40]!r}", name) from None
+    if not math.isfinite(value):  # nan, inf, 1e400: no setting takes them, and JSON cannot carry them
+        raise InvalidInput(f"{name} must be a finite number, got {str(raw)[:40]!r}", name)
+    return value
+
+
+def _bool(form, name: str) -> bool:
+    raw = form.get(name)
+    if raw is None or raw == "":
+        return False
+    if isinstance(raw, bool):  # a JSON body's true / false
+        return raw
+    text = str(raw).strip().lower() if isinstance(raw, str) else None
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise InvalidInput(f"{name} must be true or false, got {str(raw)[:40]!r}", name)
+
+
+def form_fields(form, entry: str) -> dict:
+    """Every declared parameter `entry` (REST or JOBS) takes as a plain form field, parsed by its kind, as
+    EditRequest fields (protocol.PARAMETERS; validation.resolve checks the values). Files are read apart."""
+    out: dict = {}
+    for param in parameters(entry):
+        raw = form.get(param.form_name)
+        if param.kind == "file":
+            continue
+        if param.kind == "size":
+            out["width"], out["height"] = _size(raw)
+        elif param.kind == "text":
+            if raw is not None and not isinstance(raw, str):
+                raise InvalidInput(f"{param.form_name} must be a text field", param.form_name)
+            if param.required and raw is None:
+                raise InvalidInput(f"{param.form_name} is required (a text field)", param.form_name)
+            out[param.request_field] = raw or param.default  # an empty field is an absent one
+        elif param.kind == "whole":
+            out[param.request_field] = _int(form, param.form_name, param.default)
+        elif param.kind == "number":
+            out[param.request_field] = _float(form, param.form_name)
+        elif param.kind == "flag":
+            out[param.request_field] = _bool(form, param.form_name)
+    return out
+
+
+def _size(raw: str | None) -> tuple[int | None, int | None]:
+    if raw is None or raw in ("", "auto"):
+        return None, None
+    w, sep, h = str(raw).lower().partition("x")
+    if not sep or not (w.isdecimal() and h.isdecimal() and len(w) <= 6 and len(h) <= 6):
+        raise InvalidInput(f"size must be 'auto' or WIDTHxHEIGHT such as 1024x1024, got {str(raw)[:40]!r}")
+    return int(w), int(h)
+
+
+async def parse_edit(request: Request, settings: Settings, manager) -> tuple[EditRequest, Resolved, tuple[str, int]]:
+    """The edit request, its exact parameters (every check, once), and the reply's format and quality."""
+    form = await edit_form(request, settings, manager.family)
+    images = await read_images(form, settings, manager)
+    if not images:  # a model that generates takes none on the page and the gradio API; here OpenAI's edits needs one
+        raise InvalidInput("no input image: send the image to edit as 'image' (text to image: POST "
+                           "/v1/images/generations)", "image")
+    masking = await mask_fields(form, settings, images[0].size)
+    response_format = str(form.get("response_format") or "b64_json")
+    if response_format != "b64_json":
+        raise InvalidInput("response_format must be b64_json (this server does not host image URLs)")
+    req = EditRequest(images=tuple(images), **request_kwargs({**form_fields(form, REST), **masking}), source="rest")
+    return req, manager.resolve(req), output_format(form)
+
+
+async def parse_generation(request: Request, manager) -> tuple[EditRequest, Resolved, tuple[str, int]]:
+    """A generation's JSON body as an edit request without images, its exact parameters, and the reply's format."""
+    family = FAMILIES[manager.family]
+    if not family.generates:
+        raise InvalidInput(f"this server's model ({family.model}) edits images and does not make them from a "
+                           "prompt alone: POST /v1/images/edits with an 'image'")
+    if not request.headers.get("content-type", "").startswith("application/json"):
+        raise InvalidInput("send a JSON body (Content-Type: application/json) with a 'prompt'")
+    length = request.headers.get("content-length", "")
+    if not length.isdecimal() or len(length) > 15:
+        raise InvalidInput("send the body with a Content-Length (chunked uploads are not accepted)")
+    if int(length) > MAX_JSON_BODY:
+        raise InputTooLarge(f"request body is {int(length):,} bytes; the limit is {MAX_JSON_BODY:,}")
+    try:
+        body = json.loads(await request.body())
+    except ValueError:
+        raise InvalidInput("the body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidInput("the body must be a JSON object with a 'prompt'")
+    for name in (*IMAGE_FIELDS, "mask"):
+        if name in body:
+            raise InvalidInput(f"'{name}' is for POST /v1/images/edits (multipart); a generation takes a prompt",
+                               name)
+    response_format = str(body.get("response_format") or "b64_json")
+    if response_format != "b64_json":
+        raise InvalidInput("response_format must be b64_json (this server does not host image URLs)",
+                           "response_format")
+    req = EditRequest(images=(), **request_kwargs(form_fields(body, REST)), source="rest")
+    return req, manager.resolve(req), output_format(body)
+
+
+def output_format(form) -> tuple[str, int]:
+    """OpenAI's `output_format` and `output_compression` (ignored for PNG, which is lossless), from a form or
+    (`/v1/jobs/{id}/result`) the query string."""
+    name = str(form.get("output_format") or "png").strip().lower()
+    name = "jpeg" if name == "jpg" else name
+    if name not in REPLY_FORMATS:
+        raise InvalidInput(f"output_format must be one of {', '.join(REPLY_FORMATS)}, got {name[:20]!r}",
+                           "output_format")
+    quality = _int(form, "output_compression", 100)
+    if not 0 <= quality <= 100:
+        raise InvalidInput(f"output_compression must be 0 to 100, got {quality}", "output_compression")
+    return name, quality
+
+
+async def edit_form(request: Request, settings: Settings, family: str):
+    """The multipart form, its size checked before it is read."""
+    length = request.headers.get("content-length", "")
+    most = FAMILIES[family].max_images
+    limit = settings.max_file_size * (most + 1) + 1_000_000  # the images and a mask, plus the text fields
+    if not length.isdecimal() or len(length) > 15:
+        raise InvalidInput("send the body with a Content-Length (chunked uploads are not accepted)")
+    if int(length) > limit:
+        raise InputTooLarge(f"request body is {int(length):,} bytes; the limit is {limit:,}")
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise InvalidInput("send multipart/form-data with one or more 'image' files and a 'prompt'")
+    return await read_form(request, most + 5, f"an edit takes at most {most} 'image' file(s) and a 'mask'")
+
+
+MAX_FORM_FIELDS = 64  # text fields of one REST request: every parameter of ours fits many times over
+
+
+async def read_form(request: Request, max_files: int, files_why: str):
+    """The multipart form, or InvalidInput naming the limit a request went over (Starlette's own text named
+    no parameter: 200 batch files were "malformed multipart body (HTTPException)")."""
+    try:
+        return await request.form(max_files=max_files, max_fields=MAX_FORM_FIELDS)
+    except Exception as exc:
+        detail = str(getattr(exc, "detail", exc))
+        if detail.startswith("Too many files"):
+            raise InvalidInput(f"too many files: at most {max_files} in one request ({files_why})") from None
+        if detail.startswith("Too many fields"):
+            raise InvalidInput(f"too many form fields: at most {MAX_FORM_FIELDS} in one request") from None
+        if detail.startswith(("Field exceeded", "Part exceeded")):
+            raise InvalidInput(f"a form field is too large: {detail}") from None
+        raise InvalidInput(f"malformed multipart body ({type(exc).__name__})") from None
+
+
+async def read_images(form, settings: Settings, manager) -> list:
+    """The `image`/`image[]` files, each read up to MAX_FILE_SIZE and opened within MAX_INPUT_PIXELS."""
+    uploads = [v for key in IMAGE_FIELDS for v in form.getlist(key)]
+    if any(not isinstance(u, UploadFile) for u in uploads):
+        raise InvalidInput("'image' must be a file upload, not a text field")
+    check_counts(len(uploads), manager.family)
+    images = []
+    for i, upload in enumerate(uploads):
+        label = image_label(i + 1, upload.filename)
+        raw = await upload.read(settings.max_file_size + 1)
+        if len(raw) > settings.max_file_size:
+            raise InputTooLarge(f"{label} is larger than {human_size(settings.max_file_size)} (MAX_FILE_SIZE)")
+        images.append(await asyncio.to_thread(open_image, raw, settings.max_input_pixels, label,
+                                              FAMILIES[manager.family].rgba))
+    return images
+
+
+async def mask_fields(form, settings: Settings, first_size: tuple[int, int]) -> dict:
+    """`mask` (a file: OpenAI's transparent-means-edit PNG, or black and white with white = edit) as the
+    EditRequest's mask, the first image's size (its grow, feather and strength are form_fields)."""
+    out: dict = {}
+    masks = form.getlist("mask")
+    if not masks:
+        return out
+    if len(masks) > 1 or not isinstance(masks[0], UploadFile):
+        raise InvalidInput("'mask' must be one file upload (a PNG the size of the first image)", "mask")
+    raw = await masks[0].read(settings.max_file_size + 1)
+    if len(raw) > settings.max_file_size:
+        raise InputTooLarge(f"the mask is larger than {human_size(settings.max_file_size)} (MAX_FILE_SIZE)", "mask")
+    out["mask"] = await asyncio.to_thread(open_mask, raw, first_size, settings.max_input_pixels)
+    return out

@@ -1,0 +1,190 @@
+"""Qwen-Image-2.1 (diffusers' QwenImage21Pipeline) on the tiny 2.1 checkpoint, through a real server: text to
+image over OpenAI's `/v1/images/generations` and gradio's `/edit` without an image, edits with up to 10
+references, transparency in and out, the family's defaults in /health, and the modes not built for this family
+refused in the user's words (a request's 400 naming its parameter, a setting's start-up refusal)."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import numpy as np
+import pytest
+from conftest import make_manager, start_server
+from PIL import Image
+
+from imgedit.errors import PlacementError
+from imgedit.model.demo_checkpoint import build_checkpoint
+
+STEPS = {"num_inference_steps": "2", "seed": "3"}
+
+
+@pytest.fixture(scope="module")
+def ckpt21(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "q21", kind="21", seed=0)
+
+
+@pytest.fixture(scope="module")
+def server21(ckpt21):
+    with start_server(make_manager(ckpt21)) as server:
+        yield server
+
+
+def png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def noise(size: tuple[int, int], seed: int, mode: str = "RGB") -> Image.Image:
+    channels = len(mode)
+    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (size[1], size[0], channels), np.uint8), mode)
+
+
+def edit(server, images: list[bytes], **fields) -> httpx.Response:
+    files = [("image", (f"in{k}.png", data, "image/png")) for k, data in enumerate(images)]
+    return httpx.post(f"{server.url}/v1/images/edits", files=files, timeout=120,
+                      data={"prompt": "blend them", **STEPS, **fields})
+
+
+def result_of(response: httpx.Response) -> Image.Image:
+    assert response.status_code == 200, response.text
+    return Image.open(io.BytesIO(base64.b64decode(response.json()["data"][0]["b64_json"])))
+
+
+def test_health_names_the_family_and_its_defaults(server21):
+    health = httpx.get(f"{server21.url}/health", timeout=10).json()
+    assert health["family"] == "21"
+    assert health["defaults"] == {"num_inference_steps": 40, "true_cfg_scale": 1.0, "max_images": 10,
+                                  "text_to_image": True, "output_resolution": 1024, "transparency": True}
+
+
+def test_text_to_image_over_openais_generations_with_the_sdk(server21):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server21.url}/v1", api_key="unused")
+    made = client.images.generate(model="qwen-image-2.1", prompt="a red fox in the snow", size="64x96",
+                                  response_format="b64_json", extra_body={"seed": 7, "num_inference_steps": 2})
+    image = Image.open(io.BytesIO(base64.b64decode(made.data[0].b64_json)))
+    assert image.size == (64, 96) and image.mode == "RGBA"  # the VAE decodes RGBA: the PNG keeps the alpha
+    assert image.info["prompt"] == "a red fox in the snow" and image.info["seed"] == "7"
+    pixels = np.asarray(image, dtype=np.float64)
+    assert np.isfinite(pixels).all() and pixels.std() > 0
+    again = client.images.generate(model="x", prompt="a red fox in the snow", size="64x96", response_format="b64_json",
+                                   extra_body={"seed": 7, "num_inference_steps": 2})
+    assert again.data[0].b64_json == made.data[0].b64_json  # a seed makes it again
+
+
+def test_a_generation_is_checked_like_an_edit_and_names_the_parameter(server21):
+    url = f"{server21.url}/v1/images/generations"
+    cases = [({"prompt": "x", "size": "64x64", "num_inference_steps": 1}, "num_inference_steps"),
+             ({"prompt": "x", "n": 99}, "n"),
+             ({"prompt": ""}, "prompt"),
+             ({"prompt": "x", "image": "aGk="}, "image"),
+             ({"prompt": "x", "speed": "fast"}, "speed"),
+             ({"prompt": "x", "cache": "first-block"}, "cache"),
+             ({"prompt": "x", "enhance_prompt": True}, "enhance_prompt")]
+    for body, param in cases:
+        response = httpx.post(url, json=body, timeout=30)
+        assert response.status_code == 400, (body, response.text)
+        error = response.json()["error"]
+        assert error["param"] == param and "Traceback" not in error["message"], (body, error)
+    assert "Lightning" in httpx.post(url, json={"prompt": "x", "speed": "fast"}).json()["error"]["message"]
+    not_json = httpx.post(url, data={"prompt": "x"}, timeout=10)
+    assert not_json.status_code == 400 and "JSON" in not_json.json()["error"]["message"]
+
+
+def test_ten_references_edit_and_an_eleventh_is_refused_by_name(server21):
+    images = [png(noise((40 + 8 * k, 48), k)) for k in range(11)]
+    made = result_of(edit(server21, images[:10], size="64x64"))
+    assert made.size == (64, 64)
+    refused = edit(server21, images, size="64x64")
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "image" and "at most 10" in refused.json()["error"]["message"]
+    none = httpx.post(f"{server21.url}/v1/images/edits", data={"prompt": "x"}, files={"x": ("a.txt", b"a")})
+    assert none.status_code == 400 and "/v1/images/generations" in none.json()["error"]["message"]
+
+
+def test_an_inputs_transparency_reaches_the_model(server21):
+    """The same colours, fully transparent, edit differently from their flattening on white (what the server
+    did to every input before): the alpha reached the VAE. Opaque RGBA edits exactly as the RGB picture."""
+    colours = noise((64, 64), 5)
+    transparent = colours.copy()
+    transparent.putalpha(0)
+    on_white = Image.new("RGB", (64, 64), (255, 255, 255))
+    opaque = colours.copy()
+    opaque.putalpha(255)
+    made = {name: np.asarray(result_of(edit(server21, [png(image)], size="64x64")))
+            for name, image in (("transparent", transparent), ("on_white", on_white), ("opaque", opaque),
+                                ("rgb", colours))}
+    assert np.abs(made["transparent"].astype(int) - made["on_white"]).mean() > 1
+    assert np.array_equal(made["opaque"], made["rgb"])
+
+
+def test_gradio_edit_without_an_image_makes_one_and_the_page_says_generate(server21):
+    from gradio_client import Client
+
+    client = Client(server21.url, verbose=False)
+    gallery, seed = client.predict(images=[], prompt="a lighthouse", seed=2, randomize_seed=False,
+                                   num_inference_steps=2, width=96, height=64, api_name="/edit")
+    assert seed == 2 and len(gallery) == 1
+    with Image.open(gallery[0]["image"]) as image:
+        assert image.size == (96, 64) and image.mode == "RGBA"
+    config = httpx.get(f"{server21.url}/config", timeout=10).json()
+    shown = {c["props"].get("elem_id"): c["props"] for c in config["components"]}
+    assert shown["edit-button"]["value"] == "Generate"
+    assert "up to 10" in shown["input-files"]["label"]
+
+
+def test_an_edit_only_model_refuses_generations(live_server):
+    response = httpx.post(f"{live_server.url}/v1/images/generations", json={"prompt": "a fox"}, timeout=10)
+    assert response.status_code == 400
+    assert "POST /v1/images/edits" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("env", "said"), [
+    ({"CACHE": "first-block"}, "CACHE=first-block cannot serve Qwen-Image-2.1"),
+    ({"DEVICE_MAP": "cfg-parallel"}, "DEVICE_MAP=cfg-parallel cannot serve this model"),
+])
+def test_modes_not_built_for_the_family_are_refused_at_start_up(ckpt21, env, said):
+    from imgedit.planning.plan import GpuSpec
+
+    gpus = [GpuSpec(i, "H200", 140 * 2**30, 139 * 2**30) for i in range(2)]
+    manager = make_manager(ckpt21, plan="planner", load=False, **env)
+    manager._gpus = gpus
+    with pytest.raises(PlacementError, match=said):
+        manager.prepare()
+
+
+def test_auto_gives_each_gpu_a_replica_as_the_family_has_no_pairs(ckpt21):
+    from imgedit.planning.plan import GpuSpec
+
+    manager = make_manager(ckpt21, plan="planner", load=False, DEVICE_MAP="auto")
+    manager._gpus = [GpuSpec(i, "H200", 140 * 2**30, 139 * 2**30) for i in range(2)]
+    manager.prepare()
+    assert [(w.plan.parallel, w.plan.devices) for w in manager.workers] == [("none", ("cuda:0",)),
+                                                                            ("none", ("cuda:1",))]
+    assert "no CFG-parallel pairs for this model" in manager.plan.reason
+
+
+def test_a_lora_for_the_family_loads_and_changes_the_image(ckpt21, tmp_path):
+    """A LoRA on Qwen-Image-2.1's attention (diffusers' names, checked against its transformer at start-up)
+    loads through QwenImageLoraLoaderMixin: at strength 1 it changes the image, at 0 the image is the base's."""
+    from imgedit.model.lora_random import random_lora
+    from imgedit.model.loras import transformer_linears
+    from imgedit.protocol import EditRequest
+
+    random_lora(tmp_path / "loras" / "style21.safetensors", transformer_linears(ckpt21), rank=4, std=0.5,
+                style="diffusers", dtype=__import__("torch").float32)
+    manager = make_manager(ckpt21, LORA_DIR=str(tmp_path / "loras"))
+    assert [lora["name"] for lora in manager.status().loras] == ["style21"]
+
+    def made(**lora) -> np.ndarray:
+        result = manager.edit(EditRequest(images=(noise((64, 64), 1),), prompt="paint it", num_inference_steps=2,
+                                          width=64, height=64, seed=4, **lora))
+        return np.asarray(result.images[0], dtype=np.int16)
+
+    base = made()
+    assert np.abs(made(lora="style21", lora_scale=1.0) - base).mean() > 1
+    assert np.array_equal(made(lora="style21", lora_scale=0.0), base)
