@@ -19,6 +19,7 @@ from dotenv import load_dotenv
 from imgedit.config.parsers import DeviceMap
 from imgedit.config.settings import load_settings, writable_folder
 from imgedit.errors import ImgEditError, SettingsError
+from imgedit.planning.families import FAMILIES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +93,9 @@ def _start(args, settings, starting, log) -> int:
     try:
         if settings.demo:
             starting.say("building the demo checkpoint")
-            ensure_demo_checkpoint(settings.model_source, settings.quantize_skip)  # in a subprocess (torch)
+            skip = settings.quantize_skip
+            skip = FAMILIES[settings.demo_kind].quantize_skip if skip is None else skip  # QUANTIZE_SKIP=auto
+            ensure_demo_checkpoint(settings.model_source, skip, settings.demo_kind)  # in a subprocess (torch)
         manager.prepare()  # checkpoint and placement plan: the page needs the model family and workers
     except ImgEditError as exc:
         log.error("%s", exc.message)

@@ -33,6 +33,15 @@ run of every row fits the time a machine is held; their timings are then not 40-
                             (a random text encoder never ends its answer, so the notice says it was cut at
                             ENHANCE_MAX_TOKENS), milliseconds per token (queue and prefill included)
 
+Rows 21-one, 21-pair and 21-16gb serve Qwen-Image-2.1 (its real-size random-weight checkpoint at --ckpt21,
+built from the published configs; --tiny: the tiny one) with a random LoRA of its own, and make instead:
+
+    REST /v1/images/generations   a --steps text to image twice (first, steady)
+    REST /v1/images/edits         a 3-reference edit at --steps; a 10-reference edit, an RGBA input (its alpha
+                                  kept), the LoRA at lora_scale 0.5 and a masked edit (refused: masks are not
+                                  built for 2.1, a 400 naming `mask` passes) at --other-steps
+    gradio_client /edit           a text to image without an image at --other-steps
+
 With --restart the server is then stopped (SIGTERM) and started again with the same settings and compile
 cache: the restart's time to ready, and one REST edit. The server is always stopped at the end of a row
 (SIGTERM, then its whole process group killed if need be); processes of the group still alive after the
@@ -82,7 +91,12 @@ ROWS: dict[str, dict[str, str]] = {
     "24gb": {"MAX_MEMORY": "22GiB", "CUDA_VISIBLE_DEVICES": "0"},
     "split31": {"MAX_MEMORY": "31GiB", "CUDA_VISIBLE_DEVICES": "0,1"},
     "fp8": {"DEVICE_MAP": "auto", "FAST_QUANTIZE": "fp8", "FAST_QUANTIZE_SPEEDS": "fastest"},
+    # Qwen-Image-2.1 (FAMILY_21): one GPU, two (auto: a replica each, no CFG pairs), a 16 GB card
+    "21-one": {"DEVICE_MAP": "cuda:0"},
+    "21-pair": {"DEVICE_MAP": "auto", "CUDA_VISIBLE_DEVICES": "0,1"},
+    "21-16gb": {"MAX_MEMORY": "14.5GiB", "CUDA_VISIBLE_DEVICES": "0"},
 }
+FAMILY_21 = ("21-one", "21-pair", "21-16gb")
 # --tiny: the same row names on the CPU (the harness itself is what is tested there). Rows that need GPUs
 # run with DEVICE_MAP=cpu; fp8 needs a CUDA GPU, so its CPU row makes the int8 copy instead.
 CPU_ROWS: dict[str, dict[str, str]] = {
@@ -95,7 +109,11 @@ CPU_ROWS: dict[str, dict[str, str]] = {
     "24gb": {"DEVICE_MAP": "cpu"},
     "split31": {"DEVICE_MAP": "cpu"},
     "fp8": {"DEVICE_MAP": "cpu", "FAST_QUANTIZE": "int8", "FAST_QUANTIZE_SPEEDS": "fastest"},
+    "21-one": {"DEVICE_MAP": "cpu"},
+    "21-pair": {"DEVICE_MAP": "auto"},
+    "21-16gb": {"DEVICE_MAP": "cpu"},
 }
+LORA_21 = "Acceptance-Style-21"  # a random LoRA of Qwen-Image-2.1's attention layers
 LORA_FILES = {4: "Acceptance-Lightning-4steps-V1.0-bf16", 8: "Acceptance-Lightning-8steps-V1.0-bf16"}
 PROMPT = "turn the sky into a sunset and keep everything else unchanged"
 POLL_S = 0.5
@@ -105,16 +123,26 @@ CUT_AT = re.compile(r"cut at the (\d+)-token limit")
 
 # ---- set-up: checkpoint, LoRAs, pictures ----
 
-def prepare_checkpoint(path: Path, tiny: bool) -> Path:
+def prepare_checkpoint(path: Path, tiny: bool, kind: str = "plus") -> Path:
     """The checkpoint at `path`, built when it has no model_index.json (tiny, or real-size random)."""
     if (path / "model_index.json").is_file():
         return path
     from imgedit.model.demo_checkpoint import build_checkpoint
 
-    print(f"building the {'tiny' if tiny else 'real-size random-weight'} checkpoint at {path}", flush=True)
-    if tiny:
-        return build_checkpoint(path, kind="plus")
-    return build_checkpoint(path, kind="plus", size="real")
+    print(f"building the {'tiny' if tiny else 'real-size random-weight'} {kind} checkpoint at {path}", flush=True)
+    return build_checkpoint(path, kind=kind, size="tiny" if tiny else "real")
+
+
+def prepare_lora_21(folder: Path, ckpt: Path, tiny: bool) -> str:
+    """A random LoRA of Qwen-Image-2.1's attention (diffusers' names) in `folder`, kept when already there."""
+    path = folder / f"{LORA_21}.safetensors"
+    if not path.is_file():
+        from imgedit.model.lora_random import random_lora
+        from imgedit.model.loras import transformer_linears
+
+        print(f"writing {path}", flush=True)
+        random_lora(path, transformer_linears(ckpt), rank=4 if tiny else 64, std=0.02, style="diffusers")
+    return LORA_21
 
 
 def prepare_loras(folder: Path, ckpt: Path, tiny: bool) -> dict[int, str]:
@@ -132,13 +160,18 @@ def prepare_loras(folder: Path, ckpt: Path, tiny: bool) -> dict[int, str]:
     return dict(LORA_FILES)
 
 
-def input_picture(size: int) -> bytes:
-    """A size x size PNG with structure: two gradients and a checkerboard (never one colour)."""
+def input_picture(size: int, alpha: bool = False) -> bytes:
+    """A size x size PNG with structure: two gradients and a checkerboard (never one colour); with `alpha`,
+    RGBA whose left half is transparent."""
     ramp = np.arange(size, dtype=np.float32) * 255 / max(1, size - 1)
     x, y = np.meshgrid(ramp, ramp)
     cells = np.arange(size) * 8 // size
     checker = ((cells[None, :] + cells[:, None]) % 2) * 255
     pixels = np.stack([x, y, checker.astype(np.float32)], axis=-1).astype(np.uint8)
+    if alpha:
+        opacity = np.full((size, size, 1), 255, dtype=np.uint8)
+        opacity[:, : size // 2] = 0
+        return png(Image.fromarray(np.concatenate([pixels, opacity], axis=-1), "RGBA"))
     return png(Image.fromarray(pixels, "RGB"))
 
 
@@ -312,17 +345,30 @@ class Requests:
         self.http.close()
 
     def rest_edit(self, name: str, fields: dict, n: int = 1, mask: bool = False,
-                  may_refuse: str | None = None) -> dict:
-        """POST /v1/images/edits as the openai SDK sends it (multipart, extensions as form fields)."""
+                  may_refuse: str | None = None, pictures: list[bytes] | None = None) -> dict:
+        """POST /v1/images/edits as the openai SDK sends it (multipart, extensions as form fields). `pictures`:
+        the input images (default: the one input picture)."""
         data = {"prompt": PROMPT, "size": f"{self.args.size}x{self.args.size}", "n": str(n),
                 "response_format": "b64_json", "seed": "1", **fields}
-        files = [("image", ("input.png", self.picture, "image/png"))]
+        files = [("image", (f"input-{k + 1}.png", picture, "image/png"))
+                 for k, picture in enumerate(pictures or [self.picture])]
         if mask:
             files.append(("mask", ("mask.png", self.mask, "image/png")))
-        record = {"name": name, "api": "rest /v1/images/edits", "fields": data, "expected_images": n}
+        record = {"name": name, "api": "rest /v1/images/edits", "fields": data, "expected_images": n,
+                  "inputs": len(files) - mask}
+        return self._post(record, "/v1/images/edits", may_refuse, data=data, files=files)
+
+    def rest_generation(self, name: str, fields: dict) -> dict:
+        """POST /v1/images/generations as the openai SDK sends it (JSON, extensions in the body)."""
+        body = {"prompt": PROMPT, "size": f"{self.args.size}x{self.args.size}", "n": 1,
+                "response_format": "b64_json", "seed": 1, **fields}
+        record = {"name": name, "api": "rest /v1/images/generations", "fields": body, "expected_images": 1}
+        return self._post(record, "/v1/images/generations", None, json=body)
+
+    def _post(self, record: dict, path: str, may_refuse: str | None, **content) -> dict:
         t0 = time.perf_counter()
         try:
-            response = self.http.post(f"{self.url}/v1/images/edits", data=data, files=files)
+            response = self.http.post(f"{self.url}{path}", **content)
         except httpx.HTTPError as exc:
             return self._failed(record, t0, f"{type(exc).__name__}: {exc}")
         record.update(status=response.status_code, seconds=round(time.perf_counter() - t0, 3))
@@ -340,8 +386,9 @@ class Requests:
                 record[key] = body[key]
         return self._judge(record, images)
 
-    def gradio_edit(self, name: str) -> dict:
-        """The same quality edit through gradio_client's /edit, as the page's "Copy as API call" does."""
+    def gradio_edit(self, name: str, generate: bool = False, cfg: float = 4.0) -> dict:
+        """The same quality edit through gradio_client's /edit, as the page's "Copy as API call" does;
+        `generate`: without an input image (a model that makes one from the prompt)."""
         from gradio_client import Client, handle_file
 
         record = {"name": name, "api": "gradio_client /edit", "expected_images": 1,
@@ -353,9 +400,10 @@ class Requests:
             record["connect_s"] = round(time.perf_counter() - t0, 3)
             t0 = time.perf_counter()
             size = self.args.size
-            job = client.submit(images=[handle_file(str(self.picture_path))], prompt=PROMPT,
+            images = [] if generate else [handle_file(str(self.picture_path))]
+            job = client.submit(images=images, prompt=PROMPT,
                                 negative_prompt="", seed=1, randomize_seed=False,
-                                num_inference_steps=self.args.other_steps, true_cfg_scale=4.0, num_images=1,
+                                num_inference_steps=self.args.other_steps, true_cfg_scale=cfg, num_images=1,
                                 width=size, height=size, api_name="/edit")
             gallery, seed = job.result(timeout=self.args.request_timeout)
         except Exception as exc:  # noqa: BLE001 - recorded: gradio_client raises its own and others
@@ -465,6 +513,27 @@ def run_requests(requests: Requests, health: dict, steps: int, other_steps: int,
     add(requests.enhance("rewrite"))
 
 
+def run_requests_21(requests: Requests, health: dict, steps: int, other_steps: int, records: list[dict]) -> None:
+    """A Qwen-Image-2.1 row's requests (text to image, 3 and 10 references, RGBA, its LoRA, a refused mask)."""
+
+    def add(record: dict) -> None:
+        records.append(record)
+        print(f"    {describe(record)}", flush=True)
+
+    size = requests.args.size
+    references = [input_picture(size // 2 + 16 * k) for k in range(10)]  # ten different sizes and contents
+    quality = {"num_inference_steps": str(steps)}
+    add(requests.rest_generation("t2i-first", {"num_inference_steps": steps}))
+    add(requests.rest_generation("t2i-steady", {"num_inference_steps": steps}))
+    add(requests.rest_edit("refs3", quality, pictures=references[:3]))
+    other = {"num_inference_steps": str(other_steps)}
+    add(requests.rest_edit("refs10", other, pictures=references))
+    add(requests.rest_edit("rgba", other, pictures=[input_picture(size, alpha=True)]))
+    add(requests.rest_edit("lora-0.5", {**other, "lora": LORA_21, "lora_scale": "0.5"}))
+    add(requests.rest_edit("mask", other, mask=True, may_refuse="mask"))
+    add(requests.gradio_edit("gradio-t2i", generate=True, cfg=1.0))
+
+
 def describe(record: dict) -> str:
     text = f"{record['name']:<16} {record['outcome']:<8}"
     if record.get("seconds") is not None:
@@ -528,7 +597,8 @@ def run_row(row: dict, args, common: dict[str, str], pictures: tuple[bytes, byte
         print(f"    ready in {ready['ready_s']} s", flush=True)
         requests = Requests(server, args, *pictures)
         try:
-            run_requests(requests, ready["health"], args.steps, args.other_steps, row["requests"])
+            run = run_requests_21 if name in FAMILY_21 else run_requests
+            run(requests, ready["health"], args.steps, args.other_steps, row["requests"])
         finally:
             requests.close()
     finally:
@@ -612,7 +682,33 @@ def _pair(records: dict, speed: str) -> str:
     return f"{text} {weights}" if weights else text
 
 
+def table_21(rows: list[dict], device: str) -> str:
+    """The Qwen-Image-2.1 rows' table."""
+    head = ["row", "ready s", "restart s", "t2i first s", "t2i steady s", "3 refs", "10 refs", "rgba", "lora 0.5",
+            "mask", "gradio t2i", "all finite"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        records = {r["name"]: r for r in row["requests"]}
+        imaged = [r for r in row["requests"] if "finite" in r]
+        finite = "—" if not imaged else ("yes" if all(r["finite"] for r in imaged) else "NO")
+        ready = f"{row['ready_s']}" if row.get("ready") else "FAIL"
+        restart_s = row.get("restart_ready_s")
+        restarted = "—" if "restart" not in row else (f"{restart_s}" if restart_s is not None else "FAIL")
+        cells = [f"{row['name']} ({device})", ready, restarted,
+                 *(_cell(records, name) for name in ("t2i-first", "t2i-steady", "refs3", "refs10", "rgba",
+                                                     "lora-0.5", "mask", "gradio-t2i")), finite]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict], device: str) -> str:
+    edits = [row for row in rows if row["name"] not in FAMILY_21]
+    family_21 = [row for row in rows if row["name"] in FAMILY_21]
+    parts = ([_table_edit(edits, device)] if edits else []) + ([table_21(family_21, device)] if family_21 else [])
+    return "\n\n".join(parts)
+
+
+def _table_edit(rows: list[dict], device: str) -> str:
     head = ["row", "ready s", "restart s", "first edit s", "steady edit s", "fastest s", "fast s", "mask",
             "enhance", "lora 0.5", "cache", "n=2", "gradio", "rewrite ms/token", "all finite"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -665,6 +761,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ckpt", default=None, help="checkpoint folder, built when it has no "
                         "model_index.json (default /tmp/qwen-image-edit-real-random; "
                         "--tiny: OUT/tiny-checkpoint)")
+    parser.add_argument("--ckpt21", default=None, help="the Qwen-Image-2.1 rows' checkpoint, built when it has no "
+                        "model_index.json (default /tmp/qwen-image-2.1-real-random; --tiny: OUT/tiny-checkpoint-21)")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU, 64x64, 2 steps")
     parser.add_argument("--steps", type=int, default=None, help="steps of the quality edits (40; --tiny 2)")
     parser.add_argument("--other-steps", type=int, default=None,
@@ -682,7 +780,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.steps = args.steps or (2 if args.tiny else 40)
     args.other_steps = args.other_steps or args.steps
-    args.size = args.size or (64 if args.tiny else 1024)
+    # 2.1's inputs are resized to at least 320² (imgedit.planning.families): the tiny run's size
+    args.size = args.size or ((320 if any(r in FAMILY_21 for r in args.rows.split(",")) else 64) if args.tiny
+                              else 1024)
     unknown = [r for r in args.rows.split(",") if r and r not in ROWS]
     if unknown:
         parser.error(f"unknown row(s) {', '.join(unknown)}; rows: {', '.join(ROWS)}")
@@ -706,10 +806,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"WARNING: {ROOT / '.env'} fills in every setting a row leaves unset", flush=True)
     default_ckpt = out_dir / "tiny-checkpoint" if args.tiny else Path("/tmp/qwen-image-edit-real-random")
     ckpt = Path(args.ckpt) if args.ckpt else default_ckpt
-    ckpt = prepare_checkpoint(ckpt.expanduser(), args.tiny)
+    edit_rows = [name for name in args.row_names if name not in FAMILY_21]
     lora_dir = out_dir / ("loras-tiny" if args.tiny else "loras-real")
-    lora_dir.mkdir(parents=True, exist_ok=True)
-    loras = prepare_loras(lora_dir, ckpt, args.tiny)
+    loras = {}
+    if edit_rows:
+        ckpt = prepare_checkpoint(ckpt.expanduser(), args.tiny)
+        lora_dir.mkdir(parents=True, exist_ok=True)
+        loras = prepare_loras(lora_dir, ckpt, args.tiny)
+    common_21 = {}
+    if len(edit_rows) < len(args.row_names):  # Qwen-Image-2.1 rows: their own checkpoint and LoRA
+        default_21 = out_dir / "tiny-checkpoint-21" if args.tiny else Path("/tmp/qwen-image-2.1-real-random")
+        ckpt21 = prepare_checkpoint(Path(args.ckpt21 or default_21).expanduser(), args.tiny, kind="21")
+        lora_dir_21 = out_dir / ("loras-21-tiny" if args.tiny else "loras-21-real")
+        lora_dir_21.mkdir(parents=True, exist_ok=True)
+        prepare_lora_21(lora_dir_21, ckpt21, args.tiny)
+        common_21 = {"QWEN_MODEL_DIR": str(ckpt21), "LORA_DIR": str(lora_dir_21)}
     picture_path = out_dir / "input.png"
     picture = input_picture(args.size)
     picture_path.write_bytes(picture)
@@ -725,7 +836,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.row_names:
             row = {"name": name, "requests": []}
             report["rows"].append(row)
-            run_row(row, args, common, pictures)
+            run_row(row, args, common_21 if name in FAMILY_21 else common, pictures)
             row["failures"] = row_failures(row)
             write_results(report, args)  # after every row: a long GPU run keeps what it measured
     except KeyboardInterrupt:

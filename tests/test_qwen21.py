@@ -26,8 +26,13 @@ def ckpt21(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server21(ckpt21):
-    with start_server(make_manager(ckpt21)) as server:
+def manager21(ckpt21):
+    return make_manager(ckpt21)
+
+
+@pytest.fixture(scope="module")
+def server21(manager21):
+    with start_server(manager21) as server:
         yield server
 
 
@@ -188,3 +193,67 @@ def test_a_lora_for_the_family_loads_and_changes_the_image(ckpt21, tmp_path):
     base = made()
     assert np.abs(made(lora="style21", lora_scale=1.0) - base).mean() > 1
     assert np.array_equal(made(lora="style21", lora_scale=0.0), base)
+
+
+def test_the_real_size_checkpoint_is_the_published_model_and_a_16gb_card_gets_a_plan(tmp_path, monkeypatch):
+    """`--size real --kind 21` writes the published configs (7.1 B transformer, Qwen3-VL-8B, the 16x VAE); on one
+    80 GB GPU capped at 14.5 GiB (a 16 GB card) `auto` finds a lossless plan: the text encoder streamed per
+    prompt, the transformer's blocks partly resident (the host's memory is the GPU machine's, 120 GiB free)."""
+    import imgedit.engine.manager as manager_module
+    from imgedit.model.inspect import layer_sizes
+    from imgedit.planning.plan import GpuSpec
+
+    real = build_checkpoint(tmp_path / "real21", kind="21", size="real")
+    billions = {c["name"]: (sum(c["head"].values()) + sum(sum(b.values()) for b in c["blocks"])) / 1e9
+                for c in layer_sizes(real)}
+    assert round(billions["transformer"], 1) == 7.1 and round(billions["text_encoder"], 1) == 8.8
+    monkeypatch.setattr(manager_module, "host_memory", lambda: 120 * 2**30)
+    manager = make_manager(real, plan="planner", load=False, DEVICE_MAP="auto", MAX_MEMORY="14.5GiB")
+    manager._gpus = [GpuSpec(0, "H100", 80 * 2**30, 79 * 2**30)]
+    manager.prepare()
+    memory = manager.plan.workers[0].memory
+    assert memory.offload_text_encoder and memory.streams_blocks and memory.quantize == ()  # lossless first
+    assert not memory.batch_cfg  # no CFG to batch on this family
+
+
+def test_the_demo_can_serve_the_family(tmp_path):
+    from imgedit.config.settings import load_settings
+    from imgedit.engine.inspection import ensure_demo_checkpoint
+    from imgedit.planning.checkpoint import open_checkpoint
+
+    settings = load_settings({"DEMO": "true", "DEMO_KIND": "21", "DEMO_DIR": str(tmp_path / "demo")})
+    assert settings.model_source.endswith("demo-21")  # its own folder: the Plus demo's is never reused
+    ensure_demo_checkpoint(settings.model_source, (), settings.demo_kind)
+    assert open_checkpoint(settings.model_source).family == "21"
+
+
+def test_copy_as_api_for_a_text_to_image_runs_as_copied(server21, manager21, tmp_path):
+    """With no input image the page's "Copy as API call" offers text to image: gradio's /edit without images,
+    curl and the openai SDK on /v1/images/generations; each runs as copied and makes the same image."""
+    import os
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from imgedit.web.tools import PageTools
+
+    tools = PageTools(manager21.settings, "21", 40, manager21.prompt_tokens)
+    form = {"images": None, "prompt": "a small boat", "negative_prompt": "", "seed": 6, "randomize_seed": False,
+            "num_inference_steps": 2, "true_cfg_scale": 1.0, "num_images": 1, "width": 64, "height": 96}
+    shown = tools.api_call(form, None, request=SimpleNamespace(headers={"host": f"127.0.0.1:{server21.port}"}))
+    gradio_code, curl_code, openai_code, inputs = shown[1:]
+    assert inputs is None and "images=[]," in gradio_code
+    assert "v1/images/generations" in curl_code and "client.images.generate(" in openai_code
+    runs = {"gradio": [sys.executable, "-c", gradio_code], "curl": ["bash", "-c", curl_code],
+            "openai": [sys.executable, "-c", openai_code]}
+    made = {}
+    for name, argv in runs.items():
+        (tmp_path / "out.png").unlink(missing_ok=True)
+        out = subprocess.run(argv, cwd=tmp_path, env={**os.environ, "IMGEDIT_API_KEY": "none"}, capture_output=True,
+                             text=True, timeout=240)
+        assert out.returncode == 0, (name, out.stdout[-1000:], out.stderr[-2000:])
+        path = out.stdout.strip().splitlines()[-1].rsplit(" ", 1)[0] if name == "gradio" else tmp_path / "out.png"
+        with Image.open(path) as image:
+            assert image.size == (64, 96) and image.mode == "RGBA", (name, image.size, image.mode)
+            made[name] = np.asarray(image)
+    assert np.array_equal(made["gradio"], made["curl"]) and np.array_equal(made["curl"], made["openai"])

@@ -199,8 +199,11 @@ def parse_offload(raw: str) -> tuple[str, ...] | None:
     return tuple(p for p in OFFLOADS if p in parts)
 
 
-def parse_skip(raw: str) -> tuple[str, ...]:
-    """QUANTIZE_SKIP: names of submodules whose Linear layers keep the model dtype (`img_mlp`)."""
+def parse_skip(raw: str) -> tuple[str, ...] | None:
+    """QUANTIZE_SKIP: names of submodules whose Linear layers keep the model dtype (`img_mlp`); None for
+    `auto` (the model family's, imgedit.planning.families)."""
+    if raw.strip().lower() == "auto":
+        return None
     names = tuple(p.strip() for p in raw.split(",") if p.strip())
     if not all(n.replace("_", "").replace(".", "").isalnum() for n in names):
         raise ValueError("comma-separated module names such as img_mlp, or empty to quantize every Linear")

@@ -50,12 +50,14 @@ class Var:
 
 REGISTRY: tuple[Var, ...] = (
     Var("QWEN_MODEL", "Qwen/Qwen-Image-Edit-2509", _str,
-        "Hub id or local path of the checkpoint (Qwen-Image-Edit, -2509 or -2511)"),
+        "Hub id or local path of the checkpoint (Qwen-Image-Edit, -2509, -2511 or Qwen-Image-2.1)"),
     Var("QWEN_MODEL_DIR", "", _optional_str,
         "Local checkpoint folder; when set it wins over QWEN_MODEL (the docker guides' name)"),
     Var("DEMO", "false", _bool,
         "Serve the tiny random-weight demo checkpoint (built locally, no download); outputs are noise"),
     Var("DEMO_DIR", "~/.cache/imgedit/demo", _str, "Where the demo checkpoint is built and cached"),
+    Var("DEMO_KIND", "plus", _choice("plus", "edit", "21"),
+        "The demo model's family: plus (Qwen-Image-Edit-2509/2511) | edit (Qwen-Image-Edit) | 21 (Qwen-Image-2.1)"),
     Var("DEVICE_MAP", "balanced", parse_device_map,
         "balanced | auto | replicas | cfg-parallel | cfg-parallel:4|8 | ulysses[:2|4|8] | cuda | cuda:N | cpu | "
         "JSON map (see docs/gpus.md)"),
@@ -110,8 +112,9 @@ REGISTRY: tuple[Var, ...] = (
         "auto (lossless first: bf16, offloaded if need be; quantized only when nothing lossless fits) | none | "
         "fp8 | int8 | nf4 (the transformer) | "
         "component=mode pairs, e.g. transformer=fp8,text_encoder=int8; fp8 needs compute capability 8.9+"),
-    Var("QUANTIZE_SKIP", "img_mlp", parse_skip,
-        "Transformer submodules whose Linear layers stay bf16 when it is quantized (comma-separated; empty = none)"),
+    Var("QUANTIZE_SKIP", "auto", parse_skip,
+        "Transformer submodules whose Linear layers stay bf16 when it is quantized (comma-separated; empty = none; "
+        "auto = per model: img_mlp for the edit models, none for Qwen-Image-2.1, whose img_mlp is most of it)"),
     Var("OFFLOAD", "auto", parse_offload,
         "auto (only when nothing fits otherwise) | none | text_encoder (on the CPU, streamed per prompt) | "
         "blocks (transformer blocks that do not fit streamed from the CPU) | text_encoder,blocks"),
@@ -202,6 +205,7 @@ class Settings:
     qwen_model_dir: str | None = None
     demo: bool = False
     demo_dir: str = "~/.cache/imgedit/demo"
+    demo_kind: str = "plus"
     device_map: DeviceMap = field(default_factory=lambda: DeviceMap("balanced"))
     max_memory: tuple[int, ...] = ()
     gpu_memory_reserve: int = int(1.5 * GIB)
@@ -228,7 +232,7 @@ class Settings:
     fast_quantize_speeds: tuple[str, ...] = ("fastest", "fast")
     lora_entries: tuple = ()  # imgedit.config.loras.LoraEntry for each configured LoRA (built from the four above)
     quantize: tuple[tuple[str, str], ...] | None = None  # None = auto
-    quantize_skip: tuple[str, ...] = ("img_mlp",)
+    quantize_skip: tuple[str, ...] | None = None  # None: auto, the model family's (planning.families)
     offload: tuple[str, ...] | None = None  # None = auto
     batch_cfg: str = "auto"
     pair_ulysses: str = "auto"
@@ -265,8 +269,9 @@ class Settings:
     @property
     def model_source(self) -> str:
         """The folder or hub id to load: demo dir, then QWEN_MODEL_DIR, then QWEN_MODEL."""
-        if self.demo:
-            return str(Path(self.demo_dir).expanduser())
+        if self.demo:  # one folder per family: a demo of another family never loads this one's checkpoint
+            folder = Path(self.demo_dir).expanduser()
+            return str(folder if self.demo_kind == "plus" else folder.with_name(f"{folder.name}-{self.demo_kind}"))
         return self.qwen_model_dir or self.qwen_model
 
     @property

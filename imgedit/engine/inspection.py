@@ -128,12 +128,13 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
 
 
-def ensure_demo_checkpoint(folder: str, skip: tuple[str, ...] = ()) -> None:
+def ensure_demo_checkpoint(folder: str, skip: tuple[str, ...] = (), kind: str = "plus") -> None:
     """Build the tiny demo checkpoint once, in the inspection subprocess (building it needs torch),
     which measures its sizes on the way: the first demo start imports torch in one process, not two."""
     if (Path(folder).expanduser() / "model_index.json").is_file():
         return
     log.info("building the demo checkpoint in %s", folder)
-    answer = _run({"folder": str(Path(folder).expanduser()), "build_demo": True, "skip": list(skip), "sizes": True},
+    answer = _run({"folder": str(Path(folder).expanduser()), "build_demo": True, "kind": kind, "skip": list(skip),
+                   "sizes": True},
                   f"could not build the demo checkpoint in {folder}")
     _write(CACHE_DIR / f"{_key(open_checkpoint(folder), skip)}.json", answer["sizes"])

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from imgedit.config.settings import Settings
 from imgedit.engine import startup
@@ -114,6 +115,8 @@ class PipelineManager:
             return self
         try:
             self.checkpoint = open_checkpoint(self.settings.model_source)
+            if self.settings.quantize_skip is None:  # QUANTIZE_SKIP=auto: the family's
+                self.settings = replace(self.settings, quantize_skip=FAMILIES[self.checkpoint.family].quantize_skip)
             self.prompt_tokens = PromptTokens.from_checkpoint(self.checkpoint.folder)
             log.info("prompts are counted by %s: at most %d tokens", self.prompt_tokens.source, MAX_PROMPT_TOKENS)
             s = self.settings

@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -104,13 +105,24 @@ def _configs(size: str) -> dict:
     }
 
 
+# Qwen/Qwen-Image-2.1's published configs (model_index.json, transformer, text encoder, VAE, scheduler, the
+# processor's image settings), byte for byte as the model repository has them at revision 790c9263 (their sizes
+# and SHA-256 as public manifests of that revision list them); `--size real --kind 21` writes them.
+PUBLISHED_21 = Path(__file__).parent / "published" / "qwen-image-2.1"
+
+
 def _configs_21(size: str) -> dict:
     """Qwen-Image-2.1's components. Tiny: diffusers' tests of QwenImage21Pipeline (z_dim 8, not 4: the pipeline
     takes a condition image with as many channels as the latents for latents already, and RGBA has 4), with
-    one attention head. A vision token covers 32 pixels (patch 16, merge 2), the 2x2 latents of the 16x VAE."""
+    one attention head. A vision token covers 32 pixels (patch 16, merge 2), the 2x2 latents of the 16x VAE.
+    Real: the published image processor's settings (the components' configs are copied as published)."""
     if size != "tiny":
-        raise ValueError("a real-size Qwen-Image-2.1 checkpoint is not written yet: its published configs are "
-                         "needed (transformer, Qwen3-VL text encoder, VAE)")
+        published = json.loads((PUBLISHED_21 / "processor" / "preprocessor_config.json").read_text())
+        return {"image_processor": dict(
+            patch_size=published["patch_size"], merge_size=published["merge_size"],
+            temporal_patch_size=published["temporal_patch_size"], min_pixels=published["size"]["shortest_edge"],
+            max_pixels=published["size"]["longest_edge"], image_mean=published["image_mean"],
+            image_std=published["image_std"])}
     z_dim = 8
     return {
         "transformer": dict(patch_size=1, in_channels=z_dim, out_channels=z_dim, num_layers=2, attention_head_dim=16,
@@ -159,6 +171,11 @@ def _build_21(out: Path, seed: int, size: str, tokenizer) -> None:
         processor = ImageOnlyQwen3Processor(image_processor=image_processor, tokenizer=tokenizer,
                                             chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(out / "processor")
+    if size != "tiny":  # configs only: weights are materialised at load time (random_weights=True)
+        for name in ("transformer", "text_encoder", "vae"):
+            (out / name).mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(PUBLISHED_21 / name / "config.json", out / name / "config.json")
+        return
     te_config = Qwen3VLConfig(text_config=cfg["text_encoder"]["text_config"],
                               vision_config=cfg["text_encoder"]["vision_config"],
                               image_token_id=_special_id("<|image_pad|>"), video_token_id=_special_id("<|video_pad|>"),
@@ -237,7 +254,7 @@ def build_checkpoint(out: str | Path, kind: str = "plus", seed: int = 0, size: s
     if heads is not None:
         cfg["transformer"]["num_attention_heads"] = heads
     tokenizer = build_tokenizer()
-    FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG).save_pretrained(out / "scheduler")
+    FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG).save_pretrained(out / "scheduler")  # 2.1's: the same
     if kind == "21":
         _build_21(out, seed, size, tokenizer)
         _write_json(out / "model_index.json", {

@@ -57,7 +57,7 @@ def layer_sizes(folder: Path, skip: tuple[str, ...] = ()) -> list[dict]:
 
 
 def inspect(request: dict) -> dict:
-    """{"folder", "skip", "loras": [[name, source, steps], ...], "sizes": bool, "build_demo": bool}
+    """{"folder", "skip", "loras": [[name, source, steps], ...], "sizes": bool, "build_demo": bool, "kind"}
     -> {"sizes", "loras"} or {"error": {"kind", "message"}} for an ImgEditError (a bad LoRA file names
     itself). `build_demo`: first write the tiny demo checkpoint into the folder if it is not there."""
     from imgedit.model.loras import check_all
@@ -66,7 +66,7 @@ def inspect(request: dict) -> dict:
     if request.get("build_demo"):
         from imgedit.model.demo_checkpoint import ensure_checkpoint
 
-        ensure_checkpoint(folder)
+        ensure_checkpoint(folder, kind=request.get("kind", "plus"))
     try:
         sizes = layer_sizes(folder, tuple(request.get("skip", ()))) if request.get("sizes", True) else None
         entries = tuple(LoraEntry(n, s, steps) for n, s, steps in request.get("loras", ()))

@@ -36,6 +36,10 @@ class Family:
     # "shape mismatch"); the pipeline's rounding of the sides to 32 takes a 256² area under that (40x48 at
     # 256²: 224x288 = 64,512), so 320 (102,400, 1.56x) leaves room for any aspect the inputs may have.
     min_resolution: int = 320
+    # QUANTIZE_SKIP=auto: the transformer's submodules that stay bf16 when it is quantized. The edit models keep
+    # img_mlp (the image stream's MLP; cosine 0.986-0.990 vs bf16 with it kept, BENCHMARKS); in Qwen-Image-2.1's
+    # single-stream blocks img_mlp is every token's MLP, most of the weights: keeping it would save little
+    quantize_skip: tuple[str, ...] = ("img_mlp",)
     # modes not built for this family, with why (a setting or request asking for one is refused with it)
     not_built: dict[str, str] = field(default_factory=dict)
 
@@ -80,7 +84,7 @@ FAMILIES = {
                    rgba=False),
     "21": Family("21", "QwenImage21Pipeline", "Qwen-Image-2.1", max_images=10, min_images=0, default_steps=40,
                  default_cfg=1.0, vl_area=None, side_multiple=32, images_as_list=True, rgba=True,
-                 output_resolution=1024, not_built=_21_NOT_BUILT),
+                 output_resolution=1024, quantize_skip=(), not_built=_21_NOT_BUILT),
 }
 BY_PIPELINE = {f.pipeline_class: f for f in FAMILIES.values()}
 MAX_INPUT_IMAGES = max(f.max_images for f in FAMILIES.values())  # what an edge may ever take

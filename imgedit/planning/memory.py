@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from imgedit.config.parsers import GIB
 from imgedit.config.settings import Settings
 from imgedit.errors import PlacementError
-from imgedit.planning.families import not_built
+from imgedit.planning.families import FAMILIES, not_built
 from imgedit.planning.placement import budgets, plan_placement
 from imgedit.planning.plan import ComponentSpec, GpuSpec, MemoryMode, Plan
 
@@ -158,6 +158,8 @@ def plan_memory(sizes: Sequence[ComponentSizes], gpus: Sequence[GpuSpec], settin
     `candidates`), or a PlacementError that lists what was tried and why each did not fit. `host_memory`
     (bytes of CPU memory available, when known) bounds what the workers may keep there to stream: every
     worker process holds its own copy."""
+    if settings.quantize_skip is None:  # QUANTIZE_SKIP=auto: the family's
+        settings = replace(settings, quantize_skip=FAMILIES[family].quantize_skip)
     on_cpu = settings.device_map.mode == "cpu" or not gpus
     check_platform(settings.quantize, settings.offload, gpus, on_cpu)
     tried = []

@@ -7,6 +7,7 @@ the ones whose controls mean something else (`LAID_OUT`) are written by `api_val
 
 from __future__ import annotations
 
+import json
 import shlex
 
 from imgedit.protocol import EDIT, REST, parameters
@@ -34,10 +35,12 @@ LAID_OUT = frozenset(("images", "prompt", "negative_prompt", "seed", "randomize_
                       "mask", *MASK_FIELDS, "enhance_prompt"))
 
 
-def api_values(form: dict, n_images: int, default_steps: int, default_cfg: float, mask: bool = False) -> dict:
+def api_values(form: dict, n_images: int, default_steps: int, default_cfg: float, mask: bool = False,
+               generates: bool = False) -> dict:
     """The `/edit` API's keyword arguments for the current form ({declared parameter: the form's raw value}; input
     files named input-N.png, the painted mask mask.png); speed, LoRA, step cache and mask only when the form sets
-    them, any other declared parameter when it is not its default."""
+    them, any other declared parameter when it is not its default. `generates`: a model that makes an image
+    from the prompt alone, so no input means none (else one placeholder input)."""
     speed, lora, cache = form.get("speed"), form.get("lora"), form.get("cache")
     extra = {}
     if isinstance(speed, str) and speed not in ("", "quality"):
@@ -56,7 +59,7 @@ def api_values(form: dict, n_images: int, default_steps: int, default_cfg: float
         extra[param.name] = _number(value, value) if param.kind in ("whole", "number") else value
     prompt, negative = form.get("prompt"), form.get("negative_prompt")
     return {
-        "images": [f"input-{i + 1}.png" for i in range(max(1, n_images))],
+        "images": [f"input-{i + 1}.png" for i in range(n_images if generates else max(1, n_images))],
         "prompt": prompt if isinstance(prompt, str) else "",
         "negative_prompt": negative if isinstance(negative, str) else "",
         "seed": _number(form.get("seed"), 0), "randomize_seed": bool(form.get("randomize_seed")),
@@ -80,7 +83,7 @@ KEY_NOTE = ("# export IMGEDIT_API_KEY=...  (the server's API_KEY, or your key of
 
 def gradio_snippet(url: str, values: dict, auth: bool) -> str:
     login = ", auth=(os.environ['IMGEDIT_USER'], os.environ['IMGEDIT_PASSWORD'])" if auth else ""
-    lines = [INPUTS_NOTE]
+    lines = [INPUTS_NOTE] if values["images"] else []
     if auth:
         lines += ["# export IMGEDIT_USER=... IMGEDIT_PASSWORD=...  (your login to the page)", "import os"]
     lines += ["from gradio_client import Client, handle_file", "", f"client = Client({url!r}{login})",
@@ -108,6 +111,8 @@ _DECODE = ("import sys, json, base64\n"
 
 
 def curl_snippet(url: str, values: dict) -> str:
+    if not values["images"]:
+        return _curl_generation(url, values)
     fields = [f"image=@{name}" for name in values["images"]] + [
         f"prompt={values['prompt']}", f"negative_prompt={values['negative_prompt']}", f"n={values['num_images']}",
         f"size={_size(values)}", f"num_inference_steps={values['num_inference_steps']}",
@@ -123,13 +128,38 @@ def curl_snippet(url: str, values: dict) -> str:
     return "\n".join([INPUTS_NOTE, KEY_NOTE, " \\\n  ".join([*parts, f"| python3 -c {shlex.quote(_DECODE)}"])])
 
 
-def openai_snippet(url: str, values: dict) -> str:
+def _extensions(values: dict) -> dict:
+    """Our parameters beyond OpenAI's, as REST takes them (the openai SDK sends them through extra_body)."""
     extra = {"negative_prompt": values["negative_prompt"], "num_inference_steps": values["num_inference_steps"],
              "true_cfg_scale": values["true_cfg_scale"]}
     if not values["randomize_seed"]:
         extra["seed"] = values["seed"]
     extra.update({key: values[key] for key in ("speed", "lora", "lora_scale", "cache", *MASK_FIELDS) if key in values})
     extra.update(_rest_options(values))
+    return extra
+
+
+def _curl_generation(url: str, values: dict) -> str:
+    """Text to image: OpenAI's generations, a JSON body."""
+    body = {"prompt": values["prompt"], "n": values["num_images"], "size": _size(values),
+            "response_format": "b64_json", **_extensions(values)}
+    parts = [f"curl -sS {shlex.quote(url + 'v1/images/generations')}", '-H "Authorization: Bearer $IMGEDIT_API_KEY"',
+             "-H 'Content-Type: application/json'", f"-d {shlex.quote(json.dumps(body))}"]
+    return "\n".join([KEY_NOTE, " \\\n  ".join([*parts, f"| python3 -c {shlex.quote(_DECODE)}"])])
+
+
+def openai_snippet(url: str, values: dict) -> str:
+    extra = _extensions(values)
+    if not values["images"]:  # text to image
+        return "\n".join([
+            "# pip install openai  (the REST endpoint speaks the OpenAI images API)", KEY_NOTE,
+            "import base64", "import os", "from openai import OpenAI", "",
+            f"client = OpenAI(base_url={url + 'v1'!r}, api_key=os.environ.get('IMGEDIT_API_KEY', 'none'))",
+            f"result = client.images.generate(model='qwen-image', prompt={values['prompt']!r},",
+            f"                                n={values['num_images']!r}, size={_size(values)!r},",
+            "                                response_format='b64_json',",
+            f"                                extra_body={extra!r})",
+            "open('out.png', 'wb').write(base64.b64decode(result.data[0].b64_json))", "print('wrote out.png')"])
     files = ", ".join(f"open({name!r}, 'rb')" for name in values["images"])
     mask = f" mask=open({values['mask']!r}, 'rb')," if "mask" in values else ""
     return "\n".join([

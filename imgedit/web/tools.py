@@ -160,7 +160,7 @@ class PageTools:
         form = {**form, "width": width, "height": height,
                 "cache": self._snippet_cache(form.get("cache"), form.get("speed"))}
         cfg = FAMILIES[self.family].cfg(self.settings.default_true_cfg)
-        values = api_values(form, len(paths), self.default_steps, cfg, bool(mask))
+        values = api_values(form, len(paths), self.default_steps, cfg, bool(mask), FAMILIES[self.family].generates)
         host = request.headers.get("host", "localhost:7860")
         url = f"{request.headers.get('x-forwarded-proto', 'http')}://{host}/"
         return (gr.update(visible=True), gradio_snippet(url, values, self.settings.auth is not None),
