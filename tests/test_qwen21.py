@@ -257,3 +257,18 @@ def test_copy_as_api_for_a_text_to_image_runs_as_copied(server21, manager21, tmp
             assert image.size == (64, 96) and image.mode == "RGBA", (name, image.size, image.mode)
             made[name] = np.asarray(image)
     assert np.array_equal(made["gradio"], made["curl"]) and np.array_equal(made["curl"], made["openai"])
+
+
+def test_compiling_is_off_for_the_family_and_compile_on_is_refused(ckpt21):
+    """COMPILE=auto leaves 2.1's workers eager (its compiled blocks recompiled for every new prompt length and
+    image count, measured with TORCH_LOGS=recompiles); COMPILE=on is refused at start-up with that reason."""
+    from imgedit.planning.plan import GpuSpec
+
+    manager = make_manager(ckpt21, plan="planner", load=False, DEVICE_MAP="auto")
+    manager._gpus = [GpuSpec(0, "H100", 80 * 2**30, 79 * 2**30)]
+    manager.prepare()
+    assert manager.settings.compile == "off" and not manager.compile_enabled(manager.workers[0].plan)
+    assert manager.status().compile_mode == "off"
+    refused = make_manager(ckpt21, plan="planner", load=False, COMPILE="on")
+    with pytest.raises(PlacementError, match="COMPILE=on cannot serve Qwen-Image-2.1: compiled blocks"):
+        refused.prepare()

@@ -41,7 +41,7 @@ from imgedit.errors import (
 )
 from imgedit.planning import modes
 from imgedit.planning.checkpoint import Checkpoint, open_checkpoint
-from imgedit.planning.families import FAMILIES
+from imgedit.planning.families import FAMILIES, not_built
 from imgedit.planning.memory import bytes_item, plan_memory
 from imgedit.planning.plan import GpuSpec, Plan
 from imgedit.protocol import EditRequest, EditResult, JobRecord, ManagerStatus, Resolved, WorkerState
@@ -54,6 +54,17 @@ ERRORS = {cls.kind: cls for cls in (Cancelled, OutOfGpuMemory, WorkerFailed, Not
 # Sizes warmed at start-up: the default square and a portrait one (the blocks compile dynamic from the
 # first; the second checks that no guard specialised a length: imgedit.runtime.warmup).
 WARMUP_SIZES = ((1024, 1024), (832, 1248))
+
+
+def family_settings(settings: Settings, family: str) -> Settings:
+    """The settings whose `auto` depends on the model family, made the family's: QUANTIZE_SKIP, and COMPILE where
+    compiling is not built for it (COMPILE=on is refused at start-up then: engine.startup.family_refusal)."""
+    if settings.quantize_skip is None:
+        settings = replace(settings, quantize_skip=FAMILIES[family].quantize_skip)
+    if settings.compile == "auto" and (why := not_built(family, "compile")) is not None:
+        log.info("COMPILE=auto: off for %s (%s)", FAMILIES[family].model, why)
+        settings = replace(settings, compile="off")
+    return settings
 
 
 class PipelineManager:
@@ -115,8 +126,7 @@ class PipelineManager:
             return self
         try:
             self.checkpoint = open_checkpoint(self.settings.model_source)
-            if self.settings.quantize_skip is None:  # QUANTIZE_SKIP=auto: the family's
-                self.settings = replace(self.settings, quantize_skip=FAMILIES[self.checkpoint.family].quantize_skip)
+            self.settings = family_settings(self.settings, self.checkpoint.family)
             self.prompt_tokens = PromptTokens.from_checkpoint(self.checkpoint.folder)
             log.info("prompts are counted by %s: at most %d tokens", self.prompt_tokens.source, MAX_PROMPT_TOKENS)
             s = self.settings

@@ -47,7 +47,8 @@ def family_refusal(settings: Settings, plans: list[WorkerPlan], family: str) -> 
     model = FAMILIES[family].model
     asked = [("cache", s.cache != "none", f"CACHE={s.cache}"),
              ("lightning", s.fast_quantize != "none", f"FAST_QUANTIZE={s.fast_quantize}"),
-             ("batch_cfg", any(p.memory is not None and p.memory.batch_cfg for p in plans), "BATCH_CFG")]
+             ("batch_cfg", any(p.memory is not None and p.memory.batch_cfg for p in plans), "BATCH_CFG"),
+             ("compile", s.compile == "on", "COMPILE=on")]
     for mode, on, setting in asked:
         if on and (why := not_built(family, mode)) is not None:
             return f"{setting} cannot serve {model}: {why}"

@@ -73,6 +73,11 @@ _21_NOT_BUILT = {
     "enhance": "prompt rewriting is written for Qwen2.5-VL's chat template; Qwen-Image-2.1's Qwen3-VL is not "
                "wired for it yet",
     "batch_cfg": "BATCH_CFG batches Qwen-Image-Edit's two CFG branches; Qwen-Image-2.1 runs without CFG",
+    # measured on the CPU (tiny 2.1, TORCH_LOGS=recompiles): the first step's attention specialises on the
+    # number of text and image segments and on where its key/value cache ends (an int in a slice), so every new
+    # prompt length or image count compiled its blocks again after the warm-up
+    "compile": "compiled blocks of Qwen-Image-2.1 recompile for every new prompt length and image count (its "
+               "first step's key/value cache specialises on them): the workers run it eager",
 }
 
 FAMILIES = {
