@@ -272,3 +272,30 @@ def test_compiling_is_off_for_the_family_and_compile_on_is_refused(ckpt21):
     refused = make_manager(ckpt21, plan="planner", load=False, COMPILE="on")
     with pytest.raises(PlacementError, match="COMPILE=on cannot serve Qwen-Image-2.1: compiled blocks"):
         refused.prepare()
+
+
+def test_a_job_of_reference_sets_runs_each_set_and_keeps_its_transparency(server21):
+    """/v1/jobs takes sets of up to 10 references for this family (an 11th in a set is refused by name); each
+    item's result is an RGBA PNG of the asked size."""
+    import time
+    import zipfile
+
+    references = [png(noise((40 + 4 * k, 48), k, "RGBA")) for k in range(11)]
+    fields = {"prompt": "combine them", "size": "64x64", **STEPS}
+    files = [("set1", (f"r{k}.png", data, "image/png")) for k, data in enumerate(references[:10])]
+    files.append(("set2", ("alone.png", references[10], "image/png")))
+    created = httpx.post(f"{server21.url}/v1/jobs", files=files, data=fields, timeout=60)
+    assert created.status_code == 202, created.text
+    job = created.json()["id"]
+    deadline = time.time() + 120
+    while (view := httpx.get(f"{server21.url}/v1/jobs/{job}", timeout=30).json())["state"] in ("queued", "running"):
+        assert time.time() < deadline, view
+        time.sleep(0.2)
+    assert view["state"] == "succeeded" and view["done"] == 2, view
+    archive = zipfile.ZipFile(io.BytesIO(httpx.get(f"{server21.url}/v1/jobs/{job}/result", timeout=30).content))
+    for name in archive.namelist():
+        with Image.open(archive.open(name)) as image:
+            assert image.size == (64, 64) and image.mode == "RGBA", (name, image.size, image.mode)
+    eleven = [("set1", (f"r{k}.png", data, "image/png")) for k, data in enumerate(references)]
+    refused = httpx.post(f"{server21.url}/v1/jobs", files=eleven, data=fields, timeout=60)
+    assert refused.status_code == 400 and "at most 10" in refused.json()["error"]["message"], refused.text

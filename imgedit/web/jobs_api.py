@@ -4,7 +4,8 @@ GET /v1/jobs/{id}/result (?item=N as soon as that item has finished), DELETE (st
 
 Same fields (speed, lora and lora_scale included: every item runs with them), API key and limits as
 /v1/images/edits. Input sets: `image` (1-3 files) is one set; each `batch` file is one set of one
-image (a zip gives one set per image inside); `set1`, `set2`, ... are sets of 1-3 images each. A job
+image (a zip gives one set per image inside); `set1`, `set2`, ... are sets of images each (1-3 for
+Qwen-Image-Edit-2509/2511, 1-10 for Qwen-Image-2.1; planning.families). A job
 belongs to the owner that created it (imgedit.web.identity: a named key of API_KEYS, the shared
 API_KEY, or without keys the bearer token sent): any other owner gets 404 for it. Finished jobs are
 answered from the history after a restart.
@@ -210,7 +211,8 @@ async def _parse(request: Request, settings: Settings, manager) -> tuple[EditReq
         raise InputTooLarge(f"request body is {int(length):,} bytes; the limit is {limit:,}")
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise InvalidInput("send multipart/form-data with 'image' (or 'batch') files and a 'prompt'")
-    form = await read_form(request, 3 * settings.batch_max_items + 3,
+    most = FAMILIES[manager.family].max_images  # images in one set
+    form = await read_form(request, most * settings.batch_max_items + 3,
                            f"a job takes at most {settings.batch_max_items} input sets: BATCH_MAX_ITEMS")
 
     # The cheap fields first: a request without a prompt (or with a bad number) costs no file read.

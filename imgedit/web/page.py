@@ -208,6 +208,16 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
             req, result, pngs = await run_edit(tuple(form[name] for name in fields), request, progress)
         except gr.Error as exc:
             return keep, keep, keep, keep, f"**{exc.title or 'Not edited'}:** {exc.message}"
+        try:
+            return await show_result(req, result, pngs)
+        except Exception:  # the job ran; its files could not be shown: say so beside Edit, not a silent page
+            log.exception("%s: the result could not be shown", req.request_id)
+            said = f"the result of {req.request_id} could not be shown (an internal error: see the log)"
+            return keep, keep, keep, keep, f"**Not shown:** {said}"
+
+    async def show_result(req, result, pngs):
+        """The page's outputs for a finished job: the gallery, the status line, the comparison, the chosen
+        one."""
         seeds = [image.info.get("seed", "?") for image in result.images]
         each = ""
         if len(seeds) > 1:
@@ -241,7 +251,8 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
     # Gradio's cache keeps every upload and every file an event returned: files older than
     # UPLOAD_CACHE_AGE_S go every UPLOAD_CACHE_SWEEP_S, and all of them when the server stops.
     with gr.Blocks(title="imgedit", delete_cache=(UPLOAD_CACHE_SWEEP_S, UPLOAD_CACHE_AGE_S)) as blocks:
-        gr.Markdown("# imgedit — edit images with Qwen-Image-Edit")
+        verb = "make and edit" if family.generates else "edit"
+        gr.Markdown(f"# imgedit — {verb} images with {family.model}")
         if demo:
             gr.Markdown(DEMO_BANNER, elem_id="demo-banner")
         # Loading (and what it is doing), a worker that could not load, an optimisation that fell back: one

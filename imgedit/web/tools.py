@@ -303,9 +303,12 @@ def cached_pngs(pngs: list[bytes], stem: str) -> list[str]:
     return paths
 
 
-def page_files(req: EditRequest, first: Image.Image, pngs: list[bytes]) -> tuple[list[str], tuple[str, str]]:
+def page_files(req: EditRequest, first: Image.Image, pngs: list[bytes]) -> tuple[list[str], tuple[str, str] | None]:
     """The result's files for the gallery, and the before/after pair for the slider: "after" is the gallery's
-    first file (`first`, the first result, as `pngs[0]`), "before" one more PNG at zlib level 1."""
+    first file (`first`, the first result, as `pngs[0]`), "before" one more PNG at zlib level 1; no pair for an
+    image made from the prompt alone (nothing came before it)."""
     results = cached_pngs(pngs, "result")
+    if not req.images:
+        return results, None
     before = compare_pair(req.images[0], first, req.mask)[0]
     return results, (cached_pngs([png_bytes(before)], "before")[0], results[0])
