@@ -38,8 +38,7 @@ built from the published configs; --tiny: the tiny one) with a random LoRA of it
 
     REST /v1/images/generations   a --steps text to image twice (first, steady)
     REST /v1/images/edits         a 3-reference edit at --steps; a 10-reference edit, an RGBA input (its alpha
-                                  kept), the LoRA at lora_scale 0.5 and a masked edit (refused: masks are not
-                                  built for 2.1, a 400 naming `mask` passes) at --other-steps
+                                  kept), the LoRA at lora_scale 0.5 and a masked edit at --other-steps
     gradio_client /edit           a text to image without an image at --other-steps
 
 With --restart the server is then stopped (SIGTERM) and started again with the same settings and compile
@@ -514,7 +513,7 @@ def run_requests(requests: Requests, health: dict, steps: int, other_steps: int,
 
 
 def run_requests_21(requests: Requests, health: dict, steps: int, other_steps: int, records: list[dict]) -> None:
-    """A Qwen-Image-2.1 row's requests (text to image, 3 and 10 references, RGBA, its LoRA, a refused mask)."""
+    """A Qwen-Image-2.1 row's requests (text to image, 3 and 10 references, RGBA, its LoRA, a mask)."""
 
     def add(record: dict) -> None:
         records.append(record)
@@ -530,7 +529,7 @@ def run_requests_21(requests: Requests, health: dict, steps: int, other_steps: i
     add(requests.rest_edit("refs10", other, pictures=references))
     add(requests.rest_edit("rgba", other, pictures=[input_picture(size, alpha=True)]))
     add(requests.rest_edit("lora-0.5", {**other, "lora": LORA_21, "lora_scale": "0.5"}))
-    add(requests.rest_edit("mask", other, mask=True, may_refuse="mask"))
+    add(requests.rest_edit("mask", other, mask=True))
     add(requests.gradio_edit("gradio-t2i", generate=True, cfg=1.0))
 
 

@@ -299,3 +299,20 @@ def test_a_job_of_reference_sets_runs_each_set_and_keeps_its_transparency(server
     eleven = [("set1", (f"r{k}.png", data, "image/png")) for k, data in enumerate(references)]
     refused = httpx.post(f"{server21.url}/v1/jobs", files=eleven, data=fields, timeout=60)
     assert refused.status_code == 400 and "at most 10" in refused.json()["error"]["message"], refused.text
+
+
+def test_a_masked_edit_changes_only_the_masked_area_alpha_included(server21):
+    """OpenAI's mask (transparent = edit) on 2.1: the latents outside it are the input's at every step and the
+    result is laid over the input through it, so outside the mask every pixel, alpha included, is the input's;
+    the result has the first image's size."""
+    first = noise((96, 64), 8, "RGBA")
+    mask = Image.new("RGBA", (96, 64), (0, 0, 0, 255))
+    mask.paste((0, 0, 0, 0), (0, 0, 48, 64))  # the left half is to be edited
+    files = [("image", ("in.png", png(first), "image/png")), ("mask", ("mask.png", png(mask), "image/png"))]
+    response = httpx.post(f"{server21.url}/v1/images/edits", files=files, timeout=120,
+                          data={"prompt": "paint the left half", **STEPS, "mask_feather": "0"})
+    made = result_of(response)
+    assert made.size == (96, 64) and made.mode == "RGBA"
+    made, first = np.asarray(made), np.asarray(first)
+    assert np.array_equal(made[:, 48:], first[:, 48:])  # outside the mask: the input, exactly
+    assert np.abs(made[:, :48].astype(int) - first[:, :48]).mean() > 1  # inside: edited

@@ -166,7 +166,7 @@ def resolve(req: EditRequest, settings: Settings, family: str,
         check_mask_size(req.mask.size, first)
         width, height = output_size(req.width, req.height, first, settings, family)
         if width is None:
-            width, height = _masked_size(first, settings)
+            width, height = _masked_size(first, settings, FAMILIES[family].side_multiple)
     else:
         width, height = output_size(req.width, req.height, last_image_size, settings, family)
     # True CFG runs only when a negative prompt is passed: always pass one (" " when empty).
@@ -235,13 +235,13 @@ def _check_prompt(req: EditRequest, tokens: PromptTokens | None) -> None:
         check_tokens(req, tokens)
 
 
-def _masked_size(first: tuple[int, int], settings: Settings) -> tuple[int, int]:
+def _masked_size(first: tuple[int, int], settings: Settings, multiple: int = SIDE_MULTIPLE) -> tuple[int, int]:
     """The size a masked edit runs at when none is asked: the first image's aspect at about 1 MP (as
-    the pipelines size an edit), sides multiples of 16 and within MAX_OUTPUT_PIXELS."""
+    the pipelines size an edit), sides multiples of the family's (16; 32 for 2.1) and within MAX_OUTPUT_PIXELS."""
     ratio = first[0] / first[1]
     area = min(VAE_AREA, settings.max_output_pixels)
-    width = max(MIN_SIDE, int(math.sqrt(area * ratio)) // SIDE_MULTIPLE * SIDE_MULTIPLE)
-    height = max(MIN_SIDE, int(width / ratio) // SIDE_MULTIPLE * SIDE_MULTIPLE)
+    width = max(MIN_SIDE, int(math.sqrt(area * ratio)) // multiple * multiple)
+    height = max(MIN_SIDE, int(width / ratio) // multiple * multiple)
     return width, height
 
 

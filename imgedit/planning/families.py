@@ -62,8 +62,6 @@ class Family:
 
 
 _21_NOT_BUILT = {
-    "mask": "a masked edit lays the input's latents back outside the mask at every step, and Qwen-Image-2.1's "
-            "latents (a 16x VAE, RGBA) are not wired for it yet",
     "cfg-parallel": "Qwen-Image-2.1 runs without CFG by default and its cached condition keys are per branch; "
                     "CFG-parallel pairs are not built for it yet",
     "ulysses": "Ulysses groups are not built for Qwen-Image-2.1's single-stream transformer yet",

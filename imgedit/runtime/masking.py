@@ -1,4 +1,4 @@
-"""Masked editing on the unmodified diffusers pipelines (Edit, 2509, 2511): the model edits the whole
+"""Masked editing on the unmodified diffusers pipelines (Edit, 2509, 2511, 2.1): the model edits the whole
 canvas, and after every denoising step the latents outside the mask are put back to the input's own
 latents, noised to that step's level (as diffusers' inpaint pipelines blend, in a step callback). The
 last step has no noise left, so outside the mask the latents are the input's. The decoded result is
@@ -8,6 +8,9 @@ outside the mask every pixel is the input's, exactly.
 Why not diffusers' QwenImageEditInpaintPipeline: there is none for the Plus pipelines (2509/2511),
 and it would be a second pipeline object around the same weights; a callback on the pipeline the
 worker already runs serves all three checkpoints, every placement and the LoRAs alike.
+
+Qwen-Image-2.1 packs its latents differently (a 16x VAE, one token per latent pixel, no 2x2 packing) and its
+VAE takes and gives RGBA: the input is encoded with its alpha and the composite keeps the alpha of both.
 
 `strength` below 1 keeps the masked area at the noised input for the first (1 - strength) of the
 steps, so the edit starts from the input there instead of from noise (those steps still run).
@@ -19,19 +22,21 @@ import numpy as np
 import torch
 from PIL import Image, ImageFilter
 
-LATENT_CELL = 16  # pixels per latent token: the VAE's 8x and the 2x2 packing
+LATENT_CELL = 16  # pixels per latent token: the VAE's 8x and the 2x2 packing (Qwen-Image-2.1: its 16x VAE)
 
 
 class MaskedEdit:
     def __init__(self, pipe, first: Image.Image, mask: Image.Image, width: int, height: int,
-                 grow: int, feather: int, strength: float, steps: int, seeds: tuple[int, ...]):
-        self.pipe, self.first = pipe, first
+                 grow: int, feather: int, strength: float, steps: int, seeds: tuple[int, ...], rgba: bool = False):
+        self.pipe, self.rgba = pipe, rgba  # rgba: the VAE takes and gives RGBA (Qwen-Image-2.1)
+        self.mode = "RGBA" if rgba else "RGB"
+        self.first = first.convert(self.mode)
         self.width, self.height = width, height
         self.area = grown(mask, grow)  # the first image's size, 255 = edit
         self.feather = feather
         self.hold_steps = int(round(steps * (1.0 - strength)))  # steps the masked area stays the input
         device, dtype = pipe._execution_device, pipe.transformer.dtype
-        self.original = self._encode(first.resize((width, height), Image.LANCZOS)).to(device, dtype)
+        self.original = self._encode(self.first.resize((width, height), Image.LANCZOS)).to(device, dtype)
         cells = self.area.resize((width, height), Image.BILINEAR).resize(
             (width // LATENT_CELL, height // LATENT_CELL), Image.BOX)
         edit = torch.from_numpy(np.asarray(cells) > 0).reshape(1, -1, 1)  # any marked pixel: the token may change
@@ -42,13 +47,13 @@ class MaskedEdit:
         ]).to(device, dtype)
 
     def _encode(self, image: Image.Image) -> torch.Tensor:
-        """The image's latents as the pipeline packs them: (1, tokens, channels x 4)."""
+        """The image's latents as the pipeline packs them: (1, tokens, channels x 4), or (1, tokens, channels)
+        for Qwen-Image-2.1."""
         pipe = self.pipe
         pixels = pipe.image_processor.preprocess(image, self.height, self.width).unsqueeze(2)
         pixels = pixels.to(pipe._execution_device, pipe.vae.dtype)
-        latents = pipe._encode_vae_image(pixels, generator=None)  # normalised (latents_mean/std)
-        channels = latents.shape[1]
-        return pipe._pack_latents(latents, 1, channels, self.height // 8, self.width // 8)
+        latents = pipe._encode_vae_image(pixels, generator=None)  # normalised (latents_mean/std): (1, C, 1, h, w)
+        return pipe._pack_latents(latents, 1, latents.shape[1], *latents.shape[-2:])
 
     def blend(self, step: int, latents: torch.Tensor) -> torch.Tensor:
         """The latents after step `step` (0-based) with the area outside the mask set to the input at
@@ -65,8 +70,8 @@ class MaskedEdit:
         alpha = feathered(self.area, self.feather)
         out = []
         for image in images:
-            edited = image.convert("RGB").resize(self.first.size, Image.LANCZOS)
-            out.append(Image.composite(edited, self.first.convert("RGB"), alpha))
+            edited = image.convert(self.mode).resize(self.first.size, Image.LANCZOS)
+            out.append(Image.composite(edited, self.first, alpha))
         return out
 
 

@@ -149,7 +149,7 @@ class Runner:
 
                     masked = MaskedEdit(self.pipe, req.images[0], req.mask, params.width, params.height,
                                         params.mask_grow, params.mask_feather, params.strength, params.steps,
-                                        params.image_seeds)
+                                        params.image_seeds, rgba=family.rgba)
                 output = self.pipe(
                     image=images, prompt=prompt,
                     # CFG runs with a negative prompt and a scale above 1; without, the pipelines warn of one unused
