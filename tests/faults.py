@@ -101,7 +101,7 @@ def install(pipe, spec) -> None:
 
 def script_rewrites(pipe) -> None:
     """The [rewrite:...] markers: the text encoder's next-token logits, one-hot on the scripted answer."""
-    from imgedit.runtime.enhance import INSTRUCTION
+    from imgedit.runtime.enhance import GENERATION, INSTRUCTION
 
     tokenizer = pipe.processor.tokenizer
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -113,7 +113,7 @@ def script_rewrites(pipe) -> None:
             return None
         text = tokenizer.decode(ids[0])
         script.update(ids=None, at=0, slow=False)
-        if INSTRUCTION[:40] in text:
+        if INSTRUCTION[:40] in text or GENERATION[:40] in text:  # an edit's rewrite, or a text to image's
             if "[rewrite-bug]" in text:
                 raise KeyError("secret internal detail of the rewrite")
             if "[rewrite-oom]" in text:

@@ -88,8 +88,7 @@ def test_a_generation_is_checked_like_an_edit_and_names_the_parameter(server21):
              ({"prompt": ""}, "prompt"),
              ({"prompt": "x", "image": "aGk="}, "image"),
              ({"prompt": "x", "speed": "fast"}, "speed"),
-             ({"prompt": "x", "cache": "first-block"}, "cache"),
-             ({"prompt": "x", "enhance_prompt": True}, "enhance_prompt")]
+             ({"prompt": "x", "cache": "first-block"}, "cache")]
     for body, param in cases:
         response = httpx.post(url, json=body, timeout=30)
         assert response.status_code == 400, (body, response.text)
@@ -316,3 +315,21 @@ def test_a_masked_edit_changes_only_the_masked_area_alpha_included(server21):
     made, first = np.asarray(made), np.asarray(first)
     assert np.array_equal(made[:, 48:], first[:, 48:])  # outside the mask: the input, exactly
     assert np.abs(made[:, :48].astype(int) - first[:, :48]).mean() > 1  # inside: edited
+
+
+def test_prompt_rewriting_with_qwen3_vl_for_an_edit_and_a_text_to_image(manager21, server21):
+    """2.1's own text encoder (Qwen3-VL with its language-model head) rewrites: an edit's instruction with the
+    (transparent) input in view, and a text to image's prompt with the generation instruction; its answer
+    (scripted at the encoder's output, tests/faults.py) is used, over REST too."""
+    from imgedit.protocol import EditRequest
+
+    scripted = "a red barn at dusk, watercolour"
+    edit = manager21.enhance(EditRequest(images=(noise((64, 64), 2, "RGBA"),), prompt=f"barn [rewrite:{scripted}]"))
+    assert edit.prompt == scripted and edit.notice is None
+    alone = manager21.enhance(EditRequest(images=(), prompt=f"barn [rewrite:{scripted}]"))
+    assert alone.prompt == scripted
+    made = httpx.post(f"{server21.url}/v1/images/generations", timeout=120,
+                      json={"prompt": f"a barn [rewrite:{scripted}]", "size": "64x64", "enhance_prompt": True,
+                            "num_inference_steps": 2, "seed": 1})
+    assert made.status_code == 200, made.text
+    assert made.json()["data"][0]["revised_prompt"] == scripted

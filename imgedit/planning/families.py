@@ -68,8 +68,6 @@ _21_NOT_BUILT = {
     "cache": "Qwen-Image-2.1 already caches the text and condition keys after the first step; the step caches "
              "are not built for its transformer",
     "lightning": "there is no Lightning LoRA for Qwen-Image-2.1",
-    "enhance": "prompt rewriting is written for Qwen2.5-VL's chat template; Qwen-Image-2.1's Qwen3-VL is not "
-               "wired for it yet",
     "batch_cfg": "BATCH_CFG batches Qwen-Image-Edit's two CFG branches; Qwen-Image-2.1 runs without CFG",
     # measured on the CPU (tiny 2.1, TORCH_LOGS=recompiles): the first step's attention specialises on the
     # number of text and image segments and on where its key/value cache ends (an int in a slice), so every new

@@ -1,5 +1,6 @@
-"""Prompt enhancement: the pipeline's own text encoder (Qwen2.5-VL, with its language-model head)
-rewrites the user's instruction into a clearer edit instruction, with the input images in view.
+"""Prompt enhancement: the pipeline's own text encoder (Qwen2.5-VL, or Qwen-Image-2.1's Qwen3-VL, with its
+language-model head) rewrites the user's instruction into a clearer edit instruction, with the input images in
+view; without an input image (Qwen-Image-2.1's text to image) it rewrites a prompt for a picture.
 
 Runs in the worker, on the weights already loaded: no second model, no cloud call, the images never
 leave the machine. Greedy decoding (the same instruction and images give the same rewrite), a token
@@ -25,6 +26,7 @@ from PIL import Image
 from imgedit.errors import Cancelled
 
 INSTRUCTION = (Path(__file__).with_name("enhance_instruction.txt")).read_text(encoding="utf-8").strip()
+GENERATION = (Path(__file__).with_name("enhance_generation.txt")).read_text(encoding="utf-8").strip()
 # The pipelines' own prompt layout (diffusers' QwenImageEditPlusPipeline): pictures, then the text.
 _PICTURE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 _CHAT = "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
@@ -53,12 +55,23 @@ class _Stop:
         return torch.full((input_ids.shape[0],), self.cancel.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
-def view(image: Image.Image) -> Image.Image:
-    """The image at about VIEW_AREA pixels, sides a multiple of 28 (the vision encoder's patch grid)."""
+def view(image: Image.Image, cell: int = 28) -> Image.Image:
+    """The image at about VIEW_AREA pixels, sides a multiple of `cell` (the vision encoder's merged patch: 28 for
+    Qwen2.5-VL, 32 for Qwen3-VL), a transparent one over white (as the 2.1 pipeline shows its text encoder)."""
     scale = math.sqrt(VIEW_AREA / (image.width * image.height))
-    width = max(28, round(image.width * scale / 28) * 28)
-    height = max(28, round(image.height * scale / 28) * 28)
+    width = max(cell, round(image.width * scale / cell) * cell)
+    height = max(cell, round(image.height * scale / cell) * cell)
+    if image.mode == "RGBA":
+        white = Image.new("RGB", image.size, (255, 255, 255))
+        white.paste(image, mask=image.getchannel("A"))
+        image = white
     return image.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
+
+
+def _cell(processor) -> int:
+    """The pixels one merged vision token covers: patch size x merge size of the processor's image half."""
+    images = processor.image_processor
+    return int(getattr(images, "patch_size", 14) or 14) * int(getattr(images, "merge_size", 2) or 2)
 
 
 @contextmanager
@@ -116,12 +129,16 @@ def rewrite(pipe, images, prompt: str, max_new_tokens: int, cancel: threading.Ev
 
     started = time.perf_counter()
     pictures = "".join(_PICTURE.format(i + 1) for i in range(len(images)))
-    text = _CHAT.format(system=INSTRUCTION, user=f"{pictures}Instruction: {prompt}")
+    if images:
+        text = _CHAT.format(system=INSTRUCTION, user=f"{pictures}Instruction: {prompt}")
+    else:  # text to image: a prompt for a picture, not an edit
+        text = _CHAT.format(system=GENERATION, user=f"Prompt: {prompt}")
     encoder = pipe.text_encoder
     tokenizer = pipe.processor.tokenizer
     end = [t for t in (tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id) if t is not None]
     with on_its_own_gpu(encoder) as device, torch.inference_mode():
-        inputs = pipe.processor(text=[text], images=[view(i) for i in images] or None, padding=True,
+        cell = _cell(pipe.processor)
+        inputs = pipe.processor(text=[text], images=[view(i, cell) for i in images] or None, padding=True,
                                 return_tensors="pt").to(device or pipe._execution_device)
         if "pixel_values" in inputs:
             inputs["pixel_values"] = inputs["pixel_values"].to(encoder.dtype)
