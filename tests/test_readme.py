@@ -47,6 +47,15 @@ def server(plus_ckpt):
 
 
 @pytest.fixture(scope="module")
+def server21(tmp_path_factory):
+    from imgedit.model.demo_checkpoint import build_checkpoint
+
+    ckpt = build_checkpoint(tmp_path_factory.mktemp("ckpt") / "q21", kind="21")
+    with start_server(make_manager(ckpt, DEFAULT_STEPS="2", API_KEY=KEY)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """The reader's working folder with the example inputs."""
     here = tmp_path_factory.mktemp("reader")
@@ -79,7 +88,7 @@ def made_here(path: Path) -> dict:
 
 
 def test_the_api_sections_blocks_are_the_ones_this_test_runs():
-    assert [language for language, _ in api_blocks()] == ["python", "bash", "python", "bash"]
+    assert [language for language, _ in api_blocks()] == ["python", "bash", "python", "python", "bash"]
 
 
 def test_gradio_client_example(server, folder):
@@ -107,8 +116,17 @@ def test_openai_sdk_example(server, folder):
     assert text["seed"] == "42" and text["negative_prompt"] == "blurry"
 
 
-def test_jobs_example(server, folder):
+def test_text_to_image_example(server21, folder):
+    """docs/api.md's /v1/images/generations example, against a Qwen-Image-2.1 server (the tiny one)."""
     language, code = api_blocks()[3]
+    run(language, code, server21, folder)
+    image = Image.open(folder / "made.png")
+    assert image.size == (1024, 1024) and image.mode == "RGBA" and image.text["seed"] == "7"
+    assert image.text["prompt"] == "a lighthouse at dusk, oil painting"
+
+
+def test_jobs_example(server, folder):
+    language, code = api_blocks()[4]
     lines = code.splitlines()
     submit = "\n".join(lines[:4])  # H=..., the comment, the two-line submit
     reply = json.loads(run(language, submit, server, folder))
