@@ -12,7 +12,7 @@ from fake_nvml import FakeGpu, FakeNvml
 from imgedit.engine.gpus import GpuMonitor, GpuReading, MemoryHistory, _annotate, snapshot
 from imgedit.planning.plan import Placement, Plan, WorkerPlan
 from imgedit.protocol import ManagerStatus, WorkerStatus
-from imgedit.runtime.messages import Ready
+from imgedit.runtime.messages import Ready, StartupReport
 from imgedit.web.panel import panel_html
 
 
@@ -236,9 +236,10 @@ def test_planned_weights_reach_the_status_and_measured_ones_are_per_gpu(plus_ckp
     manager = make_manager(plus_ckpt, plan=plan, load=False).prepare()
     assert manager.status().weights_mib == {"cuda:2": 3072.0, "cuda:3": 1024.0}
     handles = {w.name: w for w in manager.workers}
-    handles["worker-1"]._handle(Ready(1, 11, 1.0, {"weights_mib": {"cuda:0": 500.0}}))  # rank 1 sees its GPU as 0
-    handles["worker-1"]._handle(Ready(0, 10, 1.0, {"weights_mib": {"cuda:0": 400.0}}))
-    handles["worker-0"]._handle(Ready(0, 12, 1.0, {"weights_mib": {"cuda:0": 2000.0, "cuda:1": 900.0}}))
+    # rank 1 sees its GPU as 0
+    handles["worker-1"]._handle(Ready(1, 11, 1.0, StartupReport(weights_mib={"cuda:0": 500.0})))
+    handles["worker-1"]._handle(Ready(0, 10, 1.0, StartupReport(weights_mib={"cuda:0": 400.0})))
+    handles["worker-0"]._handle(Ready(0, 12, 1.0, StartupReport(weights_mib={"cuda:0": 2000.0, "cuda:1": 900.0})))
     by_name = {w.name: w for w in manager.status().workers}
     assert by_name["worker-1"].weights_mib == {"cuda:1": 500.0, "cuda:0": 400.0}
     assert by_name["worker-0"].weights_mib == {"cuda:2": 2000.0, "cuda:3": 900.0}

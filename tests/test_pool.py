@@ -101,3 +101,27 @@ def test_stop_and_the_pump_may_reap_at_once():
         for t in threads:
             t.join()
     assert not errors, errors[:3]
+
+
+def test_every_start_up_field_a_rank_writes_is_a_field_of_its_report():
+    """The start-up report is typed (runtime.messages.StartupReport, slots): a field written under a name it lacks
+    fails where it is written. Some are written only on GPUs (the memory after loading, the rewrite's warm-up),
+    which this machine never runs: every `report.<name> = ...` and `StartupReport(<name>=...)` in the runtime is
+    read here and checked against the fields."""
+    import ast
+    from dataclasses import fields
+
+    from conftest import ROOT
+
+    from imgedit.runtime.messages import StartupReport
+
+    known = {f.name for f in fields(StartupReport)}
+    written = set()
+    for path in (ROOT / "imgedit" / "runtime").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "report":
+                written.add((path.name, node.attr))
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "StartupReport":
+                written |= {(path.name, k.arg) for k in node.keywords}
+    assert {name for _, name in written} >= {"memory_allocated_gib", "rewrite_warmup_seconds", "compiled"}
+    assert [w for w in written if w[1] not in known] == []

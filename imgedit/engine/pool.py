@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from imgedit.errors import WorkerFailed
@@ -35,6 +35,7 @@ from imgedit.runtime.messages import (
     LoadFailed,
     Loading,
     Ready,
+    StartupReport,
     Step,
     Stop,
     WorkerSpec,
@@ -134,7 +135,7 @@ class WorkerHandle:
         self.step = self.total_steps = 0
         self.jobs_done = 0
         self.restarts = 0
-        self.info: dict = {}
+        self.report: StartupReport | None = None  # rank 0's, once it has loaded (runtime.messages)
         # per GPU (server numbering), as the ranks measured after loading
         self.weights_mib: dict[str, float] = {}
         self.pids: tuple[int, ...] = ()
@@ -305,9 +306,9 @@ class WorkerHandle:
         if isinstance(message, Ready):
             self._ready.add(message.rank)
             if message.rank == 0:
-                self.info = dict(message.info)
+                self.report = message.report
             gpus = rank_gpus(self.plan.for_rank(message.rank))
-            for local, mib in (message.info.get("weights_mib") or {}).items():
+            for local, mib in message.report.weights_mib.items():
                 index = int(local[5:])  # the rank's own numbering: cuda:0 is its first GPU
                 if index < len(gpus):
                     self.weights_mib[gpus[index]] = mib
@@ -386,20 +387,26 @@ class WorkerHandle:
         return True
 
     # ---- status ----
+    @property
+    def info(self) -> dict:
+        """The start-up report as a plain dict ({} before it came): for logs and tests."""
+        return asdict(self.report) if self.report is not None else {}
+
     def status(self) -> WorkerStatus:
+        report = self.report or StartupReport(encode_cache=0, cpu_threads=0)
         placement = {n: p.describe() for n, p in self.plan.components.items()}
         if self.plan.parallel != "none":
             placement = {n: ", ".join(self.plan.rank_devices) for n in self.plan.components}
         return WorkerStatus(self.name, self.plan.devices, placement, self.state, self.job_id, self.step,
                             self.total_steps, self.jobs_done, self.error, parallel=self.plan.parallel,
                             ranks=self.plan.ranks, pids=self.pids, restarts=self.restarts,
-                            compiled=bool(self.info.get("compiled")), detail=self.detail,
-                            encode_cache=int(self.info.get("encode_cache") or 0),
-                            attention=str(self.info.get("attention") or ""),
-                            components=self.info.get("components"), weights_mib=dict(self.weights_mib),
-                            fast_weights=str(self.info.get("fast_weights") or ""),
-                            cpu_threads=int(self.info.get("cpu_threads") or 0),
-                            fallbacks=tuple(self.info.get("fallbacks") or ()), job_client=self.job_client)
+                            compiled=report.compiled, detail=self.detail, encode_cache=report.encode_cache,
+                            attention=report.attention if self.report else "",
+                            components=report.components if self.report else None,
+                            weights_mib=dict(self.weights_mib),
+                            fast_weights=report.fast_weights if self.report else "",
+                            cpu_threads=report.cpu_threads, fallbacks=tuple(report.fallbacks),
+                            job_client=self.job_client)
 
 
 def wait_result(handle: WorkerHandle, events: queue.Queue, cancel: threading.Event,

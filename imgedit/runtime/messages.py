@@ -99,7 +99,34 @@ class Ready:
     rank: int
     pid: int
     seconds: float
-    info: dict = field(default_factory=dict)  # compile state, memory after loading, warm-up times
+    report: StartupReport = field(default_factory=lambda: StartupReport())  # modes, sizes, warm-up times
+
+
+@dataclass(slots=True)
+class StartupReport:
+    """What a rank reports once it has loaded (in `Ready`): the modes it runs, what it holds, what it took.
+    Filled as the rank loads (runtime.worker, runtime.warmup); slots: a misspelt field is an error where it is
+    written, not a key nobody reads."""
+
+    compiled: bool = False  # COMPILE: its transformer(s) compiled and warmed up
+    batch_cfg: bool = False  # BATCH_CFG: both CFG branches in one forward
+    pair_ulysses: bool = False  # a CFG pair that splits CFG-off jobs' sequences (PAIR_ULYSSES)
+    load_seconds: float = 0.0  # loading the weights, before any LoRA, copy or warm-up
+    loras: list[str] = field(default_factory=list)  # the LoRAs loaded, by name
+    components: dict = field(default_factory=dict)  # per component: dtype, quantization, where, bytes per device
+    fuse_lora: str = "off"  # FUSE_LORA as it runs
+    fast_weights: str = "none"  # FAST_QUANTIZE's copies
+    weights_mib: dict[str, float] = field(default_factory=dict)  # MiB per GPU after loading (this rank's numbering)
+    encode_cache: int = 0  # ENCODE_CACHE entries
+    cpu_threads: int = 0  # torch's threads in this rank
+    pixels: str = "cpu"  # where the pictures' arithmetic runs (runtime.pixels)
+    fallbacks: list[str] = field(default_factory=list)  # optimisations that failed to build, and what runs instead
+    attention: str = "native"  # the attention kernel as the processors have it
+    warmup_seconds: list[float] = field(default_factory=list)  # each compile warm-up
+    compile_seconds: float | None = None  # compiling and warming up, in all
+    rewrite_warmup_seconds: float | None = None  # the prompt rewrite's warm-up
+    memory_allocated_gib: float | None = None  # torch's allocations on this rank's first GPU after start-up
+    memory_reserved_gib: float | None = None
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,12 @@ import traceback
 
 from imgedit.planning.families import FAMILIES
 from imgedit.runtime.fallback import agreed, cause
-from imgedit.runtime.messages import Job, WorkerSpec
+from imgedit.runtime.messages import Job, StartupReport, WorkerSpec
 
 log = logging.getLogger(__name__)
 
 
-def compile_and_warm_up(spec: WorkerSpec, runner, transformers: tuple, info: dict, agree, say) -> None:
+def compile_and_warm_up(spec: WorkerSpec, runner, transformers: tuple, report: StartupReport, agree, say) -> None:
     """COMPILE: compile the transformer(s) and warm every variant up before any user waits. An
     optimisation never takes the server down: if compiling or the warm-up fails (on any rank of a group:
     they vote), the worker runs eager and says why in its fallbacks (/health, the panel, the page)."""
@@ -38,14 +38,14 @@ def compile_and_warm_up(spec: WorkerSpec, runner, transformers: tuple, info: dic
     try:
         for transformer in transformers:
             offload.compile_transformer(transformer, spec.plan.memory, spec.compile_mode)
-        info["warmup_seconds"] = warm_up(runner, spec, say)
+        report.warmup_seconds = warm_up(runner, spec, say)
     except Exception as exc:  # noqa: BLE001 - reported below; the worker serves eager
         failure = exc
         log.debug("the compile warm-up failed:\n%s", traceback.format_exc())
     failure = agreed(failure, agree, "its compiled transformer")
     if failure is None:
-        info["compiled"] = True
-        info["compile_seconds"] = round(time.perf_counter() - started, 2)
+        report.compiled = True
+        report.compile_seconds = round(time.perf_counter() - started, 2)
         return
     for transformer in transformers:
         offload.uncompile_transformer(transformer)
@@ -53,7 +53,7 @@ def compile_and_warm_up(spec: WorkerSpec, runner, transformers: tuple, info: dic
     runner.cleanup(force=True)
     reason = cause(failure)
     log.warning("compile failed → eager: %s", reason)
-    info["fallbacks"].append(f"compile failed → eager: {reason}")
+    report.fallbacks.append(f"compile failed → eager: {reason}")
 
 
 def warm_up_rewrite(pipe, fallbacks: list[str], compiled: bool) -> float:

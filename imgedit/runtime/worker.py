@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 import traceback
+from dataclasses import asdict
 
 from imgedit.errors import Cancelled, ImgEditError
 from imgedit.model import quiet_known_noise
@@ -26,6 +27,7 @@ from imgedit.runtime.messages import (
     LoadFailed,
     Loading,
     Ready,
+    StartupReport,
     Step,
     Stop,
     WorkerSpec,
@@ -54,14 +56,14 @@ def main(spec: WorkerSpec, inbox, outbox, visible_devices: str | None, cache_dir
         outbox.put(Loading(spec.rank, doing, round(time.perf_counter() - started, 1)))
 
     try:
-        runner, info, seconds = _load(spec, say)
+        runner, report, seconds = _load(spec, say)
     except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
         log.error("loading failed:\n%s", traceback.format_exc())
         # Only our own words leave the process (the panel and /health show them): details are in the log above.
         message = exc.message if isinstance(exc, ImgEditError) else f"{type(exc).__name__} (see the server log)"
         outbox.put(LoadFailed(spec.rank, message))
         return
-    outbox.put(Ready(spec.rank, os.getpid(), seconds, info))
+    outbox.put(Ready(spec.rank, os.getpid(), seconds, report))
     _serve(spec, runner, inbox, outbox)
     if spec.world > 1:  # a clean stop: every rank got Stop and left its last collective
         from imgedit.runtime.group import close_group
@@ -143,14 +145,14 @@ def _load(spec: WorkerSpec, say=lambda doing: None):
         torch.cuda.empty_cache()
         _cap_memory(spec.memory_caps)
     pair_split = runner.group is not None and runner.group.splits_cfg_off
-    info: dict = {"compiled": False, "batch_cfg": runner.cfg_batch is not None, "pair_ulysses": pair_split,
-                  "load_seconds": round(time.perf_counter() - started, 2),
-                  "loras": [f.name for f in spec.loras], "components": offload.describe(pipe, plan.memory),
-                  "fuse_lora": adapters.fusion.describe() if adapters.fusion is not None else "off",
-                  "fast_weights": adapters.fast.describe() if adapters.fast is not None else "none",
-                  "weights_mib": weights, "encode_cache": spec.encode_cache, "cpu_threads": torch.get_num_threads(),
-                  "pixels": str(on_gpu.device) if on_gpu is not None else "cpu",
-                  "fallbacks": list(adapters.fallbacks)}
+    report = StartupReport(
+        batch_cfg=runner.cfg_batch is not None, pair_ulysses=pair_split,
+        load_seconds=round(time.perf_counter() - started, 2), loras=[f.name for f in spec.loras],
+        components=offload.describe(pipe, plan.memory),
+        fuse_lora=adapters.fusion.describe() if adapters.fusion is not None else "off",
+        fast_weights=adapters.fast.describe() if adapters.fast is not None else "none",
+        weights_mib=weights, encode_cache=spec.encode_cache, cpu_threads=torch.get_num_threads(),
+        pixels=str(on_gpu.device) if on_gpu is not None else "cpu", fallbacks=list(adapters.fallbacks))
     if spec.hook:
         module, _, function = spec.hook.partition(":")
         import importlib
@@ -159,18 +161,18 @@ def _load(spec: WorkerSpec, say=lambda doing: None):
     if spec.attention != "native":
         for transformer in (pipe.transformer, *fast):
             offload.use_attention(transformer, spec.attention)
-    info["attention"] = offload.attention_in_use(pipe.transformer)  # as the processors have it
+    report.attention = offload.attention_in_use(pipe.transformer)  # as the processors have it
     if spec.compile:
-        warmup.compile_and_warm_up(spec, runner, (pipe.transformer, *fast), info, agree, say)
+        warmup.compile_and_warm_up(spec, runner, (pipe.transformer, *fast), report, agree, say)
     streamed = plan.memory is not None and plan.memory.offload_text_encoder  # rewrites refused (planning.modes)
     if cuda and spec.rank == 0 and not streamed:  # the rank that writes a group's rewrites
         say("warming up prompt rewriting")
-        info["rewrite_warmup_seconds"] = warmup.warm_up_rewrite(pipe, info["fallbacks"], spec.compile)
+        report.rewrite_warmup_seconds = warmup.warm_up_rewrite(pipe, report.fallbacks, spec.compile)
     if cuda:
-        info["memory_allocated_gib"] = round(torch.cuda.memory_allocated() / 1024**3, 2)
-        info["memory_reserved_gib"] = round(torch.cuda.memory_reserved() / 1024**3, 2)
-    log.info("loaded on %s in %.1fs (%s)", ",".join(plan.devices), time.perf_counter() - started, info)
-    return runner, info, time.perf_counter() - started
+        report.memory_allocated_gib = round(torch.cuda.memory_allocated() / 1024**3, 2)
+        report.memory_reserved_gib = round(torch.cuda.memory_reserved() / 1024**3, 2)
+    log.info("loaded on %s in %.1fs (%s)", ",".join(plan.devices), time.perf_counter() - started, asdict(report))
+    return runner, report, time.perf_counter() - started
 
 
 def _weights_per_gpu() -> dict[str, float]:
