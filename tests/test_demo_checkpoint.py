@@ -48,3 +48,24 @@ def test_module_command_writes_a_checkpoint(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((out / "model_index.json").read_text())["_class_name"] == "QwenImageEditPipeline"
+
+
+def test_a_2511_checkpoint_is_2509s_with_zero_cond_t_and_edits(tmp_path):
+    """`--kind 2511`: Qwen-Image-Edit-2511's transformer config adds zero_cond_t to 2509's (the Plus pipeline):
+    the tiny one edits through a worker (the condition tokens at timestep 0), the real-size one's config says so
+    (for the GPU machine's comparison with Qwen-Image-2.1)."""
+    import numpy as np
+    from conftest import make_manager, picture
+
+    from imgedit.protocol import EditRequest
+
+    tiny = build_checkpoint(tmp_path / "tiny", kind="2511")
+    assert open_checkpoint(tiny).family == "plus"
+    assert json.loads((tiny / "transformer" / "config.json").read_text())["zero_cond_t"] is True
+    real = build_checkpoint(tmp_path / "real", kind="2511", size="real")
+    config = json.loads((real / "transformer" / "config.json").read_text())
+    assert config["zero_cond_t"] is True and config["num_layers"] == 60
+    result = make_manager(tiny).edit(EditRequest(images=(picture(64, 64),), prompt="make it red", seed=2,
+                                                 num_inference_steps=2, width=64, height=64))
+    pixels = np.asarray(result.images[0], dtype=np.float64)
+    assert result.images[0].size == (64, 64) and np.isfinite(pixels).all() and pixels.std() > 0

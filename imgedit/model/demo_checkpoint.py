@@ -1,6 +1,6 @@
 """Write a random-weight Qwen image-edit checkpoint folder, fully offline.
 
-    python -m imgedit.model.demo_checkpoint OUT_DIR [--kind plus|edit|21] [--seed 0] [--size tiny|real]
+    python -m imgedit.model.demo_checkpoint OUT_DIR [--kind plus|edit|21|2511] [--seed 0] [--size tiny|real]
 
 `tiny` (the default) is a 2-layer model of about a megabyte that runs an edit on a CPU in seconds:
 the demo mode and the tests load it exactly like a real checkpoint. `real` writes the published
@@ -31,7 +31,8 @@ SPECIAL_TOKENS = (
 )
 FIRST_SPECIAL_ID = 151643
 VOCAB_SIZE = 152064
-PIPELINE_CLASS = {"edit": "QwenImageEditPipeline", "plus": "QwenImageEditPlusPipeline", "21": "QwenImage21Pipeline"}
+PIPELINE_CLASS = {"edit": "QwenImageEditPipeline", "plus": "QwenImageEditPlusPipeline", "21": "QwenImage21Pipeline",
+                  "2511": "QwenImageEditPlusPipeline"}  # 2511: 2509's pipeline, its transformer with zero_cond_t
 # The Qwen chat template the 2.1 pipeline runs on its system message (it counts the tokens to drop by it, so
 # it must lay messages out as the pipeline's hand-written prompt does).
 CHAT_TEMPLATE = (
@@ -253,6 +254,8 @@ def build_checkpoint(out: str | Path, kind: str = "plus", seed: int = 0, size: s
     cfg = _configs(size)
     if heads is not None:
         cfg["transformer"]["num_attention_heads"] = heads
+    if kind == "2511":  # Qwen-Image-Edit-2511's transformer config adds zero_cond_t (the rest is 2509's)
+        cfg["transformer"]["zero_cond_t"] = True
     tokenizer = build_tokenizer()
     FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG).save_pretrained(out / "scheduler")  # 2.1's: the same
     if kind == "21":
