@@ -243,9 +243,7 @@ def build_checkpoint(out: str | Path, kind: str = "plus", seed: int = 0, size: s
                      heads: int | None = None) -> Path:
     """Write the checkpoint folder (model_index.json + one subfolder per component) and return it.
     `heads`: the transformer's attention heads, when not the size's own (Ulysses splits heads)."""
-    import torch
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
     if kind not in PIPELINE_CLASS:
         raise ValueError(f"kind must be one of {sorted(PIPELINE_CLASS)}")
@@ -260,19 +258,35 @@ def build_checkpoint(out: str | Path, kind: str = "plus", seed: int = 0, size: s
     FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG).save_pretrained(out / "scheduler")  # 2.1's: the same
     if kind == "21":
         _build_21(out, seed, size, tokenizer)
-        _write_json(out / "model_index.json", {
-            "_class_name": PIPELINE_CLASS[kind],
-            "_diffusers_version": "0.42.1",
-            "processor": ["transformers", "Qwen3VLProcessor"],
-            "sample_sigmas": None,
+    else:
+        _build_edit(out, seed, size, tokenizer, cfg)
+    _write_json(out / "model_index.json", {
+        "_class_name": PIPELINE_CLASS[kind], "_diffusers_version": "0.42.1", **(INDEX_21 if kind == "21" else INDEX),
+        "imgedit_demo": {"seed": seed, "size": size, "random_weights": size != "tiny"},
+    })
+    log.info("wrote %s %s checkpoint (seed %d) to %s", size, PIPELINE_CLASS[kind], seed, out)
+    return out
+
+
+# model_index.json's components: the edit pipelines' and Qwen-Image-2.1's (its processor holds the tokenizer)
+INDEX = {"processor": ["transformers", "Qwen2VLProcessor"],
+         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+         "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+         "tokenizer": ["transformers", "Qwen2Tokenizer"], "transformer": ["diffusers", "QwenImageTransformer2DModel"],
+         "vae": ["diffusers", "AutoencoderKLQwenImage"]}
+INDEX_21 = {"processor": ["transformers", "Qwen3VLProcessor"], "sample_sigmas": None,
             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
             "text_encoder": ["transformers", "Qwen3VLForConditionalGeneration"],
             "transformer": ["diffusers", "QwenImage21Transformer2DModel"],
-            "vae": ["diffusers", "AutoencoderKLQwenImage21"],
-            "imgedit_demo": {"seed": seed, "size": size, "random_weights": size != "tiny"},
-        })
-        log.info("wrote %s %s checkpoint (seed %d) to %s", size, PIPELINE_CLASS[kind], seed, out)
-        return out
+            "vae": ["diffusers", "AutoencoderKLQwenImage21"]}
+
+
+def _build_edit(out: Path, seed: int, size: str, tokenizer, cfg: dict) -> None:
+    """The edit pipelines' components (Qwen2.5-VL, the 60-block transformer, the 8x VAE) and tokenizer."""
+    import torch
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
     tokenizer.save_pretrained(out / "tokenizer")
     _processor(tokenizer).save_pretrained(out / "processor")
     te_config = text_encoder_config(size)
@@ -288,19 +302,6 @@ def build_checkpoint(out: str | Path, kind: str = "plus", seed: int = 0, size: s
                     {"_class_name": "QwenImageTransformer2DModel", **_jsonable(cfg["transformer"])})
         _write_json(out / "vae" / "config.json", {"_class_name": "AutoencoderKLQwenImage", **cfg["vae"]})
         te_config.save_pretrained(out / "text_encoder")
-    _write_json(out / "model_index.json", {
-        "_class_name": PIPELINE_CLASS[kind],
-        "_diffusers_version": "0.42.1",
-        "processor": ["transformers", "Qwen2VLProcessor"],
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
-        "tokenizer": ["transformers", "Qwen2Tokenizer"],
-        "transformer": ["diffusers", "QwenImageTransformer2DModel"],
-        "vae": ["diffusers", "AutoencoderKLQwenImage"],
-        "imgedit_demo": {"seed": seed, "size": size, "random_weights": size != "tiny"},
-    })
-    log.info("wrote %s %s checkpoint (seed %d) to %s", size, PIPELINE_CLASS[kind], seed, out)
-    return out
 
 
 def _jsonable(d: dict) -> dict:

@@ -34,7 +34,7 @@ from imgedit.planning.families import FAMILIES
 from imgedit.protocol import JOBS, EditRequest, request_kwargs
 from imgedit.web.metrics import Metrics
 from imgedit.web.rest import STATUS, UNAUTHORIZED, owner_of, rest_words
-from imgedit.web.rest_requests import IMAGE_FIELDS, form_fields, mask_fields, output_format, read_form
+from imgedit.web.rest_requests import IMAGE_FIELDS, check_body, form_fields, mask_fields, output_format, read_form
 
 log = logging.getLogger(__name__)
 SET_FIELD = re.compile(r"set(\d{1,4})(\[\])?")
@@ -203,14 +203,9 @@ def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Me
 
 
 async def _parse(request: Request, settings: Settings, manager) -> tuple[EditRequest, list[tuple[str, list[bytes]]]]:
-    length = request.headers.get("content-length", "")
     limit = settings.max_file_size * (settings.batch_max_items + 2) + 1_000_000
-    if not length.isdecimal() or len(length) > 15:
-        raise InvalidInput("send the body with a Content-Length (chunked uploads are not accepted)")
-    if int(length) > limit:
-        raise InputTooLarge(f"request body is {int(length):,} bytes; the limit is {limit:,}")
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise InvalidInput("send multipart/form-data with 'image' (or 'batch') files and a 'prompt'")
+    check_body(request, limit, "multipart/form-data", "send multipart/form-data with 'image' (or 'batch') files "
+               "and a 'prompt'")
     most = FAMILIES[manager.family].max_images  # images in one set
     form = await read_form(request, most * settings.batch_max_items + 3,
                            f"a job takes at most {settings.batch_max_items} input sets: BATCH_MAX_ITEMS")

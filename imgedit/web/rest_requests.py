@@ -120,13 +120,8 @@ async def parse_generation(request: Request, manager) -> tuple[EditRequest, Reso
     if not family.generates:
         raise InvalidInput(f"this server's model ({family.model}) edits images and does not make them from a "
                            "prompt alone: POST /v1/images/edits with an 'image'")
-    if not request.headers.get("content-type", "").startswith("application/json"):
-        raise InvalidInput("send a JSON body (Content-Type: application/json) with a 'prompt'")
-    length = request.headers.get("content-length", "")
-    if not length.isdecimal() or len(length) > 15:
-        raise InvalidInput("send the body with a Content-Length (chunked uploads are not accepted)")
-    if int(length) > MAX_JSON_BODY:
-        raise InputTooLarge(f"request body is {int(length):,} bytes; the limit is {MAX_JSON_BODY:,}")
+    check_body(request, MAX_JSON_BODY, "application/json", "send a JSON body (Content-Type: application/json) "
+               "with a 'prompt'")
     try:
         body = json.loads(await request.body())
     except ValueError:
@@ -161,16 +156,23 @@ def output_format(form) -> tuple[str, int]:
 
 async def edit_form(request: Request, settings: Settings, family: str):
     """The multipart form, its size checked before it is read."""
-    length = request.headers.get("content-length", "")
     most = FAMILIES[family].max_images
     limit = settings.max_file_size * (most + 1) + 1_000_000  # the images and a mask, plus the text fields
+    check_body(request, limit, "multipart/form-data", "send multipart/form-data with one or more 'image' files "
+               "and a 'prompt'")
+    return await read_form(request, most + 5, f"an edit takes at most {most} 'image' file(s) and a 'mask'")
+
+
+def check_body(request: Request, limit: int, content_type: str, wrong_type: str) -> None:
+    """The body's declared length within `limit` and its type `content_type` (else `wrong_type` says what to
+    send), before any of it is read."""
+    length = request.headers.get("content-length", "")
     if not length.isdecimal() or len(length) > 15:
         raise InvalidInput("send the body with a Content-Length (chunked uploads are not accepted)")
     if int(length) > limit:
         raise InputTooLarge(f"request body is {int(length):,} bytes; the limit is {limit:,}")
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise InvalidInput("send multipart/form-data with one or more 'image' files and a 'prompt'")
-    return await read_form(request, most + 5, f"an edit takes at most {most} 'image' file(s) and a 'mask'")
+    if not request.headers.get("content-type", "").startswith(content_type):
+        raise InvalidInput(wrong_type)
 
 
 MAX_FORM_FIELDS = 64  # text fields of one REST request: every parameter of ours fits many times over
