@@ -152,7 +152,6 @@ def _special_id(token: str) -> int:
 
 
 def _build_21(out: Path, seed: int, size: str, tokenizer) -> None:
-    import torch
     from diffusers import AutoencoderKLQwenImage21, QwenImage21Transformer2DModel
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -182,12 +181,18 @@ def _build_21(out: Path, seed: int, size: str, tokenizer) -> None:
                               image_token_id=_special_id("<|image_pad|>"), video_token_id=_special_id("<|video_pad|>"),
                               vision_start_token_id=_special_id("<|vision_start|>"),
                               vision_end_token_id=_special_id("<|vision_end|>"))
-    torch.manual_seed(seed)
-    QwenImage21Transformer2DModel(**cfg["transformer"]).save_pretrained(out / "transformer")
-    torch.manual_seed(seed)
-    AutoencoderKLQwenImage21(**cfg["vae"]).save_pretrained(out / "vae")
-    torch.manual_seed(seed)
-    Qwen3VLForConditionalGeneration(te_config).save_pretrained(out / "text_encoder")
+    _save_seeded(out, seed, {"transformer": lambda: QwenImage21Transformer2DModel(**cfg["transformer"]),
+                             "vae": lambda: AutoencoderKLQwenImage21(**cfg["vae"]),
+                             "text_encoder": lambda: Qwen3VLForConditionalGeneration(te_config)})
+
+
+def _save_seeded(out: Path, seed: int, builders: dict) -> None:
+    """Each component built right after seeding (the same seed, the same weights) and saved in its folder."""
+    import torch
+
+    for name, build in builders.items():
+        torch.manual_seed(seed)
+        build().save_pretrained(out / name)
 
 
 def build_tokenizer():
@@ -283,7 +288,6 @@ INDEX_21 = {"processor": ["transformers", "Qwen3VLProcessor"], "sample_sigmas": 
 
 def _build_edit(out: Path, seed: int, size: str, tokenizer, cfg: dict) -> None:
     """The edit pipelines' components (Qwen2.5-VL, the 60-block transformer, the 8x VAE) and tokenizer."""
-    import torch
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -291,12 +295,9 @@ def _build_edit(out: Path, seed: int, size: str, tokenizer, cfg: dict) -> None:
     _processor(tokenizer).save_pretrained(out / "processor")
     te_config = text_encoder_config(size)
     if size == "tiny":
-        torch.manual_seed(seed)
-        QwenImageTransformer2DModel(**cfg["transformer"]).save_pretrained(out / "transformer")
-        torch.manual_seed(seed)
-        AutoencoderKLQwenImage(**cfg["vae"]).save_pretrained(out / "vae")
-        torch.manual_seed(seed)
-        Qwen2_5_VLForConditionalGeneration(te_config).save_pretrained(out / "text_encoder")
+        _save_seeded(out, seed, {"transformer": lambda: QwenImageTransformer2DModel(**cfg["transformer"]),
+                                 "vae": lambda: AutoencoderKLQwenImage(**cfg["vae"]),
+                                 "text_encoder": lambda: Qwen2_5_VLForConditionalGeneration(te_config)})
     else:  # configs only: weights are materialised at load time (imgedit.runtime.loader, random_weights=True)
         _write_json(out / "transformer" / "config.json",
                     {"_class_name": "QwenImageTransformer2DModel", **_jsonable(cfg["transformer"])})
