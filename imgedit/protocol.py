@@ -65,7 +65,8 @@ class Param:
 
 
 PARAMETERS: tuple[Param, ...] = (
-    Param("images", "file", "the image(s) to edit: 1 for Qwen-Image-Edit, 1-3 for 2509/2511", rest="image",
+    Param("images", "file", "the image(s) to edit: 1 for Qwen-Image-Edit, 1-3 for 2509/2511, 0-10 for "
+          "Qwen-Image-2.1 (none: an image from the prompt alone)", rest="image",
           takes=SINGLE, required=True),
     Param("prompt", "text", "what to change, in words (up to 4,000 characters and 1,024 tokens)", default="",
           required=True, png=True, restore=True),
@@ -76,7 +77,8 @@ PARAMETERS: tuple[Param, ...] = (
           field=None, api_default=True),
     Param("num_inference_steps", "whole", "denoising steps, 2 to MAX_STEPS; absent: the model's", png=True,
           restore=True),
-    Param("true_cfg_scale", "number", "1 to 20 (1 turns CFG off); absent: DEFAULT_TRUE_CFG", png=True,
+    Param("true_cfg_scale", "number", "1 to 20 (1 turns CFG off); absent: DEFAULT_TRUE_CFG (Qwen-Image-2.1: 1)",
+          png=True,
           restore=True),
     Param("num_images", "whole", "images per prompt, 1 to MAX_IMAGES_PER_PROMPT", default=1, rest="n"),
     Param("width", "whole", "output width; 0 or absent: from the last input's aspect, about 1 megapixel",

@@ -333,3 +333,38 @@ def test_prompt_rewriting_with_qwen3_vl_for_an_edit_and_a_text_to_image(manager2
                             "num_inference_steps": 2, "seed": 1})
     assert made.status_code == 200, made.text
     assert made.json()["data"][0]["revised_prompt"] == scripted
+
+
+def test_review_findings_one_side_history_cfg_snippet_size_cache_control_and_a_lone_mask(manager21, server21):
+    """What a review found: a template checked before its images are decoded keeps the other side open (not a
+    square: a 3072-wide item of a 3072x768 input is within MAX_OUTPUT_PIXELS); the Step cache is not offered;
+    a text to image with one side given is copied as the square the page makes; a mask without an input image
+    is refused by name."""
+    from types import SimpleNamespace
+
+    from imgedit.engine.validation import check_params
+    from imgedit.protocol import EditRequest
+    from imgedit.web.tools import PageTools
+
+    check_params(EditRequest(images=(), prompt="x", width=3072), manager21.settings, "21")  # no error
+    assert manager21.resolve(EditRequest(images=(), prompt="x", width=256)).height == 256  # text to image: square
+    assert "caches the text and condition keys" in manager21.cache_refusal()
+    tools = PageTools(manager21.settings, "21", 40, manager21.prompt_tokens)
+    form = {"images": None, "prompt": "a boat", "negative_prompt": "", "seed": 1, "randomize_seed": False,
+            "num_inference_steps": 2, "true_cfg_scale": 1.0, "num_images": 1, "width": 256, "height": 0}
+    _, _, curl, openai, _ = tools.api_call(form, None, request=SimpleNamespace(headers={"host": "h:1"}))
+    assert '"size": "256x256"' in curl and "size='256x256'" in openai
+    mask = Image.new("RGBA", (64, 64), (0, 0, 0, 0))
+    refused = httpx.post(f"{server21.url}/v1/images/edits", data={"prompt": "x"}, timeout=30,
+                         files=[("mask", ("m.png", png(mask), "image/png"))])
+    assert refused.status_code == 400 and refused.json()["error"]["param"] in ("image", "mask"), refused.text
+
+
+def test_a_mask_without_an_image_is_refused_by_name_over_gradio(server21, tmp_path):
+    from gradio_client import Client, handle_file
+
+    mask = tmp_path / "mask.png"
+    Image.new("RGBA", (64, 64), (0, 0, 0, 0)).save(mask)
+    with pytest.raises(Exception, match="a mask needs an input image"):
+        Client(server21.url, verbose=False).predict(images=[], prompt="x", mask=handle_file(str(mask)),
+                                                     num_inference_steps=2, api_name="/edit")

@@ -108,7 +108,7 @@ class PipelineManager:
         return modes.compile_enabled(self.settings, plan)
 
     def cache_refusal(self) -> str | None:
-        return modes.cache_refusal(self.settings, self._plans)
+        return not_built(self.family, "cache") or modes.cache_refusal(self.settings, self._plans)
 
     def check_cache(self, cache: str | None) -> None:
         """InvalidInput (400) when a job asks for a step cache these workers cannot run."""

@@ -131,8 +131,11 @@ def resolve(req: EditRequest, settings: Settings, family: str,
             last_image_size: tuple[int, int] | None, n_images: int | None,
             tokens: PromptTokens | None = None) -> Resolved:
     _check_inputs(req, family, n_images, tokens)
-    if last_image_size is None and not req.images and FAMILIES[family].generates:
-        last_image_size = (1, 1)  # text to image: one side given, the image is square
+    if n_images == 0 and FAMILIES[family].generates:
+        # text to image (decoded: no image came): one side given, the image is square. A template checked
+        # before its images are decoded (n_images None: /v1/jobs, the Batch tab, a PNG's restore) keeps the
+        # other side open, as for the edit models.
+        last_image_size = (1, 1)
     if not isinstance(req.enhance_prompt, bool):
         raise InvalidInput("enhance_prompt must be true or false", "enhance_prompt")
     preset = speed_preset(req, settings, family)  # a Lightning preset sets its steps and turns CFG off

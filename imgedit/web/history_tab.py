@@ -19,6 +19,7 @@ from imgedit.engine.history import HistoryEntry, HistoryStore
 from imgedit.engine.images import read_settings
 from imgedit.engine.validation import lora_adapters, speed_preset
 from imgedit.errors import ImgEditError
+from imgedit.planning.families import FAMILIES
 from imgedit.protocol import EditRequest
 from imgedit.web.exports import download_name, export_copy
 from imgedit.web.identity import page_owner
@@ -66,7 +67,7 @@ HISTORY_CSS = """<style>
 
 
 def build_history_tab(settings: Settings, history: HistoryStore, controls: dict, edit_outputs: list, edit,
-                      gpu_group: str, cache_offered: bool = True):
+                      gpu_group: str, cache_offered: bool = True, family: str = "plus"):
     """Inside a `gr.Tabs`: the History tab. `controls` ({declared parameter: the page's control}, in `/edit`'s
     order), `edit_outputs` and `edit` are the Edit tab's button's, so a re-run is an ordinary edit (same line,
     same checks and messages, stored again); the mask's settings (not stored) stay as the form has them.
@@ -159,7 +160,8 @@ def build_history_tab(settings: Settings, history: HistoryStore, controls: dict,
 
     def values(entry: HistoryEntry, speed: tuple) -> tuple:
         inputs = [export_copy([p], f"input-{k + 1}") for k, p in enumerate(entry.input_paths)]
-        cfg = settings.default_true_cfg if entry.true_cfg_scale is None else entry.true_cfg_scale
+        # a request that left CFG out ran at the model's own (Qwen-Image-2.1: off)
+        cfg = FAMILIES[family].cfg(settings.default_true_cfg) if entry.true_cfg_scale is None else entry.true_cfg_scale
         made_with = read_settings(entry.output_paths[0]).get("cache") if entry.output_paths else None
         stored = dict(images=inputs, prompt=entry.prompt, negative_prompt=entry.negative_prompt, seed=entry.seed,
                       randomize_seed=False, num_inference_steps=entry.steps, true_cfg_scale=cfg,

@@ -441,6 +441,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
             with gr.Tabs():
                 build_batch_tab(settings, manager, jobs, controls)
                 history_api = build_history_tab(settings, history, controls, page_outputs, edit_page,
-                                                GPU_GROUP, cache_offered=not cache_refused)
+                                                GPU_GROUP, cache_offered=not cache_refused,
+                                                family=manager.family)
             gr.api(history_api, api_name="history", queue=False)
     return blocks

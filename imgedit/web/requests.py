@@ -109,6 +109,8 @@ def build_request(settings: Settings, family: str, *values, source: str) -> Edit
     if mask_paths := uploaded_paths(raw.get("mask"), "mask"):
         if len(mask_paths) > 1:
             raise InvalidInput("send one mask (for the first image)", "mask")
+        if not decoded:  # a model that generates takes no image; a mask belongs to one
+            raise InvalidInput("a mask needs an input image to edit (the mask is the first image's size)", "mask")
         with open(mask_paths[0], "rb") as f:
             data = f.read(settings.max_file_size + 1)
         fields["mask"] = open_mask(data, decoded[0].size, settings.max_input_pixels)

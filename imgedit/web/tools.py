@@ -171,8 +171,11 @@ class PageTools:
         last input's aspect), so that REST's `size` (both sides or auto) makes what the page makes."""
         try:
             width, height = int(float(width or 0)), int(float(height or 0))
-            if bool(width) == bool(height) or not paths:
+            if bool(width) == bool(height):
                 return width, height
+            if not paths:  # text to image: the model makes it square (validation.resolve); else as the form says
+                return output_size(width, height, (1, 1), self.settings, self.family) if FAMILIES[
+                    self.family].generates else (width, height)
             with Image.open(paths[-1]) as last:  # the header only
                 return output_size(width, height, last.size, self.settings, self.family)
         except Exception:  # noqa: BLE001 - junk or an unreadable file: the snippet repeats the form as it is
