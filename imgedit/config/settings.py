@@ -70,9 +70,11 @@ REGISTRY: tuple[Var, ...] = (
     Var("TORCH_DTYPE", "bfloat16", _choice(*DTYPES),
         "bfloat16 (recommended) | float16 (black images with this model) | float32"),
     Var("QUEUE_MAX_SIZE", "16", _int_range(1, 10_000), "Jobs allowed to wait in line; more get 'busy, try later'"),
-    Var("DEFAULT_STEPS", "0", _int_range(0, 1000), "Default denoising steps; 0 = per model (Edit 50, Plus 40)"),
+    Var("DEFAULT_STEPS", "0", _int_range(0, 1000),
+        "Default denoising steps; 0 = per model (Edit 50, Plus 40, Qwen-Image-2.1 40)"),
     Var("MAX_STEPS", "100", _int_range(1, 1000), "Largest num_inference_steps a request may ask for"),
-    Var("DEFAULT_TRUE_CFG", "4.0", _float_range(1.0, 20.0), "Default true CFG scale (1 turns CFG off) for the edit models; Qwen-Image-2.1 runs at 1 (no CFG) "
+    Var("DEFAULT_TRUE_CFG", "4.0", _float_range(1.0, 20.0),
+        "Default true CFG scale (1 turns CFG off) for the edit models; Qwen-Image-2.1 runs at 1 (no CFG) "
         "unless a request asks"),
     Var("MAX_INPUT_PIXELS", "16777216", _int_range(1, 178_000_000),  # Pillow refuses more anyway
         "Largest input image in pixels (checked before decoding)"),
