@@ -57,10 +57,21 @@ def answer(sock: socket.socket, wait: float) -> bytes | None:
         data += chunk
 
 
+def refused_silently(port: int, source: str) -> bytes | None:
+    """What the server answers a connection that sends nothing (so nothing of it is left unread at the server's
+    close, and the 503 arrives whole, with no reset)."""
+    with socket.socket() as sock:
+        sock.bind((source, 0))
+        sock.settimeout(10)
+        sock.connect(("127.0.0.1", port))
+        return answer(sock, 10)
+
+
 def refuses(answers: list[bytes], cap: bytes) -> bool:
-    """Every answer is the 503 naming `cap` or a reset, and at least one is the 503."""
+    """Every answer is the 503 naming `cap` or a reset. On a loaded machine every request may be in the
+    server's buffer before it accepts, and then every refusal is a reset (seen once in a full run)."""
     said = [a.startswith(b"HTTP/1.1 503") and cap in a for a in answers]
-    return any(said) and all(ok or a == RESET for ok, a in zip(said, answers, strict=True))
+    return all(ok or a == RESET for ok, a in zip(said, answers, strict=True))
 
 
 def refusals(socks: list[socket.socket], at_least: int, wait: float) -> list[bytes | None]:
@@ -85,6 +96,8 @@ def test_half_open_connections_are_capped_per_client_and_closed_at_the_deadline(
         held = [s for s, a in zip(socks, answers, strict=True) if a is None]
         assert len(refused) == 50 and len(held) == 30, (len(refused), len(held), {a[:40] for a in refused})
         assert refuses(refused, b"MAX_CONNECTIONS_PER_CLIENT"), refused
+        said = refused_silently(port, "127.0.0.2")  # one more from that address, whose 503 is read whole
+        assert said.startswith(b"HTTP/1.1 503") and b"MAX_CONNECTIONS_PER_CLIENT" in said, said
         assert httpx.get(f"{url}/health", timeout=5).status_code == 200  # another address is served meanwhile
         closed = [answer(s, 5) for s in held]
         assert time.monotonic() - started < 9
@@ -119,6 +132,8 @@ def test_a_flood_from_many_addresses_meets_the_servers_cap(flood_server):
         refused = [a for a in answers if a is not None]
         assert len(refused) == 20 and sum(a is None for a in answers) == 100, len(refused)
         assert refuses(refused, b"(MAX_CONNECTIONS)"), refused
+        said = refused_silently(port, "127.0.0.9")  # one more, from an address not yet seen
+        assert said.startswith(b"HTTP/1.1 503") and b"(MAX_CONNECTIONS)" in said, said
     finally:
         for s in socks:
             s.close()
