@@ -368,3 +368,23 @@ def test_a_mask_without_an_image_is_refused_by_name_over_gradio(server21, tmp_pa
     with pytest.raises(Exception, match="a mask needs an input image"):
         Client(server21.url, verbose=False).predict(images=[], prompt="x", mask=handle_file(str(mask)),
                                                      num_inference_steps=2, api_name="/edit")
+
+
+def test_history_fills_the_form_with_the_familys_cfg_for_an_entry_that_left_it_out(server21):
+    """A text to image made without a CFG scale ran at the family's (1: off); the History tab's Re-run fills the
+    form with that, not DEFAULT_TRUE_CFG's 4, and no input image."""
+    from gradio_client import Client
+    from raw_gradio import RawGradio
+
+    from imgedit.web.identity import COOKIE
+    from imgedit.web.requests import edit_fields
+
+    browser = Client(server21.url, verbose=False)
+    browser.predict(images=[], prompt="a quiet harbour", seed=3, randomize_seed=False, num_inference_steps=2,
+                    true_cfg_scale=None, width=64, height=64, api_name="/edit")
+    [listed] = [e for e in browser.predict(api_name="/history") if e["prompt"] == "a quiet harbour"]
+    raw = RawGradio(server21.url, httpx.Client(timeout=60, cookies={COOKIE: browser.cookies[COOKIE]}))
+    filled = raw.predict(raw.fn_index(trigger=("history-rerun", "click")), [listed["id"]])
+    assert filled.status_code == 200, filled.text
+    form = dict(zip(edit_fields(), filled.json()["data"], strict=True))
+    assert form["true_cfg_scale"] == 1.0 and form["seed"] == 3 and not form["images"], form
