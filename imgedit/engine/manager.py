@@ -261,13 +261,13 @@ class PipelineManager:
         params = resolve(req, self.settings, self.family, req.images[-1].size if req.images else None,
                          len(req.images), self.prompt_tokens)
         self.check_cache(params.cache)
-        check_enhance(params, self._plans, self.family)
+        check_enhance(params, self._plans)
         return params
 
     def resolve_enhance(self, req: EditRequest) -> Resolved:
         """A prompt rewrite's parameters (the images and the instruction), or InvalidInput naming the field."""
         params = resolve_enhance(req, self.settings, self.family, len(req.images), self.prompt_tokens)
-        check_enhance(params, self._plans, self.family)
+        check_enhance(params, self._plans)
         return params
 
     def edit(self, req: EditRequest, on_step: StepCallback | None = None, on_wait: WaitCallback | None = None,

@@ -393,20 +393,23 @@ class WorkerHandle:
         return asdict(self.report) if self.report is not None else {}
 
     def status(self) -> WorkerStatus:
-        report = self.report or StartupReport(encode_cache=0, cpu_threads=0)
         placement = {n: p.describe() for n, p in self.plan.components.items()}
         if self.plan.parallel != "none":
             placement = {n: ", ".join(self.plan.rank_devices) for n in self.plan.components}
         return WorkerStatus(self.name, self.plan.devices, placement, self.state, self.job_id, self.step,
                             self.total_steps, self.jobs_done, self.error, parallel=self.plan.parallel,
                             ranks=self.plan.ranks, pids=self.pids, restarts=self.restarts,
-                            compiled=report.compiled, detail=self.detail, encode_cache=report.encode_cache,
-                            attention=report.attention if self.report else "",
-                            components=report.components if self.report else None,
-                            weights_mib=dict(self.weights_mib),
-                            fast_weights=report.fast_weights if self.report else "",
-                            cpu_threads=report.cpu_threads, fallbacks=tuple(report.fallbacks),
-                            job_client=self.job_client)
+                            detail=self.detail, weights_mib=dict(self.weights_mib), job_client=self.job_client,
+                            **self._loaded())
+
+    def _loaded(self) -> dict:
+        """What the status takes from the start-up report; nothing before it came (WorkerStatus's defaults)."""
+        r = self.report
+        if r is None:
+            return {}
+        return dict(compiled=r.compiled, encode_cache=r.encode_cache, attention=r.attention,
+                    components=r.components, fast_weights=r.fast_weights, cpu_threads=r.cpu_threads,
+                    fallbacks=tuple(r.fallbacks))
 
 
 def wait_result(handle: WorkerHandle, events: queue.Queue, cancel: threading.Event,

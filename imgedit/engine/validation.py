@@ -161,8 +161,6 @@ def resolve(req: EditRequest, settings: Settings, family: str,
     if not 0 <= seed <= MAX_SEED:
         raise InvalidInput(f"seed {seed} is out of range: 0 to {MAX_SEED}", "seed")
     grow, feather, strength = check_mask_fields(req.mask_grow, req.mask_feather, req.strength)
-    if req.mask is not None and (refused := not_built(family, "mask")) is not None:
-        raise InvalidInput(f"masked edits are not available for this model: {refused}", "mask")
     if req.mask is not None and req.images:
         # A masked edit follows the first image (the one it changes), not the last as the pipelines do.
         first = req.images[0].size
@@ -199,10 +197,10 @@ def step_cache(req: EditRequest, settings: Settings, preset, family: str = "plus
     return req.cache or settings.cache
 
 
-def check_enhance(params: Resolved, plans, family: str = "plus") -> None:
+def check_enhance(params: Resolved, plans) -> None:
     """InvalidInput (400) when a job asks for a prompt rewrite these workers cannot write (planning.modes)."""
     if params.task == "enhance" or params.enhance_tokens:
-        if (refusal := modes.enhance_refusal(plans, family)) is not None:
+        if (refusal := modes.enhance_refusal(plans)) is not None:
             raise InvalidInput(f"prompt rewriting is not available on this server: {refusal}",
                                None if params.task == "enhance" else "enhance_prompt")
 

@@ -88,11 +88,6 @@ FAMILIES = {
                  output_resolution=1024, quantize_skip=(), not_built=_21_NOT_BUILT),
 }
 BY_PIPELINE = {f.pipeline_class: f for f in FAMILIES.values()}
-MAX_INPUT_IMAGES = max(f.max_images for f in FAMILIES.values())  # what an edge may ever take
-
-
-def family(key: str) -> Family:
-    return FAMILIES[key]
 
 
 def not_built(key: str, mode: str) -> str | None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from imgedit.config.settings import Settings
-from imgedit.planning.families import not_built
 from imgedit.planning.plan import WorkerPlan
 
 
@@ -30,10 +29,8 @@ def cache_refusal(settings: Settings, plans: Sequence[WorkerPlan]) -> str | None
     return None
 
 
-def enhance_refusal(plans: Sequence[WorkerPlan], family: str = "plus") -> str | None:
+def enhance_refusal(plans: Sequence[WorkerPlan]) -> str | None:
     """Why these workers cannot rewrite prompts, or None."""
-    if (refused := not_built(family, "enhance")) is not None:
-        return refused
     if any(p.memory is not None and p.memory.offload_text_encoder for p in plans):
         # measured on an H200 under MAX_MEMORY=22GiB (2026-11-27): the stream's prefetch order, traced on prompt
         # encoding, misses the rotary embedding on generate()'s decoding steps (no vision tower): a device error

@@ -9,7 +9,6 @@ import threading
 import time
 import traceback
 
-from imgedit.planning.families import FAMILIES
 from imgedit.runtime.fallback import agreed, cause
 from imgedit.runtime.messages import Job, StartupReport, WorkerSpec
 
@@ -98,17 +97,12 @@ def warm_up(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
     from imgedit.protocol import EditRequest, Resolved
 
     family = spec.checkpoint.family
-    # the family's quality edit (CFG 4 for the edit models; Qwen-Image-2.1 runs without), and for a model that
-    # generates, a text to image too: no condition image is a graph of its own (its sequence has no image part)
-    cfg = FAMILIES[family].cfg(4.0)
-    runs: list[tuple[int, int, str, dict]] = [(width, height, "", {"true_cfg_scale": cfg})
+    runs: list[tuple[int, int, str, dict]] = [(width, height, "", {"true_cfg_scale": 4.0})
                                               for width, height in spec.warmup_sizes]
-    if FAMILIES[family].generates:
-        runs += [(width, height, "t2i-", {"true_cfg_scale": cfg}) for width, height in spec.warmup_sizes]
 
     def execute(k: int, width: int, height: int, name: str, params: dict) -> float:
         say(f"compiling: warm-up {k} of {len(runs)} ({name.rstrip('-') or 'quality'} at {width}x{height})")
-        images = () if name == "t2i-" else (Image.new("RGB", (width, height), (120, 130, 140)),)
+        image = Image.new("RGB", (width, height), (120, 130, 140))
         cfg_on = params["true_cfg_scale"] > 1
         multiple = runner.group.text_multiple(cfg_on) if runner.group is not None else 1
         started = time.perf_counter()
@@ -116,7 +110,7 @@ def warm_up(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
             # a text padded to the Ulysses degree carries a mask, one not padded none: two variants of the
             # compiled block, each warmed at every size (or a user's first prompt of the other kind compiles)
             negative = prompt if cfg_on and multiple > 1 else " "
-            req = EditRequest(images=images, prompt=prompt, request_id=f"warmup-{name}{width}x{height}-{i}",
+            req = EditRequest(images=(image,), prompt=prompt, request_id=f"warmup-{name}{width}x{height}-{i}",
                               source="warmup")
             job = Job(req, Resolved(steps=2, negative_prompt=negative, seed=0, num_images=1, width=width,
                                     height=height, **params), family)
