@@ -399,11 +399,12 @@ class WorkerHandle:
         return WorkerStatus(self.name, self.plan.devices, placement, self.state, self.job_id, self.step,
                             self.total_steps, self.jobs_done, self.error, parallel=self.plan.parallel,
                             ranks=self.plan.ranks, pids=self.pids, restarts=self.restarts,
-                            detail=self.detail, weights_mib=dict(self.weights_mib), job_client=self.job_client,
-                            **self._loaded())
+                            detail=self.detail, weights_mib=dict(self.weights_mib),
+                            job_client=self.job_client, **self._loaded())
 
     def _loaded(self) -> dict:
-        """What the status takes from the start-up report; nothing before it came (WorkerStatus's defaults)."""
+        """What the status takes from the start-up report; nothing before it came (WorkerStatus's
+        defaults)."""
         r = self.report
         if r is None:
             return {}

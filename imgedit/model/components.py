@@ -21,12 +21,17 @@ KNOWN_CLASSES = {
 }
 
 
+def model_index(folder: Path) -> dict:
+    """The checkpoint's model_index.json: each component's library and class."""
+    return json.loads((Path(folder) / "model_index.json").read_text())
+
+
 def component_classes(folder: Path) -> dict:
     """Each component's class as the checkpoint's model_index.json names it (one of KNOWN_CLASSES)."""
     import diffusers
     import transformers
 
-    index = json.loads((Path(folder) / "model_index.json").read_text())
+    index = model_index(folder)
     classes = {}
     for name, known in KNOWN_CLASSES.items():
         library, class_name = index[name]

@@ -10,12 +10,13 @@ checkpoint's model_index.json).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from transformers import Qwen2Tokenizer, Qwen2VLProcessor, Qwen3VLProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.utils import is_torchvision_available
+
+from imgedit.model.components import model_index
 
 
 class ImageOnlyProcessor(Qwen2VLProcessor):
@@ -34,8 +35,7 @@ class ImageOnlyQwen3Processor(Qwen3VLProcessor):
 
 def processor_class(checkpoint_folder: str | Path) -> str:
     """The processor class the checkpoint's model_index.json names (Qwen2VLProcessor, Qwen3VLProcessor)."""
-    index = json.loads((Path(checkpoint_folder) / "model_index.json").read_text())
-    return index.get("processor", [None, "Qwen2VLProcessor"])[1]
+    return model_index(checkpoint_folder).get("processor", [None, "Qwen2VLProcessor"])[1]
 
 
 def load_processor(folder: str | Path, kind: str = "Qwen2VLProcessor"):
