@@ -95,16 +95,22 @@ def event_fields(raw: dict) -> dict:
     return fields
 
 
+def decode_uploads(settings: Settings, family: str, images) -> tuple:
+    """The event's uploaded images (in Gradio's upload cache), counted for the family and decoded, each named by
+    its file (transparency kept for a model that takes it)."""
+    paths = uploaded_paths(images)
+    check_counts(len(paths), family)
+    alpha = FAMILIES[family].rgba
+    return tuple(open_image(p, settings.max_input_pixels, image_label(i + 1, p), alpha) for i, p in enumerate(paths))
+
+
 def build_request(settings: Settings, family: str, *values, source: str) -> EditRequest:
     """Parse one event's raw values, `/edit`'s parameters in the declaration's order (protocol.PARAMETERS; absent
     trailing ones take their defaults), each by its kind. Every file must lie in Gradio's upload cache
     (imgedit.web.uploads)."""
     names = edit_fields()
     raw = dict(zip(names, values, strict=False))
-    paths = uploaded_paths(raw.get("images"))
-    check_counts(len(paths), family)
-    alpha = FAMILIES[family].rgba
-    decoded = tuple(open_image(p, settings.max_input_pixels, image_label(i + 1, p), alpha) for i, p in enumerate(paths))
+    decoded = decode_uploads(settings, family, raw.get("images"))
     fields = event_fields({name: raw.get(name) for name in names})  # an absent trailing one: its default
     if mask_paths := uploaded_paths(raw.get("mask"), "mask"):
         if len(mask_paths) > 1:
@@ -166,8 +172,5 @@ def _flag(value, name: str) -> bool:
 
 def build_enhance_request(settings: Settings, family: str, images, prompt, *, source: str) -> EditRequest:
     """A prompt rewrite's raw values (the images and the instruction) as an EditRequest."""
-    paths = uploaded_paths(images)
-    check_counts(len(paths), family)
-    alpha = FAMILIES[family].rgba
-    decoded = tuple(open_image(p, settings.max_input_pixels, image_label(i + 1, p), alpha) for i, p in enumerate(paths))
+    decoded = decode_uploads(settings, family, images)
     return EditRequest(images=decoded, prompt=_text(prompt, "prompt"), source=source)
