@@ -14,6 +14,7 @@ import pytest
 from conftest import LocalPipeline, make_manager, picture
 
 from imgedit.config.settings import load_settings
+from imgedit.model.demo_checkpoint import build_checkpoint
 from imgedit.engine.validation import resolve
 from imgedit.errors import Cancelled, ImgEditError, SettingsError
 from imgedit.protocol import EditRequest
@@ -67,6 +68,18 @@ def test_one_forward_per_step_gives_the_same_image(local, kw):
     assert np.abs(batched - plain).max() <= 1, np.abs(batched - plain).max()
     if not kw:  # the bound can fail: another seed moves the pixels far more than that
         assert np.abs(plain - local.run(local.plain, seed=6)).mean() > 1
+
+
+def test_2511s_two_images_per_prompt_batch_with_its_condition_index(tmp_path):
+    """Qwen-Image-Edit-2511 (zero_cond_t) builds a per-sample index of its condition tokens from
+    `img_shapes`, which the pipeline gives once per prompt, not per image: with n=2 the merged forward
+    must give it once per sample of its batch of 4 (found on the GPU machine: a 500 on the 24 GB plan)."""
+    local = Local(build_checkpoint(tmp_path / "2511", kind="2511"))
+    plain = local.run(local.plain, num_images=2)
+    batched = local.run(local.batched, num_images=2)
+    assert local.forwards == [4, 4]
+    assert batched.shape == plain.shape == (2, 64, 64, 3)
+    assert np.abs(batched - plain).max() <= 1, np.abs(batched - plain).max()
 
 
 def test_cfg_off_runs_as_before(local):

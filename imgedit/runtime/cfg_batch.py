@@ -91,10 +91,19 @@ def merge(cond: dict, uncond: dict, text: tuple | None = None) -> dict:
         return_dict=False,
     )
     if cond.get("img_shapes") is not None:
-        merged["img_shapes"] = list(cond["img_shapes"]) + list(uncond["img_shapes"])
+        n = cond["hidden_states"].shape[0]
+        merged["img_shapes"] = per_sample(cond["img_shapes"], n) + per_sample(uncond["img_shapes"], n)
     if cond.get("guidance") is not None:
         merged["guidance"] = torch.cat([cond["guidance"], uncond["guidance"]])
     return merged
+
+
+def per_sample(img_shapes, n: int) -> list:
+    """`img_shapes` with one entry per sample of a branch of `n` samples. The pipelines give it once per
+    prompt (not per image: n=2 has one entry for two samples), which a forward of its own broadcasts;
+    2511's condition index (zero_cond_t) is built per entry, so a merged batch needs one entry each."""
+    shapes = list(img_shapes)
+    return shapes * n if len(shapes) == 1 else shapes
 
 
 def merge_text(cond: dict, uncond: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
