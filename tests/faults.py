@@ -153,6 +153,16 @@ def break_compile(pipe, spec) -> None:
                        AlignDevicesHook(execution_device=spec.plan.execution_device))
 
 
+def hook_blocks(pipe, spec) -> None:
+    """install(), and an accelerate device hook on every transformer block, as dispatch_model leaves a
+    transformer split over GPUs (the 2x 31 GiB split's compile warm-up failed on them on 2x H200)."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    install(pipe, spec)
+    for block in pipe.transformer.transformer_blocks:
+        add_hook_to_module(block, AlignDevicesHook(execution_device=spec.plan.execution_device))
+
+
 def count_compiles(pipe, spec) -> None:
     """install(), and torch.compile on the CPU with aot_eager, which writes one line to the file named by
     IMGEDIT_TEST_COMPILES per graph it compiles (tests/test_warmup.py: nothing compiles after the warm-up).

@@ -29,12 +29,13 @@ from imgedit.web.panel import banner_html, panel_html
 from imgedit.web.public import open_snapshot
 
 
-def compiling_manager(ckpt, plan) -> PipelineManager:
-    """COMPILE=on CPU workers whose compile fails at warm-up exactly as it did on the GPUs (faults.break_compile)."""
+def compiling_manager(ckpt, plan, hook: str = "faults:break_compile") -> PipelineManager:
+    """COMPILE=on CPU workers; by default their compile fails at warm-up exactly as it did on the GPUs
+    (faults.break_compile)."""
     settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cpu", "COMPILE": "on",
                               "WORKER_START": "forkserver", "OUTPUT_DIR": tempfile.mkdtemp(prefix="imgedit-out-"),
                               "GRADIO_SERVER_PORT": str(free_port())})
-    manager = PipelineManager(settings, plan=plan, worker_hook="faults:break_compile", warmup_sizes=((64, 64),))
+    manager = PipelineManager(settings, plan=plan, worker_hook=hook, warmup_sizes=((64, 64),))
     _MANAGERS.append(manager)  # closed with the module
     return manager.load()
 
@@ -60,6 +61,25 @@ def test_a_compile_that_fails_at_warm_up_serves_eager_and_says_so(plus_ckpt, pla
     data = open_snapshot(GpuMonitor(), manager.status())
     assert "compile failed → eager: Unsupported" in banner_html(data)
     assert "compile failed → eager: Unsupported" in panel_html(data)
+
+
+def test_a_transformer_split_over_devices_compiles_inside_its_block_hooks(plus_ckpt):
+    """A transformer split over GPUs has an accelerate device hook on every block (dispatch_model), whose
+    pre_forward fullgraph compiling refuses: on 2x H200 the 31 GiB split's warm-up failed and its worker served
+    eager. The blocks now compile inside their hooks: the worker is compiled, with no fallback, and serves."""
+    manager = compiling_manager(plus_ckpt, cpu_plan(1), hook="faults:hook_blocks")
+    worker = manager.status().workers[0]
+    assert worker.state == "idle" and worker.compiled is True and not worker.fallbacks, worker
+    with start_server(manager) as server:
+        reply = httpx.post(f"{server.url}/v1/images/edits", timeout=120,
+                           files={"image": ("in.png", _png(), "image/png")},
+                           data={"prompt": "make it blue", "size": "64x64", "num_inference_steps": "2",
+                                 "response_format": "b64_json"})
+        assert reply.status_code == 200, reply.text
+        image = Image.open(io.BytesIO(base64.b64decode(reply.json()["data"][0]["b64_json"])))
+        assert image.size == (64, 64)
+        health = httpx.get(f"{server.url}/health", timeout=10).json()["workers"][0]
+        assert health["compiled"] is True and health["fallbacks"] == []
 
 
 def _png() -> bytes:

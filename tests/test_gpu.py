@@ -331,7 +331,9 @@ def test_a_24gb_card_runs_quantized_and_streamed_under_its_cap(real_ckpt, compil
         with PeakSampler() as sampler:
             for n in (1, 2):
                 assert edit(manager, n_images=n, size=1024).images[0].size == (1024, 1024)
-        assert sampler.peaks and all(peak < 22 for peak in sampler.peaks.values()), sampler.peaks
+        # cuda:0's alone: the other GPUs may serve other work (on the GPU machine, another run held 46 GiB of
+        # GPU 1 and failed this check while GPU 0 peaked at 21.9)
+        assert 0 in sampler.peaks and sampler.peaks[0] < 22, sampler.peaks
         components = manager.status().workers[0].components
         assert components["transformer"]["quantization"] == "none" and manager.workers[0].info["batch_cfg"]
         assert "GPU 0" in components["transformer"]["location"] and "CPU" in components["transformer"]["location"]

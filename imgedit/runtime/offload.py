@@ -252,22 +252,43 @@ def compile_transformer(transformer: torch.nn.Module, memory: MemoryMode | None,
     host alone; 2.3-4.1 min with autotuning on a shared 4x H200 host: docs/BENCHMARKS.md), and its step time was
     not measured, so inductor keeps its own choice until benchmarks/probe_fp8_compile.py says more."""
     options: dict = {"fullgraph": True, "dynamic": True} | ({"mode": mode} if mode != "default" else {})
-    if memory is None or not memory.streams_blocks:
+    blocks = transformer.get_submodule(block_container(transformer))
+    hooked = any(hasattr(block, "_hf_hook") for block in blocks)
+    if (memory is None or not memory.streams_blocks) and not hooked:
         transformer.compile_repeated_blocks(**options)
         return
-    blocks = transformer.get_submodule(block_container(transformer))
-    streamed = set(memory.streamed(len(blocks)))
+    streamed = set(memory.streamed(len(blocks))) if memory is not None and memory.streams_blocks else set()
     for i, block in enumerate(blocks):
         if i not in streamed:
-            block.compile(**options)
-    log.info("compiled the %d resident transformer blocks; streamed blocks run eager", memory.resident_blocks)
+            _compile_block(block, options)
+    if streamed:
+        log.info("compiled the %d resident transformer blocks; streamed blocks run eager", memory.resident_blocks)
+    if hooked:
+        log.info("compiled the transformer blocks inside their device hooks (the transformer is split over GPUs)")
+
+
+def _compile_block(block: torch.nn.Module, options: dict) -> None:
+    """Module.compile; under an accelerate device hook, the block's own forward inside the hook. A transformer
+    split over GPUs is dispatched with such a hook on every block, whose pre_forward (it moves the inputs to the
+    block's GPU) is torch.compiler.disable'd, which fullgraph=True refuses: the 2x 31 GiB split's compile
+    warm-up failed on it on 2x H200 and the worker served eager. The hook now runs eager around the compiled
+    forward, as accelerate calls `module._old_forward` after pre_forward."""
+    if hasattr(block, "_hf_hook") and hasattr(block, "_old_forward"):
+        block._imgedit_eager_forward = block._old_forward
+        block._old_forward = torch.compile(block._old_forward, **options)
+    else:
+        block.compile(**options)
 
 
 def uncompile_transformer(transformer: torch.nn.Module) -> None:
-    """Undo compile_transformer: every module compiled with Module.compile runs its eager forward again."""
+    """Undo compile_transformer: every module compiled with Module.compile, or inside its device hook, runs its
+    eager forward again."""
     for module in transformer.modules():
         if getattr(module, "_compiled_call_impl", None) is not None:
             module._compiled_call_impl = None
+        eager = module.__dict__.pop("_imgedit_eager_forward", None)
+        if eager is not None:
+            module._old_forward = eager
 
 
 def _nbytes(t: torch.Tensor) -> int:
