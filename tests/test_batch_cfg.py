@@ -14,9 +14,9 @@ import pytest
 from conftest import LocalPipeline, make_manager, picture
 
 from imgedit.config.settings import load_settings
-from imgedit.model.demo_checkpoint import build_checkpoint
 from imgedit.engine.validation import resolve
 from imgedit.errors import Cancelled, ImgEditError, SettingsError
+from imgedit.model.demo_checkpoint import build_checkpoint
 from imgedit.protocol import EditRequest
 from imgedit.runtime.messages import Job
 from imgedit.runtime.runner import Runner
