@@ -212,6 +212,26 @@ def test_out_of_memory_keeps_the_worker_in_service(plus_manager):
     assert plus_manager.edit(request()).images
 
 
+def test_an_out_of_memory_log_line_says_how_much_and_where():
+    """The worker's log line for an out-of-memory job (the user's reply stays the short advice above): torch's
+    first sentences and the frame outside torch that asked, so a GPU run's log says where memory ran out."""
+    import torch
+
+    from imgedit.runtime.runner import oom_detail
+
+    def allocate_the_cache():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.50 GiB. GPU 0 has a total capacity of "
+                                     "139.8 GiB of which 2.1 GiB is free. Of the allocated memory 11.2 GiB is "
+                                     "allocated by PyTorch, and 0.3 GiB is reserved but unallocated.")
+    try:
+        allocate_the_cache()
+    except torch.OutOfMemoryError as exc:
+        detail = oom_detail(exc)
+    assert detail == ("CUDA out of memory. Tried to allocate 7.50 GiB. GPU 0 has a total capacity of 139.8 GiB of "
+                      "which 2.1 GiB is free (in test_manager.py:"
+                      f"{allocate_the_cache.__code__.co_firstlineno + 1}, allocate_the_cache)")
+
+
 def test_cuda_fault_restarts_the_worker_process_and_status_says_so(plus_ckpt):
     manager = make_manager(plus_ckpt, workers=2)
     old = manager.status().workers[0].pids

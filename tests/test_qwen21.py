@@ -388,3 +388,53 @@ def test_history_fills_the_form_with_the_familys_cfg_for_an_entry_that_left_it_o
     assert filled.status_code == 200, filled.text
     form = dict(zip(edit_fields(), filled.json()["data"], strict=True))
     assert form["true_cfg_scale"] == 1.0 and form["seed"] == 3 and not form["images"], form
+
+
+def test_the_prefix_cache_goes_off_for_a_job_it_would_not_fit_under_a_cap(ckpt21):
+    """Qwen-Image-2.1's pipeline keeps the prefix's keys and values on the GPU for a whole job (512 KiB a token
+    at real size: 3 references at 1024² ~7.7 GiB), which a 16 GB card's cap cannot hold (every edit with a
+    reference ran out of memory on the GPU machine's 16 GB plan). A worker under a cap turns the cache off for a
+    job it would not fit: every step then runs the prefix again (the transformer is given no cache mode), and
+    the image is the cached one's up to rounding. The real-size figures are checked against the config."""
+    import threading
+
+    from conftest import LocalPipeline
+
+    from imgedit.config.settings import load_settings
+    from imgedit.engine.validation import resolve
+    from imgedit.model.demo_checkpoint import build_checkpoint as build
+    from imgedit.protocol import EditRequest
+    from imgedit.runtime.messages import Job
+    from imgedit.runtime.prefix_cache import PrefixCache, cache_bytes, prefix_tokens
+    from imgedit.runtime.runner import Runner
+
+    pipe = LocalPipeline(ckpt21).pipe
+    seen: list[str | None] = []  # each forward's kv_cache_mode
+    pipe.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["kv_cache_mode"]), with_kwargs=True)
+    settings = load_settings({"QWEN_MODEL_DIR": str(ckpt21)})
+    req = EditRequest(images=(noise((64, 64), 1), noise((64, 64), 2)), prompt="blend them", seed=5,
+                      num_inference_steps=2, width=64, height=64)
+    runner = Runner(pipe, "local", ("cpu",))
+
+    def run(room) -> tuple[list, np.ndarray]:
+        runner.prefix_cache = PrefixCache(pipe.transformer, room) if room is not None else None
+        seen.clear()
+        params = resolve(req, settings, "21", req.images[-1].size, len(req.images))
+        result = runner.run(Job(req, params, "21"), threading.Event())
+        return list(seen), np.asarray(result.images[0], dtype=np.int16)
+
+    cached, cached_image = run(None)  # no cap: the pipeline's default
+    assert cached == ["extract", "cached"], cached  # the second step runs the target alone
+    assert run(lambda: 1 << 40)[0] == cached  # the cache fits: kept
+    uncached, uncached_image = run(lambda: 0)
+    assert uncached == [None, None], uncached  # every step runs the prefix again
+    assert np.abs(uncached_image - cached_image).max() <= 2
+
+    from diffusers import QwenImage21Transformer2DModel
+
+    config = QwenImage21Transformer2DModel.load_config(build(ckpt21.parent / "q21-real", kind="21", size="real"),
+                                                       subfolder="transformer")
+    real = type("Config", (), config)
+    assert cache_bytes(real, 1) == 512 * 1024
+    assert 7.5 < cache_bytes(real, prefix_tokens(3, 1024)) / 1024**3 < 8

@@ -10,7 +10,9 @@ import gc
 import logging
 import threading
 import time
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -76,6 +78,7 @@ class Runner:
             from imgedit.runtime.cfg_batch import CfgBatch
 
             self.cfg_batch = CfgBatch(pipe.transformer)
+        self.prefix_cache = None  # runtime.prefix_cache.PrefixCache: Qwen-Image-2.1 under a cap (set by the worker)
 
     def takes_part(self, job: Job) -> bool:
         """With CFG off a CFG pair has no branches to split: its first rank (or half) runs the job, or both
@@ -126,6 +129,8 @@ class Runner:
         extra = {}
         if family.output_resolution:  # Qwen-Image-2.1: inputs resized to the output's area (1024² unless sized)
             extra["output_resolution"] = output_resolution(family, params.width, params.height)
+            if self.prefix_cache is not None:
+                extra.update(self.prefix_cache.kwargs(len(req.images), extra["output_resolution"]))
         # CPU generators give the same noise for a seed on every placement, device and rank; one per output
         # image (its own seed), so that any image of a multi-image result can be made again alone.
         generator = [torch.Generator(device="cpu").manual_seed(seed) for seed in params.image_seeds]
@@ -164,8 +169,8 @@ class Runner:
             raise Cancelled(f"cancelled at step {reached} of {params.steps}") from None
         except _Refused as refused:
             raise refused.error from None
-        except torch.OutOfMemoryError:
-            out_of_memory = True  # cleaned up below, once the traceback no longer pins the activations
+        except torch.OutOfMemoryError as exc:  # cleaned up below, once the traceback no longer pins the activations
+            out_of_memory = oom_detail(exc)
         except Exception as exc:
             if is_device_fault(exc):
                 log.exception("%s: device fault in %s", req.request_id, self.name)
@@ -183,7 +188,7 @@ class Runner:
                 self.adapters.reset(keep=finished)
             self.step_cache.end()  # nor a step cache's state
         if out_of_memory:
-            log.warning("%s: out of GPU memory on %s", req.request_id, ",".join(self.devices))
+            log.warning("%s: out of GPU memory on %s: %s", req.request_id, ",".join(self.devices), out_of_memory)
             self.cleanup(force=True)
             error = OutOfGpuMemory(
                 f"out of GPU memory on {', '.join(self.devices)}: try a smaller output size, fewer "
@@ -261,6 +266,14 @@ def output_resolution(family: Family, width: int | None, height: int | None) -> 
     if not (width and height):
         return family.output_resolution
     return max(family.min_resolution, round((width * height) ** 0.5 / 32) * 32)
+
+
+def oom_detail(exc: BaseException) -> str:
+    """The log's account of an out-of-memory error: torch's first sentences (what it tried to allocate, what
+    the process holds) and the frame that asked, so that a run on the GPU machine says where memory ran out."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
+    where = f" (in {Path(frames[-1].filename).name}:{frames[-1].lineno}, {frames[-1].name})" if frames else ""
+    return " ".join(str(exc).split(". Of the allocated")[0].split())[:400] + where
 
 
 def is_device_fault(exc: BaseException) -> bool:

@@ -8,6 +8,7 @@ pool restarts it) and when its parent, the server, is gone (no orphans even afte
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import queue
@@ -144,6 +145,14 @@ def _load(spec: WorkerSpec, say=lambda doing: None):
     if cuda and spec.memory_caps and late_cap:
         torch.cuda.empty_cache()
         _cap_memory(spec.memory_caps)
+    if cuda and spec.memory_caps and "use_kv_cache" in inspect.signature(pipe.__call__).parameters:
+        from imgedit.planning.placement import allocator_budget
+        from imgedit.runtime.prefix_cache import PrefixCache, capped_room
+
+        index = torch.device(runner.devices[0]).index or 0
+        cap = allocator_budget(spec.memory_caps[min(index, len(spec.memory_caps) - 1)])
+        room = capped_room(index, cap, spec.activation_reserve)
+        runner.prefix_cache = PrefixCache(pipe.transformer, room)
     pair_split = runner.group is not None and runner.group.splits_cfg_off
     report = StartupReport(
         batch_cfg=runner.cfg_batch is not None, pair_ulysses=pair_split,
