@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import torch
 import pytest
 from conftest import LocalPipeline, make_manager, picture
 
@@ -161,3 +162,34 @@ def test_batch_cfg_on_with_a_gpu_group_is_refused():
         load_settings({"BATCH_CFG": "on", "DEVICE_MAP": "cfg-parallel"})
     with pytest.raises(SettingsError, match="BATCH_CFG='sometimes' is not valid: expected one of auto, on, off"):
         load_settings({"BATCH_CFG": "sometimes"})
+
+
+def test_why_the_cfg_forwards_replace_forward_and_the_text_padding_is_a_hook():
+    """diffusers' HookRegistry.remove_hook hands the removed hook's forward to the hook registered after it: a
+    pre_forward hook (the Ulysses text padding, ulysses.TextPadding) stays in the chain, but a hook with its own
+    `new_forward` (what CfgBatch and CfgPair would need: they answer without calling the transformer) is
+    dropped. Group offloading's lazy prefetching removes its hook after the first forward, so the CFG forwards
+    replace `forward` and re-install themselves (cfg_parallel.ForwardOverride). A diffusers that keeps such a
+    hook fails this test: the CFG forwards could then become hooks."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    class Plus(torch.nn.Module):
+        def forward(self, x):
+            return x + 1
+
+    class Replaces(ModelHook):
+        def new_forward(self, module, *args, **kwargs):
+            return self.fn_ref.original_forward(*args, **kwargs) * 100
+
+    class Scales(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            return (args[0] * 10,), kwargs
+
+    for hook, before, after in ((Replaces(), 200.0, 2.0), (Scales(), 11.0, 11.0)):
+        module = Plus()
+        registry = HookRegistry.check_if_exists_or_initialize(module)
+        registry.register_hook(ModelHook(), "removed later")  # as the lazy prefetching hook is
+        registry.register_hook(hook, "ours")
+        assert module(torch.ones(1)).item() == before
+        registry.remove_hook("removed later", recurse=False)
+        assert module(torch.ones(1)).item() == after
