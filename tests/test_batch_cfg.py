@@ -10,8 +10,8 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-import torch
 import pytest
+import torch
 from conftest import LocalPipeline, make_manager, picture
 
 from imgedit.config.settings import load_settings

@@ -99,7 +99,12 @@ class ForwardOverride:
     GPU: a batched-CFG worker ran unbatched from its second step on). `keep()` takes the restored
     forward as the original and overrides it again; `call` does so after every original call.
     Only the outermost override of a module may use it (CfgPair or CfgBatch; the Ulysses text
-    padding under a CfgPair wraps plainly): two of them would keep re-installing over each other."""
+    padding under a CfgPair is a diffusers hook): two of them would keep re-installing over each other.
+
+    Not a diffusers ModelHook: these forwards answer without calling the transformer (a hook's
+    `new_forward`), and HookRegistry.remove_hook hands the removed hook's forward to the next hook's
+    `fn_ref.forward`, which for such a hook is its `new_forward`: the lazy prefetching hook's removal would
+    drop it (a pre_forward hook stays: tests/test_batch_cfg.py shows both)."""
 
     def __init__(self, module: torch.nn.Module, function):
         self.module = module

@@ -28,10 +28,10 @@ s/step against 0.346-0.389 for Ulysses-2).
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass
 
 import torch
+from diffusers.hooks import HookRegistry, ModelHook
 
 
 def pad_text(hidden: torch.Tensor, mask: torch.Tensor | None, multiple: int = 1,
@@ -51,19 +51,31 @@ def pad_text(hidden: torch.Tensor, mask: torch.Tensor | None, multiple: int = 1,
     return hidden, mask
 
 
-def install_text_padding(transformer: torch.nn.Module, multiple: int, active=None) -> None:
-    """Wrap this transformer instance's forward so the text always divides by `multiple` (while `active()`
-    says so, when given)."""
-    inner = transformer.forward
+class TextPadding(ModelHook):
+    """Pads the text of every call to a multiple of `multiple` (while `active()` says so, when given). A
+    pre_forward hook stays in the chain when diffusers removes a hook registered before it (group offloading's
+    lazy prefetching does after its first forward), where a replaced `forward` is dropped: tests/test_batch_cfg.py
+    shows both (the CFG forwards re-install themselves instead: runtime.cfg_parallel.ForwardOverride)."""
 
-    def forward(module, *args, **kwargs):
+    NAME = "imgedit_text_padding"
+
+    def __init__(self, multiple: int, active=None):
+        super().__init__()
+        self.multiple, self.active = multiple, active
+
+    def pre_forward(self, module, *args, **kwargs):
         hidden = kwargs.get("encoder_hidden_states")
-        if hidden is not None and (active is None or active()):
+        if hidden is not None and (self.active is None or self.active()):
             kwargs["encoder_hidden_states"], kwargs["encoder_hidden_states_mask"] = pad_text(
-                hidden, kwargs.get("encoder_hidden_states_mask"), multiple)
-        return inner(*args, **kwargs)
+                hidden, kwargs.get("encoder_hidden_states_mask"), self.multiple)
+        return args, kwargs
 
-    transformer.forward = types.MethodType(forward, transformer)
+
+def install_text_padding(transformer: torch.nn.Module, multiple: int, active=None) -> None:
+    """TextPadding on this transformer, registered after diffusers' context-parallel hooks: it runs before
+    their split."""
+    HookRegistry.check_if_exists_or_initialize(transformer).register_hook(TextPadding(multiple, active),
+                                                                           TextPadding.NAME)
 
 
 @dataclass(frozen=True)
