@@ -37,7 +37,7 @@ ALLOWED = {
 # The engine's only ways into the runtime: the typed messages, and the worker process's entry point
 # (imported inside the function the child process runs, never at the server's import time).
 BOUNDARY = {"imgedit.runtime.messages"}
-CHILD_ENTRIES = {("imgedit.engine.pool", "imgedit.runtime.worker"),
+CHILD_ENTRIES = {("imgedit.engine.processes", "imgedit.runtime.worker"),
                  ("imgedit.engine.ray_pool", "imgedit.runtime.worker")}
 TOP_LEVEL_MAX = 6
 LINES_MAX = 400

@@ -51,13 +51,7 @@ def test_a_compile_that_fails_at_warm_up_serves_eager_and_says_so(plus_ckpt, pla
         (fallback,) = worker["fallbacks"]
         assert fallback.startswith("compile failed → eager: Unsupported: "), fallback
         assert "accelerate/hooks.py" in fallback and "Traceback" not in fallback and "\n" not in fallback
-        reply = httpx.post(f"{server.url}/v1/images/edits", timeout=120,
-                           files={"image": ("in.png", _png(), "image/png")},
-                           data={"prompt": "make it blue", "size": "64x64", "num_inference_steps": "2",
-                                 "response_format": "b64_json"})
-        assert reply.status_code == 200, reply.text
-        image = Image.open(io.BytesIO(base64.b64decode(reply.json()["data"][0]["b64_json"])))
-        assert image.size == (64, 64)
+        assert_edits(server)
     data = open_snapshot(GpuMonitor(), manager.status())
     assert "compile failed → eager: Unsupported" in banner_html(data)
     assert "compile failed → eager: Unsupported" in panel_html(data)
@@ -71,15 +65,20 @@ def test_a_transformer_split_over_devices_compiles_inside_its_block_hooks(plus_c
     worker = manager.status().workers[0]
     assert worker.state == "idle" and worker.compiled is True and not worker.fallbacks, worker
     with start_server(manager) as server:
-        reply = httpx.post(f"{server.url}/v1/images/edits", timeout=120,
-                           files={"image": ("in.png", _png(), "image/png")},
-                           data={"prompt": "make it blue", "size": "64x64", "num_inference_steps": "2",
-                                 "response_format": "b64_json"})
-        assert reply.status_code == 200, reply.text
-        image = Image.open(io.BytesIO(base64.b64decode(reply.json()["data"][0]["b64_json"])))
-        assert image.size == (64, 64)
+        assert_edits(server)
         health = httpx.get(f"{server.url}/health", timeout=10).json()["workers"][0]
         assert health["compiled"] is True and health["fallbacks"] == []
+
+
+def assert_edits(server) -> None:
+    """A 2-step REST edit answers with a 64x64 image."""
+    reply = httpx.post(f"{server.url}/v1/images/edits", timeout=120,
+                       files={"image": ("in.png", _png(), "image/png")},
+                       data={"prompt": "make it blue", "size": "64x64", "num_inference_steps": "2",
+                             "response_format": "b64_json"})
+    assert reply.status_code == 200, reply.text
+    image = Image.open(io.BytesIO(base64.b64decode(reply.json()["data"][0]["b64_json"])))
+    assert image.size == (64, 64)
 
 
 def _png() -> bytes:

@@ -1,10 +1,12 @@
 """Parts of the worker pool without worker processes: each rank's GPUs as its process sees them, its memory caps,
-and closing its pipes once when two threads reap at once."""
+and closing its pipes once when two threads reap at once (the process transport's, since the supervisor and
+its transports were split: the test moved there with the pipes)."""
 
 from __future__ import annotations
 
 from imgedit.config.parsers import GIB
 from imgedit.engine.pool import WorkerHandle, localize
+from imgedit.engine.processes import ProcessTransport
 from imgedit.planning.plan import Placement, WorkerPlan
 
 COMPONENTS = ("transformer", "text_encoder", "vae")
@@ -24,10 +26,10 @@ def test_each_rank_of_a_pair_gets_one_gpu_and_its_cap():
     pair = WorkerPlan("worker-1", {c: Placement("cuda:2") for c in COMPONENTS}, "cfg", ("cuda:2", "cuda:3"))
     rank1, visible = localize(pair.for_rank(1), None)
     assert visible == "3" and {p.device for p in rank1.components.values()} == {"cuda:0"}
-    handle = WorkerHandle(pair, None, visible=None, cache_dir=None, max_restarts=0,
-                          max_memory=(10 * GIB, 20 * GIB, 30 * GIB, 40 * GIB))
+    transport = ProcessTransport(pair.name, None, None)
+    handle = WorkerHandle(pair, None, transport, max_restarts=0, max_memory=(10 * GIB, 20 * GIB, 30 * GIB, 40 * GIB))
     assert handle._caps(pair.for_rank(1)) == (40 * GIB,)
-    assert WorkerHandle(pair, None, visible=None, cache_dir=None, max_restarts=0,
+    assert WorkerHandle(pair, None, transport, max_restarts=0,
                         max_memory=(22 * GIB,))._caps(pair.for_rank(0)) == (22 * GIB,)
 
 
@@ -82,20 +84,20 @@ def test_stop_and_the_pump_may_reap_at_once():
     plan = WorkerPlan("worker-0", {c: Placement("cpu") for c in COMPONENTS})
     errors = []
 
-    def reap(handle, start):
+    def reap(transport, start):
         start.wait()
         try:
-            handle._reap(0)
+            transport.reap(0)
         except Exception as exc:  # noqa: BLE001 - what the test looks for
             errors.append(exc)
 
     for _ in range(300):
-        handle = WorkerHandle(plan, None, visible=None, cache_dir=None, max_restarts=0)
+        transport = ProcessTransport(plan.name, None, None)
         pipes = [multiprocessing.Pipe(duplex=False) for _ in range(8)]
-        handle._inboxes = [Channel(write) for _, write in pipes]
-        handle._outboxes = [read for read, _ in pipes]
+        transport._inboxes = [Channel(write) for _, write in pipes]
+        transport._outboxes = [read for read, _ in pipes]
         start = threading.Barrier(2)
-        threads = [threading.Thread(target=reap, args=(handle, start)) for _ in range(2)]
+        threads = [threading.Thread(target=reap, args=(transport, start)) for _ in range(2)]
         for t in threads:
             t.start()
         for t in threads:

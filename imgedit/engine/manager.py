@@ -26,6 +26,7 @@ from imgedit.engine.images import stamp_result
 from imgedit.engine.inspection import inspect_checkpoint
 from imgedit.engine.line import Line, WaitCallback
 from imgedit.engine.pool import WorkerHandle, wait_result
+from imgedit.engine.processes import ProcessTransport
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.engine.validation import check_enhance, default_steps, resolve, resolve_enhance
 from imgedit.errors import (
@@ -176,13 +177,15 @@ class PipelineManager:
         s = self.settings
         spec = startup.worker_spec(s, plan, self._plan.workers, self.checkpoint, self.loras, self.worker_hook,
                                    self.warmup_sizes)
-        common = dict(cache_dir=s.compile_cache_dir, max_restarts=s.worker_restarts, log_level=s.log_level,
-                      on_change=self._changed, max_memory=s.max_memory)
         if s.workers == "ray":
-            from imgedit.engine.ray_pool import RayWorkerHandle
+            from imgedit.engine.ray_pool import RayTransport
 
-            return RayWorkerHandle(plan, spec, node_id=self._nodes.get(plan.name), visible=None, **common)
-        return WorkerHandle(plan, spec, visible=s.cuda_visible_devices, start_method=s.worker_start, **common)
+            transport = RayTransport(plan.name, s.compile_cache_dir, s.log_level, node_id=self._nodes.get(plan.name))
+        else:
+            transport = ProcessTransport(plan.name, s.cuda_visible_devices, s.compile_cache_dir, s.log_level,
+                                         s.worker_start)
+        return WorkerHandle(plan, spec, transport, max_restarts=s.worker_restarts, on_change=self._changed,
+                            max_memory=s.max_memory)
 
     def _changed(self) -> None:
         self.line.changed()

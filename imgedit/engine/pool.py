@@ -1,34 +1,33 @@
-"""The worker processes, seen from the server: spawn, watch, restart and stop them.
+"""The workers, seen from the server: one supervisor per worker of the plan, over a transport.
 
-A `WorkerHandle` is one worker of the plan: one process, or one process per rank for a parallel
-group. Each rank has an inbox and an outbox pipe; the handle's pump thread reads the outboxes and
-watches the processes (it wakes on a message or on a process's end): a rank that dies fails only
-the job it was running (with a clear message), the whole group is stopped and started again (up
-to WORKER_RESTARTS times, then the worker is reported failed). No torch here: the server process
-never creates a CUDA context.
+A `WorkerHandle` supervises one worker: one process, or one process per rank for a parallel group. It owns the
+worker's state (claimed and released by the manager's line, written here only), the current job's events, the
+start-up report and the restart policy: a rank that dies fails only the job it was running (with a clear
+message), and the whole group is stopped and started again (up to WORKER_RESTARTS times, then the worker is
+reported failed). Its pump thread turns what the transport reports (the ranks' messages, a rank's end) into
+those. The transport starts the ranks and carries their messages: local processes over pipes
+(engine.processes.ProcessTransport, the default) or Ray actors (engine.ray_pool.RayTransport, WORKERS=ray),
+one interface as vLLM's executors put uni-process, multi-process and Ray behind one. No torch here: the server
+process never creates a CUDA context.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import multiprocessing.connection
-import os
 import queue
 import random
 import socket
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 from imgedit.errors import WorkerFailed
 from imgedit.planning.plan import Placement, WorkerPlan
 from imgedit.protocol import WorkerState, WorkerStatus
 from imgedit.runtime.messages import (
     Cancel,
-    Channel,
     Done,
     Failed,
     Job,
@@ -42,17 +41,6 @@ from imgedit.runtime.messages import (
 )
 
 log = logging.getLogger(__name__)
-_START_LOCK = threading.Lock()
-_PRELOAD = "imgedit.runtime.preload"  # named, not imported: the server process never imports torch
-
-
-def _context(how: str):
-    """WORKER_START: "forkserver" forks every worker from one process that imported torch, diffusers
-    and our worker code once (imgedit.runtime.preload); "spawn" starts a fresh interpreter each time."""
-    ctx = multiprocessing.get_context(how)
-    if how == "forkserver":
-        ctx.set_forkserver_preload([_PRELOAD])
-    return ctx
 
 
 class WorkerDied:
@@ -60,6 +48,45 @@ class WorkerDied:
 
     def __init__(self, message: str):
         self.message = message
+
+
+@dataclass(frozen=True)
+class Died:
+    """A transport's report that a rank of the worker's current ranks ended."""
+
+    reason: str  # for the worker's error ("rank 1 exit code -9", "its process died")
+    log: str  # the log's account ("worker process ended (...)")
+    job_message: str  # the running job's, after the worker's name ("process stopped during the job (...)")
+    reap_timeout: float  # how long the other ranks get to end before they are killed
+    rank: int | None = None
+
+
+class TransportLost(Exception):
+    """The transport itself is gone (the connection to the Ray cluster): the worker has failed."""
+
+
+class SendFailed(Exception):
+    """A job could not be handed to a rank (a Ray actor that is gone): that job fails, as in a death."""
+
+
+class Transport(Protocol):
+    """How a worker's ranks run and talk (engine.processes.ProcessTransport, engine.ray_pool.RayTransport)."""
+
+    what: str  # what ended, in the worker's error ("the worker process", "the Ray actor")
+    retries_loading_deaths: bool  # a restart that dies while loading is one more restart (else: failed)
+    respawn_note: str  # added to the "restarting" detail
+    closing: bool
+    pids: tuple[int, ...]
+    node: str | None
+
+    def spawn(self, specs: list[WorkerSpec]) -> None: ...
+    def describe(self) -> str: ...
+    def send(self, message, ignore_errors: bool = False) -> None: ...
+    def saw_ready(self, message: Ready) -> None: ...
+    def poll(self, timeout: float) -> list: ...
+    def prepare_respawn(self, died: Died) -> None: ...
+    def reap(self, timeout: float) -> None: ...
+    def close(self) -> None: ...
 
 
 def physical_devices(visible: str | None) -> list[str] | None:
@@ -115,14 +142,12 @@ def free_port() -> int:
 
 
 class WorkerHandle:
-    def __init__(self, plan: WorkerPlan, spec: WorkerSpec, *, visible: str | None, cache_dir: str | None,
-                 max_restarts: int, log_level: str = "INFO", on_change: Callable[[], None] = lambda: None,
-                 max_memory: tuple[int, ...] = (), start_method: str = "spawn"):
+    def __init__(self, plan: WorkerPlan, spec: WorkerSpec, transport: Transport, *, max_restarts: int,
+                 on_change: Callable[[], None] = lambda: None, max_memory: tuple[int, ...] = ()):
         self.plan = plan
         self.name = plan.name
         self.spec = spec  # rank 0's spec with the plan as planned; each rank gets its own at spawn
-        self.visible, self.cache_dir, self.log_level = visible, cache_dir, log_level
-        self.start_method = start_method  # WORKER_START
+        self.transport = transport
         self.max_restarts = max_restarts
         self.max_memory = max_memory  # MAX_MEMORY as set: one value for all GPUs, or one per visible GPU
         self.on_change = on_change
@@ -138,17 +163,10 @@ class WorkerHandle:
         self.report: StartupReport | None = None  # rank 0's, once it has loaded (runtime.messages)
         # per GPU (server numbering), as the ranks measured after loading
         self.weights_mib: dict[str, float] = {}
-        self.pids: tuple[int, ...] = ()
-        self._procs: list = []
-        self._inboxes: list[Channel] = []
-        self._outboxes: list = []  # the server's read ends, one per rank
         self._events: queue.Queue | None = None  # the current job's events
         self._ready: set[int] = set()
         self._closing = False
         self._pump: threading.Thread | None = None
-        # stop() and the pump (a failed load, a death) may reap at once: two closes of one pipe in two
-        # threads can close a file descriptor number the process has meanwhile given to another file
-        self._reaping = threading.Lock()
 
     @property
     def state(self) -> WorkerState:
@@ -158,6 +176,10 @@ class WorkerHandle:
     def state(self, value: WorkerState | str) -> None:
         self._state = WorkerState(value)  # a test's planted "failed" is the member too
 
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return self.transport.pids
+
     # ---- life cycle ----
     def start(self) -> None:
         self._spawn()
@@ -165,40 +187,13 @@ class WorkerHandle:
         self._pump.start()
 
     def _spawn(self) -> None:
+        self._ready, self.weights_mib = set(), {}
         port = free_port() if self.plan.ranks > 1 else 0
-        self._inboxes, self._outboxes, self._procs, self._ready = [], [], [], set()
-        self.weights_mib = {}
-        for rank in range(self.plan.ranks):
-            local, visible = localize(self.plan.for_rank(rank), self.visible)
-            spec = replace(self.spec, rank=rank, world=self.plan.ranks, plan=local, master_port=port,
-                           devices=self.plan.devices, memory_caps=self._caps(self.plan.for_rank(rank)))
-            ctx = _context(self.start_method)
-            inbox_read, inbox_write = ctx.Pipe(duplex=False)
-            outbox_read, outbox_write = ctx.Pipe(duplex=False)
-            with _START_LOCK:  # CUDA_VISIBLE_DEVICES must be right before the child imports anything
-                saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-                if visible is not None:
-                    os.environ["CUDA_VISIBLE_DEVICES"] = visible
-                # A forked worker inherits the forkserver's environment, not ours: it gets ours as of now.
-                args = (dict(os.environ), spec, inbox_read, outbox_write, visible, self.cache_dir,
-                        self.log_level)
-                name = f"imgedit-{self.name}-rank{rank}"
-                proc = ctx.Process(target=_entry, name=name, daemon=True, args=args)
-                try:
-                    proc.start()
-                finally:
-                    if saved is None:
-                        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-                    else:
-                        os.environ["CUDA_VISIBLE_DEVICES"] = saved
-            inbox_read.close()  # the child's ends: closed here, so a dead child reads as end-of-file
-            outbox_write.close()
-            self._inboxes.append(Channel(inbox_write))
-            self._outboxes.append(outbox_read)
-            self._procs.append(proc)
-        self.pids = tuple(p.pid for p in self._procs)
-        log.info("%s: started %d process(es) %s on %s", self.name, len(self._procs), self.pids,
-                 self.plan.describe())
+        self.transport.spawn([replace(self.spec, rank=rank, world=self.plan.ranks, plan=self.plan.for_rank(rank),
+                                      master_port=port, devices=self.plan.devices,
+                                      memory_caps=self._caps(self.plan.for_rank(rank)))
+                              for rank in range(self.plan.ranks)])
+        log.info("%s: started %s on %s", self.name, self.transport.describe(), self.plan.describe())
 
     def _caps(self, plan: WorkerPlan) -> tuple[int, ...]:
         """MAX_MEMORY of each GPU of this rank, in the order its process numbers them."""
@@ -210,33 +205,13 @@ class WorkerHandle:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Ask every rank to stop, then terminate, then kill: no process outlives this call."""
-        self._closing = True
-        for inbox in self._inboxes:
-            try:
-                inbox.put(Stop())
-            except Exception:  # noqa: BLE001 - a broken queue: terminate below
-                pass
-        self._reap(timeout)
+        self._closing = self.transport.closing = True
+        self.transport.send(Stop(), ignore_errors=True)
+        self.transport.reap(timeout)
         self.state, self.detail = WorkerState.STOPPED, None
         if self._pump is not None and self._pump is not threading.current_thread():
             self._pump.join(timeout=2)
-
-    def _reap(self, timeout: float) -> None:
-        with self._reaping:
-            deadline = time.monotonic() + timeout
-            for proc in self._procs:
-                proc.join(max(0.0, deadline - time.monotonic()))
-            for proc in self._procs:
-                if proc.is_alive():
-                    proc.terminate()
-                    proc.join(2)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join(2)
-            for channel in self._inboxes:
-                channel.close()  # a second close is a no-op (multiprocessing forgets the handle)
-            for conn in self._outboxes:
-                conn.close()
+        self.transport.close()
 
     # ---- the manager's line: one job at a time ----
     def claim(self) -> bool:
@@ -259,51 +234,40 @@ class WorkerHandle:
         self._events = events
         self.job_id, self.step, self.total_steps = job.request_id, 0, job.params.steps
         self.job_client = job.request.client  # who asked: /v1/status shows the job's id to them alone
-        for inbox in self._inboxes:
-            inbox.put(job)
+        try:
+            self.transport.send(job)
+        except SendFailed as exc:  # that rank is gone: this job fails, the pump reports the death
+            log.error("%s: could not hand %s to it: %s", self.name, job.request_id, exc)
+            events.put(WorkerDied(f"{self.name}'s {exc}"))
         return events
 
     def cancel(self, request_id: str) -> None:
-        for inbox in self._inboxes:
-            try:
-                inbox.put(Cancel(request_id))
-            except Exception:  # noqa: BLE001 - the process is gone; the pump reports it
-                pass
+        self.transport.send(Cancel(request_id), ignore_errors=True)  # a rank that is gone: the pump reports it
 
     def finish(self) -> None:
         self._events = None
         self.job_id = self.job_client = None
         self.step = self.total_steps = 0
 
-    # ---- the pump: messages and process deaths ----
+    # ---- the pump: messages and deaths, as the transport reports them ----
     def _run_pump(self) -> None:
         while not self._closing and not self.state.ended:
-            outboxes, procs = list(self._outboxes), list(self._procs)
             try:
-                watched = [*outboxes, *(p.sentinel for p in procs)]
-                ready = multiprocessing.connection.wait(watched, timeout=0.5)
-            except (OSError, ValueError):  # closed by stop()
-                time.sleep(0.05)
-                continue
-            for conn in ready:
-                if conn in outboxes:
-                    self._receive(conn)
-            dead = [p for p in procs if not p.is_alive()]
-            if dead and not self._closing and procs == self._procs:
-                self._on_death(dead)
-
-    def _receive(self, conn) -> None:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):  # the rank is gone; its sentinel reports it
-            if conn in self._outboxes:
-                self._outboxes.remove(conn)
-            return
-        self._handle(message)
+                events = self.transport.poll(0.5)
+            except TransportLost as exc:
+                self.state, self.error = WorkerState.FAILED, str(exc)
+                self.on_change()
+                return
+            for event in events:
+                if isinstance(event, Died):
+                    self._on_death(event)
+                    break
+                self._handle(event)
 
     def _handle(self, message) -> None:
         events = self._events
         if isinstance(message, Ready):
+            self.transport.saw_ready(message)
             self._ready.add(message.rank)
             if message.rank == 0:
                 self.report = message.report
@@ -323,8 +287,8 @@ class WorkerHandle:
             self.state, self.detail = WorkerState.FAILED, None
             self.error = f"rank {message.rank}: {message.message}"
             log.error("%s failed to load: %s", self.name, self.error)
-            self._closing = True
-            self._reap(2)
+            self._closing = self.transport.closing = True
+            self.transport.reap(2)
             self.on_change()
         elif isinstance(message, Step):
             if message.request_id == self.job_id:
@@ -340,41 +304,35 @@ class WorkerHandle:
             if events is not None:
                 events.put(message)
 
-    def _on_death(self, dead: list) -> None:
-        # Messages a rank sent before it died (its Failed, say) come first.
-        for conn in list(self._outboxes):
-            try:
-                while conn.poll(0):
-                    self._handle(conn.recv())
-            except (EOFError, OSError):
-                continue
+    def _on_death(self, died: Died) -> None:
         if self.state.ended or self._closing:
             return
-        codes = ", ".join(f"rank {self._procs.index(p)} exit code {p.exitcode}" for p in dead)
-        was_loading = self.state is WorkerState.LOADING and not self._ready
-        log.error("%s: worker process ended (%s)%s", self.name, codes,
-                  f" during {self.job_id}" if self.job_id else "")
-        self._reap(1)  # the other ranks of a group cannot go on alone
+        # A first load that dies is a fault of the model or the code (no retry); with Ray, a restart that dies
+        # while loading (its node going away, say) is one more restart.
+        was_loading = (self.state is WorkerState.LOADING and not self._ready
+                       and not (self.transport.retries_loading_deaths and self.restarts))
+        log.error("%s: %s%s", self.name, died.log, f" during {self.job_id}" if self.job_id else "")
+        self.transport.reap(died.reap_timeout)  # the other ranks of a group cannot go on alone
         if self._events is not None:
-            self._events.put(WorkerDied(
-                f"{self.name}'s process stopped during the job ({codes}); the worker is being restarted"))
-        if not self._restart_or_fail("the worker process", codes, was_loading):
+            self._events.put(WorkerDied(f"{self.name}'s {died.job_message}; the worker is being restarted"))
+        if not self._restart_or_fail(self.transport.what, died.reason, was_loading):
             return
         try:
+            self.transport.prepare_respawn(died)
             self._spawn()
         except (OSError, EOFError) as exc:  # e.g. the forkserver is gone (the server is being killed)
-            log.error("%s: could not start a new worker process: %r", self.name, exc)
-            self._reap(1)
+            log.error("%s: could not start %s again: %r", self.name, self.transport.what, exc)
+            self.transport.reap(1)
             self.state, self.detail = WorkerState.FAILED, None
-            self.error = f"the worker process ended ({codes}) and a new one could not be started: {exc!r}"
+            self.error = f"{self.transport.what} ended ({died.reason}) and a new one could not be started: {exc!r}"
             self.on_change()
             return
         self.state = WorkerState.LOADING if self.state is WorkerState.RESTARTING else self.state
-        self.detail = f"restarting ({self.restarts} of {self.max_restarts})"
+        self.detail = f"restarting ({self.restarts} of {self.max_restarts}){self.transport.respawn_note}"
 
     def _restart_or_fail(self, what: str, reason: str, was_loading: bool) -> bool:
-        """The restart policy, one for both transports (processes here, Ray actors): a worker whose first load
-        died, or that used up MAX_RESTARTS, is failed; any other death is one more restart (True: respawn)."""
+        """The restart policy: a worker whose first load died, or that used up MAX_RESTARTS, is failed; any
+        other death is one more restart (True: respawn)."""
         if was_loading or self.restarts >= self.max_restarts:
             self.state, self.detail = WorkerState.FAILED, None
             self.error = (f"{what} ended while loading ({reason})" if was_loading else
@@ -400,7 +358,7 @@ class WorkerHandle:
                             self.total_steps, self.jobs_done, self.error, parallel=self.plan.parallel,
                             ranks=self.plan.ranks, pids=self.pids, restarts=self.restarts,
                             detail=self.detail, weights_mib=dict(self.weights_mib),
-                            job_client=self.job_client, **self._loaded())
+                            job_client=self.job_client, node=self.transport.node, **self._loaded())
 
     def _loaded(self) -> dict:
         """What the status takes from the start-up report; nothing before it came (WorkerStatus's
@@ -434,11 +392,3 @@ def wait_result(handle: WorkerHandle, events: queue.Queue, cancel: threading.Eve
                 return event
         elif isinstance(event, WorkerDied):
             return Failed(handle.job_id or "", WorkerFailed.kind, event.message)
-
-
-def _entry(environ: dict[str, str], *args) -> None:
-    os.environ.clear()
-    os.environ.update(environ)
-    from imgedit.runtime.worker import main
-
-    main(*args)

@@ -19,11 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from imgedit.config.settings import Settings
-from imgedit.engine.pool import WorkerDied, WorkerHandle, free_port, localize
+from imgedit.engine.pool import Died, SendFailed, TransportLost, localize
 from imgedit.errors import WorkerFailed
 from imgedit.planning.placement import plan_placement
 from imgedit.planning.plan import ComponentSpec, Placement, Plan, WorkerPlan
-from imgedit.protocol import WorkerState
 from imgedit.runtime.messages import Ready
 
 log = logging.getLogger(__name__)
@@ -207,63 +206,138 @@ class _ActorInbox:
         pass
 
 
-class RayWorkerHandle(WorkerHandle):
-    """A WorkerHandle whose ranks are Ray actors in one placement group (see the module docstring)."""
+class RayTransport:
+    """A worker's ranks as Ray actors in one placement group (see the module docstring)."""
 
-    def __init__(self, plan: WorkerPlan, spec, *, node_id: str | None = None, **kwargs):
-        super().__init__(plan, spec, **kwargs)
+    what = "the Ray actor"
+    retries_loading_deaths = True  # a restart that dies while loading (its node going away) restarts again
+    respawn_note = "; waiting for room in the cluster"
+
+    def __init__(self, name: str, cache_dir: str | None, log_level: str = "INFO", node_id: str | None = None):
+        self.name, self.cache_dir, self.log_level = name, cache_dir, log_level
         self.node_id = node_id  # where the planner put it; None: anywhere with room
         self.node: str | None = None  # where its actors run now
+        self.closing = False
+        self.pids: tuple[int, ...] = ()
         self._group = None
         self._actors: list = []
+        self._starts: list = []
+        self._inboxes: list[_ActorInbox] = []
         self._generation = 0
+        self._polled_generation = 0
+        self._polled: list = []  # the actors the pending polls were sent to
+        self._pending: dict = {}
 
-    def _bundles(self) -> list[dict]:
-        bundles = []
-        for rank in range(self.plan.ranks):
-            gpus = sum(d.startswith("cuda:") for d in self.plan.for_rank(rank).devices)
-            bundles.append({"CPU": 1.0, "GPU": float(gpus)} if gpus else {"CPU": 1.0})
-        return bundles
-
-    def _spawn(self) -> None:
+    def spawn(self, specs: list) -> None:
         ray = _joined()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        bundles = [_bundle(spec.plan) for spec in specs]
         if self._group is None:
-            bundles = self._bundles()
             selector = [{"ray.io/node-id": self.node_id}] * len(bundles) if self.node_id else None
             self._group = placement_group(bundles, strategy="STRICT_PACK", name=f"imgedit-{self.name}",
                                           bundle_label_selector=selector)
         actor_class = ray.remote(RankActor)
         # A group's ranks are on one node (STRICT_PACK); its gloo/NCCL rendezvous is on that node's
         # loopback, at a port free here (a clash there fails the load, and the restart picks another).
-        port = free_port() if self.plan.ranks > 1 else 0
-        self._actors, self._starts, self._ready = [], [], set()
-        self._inboxes, self._outboxes, self._procs = [], [], []
-        for rank, bundle in enumerate(self._bundles()):
-            local, _ = localize(self.plan.for_rank(rank), None)
-            spec = replace(self.spec, rank=rank, world=self.plan.ranks, plan=local, master_port=port,
-                           devices=self.plan.devices, memory_caps=self._caps(self.plan.for_rank(rank)))
+        self._actors, self._starts, self._inboxes = [], [], []
+        for spec, bundle in zip(specs, bundles, strict=True):
+            local, _ = localize(spec.plan, None)
             actor = actor_class.options(
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0), max_restarts=0, max_concurrency=4,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=rank),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._group,
+                                                                     placement_group_bundle_index=spec.rank),
             ).remote()
             self._actors.append(actor)
-            self._starts.append(actor.start.remote(spec, self.cache_dir, self.log_level))
+            self._starts.append(actor.start.remote(replace(spec, plan=local), self.cache_dir, self.log_level))
             self._inboxes.append(_ActorInbox(actor))
         self.pids, self.node = (), None
         self._generation += 1
-        log.info("%s: %d Ray actor(s) for %s (placement group %s)", self.name, len(self._actors),
-                 self.plan.describe(), self._group.id.hex()[:8])
 
-    def _reap(self, timeout: float) -> None:
+    def describe(self) -> str:
+        return f"{len(self._actors)} Ray actor(s) (placement group {self._group.id.hex()[:8]})"
+
+    def send(self, message, ignore_errors: bool = False) -> None:
+        """To every rank, in rank order."""
+        for inbox in self._inboxes:
+            try:
+                inbox.put(message)
+            except Exception as exc:  # noqa: BLE001 - the actor is gone or unreachable
+                if not ignore_errors:
+                    raise SendFailed(f"Ray actor could not take the job ({_death_reason(exc)})") from exc
+
+    def saw_ready(self, message: Ready) -> None:
+        self.pids = tuple(sorted({*self.pids, message.pid}))
+
+    # ---- long polls on every rank; an actor error is a death ----
+    def poll(self, timeout: float) -> list:
+        ray = _ray()
+        if not ray.is_initialized():
+            raise TransportLost("disconnected from the Ray cluster")
+        if self._polled_generation != self._generation:
+            self._polled_generation, self._polled = self._generation, list(self._actors)
+            self._pending = {ref: ("start", rank) for rank, ref in enumerate(self._starts)}
+            self._pending.update({a.poll.remote(POLL_S): ("poll", rank) for rank, a in enumerate(self._polled)})
+        if not self._pending:
+            threading.Event().wait(POLL_S)
+            return []
+        try:
+            ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=max(timeout, POLL_S * 2))
+        except BaseException:  # noqa: BLE001 - ray shut down under us (it raises SystemExit then)
+            if not ray.is_initialized():
+                raise TransportLost("disconnected from the Ray cluster") from None
+            raise
+        events = []
+        for ref in ready:
+            what, rank = self._pending.pop(ref)
+            try:
+                answer = ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - RayActorError, ActorDiedError, node gone, ...
+                self._pending = {}
+                events.append(self._died(rank, exc))
+                break
+            if what == "start":
+                self.node = answer["node_id"]
+                self.pids = tuple(sorted({*self.pids, answer["pid"]}))
+                continue
+            events.extend(answer)
+            if rank < len(self._polled) and not self.closing:
+                self._pending[self._polled[rank].poll.remote(POLL_S)] = ("poll", rank)
+        return events
+
+    def _died(self, rank: int, exc: BaseException) -> Died:
+        reason = _death_reason(exc)
+        where = f"node {self.node[:8]}" if self.node else "its node"
+        return Died(reason, f"Ray actor of rank {rank} on {where} ended ({reason})",
+                    f"Ray actor (rank {rank} on {where}) stopped during the job ({reason})", reap_timeout=0, rank=rank)
+
+    def prepare_respawn(self, died: Died) -> None:
+        node_gone = died.reason == NODE_LEFT or self._node_left(wait=NODE_VERDICT_S if died.reason == UNAVAILABLE
+                                                                else 0)
+        if self.node_id and node_gone:
+            # Its node left: place it again wherever the cluster has room (a node that comes back
+            # has a new id), not on the node that is gone.
+            log.warning("%s: its node %s left the cluster; placing it anew", self.name, self.node_id[:8])
+            self._remove_group()
+            self.node_id = None
+
+    def _node_left(self, wait: float) -> bool:
+        """Whether this worker's node is gone from the cluster, waiting up to `wait` s for Ray to say so."""
+        deadline = time.monotonic() + wait
+        while self.node and self.node in {n.node_id for n in alive_nodes()}:
+            if time.monotonic() >= deadline or self.closing:
+                return False
+            threading.Event().wait(0.5)
+        return bool(self.node)
+
+    def reap(self, timeout: float) -> None:
         ray = _ray()
         if not ray.is_initialized():  # the cluster connection is gone, and its actors with it
             self._actors = []
             return
         actors, self._actors = self._actors, []
-        if actors and timeout > 0 and self._closing:
+        if actors and timeout > 0 and self.closing:
             try:  # a Stop was sent: give the worker loops a moment to end on their own
                 ray.wait([a.poll.remote(0) for a in actors], num_returns=len(actors), timeout=min(timeout, 1.0))
             except Exception:  # noqa: BLE001 - dead already: killed below anyway
@@ -274,8 +348,7 @@ class RayWorkerHandle(WorkerHandle):
             except Exception:  # noqa: BLE001 - gone already
                 pass
 
-    def stop(self, timeout: float = 5.0) -> None:
-        super().stop(timeout)
+    def close(self) -> None:
         self._remove_group()
 
     def _remove_group(self) -> None:
@@ -288,102 +361,11 @@ class RayWorkerHandle(WorkerHandle):
                 pass
         self._group = None
 
-    def submit(self, job):
-        try:
-            return super().submit(job)
-        except Exception as exc:  # noqa: BLE001 - the actor is gone or unreachable: fail this job only
-            log.error("%s: could not hand %s to its actor: %s", self.name, job.request_id, exc)
-            events = self._events
-            events.put(WorkerDied(f"{self.name}'s Ray actor could not take the job ({_death_reason(exc)})"))
-            return events
 
-    def _handle(self, message) -> None:
-        if isinstance(message, Ready):
-            self.pids = tuple(sorted({*self.pids, message.pid}))
-        super()._handle(message)
-
-    # ---- the pump: long polls on every rank; an actor error is a death ----
-    def _run_pump(self) -> None:
-        ray = _ray()
-        pending: dict = {}
-        generation = 0
-        while not self._closing and not self.state.ended:
-            if not ray.is_initialized():
-                self.state, self.error = WorkerState.FAILED, "disconnected from the Ray cluster"
-                self.on_change()
-                return
-            if generation != self._generation:
-                generation, actors = self._generation, list(self._actors)
-                pending = {ref: ("start", rank) for rank, ref in enumerate(self._starts)}
-                pending.update({a.poll.remote(POLL_S): ("poll", rank) for rank, a in enumerate(actors)})
-            if not pending:
-                threading.Event().wait(POLL_S)
-                continue
-            try:
-                ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S * 2)
-            except BaseException:  # noqa: BLE001 - ray shut down under us (it raises SystemExit then)
-                if not ray.is_initialized():
-                    self.state, self.error = WorkerState.FAILED, "disconnected from the Ray cluster"
-                    self.on_change()
-                    return
-                raise
-            for ref in ready:
-                what, rank = pending.pop(ref)
-                try:
-                    answer = ray.get(ref)
-                except Exception as exc:  # noqa: BLE001 - RayActorError, ActorDiedError, node gone, ...
-                    if generation == self._generation and not self._closing:
-                        self._on_actor_death(rank, exc)
-                    pending = {}
-                    break
-                if what == "start":
-                    self.node = answer["node_id"]
-                    self.pids = tuple(sorted({*self.pids, answer["pid"]}))
-                    continue
-                for message in answer:
-                    self._handle(message)
-                if generation == self._generation and rank < len(actors) and not self._closing:
-                    pending[actors[rank].poll.remote(POLL_S)] = ("poll", rank)
-
-    def _on_actor_death(self, rank: int, exc: BaseException) -> None:
-        if self.state.ended or self._closing:
-            return
-        reason = _death_reason(exc)
-        where = f"node {self.node[:8]}" if self.node else "its node"
-        # A first load that fails is a fault of the model or the code (no retry); a restart that dies
-        # while loading (its node going away, say) is one more restart.
-        was_loading = self.state is WorkerState.LOADING and not self._ready and self.restarts == 0
-        log.error("%s: Ray actor of rank %d on %s ended (%s)%s", self.name, rank, where, reason,
-                  f" during {self.job_id}" if self.job_id else "")
-        self._reap(0)  # the other ranks of a group cannot go on alone
-        if self._events is not None:
-            self._events.put(WorkerDied(f"{self.name}'s Ray actor (rank {rank} on {where}) stopped during the job "
-                                        f"({reason}); the worker is being restarted"))
-        if not self._restart_or_fail("the Ray actor", reason, was_loading):
-            return
-        node_gone = reason == NODE_LEFT or self._node_left(wait=NODE_VERDICT_S if reason == UNAVAILABLE else 0)
-        if self.node_id and node_gone:
-            # Its node left: place it again wherever the cluster has room (a node that comes back
-            # has a new id), not on the node that is gone.
-            log.warning("%s: its node %s left the cluster; placing it anew", self.name, self.node_id[:8])
-            self._remove_group()
-            self.node_id = None
-        self._spawn()
-        self.state = WorkerState.LOADING
-        self.detail = f"restarting ({self.restarts} of {self.max_restarts}); waiting for room in the cluster"
-
-    def _node_left(self, wait: float) -> bool:
-        """Whether this worker's node is gone from the cluster, waiting up to `wait` s for Ray to say so."""
-        deadline = time.monotonic() + wait
-        while self.node and self.node in {n.node_id for n in alive_nodes()}:
-            if time.monotonic() >= deadline or self._closing:
-                return False
-            threading.Event().wait(0.5)
-        return bool(self.node)
-
-    def status(self):
-        status = super().status()
-        return replace(status, node=self.node)
+def _bundle(plan: WorkerPlan) -> dict:
+    """A rank's share of the placement group: a CPU, and its GPUs."""
+    gpus = sum(d.startswith("cuda:") for d in plan.devices)
+    return {"CPU": 1.0, "GPU": float(gpus)} if gpus else {"CPU": 1.0}
 
 
 def _death_reason(exc: BaseException) -> str:
