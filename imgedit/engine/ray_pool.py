@@ -1,12 +1,13 @@
-"""Workers as Ray actors (WORKERS=ray): the same handle interface as imgedit.engine.pool, ranks anywhere in a cluster.
+"""Workers as Ray actors (WORKERS=ray): a transport of engine.pool's supervisor, ranks anywhere in a cluster.
 
 Each rank is one `RankActor`. The actor runs the worker process's own code (runtime.worker.main) in a
-thread of the actor's process, over a pipe pair inside that process; the handle relays the server's
+thread of the actor's process, over a pipe pair inside that process; `RayTransport` relays the server's
 messages to it (`put`) and long-polls its outbox (`poll`), so progress, cancel within a step, results
 (through Ray's object store) and typed errors are those of a local worker. A worker's ranks share one
 placement group (STRICT_PACK: one node; pinned to the node the planner chose). An actor or a node that
-dies fails only the job it was running; the handle starts the group again (WORKER_RESTARTS), and the
-new actors wait for the cluster to have room. `ray` is imported only when WORKERS=ray.
+dies fails only the job it was running; the supervisor starts the group again (WORKER_RESTARTS), and the
+new actors wait for the cluster to have room (a worker whose node left is placed anew). `ray` is imported
+only when WORKERS=ray.
 """
 
 from __future__ import annotations
