@@ -33,6 +33,9 @@ run of every row fits the time a machine is held; their timings are then not 40-
                             (a random text encoder never ends its answer, so the notice says it was cut at
                             ENHANCE_MAX_TOKENS), milliseconds per token (queue and prefill included)
 
+Rows 2511-one and 2511-16gb serve Qwen-Image-Edit-2511 (its real-size random checkpoint at --ckpt2511: 2509's
+with zero_cond_t) with the edit rows' requests, for the comparison with 2.1's rows on the same card.
+
 Rows 21-one, 21-pair and 21-16gb serve Qwen-Image-2.1 (its real-size random-weight checkpoint at --ckpt21,
 built from the published configs; --tiny: the tiny one) with a random LoRA of its own, and make instead:
 
@@ -94,8 +97,12 @@ ROWS: dict[str, dict[str, str]] = {
     "21-one": {"DEVICE_MAP": "cuda:0"},
     "21-pair": {"DEVICE_MAP": "auto", "CUDA_VISIBLE_DEVICES": "0,1"},
     "21-16gb": {"MAX_MEMORY": "14.5GiB", "CUDA_VISIBLE_DEVICES": "0"},
+    # Qwen-Image-Edit-2511 (FAMILY_2511, its own checkpoint): the edit rows' requests, beside 2.1's rows
+    "2511-one": {"DEVICE_MAP": "cuda:0"},
+    "2511-16gb": {"MAX_MEMORY": "14.5GiB", "CUDA_VISIBLE_DEVICES": "0"},
 }
 FAMILY_21 = ("21-one", "21-pair", "21-16gb")
+FAMILY_2511 = ("2511-one", "2511-16gb")
 # --tiny: the same row names on the CPU (the harness itself is what is tested there). Rows that need GPUs
 # run with DEVICE_MAP=cpu; fp8 needs a CUDA GPU, so its CPU row makes the int8 copy instead.
 CPU_ROWS: dict[str, dict[str, str]] = {
@@ -111,6 +118,8 @@ CPU_ROWS: dict[str, dict[str, str]] = {
     "21-one": {"DEVICE_MAP": "cpu"},
     "21-pair": {"DEVICE_MAP": "auto"},
     "21-16gb": {"DEVICE_MAP": "cpu"},
+    "2511-one": {"DEVICE_MAP": "cpu"},
+    "2511-16gb": {"DEVICE_MAP": "cpu"},
 }
 LORA_21 = "Acceptance-Style-21"  # a random LoRA of Qwen-Image-2.1's attention layers
 LORA_FILES = {4: "Acceptance-Lightning-4steps-V1.0-bf16", 8: "Acceptance-Lightning-8steps-V1.0-bf16"}
@@ -762,6 +771,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--tiny: OUT/tiny-checkpoint)")
     parser.add_argument("--ckpt21", default=None, help="the Qwen-Image-2.1 rows' checkpoint, built when it has no "
                         "model_index.json (default /tmp/qwen-image-2.1-real-random; --tiny: OUT/tiny-checkpoint-21)")
+    parser.add_argument("--ckpt2511", default=None, help="the 2511 rows' checkpoint, built when it has no "
+                        "model_index.json (default /tmp/qwen-image-edit-2511-real-random; --tiny: "
+                        "OUT/tiny-checkpoint-2511)")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU, 64x64, 2 steps")
     parser.add_argument("--steps", type=int, default=None, help="steps of the quality edits (40; --tiny 2)")
     parser.add_argument("--other-steps", type=int, default=None,
@@ -805,15 +817,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"WARNING: {ROOT / '.env'} fills in every setting a row leaves unset", flush=True)
     default_ckpt = out_dir / "tiny-checkpoint" if args.tiny else Path("/tmp/qwen-image-edit-real-random")
     ckpt = Path(args.ckpt) if args.ckpt else default_ckpt
-    edit_rows = [name for name in args.row_names if name not in FAMILY_21]
+    edit_rows = [name for name in args.row_names if name not in FAMILY_21 + FAMILY_2511]
     lora_dir = out_dir / ("loras-tiny" if args.tiny else "loras-real")
     loras = {}
     if edit_rows:
         ckpt = prepare_checkpoint(ckpt.expanduser(), args.tiny)
         lora_dir.mkdir(parents=True, exist_ok=True)
         loras = prepare_loras(lora_dir, ckpt, args.tiny)
+    common_2511 = {}
+    if any(name in FAMILY_2511 for name in args.row_names):  # 2511 rows: their own checkpoint and LoRAs
+        default_2511 = out_dir / "tiny-checkpoint-2511" if args.tiny else Path("/tmp/qwen-image-edit-2511-real-random")
+        ckpt2511 = prepare_checkpoint(Path(args.ckpt2511 or default_2511).expanduser(), args.tiny, kind="2511")
+        lora_dir_2511 = out_dir / ("loras-2511-tiny" if args.tiny else "loras-2511-real")
+        lora_dir_2511.mkdir(parents=True, exist_ok=True)
+        prepare_loras(lora_dir_2511, ckpt2511, args.tiny)
+        common_2511 = {"QWEN_MODEL_DIR": str(ckpt2511), "LORA_DIR": str(lora_dir_2511)}
     common_21 = {}
-    if len(edit_rows) < len(args.row_names):  # Qwen-Image-2.1 rows: their own checkpoint and LoRA
+    if any(name in FAMILY_21 for name in args.row_names):  # Qwen-Image-2.1 rows: their own checkpoint and LoRA
         default_21 = out_dir / "tiny-checkpoint-21" if args.tiny else Path("/tmp/qwen-image-2.1-real-random")
         ckpt21 = prepare_checkpoint(Path(args.ckpt21 or default_21).expanduser(), args.tiny, kind="21")
         lora_dir_21 = out_dir / ("loras-21-tiny" if args.tiny else "loras-21-real")
@@ -835,7 +855,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.row_names:
             row = {"name": name, "requests": []}
             report["rows"].append(row)
-            run_row(row, args, common_21 if name in FAMILY_21 else common, pictures)
+            run_row(row, args, common_21 if name in FAMILY_21 else common_2511 if name in FAMILY_2511 else common,
+                    pictures)
             row["failures"] = row_failures(row)
             write_results(report, args)  # after every row: a long GPU run keeps what it measured
     except KeyboardInterrupt:
