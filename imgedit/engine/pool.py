@@ -58,7 +58,6 @@ class Died:
     log: str  # the log's account ("worker process ended (...)")
     job_message: str  # the running job's, after the worker's name ("process stopped during the job (...)")
     reap_timeout: float  # how long the other ranks get to end before they are killed
-    rank: int | None = None
 
 
 class TransportLost(Exception):
@@ -236,7 +235,7 @@ class WorkerHandle:
         self.job_client = job.request.client  # who asked: /v1/status shows the job's id to them alone
         try:
             self.transport.send(job)
-        except SendFailed as exc:  # that rank is gone: this job fails, the pump reports the death
+        except SendFailed as exc:  # a Ray actor that is gone: this job fails, the pump reports the death
             log.error("%s: could not hand %s to it: %s", self.name, job.request_id, exc)
             events.put(WorkerDied(f"{self.name}'s {exc}"))
         return events
@@ -259,6 +258,8 @@ class WorkerHandle:
                 self.on_change()
                 return
             for event in events:
+                if self._closing:  # a LoadFailed in this batch reaped the ranks, or stop() came
+                    break
                 if isinstance(event, Died):
                     self._on_death(event)
                     break
@@ -318,7 +319,9 @@ class WorkerHandle:
         if not self._restart_or_fail(self.transport.what, died.reason, was_loading):
             return
         try:
-            self.transport.prepare_respawn(died)
+            self.transport.prepare_respawn(died)  # Ray: up to 30 s for its node's verdict
+            if self._closing:
+                return
             self._spawn()
         except (OSError, EOFError) as exc:  # e.g. the forkserver is gone (the server is being killed)
             log.error("%s: could not start %s again: %r", self.name, self.transport.what, exc)

@@ -112,7 +112,7 @@ class ProcessTransport:
             if conn in outboxes:
                 events.extend(self._receive(conn))
         dead = [p for p in procs if not p.is_alive()]
-        if dead and procs == self._procs:
+        if dead and not self.closing and procs == self._procs:  # stop() reaps these pipes meanwhile
             events.extend(self._drain())  # messages a rank sent before it died (its Failed, say) come first
             codes = ", ".join(f"rank {self._procs.index(p)} exit code {p.exitcode}" for p in dead)
             events.append(Died(codes, f"worker process ended ({codes})",

@@ -203,9 +203,6 @@ class _ActorInbox:
     def put(self, message) -> None:
         _joined().get(self.actor.put.remote(message), timeout=10)
 
-    def close(self) -> None:
-        pass
-
 
 class RayTransport:
     """A worker's ranks as Ray actors in one placement group (see the module docstring)."""
@@ -311,7 +308,7 @@ class RayTransport:
         reason = _death_reason(exc)
         where = f"node {self.node[:8]}" if self.node else "its node"
         return Died(reason, f"Ray actor of rank {rank} on {where} ended ({reason})",
-                    f"Ray actor (rank {rank} on {where}) stopped during the job ({reason})", reap_timeout=0, rank=rank)
+                    f"Ray actor (rank {rank} on {where}) stopped during the job ({reason})", reap_timeout=0)
 
     def prepare_respawn(self, died: Died) -> None:
         node_gone = died.reason == NODE_LEFT or self._node_left(wait=NODE_VERDICT_S if died.reason == UNAVAILABLE
