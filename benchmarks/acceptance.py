@@ -141,6 +141,17 @@ def prepare_checkpoint(path: Path, tiny: bool, kind: str = "plus") -> Path:
     return build_checkpoint(path, kind=kind, size="tiny" if tiny else "real")
 
 
+def family_settings(args, out_dir: Path, kind: str, given: str | None, real: str, prepare) -> dict[str, str]:
+    """QWEN_MODEL_DIR and LORA_DIR of a family's own rows: its checkpoint (`given`, else the tiny one under
+    `out_dir` or the real-size one at `real`, built when missing) and its LoRAs, written by `prepare`."""
+    default = out_dir / f"tiny-checkpoint-{kind}" if args.tiny else Path(real)
+    ckpt = prepare_checkpoint(Path(given or default).expanduser(), args.tiny, kind=kind)
+    loras = out_dir / f"loras-{kind}-{'tiny' if args.tiny else 'real'}"
+    loras.mkdir(parents=True, exist_ok=True)
+    prepare(loras, ckpt, args.tiny)
+    return {"QWEN_MODEL_DIR": str(ckpt), "LORA_DIR": str(loras)}
+
+
 def prepare_lora_21(folder: Path, ckpt: Path, tiny: bool) -> str:
     """A random LoRA of Qwen-Image-2.1's attention (diffusers' names) in `folder`, kept when already there."""
     path = folder / f"{LORA_21}.safetensors"
@@ -824,22 +835,13 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = prepare_checkpoint(ckpt.expanduser(), args.tiny)
         lora_dir.mkdir(parents=True, exist_ok=True)
         loras = prepare_loras(lora_dir, ckpt, args.tiny)
-    common_2511 = {}
+    common_2511 = common_21 = {}
     if any(name in FAMILY_2511 for name in args.row_names):  # 2511 rows: their own checkpoint and LoRAs
-        default_2511 = out_dir / "tiny-checkpoint-2511" if args.tiny else Path("/tmp/qwen-image-edit-2511-real-random")
-        ckpt2511 = prepare_checkpoint(Path(args.ckpt2511 or default_2511).expanduser(), args.tiny, kind="2511")
-        lora_dir_2511 = out_dir / ("loras-2511-tiny" if args.tiny else "loras-2511-real")
-        lora_dir_2511.mkdir(parents=True, exist_ok=True)
-        prepare_loras(lora_dir_2511, ckpt2511, args.tiny)
-        common_2511 = {"QWEN_MODEL_DIR": str(ckpt2511), "LORA_DIR": str(lora_dir_2511)}
-    common_21 = {}
+        common_2511 = family_settings(args, out_dir, "2511", args.ckpt2511, "/tmp/qwen-image-edit-2511-real-random",
+                                      prepare_loras)
     if any(name in FAMILY_21 for name in args.row_names):  # Qwen-Image-2.1 rows: their own checkpoint and LoRA
-        default_21 = out_dir / "tiny-checkpoint-21" if args.tiny else Path("/tmp/qwen-image-2.1-real-random")
-        ckpt21 = prepare_checkpoint(Path(args.ckpt21 or default_21).expanduser(), args.tiny, kind="21")
-        lora_dir_21 = out_dir / ("loras-21-tiny" if args.tiny else "loras-21-real")
-        lora_dir_21.mkdir(parents=True, exist_ok=True)
-        prepare_lora_21(lora_dir_21, ckpt21, args.tiny)
-        common_21 = {"QWEN_MODEL_DIR": str(ckpt21), "LORA_DIR": str(lora_dir_21)}
+        common_21 = family_settings(args, out_dir, "21", args.ckpt21, "/tmp/qwen-image-2.1-real-random",
+                                    prepare_lora_21)
     picture_path = out_dir / "input.png"
     picture = input_picture(args.size)
     picture_path.write_bytes(picture)
