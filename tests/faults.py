@@ -21,9 +21,11 @@ Every forward of the main modules (text encoder, transformer, FAST_QUANTIZE's co
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import time
+import weakref
 
 import torch
 
@@ -151,6 +153,22 @@ def break_compile(pipe, spec) -> None:
     install(pipe, spec)
     add_hook_to_module(pipe.transformer.transformer_blocks[0].attn.to_q,
                        AlignDevicesHook(execution_device=spec.plan.execution_device))
+
+
+def leave_garbage(pipe, spec) -> None:
+    """install(), and a tensor in a reference cycle old enough that only a full collection frees it, as loading
+    can leave one; IMGEDIT_TEST_GARBAGE gets "freed <pid>" when it goes."""
+    install(pipe, spec)
+    cycle: dict = {"tensor": torch.zeros(1024)}
+    cycle["self"] = cycle
+    weakref.finalize(cycle["tensor"], _write, os.environ["IMGEDIT_TEST_GARBAGE"], f"freed {os.getpid()}\n")
+    gc.collect()  # it survives this one (still referenced) into the oldest generation
+    del cycle
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "a") as out:
+        out.write(text)
 
 
 def hook_blocks(pipe, spec) -> None:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import replace
 
 import numpy as np
 import pytest
-from conftest import ConcurrencyProbe, alive, make_manager, picture, wait_for
+from conftest import _MANAGERS, ConcurrencyProbe, alive, cpu_plan, make_manager, picture, wait_for
 
+from imgedit.config.settings import load_settings
+from imgedit.engine.manager import PipelineManager
 from imgedit.errors import Cancelled, ImgEditError, InvalidInput, OutOfGpuMemory, QueueFull, WorkerFailed
 from imgedit.protocol import EditRequest, Resolved
 
@@ -230,6 +233,25 @@ def test_an_out_of_memory_log_line_says_how_much_and_where():
     assert detail == ("CUDA out of memory. Tried to allocate 7.50 GiB. GPU 0 has a total capacity of 139.8 GiB of "
                       "which 2.1 GiB is free (in test_manager.py:"
                       f"{allocate_the_cache.__code__.co_firstlineno + 1}, allocate_the_cache)")
+
+
+def test_what_loading_left_in_reference_cycles_is_freed_before_the_first_job(plus_ckpt, tmp_path):
+    """On 2x H200 a capped worker's first edit came back 507 and the same request succeeded after the OOM's
+    cleanup (a full collection, the allocator's cache emptied). The worker now runs that cleanup once loaded:
+    a tensor that faults.leave_garbage leaves in an old reference cycle is freed by the time the worker is ready."""
+    freed = tmp_path / "freed"
+    os.environ["IMGEDIT_TEST_GARBAGE"] = str(freed)
+    try:
+        settings = load_settings({"QWEN_MODEL_DIR": str(plus_ckpt), "DEVICE_MAP": "cpu", "WORKER_START": "forkserver",
+                                  "OUTPUT_DIR": str(tmp_path / "out")})
+        manager = PipelineManager(settings, plan=cpu_plan(1), worker_hook="faults:leave_garbage")
+        _MANAGERS.append(manager)
+        manager.load()
+    finally:
+        os.environ.pop("IMGEDIT_TEST_GARBAGE")
+    (pid,) = manager.status().workers[0].pids
+    assert freed.read_text() == f"freed {pid}\n"
+    assert manager.edit(request()).images
 
 
 def test_cuda_fault_restarts_the_worker_process_and_status_says_so(plus_ckpt):
