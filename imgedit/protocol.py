@@ -240,6 +240,7 @@ class WorkerStatus:
     cpu_threads: int = 0  # PyTorch's CPU threads in the worker's processes (WORKER_THREADS)
     # optimisations that failed to build and what the worker runs instead ("compile failed → eager: ...")
     fallbacks: tuple[str, ...] = ()
+    under_cap: tuple[str, ...] = ()  # what a job gives up where MAX_MEMORY leaves no room (imgedit.runtime.worker)
     job_client: str | None = None  # who asked for the running job (imgedit.web.identity's owner); never shown
 
     def __post_init__(self):

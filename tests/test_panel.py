@@ -250,3 +250,19 @@ def test_loaded_loras_are_listed_under_the_cards():
     data = snapshot(mon, st)
     data["loras"] = [{"name": "<fast>", "lightning_steps": 4}, {"name": "style", "lightning_steps": None}]
     assert "LoRAs loaded: &lt;fast&gt; (Lightning 4-step), style</small>" in panel_html(data)
+
+
+def test_what_a_capped_worker_gives_up_per_job_reaches_the_status_and_the_panel(plus_ckpt):
+    """A worker under MAX_MEMORY says what a job may give up there (the VAE decode in tiles, 2.1's prefix cache):
+    from its start-up report to /health's worker status and the panel's weights line."""
+    comps = {c: Placement("cuda:0") for c in ("transformer", "text_encoder", "vae")}
+    plan = Plan("manual", (WorkerPlan("worker-0", comps),), "made up", {"cuda:0": 1024**3})
+    manager = make_manager(plus_ckpt, plan=plan, load=False).prepare()
+    gives_up = ["VAE decode in tiles for a job whose whole decode would not fit"]
+    vae = {"dtype": "bfloat16", "quantization": "none", "location": "GPU 0"}
+    manager.workers[0]._handle(Ready(0, 10, 1.0, StartupReport(components={"vae": vae}, under_cap=gives_up)))
+    worker = manager.status().workers[0]
+    assert worker.under_cap == tuple(gives_up)
+    mon, _ = one_gpu_busy()
+    html = panel_html(snapshot(mon, manager.status()))
+    assert "under the memory cap: VAE decode in tiles for a job whose whole decode would not fit" in html

@@ -438,3 +438,58 @@ def test_the_prefix_cache_goes_off_for_a_job_it_would_not_fit_under_a_cap(ckpt21
     real = type("Config", (), config)
     assert cache_bytes(real, 1) == 512 * 1024
     assert 7.5 < cache_bytes(real, prefix_tokens(3, 1024)) / 1024**3 < 8
+
+
+def test_a_decode_that_would_not_fit_under_a_cap_runs_in_tiles(ckpt21):
+    """On the GPU machine's 16 GB plan for 2.1 most jobs ran out of memory in the VAE's decode (~5.8 GiB a
+    megapixel at real size against ~7 GiB the cap left). A capped worker tiles a job's decode where it would not
+    fit (diffusers' enable_tiling), decides again for the next job, and decodes whole where it fits. The real
+    sizes' estimates are checked against benchmarks/probe_vae_decode.py's measurements (5.84 and 3.82 GiB)."""
+    import inspect
+    import threading
+
+    from conftest import LocalPipeline
+    from diffusers import AutoencoderKLQwenImage, AutoencoderKLQwenImage21
+
+    from imgedit.config.settings import load_settings
+    from imgedit.engine.validation import resolve
+    from imgedit.protocol import EditRequest
+    from imgedit.runtime.decode_room import DecodeRoom, decode_bytes
+    from imgedit.runtime.messages import Job
+    from imgedit.runtime.runner import Runner
+
+    pipe = LocalPipeline(ckpt21).pipe
+    decodes: list[bool] = []  # per decode: tiled?
+    whole = pipe.vae._decode
+
+    def spy(z, *args, **kwargs):
+        decodes.append(pipe.vae.use_tiling)
+        return whole(z, *args, **kwargs)
+
+    pipe.vae._decode = spy
+    settings = load_settings({"QWEN_MODEL_DIR": str(ckpt21)})
+    req = EditRequest(images=(noise((96, 96), 1),), prompt="paint it", seed=5, num_inference_steps=2,
+                      width=320, height=320)  # 20x20 latents: over the 16 of one 256-pixel tile
+    runner = Runner(pipe, "local", ("cpu",))
+
+    def run(room: int) -> np.ndarray:
+        runner.decode_room = DecodeRoom(pipe.vae, lambda: room)
+        params = resolve(req, settings, "21", req.images[-1].size, len(req.images))
+        result = runner.run(Job(req, params, "21"), threading.Event())
+        assert pipe.vae.use_tiling is False  # the next job decides again
+        return np.asarray(result.images[0], dtype=np.int16)
+
+    whole_image = run(1 << 40)
+    tiled_image = run(0)
+    again = run(1 << 40)
+    assert decodes == [False, True, False], decodes
+    assert (again == whole_image).all() and not (tiled_image == whole_image).all()
+    assert tiled_image.shape == whole_image.shape == (320, 320, 4)  # RGBA
+
+    real = type("Config", (), AutoencoderKLQwenImage21.load_config(
+        build_checkpoint(ckpt21.parent / "q21-real-vae", kind="21", size="real"), subfolder="vae"))
+    assert 5.5 < decode_bytes(real, 1024, 1024, 1) / 2**30 < 6.2
+    # the real-size Qwen-Image checkpoint's VAE is AutoencoderKLQwenImage's defaults (base dim 96)
+    plus = {name: p.default for name, p in inspect.signature(AutoencoderKLQwenImage.__init__).parameters.items()}
+    assert 3.6 < decode_bytes(type("Config", (), plus), 1024, 1024, 1) / 2**30 < 4.1
+    assert decode_bytes(real, 1024, 1024, 2) == 2 * decode_bytes(real, 1024, 1024, 1)

@@ -371,7 +371,7 @@ class WorkerHandle:
             return {}
         return dict(compiled=r.compiled, encode_cache=r.encode_cache, attention=r.attention,
                     components=r.components, fast_weights=r.fast_weights, cpu_threads=r.cpu_threads,
-                    fallbacks=tuple(r.fallbacks))
+                    fallbacks=tuple(r.fallbacks), under_cap=tuple(r.under_cap))
 
 
 def wait_result(handle: WorkerHandle, events: queue.Queue, cancel: threading.Event,

@@ -121,6 +121,7 @@ class StartupReport:
     cpu_threads: int = 0  # torch's threads in this rank
     pixels: str = "cpu"  # where the pictures' arithmetic runs (runtime.pixels)
     fallbacks: list[str] = field(default_factory=list)  # optimisations that failed to build, and what runs instead
+    under_cap: list[str] = field(default_factory=list)  # what a job gives up where MAX_MEMORY leaves it no room
     attention: str = "native"  # the attention kernel as the processors have it
     warmup_seconds: list[float] = field(default_factory=list)  # each compile warm-up
     compile_seconds: float | None = None  # compiling and warming up, in all

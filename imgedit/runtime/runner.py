@@ -79,6 +79,7 @@ class Runner:
 
             self.cfg_batch = CfgBatch(pipe.transformer)
         self.prefix_cache = None  # runtime.prefix_cache.PrefixCache: Qwen-Image-2.1 under a cap (set by the worker)
+        self.decode_room = None  # runtime.decode_room.DecodeRoom: the VAE's decode under a cap (set by the worker)
 
     def takes_part(self, job: Job) -> bool:
         """With CFG off a CFG pair has no branches to split: its first rank (or half) runs the job, or both
@@ -118,6 +119,8 @@ class Runner:
                 on_step(step + 1, params.steps)
             if stop:
                 raise _Abort
+            if self.decode_room is not None:  # what the decode will share the GPU with is allocated now
+                self.decode_room.decide(params.width, params.height, params.num_images)
             if masked is not None:
                 return {"latents": masked.blend(step, callback_kwargs["latents"])}
             return {}
@@ -187,6 +190,8 @@ class Runner:
             if self.adapters is not None:  # no adapter outlives a failed or cancelled job
                 self.adapters.reset(keep=finished)
             self.step_cache.end()  # nor a step cache's state
+            if self.decode_room is not None:
+                self.decode_room.end()
         if out_of_memory:
             log.warning("%s: out of GPU memory on %s: %s", req.request_id, ",".join(self.devices), out_of_memory)
             self.cleanup(force=True)

@@ -145,14 +145,20 @@ def _load(spec: WorkerSpec, say=lambda doing: None):
     if cuda and spec.memory_caps and late_cap:
         torch.cuda.empty_cache()
         _cap_memory(spec.memory_caps)
-    if cuda and spec.memory_caps and "use_kv_cache" in inspect.signature(pipe.__call__).parameters:
-        from imgedit.planning.placement import allocator_budget
-        from imgedit.runtime.prefix_cache import PrefixCache, capped_room
+    under_cap = []  # what a job may take under MAX_MEMORY, decided per job
+    if cuda and spec.memory_caps:
+        from imgedit.runtime import decode_room, prefix_cache
 
-        index = torch.device(runner.devices[0]).index or 0
-        cap = allocator_budget(spec.memory_caps[min(index, len(spec.memory_caps) - 1)])
-        room = capped_room(index, cap, spec.activation_reserve)
-        runner.prefix_cache = PrefixCache(pipe.transformer, room)
+        vae = torch.device(plan.components["vae"].device)  # where the decode runs
+        if vae.type == "cuda":
+            room = decode_room.capped_room(vae.index or 0, _budget(spec, vae.index or 0))
+            runner.decode_room = decode_room.DecodeRoom(pipe.vae, room)
+            under_cap.append("VAE decode in tiles for a job whose whole decode would not fit")
+        if "use_kv_cache" in inspect.signature(pipe.__call__).parameters:
+            index = torch.device(runner.devices[0]).index or 0
+            room = prefix_cache.capped_room(index, _budget(spec, index), spec.activation_reserve)
+            runner.prefix_cache = prefix_cache.PrefixCache(pipe.transformer, room)
+            under_cap.append("prefix cache off for a job it would not fit")
     pair_split = runner.group is not None and runner.group.splits_cfg_off
     report = StartupReport(
         batch_cfg=runner.cfg_batch is not None, pair_ulysses=pair_split,
@@ -161,7 +167,8 @@ def _load(spec: WorkerSpec, say=lambda doing: None):
         fuse_lora=adapters.fusion.describe() if adapters.fusion is not None else "off",
         fast_weights=adapters.fast.describe() if adapters.fast is not None else "none",
         weights_mib=weights, encode_cache=spec.encode_cache, cpu_threads=torch.get_num_threads(),
-        pixels=str(on_gpu.device) if on_gpu is not None else "cpu", fallbacks=list(adapters.fallbacks))
+        pixels=str(on_gpu.device) if on_gpu is not None else "cpu", fallbacks=list(adapters.fallbacks),
+        under_cap=under_cap)
     if spec.hook:
         module, _, function = spec.hook.partition(":")
         import importlib
@@ -186,6 +193,13 @@ def _load(spec: WorkerSpec, say=lambda doing: None):
         report.memory_reserved_gib = round(torch.cuda.memory_reserved() / 1024**3, 2)
     log.info("loaded on %s in %.1fs (%s)", ",".join(plan.devices), time.perf_counter() - started, asdict(report))
     return runner, report, time.perf_counter() - started
+
+
+def _budget(spec: WorkerSpec, index: int) -> int:
+    """What torch's allocator may hold on cuda:`index` under MAX_MEMORY."""
+    from imgedit.planning.placement import allocator_budget
+
+    return allocator_budget(spec.memory_caps[min(index, len(spec.memory_caps) - 1)])
 
 
 def _weights_per_gpu() -> dict[str, float]:

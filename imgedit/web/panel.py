@@ -257,6 +257,8 @@ def panel_html(data: dict) -> str:
                 line += f'; fast mode on {w["fast_weights"]}'
             if w.get("cpu_threads"):
                 line += f'; {int(w["cpu_threads"])} CPU threads'
+            if w.get("under_cap"):
+                line += "; under the memory cap: " + ", ".join(w["under_cap"])
             parts.append(f'<small class="gp-foot worker-weights">{escape(w["name"])} weights: {escape(line)}</small>')
     if line := defaults_line(data.get("family"), data.get("defaults")):
         parts.append(f'<small class="gp-foot model-defaults">{escape(line)}</small>')
