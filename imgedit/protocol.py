@@ -268,7 +268,7 @@ class ManagerStatus:
 
     @property
     def healthy_workers(self) -> int:
-        return sum(w.state in ("idle", "busy") for w in self.workers)
+        return sum(w.state.serving for w in self.workers)
 
 
 @dataclass(frozen=True)

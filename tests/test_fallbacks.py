@@ -22,6 +22,7 @@ from imgedit.model.lora_random import random_lora
 from imgedit.model.loras import transformer_linears
 from imgedit.planning.checkpoint import MODEL_COMPONENTS
 from imgedit.planning.plan import Placement, WorkerPlan
+from imgedit.protocol import WorkerState
 from imgedit.runtime import loader
 from imgedit.runtime.adapters import Adapters
 from imgedit.runtime.messages import Loading
@@ -107,7 +108,7 @@ def test_a_lora_on_a_pipeline_placed_over_devices_keeps_the_placement(plus_ckpt,
 
 def test_a_loading_worker_says_what_it_is_doing_and_a_failed_one_why():
     handle = WorkerHandle.__new__(WorkerHandle)
-    handle.state, handle.detail, handle._events = "loading", "starting", None
+    handle.state, handle.detail, handle._events = WorkerState.LOADING, "starting", None
     handle._handle(Loading(0, "compiling: warm-up 2 of 5 (quality at 1024x1024)", 73.4))
     assert handle.detail == "compiling: warm-up 2 of 5 (quality at 1024x1024) (73 s)"
     handle._handle(Loading(1, "loading the weights", 1.0))  # rank 0 speaks for its group

@@ -79,7 +79,10 @@ def test_an_image_runs_the_vaes_causal_3d_convolutions_as_2d_ones_with_the_same_
     import torch.nn.functional as F
 
     vae = plus_pipe.pipe.vae
-    routed = [m for m in vae.modules() if isinstance(m, torch.nn.Conv3d) and "forward" in vars(m)]
+    from imgedit.runtime.single_frame import HOOK
+
+    routed = [m for m in vae.modules() if getattr(m, "_diffusers_hook", None) and m._diffusers_hook.get_hook(HOOK)]
+    assert all(isinstance(m, torch.nn.Conv3d) and "forward" in vars(m) for m in routed)
     assert len(routed) >= 10 and vae.encoder.conv_in in routed and vae.decoder.conv_out in routed
 
     def own(conv, x, cache=None):  # diffusers' QwenImageCausalConv3d.forward, as the class defines it

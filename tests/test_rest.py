@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from imgedit.config.settings import load_settings
 from imgedit.engine.manager import PipelineManager
+from imgedit.protocol import WorkerState
 
 EXTRA = {"num_inference_steps": 2}
 GOOD_FIELDS = {"prompt": "make it red", "size": "64x64", "num_inference_steps": "2", "seed": "1"}
@@ -207,7 +208,7 @@ def test_health_flips_with_loading_and_failed_workers(plus_ckpt, image_file):
         health = http.get(f"{url}/health")
         assert health.status_code == 200 and health.json()["status"] == "ok"
         for worker in manager.workers:
-            worker.state = "failed"
+            worker.state = WorkerState.FAILED  # planted: every worker failed
         health = http.get(f"{url}/health")
         assert health.status_code == 503 and health.json()["status"] == "failed"
         error = assert_openai_error(post_edit(url, files={"image": png_bytes()}, data=GOOD_FIELDS), 503)

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from imgedit.config.loras import entries, parse_loras
 from imgedit.config.parsers import (
     DTYPES,
-    GIB,
     LOG_LEVELS,
     DeviceMap,
     _auto_or_int,
@@ -204,70 +203,72 @@ def _attr(var: Var) -> str:
 
 @dataclass(frozen=True)
 class Settings:
-    qwen_model: str = "Qwen/Qwen-Image-Edit-2509"
-    qwen_model_dir: str | None = None
-    demo: bool = False
-    demo_dir: str = "~/.cache/imgedit/demo"
-    demo_kind: str = "plus"
-    device_map: DeviceMap = field(default_factory=lambda: DeviceMap("balanced"))
-    max_memory: tuple[int, ...] = ()
-    gpu_memory_reserve: int = int(1.5 * GIB)
-    activation_reserve: int = 4 * GIB
-    torch_dtype: str = "bfloat16"
-    queue_max_size: int = 16
-    default_steps: int = 0
-    max_steps: int = 100
-    default_true_cfg: float = 4.0
-    max_input_pixels: int = 16_777_216
-    max_output_pixels: int = 4_194_304
-    max_file_size: int = 25_000_000
-    body_read_timeout: int = 30
-    header_read_timeout: int = 10
-    max_connections: int = 512
-    max_connections_per_client: int = 256
-    max_images_per_prompt: int = 4
-    lora_dir: str | None = None
-    loras: tuple[tuple[str, str], ...] = ()
-    fast_lora_4step: str | None = None
-    fast_lora_8step: str | None = None
-    fuse_lora: str = "auto"
-    fast_quantize: str = "none"
-    fast_quantize_speeds: tuple[str, ...] = ("fastest", "fast")
-    lora_entries: tuple = ()  # imgedit.config.loras.LoraEntry for each configured LoRA (built from the four above)
-    quantize: tuple[tuple[str, str], ...] | None = None  # None = auto
-    quantize_skip: tuple[str, ...] | None = None  # None: auto, the model family's (planning.families)
-    offload: tuple[str, ...] | None = None  # None = auto
-    batch_cfg: str = "auto"
-    pair_ulysses: str = "auto"
-    compile: str = "auto"
-    compile_mode: str = "default"
-    attention: str = "native"
-    encode_cache: int = 8
-    worker_threads: int = 0  # 0 = auto
-    enhance_max_tokens: int = 160
-    cache: str = "none"
-    cache_threshold: float = 0.08
-    compile_cache_dir: str = "~/.cache/imgedit/compile"
-    worker_restarts: int = 3
-    worker_start: str = "spawn"
-    workers: str = "local"
-    ray_address: str | None = None
-    ray_connect_timeout: int = 30
-    auto_cleanup: bool = True
-    log_level: str = "INFO"
-    gradio_server_name: str = "127.0.0.1"
-    gradio_server_port: int = 7860
-    api_key: str | None = None
-    api_keys: tuple[tuple[str, str], ...] = ()
-    gradio_auth: tuple[tuple[str, str], ...] = ()
-    client_share: float = 0.5
-    output_dir: str = "~/.cache/imgedit/outputs"
-    output_retention_hours: float = 168.0
-    output_max_gb: float = 20.0
-    batch_max_items: int = 32
-    jobs_max_pending: int = 128
-    shutdown_grace_s: int = 60
-    cuda_visible_devices: str | None = None
+    """Every setting, parsed: built by load_settings from REGISTRY, whose entries hold the defaults."""
+
+    qwen_model: str
+    qwen_model_dir: str | None
+    demo: bool
+    demo_dir: str
+    demo_kind: str
+    device_map: DeviceMap
+    max_memory: tuple[int, ...]
+    gpu_memory_reserve: int
+    activation_reserve: int
+    torch_dtype: str
+    queue_max_size: int
+    default_steps: int
+    max_steps: int
+    default_true_cfg: float
+    max_input_pixels: int
+    max_output_pixels: int
+    max_file_size: int
+    body_read_timeout: int
+    header_read_timeout: int
+    max_connections: int
+    max_connections_per_client: int
+    max_images_per_prompt: int
+    lora_dir: str | None
+    loras: tuple[tuple[str, str], ...]
+    fast_lora_4step: str | None
+    fast_lora_8step: str | None
+    fuse_lora: str
+    fast_quantize: str
+    fast_quantize_speeds: tuple[str, ...]
+    lora_entries: tuple  # imgedit.config.loras.LoraEntry for each configured LoRA (built from the four above)
+    quantize: tuple[tuple[str, str], ...] | None  # None = auto
+    quantize_skip: tuple[str, ...] | None  # None: auto, the model family's (planning.families)
+    offload: tuple[str, ...] | None  # None = auto
+    batch_cfg: str
+    pair_ulysses: str
+    compile: str
+    compile_mode: str
+    attention: str
+    encode_cache: int
+    worker_threads: int  # 0 = auto
+    enhance_max_tokens: int
+    cache: str
+    cache_threshold: float
+    compile_cache_dir: str
+    worker_restarts: int
+    worker_start: str
+    workers: str
+    ray_address: str | None
+    ray_connect_timeout: int
+    auto_cleanup: bool
+    log_level: str
+    gradio_server_name: str
+    gradio_server_port: int
+    api_key: str | None
+    api_keys: tuple[tuple[str, str], ...]
+    gradio_auth: tuple[tuple[str, str], ...]
+    client_share: float
+    output_dir: str
+    output_retention_hours: float
+    output_max_gb: float
+    batch_max_items: int
+    jobs_max_pending: int
+    shutdown_grace_s: int
+    cuda_visible_devices: str | None
 
     @property
     def model_source(self) -> str:

@@ -172,8 +172,10 @@ class WorkerHandle:
         return self._state
 
     @state.setter
-    def state(self, value: WorkerState | str) -> None:
-        self._state = WorkerState(value)  # a test's planted "failed" is the member too
+    def state(self, value: WorkerState) -> None:
+        if not isinstance(value, WorkerState):
+            raise TypeError(f"a worker's state is a WorkerState, not {value!r}")
+        self._state = value
 
     @property
     def pids(self) -> tuple[int, ...]:

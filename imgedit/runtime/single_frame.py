@@ -11,15 +11,17 @@ On the CPU it also leaves PyTorch's `slow_conv3d` (vol2col + matmul), which PyTo
 for any 5-D float32 input with N*C*D*H at most 20,480: the encoder's first convolution over a
 1-megapixel condition image took 0.58 s on one core, 0.07 s as a 2-D convolution. One tiny-checkpoint
 edit (512x512, two steps, CFG on) went from 3.3 to ~2 CPU-s (measured on the 2-core CI machine).
-Video inputs (several frames) and later chunks (a frame cache) take the module's own path.
+Video inputs (several frames) and later chunks (a frame cache) take the module's own path. Installed as a
+diffusers hook with its own forward on each convolution (`HookRegistry`, as step_cache.py's hooks are).
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
+from diffusers.hooks import HookRegistry, ModelHook
+
+HOOK = "imgedit_single_frame"
 
 
 def _forward(conv, original, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
@@ -39,6 +41,13 @@ def install(vae: torch.nn.Module) -> int:
         if (isinstance(module, torch.nn.Conv3d) and module.padding_mode == "zeros" and module.padding == (0, 0, 0)
                 and isinstance(padding, tuple) and len(padding) == 6 and padding[5] == 0
                 and module.kernel_size[0] == padding[4] + 1 and module.stride[0] == 1 and module.dilation[0] == 1):
-            module.forward = functools.partial(_forward, module, module.forward)
+            HookRegistry.check_if_exists_or_initialize(module).register_hook(SingleFrame(), HOOK)
             count += 1
     return count
+
+
+class SingleFrame(ModelHook):
+    """A single frame through a 2-D convolution; anything else through the module's own forward."""
+
+    def new_forward(self, module: torch.nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None):
+        return _forward(module, self.fn_ref.original_forward, x, cache_x)
