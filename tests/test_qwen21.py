@@ -198,7 +198,7 @@ def test_the_real_size_checkpoint_is_the_published_model_and_a_16gb_card_gets_a_
     """`--size real --kind 21` writes the published configs (7.1 B transformer, Qwen3-VL-8B, the 16x VAE); on one
     80 GB GPU capped at 14.5 GiB (a 16 GB card) `auto` finds a lossless plan: the text encoder streamed per
     prompt, the transformer's blocks partly resident (the host's memory is the GPU machine's, 120 GiB free)."""
-    import imgedit.engine.manager as manager_module
+    import imgedit.engine.startup as startup_module  # where start-up reads the host's memory
     from imgedit.model.inspect import layer_sizes
     from imgedit.planning.plan import GpuSpec
 
@@ -206,7 +206,7 @@ def test_the_real_size_checkpoint_is_the_published_model_and_a_16gb_card_gets_a_
     billions = {c["name"]: (sum(c["head"].values()) + sum(sum(b.values()) for b in c["blocks"])) / 1e9
                 for c in layer_sizes(real)}
     assert round(billions["transformer"], 1) == 7.1 and round(billions["text_encoder"], 1) == 8.8
-    monkeypatch.setattr(manager_module, "host_memory", lambda: 120 * 2**30)
+    monkeypatch.setattr(startup_module, "host_memory", lambda: 120 * 2**30)
     manager = make_manager(real, plan="planner", load=False, DEVICE_MAP="auto", MAX_MEMORY="14.5GiB")
     manager._gpus = [GpuSpec(0, "H100", 80 * 2**30, 79 * 2**30)]
     manager.prepare()

@@ -1,7 +1,7 @@
-"""The manager: start-up, and jobs through the one FIFO line (imgedit.engine.line) to the worker processes.
-No torch, no CUDA context.
+"""The manager: jobs through the one FIFO line (imgedit.engine.line) to the worker processes, started as
+imgedit.engine.startup plans them. No torch, no CUDA context.
 
-`prepare()` opens the checkpoint and plans the placement; `start()` spawns one worker per planned
+`prepare()` opens the checkpoint and plans the placement (engine.startup); `start()` spawns one worker per planned
 worker (imgedit.engine.pool) and returns at once (the workers load in their own processes, /health says
 503 until they are ready). Jobs from the page, the gradio API and REST wait together in arrival
 order for a free worker; one job per worker at a time; cancel, progress, results and typed errors
@@ -17,16 +17,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 from imgedit.config.settings import Settings
 from imgedit.engine import startup
-from imgedit.engine.gpus import discover_gpus, host_memory
 from imgedit.engine.images import stamp_result
-from imgedit.engine.inspection import inspect_checkpoint
 from imgedit.engine.line import Line, WaitCallback
 from imgedit.engine.pool import WorkerHandle, wait_result
-from imgedit.engine.processes import ProcessTransport
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.engine.validation import check_enhance, default_steps, resolve, resolve_enhance
 from imgedit.errors import (
@@ -43,7 +39,6 @@ from imgedit.errors import (
 from imgedit.planning import modes
 from imgedit.planning.checkpoint import Checkpoint, open_checkpoint
 from imgedit.planning.families import FAMILIES, not_built
-from imgedit.planning.memory import bytes_item, plan_memory
 from imgedit.planning.plan import GpuSpec, Plan
 from imgedit.protocol import EditRequest, EditResult, JobRecord, ManagerStatus, Resolved, WorkerState
 from imgedit.runtime.messages import Done, Job
@@ -55,17 +50,6 @@ ERRORS = {cls.kind: cls for cls in (Cancelled, OutOfGpuMemory, WorkerFailed, Not
 # Sizes warmed at start-up: the default square and a portrait one (the blocks compile dynamic from the
 # first; the second checks that no guard specialised a length: imgedit.runtime.warmup).
 WARMUP_SIZES = ((1024, 1024), (832, 1248))
-
-
-def family_settings(settings: Settings, family: str) -> Settings:
-    """The settings whose `auto` depends on the model family, made the family's: QUANTIZE_SKIP, and COMPILE where
-    compiling is not built for it (COMPILE=on is refused at start-up then: engine.startup.family_refusal)."""
-    if settings.quantize_skip is None:
-        settings = replace(settings, quantize_skip=FAMILIES[family].quantize_skip)
-    if settings.compile == "auto" and (why := not_built(family, "compile")) is not None:
-        log.info("COMPILE=auto: off for %s (%s)", FAMILIES[family].model, why)
-        settings = replace(settings, compile="off")
-    return settings
 
 
 class PipelineManager:
@@ -127,40 +111,18 @@ class PipelineManager:
             return self
         try:
             self.checkpoint = open_checkpoint(self.settings.model_source)
-            self.settings = family_settings(self.settings, self.checkpoint.family)
+            self.settings = startup.family_settings(self.settings, self.checkpoint.family)
             self.prompt_tokens = PromptTokens.from_checkpoint(self.checkpoint.folder)
             log.info("prompts are counted by %s: at most %d tokens", self.prompt_tokens.source, MAX_PROMPT_TOKENS)
-            s = self.settings
-            if s.workers == "ray":
-                if s.quantize or s.offload:
-                    raise PlacementError("QUANTIZE and OFFLOAD work with WORKERS=local only for now; "
-                                         "leave them at auto (or none) with WORKERS=ray")
-                from imgedit.engine import ray_pool
-
-                try:
-                    ray_pool.connect(s.ray_address, s.ray_connect_timeout)
-                except WorkerFailed as exc:  # the page and /health still come up, and say why
-                    log.error("%s", exc.message)
-                    self.load_error = exc.message
-                    self._plan = Plan("ray", (), exc.message)
-                    return self
-            # Sizes (from the configs) and the LoRA check, measured on the worker side in a subprocess:
-            # this process never imports torch.
-            sizes, self.loras = inspect_checkpoint(self.checkpoint, s.quantize_skip, s.lora_entries,
-                                                   sizes=self._plan is None)
-            if self._plan is None:
-                item = bytes_item(s.torch_dtype)  # QUANTIZE / OFFLOAD: the planner sizes each mode
-                if s.workers == "ray":
-                    specs = [c.spec("none", item) for c in sizes]
-                    self._plan, self._nodes = ray_pool.plan_cluster(specs, s, ray_pool.alive_nodes(),
-                                                                    self.checkpoint.family)
-                else:
-                    gpus = discover_gpus() if self._gpus is None else list(self._gpus)
-                    self._plan = plan_memory(sizes, gpus, s, item, host_memory() if gpus else None,
-                                             self.checkpoint.family)
+            planned = startup.plan_workers(self.settings, self.checkpoint, self._plan, self._gpus)
+            self._plan, self._nodes, self.loras = planned.plan, planned.nodes, planned.loras
         except Exception as exc:
             self.load_error = user_text(exc)
             raise
+        if planned.error is not None:  # the page and /health still come up, and say why
+            self.load_error = planned.error
+            return self
+        s = self.settings
         for line in self._plan.describe():
             log.info("%s", line)
         self.workers = [self._handle(w) for w in self._plan.workers]
@@ -174,18 +136,9 @@ class PipelineManager:
         return self
 
     def _handle(self, plan) -> WorkerHandle:
-        s = self.settings
-        spec = startup.worker_spec(s, plan, self._plan.workers, self.checkpoint, self.loras, self.worker_hook,
-                                   self.warmup_sizes)
-        if s.workers == "ray":
-            from imgedit.engine.ray_pool import RayTransport
-
-            transport = RayTransport(plan.name, s.compile_cache_dir, s.log_level, node_id=self._nodes.get(plan.name))
-        else:
-            transport = ProcessTransport(plan.name, s.cuda_visible_devices, s.compile_cache_dir, s.log_level,
-                                         s.worker_start)
-        return WorkerHandle(plan, spec, transport, max_restarts=s.worker_restarts, on_change=self._changed,
-                            max_memory=s.max_memory)
+        spec = startup.worker_spec(self.settings, plan, self._plan.workers, self.checkpoint, self.loras,
+                                   self.worker_hook, self.warmup_sizes)
+        return startup.worker_handle(self.settings, plan, spec, self._nodes.get(plan.name), self._changed)
 
     def _changed(self) -> None:
         self.line.changed()

@@ -1,21 +1,93 @@
-"""Start-up checks and worker specs, before any worker process starts: every mode the settings ask for is
-checked against the plan (and refused with the reason, in the user's words, where this machine cannot run
-it), and each planned worker gets the spec its processes load from. No torch: the sizes and the LoRA
-check came from imgedit.engine.inspection's subprocess."""
+"""Start-up, before any worker process starts: the family's settings, the workers planned (Ray's cluster or
+this machine's GPUs, from the sizes and the LoRA check of imgedit.engine.inspection's subprocess: no torch
+here), every mode the settings ask for checked against the plan (and refused with the reason, in the user's
+words, where this machine cannot run it), and each planned worker's spec and handle (a process or a Ray
+actor under one supervisor)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 from imgedit.config.settings import Settings
-from imgedit.engine.gpus import host_threads
+from imgedit.engine.gpus import discover_gpus, host_memory, host_threads
+from imgedit.engine.inspection import inspect_checkpoint
+from imgedit.engine.pool import WorkerHandle
+from imgedit.engine.processes import ProcessTransport
+from imgedit.errors import PlacementError, WorkerFailed
 from imgedit.planning import modes
 from imgedit.planning.checkpoint import Checkpoint
 from imgedit.planning.families import FAMILIES, not_built
-from imgedit.planning.plan import WorkerPlan
+from imgedit.planning.memory import bytes_item, plan_memory
+from imgedit.planning.plan import GpuSpec, Plan, WorkerPlan
 from imgedit.runtime.messages import WorkerSpec
 
 log = logging.getLogger(__name__)
+
+
+def family_settings(settings: Settings, family: str) -> Settings:
+    """The settings whose `auto` depends on the model family, made the family's: QUANTIZE_SKIP, and COMPILE where
+    compiling is not built for it (COMPILE=on is refused at start-up then: family_refusal)."""
+    if settings.quantize_skip is None:
+        settings = replace(settings, quantize_skip=FAMILIES[family].quantize_skip)
+    if settings.compile == "auto" and (why := not_built(family, "compile")) is not None:
+        log.info("COMPILE=auto: off for %s (%s)", FAMILIES[family].model, why)
+        settings = replace(settings, compile="off")
+    return settings
+
+
+@dataclass(frozen=True)
+class Planned:
+    plan: Plan
+    nodes: dict[str, str]  # WORKERS=ray: each planned worker's Ray node id
+    loras: tuple  # imgedit.config.loras.LoraFile: the LoRAs every worker loads, checked
+    error: str | None = None  # WORKERS=ray could not reach its cluster: nothing planned, and why
+
+
+def plan_workers(settings: Settings, checkpoint: Checkpoint, plan: Plan | None,
+                 gpus: Sequence[GpuSpec] | None) -> Planned:
+    """The workers to start: `plan` as given (tests), or planned from the checkpoint's sizes for Ray's nodes or
+    this machine's GPUs (`gpus`: discovered when None)."""
+    s = settings
+    if s.workers == "ray":
+        if s.quantize or s.offload:
+            raise PlacementError("QUANTIZE and OFFLOAD work with WORKERS=local only for now; "
+                                 "leave them at auto (or none) with WORKERS=ray")
+        from imgedit.engine import ray_pool
+
+        try:
+            ray_pool.connect(s.ray_address, s.ray_connect_timeout)
+        except WorkerFailed as exc:
+            log.error("%s", exc.message)
+            return Planned(Plan("ray", (), exc.message), {}, (), exc.message)
+    # Sizes (from the configs) and the LoRA check, measured on the worker side in a subprocess
+    sizes, loras = inspect_checkpoint(checkpoint, s.quantize_skip, s.lora_entries, sizes=plan is None)
+    nodes: dict[str, str] = {}
+    if plan is None:
+        item = bytes_item(s.torch_dtype)  # QUANTIZE / OFFLOAD: the planner sizes each mode
+        if s.workers == "ray":
+            specs = [c.spec("none", item) for c in sizes]
+            plan, nodes = ray_pool.plan_cluster(specs, s, ray_pool.alive_nodes(), checkpoint.family)
+        else:
+            gpus = discover_gpus() if gpus is None else list(gpus)
+            plan = plan_memory(sizes, gpus, s, item, host_memory() if gpus else None, checkpoint.family)
+    return Planned(plan, nodes, loras)
+
+
+def worker_handle(settings: Settings, plan: WorkerPlan, spec: WorkerSpec, node: str | None,
+                  on_change: Callable[[], None]) -> WorkerHandle:
+    """The supervisor of one planned worker over its transport: local processes, or Ray actors on `node`."""
+    s = settings
+    if s.workers == "ray":
+        from imgedit.engine.ray_pool import RayTransport
+
+        transport = RayTransport(plan.name, s.compile_cache_dir, s.log_level, node_id=node)
+    else:
+        transport = ProcessTransport(plan.name, s.cuda_visible_devices, s.compile_cache_dir, s.log_level,
+                                     s.worker_start)
+    return WorkerHandle(plan, spec, transport, max_restarts=s.worker_restarts, on_change=on_change,
+                        max_memory=s.max_memory)
 
 
 def refusal(settings: Settings, plans: list[WorkerPlan], checkpoint: Checkpoint, loras: tuple) -> str | None:
