@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, PngImagePlugin
 
+from imgedit import __version__
 from imgedit.errors import InputTooLarge, InvalidInput
 from imgedit.protocol import parameters
 
@@ -129,7 +130,6 @@ def settings_text(req, params, model: str, size: tuple[int, int], rewritten: str
     (`validation.Resolved`), the output size (a masked edit's: the size it ran at), the model, the LoRA.
     `rewritten`: the enhanced prompt the edit used; then `prompt` is that one and `original_prompt` the user's.
     `weights`: the lossy copy of the transformer a fast job ran on (FAST_QUANTIZE), recorded as `weights`."""
-    from imgedit import __version__
 
     adapters = getattr(params, "adapters", ())  # what the job really ran with, a speed preset's LoRA included
     # A masked edit comes back the first image's size but runs at the resolved size: the PNG records the

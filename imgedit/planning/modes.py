@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from imgedit.config.loras import SPEEDS
 from imgedit.config.settings import Settings
 from imgedit.planning.plan import WorkerPlan
 
@@ -69,7 +70,6 @@ def fuse_lora(settings: Settings, plan: WorkerPlan) -> str:
 
 def fast_steps(settings: Settings) -> tuple[int, ...]:
     """The Lightning step counts whose LoRA gets a FAST_QUANTIZE copy (FAST_QUANTIZE_SPEEDS); () when off."""
-    from imgedit.config.loras import SPEEDS
 
     return () if settings.fast_quantize == "none" else tuple(SPEEDS[s] for s in settings.fast_quantize_speeds)
 

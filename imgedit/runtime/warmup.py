@@ -9,6 +9,9 @@ import threading
 import time
 import traceback
 
+from PIL import Image
+
+from imgedit.protocol import EditRequest, Resolved
 from imgedit.runtime.fallback import agreed, cause
 from imgedit.runtime.messages import Job, StartupReport, WorkerSpec
 
@@ -59,8 +62,6 @@ def warm_up_rewrite(pipe, fallbacks: list[str], compiled: bool) -> float:
     """A short prompt rewrite before any user waits: a worker's first rewrite ran 1.6-2.3x slower a token than
     its third (2026-11-27, H200: 58.7 against 25.5 ms, 160 tokens), the kernels and the GPU's matrix routines
     loading on first use. One picture at the rewrite's view size, 8 tokens."""
-    from PIL import Image
-
     from imgedit.runtime import enhance
 
     if not compiled:  # COMPILE=off: rewrites decode eagerly too, nothing is compiled at start-up
@@ -92,10 +93,6 @@ def warm_up(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
     """Compile before any user waits: one short CFG edit per warm-up size. The blocks compile dynamic in the
     sequence lengths from the first size (offload.compile_transformer); the second size checks, before any user
     waits, that no guard of the first one specialised a length."""
-    from PIL import Image
-
-    from imgedit.protocol import EditRequest, Resolved
-
     family = spec.checkpoint.family
     runs: list[tuple[int, int, str, dict]] = [(width, height, "", {"true_cfg_scale": 4.0})
                                               for width, height in spec.warmup_sizes]

@@ -14,6 +14,8 @@ import gradio as gr
 from imgedit.config.loras import MAX_LORA_SCALE, SPEEDS, lightning_for
 from imgedit.config.settings import Settings
 from imgedit.engine.validation import CACHES
+from imgedit.errors import InvalidInput
+from imgedit.planning.modes import fast_steps
 
 SPEEDS_SHOWN = {"quality": ("Quality", "the model's steps, CFG on"), "fast": ("Fast", "Lightning, 8 steps"),
                 "fastest": ("Fastest", "Lightning, 4 steps")}  # the label, then what it runs
@@ -27,7 +29,6 @@ CACHE_LABELS = {"none": "None (the exact image)",
 def speed_choices(settings: Settings) -> list[tuple[str, str]]:
     """Quality, plus each Lightning speed whose LoRA is configured; a speed that runs on FAST_QUANTIZE's copy
     says so (its images are not the bf16 weights' images)."""
-    from imgedit.planning.modes import fast_steps
 
     quantized = fast_steps(settings)
     choices = []
@@ -45,7 +46,6 @@ def lora_choices(settings: Settings) -> list[str]:
 
 def parse_speed_inputs(speed, lora, lora_scale) -> tuple[str | None, str | None, float | None]:
     """Raw event values (preprocess=False) -> EditRequest fields; validation.resolve checks them."""
-    from imgedit.errors import InvalidInput
 
     if speed is not None and not isinstance(speed, str):
         raise InvalidInput("speed must be text", "speed")
@@ -88,7 +88,6 @@ def build_cache_control(settings: Settings, refusal: str | None) -> gr.Dropdown:
 def parse_cache_input(cache, speed) -> str | None:
     """The Step cache's raw value -> the request's `cache` (None: the server's CACHE). A Lightning speed runs
     its few steps uncached, so the choice is dropped there instead of refused."""
-    from imgedit.errors import InvalidInput
 
     if cache in (None, "", SERVER_CACHE) or speed not in (None, "", "quality"):
         return None
