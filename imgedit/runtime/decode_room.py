@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 log = logging.getLogger(__name__)
 
 BYTES_PER_CHANNEL_MEGAPIXEL = 41 * 2**20
@@ -37,7 +35,8 @@ def decode_bytes(vae_config, width: int, height: int, images: int) -> int:
 
 
 class DecodeRoom:
-    """Tiles a job's decode when it would not fit. `room()` gives the bytes the allocator may still take."""
+    """Tiles a job's decode when it would not fit. `room()` gives the bytes the allocator may still take
+    (the worker passes imgedit.runtime.fusion.gpu_room, under the cap)."""
 
     def __init__(self, vae, room):
         self.vae = vae
@@ -63,8 +62,3 @@ class DecodeRoom:
         self.logged = False
         if self.vae.use_tiling:
             self.vae.disable_tiling()
-
-
-def capped_room(device: int, cap: int):
-    """room() for a worker whose allocator is capped at `cap` bytes on cuda:`device`."""
-    return lambda: cap - torch.cuda.memory_allocated(device)

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 log = logging.getLogger(__name__)
 
 VAE_FACTOR = 16  # Qwen-Image-2.1's VAE: 16x, patch size 1
@@ -58,8 +56,3 @@ class PrefixCache:
         log.info("prefix KV cache off for this job: %d condition image(s) at %dx%d need ~%.1f GiB, %.1f GiB left "
                  "under the cap", images, side, side, need / 1024**3, max(room, 0) / 1024**3)
         return {"use_kv_cache": False}
-
-
-def capped_room(device: int, cap: int, reserve: int):
-    """room() for a worker whose allocator is capped at `cap` bytes on cuda:`device`."""
-    return lambda: cap - torch.cuda.memory_allocated(device) - reserve

@@ -147,17 +147,17 @@ def _load(spec: WorkerSpec, say=lambda doing: None):
         _cap_memory(spec.memory_caps)
     under_cap = []  # what a job may take under MAX_MEMORY, decided per job
     if cuda and spec.memory_caps:
-        from imgedit.runtime import decode_room, prefix_cache
+        from imgedit.runtime.decode_room import DecodeRoom
+        from imgedit.runtime.fusion import gpu_room
+        from imgedit.runtime.prefix_cache import PrefixCache
 
-        vae = torch.device(plan.components["vae"].device)  # where the decode runs
+        caps, vae = spec.memory_caps, torch.device(plan.components["vae"].device)  # where the decode runs
         if vae.type == "cuda":
-            room = decode_room.capped_room(vae.index or 0, _budget(spec, vae.index or 0))
-            runner.decode_room = decode_room.DecodeRoom(pipe.vae, room)
+            runner.decode_room = DecodeRoom(pipe.vae, lambda: gpu_room(vae.index or 0, caps))
             under_cap.append("VAE decode in tiles for a job whose whole decode would not fit")
         if "use_kv_cache" in inspect.signature(pipe.__call__).parameters:
-            index = torch.device(runner.devices[0]).index or 0
-            room = prefix_cache.capped_room(index, _budget(spec, index), spec.activation_reserve)
-            runner.prefix_cache = prefix_cache.PrefixCache(pipe.transformer, room)
+            index, reserve = torch.device(runner.devices[0]).index or 0, spec.activation_reserve
+            runner.prefix_cache = PrefixCache(pipe.transformer, lambda: gpu_room(index, caps) - reserve)
             under_cap.append("prefix cache off for a job it would not fit")
     pair_split = runner.group is not None and runner.group.splits_cfg_off
     report = StartupReport(
@@ -193,13 +193,6 @@ def _load(spec: WorkerSpec, say=lambda doing: None):
         report.memory_reserved_gib = round(torch.cuda.memory_reserved() / 1024**3, 2)
     log.info("loaded on %s in %.1fs (%s)", ",".join(plan.devices), time.perf_counter() - started, asdict(report))
     return runner, report, time.perf_counter() - started
-
-
-def _budget(spec: WorkerSpec, index: int) -> int:
-    """What torch's allocator may hold on cuda:`index` under MAX_MEMORY."""
-    from imgedit.planning.placement import allocator_budget
-
-    return allocator_budget(spec.memory_caps[min(index, len(spec.memory_caps) - 1)])
 
 
 def _weights_per_gpu() -> dict[str, float]:
