@@ -36,6 +36,11 @@ class Param:
     names it otherwise. `png`: recorded in each result PNG's settings under the parameter's name; `restore`: the
     page's "Restore the settings saved in this PNG" puts it back into the form.
 
+    `low`/`high`: the bounds a value must keep (inclusive; `low_open`: above `low`). `high` may name a Settings
+    attribute (e.g. "max_steps", shown as MAX_STEPS) where the server's settings set it. The checks
+    (imgedit.engine.validation.check_range), the page's sliders and docs/PARAMETERS.md all read them here; `unit`
+    follows the range in messages ("0 to 256 pixels"), `why` explains a bound where a user would ask.
+
     A parameter that is not an EditRequest attribute travels in `EditRequest.options` (by name), from every entry
     point to the worker: adding one is its Param here and the worker code that reads it."""
 
@@ -50,6 +55,11 @@ class Param:
     png: bool = False
     restore: bool = False
     api_default: object = ...  # the gradio `/edit` signature's default where it is not `default`
+    low: float | None = None
+    high: float | str | None = None
+    low_open: bool = False
+    unit: str = ""
+    why: str = ""
 
     @property
     def edit_default(self) -> object:
@@ -63,6 +73,40 @@ class Param:
     def request_field(self) -> str | None:
         return self.name if self.field == "" else self.field
 
+    def bounds(self, settings=None) -> tuple[float | None, float | str | None]:
+        """(low, high) with a settings-named `high` read from `settings`; without settings it stays the
+        variable's name (MAX_STEPS), as the docs show it."""
+        high = self.high
+        if isinstance(high, str):
+            high = high.upper() if settings is None else getattr(settings, high)
+        return self.low, high
+
+    def range_text(self, settings=None) -> str:
+        """The bounds in words: "2 to 100", "above 0, at most 1", "0 to 256 pixels"; "" when unbounded."""
+        low, high = self.bounds(settings)
+        if low is None and high is None:
+            return ""
+        if self.low_open:
+            text = f"above {_number(low)}, at most {_number(high)}"
+        else:
+            text = f"{_number(low)} to {_number(high)}"
+        return f"{text} {self.unit}".rstrip()
+
+
+def _number(value) -> str:
+    """A bound as people write it: 20 not 20.0, 4294967295 not 4.29e+09."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value)
+
+
+def param(name: str) -> Param:
+    """The declared parameter called `name` (the declaration as it is now)."""
+    for p in PARAMETERS:
+        if p.name == name:
+            return p
+    raise KeyError(name)
+
 
 PARAMETERS: tuple[Param, ...] = (
     Param("images", "file", "the image(s) to edit: 1 for Qwen-Image-Edit, 1-3 for 2509/2511, 0-10 for "
@@ -71,16 +115,15 @@ PARAMETERS: tuple[Param, ...] = (
     Param("prompt", "text", "what to change, in words (up to 4,000 characters and 1,024 tokens)", default="",
           required=True, png=True, restore=True),
     Param("negative_prompt", "text", "what to avoid (true CFG)", default="", png=True, restore=True),
-    Param("seed", "whole", "0 to 2**32-1; absent: a random one, returned with the result", png=True, restore=True,
-          api_default=0),
+    Param("seed", "whole", "the noise the edit starts from; absent: a random one, returned with the result",
+          png=True, restore=True, api_default=0, low=0, high=2**32 - 1),
     Param("randomize_seed", "flag", "ignore `seed` and draw one", takes=frozenset((EDIT, BATCH)), default=False,
           field=None, api_default=True),
-    Param("num_inference_steps", "whole", "denoising steps, 2 to MAX_STEPS; absent: the model's", png=True,
-          restore=True),
-    Param("true_cfg_scale", "number", "1 to 20 (1 turns CFG off); absent: DEFAULT_TRUE_CFG (Qwen-Image-2.1: 1)",
-          png=True,
-          restore=True),
-    Param("num_images", "whole", "images per prompt, 1 to MAX_IMAGES_PER_PROMPT", default=1, rest="n"),
+    Param("num_inference_steps", "whole", "denoising steps; absent: the model's", png=True, restore=True,
+          low=2, high="max_steps"),
+    Param("true_cfg_scale", "number", "how strongly the prompt is followed (1 turns CFG off); absent: "
+          "DEFAULT_TRUE_CFG (Qwen-Image-2.1: 1)", png=True, restore=True, low=1, high=20, why="1 turns CFG off"),
+    Param("num_images", "whole", "images per prompt", default=1, rest="n", low=1, high="max_images_per_prompt"),
     Param("width", "whole", "output width; 0 or absent: from the last input's aspect, about 1 megapixel",
           takes=frozenset((EDIT, BATCH)), png=True, restore=True, api_default=0),
     Param("height", "whole", "output height; 0 or absent: as width", takes=frozenset((EDIT, BATCH)), png=True,
@@ -90,14 +133,15 @@ PARAMETERS: tuple[Param, ...] = (
     Param("speed", "text", "quality, fast (Lightning 8 steps) or fastest (4 steps), where offered", png=True,
           api_default="quality"),
     Param("lora", "text", "a configured LoRA's name, or none", png=True, api_default="none"),
-    Param("lora_scale", "number", "that LoRA's strength, 0 to 2; absent: 1", png=True, api_default=1.0),
+    Param("lora_scale", "number", "that LoRA's strength; absent: 1", png=True, api_default=1.0, low=0, high=2),
     Param("mask", "file", "where to edit: white (or OpenAI's transparent) = edit; the first image's size "
           "(one mask for every item of a job)", takes=SINGLE, png=True),
-    Param("mask_grow", "whole", "pixels the mask is grown by, 0 to 256; absent: 0", takes=SINGLE, png=True),
-    Param("mask_feather", "whole", "pixels of soft edge inside the mask, 0 to 256; absent: 8", takes=SINGLE,
-          png=True),
-    Param("strength", "number", "how far the masked area may move from the input, above 0 to 1; absent: 1",
-          takes=SINGLE, png=True),
+    Param("mask_grow", "whole", "pixels the mask is grown by; absent: 0", takes=SINGLE, png=True, low=0,
+          high=256, unit="pixels"),
+    Param("mask_feather", "whole", "pixels of soft edge inside the mask; absent: 8", takes=SINGLE, png=True,
+          low=0, high=256, unit="pixels"),
+    Param("strength", "number", "how far the masked area may move from the input; absent: 1", takes=SINGLE,
+          png=True, low=0, high=1, low_open=True, why="1 = repaint the masked area from scratch"),
     Param("enhance_prompt", "flag", "rewrite the prompt with the model's own text encoder first", takes=SINGLE,
           default=False),
     Param("cache", "text", "step cache for quality edits: none, first-block or taylorseer, where offered",

@@ -12,8 +12,10 @@ import io
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
+import pytest
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,14 +37,17 @@ def render() -> str:
     lines = ["# An edit's parameters", "",
              "Generated from `imgedit/protocol.py` (`PARAMETERS`) by `python tests/test_parameters.py`; a test fails",
              "when this file and the declaration differ. Names are the gradio `/edit` API's; REST and `/v1/jobs` take",
-             "the form field named in the second column.", "",
-             "| parameter | REST / jobs form field | kind | where | default | what it does |",
-             "|---|---|---|---|---|---|"]
+             "the form field named in the second column. PNG: recorded in each result PNG's settings; restored: the page's",
+             "\"Restore the settings saved in this PNG\" puts it back into the form.", "",
+             "| parameter | REST / jobs form field | kind | where | default | range | PNG | what it does |",
+             "|---|---|---|---|---|---|---|---|"]
     for p in parameters():  # the declaration as it is now (a test may add to it)
         rest = f"`{p.form_name}`" if p.takes & {REST, JOBS} else "—"
         where = ", ".join(WHERE[e] for e in (EDIT, REST, JOBS, BATCH) if e in p.takes)
         default = "required" if p.required else "—" if p.default in (None, "") else f"`{p.default}`"
-        lines.append(f"| `{p.name}` | {rest} | {p.kind} | {where} | {default} | {p.help} |")
+        bounds = p.range_text() or "—"
+        png = "restored" if p.restore else "recorded" if p.png else "—"
+        lines.append(f"| `{p.name}` | {rest} | {p.kind} | {where} | {default} | {bounds} | {png} | {p.help} |")
     return "\n".join(lines) + "\n"
 
 
@@ -116,6 +121,48 @@ def test_rest_and_jobs_take_every_declared_field_and_name_a_bad_one(live_server)
             error = bad.json()["error"]
             if p.kind != "size":
                 assert error["param"] == p.form_name and p.form_name in error["message"], (entry, p.name, error)
+
+
+def outside(p, settings) -> list:
+    """A value just outside each of a declared parameter's bounds, as a form sends it."""
+    low, high = p.bounds(settings)
+    step = 1 if p.kind == "whole" else 0.5
+    return [str(low if p.low_open else low - step), str(high + step)]
+
+
+def test_rest_and_jobs_refuse_a_value_outside_each_declared_bound(live_server, server_manager):
+    """The bounds are the declaration's (Param.low/high): each edge refuses a value just past either bound,
+    naming the parameter and the declared range (the server's MAX_STEPS and MAX_IMAGES_PER_PROMPT filled in)."""
+    settings = server_manager.settings
+    files = [("image", ("in.png", png(), "image/png")), ("mask", ("mask.png", png(mode="L"), "image/png"))]
+    bounded = [p for p in parameters(REST) if p.high is not None]
+    assert {p.name for p in bounded} >= {"seed", "num_inference_steps", "true_cfg_scale", "num_images",
+                                         "lora_scale", "mask_grow", "mask_feather", "strength"}
+    for entry, path in ((REST, "/v1/images/edits"), (JOBS, "/v1/jobs")):
+        for p in bounded:
+            for value in outside(p, settings):
+                data = {"prompt": "make it red", "num_inference_steps": "2", p.form_name: value}
+                r = httpx.post(f"{live_server.url}{path}", files=files, data=data, timeout=60)
+                error = r.json()["error"]
+                assert r.status_code == 400 and error["param"] == p.form_name, (entry, p.name, value, r.text)
+                assert f"out of range: {p.range_text(settings)}" in error["message"], (p.name, error)
+
+
+def test_a_bound_changed_in_the_declaration_is_the_bound_checked(monkeypatch):
+    """Change num_images' declared bound and nothing else: the checks hold the new one (no copy of it elsewhere)."""
+    from imgedit import protocol
+    from imgedit.engine.validation import check_range
+    from imgedit.errors import InvalidInput
+
+    check_range("num_images", 3, SimpleNamespace(max_images_per_prompt=4))
+    changed = [dataclasses.replace(p, high=2) if p.name == "num_images" else p for p in protocol.PARAMETERS]
+    monkeypatch.setattr(protocol, "PARAMETERS", tuple(changed))
+    with pytest.raises(InvalidInput, match="num_images 3 is out of range: 1 to 2"):
+        check_range("num_images", 3, SimpleNamespace(max_images_per_prompt=4))
+    with pytest.raises(InvalidInput, match="strength 0 is out of range: above 0, at most 1"):
+        check_range("strength", 0)
+    with pytest.raises(InvalidInput, match="out of range"):
+        check_range("lora_scale", float("nan"))
 
 
 if __name__ == "__main__":

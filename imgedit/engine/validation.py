@@ -1,7 +1,8 @@
 """Up-front checks of an edit request and the defaults each model family wants. Pure: no torch.
 
-The edges call `check_counts` / `check_params` before a job enters the queue (so bad input costs
-nothing); the manager calls `resolve` again right before the pipeline call.
+The edges resolve a request once (`PipelineManager.resolve`, before the job enters the line, so bad input
+costs nothing) and the `Resolved` parameters travel to the worker. Gradio's `/edit` validator checks first
+(`check_params`: the images by their headers, not decoded), to put the message on the input at fault.
 """
 
 from __future__ import annotations
@@ -11,19 +12,18 @@ import math
 import random
 import re
 
-from imgedit.config.loras import MAX_LORA_SCALE, SPEEDS, lightning_for
+from imgedit.config.loras import SPEEDS, lightning_for
 from imgedit.config.settings import Settings
-from imgedit.engine.masks import check_mask_fields, check_mask_size
+from imgedit.engine.masks import DEFAULT_FEATHER, check_mask_size
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.errors import InvalidInput
 from imgedit.planning import modes
 from imgedit.planning.families import FAMILIES, not_built
-from imgedit.protocol import EditRequest, Resolved  # noqa: F401  (Resolved: re-exported for the edges)
+from imgedit.protocol import EditRequest, Resolved, param  # noqa: F401  (Resolved: re-exported for the edges)
 
 SIDE_MULTIPLE = 16  # the edit families' VAE downsamples 8x and latents are packed in 2x2 patches (2.1: 32)
 MIN_SIDE = 64
 MAX_PROMPT_CHARS = 4000
-MAX_SEED = 2**32 - 1
 # How the pipelines resize each input (diffusers `calculate_dimensions`: the input's aspect at a target
 # area, sides rounded to multiples of 32). The text encoder sees the image at the family's `vl_area`, the
 # VAE at VAE_AREA (Qwen-Image-2.1: both at output_resolution²); a very elongated input rounds its short side
@@ -31,8 +31,9 @@ MAX_SEED = 2**32 - 1
 # 200 (transformers `smart_resize`).
 VAE_AREA = 1024 * 1024
 # One step of the checkpoints' FlowMatch scheduler (shift_terminal 0.02) stretches its single sigma to 0/0:
-# a NaN latent, a black image (diffusers 0.42.1, checked on the CPU). Two steps are the fewest that work.
-MIN_STEPS = 2
+# a NaN latent, a black image (diffusers 0.42.1, checked on the CPU). Two steps are the fewest that work: the
+# declared low bound of num_inference_steps (imgedit.protocol.PARAMETERS).
+ONE_STEP = "one step makes a blank image: the model's scheduler needs two"
 VL_MAX_ASPECT = 200
 CONTROL_TOKEN = re.compile(r"<\|(?:im_start|im_end|endoftext|vision_start|vision_end|vision_pad|image_pad|video_pad|"
                            r"object_ref_start|object_ref_end|box_start|box_end|quad_start|quad_end)\|>")
@@ -143,24 +144,17 @@ def resolve(req: EditRequest, settings: Settings, family: str,
     if steps is None:
         steps = default_steps(settings, family)
     _whole("num_inference_steps", steps)
-    if not MIN_STEPS <= steps <= settings.max_steps:
-        raise InvalidInput(f"num_inference_steps {steps} is out of range: {MIN_STEPS} to {settings.max_steps}"
-                           + (" (one step makes a blank image: the model's scheduler needs two)" if steps == 1 else ""),
-                           "num_inference_steps")
+    check_range("num_inference_steps", steps, settings, why=ONE_STEP if steps == 1 else "")
     cfg = FAMILIES[family].cfg(settings.default_true_cfg) if req.true_cfg_scale is None else req.true_cfg_scale
     if preset is not None:
         cfg = 1.0
-    if not 1.0 <= cfg <= 20.0:
-        raise InvalidInput(f"true_cfg_scale {cfg} is out of range: 1 to 20 (1 turns CFG off)", "true_cfg_scale")
+    check_range("true_cfg_scale", cfg, settings)
     _whole("num_images", req.num_images)
-    if not 1 <= req.num_images <= settings.max_images_per_prompt:
-        raise InvalidInput(f"num_images {req.num_images} is out of range: 1 to {settings.max_images_per_prompt}",
-                           "num_images")
+    check_range("num_images", req.num_images, settings)
     seed = req.seed if req.seed is not None else random.randint(0, 2**31 - 1)
     _whole("seed", seed)
-    if not 0 <= seed <= MAX_SEED:
-        raise InvalidInput(f"seed {seed} is out of range: 0 to {MAX_SEED}", "seed")
-    grow, feather, strength = check_mask_fields(req.mask_grow, req.mask_feather, req.strength)
+    check_range("seed", seed, settings)
+    grow, feather, strength = mask_fields(req)
     if req.mask is not None and req.images:
         # A masked edit follows the first image (the one it changes), not the last as the pipelines do.
         first = req.images[0].size
@@ -250,6 +244,33 @@ def default_steps(settings: Settings, family: str) -> int:
     return min(settings.default_steps or FAMILIES[family].default_steps, settings.max_steps)
 
 
+def mask_fields(req: EditRequest) -> tuple[int, int, float]:
+    """mask_grow, mask_feather (pixels) and strength (0 to 1], with their defaults."""
+    grow = 0 if req.mask_grow is None else req.mask_grow
+    feather = DEFAULT_FEATHER if req.mask_feather is None else req.mask_feather
+    strength = 1.0 if req.strength is None else req.strength
+    for name, value in (("mask_grow", grow), ("mask_feather", feather)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidInput(f"{name} must be a whole number of pixels, got {str(value)[:40]!r}", name)
+        check_range(name, value)
+    if isinstance(strength, bool) or not isinstance(strength, (int, float)):
+        raise InvalidInput(f"strength must be a number, got {str(strength)[:40]!r}", "strength")
+    check_range("strength", strength)
+    return grow, feather, float(strength)
+
+
+def check_range(name: str, value, settings: Settings | None = None, why: str = "") -> None:
+    """Refuse a number outside its declared bounds (imgedit.protocol.PARAMETERS), naming the parameter, the
+    range and, where the declaration or the caller gives one, the reason for a bound."""
+    declared = param(name)
+    low, high = declared.bounds(settings)
+    above_low = low < value if declared.low_open else low <= value
+    if not (above_low and value <= high):  # NaN is inside no range
+        why = why or declared.why
+        raise InvalidInput(f"{name} {value!r} is out of range: {declared.range_text(settings)}"
+                           + (f" ({why})" if why else ""), name)
+
+
 def _whole(name: str, value) -> None:
     if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()) \
             or isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -279,9 +300,10 @@ def lora_adapters(req: EditRequest, settings: Settings, preset) -> tuple[tuple[s
     then the picked LoRA at its strength."""
     adapters = [(preset.name, 1.0)] if preset is not None else []
     scale = 1.0 if req.lora_scale is None else req.lora_scale
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0.0 <= scale <= MAX_LORA_SCALE:
-        # checked with or without a LoRA: a value no LoRA could run with is refused, never stored
-        raise InvalidInput(f"lora_scale {scale!r} is out of range: 0 to {MAX_LORA_SCALE:g}", "lora_scale")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise InvalidInput(f"lora_scale must be a number, got {str(scale)[:40]!r}", "lora_scale")
+    # checked with or without a LoRA: a value no LoRA could run with is refused, never stored
+    check_range("lora_scale", scale, settings)
     name = req.lora
     if name in (None, "", "none"):
         return tuple(adapters)

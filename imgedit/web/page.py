@@ -27,10 +27,10 @@ from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
 from imgedit.engine.gpus import GpuMonitor
 from imgedit.engine.images import frame_notices, png_bytes
-from imgedit.engine.validation import MIN_STEPS, check_params, default_steps
+from imgedit.engine.validation import check_params, default_steps
 from imgedit.errors import ImgEditError
 from imgedit.planning.families import FAMILIES
-from imgedit.protocol import EDIT, parameters
+from imgedit.protocol import EDIT, param, parameters
 from imgedit.web.chain import build_chain_controls, wire_chain
 from imgedit.web.enhance_controls import build_enhance_buttons, wire_enhance
 from imgedit.web.examples import example_rows
@@ -301,14 +301,18 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                     with gr.Accordion("Advanced", open=False, elem_id="advanced"):
                         negative = gr.Textbox(label="Negative prompt", value="")
                         with gr.Row():
-                            seed = gr.Number(label="Seed", value=0, precision=0, minimum=0)
+                            seed = gr.Number(label="Seed", value=0, precision=0,
+                                             minimum=param("seed").low)
                             randomize = gr.Checkbox(label="Randomize seed", value=True)
-                        steps = gr.Number(label=f"Steps ({MIN_STEPS}-{settings.max_steps})", precision=0,
+                        # the bounds the checks hold to (imgedit.protocol.PARAMETERS)
+                        low, high = param("num_inference_steps").bounds(settings)
+                        steps = gr.Number(label=f"Steps ({low}-{high})", precision=0,
                                           value=min(DEMO_STEPS, family_steps) if demo else family_steps)
-                        cfg = gr.Slider(1.0, 20.0, value=family.cfg(settings.default_true_cfg), step=0.5,
+                        low, high = param("true_cfg_scale").bounds(settings)
+                        cfg = gr.Slider(low, high, value=family.cfg(settings.default_true_cfg), step=0.5,
                                         label="True CFG scale")
-                        num = gr.Slider(1, settings.max_images_per_prompt, value=1, step=1,
-                                        label="Images per prompt")
+                        low, high = param("num_images").bounds(settings)
+                        num = gr.Slider(low, high, value=1, step=1, label="Images per prompt")
                         with gr.Row():
                             # The demo: a small width, the height from the input's aspect (0 = auto).
                             width = gr.Number(label="Width (0 = auto)", value=DEMO_SIZE if demo else 0,
@@ -317,7 +321,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                         cache = build_cache_control(settings, cache_refused)  # hidden where refused
                         # a declared parameter the page does not lay out: a control of its own (the
                         # declaration's)
-                        generic = {p.name: page_control(p) for p in parameters(EDIT)
+                        generic = {p.name: page_control(p, settings) for p in parameters(EDIT)
                                    if p.name not in LAID_OUT}
                     area, auto_width = (DEMO_SIZE**2, DEMO_SIZE) if demo else (1024**2, 0)
                     wire_size_presets(size_preset, files, width, height, area=area, auto_width=auto_width)

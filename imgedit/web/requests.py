@@ -38,15 +38,18 @@ def api_component(param):
     return gr.Textbox(param.edit_default)
 
 
-def page_control(param):
+def page_control(param, settings: Settings):
     """The page's control for a declared parameter it does not lay out itself (in Advanced): named and explained
     by the declaration."""
     label, info = param.name.replace("_", " ").capitalize(), param.help
     if param.kind == "flag":
         return gr.Checkbox(param.default or False, label=label, info=info, elem_id=f"param-{param.name}")
     if param.kind in ("whole", "number"):
+        low, high = param.bounds(settings)
+        if range_text := param.range_text(settings):
+            info = f"{info} ({range_text})"
         return gr.Number(param.default, label=label, info=info, precision=0 if param.kind == "whole" else None,
-                         elem_id=f"param-{param.name}")
+                         minimum=low, maximum=high, elem_id=f"param-{param.name}")
     if param.kind == "file":
         return gr.File(label=label, elem_id=f"param-{param.name}")
     return gr.Textbox(param.default or "", label=label, info=info, elem_id=f"param-{param.name}")
