@@ -20,9 +20,10 @@ def new_request_id() -> str:
 # ---- an edit's parameters, declared once ----
 # Where a parameter is taken: the page and the gradio `/edit` API ("edit"), OpenAI-style REST
 # (/v1/images/edits: "rest"), the jobs API (/v1/jobs: "jobs"), the page's Batch tab and gradio `/batch`
-# ("batch": every item of a batch runs with them). REST and the jobs API parse their form fields from this table
-# (imgedit.web.rest_requests.form_fields), `/edit`'s and `/batch`'s parameters and the page's controls follow its order
-# (imgedit.web.requests), and docs/PARAMETERS.md is generated from it (tests/test_parameters.py).
+# ("batch": every item of a batch runs with them). REST and the jobs API parse their form fields from this
+# table (imgedit.web.rest_requests.form_fields), `/edit`'s and `/batch`'s parameters and the page's controls
+# follow its order (imgedit.web.requests), and docs/PARAMETERS.md is generated from it
+# (tests/test_parameters.py).
 EDIT, REST, JOBS, BATCH = "edit", "rest", "jobs", "batch"
 EVERYWHERE = frozenset((EDIT, REST, JOBS, BATCH))
 SINGLE = frozenset((EDIT, REST, JOBS))  # an edit's own: not the Batch tab's (its files, no mask, no rewrite)
@@ -32,17 +33,18 @@ SINGLE = frozenset((EDIT, REST, JOBS))  # an edit's own: not the Batch tab's (it
 class Param:
     """One parameter as callers send it. `kind`: text, whole, number, flag, size (REST's WxH) or file.
     `field`: the EditRequest field it fills ("" = its own name; None = none: a caller's switch that shapes
-    other fields, such as randomize_seed). `rest`: the form field's name over REST and /v1/jobs where OpenAI
-    names it otherwise. `png`: recorded in each result PNG's settings under the parameter's name; `restore`: the
-    page's "Restore the settings saved in this PNG" puts it back into the form.
+    other fields, such as randomize_seed). `rest`: the form field's name over REST and /v1/jobs where
+    OpenAI names it otherwise. `png`: recorded in each result PNG's settings under the parameter's name;
+    `restore`: the page's "Restore the settings saved in this PNG" puts it back into the form.
 
-    `low`/`high`: the bounds a value must keep (inclusive; `low_open`: above `low`). `high` may name a Settings
-    attribute (e.g. "max_steps", shown as MAX_STEPS) where the server's settings set it. The checks
-    (imgedit.engine.validation.check_range), the page's sliders and docs/PARAMETERS.md all read them here; `unit`
-    follows the range in messages ("0 to 256 pixels"), `why` explains a bound where a user would ask.
+    `low`/`high`: the bounds a value must keep (inclusive; `low_open`: above `low`). `high` may name a
+    Settings attribute (e.g. "max_steps", shown as MAX_STEPS) where the server's settings set it. The
+    checks (imgedit.engine.validation.check_range), the page's sliders and docs/PARAMETERS.md all read them
+    here; `unit` follows the range in messages ("0 to 256 pixels"), `why` explains a bound where a user
+    would ask.
 
-    A parameter that is not an EditRequest attribute travels in `EditRequest.options` (by name), from every entry
-    point to the worker: adding one is its Param here and the worker code that reads it."""
+    A parameter that is not an EditRequest attribute travels in `EditRequest.options` (by name), from every
+    entry point to the worker: adding one is its Param here and the worker code that reads it."""
 
     name: str
     kind: str
@@ -117,13 +119,15 @@ PARAMETERS: tuple[Param, ...] = (
     Param("negative_prompt", "text", "what to avoid (true CFG)", default="", png=True, restore=True),
     Param("seed", "whole", "the noise the edit starts from; absent: a random one, returned with the result",
           png=True, restore=True, api_default=0, low=0, high=2**32 - 1),
-    Param("randomize_seed", "flag", "ignore `seed` and draw one", takes=frozenset((EDIT, BATCH)), default=False,
-          field=None, api_default=True),
+    Param("randomize_seed", "flag", "ignore `seed` and draw one", takes=frozenset((EDIT, BATCH)),
+          default=False, field=None, api_default=True),
     Param("num_inference_steps", "whole", "denoising steps; absent: the model's", png=True, restore=True,
           low=2, high="max_steps"),
     Param("true_cfg_scale", "number", "how strongly the prompt is followed (1 turns CFG off); absent: "
-          "DEFAULT_TRUE_CFG (Qwen-Image-2.1: 1)", png=True, restore=True, low=1, high=20, why="1 turns CFG off"),
-    Param("num_images", "whole", "images per prompt", default=1, rest="n", low=1, high="max_images_per_prompt"),
+          "DEFAULT_TRUE_CFG (Qwen-Image-2.1: 1)", png=True, restore=True,
+          low=1, high=20, why="1 turns CFG off"),
+    Param("num_images", "whole", "images per prompt", default=1, rest="n",
+          low=1, high="max_images_per_prompt"),
     Param("width", "whole", "output width; 0 or absent: from the last input's aspect, about 1 megapixel",
           takes=frozenset((EDIT, BATCH)), png=True, restore=True, api_default=0),
     Param("height", "whole", "output height; 0 or absent: as width", takes=frozenset((EDIT, BATCH)), png=True,
@@ -133,7 +137,8 @@ PARAMETERS: tuple[Param, ...] = (
     Param("speed", "text", "quality, fast (Lightning 8 steps) or fastest (4 steps), where offered", png=True,
           api_default="quality"),
     Param("lora", "text", "a configured LoRA's name, or none", png=True, api_default="none"),
-    Param("lora_scale", "number", "that LoRA's strength; absent: 1", png=True, api_default=1.0, low=0, high=2),
+    Param("lora_scale", "number", "that LoRA's strength; absent: 1", png=True, api_default=1.0,
+          low=0, high=2),
     Param("mask", "file", "where to edit: white (or OpenAI's transparent) = edit; the first image's size "
           "(one mask for every item of a job)", takes=SINGLE, png=True),
     Param("mask_grow", "whole", "pixels the mask is grown by; absent: 0", takes=SINGLE, png=True, low=0,
@@ -142,22 +147,22 @@ PARAMETERS: tuple[Param, ...] = (
           low=0, high=256, unit="pixels"),
     Param("strength", "number", "how far the masked area may move from the input; absent: 1", takes=SINGLE,
           png=True, low=0, high=1, low_open=True, why="1 = repaint the masked area from scratch"),
-    Param("enhance_prompt", "flag", "rewrite the prompt with the model's own text encoder first", takes=SINGLE,
-          default=False),
+    Param("enhance_prompt", "flag", "rewrite the prompt with the model's own text encoder first",
+          takes=SINGLE, default=False),
     Param("cache", "text", "step cache for quality edits: none, first-block or taylorseer, where offered",
           png=True, restore=True),
 )
 
 
 def parameters(entry: str | None = None) -> tuple[Param, ...]:
-    """The parameters one entry point takes (all of them: None), in the declaration's order. Read at each call:
-    nothing keeps a copy of the declaration from import time."""
+    """The parameters one entry point takes (all of them: None), in the declaration's order. Read at each
+    call: nothing keeps a copy of the declaration from import time."""
     return tuple(p for p in PARAMETERS if entry is None or entry in p.takes)
 
 
 def request_kwargs(values: dict) -> dict:
-    """{EditRequest field or declared parameter name: value} as EditRequest's keyword arguments: a name that is not
-    one of its attributes goes into `options`."""
+    """{EditRequest field or declared parameter name: value} as EditRequest's keyword arguments: a name that
+    is not one of its attributes goes into `options`."""
     attributes = {f.name for f in fields(EditRequest)}
     kwargs = {k: v for k, v in values.items() if k in attributes}
     if options := {k: v for k, v in values.items() if k not in attributes}:
@@ -178,7 +183,8 @@ class EditRequest:
     num_images: int = 1
     width: int | None = None
     height: int | None = None
-    speed: str | None = None  # quality | fast (Lightning 8 steps) | fastest (Lightning 4 steps); None = quality
+    # quality | fast (Lightning 8 steps) | fastest (Lightning 4 steps); None = quality
+    speed: str | None = None
     lora: str | None = None  # a configured LoRA's name; None or "none" = no LoRA
     lora_scale: float | None = None  # that LoRA's strength, 0 to 2; None = 1
     # Masked editing (imgedit.engine.masks): "L", the first image's size, 255 = may change; None = whole image
@@ -187,11 +193,13 @@ class EditRequest:
     mask_feather: int | None = None  # pixels of soft edge inside the mask; None = masks.DEFAULT_FEATHER
     strength: float | None = None  # (0, 1]: how far from the input the masked area may go; None = 1
     cache: str | None = None  # step cache for a quality edit: none | first-block | taylorseer; None = CACHE
-    enhance_prompt: bool = False  # rewrite the prompt with the model's text encoder first (imgedit.runtime.enhance)
+    # rewrite the prompt with the model's text encoder first (imgedit.runtime.enhance)
+    enhance_prompt: bool = False
     request_id: str = field(default_factory=new_request_id)
     source: str = "ui"  # ui | api | rest: for logs and metrics
     client: str | None = None  # who asked (imgedit.web.identity's owner): for each client's share of the line
-    # declared parameters (PARAMETERS) without an attribute of their own, by name: request_kwargs() puts them here
+    # declared parameters (PARAMETERS) without an attribute of their own, by name: request_kwargs() puts them
+    # here
     options: dict = field(default_factory=dict)
 
     def value(self, name: str, default=None):
@@ -214,7 +222,8 @@ class EditResult:
     request_id: str
     prompt: str | None = None  # the rewritten prompt the edit used (enhance_prompt); None: the user's own
     notice: str | None = None  # why an asked-for rewrite was not used (the user's prompt was)
-    weights: str | None = None  # the lossy copy a fast job ran on (FAST_QUANTIZE: fp8 | int8); None: the model's own
+    # the lossy copy a fast job ran on (FAST_QUANTIZE: fp8 | int8); None: the model's own
+    weights: str | None = None
 
 
 @dataclass(frozen=True)
@@ -278,13 +287,16 @@ class WorkerStatus:
     attention: str = ""  # the attention kernel the worker's transformer runs (read back after loading)
     detail: str | None = None  # what a loading worker is doing (loading weights, compiling, ...)
     node: str | None = None  # WORKERS=ray: the id of the Ray node its actors run on
-    components: dict | None = None  # per component: dtype, quantization, location (imgedit.runtime.offload.describe)
-    weights_mib: dict[str, float] = field(default_factory=dict)  # per GPU, measured by its ranks after loading
+    # per component: dtype, quantization, location (imgedit.runtime.offload.describe)
+    components: dict | None = None
+    # per GPU, measured by its ranks after loading
+    weights_mib: dict[str, float] = field(default_factory=dict)
     fast_weights: str = ""  # FAST_QUANTIZE as the worker built it: none, or the mode and its copies
     cpu_threads: int = 0  # PyTorch's CPU threads in the worker's processes (WORKER_THREADS)
     # optimisations that failed to build and what the worker runs instead ("compile failed → eager: ...")
     fallbacks: tuple[str, ...] = ()
-    under_cap: tuple[str, ...] = ()  # what a job gives up where MAX_MEMORY leaves no room (imgedit.runtime.worker)
+    # what a job gives up where MAX_MEMORY leaves no room (imgedit.runtime.worker)
+    under_cap: tuple[str, ...] = ()
     job_client: str | None = None  # who asked for the running job (imgedit.web.identity's owner); never shown
 
     def __post_init__(self):
@@ -307,7 +319,8 @@ class ManagerStatus:
     attention: str = "native"  # ATTENTION: the transformer's attention kernel
     compile_mode: str = "off"  # COMPILE_MODE of the compiled workers, or off when none is compiled
     fast_quantize: str = "none"  # FAST_QUANTIZE: fast jobs on a quantized copy per Lightning LoRA
-    # the model family's defaults and what it takes (engine.manager.defaults): steps, CFG, images, text to image
+    # the model family's defaults and what it takes (engine.manager.defaults): steps, CFG, images, text to
+    # image
     defaults: dict = field(default_factory=dict)
 
     @property

@@ -35,8 +35,9 @@ VAE_AREA = 1024 * 1024
 # declared low bound of num_inference_steps (imgedit.protocol.PARAMETERS).
 ONE_STEP = "one step makes a blank image: the model's scheduler needs two"
 VL_MAX_ASPECT = 200
-CONTROL_TOKEN = re.compile(r"<\|(?:im_start|im_end|endoftext|vision_start|vision_end|vision_pad|image_pad|video_pad|"
-                           r"object_ref_start|object_ref_end|box_start|box_end|quad_start|quad_end)\|>")
+CONTROL_TOKEN = re.compile(r"<\|(?:im_start|im_end|endoftext|vision_start|vision_end|vision_pad|image_pad|"
+                           r"video_pad|object_ref_start|object_ref_end|box_start|box_end|quad_start|"
+                           r"quad_end)\|>")
 
 
 def check_counts(n_images: int, family: str) -> None:
@@ -45,7 +46,8 @@ def check_counts(n_images: int, family: str) -> None:
     if n_images < fam.min_images:
         raise InvalidInput("no input image: upload the image to edit", "images")
     if n_images > fam.max_images:
-        raise InvalidInput(f"{n_images} input images given; {fam.model} takes at most {fam.max_images}", "images")
+        raise InvalidInput(f"{n_images} input images given; {fam.model} takes at most {fam.max_images}",
+                           "images")
 
 
 def _pipeline_size(area: int, ratio: float) -> tuple[int, int]:
@@ -81,8 +83,8 @@ def check_aspect(size: tuple[int, int], family: str, label: str) -> None:
     width, height = size
     if not (pipeline_accepts((width, height), family) and pipeline_accepts((height, width), family)):
         ratio = max(width, height) / min(width, height)
-        raise InvalidInput(f"{label} is {width}x{height} (aspect 1:{ratio:.0f}); this model takes images up to about "
-                           f"1:{max_aspect(family)}: crop or pad it", "images")
+        raise InvalidInput(f"{label} is {width}x{height} (aspect 1:{ratio:.0f}); this model takes images up "
+                           f"to about 1:{max_aspect(family)}: crop or pad it", "images")
 
 
 def output_size(width: int | None, height: int | None, last_image_size: tuple[int, int] | None,
@@ -108,12 +110,13 @@ def output_size(width: int | None, height: int | None, last_image_size: tuple[in
     height = max(MIN_SIDE, height // multiple * multiple)
     if width * height > settings.max_output_pixels:
         raise InvalidInput(
-            f"output {width}x{height} is {width * height:,} pixels; the limit is {settings.max_output_pixels:,} "
-            "(MAX_OUTPUT_PIXELS)", "width")
+            f"output {width}x{height} is {width * height:,} pixels; the limit is "
+            f"{settings.max_output_pixels:,} (MAX_OUTPUT_PIXELS)", "width")
     return width, height
 
 
-def check_params(req: EditRequest, settings: Settings, family: str, tokens: PromptTokens | None = None) -> None:
+def check_params(req: EditRequest, settings: Settings, family: str,
+                 tokens: PromptTokens | None = None) -> None:
     """Everything that can be checked without decoding images (the prompts' token counts too, when
     the edge has the checkpoint's tokenizer)."""
     resolve(req, settings, family, last_image_size=None, n_images=None, tokens=tokens)
@@ -124,8 +127,9 @@ def check_tokens(req: EditRequest, tokens: PromptTokens) -> None:
         count = tokens.count(text)
         if count > MAX_PROMPT_TOKENS:
             raise InvalidInput(
-                f"the {field.replace('_', ' ')} is {count:,} tokens; the model takes at most {MAX_PROMPT_TOKENS:,} "
-                "(emoji and characters outside common scripts take several tokens each): shorten it", field)
+                f"the {field.replace('_', ' ')} is {count:,} tokens; the model takes at most "
+                f"{MAX_PROMPT_TOKENS:,} (emoji and characters outside common scripts take several tokens "
+                "each): shorten it", field)
 
 
 def resolve(req: EditRequest, settings: Settings, family: str,
@@ -145,7 +149,9 @@ def resolve(req: EditRequest, settings: Settings, family: str,
         steps = default_steps(settings, family)
     _whole("num_inference_steps", steps)
     check_range("num_inference_steps", steps, settings, why=ONE_STEP if steps == 1 else "")
-    cfg = FAMILIES[family].cfg(settings.default_true_cfg) if req.true_cfg_scale is None else req.true_cfg_scale
+    cfg = req.true_cfg_scale
+    if cfg is None:
+        cfg = FAMILIES[family].cfg(settings.default_true_cfg)
     if preset is not None:
         cfg = 1.0
     check_range("true_cfg_scale", cfg, settings)
@@ -183,8 +189,8 @@ def step_cache(req: EditRequest, settings: Settings, preset, family: str = "plus
         raise InvalidInput(f"cache must be one of {', '.join(CACHES)}, got {str(req.cache)[:40]!r}", "cache")
     if preset is not None:
         if req.cache not in (None, "none"):
-            raise InvalidInput(f"cache {req.cache} is for quality edits; speed {req.speed} runs a few Lightning "
-                               "steps with nothing to skip: leave cache out", "cache")
+            raise InvalidInput(f"cache {req.cache} is for quality edits; speed {req.speed} runs a few "
+                               "Lightning steps with nothing to skip: leave cache out", "cache")
         return "none"
     if req.cache not in (None, "none") and (refused := not_built(family, "cache")) is not None:
         raise InvalidInput(f"cache {req.cache} is not available for this model: {refused}", "cache")
@@ -222,17 +228,18 @@ def _check_prompt(req: EditRequest, tokens: PromptTokens | None) -> None:
         # The text encoder's control tokens (<|image_pad|>, <|im_end|>, ...) in a prompt broke the
         # pipeline's own layout of images and text (an internal error; on a CFG pair, a restart).
         if isinstance(text, str) and (found := CONTROL_TOKEN.search(text)):
-            raise InvalidInput(f"the {field.replace('_', ' ')} contains {found.group(0)}, a control token of the "
-                               "model's text encoder: leave it out", field)
+            raise InvalidInput(f"the {field.replace('_', ' ')} contains {found.group(0)}, a control token of "
+                               "the model's text encoder: leave it out", field)
     if len(req.prompt) > MAX_PROMPT_CHARS or len(req.negative_prompt or "") > MAX_PROMPT_CHARS:
         raise InvalidInput(f"the prompt is longer than {MAX_PROMPT_CHARS} characters", "prompt")
     if tokens is not None:
         check_tokens(req, tokens)
 
 
-def _masked_size(first: tuple[int, int], settings: Settings, multiple: int = SIDE_MULTIPLE) -> tuple[int, int]:
-    """The size a masked edit runs at when none is asked: the first image's aspect at about 1 MP (as
-    the pipelines size an edit), sides multiples of the family's (16; 32 for 2.1) and within MAX_OUTPUT_PIXELS."""
+def _masked_size(first: tuple[int, int], settings: Settings,
+                 multiple: int = SIDE_MULTIPLE) -> tuple[int, int]:
+    """The size a masked edit runs at when none is asked: the first image's aspect at about 1 MP (as the
+    pipelines size an edit), sides multiples of the family's (16; 32 for 2.1) and within MAX_OUTPUT_PIXELS."""
     ratio = first[0] / first[1]
     area = min(VAE_AREA, settings.max_output_pixels)
     width = max(MIN_SIDE, int(math.sqrt(area * ratio)) // multiple * multiple)
@@ -289,9 +296,9 @@ def speed_preset(req: EditRequest, settings: Settings, family: str = "plus"):
         raise InvalidInput(f"speed {speed.lower()} is not available for this model: {refused}", "speed")
     entry = lightning_for(settings.lora_entries, steps)
     if entry is None:
-        raise InvalidInput(f"speed {speed.lower()} needs a Lightning {steps}-step LoRA and none is configured: "
-                           f"set FAST_LORA_{steps}STEP (or add a ...Lightning-{steps}steps... file to LORA_DIR/LORAS)",
-                           "speed")
+        raise InvalidInput(f"speed {speed.lower()} needs a Lightning {steps}-step LoRA and none is "
+                           f"configured: set FAST_LORA_{steps}STEP (or add a ...Lightning-{steps}steps... "
+                           "file to LORA_DIR/LORAS)", "speed")
     return entry
 
 
@@ -311,6 +318,7 @@ def lora_adapters(req: EditRequest, settings: Settings, preset) -> tuple[tuple[s
     if not isinstance(name, str) or name not in known:
         offered = ", ".join(known) if known else "none (set LORA_DIR or LORAS)"
         raise InvalidInput(f"unknown LoRA {str(name)[:64]!r}; configured LoRAs: {offered}", "lora")
-    if adapters and adapters[0][0] == name:  # the preset's LoRA picked again: one adapter, the picked strength
+    # the preset's LoRA picked again: one adapter, the picked strength
+    if adapters and adapters[0][0] == name:
         return ((name, float(scale)),)
     return (*adapters, (name, float(scale)))

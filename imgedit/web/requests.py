@@ -19,14 +19,14 @@ from imgedit.web.uploads import uploaded_paths
 
 
 def edit_fields() -> tuple[str, ...]:
-    """The `/edit` API's parameters, in order: the declaration's (the page's edit event takes its inputs in this
-    order too)."""
+    """The `/edit` API's parameters, in order: the declaration's (the page's edit event takes its inputs in
+    this order too)."""
     return tuple(p.name for p in parameters(EDIT))
 
 
 def api_component(param):
-    """The hidden input of `/edit` for one declared parameter: no ranges, so that every value reaches our checks
-    (and our messages), and the declared default for gradio_client."""
+    """The hidden input of `/edit` for one declared parameter: no ranges, so that every value reaches our
+    checks (and our messages), and the declared default for gradio_client."""
     if param.kind == "file":
         return gr.File(file_count="multiple" if param.name == "images" else "single")
     if param.required:  # no value: gradio_client then asks for it
@@ -39,8 +39,8 @@ def api_component(param):
 
 
 def page_control(param, settings: Settings):
-    """The page's control for a declared parameter it does not lay out itself (in Advanced): named and explained
-    by the declaration."""
+    """The page's control for a declared parameter it does not lay out itself (in Advanced): named and
+    explained by the declaration."""
     label, info = param.name.replace("_", " ").capitalize(), param.help
     if param.kind == "flag":
         return gr.Checkbox(param.default or False, label=label, info=info, elem_id=f"param-{param.name}")
@@ -48,7 +48,8 @@ def page_control(param, settings: Settings):
         low, high = param.bounds(settings)
         if range_text := param.range_text(settings):
             info = f"{info} ({range_text})"
-        return gr.Number(param.default, label=label, info=info, precision=0 if param.kind == "whole" else None,
+        precision = 0 if param.kind == "whole" else None
+        return gr.Number(param.default, label=label, info=info, precision=precision,
                          minimum=low, maximum=high, elem_id=f"param-{param.name}")
     if param.kind == "file":
         return gr.File(label=label, elem_id=f"param-{param.name}")
@@ -77,9 +78,10 @@ def _text(value, name: str) -> str:
 
 
 def event_fields(raw: dict) -> dict:
-    """A form's raw values ({`/edit` parameter: value}, any JSON) as EditRequest fields: each declared parameter
-    named in `raw` but the files, parsed by its kind, then what the form's controls mean: a ticked "randomize"
-    draws the seed, 0 is an automatic side, the speed controls' "quality" and "none" are no preset and no LoRA."""
+    """A form's raw values ({`/edit` parameter: value}, any JSON) as EditRequest fields: each declared
+    parameter named in `raw` but the files, parsed by its kind, then what the form's controls mean: a
+    ticked "randomize" draws the seed, 0 is an automatic side, the speed controls' "quality" and "none" are
+    no preset and no LoRA."""
     fields: dict = {}
     for param in parameters(EDIT):
         value = raw.get(param.name)
@@ -99,18 +101,19 @@ def event_fields(raw: dict) -> dict:
 
 
 def decode_uploads(settings: Settings, family: str, images) -> tuple:
-    """The event's uploaded images (in Gradio's upload cache), counted for the family and decoded, each named by
-    its file (transparency kept for a model that takes it)."""
+    """The event's uploaded images (in Gradio's upload cache), counted for the family and decoded, each named
+    by its file (transparency kept for a model that takes it)."""
     paths = uploaded_paths(images)
     check_counts(len(paths), family)
     alpha = FAMILIES[family].rgba
-    return tuple(open_image(p, settings.max_input_pixels, image_label(i + 1, p), alpha) for i, p in enumerate(paths))
+    return tuple(open_image(p, settings.max_input_pixels, image_label(i + 1, p), alpha)
+                 for i, p in enumerate(paths))
 
 
 def build_request(settings: Settings, family: str, *values, source: str) -> EditRequest:
-    """Parse one event's raw values, `/edit`'s parameters in the declaration's order (protocol.PARAMETERS; absent
-    trailing ones take their defaults), each by its kind. Every file must lie in Gradio's upload cache
-    (imgedit.web.uploads)."""
+    """Parse one event's raw values, `/edit`'s parameters in the declaration's order (protocol.PARAMETERS;
+    absent trailing ones take their defaults), each by its kind. Every file must lie in Gradio's upload
+    cache (imgedit.web.uploads)."""
     names = edit_fields()
     raw = dict(zip(names, values, strict=False))
     decoded = decode_uploads(settings, family, raw.get("images"))
@@ -119,7 +122,8 @@ def build_request(settings: Settings, family: str, *values, source: str) -> Edit
         if len(mask_paths) > 1:
             raise InvalidInput("send one mask (for the first image)", "mask")
         if not decoded:  # a model that generates takes no image; a mask belongs to one
-            raise InvalidInput("a mask needs an input image to edit (the mask is the first image's size)", "mask")
+            raise InvalidInput("a mask needs an input image to edit (the mask is the first image's size)",
+                               "mask")
         with open(mask_paths[0], "rb") as f:
             data = f.read(settings.max_file_size + 1)
         fields["mask"] = open_mask(data, decoded[0].size, settings.max_input_pixels)
@@ -149,9 +153,9 @@ def form_signature(names, *, progress: bool = False):
 
 
 def api_signature(entry: str = EDIT, leading: tuple[str, ...] = (), progress: bool = True):
-    """A decorator: `function(*values, request[, progress])` with a gradio API's signature made from the declaration
-    (`/edit`'s, or `/batch`'s after its `leading` required inputs): Gradio names the API's parameters and their
-    defaults after it."""
+    """A decorator: `function(*values, request[, progress])` with a gradio API's signature made from the
+    declaration (`/edit`'s, or `/batch`'s after its `leading` required inputs): Gradio names the API's
+    parameters and their defaults after it."""
     positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
     params = [inspect.Parameter(name, positional) for name in leading]
     params += [inspect.Parameter(p.name, positional,
