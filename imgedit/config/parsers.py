@@ -117,7 +117,8 @@ def _max_memory(raw: str) -> tuple[int, ...]:
     try:
         return tuple(parse_size(part) for part in raw.split(","))
     except ValueError:
-        raise ValueError("comma-separated sizes, one per visible GPU or one for all, e.g. 75GiB,75GiB") from None
+        raise ValueError("comma-separated sizes, one per visible GPU or one for all, "
+                         "e.g. 75GiB,75GiB") from None
 
 
 @dataclass(frozen=True)
@@ -132,9 +133,10 @@ class DeviceMap:
 
 def parse_device_map(raw: str) -> DeviceMap:
     text = raw.strip()
-    allowed = ("balanced, auto, replicas, cfg-parallel, cfg-parallel:4, cfg-parallel:8, ulysses:2, ulysses:4, "
-               "ulysses:8, cuda, cuda:N, cpu, or a JSON object such as "
-               '{"transformer": {"0-29": "cuda:0", "30-59": "cuda:1"}, "text_encoder": "cuda:1", "vae": "cuda:0"}')
+    allowed = ("balanced, auto, replicas, cfg-parallel, cfg-parallel:4, cfg-parallel:8, "
+               "ulysses:2, ulysses:4, ulysses:8, cuda, cuda:N, cpu, or a JSON object such as "
+               '{"transformer": {"0-29": "cuda:0", "30-59": "cuda:1"}, '
+               '"text_encoder": "cuda:1", "vae": "cuda:0"}')
     if text.startswith("{"):
         try:
             manual = json.loads(text)

@@ -56,10 +56,11 @@ REGISTRY: tuple[Var, ...] = (
         "Serve the tiny random-weight demo checkpoint (built locally, no download); outputs are noise"),
     Var("DEMO_DIR", "~/.cache/imgedit/demo", _str, "Where the demo checkpoint is built and cached"),
     Var("DEMO_KIND", "plus", _choice("plus", "edit", "21"),
-        "The demo model's family: plus (Qwen-Image-Edit-2509/2511) | edit (Qwen-Image-Edit) | 21 (Qwen-Image-2.1)"),
+        "The demo model's family: plus (Qwen-Image-Edit-2509/2511) | "
+        "edit (Qwen-Image-Edit) | 21 (Qwen-Image-2.1)"),
     Var("DEVICE_MAP", "balanced", parse_device_map,
-        "balanced | auto | replicas | cfg-parallel | cfg-parallel:4|8 | ulysses[:2|4|8] | cuda | cuda:N | cpu | "
-        "JSON map (see docs/gpus.md)"),
+        "balanced | auto | replicas | cfg-parallel | cfg-parallel:4|8 | "
+        "ulysses[:2|4|8] | cuda | cuda:N | cpu | JSON map (see docs/gpus.md)"),
     Var("MAX_MEMORY", "", _max_memory,
         "Per-GPU memory caps, e.g. 75GiB,75GiB (one per visible GPU, or one for all); empty = free memory"),
     Var("GPU_MEMORY_RESERVE", "1.5GiB", _size,
@@ -68,7 +69,8 @@ REGISTRY: tuple[Var, ...] = (
         "Extra memory kept free on each worker's first GPU for latents, attention and VAE activations"),
     Var("TORCH_DTYPE", "bfloat16", _choice(*DTYPES),
         "bfloat16 (recommended) | float16 (black images with this model) | float32"),
-    Var("QUEUE_MAX_SIZE", "16", _int_range(1, 10_000), "Jobs allowed to wait in line; more get 'busy, try later'"),
+    Var("QUEUE_MAX_SIZE", "16", _int_range(1, 10_000),
+        "Jobs allowed to wait in line; more get 'busy, try later'"),
     Var("DEFAULT_STEPS", "0", _int_range(0, 1000),
         "Default denoising steps; 0 = per model (Edit 50, Plus 40, Qwen-Image-2.1 40)"),
     Var("MAX_STEPS", "100", _int_range(1, 1000), "Largest num_inference_steps a request may ask for"),
@@ -83,40 +85,46 @@ REGISTRY: tuple[Var, ...] = (
     Var("BODY_READ_TIMEOUT", "30", _int_range(1, 3600),
         "Seconds a request body may stall (no bytes at all) before the server answers 408 and hangs up"),
     Var("HEADER_READ_TIMEOUT", "10", _int_range(1, 3600),
-        "Seconds a connection may take to send a request's headers before the server answers 408 and hangs up"),
+        "Seconds a connection may take to send a request's "
+        "headers before the server answers 408 and hangs up"),
     Var("MAX_CONNECTIONS", "512", _int_range(0, 100_000),
         "Most connections open at once; more are answered 503 and closed (0 = no cap)"),
     Var("MAX_CONNECTIONS_PER_CLIENT", "256", _int_range(0, 100_000),
-        "Most connections open at once from one address (raise it behind a proxy, which is one address; 0 = no cap)"),
+        "Most connections open at once from one address (raise "
+        "it behind a proxy, which is one address; 0 = no cap)"),
     Var("MAX_IMAGES_PER_PROMPT", "4", _int_range(1, 16), "Largest number of images one request may ask for"),
     Var("LORA_DIR", "", _optional_str,
         "Folder whose *.safetensors LoRAs are offered, each named by its file name without .safetensors"),
     Var("LORAS", "", parse_loras,
-        "More LoRAs as name=path pairs, comma-separated; a path may be a hub file owner/repo/file.safetensors"),
+        "More LoRAs as name=path pairs, comma-separated; a "
+        "path may be a hub file owner/repo/file.safetensors"),
     Var("FAST_LORA_4STEP", "", _optional_str,
-        "Name of the Lightning 4-step LoRA for speed=fastest; empty = the LoRA whose file name says Lightning-4steps"),
+        "Name of the Lightning 4-step LoRA for speed=fastest; "
+        "empty = the LoRA whose file name says Lightning-4steps"),
     Var("FAST_LORA_8STEP", "", _optional_str,
-        "Name of the Lightning 8-step LoRA for speed=fast; empty = the LoRA whose file name says Lightning-8steps"),
+        "Name of the Lightning 8-step LoRA for speed=fast; "
+        "empty = the LoRA whose file name says Lightning-8steps"),
     Var("FUSE_LORA", "auto", _choice("auto", "off"),
-        "auto: a job with exactly one LoRA (e.g. speed=fastest) runs it fused into the weights, no per-step cost "
-        "instead of +9 %, when an exact copy of the weights it adapts (25 GiB for a Lightning LoRA) fits on the "
-        "GPU with ACTIVATION_RESERVE left; else, and with off, LoRAs run unfused"),
+        "auto: a job with exactly one LoRA (e.g. speed=fastest) runs it fused into the weights, no per-step "
+        "cost instead of +9 %, when an exact copy of the weights it adapts (25 GiB for a Lightning LoRA) "
+        "fits on the GPU with ACTIVATION_RESERVE left; else, and with off, LoRAs run unfused"),
     Var("FAST_QUANTIZE", "none", _choice("none", "fp8", "int8"),
-        "fp8: speed=fast/fastest run on a copy of the transformer per Lightning LoRA, the LoRA fused in and every "
-        "Linear layer in fp8 (lossy; one H100: fastest 1.36 s instead of 1.80 s, +19 GiB and ~5 min of compiling "
-        "per copy; workers of one GPU or CFG pairs, compute capability 8.9+) | int8 (weight-only: the CPU and GPUs "
-        "without fp8; "
-        "not measured faster) | none: fast jobs run on the quality weights (FUSE_LORA)"),
+        "fp8: speed=fast/fastest run on a copy of the transformer per Lightning LoRA, the "
+        "LoRA fused in and every Linear layer in fp8 (lossy; one H100: fastest 1.36 s "
+        "instead of 1.80 s, +19 GiB and ~5 min of compiling per copy; workers of one GPU or "
+        "CFG pairs, compute capability 8.9+) | int8 (weight-only: the CPU and GPUs without "
+        "fp8; not measured faster) | none: fast jobs run on the quality weights (FUSE_LORA)"),
     Var("FAST_QUANTIZE_SPEEDS", "fastest,fast", parse_speeds,
-        "The speed presets whose Lightning LoRA gets a FAST_QUANTIZE copy: fastest,fast | fastest | fast (one copy "
-        "fits beside the bf16 model on an 80 GB card, two do not)"),
+        "The speed presets whose Lightning LoRA gets a FAST_QUANTIZE copy: fastest,fast | fastest | fast "
+        "(one copy fits beside the bf16 model on an 80 GB card, two do not)"),
     Var("QUANTIZE", "auto", parse_quantize,
-        "auto (lossless first: bf16, offloaded if need be; quantized only when nothing lossless fits) | none | "
-        "fp8 | int8 | nf4 (the transformer) | "
-        "component=mode pairs, e.g. transformer=fp8,text_encoder=int8; fp8 needs compute capability 8.9+"),
+        "auto (lossless first: bf16, offloaded if need be; quantized only when nothing lossless fits) | "
+        "none | fp8 | int8 | nf4 (the transformer) | component=mode pairs, e.g. "
+        "transformer=fp8,text_encoder=int8; fp8 needs compute capability 8.9+"),
     Var("QUANTIZE_SKIP", "auto", parse_skip,
-        "Transformer submodules whose Linear layers stay bf16 when it is quantized (comma-separated; empty = none; "
-        "auto = per model: img_mlp for the edit models, none for Qwen-Image-2.1, whose img_mlp is most of it)"),
+        "Transformer submodules whose Linear layers stay bf16 when it is "
+        "quantized (comma-separated; empty = none; auto = per model: img_mlp for "
+        "the edit models, none for Qwen-Image-2.1, whose img_mlp is most of it)"),
     Var("OFFLOAD", "auto", parse_offload,
         "auto (only when nothing fits otherwise) | none | text_encoder (on the CPU, streamed per prompt) | "
         "blocks (transformer blocks that do not fit streamed from the CPU) | text_encoder,blocks"),
@@ -124,46 +132,52 @@ REGISTRY: tuple[Var, ...] = (
         "Run both true-CFG branches in one transformer forward of batch 2; auto = on when transformer blocks "
         "are streamed from the CPU (each streamed block then crosses to the GPU once per step, not twice)"),
     Var("PAIR_ULYSSES", "auto", _choice("auto", "on", "off"),
-        "A cfg-parallel pair runs CFG-off jobs (speed=fast/fastest) on both GPUs, each forward's sequence split "
-        "in two (Ulysses-2) instead of on one GPU; auto = on for GPU pairs with ATTENTION native or cudnn"),
+        "A cfg-parallel pair runs CFG-off jobs (speed=fast/fastest) on both "
+        "GPUs, each forward's sequence split in two (Ulysses-2) instead of "
+        "on one GPU; auto = on for GPU pairs with ATTENTION native or cudnn"),
     Var("COMPILE", "auto", _choice("auto", "on", "off"),
-        "Compile the transformer's repeated blocks (torch.compile), warmed up at start-up; auto = on for GPUs"),
+        "Compile the transformer's repeated blocks "
+        "(torch.compile), warmed up at start-up; auto = on for GPUs"),
     Var("COMPILE_MODE", "default", _choice("default", "max-autotune-no-cudagraphs"),
-        "torch.compile's mode for the compiled blocks: default | max-autotune-no-cudagraphs (tries kernel "
-        "variants at start-up; on an H100 no faster: 0.626 vs 0.623 s/step, 4.7x the start-up); needs compiled "
-        "workers. CUDA graphs (max-autotune) fail on the per-block compile: each block's replay overwrites the "
-        "last one's output"),
+        "torch.compile's mode for the compiled blocks: default | max-autotune-no-cudagraphs "
+        "(tries kernel variants at start-up; on an H100 no faster: 0.626 vs 0.623 s/step, "
+        "4.7x the start-up); needs compiled workers. CUDA graphs (max-autotune) fail on the "
+        "per-block compile: each block's replay overwrites the last one's output"),
     Var("ATTENTION", "native", _choice("native", "flash", "cudnn", "efficient"),
-        "The transformer's attention kernel (diffusers' set_attention_backend): native (PyTorch picks) | flash | "
-        "cudnn | efficient (PyTorch's own kernels, nothing downloaded); cudnn and efficient need CUDA GPUs"),
+        "The transformer's attention kernel (diffusers' set_attention_backend): "
+        "native (PyTorch picks) | flash | cudnn | efficient (PyTorch's own "
+        "kernels, nothing downloaded); cudnn and efficient need CUDA GPUs"),
     Var("ENCODE_CACHE", "8", _int_range(0, 256),
         "Input encodings each worker keeps: the same image edited again is not VAE-encoded again, the same "
         "prompt with the same images not text-encoded again (exact: the stored results); 0 = off"),
     Var("WORKER_THREADS", "auto", _auto_or_int(1, 256),
-        "PyTorch CPU threads in each GPU worker process (prompts and pictures are prepared on its CPU): auto = the "
-        "machine's CPUs shared out over its GPU processes, at most 4 for a one-GPU worker, or OMP_NUM_THREADS where "
-        "set (WORKERS=ray: Ray's). PyTorch's default, every CPU in every process, made the steps before the loop "
-        "slower; CPU workers keep it"),
+        "PyTorch CPU threads in each GPU worker process (prompts and pictures are prepared on its CPU): auto "
+        "= the machine's CPUs shared out over its GPU processes, at most 4 for a one-GPU worker, or "
+        "OMP_NUM_THREADS where set (WORKERS=ray: Ray's). PyTorch's default, every CPU in every process, made "
+        "the steps before the loop slower; CPU workers keep it"),
     Var("CACHE", "none", _choice("none", "first-block", "taylorseer"),
-        "Step cache for quality edits (diffusers' cache hooks): none | first-block (skip the other blocks when the "
-        "first block's residual barely changed) | taylorseer (forecast blocks between full steps); lossy, opt-in; "
-        "a request's `cache` field overrides it"),
+        "Step cache for quality edits (diffusers' cache hooks): none | first-block (skip the other blocks "
+        "when the first block's residual barely changed) | taylorseer (forecast blocks between full steps); "
+        "lossy, opt-in; a request's `cache` field overrides it"),
     Var("CACHE_THRESHOLD", "0.08", _float_range(0.0, 10.0),
-        "first-block: how little the first block's residual may change (relative) for a step to reuse the rest"),
+        "first-block: how little the first block's residual "
+        "may change (relative) for a step to reuse the rest"),
     Var("ENHANCE_MAX_TOKENS", "160", _int_range(16, 1024),
-        "Most new tokens a prompt rewrite (Enhance, enhance_prompt) may write; a rewrite cut at this limit is "
-        "not used (the user's prompt is, with a notice)"),
+        "Most new tokens a prompt rewrite (Enhance, enhance_prompt) may write; a rewrite cut at this limit "
+        "is not used (the user's prompt is, with a notice)"),
     Var("COMPILE_CACHE_DIR", "~/.cache/imgedit/compile", _str,
         "Where the compiler keeps its cache, so a restart does not compile again (a volume in compose/k8s)"),
     Var("WORKER_RESTARTS", "3", _int_range(0, 100),
         "How many times a worker process that dies is restarted before it is reported failed"),
     Var("WORKER_START", "spawn", _choice("spawn", "forkserver"),
-        "How local worker processes start: spawn (a fresh interpreter each) | forkserver (torch imported once, "
-        "workers forked from it; CPU only for now: on the GPU machine a forked worker could not use CUDA)"),
+        "How local worker processes start: spawn (a fresh interpreter each) | "
+        "forkserver (torch imported once, workers forked from it; CPU only "
+        "for now: on the GPU machine a forked worker could not use CUDA)"),
     Var("WORKERS", "local", _choice("local", "ray"),
         "local = worker processes on this machine | ray = Ray actors anywhere in the cluster at RAY_ADDRESS"),
     Var("RAY_ADDRESS", "", _optional_str,
-        "With WORKERS=ray: the cluster to join (auto, host:6379 or ray://host:10001); empty = start a local one"),
+        "With WORKERS=ray: the cluster to join (auto, host:6379 "
+        "or ray://host:10001); empty = start a local one"),
     Var("RAY_CONNECT_TIMEOUT", "30", _int_range(1, 3600),
         "Seconds to reach the Ray cluster at start-up; then the server runs without workers and says why"),
     Var("AUTO_CLEANUP", "true", _bool, "Free cached GPU memory after each job"),
@@ -173,11 +187,13 @@ REGISTRY: tuple[Var, ...] = (
         "(the Docker image and deploy files set it)"),
     Var("GRADIO_SERVER_PORT", "7860", _int_range(1, 65535), "Port the server listens on (UI, API, REST)"),
     Var("API_KEY", "", _optional_str,
-        "When set, /metrics and /v1/* need 'Authorization: Bearer <key>'; every holder shares one set of jobs"),
+        "When set, /metrics and /v1/* need 'Authorization: "
+        "Bearer <key>'; every holder shares one set of jobs"),
     Var("API_KEYS", "", parse_api_keys,
         "Keys with owners, name:key,name2:key2 or @file (one per line): each key sees only its own jobs"),
     Var("GRADIO_AUTH", "", parse_logins,
-        "Logins for the page, user:password,user2:password2 or @file (one per line); each user has a History"),
+        "Logins for the page, user:password,user2:password2 "
+        "or @file (one per line); each user has a History"),
     Var("CLIENT_SHARE", "0.5", _float_range(0.05, 1.0),
         "The most of QUEUE_MAX_SIZE and of JOBS_MAX_PENDING one client (key, login or browser) may hold"),
     Var("OUTPUT_DIR", "~/.cache/imgedit/outputs", _str,
@@ -185,7 +201,8 @@ REGISTRY: tuple[Var, ...] = (
     Var("OUTPUT_RETENTION_HOURS", "168", _float_range(0.0, 1_000_000.0),
         "Delete stored results older than this many hours; 0 = keep until OUTPUT_MAX_GB"),
     Var("OUTPUT_MAX_GB", "20", _float_range(0.0, 1_000_000.0),
-        "Most disk space stored results may take (GB); the oldest of whoever holds most go first; 0 = no limit"),
+        "Most disk space stored results may take (GB); the "
+        "oldest of whoever holds most go first; 0 = no limit"),
     Var("BATCH_MAX_ITEMS", "32", _int_range(1, 1000), "Most input sets (images) in one batch job"),
     Var("JOBS_MAX_PENDING", "128", _int_range(1, 100_000),
         "Most batch and async-job items held unfinished at once; more get 'busy, try later'"),
@@ -275,7 +292,9 @@ class Settings:
         """The folder or hub id to load: demo dir, then QWEN_MODEL_DIR, then QWEN_MODEL."""
         if self.demo:  # one folder per family: a demo of another family never loads this one's checkpoint
             folder = Path(self.demo_dir).expanduser()
-            return str(folder if self.demo_kind == "plus" else folder.with_name(f"{folder.name}-{self.demo_kind}"))
+            if self.demo_kind == "plus":
+                return str(folder)
+            return str(folder.with_name(f"{folder.name}-{self.demo_kind}"))
         return self.qwen_model_dir or self.qwen_model
 
     @property
@@ -309,11 +328,14 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
     if steps is not None and most is not None and steps > most:
         problems.append(f"DEFAULT_STEPS={steps} is above MAX_STEPS={most}")
     device_map = values.get("device_map")
-    if values.get("batch_cfg") == "on" and device_map is not None and device_map.mode in ("cfg-parallel", "ulysses"):
+    splits_jobs = device_map is not None and device_map.mode in ("cfg-parallel", "ulysses")
+    if values.get("batch_cfg") == "on" and splits_jobs:
         problems.append(f"BATCH_CFG=on runs both CFG branches in one forward on one GPU, but DEVICE_MAP="
-                        f"{env.get('DEVICE_MAP')} splits each job over a group of GPUs; use BATCH_CFG=auto or off")
+                        f"{env.get('DEVICE_MAP')} splits each job over a group of GPUs; "
+                        "use BATCH_CFG=auto or off")
     if values.get("api_key") and any(values["api_key"] == key for _, key in values.get("api_keys") or ()):
-        problems.append("API_KEY is also one of API_KEYS: give the shared key and the owned keys different values")
+        problems.append("API_KEY is also one of API_KEYS: "
+                        "give the shared key and the owned keys different values")
     if not problems:
         try:
             values["lora_entries"] = entries(values["lora_dir"], values["loras"], values["fast_lora_4step"],
@@ -322,9 +344,9 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
             problems.append(str(exc))
     if problems:
         raise SettingsError("Bad configuration:\n  " + "\n  ".join(problems))
-    # The GPUs this process sees: discovery (NVML) reads the process's own CUDA_VISIBLE_DEVICES, so the workers'
-    # numbering must too, whatever mapping the other settings came from (a script passing a dict once put a
-    # worker on GPU 0 of the host while the server had been given GPU 1).
+    # The GPUs this process sees: discovery (NVML) reads the process's own CUDA_VISIBLE_DEVICES, so the
+    # workers' numbering must too, whatever mapping the other settings came from (a script passing a dict once
+    # put a worker on GPU 0 of the host while the server had been given GPU 1).
     values["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
     values.update(overrides)
     return Settings(**values)
@@ -346,5 +368,6 @@ def writable_folder(name: str, path: str) -> Path:
         probe.unlink()
     except OSError as exc:
         raise SettingsError(f"Bad configuration:\n  {name}={path!r} cannot be used as a folder: "
-                            f"{exc.strerror or type(exc).__name__}; choose a folder this user can write") from exc
+                            f"{exc.strerror or type(exc).__name__}; "
+                            "choose a folder this user can write") from exc
     return folder

@@ -8,7 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import diffusers
 import torch
+import transformers
+from transformers import AutoConfig
 
 MODEL_COMPONENTS = ("transformer", "text_encoder", "vae")  # as planning.checkpoint names them
 
@@ -28,9 +31,6 @@ def model_index(folder: Path) -> dict:
 
 def component_classes(folder: Path) -> dict:
     """Each component's class as the checkpoint's model_index.json names it (one of KNOWN_CLASSES)."""
-    import diffusers
-    import transformers
-
     index = model_index(folder)
     classes = {}
     for name, known in KNOWN_CLASSES.items():
@@ -44,8 +44,6 @@ def component_classes(folder: Path) -> dict:
 def from_config(name: str, folder: Path):
     cls = component_classes(folder)[name]
     if name == "text_encoder":
-        from transformers import AutoConfig
-
         return cls._from_config(AutoConfig.from_pretrained(Path(folder) / name))
     return cls.from_config(cls.load_config(Path(folder) / name))
 
@@ -74,7 +72,8 @@ def trained_like_init(model: torch.nn.Module, seed: int = 0) -> None:
             module.weight.normal_(0.0, 0.02, generator=generator)
             if getattr(module, "bias", None) is not None:
                 module.bias.zero_()
-        elif isinstance(module, (torch.nn.LayerNorm, torch.nn.GroupNorm)) or type(module).__name__.endswith("RMSNorm"):
+        elif (isinstance(module, (torch.nn.LayerNorm, torch.nn.GroupNorm))
+              or type(module).__name__.endswith("RMSNorm")):
             if getattr(module, "weight", None) is not None:
                 module.weight.fill_(1.0)
             if getattr(module, "bias", None) is not None:

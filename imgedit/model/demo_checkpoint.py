@@ -11,6 +11,10 @@ The tokenizer is a byte-level BPE trained here on a few sentences, with Qwen's s
 their real ids. `--kind 21` writes a Qwen-Image-2.1 checkpoint (QwenImage21Pipeline: a Qwen3-VL text
 encoder with the processor holding the tokenizer, a single-stream transformer, a 16x RGBA VAE), its tiny
 configs as diffusers' own tests of that pipeline build them.
+
+Building needs torch, diffusers and transformers: they are imported inside the functions that build, so
+that the inspection subprocess (imgedit.model.inspect imports ensure_checkpoint on every run) and
+`--if-missing` on a checkpoint already built load none of them.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import os
 import shutil
 from pathlib import Path
 
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+
 log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = (
@@ -31,8 +37,12 @@ SPECIAL_TOKENS = (
 )
 FIRST_SPECIAL_ID = 151643
 VOCAB_SIZE = 152064
-PIPELINE_CLASS = {"edit": "QwenImageEditPipeline", "plus": "QwenImageEditPlusPipeline", "21": "QwenImage21Pipeline",
-                  "2511": "QwenImageEditPlusPipeline"}  # 2511: 2509's pipeline, its transformer with zero_cond_t
+PIPELINE_CLASS = {
+    "edit": "QwenImageEditPipeline",
+    "plus": "QwenImageEditPlusPipeline",
+    "21": "QwenImage21Pipeline",
+    "2511": "QwenImageEditPlusPipeline",  # 2511: 2509's pipeline, its transformer with zero_cond_t
+}
 # The Qwen chat template the 2.1 pipeline runs on its system message (it counts the tokens to drop by it, so
 # it must lay messages out as the pipeline's hand-written prompt does).
 CHAT_TEMPLATE = (
@@ -43,10 +53,11 @@ CHAT_TEMPLATE = (
 )
 _CORPUS = (
     "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
-    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
-    "image that meets the user's requirements while maintaining consistency with the original input where "
-    "appropriate.<|im_end|>\n<|im_start|>user\n",
-    "Picture 1: Picture 2: Picture 3: make the sky blue, add a cat, remove the text, turn it into a watercolor",
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a "
+    "new image that meets the user's requirements while maintaining consistency with the original input "
+    "where appropriate.<|im_end|>\n<|im_start|>user\n",
+    "Picture 1: Picture 2: Picture 3: make the sky blue, "
+    "add a cat, remove the text, turn it into a watercolor",
     "change the background to a beach at sunset and keep the person unchanged",
     "Comprehend and analyze the provided prompt.",
     "<|im_end|>\n<|im_start|>assistant\n",
@@ -65,9 +76,9 @@ def _configs(size: str) -> dict:
             # One attention head: every edit attends over the ~4,096 tokens of the 1 MP condition image, and
             # on the CPU that attention is most of a forward (3 heads: 0.20 CPU-s a forward, 1 head: 0.06).
             # Ulysses tests build theirs with more heads (`heads=`), as Ulysses splits heads.
-            "transformer": dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
-                                num_attention_heads=1, joint_attention_dim=16, guidance_embeds=False,
-                                axes_dims_rope=(8, 4, 4)),
+            "transformer": dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                attention_head_dim=16, num_attention_heads=1, joint_attention_dim=16,
+                                guidance_embeds=False, axes_dims_rope=(8, 4, 4)),
             # 8x downsampling like the real VAE, so sizes and token counts follow the real rules. The
             # pipelines encode every input at about 1 MP whatever the output size, and that encode was the
             # suite's largest compute item. 8 channels at every level and no residual blocks (only the
@@ -77,11 +88,13 @@ def _configs(size: str) -> dict:
             # (17.5 before); with base_dim 4 they differed by 0.2, too little for tests that compare seeds
             # and LoRAs by pixels.
             "vae": dict(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=0,
-                        temperal_downsample=[False, True, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4),
+                        temperal_downsample=[False, True, True],
+                        latents_mean=[0.0] * 4, latents_std=[1.0] * 4),
             "text_encoder": dict(
                 text_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2,
                              "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": VOCAB_SIZE,
-                             "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
+                             "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default",
+                                              "type": "default"},
                              "rope_theta": 1000000.0},
                 vision_config={"depth": 2, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
                                "out_hidden_size": 16, "fullatt_block_indexes": [1], "window_size": 112},
@@ -89,56 +102,62 @@ def _configs(size: str) -> dict:
         }
     # The published configs of Qwen-Image-Edit(-2509): 20.4 B transformer, Qwen2.5-VL-7B, the real VAE.
     return {
-        "transformer": dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
-                            num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
-                            axes_dims_rope=(16, 56, 56)),
+        "transformer": dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60,
+                            attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584,
+                            guidance_embeds=False, axes_dims_rope=(16, 56, 56)),
         "vae": dict(),  # AutoencoderKLQwenImage's defaults are the released VAE
         "text_encoder": dict(
             text_config={"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
                          "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": VOCAB_SIZE,
                          "max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
-                         "rope_scaling": {"mrope_section": [16, 24, 24], "rope_type": "default", "type": "mrope"},
+                         "rope_scaling": {"mrope_section": [16, 24, 24], "rope_type": "default",
+                                          "type": "mrope"},
                          "rope_theta": 1000000.0},
             vision_config={"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
-                           "out_hidden_size": 3584, "fullatt_block_indexes": [7, 15, 23, 31], "window_size": 112,
-                           "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+                           "out_hidden_size": 3584, "fullatt_block_indexes": [7, 15, 23, 31],
+                           "window_size": 112, "patch_size": 14, "spatial_merge_size": 2,
+                           "temporal_patch_size": 2},
         ),
     }
 
 
 # Qwen/Qwen-Image-2.1's published configs (model_index.json, transformer, text encoder, VAE, scheduler, the
-# processor's image settings), byte for byte as the model repository has them at revision 790c9263 (their sizes
-# and SHA-256 as public manifests of that revision list them); `--size real --kind 21` writes them.
+# processor's image settings), byte for byte as the model repository has them at revision 790c9263 (their
+# sizes and SHA-256 as public manifests of that revision list them); `--size real --kind 21` writes them.
 PUBLISHED_21 = Path(__file__).parent / "published" / "qwen-image-2.1"
 
 
 def _configs_21(size: str) -> dict:
-    """Qwen-Image-2.1's components. Tiny: diffusers' tests of QwenImage21Pipeline (z_dim 8, not 4: the pipeline
-    takes a condition image with as many channels as the latents for latents already, and RGBA has 4), with
-    one attention head. A vision token covers 32 pixels (patch 16, merge 2), the 2x2 latents of the 16x VAE.
-    Real: the published image processor's settings (the components' configs are copied as published)."""
+    """Qwen-Image-2.1's components. Tiny: diffusers' tests of QwenImage21Pipeline (z_dim 8, not 4: the
+    pipeline takes a condition image with as many channels as the latents for latents already, and RGBA has
+    4), with one attention head. A vision token covers 32 pixels (patch 16, merge 2), the 2x2 latents of the
+    16x VAE. Real: the published image processor's settings (the components' configs are copied as
+    published)."""
     if size != "tiny":
         published = json.loads((PUBLISHED_21 / "processor" / "preprocessor_config.json").read_text())
         return {"image_processor": dict(
             patch_size=published["patch_size"], merge_size=published["merge_size"],
-            temporal_patch_size=published["temporal_patch_size"], min_pixels=published["size"]["shortest_edge"],
-            max_pixels=published["size"]["longest_edge"], image_mean=published["image_mean"],
-            image_std=published["image_std"])}
+            temporal_patch_size=published["temporal_patch_size"],
+            min_pixels=published["size"]["shortest_edge"], max_pixels=published["size"]["longest_edge"],
+            image_mean=published["image_mean"], image_std=published["image_std"])}
     z_dim = 8
     return {
-        "transformer": dict(patch_size=1, in_channels=z_dim, out_channels=z_dim, num_layers=2, attention_head_dim=16,
-                            num_attention_heads=1, context_in_dim=16, mlp_ratio=2, axes_dims_rope=(4, 6, 6)),
+        "transformer": dict(patch_size=1, in_channels=z_dim, out_channels=z_dim, num_layers=2,
+                            attention_head_dim=16, num_attention_heads=1, context_in_dim=16, mlp_ratio=2,
+                            axes_dims_rope=(4, 6, 6)),
         "vae": dict(base_dim=4, decoder_base_dim=4, z_dim=z_dim, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=1,
-                    attn_scales=[], temperal_downsample=[False, True, True, True], latents_mean=[0.0] * z_dim,
-                    latents_std=[1.0] * z_dim),
+                    attn_scales=[], temperal_downsample=[False, True, True, True],
+                    latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim),
         "text_encoder": dict(
-            text_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
-                         "num_key_value_heads": 2, "head_dim": 8, "vocab_size": VOCAB_SIZE,
+            text_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2,
+                         "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8,
+                         "vocab_size": VOCAB_SIZE,
                          "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
                                              "mrope_section": [1, 1, 2]}},
             vision_config={"depth": 2, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
-                           "out_hidden_size": 16, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-                           "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
+                           "out_hidden_size": 16, "patch_size": 16, "spatial_merge_size": 2,
+                           "temporal_patch_size": 2, "num_position_embeddings": 64,
+                           "deepstack_visual_indexes": [0]},
         ),
         # as published (processor/preprocessor_config.json: size 256² to 4096²): every input is resized to
         # output_resolution² before the processor, which lets it through unresized
@@ -152,21 +171,23 @@ def _special_id(token: str) -> int:
 
 
 def _build_21(out: Path, seed: int, size: str, tokenizer) -> None:
-    from diffusers import AutoencoderKLQwenImage21, QwenImage21Transformer2DModel
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    from transformers.utils import is_torchvision_available
+    from diffusers import AutoencoderKLQwenImage21, QwenImage21Transformer2DModel  # building only (docstring)
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration  # building only (docstring)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (  # building only (docstring)
+        Qwen2VLImageProcessorPil,
+    )
+    from transformers.utils import is_torchvision_available  # building only (docstring)
 
     cfg = _configs_21(size)
     image_processor = Qwen2VLImageProcessorPil(**cfg["image_processor"])
     if is_torchvision_available():
-        from transformers import Qwen3VLProcessor, Qwen3VLVideoProcessor
+        from transformers import Qwen3VLProcessor, Qwen3VLVideoProcessor  # building only (docstring)
 
-        processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
-                                     video_processor=Qwen3VLVideoProcessor(patch_size=16, merge_size=2,
-                                                                           temporal_patch_size=2))
+        video_processor = Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2)
+        processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                     chat_template=CHAT_TEMPLATE, video_processor=video_processor)
     else:
-        from imgedit.model.processor import ImageOnlyQwen3Processor
+        from imgedit.model.processor import ImageOnlyQwen3Processor  # transformers: building only (docstring)
 
         processor = ImageOnlyQwen3Processor(image_processor=image_processor, tokenizer=tokenizer,
                                             chat_template=CHAT_TEMPLATE)
@@ -178,7 +199,8 @@ def _build_21(out: Path, seed: int, size: str, tokenizer) -> None:
         return
     te_config = Qwen3VLConfig(text_config=cfg["text_encoder"]["text_config"],
                               vision_config=cfg["text_encoder"]["vision_config"],
-                              image_token_id=_special_id("<|image_pad|>"), video_token_id=_special_id("<|video_pad|>"),
+                              image_token_id=_special_id("<|image_pad|>"),
+                              video_token_id=_special_id("<|video_pad|>"),
                               vision_start_token_id=_special_id("<|vision_start|>"),
                               vision_end_token_id=_special_id("<|vision_end|>"))
     _save_seeded(out, seed, {"transformer": lambda: QwenImage21Transformer2DModel(**cfg["transformer"]),
@@ -188,7 +210,7 @@ def _build_21(out: Path, seed: int, size: str, tokenizer) -> None:
 
 def _save_seeded(out: Path, seed: int, builders: dict) -> None:
     """Each component built right after seeding (the same seed, the same weights) and saved in its folder."""
-    import torch
+    import torch  # building only (docstring)
 
     for name, build in builders.items():
         torch.manual_seed(seed)
@@ -197,8 +219,7 @@ def _save_seeded(out: Path, seed: int, builders: dict) -> None:
 
 def build_tokenizer():
     """A byte-level BPE trained on a few sentences, with Qwen's special tokens at their real ids."""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
-    from transformers import Qwen2Tokenizer
+    from transformers import Qwen2Tokenizer  # building only (docstring)
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -216,22 +237,26 @@ def build_tokenizer():
 
 
 def _processor(tokenizer):
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    from transformers.utils import is_torchvision_available
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (  # building only (docstring)
+        Qwen2VLImageProcessorPil,
+    )
+    from transformers.utils import is_torchvision_available  # building only (docstring)
 
     if is_torchvision_available():
-        from transformers import Qwen2VLProcessor
-        from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+        from transformers import Qwen2VLProcessor  # building only (docstring)
+        from transformers.models.qwen2_vl.video_processing_qwen2_vl import (  # building only (docstring)
+            Qwen2VLVideoProcessor,
+        )
 
         return Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(), tokenizer=tokenizer,
                                 video_processor=Qwen2VLVideoProcessor())
-    from imgedit.model.processor import ImageOnlyProcessor
+    from imgedit.model.processor import ImageOnlyProcessor  # transformers: building only (docstring)
 
     return ImageOnlyProcessor(image_processor=Qwen2VLImageProcessorPil(), tokenizer=tokenizer)
 
 
 def text_encoder_config(size: str):
-    from transformers import Qwen2_5_VLConfig
+    from transformers import Qwen2_5_VLConfig  # building only (docstring)
 
     cfg = _configs(size)["text_encoder"]
     return Qwen2_5_VLConfig(
@@ -248,7 +273,7 @@ def build_checkpoint(out: str | Path, kind: str = "plus", seed: int = 0, size: s
                      heads: int | None = None) -> Path:
     """Write the checkpoint folder (model_index.json + one subfolder per component) and return it.
     `heads`: the transformer's attention heads, when not the size's own (Ulysses splits heads)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers import FlowMatchEulerDiscreteScheduler  # building only (docstring)
 
     if kind not in PIPELINE_CLASS:
         raise ValueError(f"kind must be one of {sorted(PIPELINE_CLASS)}")
@@ -266,7 +291,8 @@ def build_checkpoint(out: str | Path, kind: str = "plus", seed: int = 0, size: s
     else:
         _build_edit(out, seed, size, tokenizer, cfg)
     _write_json(out / "model_index.json", {
-        "_class_name": PIPELINE_CLASS[kind], "_diffusers_version": "0.42.1", **(INDEX_21 if kind == "21" else INDEX),
+        "_class_name": PIPELINE_CLASS[kind], "_diffusers_version": "0.42.1",
+        **(INDEX_21 if kind == "21" else INDEX),
         "imgedit_demo": {"seed": seed, "size": size, "random_weights": size != "tiny"},
     })
     log.info("wrote %s %s checkpoint (seed %d) to %s", size, PIPELINE_CLASS[kind], seed, out)
@@ -277,7 +303,8 @@ def build_checkpoint(out: str | Path, kind: str = "plus", seed: int = 0, size: s
 INDEX = {"processor": ["transformers", "Qwen2VLProcessor"],
          "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
          "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
-         "tokenizer": ["transformers", "Qwen2Tokenizer"], "transformer": ["diffusers", "QwenImageTransformer2DModel"],
+         "tokenizer": ["transformers", "Qwen2Tokenizer"],
+         "transformer": ["diffusers", "QwenImageTransformer2DModel"],
          "vae": ["diffusers", "AutoencoderKLQwenImage"]}
 INDEX_21 = {"processor": ["transformers", "Qwen3VLProcessor"], "sample_sigmas": None,
             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
@@ -288,8 +315,8 @@ INDEX_21 = {"processor": ["transformers", "Qwen3VLProcessor"], "sample_sigmas": 
 
 def _build_edit(out: Path, seed: int, size: str, tokenizer, cfg: dict) -> None:
     """The edit pipelines' components (Qwen2.5-VL, the 60-block transformer, the 8x VAE) and tokenizer."""
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel  # building only (docstring)
+    from transformers import Qwen2_5_VLForConditionalGeneration  # building only (docstring)
 
     tokenizer.save_pretrained(out / "tokenizer")
     _processor(tokenizer).save_pretrained(out / "processor")
@@ -335,7 +362,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--size", choices=("tiny", "real"), default="tiny")
     parser.add_argument("--if-missing", action="store_true",
-                        help="keep a checkpoint already at OUT (the server's demo mode builds it this way, once)")
+                        help="keep a checkpoint already at OUT "
+                             "(the server's demo mode builds it this way, once)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     if args.if_missing:

@@ -7,8 +7,9 @@ positions: no error, different prompt embeddings, worse edits. We add them with 
 on the text-encoder instance (installed packages stay untouched). The hook steps aside when the
 caller passes the ids itself, so it becomes a no-op once diffusers forwards them.
 
-`install_no_logits` spares the same calls the logits of every token, which nothing reads; `prepare_text_encoder`
-installs these and the vision tower's one-call windows (imgedit.model.vision_attention), as every worker does.
+`install_no_logits` spares the same calls the logits of every token, which nothing reads;
+`prepare_text_encoder` installs these and the vision tower's one-call windows
+(imgedit.model.vision_attention), as every worker does.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import inspect
 import logging
 
 import torch
+
+from imgedit.model.vision_attention import install_one_call_windows
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +57,11 @@ def install_token_type_fix(text_encoder: torch.nn.Module):
 
 def install_no_logits(text_encoder: torch.nn.Module):
     """The pipelines' prompt encoding takes the encoder's last hidden states and never its logits, yet the
-    encoder computes the logits of every token (vocabulary 152,064: ~91 MB and ~0.3 TFLOP for a 300-token prompt
-    on the 7B model; on the tiny CPU checkpoint two thirds of each encoding). A pre-hook asks for the last
-    token's logits alone (`logits_to_keep=1`, as transformers' own generate() does) on calls that want hidden
-    states and did not choose; the hidden states do not depend on it. Returns the hook handle (None when this
-    transformers version does not take the argument)."""
+    encoder computes the logits of every token (vocabulary 152,064: ~91 MB and ~0.3 TFLOP for a 300-token
+    prompt on the 7B model; on the tiny CPU checkpoint two thirds of each encoding). A pre-hook asks for the
+    last token's logits alone (`logits_to_keep=1`, as transformers' own generate() does) on calls that want
+    hidden states and did not choose; the hidden states do not depend on it. Returns the hook handle (None
+    when this transformers version does not take the argument)."""
     if "logits_to_keep" not in inspect.signature(text_encoder.forward).parameters:
         return None
 
@@ -71,10 +74,9 @@ def install_no_logits(text_encoder: torch.nn.Module):
 
 
 def prepare_text_encoder(text_encoder: torch.nn.Module):
-    """Everything a worker installs on its text encoder: the token-type fix, no logits for prompt encoding, the
-    vision tower's windows in one call. Returns the token-type fix's hook handle (see install_token_type_fix)."""
-    from imgedit.model.vision_attention import install_one_call_windows
-
+    """Everything a worker installs on its text encoder: the token-type fix, no logits for prompt encoding,
+    the vision tower's windows in one call. Returns the token-type fix's hook handle (see
+    install_token_type_fix)."""
     handle = install_token_type_fix(text_encoder)
     install_no_logits(text_encoder)
     install_one_call_windows(text_encoder)

@@ -17,16 +17,20 @@ from pathlib import Path
 from imgedit.config.loras import LoraEntry
 from imgedit.config.parsers import QUANTIZABLE, is_skipped
 from imgedit.errors import ImgEditError
+from imgedit.model.demo_checkpoint import ensure_checkpoint
+from imgedit.model.loras import check_all
 
 
 def layer_sizes(folder: Path, skip: tuple[str, ...] = ()) -> list[dict]:
     """Count every component's parameters from its config alone (meta device, no weights):
     per part (the head, each repeated block) the Linear weights QUANTIZE converts (`linear`), those
     QUANTIZE_SKIP keeps (`kept`) and every other parameter (`other`)."""
+    # here, not at the top: with the sizes cached (imgedit.engine.inspection) this subprocess measures
+    # nothing, and loads torch and diffusers only for a LoRA check or a demo build (seconds of CPU)
     import torch
-    from accelerate import init_empty_weights
+    from accelerate import init_empty_weights  # (as torch)
 
-    from imgedit.model.components import MODEL_COMPONENTS, block_container, from_config
+    from imgedit.model.components import MODEL_COMPONENTS, block_container, from_config  # (as torch)
 
     out = []
     for name in MODEL_COMPONENTS:
@@ -60,12 +64,8 @@ def inspect(request: dict) -> dict:
     """{"folder", "skip", "loras": [[name, source, steps], ...], "sizes": bool, "build_demo": bool, "kind"}
     -> {"sizes", "loras"} or {"error": {"kind", "message"}} for an ImgEditError (a bad LoRA file names
     itself). `build_demo`: first write the tiny demo checkpoint into the folder if it is not there."""
-    from imgedit.model.loras import check_all
-
     folder = Path(request["folder"])
     if request.get("build_demo"):
-        from imgedit.model.demo_checkpoint import ensure_checkpoint
-
         ensure_checkpoint(folder, kind=request.get("kind", "plus"))
     try:
         sizes = layer_sizes(folder, tuple(request.get("skip", ()))) if request.get("sizes", True) else None

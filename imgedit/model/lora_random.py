@@ -11,17 +11,22 @@ saves them (`transformer.<module>.lora_A.weight` / `lora_B.weight`).
 
 from __future__ import annotations
 
+import argparse
 import logging
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+
+from imgedit.model import quiet_known_noise
+from imgedit.model.loras import transformer_linears
 
 log = logging.getLogger(__name__)
 
 LIGHTNING_RANK = 64
-LIGHTNING_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
-                     "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2",
-                     "txt_mlp.net.0.proj", "txt_mlp.net.2")
+LIGHTNING_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+                     "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
 
 
 def lightning_modules(linears: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
@@ -30,14 +35,12 @@ def lightning_modules(linears: dict[str, tuple[int, int]]) -> dict[str, tuple[in
             if name.startswith("transformer_blocks.") and name.split(".", 2)[2] in LIGHTNING_TARGETS}
 
 
-def random_lora(path: Path, linears: dict[str, tuple[int, int]], rank: int = LIGHTNING_RANK, std: float = 0.02,
-                seed: int = 0, style: str = "lightning", dtype: torch.dtype = torch.bfloat16,
-                device: str = "cpu") -> Path:
+def random_lora(path: Path, linears: dict[str, tuple[int, int]], rank: int = LIGHTNING_RANK,
+                std: float = 0.02, seed: int = 0, style: str = "lightning",
+                dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> Path:
     """Write a random LoRA for the Lightning targets of `linears` (imgedit.config.loras.transformer_linears).
     Both factors are N(0, std), alpha = rank (scale 1): with std 0.02, as trained-like base weights,
     the update B @ A has entries ~ std^2 * sqrt(rank) and activations stay finite."""
-    from safetensors.torch import save_file
-
     generator = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
     for module, (features_in, features_out) in lightning_modules(linears).items():
@@ -63,16 +66,11 @@ def random_lora(path: Path, linears: dict[str, tuple[int, int]], rank: int = LIG
 def main(argv: list[str] | None = None) -> int:
     """`python -m imgedit.model.lora_random CHECKPOINT OUT.safetensors`: a random LoRA for that checkpoint's
     transformer, e.g. the demo's, to try the LoRA menu and fast mode without a download."""
-    import argparse
-
-    from imgedit.model import quiet_known_noise
-
     quiet_known_noise()  # torchao's and diffusers' import-time notes are no news to the user
-    from imgedit.model.loras import transformer_linears
-
-    parser = argparse.ArgumentParser(description="Write a random LoRA for a checkpoint's transformer (to try the "
-                                     "LoRA menu and fast mode without a download).")
-    parser.add_argument("checkpoint", type=Path, help="the diffusers checkpoint folder (e.g. ~/.cache/imgedit/demo)")
+    parser = argparse.ArgumentParser(description="Write a random LoRA for a checkpoint's transformer "
+                                     "(to try the LoRA menu and fast mode without a download).")
+    parser.add_argument("checkpoint", type=Path,
+                        help="the diffusers checkpoint folder (e.g. ~/.cache/imgedit/demo)")
     parser.add_argument("out", type=Path, help="the .safetensors file to write (put it in LORA_DIR)")
     parser.add_argument("--rank", type=int, default=4, help="LoRA rank (Lightning's is 64; 4 suits the demo)")
     parser.add_argument("--std", type=float, default=0.2, help="spread of both factors (0.2 visibly changes "

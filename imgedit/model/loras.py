@@ -29,6 +29,7 @@ def local_file(entry: LoraEntry) -> Path:
     if len(parts) < 3 or path.is_absolute() or entry.source.startswith("."):
         raise LoraError(f"LoRA {entry.name!r}: {entry.source} is not a file (a hub file is written "
                         "owner/repo/file.safetensors)")
+    # only a hub file needs the hub client (~0.2 s of the inspection subprocess otherwise)
     from huggingface_hub import hf_hub_download
 
     try:
@@ -47,7 +48,8 @@ def unreadable(path: Path) -> str | None:
         with path.open("rb") as f:
             length = int.from_bytes(f.read(8), "little")
             if size < 8 or length > size - 8:
-                return f"no safetensors header (its first 8 bytes: {length:,} bytes of header; the file has {size:,})"
+                return (f"no safetensors header (its first 8 bytes: {length:,} bytes of header; "
+                        f"the file has {size:,})")
             header = json.loads(f.read(length))
     except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         return f"no safetensors header ({type(exc).__name__}: {exc})"
@@ -57,10 +59,11 @@ def unreadable(path: Path) -> str | None:
 def transformer_linears(folder: Path) -> dict[str, tuple[int, int]]:
     """{module name: (in_features, out_features)} for every Linear of the checkpoint's transformer,
     from its config alone (meta device: no weights read)."""
+    # here, not at the top: check_all refuses an unreadable file before torch and diffusers load
     import torch
-    from accelerate import init_empty_weights
+    from accelerate import init_empty_weights  # (as torch)
 
-    from imgedit.model.components import from_config
+    from imgedit.model.components import from_config  # diffusers, transformers (as torch)
 
     with init_empty_weights():
         model = from_config("transformer", folder)
@@ -70,6 +73,7 @@ def transformer_linears(folder: Path) -> dict[str, tuple[int, int]]:
 
 def read_state_dict(path: Path) -> dict:
     """The LoRA as diffusers sees it (lora_A/lora_B keys, alphas folded in), via diffusers' reader."""
+    # here, not at the top: check_all refuses an unreadable file before diffusers loads
     from diffusers.loaders.lora_pipeline import QwenImageLoraLoaderMixin
 
     return QwenImageLoraLoaderMixin.lora_state_dict(str(path))
@@ -93,7 +97,8 @@ def check_state_dict(state_dict: dict, linears: dict[str, tuple[int, int]]) -> t
             continue
         shape = tuple(tensor.shape)
         features_in, features_out = linears[module]
-        if len(shape) != 2 or (which == "A" and shape[1] != features_in) or (which == "B" and shape[0] != features_out):
+        if (len(shape) != 2 or (which == "A" and shape[1] != features_in)
+                or (which == "B" and shape[0] != features_out)):
             want = f"(rank, {features_in})" if which == "A" else f"({features_out}, rank)"
             problems.append(f"{module} lora_{which} has shape {list(shape)}, this transformer needs {want}")
             continue

@@ -36,9 +36,10 @@ class Family:
     # "shape mismatch"); the pipeline's rounding of the sides to 32 takes a 256² area under that (40x48 at
     # 256²: 224x288 = 64,512), so 320 (102,400, 1.56x) leaves room for any aspect the inputs may have.
     min_resolution: int = 320
-    # QUANTIZE_SKIP=auto: the transformer's submodules that stay bf16 when it is quantized. The edit models keep
-    # img_mlp (the image stream's MLP; cosine 0.986-0.990 vs bf16 with it kept, BENCHMARKS); in Qwen-Image-2.1's
-    # single-stream blocks img_mlp is every token's MLP, most of the weights: keeping it would save little
+    # QUANTIZE_SKIP=auto: the transformer's submodules that stay bf16 when it is
+    # quantized. The edit models keep img_mlp (the image stream's MLP; cosine 0.986-0.990
+    # vs bf16 with it kept, BENCHMARKS); in Qwen-Image-2.1's single-stream blocks img_mlp
+    # is every token's MLP, most of the weights: keeping it would save little
     quantize_skip: tuple[str, ...] = ("img_mlp",)
     # modes not built for this family, with why (a setting or request asking for one is refused with it)
     not_built: dict[str, str] = field(default_factory=dict)
@@ -62,29 +63,30 @@ class Family:
 
 
 _21_NOT_BUILT = {
-    "cfg-parallel": "Qwen-Image-2.1 runs without CFG by default and its cached condition keys are per branch; "
-                    "CFG-parallel pairs are not built for it yet",
+    "cfg-parallel": "Qwen-Image-2.1 runs without CFG by default and its cached condition keys are per "
+                    "branch; CFG-parallel pairs are not built for it yet",
     "ulysses": "Ulysses groups are not built for Qwen-Image-2.1's single-stream transformer yet",
-    "cache": "Qwen-Image-2.1 already caches the text and condition keys after the first step; the step caches "
-             "are not built for its transformer",
+    "cache": "Qwen-Image-2.1 already caches the text and condition keys after the first step; "
+             "the step caches are not built for its transformer",
     "lightning": "there is no Lightning LoRA for Qwen-Image-2.1",
     "batch_cfg": "BATCH_CFG batches Qwen-Image-Edit's two CFG branches; Qwen-Image-2.1 runs without CFG",
     # measured on the CPU (tiny 2.1, TORCH_LOGS=recompiles): the first step's attention specialises on the
-    # number of text and image segments and on where its key/value cache ends (an int in a slice), so every new
-    # prompt length or image count compiled its blocks again after the warm-up
+    # number of text and image segments and on where its key/value cache ends (an int in a slice), so every
+    # new prompt length or image count compiled its blocks again after the warm-up
     "compile": "compiled blocks of Qwen-Image-2.1 recompile for every new prompt length and image count (its "
                "first step's key/value cache specialises on them): the workers run it eager",
 }
 
 FAMILIES = {
-    "edit": Family("edit", "QwenImageEditPipeline", "Qwen-Image-Edit", max_images=1, min_images=1,
-                   default_steps=50, default_cfg=None, vl_area=1024 * 1024, side_multiple=16, images_as_list=False,
-                   rgba=False),
-    "plus": Family("plus", "QwenImageEditPlusPipeline", "Qwen-Image-Edit-2509/2511", max_images=3, min_images=1,
-                   default_steps=40, default_cfg=None, vl_area=384 * 384, side_multiple=16, images_as_list=True,
-                   rgba=False),
-    "21": Family("21", "QwenImage21Pipeline", "Qwen-Image-2.1", max_images=10, min_images=0, default_steps=40,
-                 default_cfg=1.0, vl_area=None, side_multiple=32, images_as_list=True, rgba=True,
+    "edit": Family("edit", "QwenImageEditPipeline", "Qwen-Image-Edit",
+                   max_images=1, min_images=1, default_steps=50, default_cfg=None,
+                   vl_area=1024 * 1024, side_multiple=16, images_as_list=False, rgba=False),
+    "plus": Family("plus", "QwenImageEditPlusPipeline", "Qwen-Image-Edit-2509/2511",
+                   max_images=3, min_images=1, default_steps=40, default_cfg=None,
+                   vl_area=384 * 384, side_multiple=16, images_as_list=True, rgba=False),
+    "21": Family("21", "QwenImage21Pipeline", "Qwen-Image-2.1",
+                 max_images=10, min_images=0, default_steps=40, default_cfg=1.0,
+                 vl_area=None, side_multiple=32, images_as_list=True, rgba=True,
                  output_resolution=1024, quantize_skip=(), not_built=_21_NOT_BUILT),
 }
 BY_PIPELINE = {f.pipeline_class: f for f in FAMILIES.values()}

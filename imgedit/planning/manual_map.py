@@ -11,7 +11,15 @@ from collections.abc import Mapping, Sequence
 
 from imgedit.config.parsers import GIB
 from imgedit.errors import PlacementError
-from imgedit.planning.plan import ANCHOR, FOLLOWER, ComponentSpec, Placement, Plan, WorkerPlan, bytes_per_device
+from imgedit.planning.plan import (
+    ANCHOR,
+    FOLLOWER,
+    ComponentSpec,
+    Placement,
+    Plan,
+    WorkerPlan,
+    bytes_per_device,
+)
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
@@ -54,7 +62,8 @@ def manual_plan(components: Sequence[ComponentSpec], budget: Mapping[int, int], 
                 raise PlacementError(f"DEVICE_MAP: {c.name} block range {key!r} is not N or N-M")
             lo, hi = int(match.group(1)), int(match.group(2) or match.group(1))
             if lo > hi or hi >= len(c.blocks):
-                raise PlacementError(f"DEVICE_MAP: {c.name} block range {key!r} is outside 0-{len(c.blocks) - 1}")
+                raise PlacementError(f"DEVICE_MAP: {c.name} block range {key!r} "
+                                     f"is outside 0-{len(c.blocks) - 1}")
             for i in range(lo, hi + 1):
                 if devices[i] is not None:
                     raise PlacementError(f"DEVICE_MAP: {c.name} block {i} is placed twice")

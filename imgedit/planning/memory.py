@@ -78,25 +78,28 @@ def check_platform(quantize: Sequence[tuple[str, str]] | None, offload: Sequence
                     f"QUANTIZE=fp8 needs compute capability 8.9 or newer, but GPU {g.index} ({g.name}) has "
                     f"{g.capability[0]}.{g.capability[1]}; use int8 or nf4 on this GPU")
     if offload and (on_cpu or not gpus):
-        raise PlacementError(f"OFFLOAD={','.join(offload)} moves weights between the CPU and a GPU, but the model "
-                             "runs on the CPU here; use OFFLOAD=none (or auto)")
+        raise PlacementError(f"OFFLOAD={','.join(offload)} moves weights between the CPU and a GPU, "
+                             "but the model runs on the CPU here; use OFFLOAD=none (or auto)")
     if offload and "text_encoder" in offload and modes.get("text_encoder") == "nf4":
         raise PlacementError(
-            "OFFLOAD=text_encoder with QUANTIZE text_encoder=nf4 is not supported: diffusers' offload hooks move "
-            "torchao's fp8/int8 tensors but not NF4 ones; use text_encoder=int8 with OFFLOAD=text_encoder")
+            "OFFLOAD=text_encoder with QUANTIZE text_encoder=nf4 is not "
+            "supported: diffusers' offload hooks move torchao's fp8/int8 tensors "
+            "but not NF4 ones; use text_encoder=int8 with OFFLOAD=text_encoder")
     if offload and "blocks" in offload and modes.get("transformer") not in (None, "none"):
         # Measured on the GPU machine (H200, torch 2.11, torchao 0.18, diffusers 0.42.1): streaming fp8
         # blocks fails in diffusers' group offloading ("Attempted to set the storage of a tensor on
         # device cuda:0 to a storage on different device cpu" when it moves a torchao tensor).
         raise PlacementError(
-            f"OFFLOAD=blocks with QUANTIZE transformer={modes['transformer']} is not supported: diffusers' group "
-            "offloading cannot move torchao's quantized tensors to the GPU; stream bf16 blocks (QUANTIZE=none "
-            "with OFFLOAD=text_encoder,blocks) or keep a quantized transformer resident")
+            f"OFFLOAD=blocks with QUANTIZE transformer={modes['transformer']} is not supported: "
+            "diffusers' group offloading cannot move torchao's quantized tensors to the GPU; "
+            "stream bf16 blocks (QUANTIZE=none with OFFLOAD=text_encoder,blocks) "
+            "or keep a quantized transformer resident")
 
 
 def fp8_uses(mode: MemoryMode | None, fast_quantize: str = "none") -> list[tuple[str, str]]:
     """(setting, what to use instead) for each fp8 a worker is asked to run: QUANTIZE, FAST_QUANTIZE."""
-    uses = [("QUANTIZE=fp8", "int8 or nf4")] if mode is not None and "fp8" in dict(mode.quantize).values() else []
+    quantized_fp8 = mode is not None and "fp8" in dict(mode.quantize).values()
+    uses = [("QUANTIZE=fp8", "int8 or nf4")] if quantized_fp8 else []
     return uses + ([("FAST_QUANTIZE=fp8", "int8")] if fast_quantize == "fp8" else [])
 
 
@@ -172,8 +175,9 @@ def plan_memory(sizes: Sequence[ComponentSizes], gpus: Sequence[GpuSpec], settin
             held = host_bytes(sizes, mode, item) * sum(w.ranks for w in plan.workers)
             if held and host_memory is not None and held > host_memory - HOST_RESERVE:
                 raise PlacementError(
-                    f"{sum(w.ranks for w in plan.workers)} worker process(es) would keep {held / GIB:.1f} GiB of "
-                    f"weights in CPU memory to stream them, but {host_memory / GIB:.1f} GiB is available "
+                    f"{sum(w.ranks for w in plan.workers)} worker process(es) would keep "
+                    f"{held / GIB:.1f} GiB of weights in CPU memory to stream them, "
+                    f"but {host_memory / GIB:.1f} GiB is available "
                     f"(less {HOST_RESERVE / GIB:.0f} GiB kept free)")
         except PlacementError as exc:
             tried.append(f"{MemoryMode(quant, settings.quantize_skip, 'text_encoder' in off).describe()}"

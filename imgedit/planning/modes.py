@@ -15,7 +15,8 @@ from imgedit.planning.plan import WorkerPlan
 def compile_enabled(settings: Settings, plan: WorkerPlan) -> bool:
     """COMPILE=auto compiles GPU workers, unless CACHE is on (the cache hooks are measured eager)."""
     mode = settings.compile
-    return mode == "on" or (mode == "auto" and plan.execution_device.startswith("cuda") and settings.cache == "none")
+    on_gpu = plan.execution_device.startswith("cuda")
+    return mode == "on" or (mode == "auto" and on_gpu and settings.cache == "none")
 
 
 def cache_refusal(settings: Settings, plans: Sequence[WorkerPlan]) -> str | None:
@@ -24,20 +25,22 @@ def cache_refusal(settings: Settings, plans: Sequence[WorkerPlan]) -> str | None
         return ("a Ulysses group splits each forward's sequence over its GPUs, and each would decide to skip "
                 "blocks on its own part")
     if any(compile_enabled(settings, p) for p in plans):
-        how = "COMPILE=on" if settings.compile == "on" else "COMPILE=auto compiles GPU workers when CACHE is none"
-        return (f"the workers are compiled ({how}); a step cache runs on eager workers: set CACHE for the whole "
-                "server (auto then leaves them eager) or COMPILE=off")
+        how = ("COMPILE=on" if settings.compile == "on"
+               else "COMPILE=auto compiles GPU workers when CACHE is none")
+        return (f"the workers are compiled ({how}); a step cache runs on eager workers: "
+                "set CACHE for the whole server (auto then leaves them eager) or COMPILE=off")
     return None
 
 
 def enhance_refusal(plans: Sequence[WorkerPlan]) -> str | None:
     """Why these workers cannot rewrite prompts, or None."""
     if any(p.memory is not None and p.memory.offload_text_encoder for p in plans):
-        # measured on an H200 under MAX_MEMORY=22GiB (2026-11-27): the stream's prefetch order, traced on prompt
-        # encoding, misses the rotary embedding on generate()'s decoding steps (no vision tower): a device error
-        return ("the text encoder is kept on the CPU and streamed to the GPU for each prompt (MAX_MEMORY leaves no "
-                "room for it), and every word of a rewrite would stream all of its weights again; edit without "
-                "it, or give the server a GPU with room for the text encoder")
+        # measured on an H200 under MAX_MEMORY=22GiB (2026-11-27): the stream's prefetch order, traced on
+        # prompt encoding, misses the rotary embedding on generate()'s decoding steps (no vision tower):
+        # a device error
+        return ("the text encoder is kept on the CPU and streamed to the GPU for each prompt "
+                "(MAX_MEMORY leaves no room for it), and every word of a rewrite would stream all of its "
+                "weights again; edit without it, or give the server a GPU with room for the text encoder")
     return None
 
 
@@ -47,12 +50,14 @@ def kernel_refusal(settings: Settings, plans: Sequence[WorkerPlan], heads: int |
     if s.compile_mode != "default" and not any(compile_enabled(s, p) for p in plans):
         return (f"COMPILE_MODE={s.compile_mode} applies to compiled workers, and none is compiled here "
                 f"(COMPILE={s.compile}; auto compiles GPU workers when CACHE is none)")
-    if s.attention in ("cudnn", "efficient") and any(not p.execution_device.startswith("cuda") for p in plans):
+    on_cpu = any(not p.execution_device.startswith("cuda") for p in plans)
+    if s.attention in ("cudnn", "efficient") and on_cpu:
         return f"ATTENTION={s.attention} is a CUDA kernel, and a worker here runs on the CPU"
     if s.attention == "flash" and any(p.memory is not None and p.memory.batch_cfg for p in plans):
-        return ("ATTENTION=flash takes no attention mask, and BATCH_CFG pads the shorter prompt of the two CFG "
-                "branches and masks it; use ATTENTION=cudnn or native")
-    if s.attention in ("flash", "efficient") and any(p.ulysses > 1 or pair_ulysses(s, p, heads) for p in plans):
+        return ("ATTENTION=flash takes no attention mask, and BATCH_CFG pads the shorter prompt "
+                "of the two CFG branches and masks it; use ATTENTION=cudnn or native")
+    split_sequence = any(p.ulysses > 1 or pair_ulysses(s, p, heads) for p in plans)
+    if s.attention in ("flash", "efficient") and split_sequence:
         why = ("takes no attention mask, and a Ulysses group pads the text to the degree and masks it"
                if s.attention == "flash" else "does not run with diffusers' Ulysses attention")
         return f"ATTENTION={s.attention} {why}; use ATTENTION=cudnn or native"
@@ -86,16 +91,19 @@ def fast_refusal(settings: Settings, plans: Sequence[WorkerPlan], lightning: int
                 f"{','.join(settings.fast_quantize_speeds)} (FAST_LORA_4STEP/8STEP, LORA_DIR, LORAS)")
     for p in plans:
         if p.parallel != "none" and (p.parallel != "cfg" or p.ulysses != 1):
-            return (f"{what} on workers of one GPU or CFG pairs, and {p.name} is a {p.parallel} group of {p.ranks} "
-                    "GPUs; use DEVICE_MAP=cfg-parallel, replicas or cuda:N, or FAST_QUANTIZE=none")
+            return (f"{what} on workers of one GPU or CFG pairs, and {p.name} is a {p.parallel} group "
+                    f"of {p.ranks} GPUs; use DEVICE_MAP=cfg-parallel, replicas or cuda:N, "
+                    "or FAST_QUANTIZE=none")
         if p.components["transformer"].is_split:
             return (f"{what} on the transformer's one GPU, and {p.name} splits it over "
                     f"{', '.join(p.components['transformer'].devices)}; use FAST_QUANTIZE=none here")
         if p.memory is not None and (p.memory.mode_of("transformer") != "none" or p.memory.streams_blocks):
-            return (f"{what} from the bf16 weights, and {p.name}'s transformer is "
-                    f"{'streamed from the CPU' if p.memory.streams_blocks else 'quantized'}; use FAST_QUANTIZE=none")
+            how = "streamed from the CPU" if p.memory.streams_blocks else "quantized"
+            return (f"{what} from the bf16 weights, and {p.name}'s transformer is {how}; "
+                    "use FAST_QUANTIZE=none")
         if mode == "fp8" and not p.execution_device.startswith("cuda"):
-            return f"{what}, and fp8 needs a CUDA GPU of compute capability 8.9+; {p.name} runs on the CPU: use int8"
+            return (f"{what}, and fp8 needs a CUDA GPU of compute capability 8.9+; "
+                    f"{p.name} runs on the CPU: use int8")
     return None
 
 
@@ -114,12 +122,12 @@ def pair_ulysses(settings: Settings, plan: WorkerPlan, heads: int | None = None)
 
 def worker_threads(settings: Settings, plan: WorkerPlan, plans: Sequence[WorkerPlan], cpus: int,
                    omp: str | None) -> int:
-    """WORKER_THREADS for one worker's processes: 0 (PyTorch's default) on the CPU, and under WORKERS=ray unless
-    set (Ray sets each actor's OMP_NUM_THREADS); auto = OMP_NUM_THREADS where set, else the machine's CPUs shared
-    out over its GPU processes (the ranks of all `plans` on GPUs), at most 4 for a one-GPU worker. Measured on a
-    32-CPU 2x H100 host (docs/BENCHMARKS.md): PyTorch's default (every CPU in every process) made the steps before
-    the loop 0.07 s slower on one GPU and 0.1-0.2 s on a pair; 4 threads kept one GPU's steps as they were but
-    slowed an eager split pair's (0.273 -> 0.333 s); 16 kept them."""
+    """WORKER_THREADS for one worker's processes: 0 (PyTorch's default) on the CPU, and under WORKERS=ray
+    unless set (Ray sets each actor's OMP_NUM_THREADS); auto = OMP_NUM_THREADS where set, else the machine's
+    CPUs shared out over its GPU processes (the ranks of all `plans` on GPUs), at most 4 for a one-GPU worker.
+    Measured on a 32-CPU 2x H100 host (docs/BENCHMARKS.md): PyTorch's default (every CPU in every process)
+    made the steps before the loop 0.07 s slower on one GPU and 0.1-0.2 s on a pair; 4 threads kept one GPU's
+    steps as they were but slowed an eager split pair's (0.273 -> 0.333 s); 16 kept them."""
     if not plan.execution_device.startswith("cuda"):
         return 0
     if settings.worker_threads or settings.workers == "ray":  # Ray gives each actor its own OMP_NUM_THREADS

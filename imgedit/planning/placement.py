@@ -113,8 +113,9 @@ def plan_placement(
             raise PlacementError(f"DEVICE_MAP=cuda:{index} but only GPUs {sorted(budget)} are visible")
         if budget[index] < total:
             raise PlacementError(
-                f"the model needs {total / GIB:.1f} GiB but cuda:{index} can take {budget[index] / GIB:.1f} GiB "
-                f"(cap/free minus {reserve / GIB:.1f} GiB reserve); use DEVICE_MAP=balanced to spread it")
+                f"the model needs {total / GIB:.1f} GiB but cuda:{index} can take "
+                f"{budget[index] / GIB:.1f} GiB (cap/free minus {reserve / GIB:.1f} GiB reserve); "
+                "use DEVICE_MAP=balanced to spread it")
         return _single(components, _gpu(index), "cuda", f"everything on cuda:{index}")
     if mode == "replicas":
         if not _fits_every_gpu(total, budget):
@@ -127,18 +128,19 @@ def plan_placement(
         size = device_map.group
         name = mode if size == 2 else f"{mode}:{size}"
         if (refused := not_built(family, mode)) is not None:
-            raise PlacementError(f"DEVICE_MAP={name} cannot serve this model: {refused}; use DEVICE_MAP=replicas "
-                                 "(a job per GPU) or auto")
+            raise PlacementError(f"DEVICE_MAP={name} cannot serve this model: {refused}; "
+                                 "use DEVICE_MAP=replicas (a job per GPU) or auto")
         if len(budget) < size:
-            raise PlacementError(f"DEVICE_MAP={name} needs groups of {size} GPUs but {len(budget)} are visible; "
-                                 + ("use DEVICE_MAP=cuda or balanced" if size == 2 else
-                                    "use DEVICE_MAP=cfg-parallel (pairs) or a smaller group"))
+            instead = ("use DEVICE_MAP=cuda or balanced" if size == 2 else
+                       "use DEVICE_MAP=cfg-parallel (pairs) or a smaller group")
+            raise PlacementError(f"DEVICE_MAP={name} needs groups of {size} GPUs "
+                                 f"but {len(budget)} are visible; " + instead)
         if not _fits_every_gpu(total + NCCL_BUFFERS, budget):
             smallest = min(budget.values())
             raise PlacementError(
-                f"DEVICE_MAP={name} needs {size} or more GPUs that each take a full copy ({total / GIB:.1f} GiB); "
-                f"{len(budget)} GPU(s) visible, the smallest can take {smallest / GIB:.1f} GiB; use "
-                "DEVICE_MAP=balanced (or replicas with one GPU)")
+                f"DEVICE_MAP={name} needs {size} or more GPUs that each take a full copy "
+                f"({total / GIB:.1f} GiB); {len(budget)} GPU(s) visible, the smallest can take "
+                f"{smallest / GIB:.1f} GiB; use DEVICE_MAP=balanced (or replicas with one GPU)")
         if mode == "ulysses" or size > 2:
             return _groups(components, budget, name, mode, size)
         return _pairs(components, budget, "cfg-parallel")
@@ -150,8 +152,9 @@ def plan_placement(
             if len(budget) >= 2 and not pairs:
                 why = not_built(family, "cfg-parallel")
                 return _replicas(components, budget, "auto",
-                                 f"a full copy ({total / GIB:.1f} GiB) fits every GPU, so one pipeline on each of "
-                                 f"{len(budget)} (no CFG-parallel pairs for this model: {why})")
+                                 f"a full copy ({total / GIB:.1f} GiB) fits every GPU, "
+                                 f"so one pipeline on each of {len(budget)} "
+                                 f"(no CFG-parallel pairs for this model: {why})")
             return _replicas(components, budget, "auto",
                              f"a full copy ({total / GIB:.1f} GiB) fits the GPU, so one pipeline on it")
         plan = _balanced(components, budget, activation_reserve)
@@ -186,7 +189,8 @@ def _pairs(components: Sequence[ComponentSpec], budget: Mapping[int, int], mode:
         workers.append(WorkerPlan(f"worker-{n}", _whole(components, devices[0]), "cfg", devices))
     if len(indices) % 2:
         workers.append(WorkerPlan(f"worker-{len(workers)}", _whole(components, _gpu(indices[-1]))))
-    reason = (f"a full copy fits every GPU and there are {len(indices)}: {len(indices) // 2} CFG-parallel pair(s) "
+    reason = (f"a full copy fits every GPU and there are {len(indices)}: "
+              f"{len(indices) // 2} CFG-parallel pair(s) "
               "(each runs the conditional and unconditional forwards at once: half the latency of one GPU, "
               "the throughput of two replicas)")
     if len(indices) % 2:
@@ -214,8 +218,11 @@ def _groups(components: Sequence[ComponentSpec], budget: Mapping[int, int], mode
         workers.append(WorkerPlan(f"worker-{len(workers)}", _whole(components, devices[0]), "cfg", devices))
     if len(rest) % 2:
         workers.append(WorkerPlan(f"worker-{len(workers)}", _whole(components, _gpu(rest[-1]))))
-    what = ("2 halves running the two CFG branches, each half splitting the sequence (Ulysses-"
-            f"{size // 2})" if kind == "cfg-parallel" else f"every forward split over its {size} GPUs (Ulysses-{size})")
+    if kind == "cfg-parallel":
+        what = ("2 halves running the two CFG branches, each half splitting the sequence "
+                f"(Ulysses-{size // 2})")
+    else:
+        what = f"every forward split over its {size} GPUs (Ulysses-{size})"
     reason = f"{whole // size} group(s) of {size} GPUs, {what}"
     if rest:
         reason += f"; {', '.join(_gpu(i) for i in rest)} left over (CFG pairs, then one-GPU workers)"
@@ -227,7 +234,8 @@ def _order(budget: Mapping[int, int]) -> list[int]:
     return sorted(budget, key=lambda i: (-budget[i], i))
 
 
-def _balanced(components: Sequence[ComponentSpec], budget: Mapping[int, int], activation_reserve: int) -> Plan:
+def _balanced(components: Sequence[ComponentSpec], budget: Mapping[int, int],
+              activation_reserve: int) -> Plan:
     """Whole components on the roomiest GPU, largest first; a component that fits no GPU has its
     blocks split over GPUs (placed after the whole ones, so they can fill the gaps)."""
     room = dict(budget)

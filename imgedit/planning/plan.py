@@ -31,7 +31,8 @@ class MemoryMode:
 
     @property
     def trivial(self) -> bool:
-        return not self.quantize and not self.offload_text_encoder and not self.streams_blocks and not self.batch_cfg
+        return (not self.quantize and not self.offload_text_encoder and not self.streams_blocks
+                and not self.batch_cfg)
 
     def streamed(self, total: int) -> list[int]:
         """Indices of the streamed blocks, spread evenly among the resident ones: each streamed
@@ -43,17 +44,20 @@ class MemoryMode:
         return [k * total // count for k in range(count)] if count > 0 else []
 
     def touches(self, component: str) -> bool:
-        return (self.mode_of(component) != "none" or (component == "text_encoder" and self.offload_text_encoder)
+        return (self.mode_of(component) != "none"
+                or (component == "text_encoder" and self.offload_text_encoder)
                 or (component == "transformer" and self.streams_blocks))
 
     def describe(self, blocks: int | None = None) -> str:
         kept = f" ({', '.join(self.skip)} kept unquantized)" if self.skip else ""
-        parts = [f"{n} {m}" + (kept if n == "transformer" else "") for n, m in self.quantize] or ["unquantized weights"]
+        parts = ([f"{n} {m}" + (kept if n == "transformer" else "") for n, m in self.quantize]
+                 or ["unquantized weights"])
         if self.offload_text_encoder:
             parts.append("text encoder on the CPU, streamed to the GPU for each prompt")
         if self.streams_blocks:
             of = f" of {blocks}" if blocks else ""
-            parts.append(f"{self.resident_blocks}{of} transformer blocks resident, the others streamed from the CPU")
+            parts.append(f"{self.resident_blocks}{of} transformer blocks resident, "
+                         "the others streamed from the CPU")
         if self.batch_cfg:
             parts.append("both CFG branches in one forward (batch 2)")
         return "; ".join(parts)

@@ -18,18 +18,21 @@ import logging
 import time
 
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
 
 from imgedit.config.loras import LIGHTNING_SCHEDULER, LoraFile
 from imgedit.errors import ImgEditError
 from imgedit.runtime.fallback import agreed, cause
+from imgedit.runtime.fast_weights import FastWeights
+from imgedit.runtime.fusion import Fusion
 
 log = logging.getLogger(__name__)
 
 
 class Adapters:
     def __init__(self, pipe, files: tuple[LoraFile, ...] = (), fuse: str = "off", reserve: int = 0,
-                 caps: tuple[int, ...] = (), agree=None, fast: str = "none", fast_steps: tuple[int, ...] = (4, 8),
-                 fast_agree=None):
+                 caps: tuple[int, ...] = (), agree=None,
+                 fast: str = "none", fast_steps: tuple[int, ...] = (4, 8), fast_agree=None):
         self.pipe = pipe
         self.base = pipe.transformer  # the quality weights; a fast job may run on a copy (FAST_QUANTIZE)
         self.files = {f.name: f for f in files}
@@ -39,8 +42,10 @@ class Adapters:
         self.default_scheduler = pipe.scheduler
         self._lightning = None
         self.active: tuple[tuple[str, float], ...] = ()
-        self._configured: tuple[tuple[str, float], ...] = ()  # what set_adapters last set (kept while disabled)
-        self._enabled: bool | None = False  # peft's LoRA layers on, as enable_lora last left them (None: unknown)
+        # what set_adapters last set (kept while disabled)
+        self._configured: tuple[tuple[str, float], ...] = ()
+        # peft's LoRA layers on, as enable_lora last left them (None: unknown)
+        self._enabled: bool | None = False
         for file in files:
             started = time.perf_counter()
             try:
@@ -52,11 +57,10 @@ class Adapters:
         if files:
             pipe.disable_lora()
         self.fallbacks: list[str] = []  # what failed to build, and what runs instead (/health shows it)
-        self.fast = None  # imgedit.runtime.fast_weights.FastWeights: the Lightning LoRAs' own quantized copies
+        # imgedit.runtime.fast_weights.FastWeights: the Lightning LoRAs' own quantized copies
+        self.fast = None
         self.weights: str | None = None  # the copy's mode while a job runs on one
         if fast != "none":
-            from imgedit.runtime.fast_weights import FastWeights
-
             lightning = {f.name: self.adapter_names[f.name] for f in files if f.steps in fast_steps}
             failure = None
             try:
@@ -76,22 +80,20 @@ class Adapters:
             pipe.imgedit_fast_copies = self.copies  # for worker hooks that watch every transformer
         self.fusion = None  # imgedit.runtime.fusion.Fusion: a job's one LoRA written into the weights
         if files and fuse != "off":
-            from imgedit.runtime.fusion import Fusion
-
-            # every LoRA, the Lightning ones too (a preset's LoRA at another strength runs here), if the room is left
+            # every LoRA, the Lightning ones too (a preset's LoRA at another strength runs here), if the room
+            # is left
             self.fusion = Fusion(pipe.transformer, self.adapter_names.values(), fuse, reserve, caps, agree)
 
     @property
     def copies(self) -> tuple:
-        """FAST_QUANTIZE's copies of the transformer this rank holds (compiled, wrapped and warmed like it)."""
+        """FAST_QUANTIZE's copies of the transformer this
+        rank holds (compiled, wrapped and warmed like it)."""
         return tuple(self.fast.copies.values()) if self.fast is not None else ()
 
     @property
     def lightning_scheduler(self):
         """The checkpoint's own scheduler config with the Lightning recipe's overrides, built once."""
         if self._lightning is None:
-            from diffusers import FlowMatchEulerDiscreteScheduler
-
             self._lightning = FlowMatchEulerDiscreteScheduler.from_config(
                 self.default_scheduler.config, **LIGHTNING_SCHEDULER)
         return self._lightning
@@ -105,7 +107,9 @@ class Adapters:
             raise ImgEditError(f"LoRA {unknown[0]!r} is not loaded in this worker")
         self.pipe.scheduler = self.lightning_scheduler if scheduler == "lightning" else self.default_scheduler
         self.active = adapters
-        copy = self.fast.for_job(adapters, self.adapter_names, scheduler, cache, cfg) if self.fast is not None else None
+        copy = None
+        if self.fast is not None:
+            copy = self.fast.for_job(adapters, self.adapter_names, scheduler, cache, cfg)
         self._transformer(copy if copy is not None else self.base)
         self.weights = self.fast.mode if copy is not None else None  # the job's result says so (the PNG too)
         if copy is not None:
@@ -128,14 +132,15 @@ class Adapters:
             self._layers(False)
 
     def _transformer(self, transformer) -> None:
-        """The transformer the pipeline calls (diffusers registers a component on assignment: only on a change)."""
+        """The transformer the pipeline calls (diffusers registers
+        a component on assignment: only on a change)."""
         if self.pipe.transformer is not transformer:
             self.pipe.transformer = transformer
 
     def _layers(self, on: bool) -> None:
         """peft's LoRA layers on or off, only when that changes: diffusers' enable_lora/disable_lora walk all
-        ~13,800 modules of the real transformer, 60-90 ms each on the CI machine's CPU with the 720 layers of a
-        Lightning LoRA (a meta-device model), and on one H100 a LoRA job spent 0.21 s outside its pipeline
+        ~13,800 modules of the real transformer, 60-90 ms each on the CI machine's CPU with the 720 layers of
+        a Lightning LoRA (a meta-device model), and on one H100 a LoRA job spent 0.21 s outside its pipeline
         call. Back-to-back jobs of one LoRA, or without any, walk nothing."""
         if not self.files or self._enabled is on:
             return

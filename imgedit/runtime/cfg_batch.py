@@ -63,7 +63,8 @@ class CfgBatch:
             raise RuntimeError("BATCH_CFG: two cond calls in a row (the job was armed as a true-CFG job)")
         self._cond = kwargs
         hidden = kwargs["hidden_states"]
-        self._buffer = torch.empty(hidden.shape[:-1] + (self._out_features,), dtype=hidden.dtype, device=hidden.device)
+        self._buffer = torch.empty(hidden.shape[:-1] + (self._out_features,),
+                                   dtype=hidden.dtype, device=hidden.device)
         return _wrap(self._buffer, kwargs.get("return_dict", True))
 
     def _uncond_call(self, uncond: dict):

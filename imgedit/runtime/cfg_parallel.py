@@ -23,6 +23,7 @@ import types
 
 import torch
 import torch.distributed as dist
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 
 class CfgPair:
@@ -130,7 +131,5 @@ class ForwardOverride:
 def wrap_output(tensor: torch.Tensor, return_dict: bool):
     """A transformer call's answer, as the pipeline asked for it (return_dict or a tuple)."""
     if return_dict:
-        from diffusers.models.modeling_outputs import Transformer2DModelOutput
-
         return Transformer2DModelOutput(sample=tensor)
     return (tensor,)

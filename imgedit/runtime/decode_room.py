@@ -1,15 +1,15 @@
-"""The VAE's decode on a GPU with little room: in tiles (diffusers' `enable_tiling`) for a job whose whole decode
-would not fit under the cap.
+"""The VAE's decode on a GPU with little room: in tiles (diffusers' `enable_tiling`) for a job whose whole
+decode would not fit under the cap.
 
 A VAE decodes the output at full resolution in one pass, and its largest activations are the decoder's widest
 feature maps at every pixel, upcast to float32 by its RMS norms. Measured (bf16, one 1024x1024 image, the peak
-over the weights, on the CPU: benchmarks/probe_vae_decode.py): Qwen-Image's VAE (decoder base dim 96) 3.88 GiB,
-Qwen-Image-2.1's (144) 5.77 GiB: ~41 MiB per decoder channel per megapixel, times the images decoded together.
-Tiled (256-pixel tiles, diffusers' defaults), 2.1's took 0.13 GiB. The encoder's peak is a quarter of the
-decoder's (2.1: 1.47 GiB a megapixel) and the pipelines encode one input at a time: it stays whole.
+over the weights, on the CPU: benchmarks/probe_vae_decode.py): Qwen-Image's VAE (decoder base dim 96) 3.88
+GiB, Qwen-Image-2.1's (144) 5.77 GiB: ~41 MiB per decoder channel per megapixel, times the images decoded
+together. Tiled (256-pixel tiles, diffusers' defaults), 2.1's took 0.13 GiB. The encoder's peak is a quarter
+of the decoder's (2.1: 1.47 GiB a megapixel) and the pipelines encode one input at a time: it stays whole.
 
-On the GPU machine's 16 GB plan for 2.1 (a 13.5 GiB allocator cap, 6 GiB of weights) most jobs ran out of memory
-in the decode, with 11.7 GiB allocated and 1.2-2 GiB reserved but unallocated (fragments).
+On the GPU machine's 16 GB plan for 2.1 (a 13.5 GiB allocator cap, 6 GiB of weights) most jobs ran out of
+memory in the decode, with 11.7 GiB allocated and 1.2-2 GiB reserved but unallocated (fragments).
 
 A worker whose GPU has a cap (MAX_MEMORY) decides at every step's end, when what the decode will share the GPU
 with is allocated (resident weights, 2.1's prefix cache, the latents) and the step's activations are not: the
@@ -50,8 +50,9 @@ class DecodeRoom:
         if tile and not self.vae.use_tiling:
             self.vae.enable_tiling()
             if not self.logged:
-                log.info("VAE decode in tiles for this job: %d image(s) at %dx%d need ~%.1f GiB whole, %.1f GiB left "
-                         "under the cap", images, width, height, need / 2**30, max(room, 0) / 2**30)
+                log.info("VAE decode in tiles for this job: %d image(s) at %dx%d need ~%.1f GiB whole, "
+                         "%.1f GiB left under the cap",
+                         images, width, height, need / 2**30, max(room, 0) / 2**30)
                 self.logged = True
         elif not tile and self.vae.use_tiling:
             self.vae.disable_tiling()

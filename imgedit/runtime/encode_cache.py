@@ -92,7 +92,8 @@ def install(pipe, entries: int) -> EncodeMemo | None:
         return latents
 
     def _encode_prompt(*args, **kwargs):
-        if args or kwargs.get("prompt_embeds") is not None:  # the pipelines call it by keyword; anything else: as is
+        # the pipelines call it by keyword; anything else: as is
+        if args or kwargs.get("prompt_embeds") is not None:
             return encode_prompt(*args, **kwargs)
         prompt, images = kwargs.get("prompt"), kwargs.get("image")
         pixels = _pixels(images)

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module
 from PIL import Image
+from transformers import StaticCache, StoppingCriteriaList
 
 from imgedit.errors import Cancelled
 
@@ -31,7 +33,8 @@ GENERATION = (Path(__file__).with_name("enhance_generation.txt")).read_text(enco
 _PICTURE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 _CHAT = "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 VIEW_AREA = 384 * 384  # what the model sees of each input (the Plus pipelines' condition-image size)
-STATIC_CACHE_TOKENS = 4096  # prompt, pictures and answer of any rewrite the settings allow (~235 MB on the 7B)
+# prompt, pictures and answer of any rewrite the settings allow (~235 MB on the 7B)
+STATIC_CACHE_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -52,12 +55,14 @@ class _Stop:
         self.cancel = cancel
 
     def __call__(self, input_ids, scores, **kwargs):
-        return torch.full((input_ids.shape[0],), self.cancel.is_set(), dtype=torch.bool, device=input_ids.device)
+        return torch.full((input_ids.shape[0],), self.cancel.is_set(),
+                          dtype=torch.bool, device=input_ids.device)
 
 
 def view(image: Image.Image, cell: int = 28) -> Image.Image:
-    """The image at about VIEW_AREA pixels, sides a multiple of `cell` (the vision encoder's merged patch: 28 for
-    Qwen2.5-VL, 32 for Qwen3-VL), a transparent one over white (as the 2.1 pipeline shows its text encoder)."""
+    """The image at about VIEW_AREA pixels, sides a multiple of `cell` (the vision encoder's merged patch: 28
+    for Qwen2.5-VL, 32 for Qwen3-VL), a transparent one over white (as the 2.1 pipeline shows its text
+    encoder)."""
     scale = math.sqrt(VIEW_AREA / (image.width * image.height))
     width = max(cell, round(image.width * scale / cell) * cell)
     height = max(cell, round(image.height * scale / cell) * cell)
@@ -76,12 +81,10 @@ def _cell(processor) -> int:
 
 @contextmanager
 def on_its_own_gpu(encoder):
-    """The encoder without the hook that moves its inputs to its GPU and its outputs back, while a rewrite runs
-    there directly (yields that device; None, and nothing changed, for any other encoder). The balanced
+    """The encoder without the hook that moves its inputs to its GPU and its outputs back, while a rewrite
+    runs there directly (yields that device; None, and nothing changed, for any other encoder). The balanced
     placement puts the text encoder whole on another GPU than the latents: the hook only moves a few tensors,
     but torch.compile may not trace it, and the static cache's compiled steps are what make a rewrite fast."""
-    from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module
-
     hook = getattr(encoder, "_hf_hook", None)
     devices = {p.device for p in encoder.parameters()}
     if not (type(hook) is AlignDevicesHook and not hook.offload and len(devices) == 1):
@@ -95,19 +98,20 @@ def on_its_own_gpu(encoder):
 
 
 def static_cache(encoder, needed: int):
-    """A static KV cache for a text encoder resident on one GPU, or None (then generate() keeps its dynamic one).
+    """A static KV cache for a text encoder resident on one GPU, or None (then generate() keeps its dynamic
+    one).
 
     With a static cache transformers compiles each decoding step of generate() (CUDA graphs): on an H200 a
     160-token rewrite went from 29.6-34.6 ms a token (eager, launch-bound: ~960 kernels a token, 6 ms of GPU
     work) to 10.1 ms, after a one-time compile (~33 s, in the worker's start-up warm-up). The length is fixed
     (STATIC_CACHE_TOKENS, or the next 1024 above `needed`) so that every prompt and picture count reuses the
     one compiled step. Not for a streamed or split encoder (24 GB mode, blocks over GPUs): their hooks move
-    weights and inputs in functions the compiler must not trace (on_its_own_gpu takes a whole encoder's off)."""
+    weights and inputs in functions the compiler must not trace (on_its_own_gpu takes a whole encoder's
+    off)."""
     if not decodes_compiled(encoder):
         return None
-    from transformers import StaticCache
-
-    return StaticCache(config=encoder.config, max_cache_len=max(STATIC_CACHE_TOKENS, -(-needed // 1024) * 1024))
+    length = max(STATIC_CACHE_TOKENS, -(-needed // 1024) * 1024)
+    return StaticCache(config=encoder.config, max_cache_len=length)
 
 
 def decodes_compiled(encoder) -> bool:
@@ -125,8 +129,6 @@ def no_static_cache(encoder) -> None:
 
 def rewrite(pipe, images, prompt: str, max_new_tokens: int, cancel: threading.Event) -> Rewrite:
     """Rewrite `prompt` for `images` with `pipe.text_encoder`. Raises Cancelled."""
-    from transformers import StoppingCriteriaList
-
     started = time.perf_counter()
     pictures = "".join(_PICTURE.format(i + 1) for i in range(len(images)))
     if images:
@@ -135,7 +137,8 @@ def rewrite(pipe, images, prompt: str, max_new_tokens: int, cancel: threading.Ev
         text = _CHAT.format(system=GENERATION, user=f"Prompt: {prompt}")
     encoder = pipe.text_encoder
     tokenizer = pipe.processor.tokenizer
-    end = [t for t in (tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id) if t is not None]
+    ends = (tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id)
+    end = [t for t in ends if t is not None]
     with on_its_own_gpu(encoder) as device, torch.inference_mode():
         cell = _cell(pipe.processor)
         inputs = pipe.processor(text=[text], images=[view(i, cell) for i in images] or None, padding=True,
@@ -144,9 +147,11 @@ def rewrite(pipe, images, prompt: str, max_new_tokens: int, cancel: threading.Ev
             inputs["pixel_values"] = inputs["pixel_values"].to(encoder.dtype)
         cache = static_cache(encoder, inputs["input_ids"].shape[1] + max_new_tokens)
         output = encoder.generate(
-            **inputs, max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
+            **inputs, max_new_tokens=max_new_tokens, do_sample=False,
+            temperature=None, top_p=None, top_k=None,
             eos_token_id=end, pad_token_id=tokenizer.pad_token_id or end[0],
-            stopping_criteria=StoppingCriteriaList([_Stop(cancel)]), **({"past_key_values": cache} if cache else {}))
+            stopping_criteria=StoppingCriteriaList([_Stop(cancel)]),
+            **({"past_key_values": cache} if cache else {}))
     new = output[0, inputs["input_ids"].shape[1]:].tolist()
     del output, inputs  # with them the KV cache of the call: nothing is kept for later
     if cancel.is_set():
@@ -167,7 +172,7 @@ def _clean(text: str) -> str:
     """One line of plain text: whitespace folded, a pair of quotes around the whole answer taken off."""
     text = " ".join(text.split())
     for opening, closing in (('"', '"'), ("'", "'"), ("“", "”")):
-        if len(text) > 1 and text.startswith(opening) and text.endswith(closing) and text.count(opening) == 1 + (
-                opening == closing):
+        wrapped = len(text) > 1 and text.startswith(opening) and text.endswith(closing)
+        if wrapped and text.count(opening) == 1 + (opening == closing):
             text = text[1:-1].strip()
     return text

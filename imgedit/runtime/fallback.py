@@ -1,5 +1,6 @@
 """What an optimisation that fails to build leaves behind: one line naming the cause (for the log, `/health`,
-the panel and the page's banner), and one answer for every rank of a group (all of them fall back, or none)."""
+the panel and the page's banner), and one answer for every rank of a group (all of them fall back, or
+none)."""
 
 from __future__ import annotations
 

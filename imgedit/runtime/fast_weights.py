@@ -15,12 +15,12 @@ The rest of the transformer (embedders, norms, output projection) is copied and 
 
 A job runs on a copy when it is a speed preset's job (the Lightning scheduler, CFG off) whose adapters are
 exactly that Lightning LoRA at strength 1, without a step cache (the hooks sit on the quality weights); every
-other job, a `fastest` one with an added LoRA or the Lightning LoRA picked for a quality edit included, runs on
-the quality weights as before. Workers of one GPU, and CFG pairs (each rank holds the copies, with the
-pair's Ulysses switch for CFG-off jobs like the quality transformer: imgedit.runtime.group); not a
-transformer split over GPUs (the copy is made on one device) or a Ulysses group
-(imgedit.planning.modes.fast_refusal says so at start-up). Worker hooks (the tests' faults, the benchmarks'
-finite check) find the copies as `pipe.imgedit_fast_copies`.
+other job, a `fastest` one with an added LoRA or the Lightning LoRA picked for a quality edit
+included, runs on the quality weights as before. Workers of one GPU, and CFG pairs (each rank
+holds the copies, with the pair's Ulysses switch for CFG-off jobs like the quality transformer:
+imgedit.runtime.group); not a transformer split over GPUs (the copy is made on one device) or a
+Ulysses group (imgedit.planning.modes.fast_refusal says so at start-up). Worker hooks (the
+tests' faults, the benchmarks' finite check) find the copies as `pipe.imgedit_fast_copies`.
 """
 
 from __future__ import annotations
@@ -31,9 +31,12 @@ import math
 import time
 
 import torch
+from peft.tuners.lora import LoraLayer
 
 from imgedit.errors import ImgEditError, PlacementError
 from imgedit.model.components import block_container
+from imgedit.runtime.fusion import add_lora, fusable_layers, gpu_room
+from imgedit.runtime.offload import quantize_module
 
 log = logging.getLogger(__name__)
 GIB = 1024**3
@@ -41,9 +44,8 @@ GIB = 1024**3
 
 def fused_copy(transformer: torch.nn.Module, adapter: str, mode: str) -> torch.nn.Module:
     """A copy of `transformer` with peft's `adapter` fused into its weights at strength 1, every peft layer
-    replaced by its base layer, and each Linear quantized in `mode` (fp8 | int8; "none" keeps bf16, for tests)."""
-    from imgedit.runtime.offload import quantize_module
-
+    replaced by its base layer, and each Linear quantized in `mode` (fp8 | int8; "none" keeps bf16, for
+    tests)."""
     name = block_container(transformer)
     blocks = transformer.get_submodule(name)
     parent, _, attr = name.rpartition(".")
@@ -72,10 +74,6 @@ def fused_copy(transformer: torch.nn.Module, adapter: str, mode: str) -> torch.n
 @torch.no_grad()
 def _fuse(module: torch.nn.Module, adapter: str) -> None:
     """Replace each peft LoRA layer inside `module` by its base layer, `adapter` written into its weight."""
-    from peft.tuners.lora import LoraLayer
-
-    from imgedit.runtime.fusion import add_lora
-
     for fqn, layer in [(n, m) for n, m in module.named_modules() if isinstance(m, LoraLayer)]:
         base = layer.get_base_layer()
         if adapter in layer.lora_A:  # FastWeights checked it with fusion.fusable_layers
@@ -100,7 +98,8 @@ def copy_bytes(transformer: torch.nn.Module, mode: str) -> int:
 
 
 class FastWeights:
-    """The copies, keyed by peft adapter name; `for_job` says which one a job runs on (None: the quality weights)."""
+    """The copies, keyed by peft adapter name; `for_job` says
+    which one a job runs on (None: the quality weights)."""
 
     def __init__(self, transformer: torch.nn.Module, adapters: dict[str, str], mode: str, reserve: int = 0,
                  caps: tuple[int, ...] = ()):
@@ -114,23 +113,20 @@ class FastWeights:
         device = next(transformer.parameters()).device
         one = copy_bytes(transformer, mode)
         if device.type == "cuda":
-            from imgedit.runtime.fusion import gpu_room
-
             blocks = transformer.get_submodule(block_container(transformer))
             building = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks)
             need, room = one * len(adapters) + building, gpu_room(device.index or 0, caps) - reserve
             if need > room:
                 raise PlacementError(
-                    f"FAST_QUANTIZE={mode} needs {need / GIB:.1f} GiB on {device} for {len(adapters)} copy(ies) of the "
-                    f"transformer (one per Lightning LoRA), and {max(room, 0) / GIB:.1f} GiB is free there with "
-                    f"ACTIVATION_RESERVE kept; set FAST_QUANTIZE_SPEEDS=fastest (one copy), or FAST_QUANTIZE=none")
-        from imgedit.runtime.fusion import fusable_layers
-
+                    f"FAST_QUANTIZE={mode} needs {need / GIB:.1f} GiB on {device} for {len(adapters)} "
+                    "copy(ies) of the transformer (one per Lightning LoRA), "
+                    f"and {max(room, 0) / GIB:.1f} GiB is free there with ACTIVATION_RESERVE kept; "
+                    "set FAST_QUANTIZE_SPEEDS=fastest (one copy), or FAST_QUANTIZE=none")
         for name, adapter in adapters.items():
             if fusable_layers(transformer, adapter) is None:
-                raise ImgEditError(f"FAST_QUANTIZE={mode}: LoRA {name!r} cannot be fused into the weights (a LoRA "
-                                   "variant such as DoRA, a bias, or weights that are not plain floating point); set "
-                                   "FAST_QUANTIZE=none")
+                raise ImgEditError(f"FAST_QUANTIZE={mode}: LoRA {name!r} cannot be fused into the weights "
+                                   "(a LoRA variant such as DoRA, a bias, or weights that are not plain "
+                                   "floating point); set FAST_QUANTIZE=none")
             started = time.perf_counter()
             self.copies[adapter] = fused_copy(transformer, adapter, mode)
             if device.type == "cuda":
@@ -139,11 +135,11 @@ class FastWeights:
                      f"{one / GIB:.2f} GiB", time.perf_counter() - started)
         self.nbytes = one * len(adapters)
 
-    def for_job(self, adapters: tuple[tuple[str, float], ...], internal: dict[str, str], scheduler: str, cache: str,
-                cfg: bool = False):
-        """The copy a job runs on: a speed preset's job (the Lightning scheduler, CFG off) whose adapters are exactly
-        one Lightning LoRA at strength 1, without a step cache; None: the quality weights. (A pair splits CFG-on jobs
-        by branch on the quality transformer only: a copy has no CFG exchange.)"""
+    def for_job(self, adapters: tuple[tuple[str, float], ...], internal: dict[str, str], scheduler: str,
+                cache: str, cfg: bool = False):
+        """The copy a job runs on: a speed preset's job (the Lightning scheduler, CFG off) whose adapters are
+        exactly one Lightning LoRA at strength 1, without a step cache; None: the quality weights. (A pair
+        splits CFG-on jobs by branch on the quality transformer only: a copy has no CFG exchange.)"""
         if len(adapters) != 1 or adapters[0][1] != 1.0 or scheduler != "lightning" or cache != "none" or cfg:
             return None
         return self.copies.get(internal.get(adapters[0][0], ""))

@@ -28,6 +28,9 @@ import time
 from collections.abc import Iterable
 
 import torch
+from peft.tuners.lora import LoraLayer
+
+from imgedit.planning.placement import allocator_budget
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +40,15 @@ PARTIAL = ("", 0.0)  # a fuse or restore stopped half-way: the next restore() co
 
 def fusable_layers(transformer: torch.nn.Module, adapter: str) -> list | None:
     """The peft LoRA layers that carry `adapter`, or None when one of them cannot be fused in place."""
-    from peft.tuners.lora import LoraLayer
-
     layers = [m for m in transformer.modules() if isinstance(m, LoraLayer) and adapter in m.lora_A]
     for layer in layers:
         weight = layer.get_base_layer().weight
-        if (type(weight.data) is not torch.Tensor or weight.dtype not in FLOATS or weight.device.type == "meta"
-                or not isinstance(layer.lora_A[adapter], torch.nn.Linear) or getattr(layer, "fan_in_fan_out", False)
-                or adapter in getattr(layer, "lora_variant", {}) or layer.lora_bias.get(adapter, False)):
+        if (type(weight.data) is not torch.Tensor or weight.dtype not in FLOATS
+                or weight.device.type == "meta"
+                or not isinstance(layer.lora_A[adapter], torch.nn.Linear)
+                or getattr(layer, "fan_in_fan_out", False)
+                or adapter in getattr(layer, "lora_variant", {})
+                or layer.lora_bias.get(adapter, False)):
             return None
     return layers or None
 
@@ -55,7 +59,8 @@ class Fusion:
     def __init__(self, transformer: torch.nn.Module, adapters: Iterable[str], mode: str, reserve: int = 0,
                  caps: tuple[int, ...] = (), agree=None):
         self.layers = {a: found for a in adapters if (found := fusable_layers(transformer, a))}
-        weights = {id(w): w for found in self.layers.values() for w in (x.get_base_layer().weight for x in found)}
+        weights = {id(w): w for found in self.layers.values()
+                   for w in (x.get_base_layer().weight for x in found)}
         self.nbytes = sum(w.numel() * w.element_size() for w in weights.values())
         self.fused: tuple[str, float] | None = None  # (adapter, strength) now in the weights
         self._touched: list[torch.Tensor] = []  # weights written since the last restore
@@ -77,7 +82,8 @@ class Fusion:
     def describe(self) -> str:
         if self.where is None:
             return "off (no room for the copy, or nothing fusable)"
-        return f"{len(self.layers)} LoRA(s) fusable; a copy of the weights they adapt: {self.nbytes / 2**30:.2f} GiB"
+        return (f"{len(self.layers)} LoRA(s) fusable; "
+                f"a copy of the weights they adapt: {self.nbytes / 2**30:.2f} GiB")
 
     def can_fuse(self, adapter: str) -> bool:
         return adapter in self.layers
@@ -118,7 +124,8 @@ def add_lora(weight: torch.Tensor, layer, adapter: str, scaling: float) -> None:
 
 def _where(weights: list[torch.Tensor], mode: str, reserve: int, caps: tuple[int, ...]) -> str | None:
     """"beside" (the copy of the base weights goes on their own devices), or None (nothing is fused:
-    FUSE_LORA=off, nothing fusable, or the copy does not fit there). CPU weights (tests, the demo) always fit."""
+    FUSE_LORA=off, nothing fusable, or the copy does not fit there). CPU weights (tests, the demo) always
+    fit."""
     if mode == "off" or not weights:
         return None
     need: dict[int, int] = {}
@@ -137,8 +144,6 @@ def _where(weights: list[torch.Tensor], mode: str, reserve: int, caps: tuple[int
 def gpu_room(index: int, caps: tuple[int, ...]) -> int:
     """Bytes this process may still allocate on cuda:index: what the driver has free plus torch's unused
     cache, under MAX_MEMORY's cap when one is set (imgedit.runtime.worker._cap_memory)."""
-    from imgedit.planning.placement import allocator_budget
-
     free, _ = torch.cuda.mem_get_info(index)
     allocated = torch.cuda.memory_allocated(index)
     room = free + torch.cuda.memory_reserved(index) - allocated

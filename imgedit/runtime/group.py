@@ -45,10 +45,11 @@ class ParallelGroup:
         heads = transformer.config.num_attention_heads
         if heads % degree:
             raise ImgEditError(
-                f"PAIR_ULYSSES=on splits CFG-off jobs' attention heads over the pair's 2 GPUs, but this transformer "
-                f"has {heads} heads; set PAIR_ULYSSES=auto (off for it) or off" if ulysses == 1 else
-                f"Ulysses-{degree} splits the attention heads over {degree} GPUs, but this transformer has {heads} "
-                f"heads; use a group whose halves divide {heads}")
+                "PAIR_ULYSSES=on splits CFG-off jobs' attention heads over the pair's 2 GPUs, "
+                f"but this transformer has {heads} heads; set PAIR_ULYSSES=auto (off for it) or off"
+                if ulysses == 1 else
+                f"Ulysses-{degree} splits the attention heads over {degree} GPUs, "
+                f"but this transformer has {heads} heads; use a group whose halves divide {heads}")
         if degree == 2 and ulysses == 1:  # before the pair's override: that stays the outermost forward
             self.switch = UlyssesSwitch(transformer, rank, "cuda" if cuda else "cpu")
         if ulysses > 1:
@@ -57,13 +58,16 @@ class ParallelGroup:
             self.first_half_cpu = halves[0]
             enable_ulysses(transformer, self.layout, "cuda" if cuda else "cpu")
         if cfg == 2:
-            peers = {u: dist.new_group(self.layout.exchange_peers(u)) for u in range(ulysses)} if ulysses > 1 else {}
+            peers = {}
+            if ulysses > 1:
+                peers = {u: dist.new_group(self.layout.exchange_peers(u)) for u in range(ulysses)}
             self.cfg_pair = CfgPair(transformer, self.layout.cfg_index, peers.get(self.layout.ulysses_index))
         if copies and (cfg != 2 or ulysses != 1):  # planning.modes.fast_refusal refuses these first
             raise ImgEditError("FAST_QUANTIZE's copies run on workers of one GPU or on CFG pairs")
         if self.switch is not None:
             # the quality transformer's mesh: the same NCCL communicators (one job runs at a time)
-            self._copies = [UlyssesSwitch(copy, rank, "cuda" if cuda else "cpu", self.switch.mesh) for copy in copies]
+            self._copies = [UlyssesSwitch(copy, rank, "cuda" if cuda else "cpu", self.switch.mesh)
+                            for copy in copies]
 
     @property
     def splits_cfg_off(self) -> bool:
@@ -115,14 +119,15 @@ def init_group(rank: int, world: int, port: int, cuda: bool):
     kwargs = {}
     if cuda:
         kwargs["device_id"] = torch.device("cuda", 0)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **kwargs)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            **kwargs)
     return dist.new_group(backend="gloo") if cuda else None
 
 
 def close_group(timeout: float = 10.0) -> bool:
     """At a clean stop: destroy this rank's process groups, so NCCL frees its communicators and does not warn
-    "destroy_process_group() was not called before program exit" (it did at every pair's exit). Bounded: a peer
-    that is already gone must not keep this process alive. Returns whether it finished in time."""
+    "destroy_process_group() was not called before program exit" (it did at every pair's exit). Bounded: a
+    peer that is already gone must not keep this process alive. Returns whether it finished in time."""
     if not dist.is_initialized():
         return True
     done = threading.Event()

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import logging
 
+import diffusers
 import torch
+from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+from diffusers import FlowMatchEulerDiscreteScheduler
+from transformers import Qwen2Tokenizer
 
 from imgedit.errors import PlacementError
 from imgedit.model.processor import load_processor, processor_class
-from imgedit.planning.checkpoint import MODEL_COMPONENTS, Checkpoint, open_checkpoint  # noqa: F401  (re-exported)
+
+# open_checkpoint is re-exported: tests and benchmarks open a checkpoint through the loader
+from imgedit.planning.checkpoint import MODEL_COMPONENTS, Checkpoint, open_checkpoint  # noqa: F401
 from imgedit.planning.plan import WorkerPlan
 from imgedit.runtime import offload, single_frame, weights
 
@@ -26,18 +32,12 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 def _move_inputs(model: torch.nn.Module, device: str) -> None:
     """Give a whole component that sits off the execution device a hook moving its inputs there
     and its outputs back (the pipeline creates inputs on its execution device)."""
-    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
-
     if not hasattr(model, "_hf_hook"):
         add_hook_to_module(model, AlignDevicesHook(execution_device=device, io_same_device=True))
 
 
 def load_pipeline(checkpoint: Checkpoint, worker: WorkerPlan, dtype: torch.dtype):
     """Build one worker's pipeline on its devices."""
-    import diffusers
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    from transformers import Qwen2Tokenizer
-
     folder = checkpoint.folder
     parts = {}
     for name in MODEL_COMPONENTS:
@@ -49,18 +49,18 @@ def load_pipeline(checkpoint: Checkpoint, worker: WorkerPlan, dtype: torch.dtype
         if not placement.is_split and placement.device != worker.execution_device:
             _move_inputs(model, placement.device)
         if name == "vae":
-            single_frame.install(model)  # an image is one frame: its 3-D convolutions as 2-D ones, a third of the work
+            # an image is one frame: its 3-D convolutions as 2-D ones, a third of the work
+            single_frame.install(model)
         parts[name] = model.eval().requires_grad_(False)
     if len(worker.devices) > 1 and not hasattr(parts["vae"], "_hf_hook"):
         # diffusers' _execution_device asks the first registered component (the VAE); one without a
         # hook falls back to pipe.device, the first module by *name* (text_encoder), which may sit
         # on another GPU. A no-op hook on the VAE (already on the execution device) pins the answer.
-        from accelerate.hooks import AlignDevicesHook, add_hook_to_module
-
         add_hook_to_module(parts["vae"], AlignDevicesHook(execution_device=worker.execution_device))
     pipeline_cls = getattr(diffusers, checkpoint.pipeline_class)
     kwargs = {}
-    if (folder / "tokenizer").is_dir():  # the edit pipelines take a tokenizer; Qwen-Image-2.1's processor has it
+    # the edit pipelines take a tokenizer; Qwen-Image-2.1's processor has it
+    if (folder / "tokenizer").is_dir():
         kwargs["tokenizer"] = Qwen2Tokenizer.from_pretrained(folder / "tokenizer")
     pipe = pipeline_cls(
         scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler"),
@@ -70,10 +70,10 @@ def load_pipeline(checkpoint: Checkpoint, worker: WorkerPlan, dtype: torch.dtype
     )
     pipe.set_progress_bar_config(disable=True)
     if any(hasattr(model, "_hf_hook") for model in parts.values()):
-        # A pipeline placed by a device map, marked as diffusers' own from_pretrained(device_map=...) marks it.
-        # Unmarked, load_lora_weights() takes our device hooks for sequential CPU offload: it removes every
-        # hook, the block splits' too, then calls enable_sequential_cpu_offload(), which streams the whole
-        # pipeline from the CPU (lora_base._func_optionally_disable_offloading; measured on 2x H200: the
+        # A pipeline placed by a device map, marked as diffusers' own from_pretrained(device_map=...) marks
+        # it. Unmarked, load_lora_weights() takes our device hooks for sequential CPU offload: it removes
+        # every hook, the block splits' too, then calls enable_sequential_cpu_offload(), which streams the
+        # whole pipeline from the CPU (lora_base._func_optionally_disable_offloading; measured on 2x H200: the
         # default balanced placement with a LoRA failed its compile warm-up on AlignDevicesHook.pre_forward).
         pipe.hf_device_map = {name: worker.components[name].describe() for name in parts}
     if pipe._execution_device != torch.device(worker.execution_device):

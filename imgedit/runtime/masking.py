@@ -27,7 +27,8 @@ LATENT_CELL = 16  # pixels per latent token: the VAE's 8x and the 2x2 packing (Q
 
 class MaskedEdit:
     def __init__(self, pipe, first: Image.Image, mask: Image.Image, width: int, height: int,
-                 grow: int, feather: int, strength: float, steps: int, seeds: tuple[int, ...], rgba: bool = False):
+                 grow: int, feather: int, strength: float, steps: int, seeds: tuple[int, ...],
+                 rgba: bool = False):
         self.pipe, self.rgba = pipe, rgba  # rgba: the VAE takes and gives RGBA (Qwen-Image-2.1)
         self.mode = "RGBA" if rgba else "RGB"
         self.first = first.convert(self.mode)
@@ -39,11 +40,13 @@ class MaskedEdit:
         self.original = self._encode(self.first.resize((width, height), Image.LANCZOS)).to(device, dtype)
         cells = self.area.resize((width, height), Image.BILINEAR).resize(
             (width // LATENT_CELL, height // LATENT_CELL), Image.BOX)
-        edit = torch.from_numpy(np.asarray(cells) > 0).reshape(1, -1, 1)  # any marked pixel: the token may change
+        # any marked pixel: the token may change
+        edit = torch.from_numpy(np.asarray(cells) > 0).reshape(1, -1, 1)
         self.keep = (~edit).to(device, dtype)
         # One noise per output image, from its own seed (CPU: the same on every device and rank).
         self.noise = torch.cat([
-            torch.randn(self.original.shape, generator=torch.Generator("cpu").manual_seed(seed)) for seed in seeds
+            torch.randn(self.original.shape, generator=torch.Generator("cpu").manual_seed(seed))
+            for seed in seeds
         ]).to(device, dtype)
 
     def _encode(self, image: Image.Image) -> torch.Tensor:
@@ -52,7 +55,8 @@ class MaskedEdit:
         pipe = self.pipe
         pixels = pipe.image_processor.preprocess(image, self.height, self.width).unsqueeze(2)
         pixels = pixels.to(pipe._execution_device, pipe.vae.dtype)
-        latents = pipe._encode_vae_image(pixels, generator=None)  # normalised (latents_mean/std): (1, C, 1, h, w)
+        # normalised (latents_mean/std): (1, C, 1, h, w)
+        latents = pipe._encode_vae_image(pixels, generator=None)
         return pipe._pack_latents(latents, 1, latents.shape[1], *latents.shape[-2:])
 
     def blend(self, step: int, latents: torch.Tensor) -> torch.Tensor:

@@ -60,12 +60,14 @@ class WorkerSpec:
     warmup_sizes: tuple[tuple[int, int], ...] = ()
     devices: tuple[str, ...] = ()  # the worker's GPUs as the server numbers them (for messages and results)
     memory_caps: tuple[int, ...] = ()  # MAX_MEMORY for each GPU this rank sees (cuda:0, cuda:1, ...), bytes
-    ulysses: int = 1  # ranks splitting each forward's sequence (the half of a cfg group, or all of a ulysses one)
+    # ranks splitting each forward's sequence (the half of a cfg group, or all of a ulysses one)
+    ulysses: int = 1
     pair_ulysses: bool = False  # PAIR_ULYSSES: a CFG pair splits CFG-off jobs' sequences over both ranks
     encode_cache: int = 0  # ENCODE_CACHE: input encodings this rank keeps (imgedit.runtime.encode_cache)
     attention: str = "native"  # ATTENTION (imgedit.runtime.offload.ATTENTION_BACKENDS)
     compile_mode: str = "default"  # COMPILE_MODE, when `compile`
-    loras: tuple[LoraFile, ...] = ()  # checked at start-up (imgedit.config.loras.check_all); every rank loads them all
+    # checked at start-up (imgedit.config.loras.check_all); every rank loads them all
+    loras: tuple[LoraFile, ...] = ()
     fuse_lora: str = "off"  # FUSE_LORA as this plan allows it: auto | off (imgedit.runtime.fusion)
     activation_reserve: int = 0  # ACTIVATION_RESERVE: what a fused LoRA's copy of the weights must leave free
     fast_quantize: str = "none"  # FAST_QUANTIZE: Lightning LoRAs' quantized copies (runtime.fast_weights)
@@ -113,15 +115,19 @@ class StartupReport:
     pair_ulysses: bool = False  # a CFG pair that splits CFG-off jobs' sequences (PAIR_ULYSSES)
     load_seconds: float = 0.0  # loading the weights, before any LoRA, copy or warm-up
     loras: list[str] = field(default_factory=list)  # the LoRAs loaded, by name
-    components: dict = field(default_factory=dict)  # per component: dtype, quantization, where, bytes per device
+    # per component: dtype, quantization, where, bytes per device
+    components: dict = field(default_factory=dict)
     fuse_lora: str = "off"  # FUSE_LORA as it runs
     fast_weights: str = "none"  # FAST_QUANTIZE's copies
-    weights_mib: dict[str, float] = field(default_factory=dict)  # MiB per GPU after loading (this rank's numbering)
+    # MiB per GPU after loading (this rank's numbering)
+    weights_mib: dict[str, float] = field(default_factory=dict)
     encode_cache: int = 0  # ENCODE_CACHE entries
     cpu_threads: int = 0  # torch's threads in this rank
     pixels: str = "cpu"  # where the pictures' arithmetic runs (runtime.pixels)
-    fallbacks: list[str] = field(default_factory=list)  # optimisations that failed to build, and what runs instead
-    under_cap: list[str] = field(default_factory=list)  # what a job gives up where MAX_MEMORY leaves it no room
+    # optimisations that failed to build, and what runs instead
+    fallbacks: list[str] = field(default_factory=list)
+    # what a job gives up where MAX_MEMORY leaves it no room
+    under_cap: list[str] = field(default_factory=list)
     attention: str = "native"  # the attention kernel as the processors have it
     warmup_seconds: list[float] = field(default_factory=list)  # each compile warm-up
     compile_seconds: float | None = None  # compiling and warming up, in all

@@ -11,6 +11,20 @@ import logging
 from collections import Counter
 
 import torch
+from accelerate import dispatch_model
+from diffusers.hooks import HookRegistry, apply_group_offloading
+from diffusers.hooks.group_offloading import (
+    _GROUP_OFFLOADING,
+    _LAYER_EXECUTION_TRACKER,
+    _LAZY_PREFETCH_GROUP_OFFLOADING,
+)
+from torchao.quantization import (
+    Float8DynamicActivationFloat8WeightConfig,
+    Int8WeightOnlyConfig,
+    PerRow,
+    quantize_,
+)
+from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
 from imgedit.config.parsers import is_skipped
 from imgedit.errors import PlacementError
@@ -29,22 +43,20 @@ def torchao_config(mode: str):
     """The torchao config of a QUANTIZE mode (fp8: dynamic per-row activations and weights, the
     setting measured on the H200; int8: weight-only, per output row, runs on the CPU too).
 
-    fp8's activation scale is a row's largest magnitude / 448, so an all-zero row gets scale 0 and quantizes to
-    0/0 = NaN. A CFG pair that splits a job's sequence pads the text with zero rows (masked out of attention, but
-    a NaN value times a zero attention weight is NaN): on 2x H200 every fp8-copy job of a pair came out non-finite.
-    `activation_value_lb` is torchao's own floor on that magnitude; a zero row then quantizes to zeros, as bf16
-    computes it, and no other row changes (none is that small).
+    fp8's activation scale is a row's largest magnitude / 448, so an all-zero row gets scale 0 and quantizes
+    to 0/0 = NaN. A CFG pair that splits a job's sequence pads the text with zero rows (masked out of
+    attention, but a NaN value times a zero attention weight is NaN): on 2x H200 every fp8-copy job of a pair
+    came out non-finite. `activation_value_lb` is torchao's own floor on that magnitude; a zero row then
+    quantizes to zeros, as bf16 computes it, and no other row changes (none is that small).
 
-    `set_inductor_config=False`: by default torchao's quantize_ turns on inductor's coordinate-descent tuning for
-    the whole process (`recommended_inductor_config_setter`), so every block compiled after it, the bf16 quality
-    ones included, benchmarked hundreds of kernel configurations: one real-size fp8 block compiled in 122.5 s, of
-    which 103.4 s were that tuning, against 21.0 s for a bf16 block (2x H200, benchmarks/probe_fp8_compile.py,
-    2026-11-27). That was the fp8 fast mode's start-up of over 9 minutes."""
-    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, Int8WeightOnlyConfig, PerRow
-
+    `set_inductor_config=False`: by default torchao's quantize_ turns on inductor's coordinate-descent tuning
+    for the whole process (`recommended_inductor_config_setter`), so every block compiled after it, the bf16
+    quality ones included, benchmarked hundreds of kernel configurations: one real-size fp8 block compiled in
+    122.5 s, of which 103.4 s were that tuning, against 21.0 s for a bf16 block (2x H200,
+    benchmarks/probe_fp8_compile.py, 2026-11-27). That was the fp8 fast mode's start-up of over 9 minutes."""
     if mode == "fp8":
-        return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), activation_value_lb=FP8_ROW_FLOOR,
-                                                         set_inductor_config=False)
+        return Float8DynamicActivationFloat8WeightConfig(
+            granularity=PerRow(), activation_value_lb=FP8_ROW_FLOOR, set_inductor_config=False)
     if mode == "int8":
         return Int8WeightOnlyConfig(set_inductor_config=False)
     raise ValueError(mode)
@@ -66,16 +78,12 @@ def quantize_module(model: torch.nn.Module, mode: str, skip: tuple[str, ...] = (
         return isinstance(module, torch.nn.Linear) and not is_skipped(prefix + fqn, skip)
 
     if mode in ("fp8", "int8"):
-        from torchao.quantization import quantize_
-
         before = sum(wanted(m, n) for n, m in model.named_modules())
         quantize_(model, torchao_config(mode), filter_fn=wanted)
         return before
     if mode == "nf4":
         # torchao 0.18 has no quantize_ config for NF4; its NF4Tensor (the QLoRA format) replaces the
         # weight and dispatches F.linear to a dequantize-then-matmul, on the CPU and the GPU alike.
-        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
-
         changed = 0
         for fqn, module in model.named_modules():
             if not wanted(module, fqn):
@@ -103,7 +111,8 @@ def _move(model: torch.nn.Module, name: str, device: str) -> torch.nn.Module | N
     except AttributeError:  # a parameter held directly by an intermediate module
         owner, _, pname = name.rpartition(".")
         module = model.get_submodule(owner) if owner else model
-        module._parameters[pname] = torch.nn.Parameter(module._parameters[pname].to(device), requires_grad=False)
+        data = module._parameters[pname].to(device)
+        module._parameters[pname] = torch.nn.Parameter(data, requires_grad=False)
         return None
     return part.to(device)
 
@@ -127,15 +136,14 @@ def load_component(name: str, checkpoint, placement: Placement, dtype: torch.dty
         model = weights.load_component(name, checkpoint, Placement("cpu"), dtype).eval().requires_grad_(False)
         work = placement.device  # fp8 is made on the GPU (torchao checks the capability there)
         for part, device in _parts(model, placement):
-            home = "cpu" if streamed and (not streams_blocks or not _is_resident(model, part, memory)) else device
+            offloaded = streamed and (not streams_blocks or not _is_resident(model, part, memory))
+            home = "cpu" if offloaded else device
             moved = _move(model, part, work if mode != "none" else home)
             if moved is not None and mode != "none":
                 quantize_module(moved, mode, skip, prefix=part + ".")
             if moved is not None and home != work:
                 moved.to(home)
         if placement.is_split:
-            from accelerate import dispatch_model
-
             dispatch_model(model, device_map=weights.module_device_map(model, placement))
     if streamed:
         stream(model, placement.device, memory if streams_blocks else None)
@@ -159,8 +167,6 @@ def stream(model: torch.nn.Module, device: str, memory: MemoryMode | None) -> No
     encode the prompt). Otherwise the transformer, block by block, but only the blocks in
     memory.streamed: diffusers streams all or nothing, and a 24 GB card has room for most blocks
     (measured: everything streamed peaks at 2.1 GiB of 22 and runs 2.17x slower)."""
-    from diffusers.hooks import apply_group_offloading
-
     cuda = torch.device(device).type == "cuda"
     # record_stream: no device-wide synchronize after every streamed group (3 blocks of room are
     # planned for it, imgedit.planning.memory.component_specs)
@@ -187,17 +193,11 @@ def stream(model: torch.nn.Module, device: str, memory: MemoryMode | None) -> No
 
 
 def restream(model: torch.nn.Module, device: str, memory: MemoryMode) -> None:
-    """Lay the streamed blocks out again after LoRAs were loaded. diffusers' load_lora_weights removes a group-
-    offloaded model's hooks and applies them again to the whole model (its new LoRA layers must move with their
-    blocks): every block streamed, the resident ones too, and compiled blocks then meet the hooks' functions.
-    Our hooks off again, then stream() as at loading: the LoRA layers of a streamed block move with it."""
-    from diffusers.hooks import HookRegistry
-    from diffusers.hooks.group_offloading import (
-        _GROUP_OFFLOADING,
-        _LAYER_EXECUTION_TRACKER,
-        _LAZY_PREFETCH_GROUP_OFFLOADING,
-    )
-
+    """Lay the streamed blocks out again after LoRAs were loaded. diffusers' load_lora_weights removes a
+    group-offloaded model's hooks and applies them again to the whole model (its new LoRA layers must move
+    with their blocks): every block streamed, the resident ones too, and compiled blocks then meet the hooks'
+    functions. Our hooks off again, then stream() as at loading: the LoRA layers of a streamed block move
+    with it."""
     registry = HookRegistry.check_if_exists_or_initialize(model)
     for name in (_GROUP_OFFLOADING, _LAYER_EXECUTION_TRACKER, _LAZY_PREFETCH_GROUP_OFFLOADING):
         registry.remove_hook(name, recurse=True)
@@ -205,16 +205,17 @@ def restream(model: torch.nn.Module, device: str, memory: MemoryMode) -> None:
 
 
 def check_device(memory: MemoryMode | None, device: str, fast_quantize: str = "none") -> None:
-    """fp8 (QUANTIZE, FAST_QUANTIZE) needs compute capability 8.9+: say which GPU this worker has and what it lacks."""
+    """fp8 (QUANTIZE, FAST_QUANTIZE) needs compute capability 8.9+: say which GPU this worker has and what
+    it lacks."""
     uses = fp8_uses(memory, fast_quantize)
     if uses and not device.startswith("cuda"):
         what, instead = uses[0]
-        raise PlacementError(f"{what} needs a CUDA GPU of compute capability 8.9 or newer, but this worker runs on "
-                             f"the CPU; use {instead} on the CPU")
+        raise PlacementError(f"{what} needs a CUDA GPU of compute capability 8.9 or newer, "
+                             f"but this worker runs on the CPU; use {instead} on the CPU")
     if uses:
         index = torch.device(device).index or 0
-        check_capability(memory, index, torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index),
-                         fast_quantize)
+        check_capability(memory, index, torch.cuda.get_device_name(index),
+                         torch.cuda.get_device_capability(index), fast_quantize)
 
 
 # ATTENTION -> diffusers' backend names: PyTorch's own SDPA kernels, nothing to download.
@@ -222,7 +223,8 @@ ATTENTION_BACKENDS = {"flash": "_native_flash", "cudnn": "_native_cudnn", "effic
 
 
 def use_attention(transformer: torch.nn.Module, name: str) -> None:
-    """ATTENTION: every attention of the transformer through this kernel (diffusers' set_attention_backend)."""
+    """ATTENTION: every attention of the transformer through
+    this kernel (diffusers' set_attention_backend)."""
     transformer.set_attention_backend(ATTENTION_BACKENDS[name])
     log.info("attention kernel: %s (%s)", name, ATTENTION_BACKENDS[name])
 
@@ -238,19 +240,21 @@ def attention_in_use(transformer: torch.nn.Module) -> str:
     return ", ".join(sorted(found))
 
 
-def compile_transformer(transformer: torch.nn.Module, memory: MemoryMode | None, mode: str = "default") -> None:
+def compile_transformer(transformer: torch.nn.Module, memory: MemoryMode | None,
+                        mode: str = "default") -> None:
     """COMPILE: the repeated blocks, as diffusers' compile_repeated_blocks does, in COMPILE_MODE.
     Streamed blocks stay eager: their offload hooks move weights in functions torch.compile must not
     trace (diffusers marks them torch.compiler.disable, which fullgraph=True refuses).
 
     Dynamic in the sequence lengths from the first compile: a static first compile is never used again once
-    a second size recompiles dynamic (dynamo tries its newest entry first), so it only cost start-up time, once
-    per variant of the block (on a CPU pair with a Lightning LoRA and an int8 fast copy: 14 compiles to ready,
-    10 dynamic; on 2x H200 the second warm-up size now compiles nothing). Inductor autotunes fp8's `_scaled_mm`
-    against Triton templates even in the default mode (`tuned_scaled_mm`); keeping cuBLAS's kernel instead
-    (`max_autotune_gemm_backends=ATEN`) did not make an fp8 block's compile short (182 s for one variant, a 2x H200
-    host alone; 2.3-4.1 min with autotuning on a shared 4x H200 host: docs/BENCHMARKS.md), and its step time was
-    not measured, so inductor keeps its own choice until benchmarks/probe_fp8_compile.py says more."""
+    a second size recompiles dynamic (dynamo tries its newest entry first), so it only cost start-up time,
+    once per variant of the block (on a CPU pair with a Lightning LoRA and an int8 fast copy: 14 compiles to
+    ready, 10 dynamic; on 2x H200 the second warm-up size now compiles nothing). Inductor autotunes fp8's
+    `_scaled_mm` against Triton templates even in the default mode (`tuned_scaled_mm`); keeping cuBLAS's
+    kernel instead (`max_autotune_gemm_backends=ATEN`) did not make an fp8 block's compile short (182 s for
+    one variant, a 2x H200 host alone; 2.3-4.1 min with autotuning on a shared 4x H200 host:
+    docs/BENCHMARKS.md), and its step time was not measured, so inductor keeps its own choice until
+    benchmarks/probe_fp8_compile.py says more."""
     options: dict = {"fullgraph": True, "dynamic": True} | ({"mode": mode} if mode != "default" else {})
     blocks = transformer.get_submodule(block_container(transformer))
     hooked = any(hasattr(block, "_hf_hook") for block in blocks)
@@ -262,15 +266,17 @@ def compile_transformer(transformer: torch.nn.Module, memory: MemoryMode | None,
         if i not in streamed:
             _compile_block(block, options)
     if streamed:
-        log.info("compiled the %d resident transformer blocks; streamed blocks run eager", memory.resident_blocks)
+        log.info("compiled the %d resident transformer blocks; streamed blocks run eager",
+                 memory.resident_blocks)
     if hooked:
-        log.info("compiled the transformer blocks inside their device hooks (the transformer is split over GPUs)")
+        log.info("compiled the transformer blocks inside their device hooks "
+                 "(the transformer is split over GPUs)")
 
 
 def _compile_block(block: torch.nn.Module, options: dict) -> None:
     """Module.compile; under an accelerate device hook, the block's own forward inside the hook. A transformer
-    split over GPUs is dispatched with such a hook on every block, whose pre_forward (it moves the inputs to the
-    block's GPU) is torch.compiler.disable'd, which fullgraph=True refuses: the 2x 31 GiB split's compile
+    split over GPUs is dispatched with such a hook on every block, whose pre_forward (it moves the inputs to
+    the block's GPU) is torch.compiler.disable'd, which fullgraph=True refuses: the 2x 31 GiB split's compile
     warm-up failed on it on 2x H200 and the worker served eager. The hook now runs eager around the compiled
     forward, as accelerate calls `module._old_forward` after pre_forward."""
     if hasattr(block, "_hf_hook") and hasattr(block, "_old_forward"):
@@ -281,8 +287,8 @@ def _compile_block(block: torch.nn.Module, options: dict) -> None:
 
 
 def uncompile_transformer(transformer: torch.nn.Module) -> None:
-    """Undo compile_transformer: every module compiled with Module.compile, or inside its device hook, runs its
-    eager forward again."""
+    """Undo compile_transformer: every module compiled with Module.compile, or inside its device hook, runs
+    its eager forward again."""
     for module in transformer.modules():
         if getattr(module, "_compiled_call_impl", None) is not None:
             module._compiled_call_impl = None
@@ -333,8 +339,8 @@ def describe(pipe, memory: MemoryMode | None) -> dict[str, dict]:
         locations = ", ".join(f"{_where(d)} {n / GIB:.2f} GiB" for d, n in sorted(where.items()))
         out[name] = {
             "dtype": dtypes.most_common(1)[0][0] if dtypes else "",
-            "quantization": (f"{mode}: {quantized} of {linear} Linear layers ({', '.join(kinds)})" if quantized
-                             else "none"),
+            "quantization": (f"{mode}: {quantized} of {linear} Linear layers ({', '.join(kinds)})"
+                             if quantized else "none"),
             "location": locations + (" (streamed to the GPU when it runs)" if streamed else ""),
             "bytes": {d: n for d, n in where.items()},
         }

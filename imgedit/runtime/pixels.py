@@ -1,4 +1,5 @@
-"""Pictures to and from the GPU as bytes: the pipeline's pre- and postprocessing with the arithmetic on the GPU.
+"""Pictures to and from the GPU as bytes: the pipeline's
+pre- and postprocessing with the arithmetic on the GPU.
 
 diffusers' `VaeImageProcessor` turns each input picture into floats on the CPU (`np.array(image) / 255`, then
 `2x - 1`) and each output back the same way (`.cpu().float().numpy()`, then `(x * 255).round()`). At 1024x1024
@@ -8,11 +9,12 @@ postprocessing 20-30 ms of a 4-step edit's ~0.28 s outside the loop, more on a p
 the same time. Here the bytes cross instead (3 MB, not 12 MB as float32), and the arithmetic runs on the GPU.
 
 Exact, not close: an input byte becomes the float the processor's own `pil_to_numpy`/`normalize` make of it
-(a 256-entry table computed by those functions, then indexed on the GPU), and an output becomes the byte of the
-same float32 operations in the same order (`denormalize`, `.float()`, `* 255`, `.round()`; elementwise IEEE
-operations, one kernel each, give the same result on either device). Tests pin both against the processor's own
-methods. Anything but the pipelines' plain call (PIL pictures in; 'pil' out; a processor configured otherwise;
-a picture that is not RGB; a VAE that is not wholly on one GPU, as when offloaded) takes the processor's own path.
+(a 256-entry table computed by those functions, then indexed on the GPU), and an output becomes
+the byte of the same float32 operations in the same order (`denormalize`, `.float()`, `* 255`,
+`.round()`; elementwise IEEE operations, one kernel each, give the same result on either
+device). Tests pin both against the processor's own methods. Anything but the pipelines' plain
+call (PIL pictures in; 'pil' out; a processor configured otherwise; a picture that is not RGB;
+a VAE that is not wholly on one GPU, as when offloaded) takes the processor's own path.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class Pixels:
                 and all(isinstance(p, PIL.Image.Image) and (p.mode == "RGB" or config.do_convert_rgb)
                         for p in pictures))
 
-    def to_tensor(self, image, height=None, width=None, resize_mode="default", crops_coords=None) -> torch.Tensor:
+    def to_tensor(self, image, height=None, width=None, resize_mode="default",
+                  crops_coords=None) -> torch.Tensor:
         """`preprocess` for PIL pictures: resized and converted by the processor, made floats on the GPU."""
         if not self._plain_input(image, crops_coords, resize_mode):
             return self.preprocess(image, height, width, resize_mode=resize_mode, crops_coords=crops_coords)
@@ -52,7 +55,8 @@ class Pixels:
         pictures = [processor.resize(p, height, width) for p in pictures]
         if processor.config.do_convert_rgb:
             pictures = [processor.convert_to_rgb(p) for p in pictures]
-        data = torch.from_numpy(np.stack([np.asarray(p) for p in pictures])).to(self.device)  # (n, h, w, 3) bytes
+        # (n, h, w, 3) bytes
+        data = torch.from_numpy(np.stack([np.asarray(p) for p in pictures])).to(self.device)
         floats = self.table.index_select(0, data.reshape(-1).int()).view(data.shape)
         return floats.permute(0, 3, 1, 2)  # the processor's own layout: its numpy transpose's strides
 

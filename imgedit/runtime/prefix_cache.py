@@ -53,6 +53,7 @@ class PrefixCache:
         need = cache_bytes(self.config, prefix_tokens(images, side))
         if need <= room:
             return {}
-        log.info("prefix KV cache off for this job: %d condition image(s) at %dx%d need ~%.1f GiB, %.1f GiB left "
-                 "under the cap", images, side, side, need / 1024**3, max(room, 0) / 1024**3)
+        log.info("prefix KV cache off for this job: %d condition image(s) at %dx%d need ~%.1f GiB, "
+                 "%.1f GiB left under the cap",
+                 images, side, side, need / 1024**3, max(room, 0) / 1024**3)
         return {"use_kv_cache": False}

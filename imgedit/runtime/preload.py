@@ -26,8 +26,11 @@ import transformers  # noqa: E402,F401
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLProcessor  # noqa: E402,F401
 
 if torch.cuda.is_available():  # (through NVML: CUDA itself stays uninitialised)
-    assert "peft" not in __import__("sys").modules, "peft breaks CUDA in forked workers: not in the forkserver"
-else:  # no GPU to break: the rest of what a worker imports, once (~0.6 CPU-s a forked worker on the 2-core machine)
+    assert "peft" not in __import__("sys").modules, (
+        "peft breaks CUDA in forked workers: not in the forkserver")
+else:
+    # no GPU to break: the rest of what a worker imports, once (~0.6 CPU-s a forked worker on the
+    # 2-core machine)
     import peft  # noqa: F401
     from diffusers import (  # noqa: F401
         AutoencoderKLQwenImage,

@@ -15,12 +15,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from imgedit.errors import Cancelled, ImgEditError, OutOfGpuMemory, WorkerFailed
 from imgedit.planning.families import FAMILIES, Family
 from imgedit.protocol import EditResult
-from imgedit.runtime.group import agree_to_stop
+from imgedit.runtime import enhance, shared_prompt
+from imgedit.runtime.cfg_batch import CfgBatch
+from imgedit.runtime.group import ParallelGroup, agree_to_stop
+from imgedit.runtime.masking import MaskedEdit
 from imgedit.runtime.messages import Job
+from imgedit.runtime.step_cache import StepCache
 
 log = logging.getLogger(__name__)
 
@@ -61,25 +66,19 @@ class Runner:
         self.auto_cleanup = auto_cleanup
         self.group = None
         if parallel != "none":
-            from imgedit.runtime.group import ParallelGroup
-
-            self.group = ParallelGroup(pipe.transformer, parallel, rank, world, ulysses, cuda, group, pair_ulysses,
-                                       adapters.copies if adapters is not None else ())
+            self.group = ParallelGroup(pipe.transformer, parallel, rank, world, ulysses, cuda, group,
+                                       pair_ulysses, adapters.copies if adapters is not None else ())
             if self.group.splits_cfg_off:  # a split job's prompt: encoded on rank 0, sent to rank 1
-                from imgedit.runtime import shared_prompt
-
                 shared_prompt.install(pipe, rank, lambda: self.group.switch.on, self.group.cpu_group)
         self.adapters = adapters  # imgedit.runtime.adapters.Adapters: the job's LoRAs and scheduler
-        from imgedit.runtime.step_cache import StepCache
-
         self.step_cache = StepCache(pipe.transformer)  # CACHE / a request's cache (quality edits)
         self.cfg_batch = None  # BATCH_CFG: both CFG branches in one forward (a group splits them instead)
         if batch_cfg and self.group is None:
-            from imgedit.runtime.cfg_batch import CfgBatch
-
             self.cfg_batch = CfgBatch(pipe.transformer)
-        self.prefix_cache = None  # runtime.prefix_cache.PrefixCache: Qwen-Image-2.1 under a cap (set by the worker)
-        self.decode_room = None  # runtime.decode_room.DecodeRoom: the VAE's decode under a cap (set by the worker)
+        # runtime.prefix_cache.PrefixCache: Qwen-Image-2.1 under a cap (set by the worker)
+        self.prefix_cache = None
+        # runtime.decode_room.DecodeRoom: the VAE's decode under a cap (set by the worker)
+        self.decode_room = None
 
     def takes_part(self, job: Job) -> bool:
         """With CFG off a CFG pair has no branches to split: its first rank (or half) runs the job, or both
@@ -104,7 +103,9 @@ class Runner:
         params, req = job.params, job.request
         if params.task == "enhance":
             return self._enhance_only(job, cancel, started)
-        together = self.group.begin(self._cfg_on(job), self._may_split(job)) if self.group is not None else None
+        together = None
+        if self.group is not None:
+            together = self.group.begin(self._cfg_on(job), self._may_split(job))
         collective = together is not None  # ranks that run this job together agree on cancel each step
         reached = 0
         masked = None  # imgedit.runtime.masking.MaskedEdit, built inside the try below
@@ -130,7 +131,8 @@ class Runner:
         family = FAMILIES[job.family]
         images = (list(req.images) or None) if family.images_as_list else req.images[0]
         extra = {}
-        if family.output_resolution:  # Qwen-Image-2.1: inputs resized to the output's area (1024² unless sized)
+        # Qwen-Image-2.1: inputs resized to the output's area (1024² unless sized)
+        if family.output_resolution:
             extra["output_resolution"] = output_resolution(family, params.width, params.height)
             if self.prefix_cache is not None:
                 extra.update(self.prefix_cache.kwargs(len(req.images), extra["output_resolution"]))
@@ -153,14 +155,13 @@ class Runner:
             self.step_cache.use(params.cache, params.cache_threshold)
             with torch.inference_mode():
                 if req.mask is not None:
-                    from imgedit.runtime.masking import MaskedEdit
-
                     masked = MaskedEdit(self.pipe, req.images[0], req.mask, params.width, params.height,
                                         params.mask_grow, params.mask_feather, params.strength, params.steps,
                                         params.image_seeds, rgba=family.rgba)
                 output = self.pipe(
                     image=images, prompt=prompt,
-                    # CFG runs with a negative prompt and a scale above 1; without, the pipelines warn of one unused
+                    # CFG runs with a negative prompt and a scale above 1;
+                    # without, the pipelines warn of one unused
                     negative_prompt=params.negative_prompt if params.true_cfg_scale > 1 else None,
                     true_cfg_scale=params.true_cfg_scale, num_inference_steps=params.steps,
                     num_images_per_prompt=params.num_images, width=params.width, height=params.height,
@@ -172,13 +173,14 @@ class Runner:
             raise Cancelled(f"cancelled at step {reached} of {params.steps}") from None
         except _Refused as refused:
             raise refused.error from None
-        except torch.OutOfMemoryError as exc:  # cleaned up below, once the traceback no longer pins the activations
+        except torch.OutOfMemoryError as exc:
+            # cleaned up below, once the traceback no longer pins the activations
             out_of_memory = oom_detail(exc)
         except Exception as exc:
             if is_device_fault(exc):
                 log.exception("%s: device fault in %s", req.request_id, self.name)
-                raise FatalError(WorkerFailed(
-                    f"{self.name} hit a GPU fault ({type(exc).__name__}); its process is being restarted")) from None
+                raise FatalError(WorkerFailed(f"{self.name} hit a GPU fault ({type(exc).__name__}); "
+                                              "its process is being restarted")) from None
             log.exception("%s: pipeline call failed", req.request_id)
             error = ImgEditError(f"the edit failed with an internal error (request {req.request_id})")
             raise FatalError(error) if collective else error from None
@@ -193,7 +195,8 @@ class Runner:
             if self.decode_room is not None:
                 self.decode_room.end()
         if out_of_memory:
-            log.warning("%s: out of GPU memory on %s: %s", req.request_id, ",".join(self.devices), out_of_memory)
+            log.warning("%s: out of GPU memory on %s: %s",
+                        req.request_id, ",".join(self.devices), out_of_memory)
             self.cleanup(force=True)
             error = OutOfGpuMemory(
                 f"out of GPU memory on {', '.join(self.devices)}: try a smaller output size, fewer "
@@ -210,10 +213,8 @@ class Runner:
 
     def _rewrite(self, job: Job, cancel: threading.Event, together):
         """The prompt rewrite (imgedit.runtime.enhance). In a group the first rank writes it and the others
-        take its words, or its refusal (cancel, out of memory, failure): every rank must encode the same prompt,
-        and all of them stop together. Raises _Refused."""
-        from imgedit.runtime import enhance
-
+        take its words, or its refusal (cancel, out of memory, failure): every rank must encode the same
+        prompt, and all of them stop together. Raises _Refused."""
         req = job.request
         box: list = [None]
         out_of_memory = False
@@ -229,14 +230,13 @@ class Runner:
                     raise FatalError(WorkerFailed(f"{self.name} hit a GPU fault ({type(exc).__name__}); its "
                                                   "process is being restarted")) from None
                 log.exception("%s: prompt rewrite failed", req.request_id)
-                box[0] = ImgEditError(f"the prompt rewrite failed with an internal error (request {req.request_id})")
+                box[0] = ImgEditError("the prompt rewrite failed with an internal error "
+                                      f"(request {req.request_id})")
             if out_of_memory:
                 self.cleanup(force=True)
-                box[0] = OutOfGpuMemory(f"out of GPU memory on {', '.join(self.devices)} while rewriting the prompt: "
-                                        "try fewer or smaller input images")
+                box[0] = OutOfGpuMemory(f"out of GPU memory on {', '.join(self.devices)} "
+                                        "while rewriting the prompt: try fewer or smaller input images")
         if together is not None:
-            import torch.distributed as dist
-
             dist.broadcast_object_list(box, src=0, group=together)
         if isinstance(box[0], ImgEditError):
             raise _Refused(box[0])
@@ -249,9 +249,9 @@ class Runner:
             rewritten = self._rewrite(job, cancel, None)
         except _Refused as refused:
             raise refused.error from None
-        return EditResult([], job.params.seed, 0, 0, 0, time.perf_counter() - started, self.name, self.devices,
-                          req.request_id, prompt=None if rewritten.notice else rewritten.prompt,
-                          notice=rewritten.notice)
+        return EditResult([], job.params.seed, 0, 0, 0, time.perf_counter() - started,
+                          self.name, self.devices, req.request_id,
+                          prompt=None if rewritten.notice else rewritten.prompt, notice=rewritten.notice)
 
     def cleanup(self, force: bool = False) -> None:
         """Drop what the job left behind (the seed guides' AUTO_CLEANUP); always after an OOM."""
@@ -275,7 +275,8 @@ def output_resolution(family: Family, width: int | None, height: int | None) -> 
 
 def oom_detail(exc: BaseException) -> str:
     """The log's account of an out-of-memory error: torch's first sentences (what it tried to allocate, what
-    the process holds) and the frame that asked, so that a run on the GPU machine says where memory ran out."""
+    the process holds) and the frame that asked, so that a run on the GPU machine says where memory ran
+    out."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
     where = f" (in {Path(frames[-1].filename).name}:{frames[-1].lineno}, {frames[-1].name})" if frames else ""
     return " ".join(str(exc).split(". Of the allocated")[0].split())[:400] + where

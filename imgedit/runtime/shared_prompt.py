@@ -50,7 +50,8 @@ def _shared(encode, pipe, rank: int, control_group, args, kwargs):
             box[0] = FAILED
             dist.broadcast_object_list(box, src=0, group=control_group)
             raise
-        box[0] = (tuple(embeds.shape), embeds.dtype, None if mask is None else (tuple(mask.shape), mask.dtype))
+        mask_meta = None if mask is None else (tuple(mask.shape), mask.dtype)
+        box[0] = (tuple(embeds.shape), embeds.dtype, mask_meta)
     dist.broadcast_object_list(box, src=0, group=control_group)
     if box[0] == FAILED:
         raise PromptNotShared("the pair's first rank could not encode the prompt")

@@ -29,7 +29,8 @@ def _forward(conv, original, x: torch.Tensor, cache_x: torch.Tensor | None = Non
     if x.shape[2] != 1 or (cache_x is not None and pad_t > 0):
         return original(x, cache_x)
     weight = conv.weight[:, :, -1]  # the tap that meets the frame; the others meet the causal zeros
-    y = F.conv2d(x[:, :, 0], weight, conv.bias, conv.stride[1:], (pad_h, pad_w), conv.dilation[1:], conv.groups)
+    y = F.conv2d(x[:, :, 0], weight, conv.bias, conv.stride[1:], (pad_h, pad_w), conv.dilation[1:],
+                 conv.groups)
     return y.unsqueeze(2)
 
 
@@ -38,9 +39,11 @@ def install(vae: torch.nn.Module) -> int:
     count = 0
     for module in vae.modules():
         padding = getattr(module, "_padding", None)
-        if (isinstance(module, torch.nn.Conv3d) and module.padding_mode == "zeros" and module.padding == (0, 0, 0)
+        if (isinstance(module, torch.nn.Conv3d)
+                and module.padding_mode == "zeros" and module.padding == (0, 0, 0)
                 and isinstance(padding, tuple) and len(padding) == 6 and padding[5] == 0
-                and module.kernel_size[0] == padding[4] + 1 and module.stride[0] == 1 and module.dilation[0] == 1):
+                and module.kernel_size[0] == padding[4] + 1
+                and module.stride[0] == 1 and module.dilation[0] == 1):
             HookRegistry.check_if_exists_or_initialize(module).register_hook(SingleFrame(), HOOK)
             count += 1
     return count

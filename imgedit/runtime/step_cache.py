@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 
+from diffusers import FirstBlockCacheConfig, TaylorSeerCacheConfig
+
 log = logging.getLogger(__name__)
 
 # Full steps every 3 (of 40: 14 full, 26 forecast), after 5 full warm-up steps; first order.
@@ -31,8 +33,6 @@ class StepCache:
         wanted = (mode, threshold if mode == "first-block" else 0.0)
         if wanted == self.active:
             return
-        from diffusers import FirstBlockCacheConfig, TaylorSeerCacheConfig
-
         if self.active[0] != "none":
             self.transformer.disable_cache()
             self.active = ("none", 0.0)
@@ -41,7 +41,8 @@ class StepCache:
         elif mode == "taylorseer":
             self.transformer.enable_cache(TaylorSeerCacheConfig(**TAYLORSEER))
         self.active = wanted
-        log.info("step cache: %s", mode if mode != "first-block" else f"first-block (threshold {threshold:g})")
+        shown = mode if mode != "first-block" else f"first-block (threshold {threshold:g})"
+        log.info("step cache: %s", shown)
 
     def end(self) -> None:
         """After a job, however it ended: no state of it reaches the next one."""

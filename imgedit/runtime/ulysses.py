@@ -31,7 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from diffusers.hooks import HookRegistry, ModelHook
+from diffusers import ContextParallelConfig
+from diffusers.hooks import HookRegistry, ModelHook, context_parallel
+from torch.distributed.device_mesh import init_device_mesh
 
 
 def pad_text(hidden: torch.Tensor, mask: torch.Tensor | None, multiple: int = 1,
@@ -54,8 +56,9 @@ def pad_text(hidden: torch.Tensor, mask: torch.Tensor | None, multiple: int = 1,
 class TextPadding(ModelHook):
     """Pads the text of every call to a multiple of `multiple` (while `active()` says so, when given). A
     pre_forward hook stays in the chain when diffusers removes a hook registered before it (group offloading's
-    lazy prefetching does after its first forward), where a replaced `forward` is dropped: tests/test_batch_cfg.py
-    shows both (the CFG forwards re-install themselves instead: runtime.cfg_parallel.ForwardOverride)."""
+    lazy prefetching does after its first forward), where a replaced `forward` is dropped:
+    tests/test_batch_cfg.py shows both (the CFG forwards re-install themselves instead:
+    runtime.cfg_parallel.ForwardOverride)."""
 
     NAME = "imgedit_text_padding"
 
@@ -107,10 +110,8 @@ def enable_ulysses(transformer: torch.nn.Module, layout: Layout, device_type: st
     """Turn on diffusers' Ulysses attention for this rank's half of the group, over a
     (cfg, ring=1, ulysses) device mesh (the layout the 4-GPU probe ran: FACTS.md). `active`: see
     install_text_padding. `mesh`: one made for another transformer of this rank, whose communicators it then
-    shares (FAST_QUANTIZE's copies: a mesh of their own made NCCL fail on the GPU machine). Returns the mesh."""
-    from diffusers import ContextParallelConfig
-    from torch.distributed.device_mesh import init_device_mesh
-
+    shares (FAST_QUANTIZE's copies: a mesh of their own made NCCL fail on the GPU machine). Returns the
+    mesh."""
     if mesh is None:
         mesh = init_device_mesh(device_type, (layout.cfg, 1, layout.ulysses),
                                 mesh_dim_names=("cfg", "ring", "ulysses"))
@@ -140,8 +141,6 @@ class UlyssesSwitch:
     guards on the hooks' functions and the processors' config), both compiled at the warm-up."""
 
     def __init__(self, transformer: torch.nn.Module, rank: int, device_type: str, mesh=None):
-        from diffusers.hooks import context_parallel
-
         self.on = True
         self.mesh = enable_ulysses(transformer, Layout(cfg=1, ulysses=2, rank=rank), device_type,
                                    active=lambda: self.on, mesh=mesh)

@@ -9,31 +9,30 @@ import threading
 import time
 import traceback
 
+import torch
 from PIL import Image
 
 from imgedit.protocol import EditRequest, Resolved
+from imgedit.runtime import enhance, offload
 from imgedit.runtime.fallback import agreed, cause
 from imgedit.runtime.messages import Job, StartupReport, WorkerSpec
 
 log = logging.getLogger(__name__)
 
 
-def compile_and_warm_up(spec: WorkerSpec, runner, transformers: tuple, report: StartupReport, agree, say) -> None:
+def compile_and_warm_up(spec: WorkerSpec, runner, transformers: tuple, report: StartupReport, agree,
+                        say) -> None:
     """COMPILE: compile the transformer(s) and warm every variant up before any user waits. An
     optimisation never takes the server down: if compiling or the warm-up fails (on any rank of a group:
     they vote), the worker runs eager and says why in its fallbacks (/health, the panel, the page)."""
-    import torch
-
-    from imgedit.runtime import offload
-
     started = time.perf_counter()
     group = runner.group
     split = group is not None and (group.splits_cfg_off or group.layout.ulysses > 1)
     if spec.loras or split:
         # each adapter set is one more compiled variant of the block (guards on peft's state), each of them
         # up to four times where text is split (a pair's Ulysses on with and without the padding mask, and
-        # off; a batch of one specialised apart from n > 1); a fast copy's quantized blocks are variants of the
-        # same block code too
+        # off; a batch of one specialised apart from n > 1); a fast copy's quantized blocks are variants of
+        # the same block code too
         limit = (8 + 2 * len(spec.loras) + 2 * (len(transformers) - 1)) * (4 if split else 1)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
     failure: BaseException | None = None
@@ -62,20 +61,20 @@ def warm_up_rewrite(pipe, fallbacks: list[str], compiled: bool) -> float:
     """A short prompt rewrite before any user waits: a worker's first rewrite ran 1.6-2.3x slower a token than
     its third (2026-11-27, H200: 58.7 against 25.5 ms, 160 tokens), the kernels and the GPU's matrix routines
     loading on first use. One picture at the rewrite's view size, 8 tokens."""
-    from imgedit.runtime import enhance
-
     if not compiled:  # COMPILE=off: rewrites decode eagerly too, nothing is compiled at start-up
         enhance.no_static_cache(pipe.text_encoder)
     started = time.perf_counter()
 
     def once() -> None:
-        enhance.rewrite(pipe, [Image.new("RGB", (1024, 1024), (120, 130, 140))], "warm up", 8, threading.Event())
+        picture = Image.new("RGB", (1024, 1024), (120, 130, 140))
+        enhance.rewrite(pipe, [picture], "warm up", 8, threading.Event())
 
     with enhance.on_its_own_gpu(pipe.text_encoder):  # the encoder as a rewrite sees it
         static = enhance.decodes_compiled(pipe.text_encoder)
     try:
         once()
-    except Exception as exc:  # noqa: BLE001 - a warm-up: a compiled decoding falls back, an eager one just says so
+    except Exception as exc:  # noqa: BLE001 - a warm-up
+        # a compiled decoding falls back, an eager one just says so
         if not static:
             log.warning("the prompt rewrite warm-up failed: %s", cause(exc))
             return round(time.perf_counter() - started, 2)
@@ -91,8 +90,8 @@ def warm_up_rewrite(pipe, fallbacks: list[str], compiled: bool) -> float:
 
 def warm_up(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
     """Compile before any user waits: one short CFG edit per warm-up size. The blocks compile dynamic in the
-    sequence lengths from the first size (offload.compile_transformer); the second size checks, before any user
-    waits, that no guard of the first one specialised a length."""
+    sequence lengths from the first size (offload.compile_transformer); the second size checks, before any
+    user waits, that no guard of the first one specialised a length."""
     family = spec.checkpoint.family
     runs: list[tuple[int, int, str, dict]] = [(width, height, "", {"true_cfg_scale": 4.0})
                                               for width, height in spec.warmup_sizes]
@@ -115,10 +114,11 @@ def warm_up(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
                 runner.run(job, threading.Event())
         return round(time.perf_counter() - started, 2)
 
-    # CFG-off jobs are variants of their own: each Lightning LoRA's at the first size (with FUSE_LORA, the no-LoRA
-    # variant on fused weights); on a pair that splits CFG-off jobs (Ulysses on) the first one at every size. With
-    # FAST_QUANTIZE the Lightning jobs run on their copies: the quality weights' CFG-off variant is warmed too, and
-    # on a splitting pair every one of them at every size (each copy is a transformer of its own).
+    # CFG-off jobs are variants of their own: each Lightning LoRA's at the first size (with
+    # FUSE_LORA, the no-LoRA variant on fused weights); on a pair that splits CFG-off jobs
+    # (Ulysses on) the first one at every size. With FAST_QUANTIZE the Lightning jobs run on
+    # their copies: the quality weights' CFG-off variant is warmed too, and on a splitting
+    # pair every one of them at every size (each copy is a transformer of its own).
     split = runner.group is not None and runner.group.splits_cfg_off
     copies = runner.adapters is not None and bool(runner.adapters.copies)
     offs = [((f.name, 1.0),) for f in spec.loras if f.steps] or ([()] if split else [])

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from accelerate import dispatch_model, init_empty_weights
 
 from imgedit.model.components import block_container, component_classes, from_config, trained_like_init
 from imgedit.planning.checkpoint import Checkpoint
@@ -37,8 +38,6 @@ def module_device_map(model: torch.nn.Module, placement: Placement) -> dict[str,
 def load_component(name: str, checkpoint: Checkpoint, placement: Placement, dtype: torch.dtype):
     cls = component_classes(checkpoint.folder)[name]
     if placement.is_split:
-        from accelerate import init_empty_weights
-
         with init_empty_weights():
             device_map = module_device_map(from_config(name, checkpoint.folder), placement)
     else:
@@ -53,8 +52,6 @@ def load_component(name: str, checkpoint: Checkpoint, placement: Placement, dtyp
 
 def random_component(name: str, folder: Path, device_map: dict[str, str], dtype: torch.dtype):
     """Build on the first device in `dtype` (fast on a GPU), then dispatch like from_pretrained does."""
-    from accelerate import dispatch_model
-
     first = next(iter(device_map.values()))
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

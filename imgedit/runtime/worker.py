@@ -4,10 +4,15 @@ Started by imgedit.engine.pool with the spawn method and CUDA_VISIBLE_DEVICES ho
 GPUs. A reader thread takes messages off the inbox (jobs to a local queue, cancels to flags) so a
 cancel reaches a running job at its next step. The process exits on Stop, on a fatal error (the
 pool restarts it) and when its parent, the server, is gone (no orphans even after a SIGKILL).
+
+torch, and every module of ours that imports it, is imported inside the functions below, not at the top:
+this module is the first the child process imports, and main() sets CUDA_VISIBLE_DEVICES and the compile
+cache and quiets the libraries' known import-time noise (imgedit.model.KNOWN_NOISE) before any of them loads.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 import os
@@ -19,6 +24,8 @@ from dataclasses import asdict
 
 from imgedit.errors import Cancelled, ImgEditError
 from imgedit.model import quiet_known_noise
+from imgedit.planning.placement import allocator_budget
+from imgedit.runtime.decode_room import DecodeRoom
 from imgedit.runtime.messages import (
     Cancel,
     Channel,
@@ -33,6 +40,7 @@ from imgedit.runtime.messages import (
     Stop,
     WorkerSpec,
 )
+from imgedit.runtime.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +52,11 @@ def main(spec: WorkerSpec, inbox, outbox, visible_devices: str | None, cache_dir
     if cache_dir:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.expanduser(cache_dir))
     inbox, outbox = Channel(inbox), Channel(outbox)
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s {spec.name}.{spec.rank}: %(message)s")
+    logging.basicConfig(level=log_level,
+                        format=f"%(asctime)s %(levelname)s {spec.name}.{spec.rank}: %(message)s")
     if log_level != "DEBUG":
         quiet_known_noise()  # imgedit.model.KNOWN_NOISE
-        from transformers.utils import logging as transformers_logging
+        from transformers.utils import logging as transformers_logging  # quieted first (docstring)
 
         transformers_logging.disable_progress_bar()  # "Loading weights: 100%" bars in the server's log
     _watch_parent(os.getppid())
@@ -60,14 +69,16 @@ def main(spec: WorkerSpec, inbox, outbox, visible_devices: str | None, cache_dir
         runner, report, seconds = _load(spec, say)
     except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
         log.error("loading failed:\n%s", traceback.format_exc())
-        # Only our own words leave the process (the panel and /health show them): details are in the log above.
-        message = exc.message if isinstance(exc, ImgEditError) else f"{type(exc).__name__} (see the server log)"
+        # Only our own words leave the process (the panel and /health show them): details are in the log
+        # above.
+        message = (exc.message if isinstance(exc, ImgEditError)
+                   else f"{type(exc).__name__} (see the server log)")
         outbox.put(LoadFailed(spec.rank, message))
         return
     outbox.put(Ready(spec.rank, os.getpid(), seconds, report))
     _serve(spec, runner, inbox, outbox)
     if spec.world > 1:  # a clean stop: every rank got Stop and left its last collective
-        from imgedit.runtime.group import close_group
+        from imgedit.runtime.group import close_group  # imports torch: after main() (docstring)
 
         close_group()
 
@@ -83,11 +94,12 @@ def _watch_parent(parent: int) -> None:
 
 
 def _load(spec: WorkerSpec, say=lambda doing: None):
+    # torch and the modules that import it: after main()'s set-up of the process (module docstring)
     import torch
 
-    from imgedit.model.encoding import prepare_text_encoder
-    from imgedit.runtime import loader
-    from imgedit.runtime.runner import Runner
+    from imgedit.model.encoding import prepare_text_encoder  # imports torch: after main() (docstring)
+    from imgedit.runtime import loader  # diffusers, torchao: after main() (docstring)
+    from imgedit.runtime.runner import Runner  # diffusers: after main() (docstring)
 
     started = time.perf_counter()
     torch.set_grad_enabled(False)
@@ -97,10 +109,10 @@ def _load(spec: WorkerSpec, say=lambda doing: None):
         torch.set_num_threads(spec.cpu_threads)
     group = None
     if spec.world > 1:
-        from imgedit.runtime.group import init_group
+        from imgedit.runtime.group import init_group  # imports torch: after main() (docstring)
 
         group = init_group(spec.rank, spec.world, spec.master_port, cuda)
-    from imgedit.runtime import offload
+    from imgedit.runtime import offload  # torchao, diffusers: after main() (docstring)
 
     offload.check_device(plan.memory, plan.execution_device, spec.fast_quantize)
     # A random-weight benchmark checkpoint is built in bf16 on the GPU before it is quantized or
@@ -115,16 +127,19 @@ def _load(spec: WorkerSpec, say=lambda doing: None):
     say("loading the weights")
     pipe = loader.load_pipeline(spec.checkpoint, plan, dtype)
     prepare_text_encoder(pipe.text_encoder)  # token types, no logits, the vision tower's windows in one call
-    from imgedit.runtime import encode_cache, pixels, warmup
-    from imgedit.runtime.adapters import Adapters
+    from imgedit.runtime import encode_cache, pixels, warmup  # import torch: after main() (docstring)
+    from imgedit.runtime.adapters import Adapters  # peft, diffusers: after main() (docstring)
 
     encode_cache.install(pipe, spec.encode_cache)  # a repeated input is not encoded again (exact)
-    on_gpu = pixels.install(pipe)  # pictures cross to and from the VAE's GPU as bytes, the arithmetic there (exact)
+    # pictures cross to and from the VAE's GPU as bytes, the arithmetic there (exact)
+    on_gpu = pixels.install(pipe)
 
-    # every rank loads the same LoRAs, all disabled; FUSE_LORA copies the weights they adapt (counted as weights)
-    agree = None  # FUSE_LORA: the ranks of a group fuse all or none (a vote over the CPU group: any "no" wins)
+    # every rank loads the same LoRAs, all disabled; FUSE_LORA copies the weights they adapt (counted as
+    # weights)
+    # FUSE_LORA: the ranks of a group fuse all or none (a vote over the CPU group: any "no" wins)
+    agree = None
     if spec.world > 1:
-        from imgedit.runtime.group import agree_to_stop
+        from imgedit.runtime.group import agree_to_stop  # imports torch: after main() (docstring)
 
         def agree(ok: bool) -> bool:
             return not agree_to_stop(not ok, group)
@@ -133,23 +148,24 @@ def _load(spec: WorkerSpec, say=lambda doing: None):
     if spec.loras or fast_mode != "none":
         say(f"loading {len(spec.loras)} LoRA(s)" + (f", building the {fast_mode} fast-mode copies"
                                                    if fast_mode != "none" else ""))
-    adapters = Adapters(pipe, spec.loras, spec.fuse_lora, spec.activation_reserve, spec.memory_caps if cuda else (),
-                        agree, fast_mode, spec.fast_steps, fast_agree=agree if spec.pair_ulysses else None)
-    if spec.loras and plan.memory is not None and plan.memory.streams_blocks:  # the LoRAs' loading streamed them all
+    adapters = Adapters(pipe, spec.loras, spec.fuse_lora, spec.activation_reserve,
+                        spec.memory_caps if cuda else (), agree,
+                        fast_mode, spec.fast_steps, fast_agree=agree if spec.pair_ulysses else None)
+    # the LoRAs' loading streamed them all
+    if spec.loras and plan.memory is not None and plan.memory.streams_blocks:
         offload.restream(pipe.transformer, plan.components["transformer"].device, plan.memory)
     fast = adapters.copies  # FAST_QUANTIZE's copies of the transformer
     weights = _weights_per_gpu() if cuda else {}  # the LoRAs' weights included
-    runner = Runner(pipe, spec.name, spec.devices or plan.devices, spec.rank, spec.world, spec.parallel, group,
-                    spec.auto_cleanup, spec.ulysses, cuda, adapters,
-                    batch_cfg=plan.memory is not None and plan.memory.batch_cfg, pair_ulysses=spec.pair_ulysses)
+    runner = Runner(pipe, spec.name, spec.devices or plan.devices, spec.rank, spec.world, spec.parallel,
+                    group, spec.auto_cleanup, spec.ulysses, cuda, adapters,
+                    batch_cfg=plan.memory is not None and plan.memory.batch_cfg,
+                    pair_ulysses=spec.pair_ulysses)
     if cuda and spec.memory_caps and late_cap:
         torch.cuda.empty_cache()
         _cap_memory(spec.memory_caps)
     under_cap = []  # what a job may take under MAX_MEMORY, decided per job
     if cuda and spec.memory_caps:
-        from imgedit.runtime.decode_room import DecodeRoom
-        from imgedit.runtime.fusion import gpu_room
-        from imgedit.runtime.prefix_cache import PrefixCache
+        from imgedit.runtime.fusion import gpu_room  # imports torch: after main() (docstring)
 
         caps, vae = spec.memory_caps, torch.device(plan.components["vae"].device)  # where the decode runs
         if vae.type == "cuda":
@@ -171,8 +187,6 @@ def _load(spec: WorkerSpec, say=lambda doing: None):
         under_cap=under_cap)
     if spec.hook:
         module, _, function = spec.hook.partition(":")
-        import importlib
-
         getattr(importlib.import_module(module), function)(pipe, spec)
     if spec.attention != "native":
         for transformer in (pipe.transformer, *fast):
@@ -180,36 +194,37 @@ def _load(spec: WorkerSpec, say=lambda doing: None):
     report.attention = offload.attention_in_use(pipe.transformer)  # as the processors have it
     if spec.compile:
         warmup.compile_and_warm_up(spec, runner, (pipe.transformer, *fast), report, agree, say)
-    streamed = plan.memory is not None and plan.memory.offload_text_encoder  # rewrites refused (planning.modes)
+    # rewrites refused (planning.modes)
+    streamed = plan.memory is not None and plan.memory.offload_text_encoder
     if cuda and spec.rank == 0 and not streamed:  # the rank that writes a group's rewrites
         say("warming up prompt rewriting")
         report.rewrite_warmup_seconds = warmup.warm_up_rewrite(pipe, report.fallbacks, spec.compile)
-    # What loading, the LoRAs and the warm-ups left in reference cycles goes now, not at the first job's OOM: on
-    # 2x H200 the first edit of a capped worker (the 31 GiB split, 2.1 at 14.5 GiB) came back 507 and the same
-    # request succeeded once the OOM's cleanup (this one) had run.
+    # What loading, the LoRAs and the warm-ups left in reference cycles goes now, not at the first job's OOM:
+    # on 2x H200 the first edit of a capped worker (the 31 GiB split, 2.1 at 14.5 GiB) came back 507 and the
+    # same request succeeded once the OOM's cleanup (this one) had run.
     runner.cleanup(force=True)
     if cuda:
         report.memory_allocated_gib = round(torch.cuda.memory_allocated() / 1024**3, 2)
         report.memory_reserved_gib = round(torch.cuda.memory_reserved() / 1024**3, 2)
-    log.info("loaded on %s in %.1fs (%s)", ",".join(plan.devices), time.perf_counter() - started, asdict(report))
+    log.info("loaded on %s in %.1fs (%s)",
+             ",".join(plan.devices), time.perf_counter() - started, asdict(report))
     return runner, report, time.perf_counter() - started
 
 
 def _weights_per_gpu() -> dict[str, float]:
     """MiB torch holds on each of this rank's GPUs right after loading, before any job or warm-up: the
     weights (the GPU panel's "our weights"; keyed cuda:0.. as this process numbers its GPUs)."""
-    import torch
+    import torch  # after main()'s set-up (docstring)
 
-    return {f"cuda:{i}": round(torch.cuda.memory_allocated(i) / 1024**2, 1) for i in range(torch.cuda.device_count())}
+    return {f"cuda:{i}": round(torch.cuda.memory_allocated(i) / 1024**2, 1)
+            for i in range(torch.cuda.device_count())}
 
 
 def _cap_memory(caps: tuple[int, ...]) -> None:
     """MAX_MEMORY is a promise about what nvidia-smi shows: let torch's allocator use at most the cap
     minus the CUDA context and the kernels loaded as jobs run (it frees its cache and retries before it
     gives up with out-of-memory)."""
-    import torch
-
-    from imgedit.planning.placement import allocator_budget
+    import torch  # after main()'s set-up (docstring)
 
     for index, cap in enumerate(caps):
         total = torch.cuda.get_device_properties(index).total_memory
@@ -219,7 +234,7 @@ def _cap_memory(caps: tuple[int, ...]) -> None:
 
 
 def _serve(spec: WorkerSpec, runner, inbox, outbox) -> None:
-    from imgedit.runtime.runner import FatalError
+    from imgedit.runtime.runner import FatalError  # imports torch: after main() (docstring)
 
     jobs: queue.Queue = queue.Queue()
     cancelled: set[str] = set()
