@@ -18,8 +18,10 @@ from dotenv import load_dotenv
 
 from imgedit.config.parsers import DeviceMap
 from imgedit.config.settings import load_settings, writable_folder
+from imgedit.engine.gpus import discover_gpus
 from imgedit.errors import ImgEditError, SettingsError
 from imgedit.planning.families import FAMILIES
+from imgedit.web.starting import StartingServer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,9 +31,10 @@ def main(argv: list[str] | None = None) -> int:
                "auth): .env.example lists every one with its default, and README.md explains them.")
     parser.add_argument("--demo", action="store_true",
                         help="serve a tiny random-weight model on the CPU (no download; outputs are noise)")
-    parser.add_argument("--host", help="the address to listen on (sets GRADIO_SERVER_NAME; default 127.0.0.1, "
-                        "this machine only; 0.0.0.0 opens it to the network)")
-    parser.add_argument("--port", type=int, help="the port to serve on (sets GRADIO_SERVER_PORT; default 7860)")
+    parser.add_argument("--host", help="the address to listen on (sets GRADIO_SERVER_NAME; default "
+                        "127.0.0.1, this machine only; 0.0.0.0 opens it to the network)")
+    parser.add_argument("--port", type=int,
+                        help="the port to serve on (sets GRADIO_SERVER_PORT; default 7860)")
     args = parser.parse_args(argv)
     load_dotenv()  # .env fills in what the environment does not set
     if args.host is not None:
@@ -48,14 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("imgedit")
     # The port is bound now and answered from the first second: /health and the page say what the server
     # is doing while it inspects the checkpoint and starts the workers (a minute on a slow first start).
-    from imgedit.web.starting import StartingServer
-
     try:
         starting = StartingServer(settings.gradio_server_name, settings.gradio_server_port,
                                   "inspecting the checkpoint and the LoRA files")
     except OSError as exc:
-        log.error("port %d is in use on %s (%s): stop what serves there, or choose another port with --port or "
-                  "GRADIO_SERVER_PORT", settings.gradio_server_port, settings.gradio_server_name,
+        log.error("port %d is in use on %s (%s): stop what serves there, or choose another port with "
+                  "--port or GRADIO_SERVER_PORT", settings.gradio_server_port, settings.gradio_server_name,
                   exc.strerror or exc)
         return 2
     try:
@@ -66,11 +67,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _start(args, settings, starting, log) -> int:
     if settings.torch_dtype == "float16":
-        log.warning("TORCH_DTYPE=float16: Qwen-Image-Edit is known to give NaN/black images in fp16; use bfloat16")
+        log.warning("TORCH_DTYPE=float16: Qwen-Image-Edit is known to give NaN/black images in fp16; "
+                    "use bfloat16")
 
-    # Heavy imports only after the settings are known to be good. The server process never imports
-    # torch nor touches CUDA (GPUs are read through NVML); the worker processes own the GPUs.
-    from imgedit.engine.gpus import discover_gpus
+    # Imported here, after load_dotenv() and --host/--port: these modules read the environment when
+    # imported (engine.inspection's IMGEDIT_SIZES_CACHE, gradio's GRADIO_* settings), and gradio's
+    # import (about 2 s) comes after the port is answered and the settings are known to be good.
+    # The server process never imports torch nor touches CUDA (GPUs are read through NVML); the
+    # worker processes own the GPUs.
     from imgedit.engine.inspection import ensure_demo_checkpoint
     from imgedit.engine.manager import PipelineManager
     from imgedit.web.app import build_app, serve
@@ -86,9 +90,11 @@ def _start(args, settings, starting, log) -> int:
         return 2
     if args.demo or (not settings.demo and no_model_chosen and not gpus):
         if not args.demo:
-            log.warning("no GPU and no QWEN_MODEL/QWEN_MODEL_DIR set: serving the demo model (outputs are noise)")
+            log.warning("no GPU and no QWEN_MODEL/QWEN_MODEL_DIR set: serving the demo model "
+                        "(outputs are noise)")
         # A few steps (unless DEFAULT_STEPS says otherwise): the random demo model makes noise either way.
-        settings = replace(settings, demo=True, device_map=DeviceMap("cpu"), default_steps=settings.default_steps or 4)
+        settings = replace(settings, demo=True, device_map=DeviceMap("cpu"),
+                           default_steps=settings.default_steps or 4)
     manager = PipelineManager(settings)
     try:
         if settings.demo:

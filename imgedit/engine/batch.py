@@ -52,10 +52,11 @@ class Item:
     notice: str | None = None  # why an asked-for prompt rewrite was not used (the prompt as sent ran)
 
     def view(self) -> dict:
-        return {"index": self.index, "name": self.name, "state": self.state, "seed": self.seed, "step": self.step,
-                "total_steps": self.total_steps, "error": self.error,
+        return {"index": self.index, "name": self.name, "state": self.state, "seed": self.seed,
+                "step": self.step, "total_steps": self.total_steps, "error": self.error,
                 "outputs": self.entry.outputs if self.entry else 0,
-                # enhance_prompt: each item's own rewrite (its images differ), None where the user's prompt ran
+                # enhance_prompt: each item's own rewrite (its images differ), None where the user's
+                # prompt ran
                 "revised_prompt": self.entry.prompt if self.entry and self.entry.original_prompt else None,
                 "notice": self.notice, "weights": self.entry.weights if self.entry else None}
 
@@ -98,7 +99,8 @@ class Job:
     def settings(self) -> dict:
         t = self.template
         return {"prompt": t.prompt, "num_inference_steps": t.num_inference_steps, "n": t.num_images,
-                "speed": t.speed, "lora": t.lora, "lora_scale": t.lora_scale, "enhance_prompt": t.enhance_prompt,
+                "speed": t.speed, "lora": t.lora, "lora_scale": t.lora_scale,
+                "enhance_prompt": t.enhance_prompt,
                 "mask": None if t.mask is None else f"sha256:{mask_digest(t.mask)}"}
 
     def view(self) -> dict:
@@ -119,7 +121,8 @@ def job_view(job_id: str, state: str, created: float, position: int | None, sett
             "failed": sum(i["state"] in ("failed", "cancelled") for i in items)}
 
 
-def expand_uploads(files: list[tuple[str, bytes]], max_items: int, max_file_size: int) -> list[tuple[str, bytes]]:
+def expand_uploads(files: list[tuple[str, bytes]], max_items: int,
+                   max_file_size: int) -> list[tuple[str, bytes]]:
     """Uploaded files to one (name, bytes) per item: a zip gives its images, in name order."""
     out: list[tuple[str, bytes]] = []
     for name, data in files:
@@ -141,17 +144,20 @@ def _zip_members(name: str, data: bytes, room: int, max_file_size: int) -> list[
         out = []
         for info in members:
             path = PurePosixPath(info.filename)
-            if path.name.startswith(".") or "__MACOSX" in path.parts or path.suffix.lower() not in IMAGE_SUFFIXES:
+            hidden = path.name.startswith(".") or "__MACOSX" in path.parts
+            if hidden or path.suffix.lower() not in IMAGE_SUFFIXES:
                 continue
             if len(out) >= room:
                 out.append((path.name, b""))  # one over: the caller reports the limit
                 break
             if info.file_size > max_file_size:
-                raise InputTooLarge(f"{path.name} in {name} is larger than {max_file_size:,} bytes (MAX_FILE_SIZE)")
+                raise InputTooLarge(f"{path.name} in {name} is larger than {max_file_size:,} bytes "
+                                    "(MAX_FILE_SIZE)")
             with archive.open(info) as member:
                 raw = member.read(max_file_size + 1)  # the header's size is not trusted
             if len(raw) > max_file_size:
-                raise InputTooLarge(f"{path.name} in {name} is larger than {max_file_size:,} bytes (MAX_FILE_SIZE)")
+                raise InputTooLarge(f"{path.name} in {name} is larger than {max_file_size:,} bytes "
+                                    "(MAX_FILE_SIZE)")
             out.append((path.name, raw))
         return out
     except ImgEditError:
@@ -217,7 +223,8 @@ class JobService:
         most = max(int(total * self.settings.client_share), min(self.settings.batch_max_items, total))
         return min(most, total - 1) if total > 1 else total
 
-    def submit(self, owner: str, template: EditRequest, inputs: list[tuple[str, list[bytes]]], source: str) -> Job:
+    def submit(self, owner: str, template: EditRequest, inputs: list[tuple[str, list[bytes]]],
+               source: str) -> Job:
         """Start a job (on the running event loop). Raises InvalidInput or QueueFull."""
         settings = self.settings
         if len(inputs) > settings.batch_max_items:
@@ -229,11 +236,12 @@ class JobService:
             raise QueueFull(f"the server is busy ({pending} batch items unfinished); try again later")
         mine, most = self.pending_items(owner), self.client_items()
         if mine + len(inputs) > most:
-            raise QueueFull(f"you already have {mine} batch item(s) unfinished; with these {len(inputs)} one client "
-                            f"would hold more than {most} of the {settings.jobs_max_pending} places (CLIENT_SHARE of "
-                            "JOBS_MAX_PENDING); try again when some have finished")
+            raise QueueFull(f"you already have {mine} batch item(s) unfinished; with these {len(inputs)} "
+                            f"one client would hold more than {most} of the {settings.jobs_max_pending} "
+                            "places (CLIENT_SHARE of JOBS_MAX_PENDING); try again when some have finished")
         status = self.manager.status()
-        if status.waiting >= settings.queue_max_size and not any(w.state is WorkerState.IDLE for w in status.workers):
+        idle = any(w.state is WorkerState.IDLE for w in status.workers)
+        if status.waiting >= settings.queue_max_size and not idle:
             raise QueueFull(f"the server is busy ({status.waiting} jobs waiting); try again later")
         job = Job("job_" + secrets.token_urlsafe(12), owner, source, template,
                   [Item(n, clean_name(name, n), data) for n, (name, data) in enumerate(inputs)])
@@ -260,7 +268,8 @@ class JobService:
 
     def _forget_old(self) -> None:
         now = time.time()
-        for job_id in [j.id for j in self._jobs.values() if j.finished_at and now - j.finished_at > KEEP_FINISHED_S]:
+        old = [j.id for j in self._jobs.values() if j.finished_at and now - j.finished_at > KEEP_FINISHED_S]
+        for job_id in old:
             del self._jobs[job_id]
         if self.settings.output_retention_hours > 0:  # their results are gone by then
             self.records.forget_before(now - self.settings.output_retention_hours * 3600)
@@ -283,8 +292,8 @@ class JobService:
             job.finished_at = time.time()
             job.touch()
             self._persist(job)  # not in a thread: the task may be being cancelled (server stopping)
-            log.info("%s %s: %d/%d succeeded", job.id, job.state, sum(i.state == "succeeded" for i in job.items),
-                     len(job.items))
+            log.info("%s %s: %d/%d succeeded", job.id, job.state,
+                     sum(i.state == "succeeded" for i in job.items), len(job.items))
 
     async def _run_item(self, job: Job, item: Item) -> None:
         settings = self.settings
@@ -293,9 +302,11 @@ class JobService:
                 raise Cancelled("cancelled before it started")
             alpha = self.alpha
             images = await asyncio.to_thread(
-                lambda: tuple(open_image(raw, settings.max_input_pixels, f"{item.name}", alpha) for raw in item.inputs))
+                lambda: tuple(open_image(raw, settings.max_input_pixels, f"{item.name}", alpha)
+                              for raw in item.inputs))
             # The template's prompt and every setting (speed, lora and lora_scale included) carry over.
-            req = replace(job.template, images=images, request_id=new_request_id(), source=job.source, client=job.owner)
+            req = replace(job.template, images=images, request_id=new_request_id(), source=job.source,
+                          client=job.owner)
 
             def on_wait(ahead: int) -> None:
                 item.position = ahead
@@ -312,8 +323,8 @@ class JobService:
                         raise Cancelled("cancelled while waiting") from None
                     await asyncio.sleep(RETRY_BUSY_S)
             item.seed, item.notice = result.seed, result.notice
-            item.entry = await asyncio.to_thread(self.history.save, job.owner, job.id, item.index, req, result,
-                                                 item.name)
+            item.entry = await asyncio.to_thread(self.history.save, job.owner, job.id, item.index, req,
+                                                 result, item.name)
             item.state = "succeeded"
         except Cancelled as exc:
             item.state, item.error = "cancelled", exc.message

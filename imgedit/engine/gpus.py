@@ -14,6 +14,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
+import pynvml
+
 from imgedit.planning.plan import GpuSpec
 from imgedit.protocol import ManagerStatus, WorkerState
 
@@ -34,16 +36,16 @@ class GpuReading:
     holds: list[str] = field(default_factory=list)
     running: list[str] = field(default_factory=list)
     # The memory bar: used = weights + activations + other; weights + activations + other + free = total.
-    weights_mib: float = 0.0  # our weights on this GPU (what the workers measured after loading, else planned)
-    activations_mib: float = 0.0  # the rest of our processes' memory: activations, allocator cache, CUDA context
+    # our weights on this GPU (what the workers measured after loading, else planned)
+    weights_mib: float = 0.0
+    # the rest of our processes' memory: activations, allocator cache, CUDA context
+    activations_mib: float = 0.0
     other_mib: float = 0.0  # other processes (and the driver)
     free_mib: float = 0.0
     weights_source: str | None = None  # measured | planned | None (nothing of ours is planned here)
 
 
 def _nvml():
-    import pynvml
-
     pynvml.nvmlInit()
     return pynvml
 
@@ -61,8 +63,9 @@ def visible_handles(nvml) -> dict[int, object]:
         if not part:
             break
         try:
+            uuid = part if part.startswith(("GPU-", "MIG-")) else "GPU-" + part
             handle = (nvml.nvmlDeviceGetHandleByIndex(int(part)) if part.isdigit()
-                      else nvml.nvmlDeviceGetHandleByUUID(part if part.startswith(("GPU-", "MIG-")) else "GPU-" + part))
+                      else nvml.nvmlDeviceGetHandleByUUID(uuid))
         except Exception:  # CUDA stops at the first invalid entry; so do we
             break
         handles[len(handles)] = handle
@@ -132,7 +135,8 @@ class MemoryHistory:
         self._samples: dict[int, collections.deque] = {}
         self._lock = threading.Lock()
 
-    def add(self, index: int, now: float, weights: float, activations: float, other: float, total: float) -> bool:
+    def add(self, index: int, now: float, weights: float, activations: float, other: float,
+            total: float) -> bool:
         """Record a reading (MiB) of GPU `index` taken at `now` (seconds); False when one was taken less
         than an interval ago."""
         with self._lock:
@@ -149,7 +153,8 @@ class MemoryHistory:
         """[seconds ago, weights, activations, other, total] per sample within the window, oldest first."""
         with self._lock:
             samples = list(self._samples.get(index, ()))
-        return [[round(now - t, 1), w, a, o, total] for t, w, a, o, total in samples if now - t <= self.window_s]
+        return [[round(now - t, 1), w, a, o, total] for t, w, a, o, total in samples
+                if now - t <= self.window_s]
 
 
 class GpuMonitor:
@@ -289,7 +294,8 @@ def _blocks_on(describe: str, device: str) -> str:
     return ", ".join(part.split(" -> ")[0] for part in describe.split(", ") if part.endswith(f" -> {device}"))
 
 
-def snapshot(monitor: GpuMonitor, status: ManagerStatus, history: bool = False, now: float | None = None) -> dict:
+def snapshot(monitor: GpuMonitor, status: ManagerStatus, history: bool = False,
+             now: float | None = None) -> dict:
     """The panel's data as JSON-able dict (the /gpu_status API and /health use it). `history` adds
     each GPU's recent memory readings (the panel's plot; left out of the APIs to keep them small)."""
     now = time.monotonic() if now is None else now

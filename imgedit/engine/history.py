@@ -62,9 +62,9 @@ CREATE INDEX IF NOT EXISTS results_owner ON results (owner, created);
 CREATE INDEX IF NOT EXISTS results_job ON results (job_id, item);
 CREATE INDEX IF NOT EXISTS results_created ON results (created);
 """
-_COLUMNS = ("id, job_id, item, owner, created, source, name, prompt, negative_prompt, seed, steps, true_cfg_scale, "
-            "num_images, width, height, out_width, out_height, outputs, inputs, folder, bytes, speed, lora, "
-            "lora_scale, original_prompt, weights, options")
+_COLUMNS = ("id, job_id, item, owner, created, source, name, prompt, negative_prompt, seed, steps, "
+            "true_cfg_scale, num_images, width, height, out_width, out_height, outputs, inputs, folder, "
+            "bytes, speed, lora, lora_scale, original_prompt, weights, options")
 # Columns added after the first release, with their types: a database written by an older version gets
 # them at start-up (its rows read back as None: quality, no LoRA, which is what made them).
 _ADDED_COLUMNS = {"speed": "TEXT", "lora": "TEXT", "lora_scale": "REAL", "original_prompt": "TEXT",
@@ -99,9 +99,12 @@ class HistoryEntry:
     speed: str | None = None  # as asked for: None = quality
     lora: str | None = None  # the picked LoRA's name; None = none
     lora_scale: float | None = None  # its strength as asked for; None = 1
-    original_prompt: str | None = None  # the user's words when the model rewrote them (`prompt` is the one used)
-    weights: str | None = None  # FAST_QUANTIZE's lossy copy the edit ran on (fp8 | int8); None = the model's own
-    # the declared parameters without a column of their own (EditRequest.options), as asked for: JSON in the store
+    # the user's words when the model rewrote them (`prompt` is the one used)
+    original_prompt: str | None = None
+    # FAST_QUANTIZE's lossy copy the edit ran on (fp8 | int8); None = the model's own
+    weights: str | None = None
+    # the declared parameters without a column of their own (EditRequest.options), as asked for: JSON in
+    # the store
     options: dict = field(default_factory=dict)
 
     @property
@@ -185,19 +188,21 @@ class HistoryStore:
             shutil.rmtree(partial, ignore_errors=True)
             raise
         entry = HistoryEntry(
-            entry_id, job_id, item, owner, created, req.source, name or f"item {item + 1}", result.prompt or req.prompt,
-            req.negative_prompt or "", result.seed, result.steps, req.true_cfg_scale, len(result.images),
-            req.width, req.height, result.width, result.height, len(result.images), len(req.images), folder, size,
+            entry_id, job_id, item, owner, created, req.source, name or f"item {item + 1}",
+            result.prompt or req.prompt, req.negative_prompt or "", result.seed, result.steps,
+            req.true_cfg_scale, len(result.images), req.width, req.height, result.width, result.height,
+            len(result.images), len(req.images), folder, size,
             req.speed or None, None if req.lora in (None, "", "none") else req.lora, req.lora_scale,
             req.prompt if result.prompt else None, result.weights, dict(req.options))
-        row = (entry.id, entry.job_id, entry.item, entry.owner, entry.created, entry.source, entry.name, entry.prompt,
-               entry.negative_prompt, entry.seed, entry.steps, entry.true_cfg_scale, entry.num_images, entry.width,
-               entry.height, entry.out_width, entry.out_height, entry.outputs, entry.inputs,
-               str(folder.relative_to(self.root)), entry.bytes, entry.speed, entry.lora, entry.lora_scale,
-               entry.original_prompt, entry.weights, json.dumps(entry.options) if entry.options else None)
+        row = (entry.id, entry.job_id, entry.item, entry.owner, entry.created, entry.source, entry.name,
+               entry.prompt, entry.negative_prompt, entry.seed, entry.steps, entry.true_cfg_scale,
+               entry.num_images, entry.width, entry.height, entry.out_width, entry.out_height, entry.outputs,
+               entry.inputs, str(folder.relative_to(self.root)), entry.bytes, entry.speed, entry.lora,
+               entry.lora_scale, entry.original_prompt, entry.weights,
+               json.dumps(entry.options) if entry.options else None)
+        places = ", ".join("?" * len(row))
         with self._lock:
-            self._db.execute(f"INSERT OR REPLACE INTO results ({_COLUMNS}) VALUES ({', '.join('?' * len(row))})",
-                             row)
+            self._db.execute(f"INSERT OR REPLACE INTO results ({_COLUMNS}) VALUES ({places})", row)
         self.prune()
         return entry
 

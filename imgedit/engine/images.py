@@ -23,7 +23,8 @@ FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
 
 
 # The first bytes of each format in FORMATS, and of a zip (the Batch tab takes a zip of images).
-_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"BM", b"GIF87a", b"GIF89a", b"II*\x00", b"MM\x00*", b"PK\x03\x04")
+_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"BM", b"GIF87a", b"GIF89a", b"II*\x00", b"MM\x00*",
+          b"PK\x03\x04")
 
 
 def image_or_zip(head: bytes) -> bool:
@@ -68,7 +69,8 @@ def image_label(number: int, name: str | None = None) -> str:
 
 def frame_notices(images) -> list[str]:
     """What the user should know about inputs with several frames (open_image keeps their first)."""
-    return [f"image {i} has {image.info['frames']} frames (animated or multi-page): only its first frame was edited"
+    return [f"image {i} has {image.info['frames']} frames (animated or multi-page): "
+            "only its first frame was edited"
             for i, image in enumerate(images, 1) if image.info.get("frames", 1) > 1]
 
 
@@ -128,8 +130,9 @@ def settings_text(req, params, model: str, size: tuple[int, int], rewritten: str
                   weights: str | None = None) -> dict[str, str]:
     """What produced an image, as text: the request's prompts, the parameters the pipeline really got
     (`validation.Resolved`), the output size (a masked edit's: the size it ran at), the model, the LoRA.
-    `rewritten`: the enhanced prompt the edit used; then `prompt` is that one and `original_prompt` the user's.
-    `weights`: the lossy copy of the transformer a fast job ran on (FAST_QUANTIZE), recorded as `weights`."""
+    `rewritten`: the enhanced prompt the edit used; then `prompt` is that one and `original_prompt` the
+    user's. `weights`: the lossy copy of the transformer a fast job ran on (FAST_QUANTIZE), recorded as
+    `weights`."""
 
     adapters = getattr(params, "adapters", ())  # what the job really ran with, a speed preset's LoRA included
     # A masked edit comes back the first image's size but runs at the resolved size: the PNG records the
@@ -145,7 +148,9 @@ def settings_text(req, params, model: str, size: tuple[int, int], rewritten: str
     if rewritten is not None:
         text.update(prompt=rewritten, original_prompt=req.prompt)
     if getattr(params, "cache", "none") != "none":  # lossy: the PNG says which step cache made it
-        text["cache"] = params.cache if params.cache != "first-block" else f"first-block:{params.cache_threshold:g}"
+        text["cache"] = params.cache
+        if params.cache == "first-block":
+            text["cache"] = f"first-block:{params.cache_threshold:g}"
     if getattr(req, "speed", None):
         text["speed"] = req.speed
     if weights:  # lossy: a server without FAST_QUANTIZE makes a slightly different image from these settings
@@ -160,7 +165,8 @@ def settings_text(req, params, model: str, size: tuple[int, int], rewritten: str
 
 
 def mask_digest(mask: Image.Image) -> str:
-    """A short hash of an edit mask (imgedit.engine.masks), for the PNG's settings: the same mask, the same text."""
+    """A short hash of an edit mask (imgedit.engine.masks), for the PNG's settings: the same mask, the
+    same text."""
     return hashlib.sha256(mask.tobytes()).hexdigest()[:16]
 
 
@@ -180,7 +186,8 @@ def stamp(images: list[Image.Image], text: dict[str, str]) -> None:
 
 def stamped_text(image: Image.Image) -> dict[str, str]:
     """The settings `stamp` attached (the text entries of the image's `info`)."""
-    return {key: value for key, value in image.info.items() if isinstance(key, str) and isinstance(value, str)}
+    return {key: value for key, value in image.info.items()
+            if isinstance(key, str) and isinstance(value, str)}
 
 
 def png_info(image: Image.Image) -> PngImagePlugin.PngInfo:
@@ -201,7 +208,8 @@ def png_bytes(image: Image.Image, compress_level: int = 1) -> bytes:
     return buffer.getvalue()
 
 
-SUFFIXES = {"png": ".png", "jpeg": ".jpg", "webp": ".webp"}  # OpenAI's output_format values, as file names end
+# OpenAI's output_format values, as file names end
+SUFFIXES = {"png": ".png", "jpeg": ".jpg", "webp": ".webp"}
 REPLY_FORMATS = tuple(SUFFIXES)
 
 
@@ -236,7 +244,8 @@ def reencoded(path, output_format: str, quality: int = 100) -> bytes:
         return encoded(image, output_format, quality)
 
 
-MAX_EXIF_COMMENT = 60_000  # bytes; today's prompt limits (4,000 characters, 1,024 tokens) stay near 51 KB at worst
+# bytes; today's prompt limits (4,000 characters, 1,024 tokens) stay near 51 KB at worst
+MAX_EXIF_COMMENT = 60_000
 
 
 def settings_exif(image: Image.Image) -> bytes:
@@ -246,7 +255,8 @@ def settings_exif(image: Image.Image) -> bytes:
     exif = Image.Exif()
     text = stamped_text(image)
     comment = json.dumps(text, ensure_ascii=True, separators=(",", ":")).encode("ascii")
-    if len(comment) > MAX_EXIF_COMMENT:  # a JPEG's EXIF must fit one 64 KiB segment: the prompts give way first
+    # a JPEG's EXIF must fit one 64 KiB segment: the prompts give way first
+    if len(comment) > MAX_EXIF_COMMENT:
         prompts = ("prompt", "negative_prompt", "original_prompt")
         text = {key: value for key, value in text.items() if key not in prompts}
         text["prompt_left_out"] = "too long for EXIF"

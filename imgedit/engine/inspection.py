@@ -78,7 +78,8 @@ def _lora_key(checkpoint: Checkpoint, entry: LoraEntry) -> str | None:
     stat = path.stat()
     config = checkpoint.folder / "transformer" / "config.json"
     digest = hashlib.sha256(config.read_bytes() if config.is_file() else b"-")
-    digest.update(json.dumps([entry.name, entry.steps, str(path.resolve()), stat.st_size, stat.st_mtime_ns]).encode())
+    key = [entry.name, entry.steps, str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+    digest.update(json.dumps(key).encode())
     return digest.hexdigest()[:32]
 
 
@@ -134,7 +135,7 @@ def ensure_demo_checkpoint(folder: str, skip: tuple[str, ...] = (), kind: str = 
     if (Path(folder).expanduser() / "model_index.json").is_file():
         return
     log.info("building the demo checkpoint in %s", folder)
-    answer = _run({"folder": str(Path(folder).expanduser()), "build_demo": True, "kind": kind, "skip": list(skip),
-                   "sizes": True},
+    answer = _run({"folder": str(Path(folder).expanduser()), "build_demo": True, "kind": kind,
+                   "skip": list(skip), "sizes": True},
                   f"could not build the demo checkpoint in {folder}")
     _write(CACHE_DIR / f"{_key(open_checkpoint(folder), skip)}.json", answer["sizes"])

@@ -44,7 +44,8 @@ def job_state(states: list[str], cancelled: bool) -> str:
     """A job's state from its items' (queued, running, succeeded, failed, cancelled)."""
     if any(s in UNFINISHED for s in states):
         if cancelled:
-            return "cancelling"  # asked to stop: waiting items are leaving the line, a running one stops at a step
+            # asked to stop: waiting items are leaving the line, a running one stops at a step
+            return "cancelling"
         return "running" if any(s != "queued" for s in states) else "queued"
     if cancelled and "cancelled" in states:
         return "cancelled"  # the items that finished before it was cancelled can still be fetched
@@ -99,15 +100,17 @@ class JobRecords:
             self._db.execute("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
 
     def read(self, owner: str, job_id: str) -> dict | None:
-        """The job as last written, for its owner only: created, finished, cancelled, settings, items, state."""
+        """The job as last written, for its owner only: created, finished, cancelled, settings, items,
+        state."""
         with self._lock:
             row = self._db.execute("SELECT created, finished, cancelled, settings, items FROM jobs "
                                    "WHERE id = ? AND owner = ?", (job_id, owner)).fetchone()
         if row is None:
             return None
         items = json.loads(row[4])
-        return {"created": row[0], "finished": row[1], "cancelled": bool(row[2]), "settings": json.loads(row[3]),
-                "items": items, "state": job_state([i["state"] for i in items], bool(row[2]))}
+        return {"created": row[0], "finished": row[1], "cancelled": bool(row[2]),
+                "settings": json.loads(row[3]), "items": items,
+                "state": job_state([i["state"] for i in items], bool(row[2]))}
 
     def newest(self, owner: str, limit: int, after: str | None = None) -> tuple[list[dict], bool] | None:
         """The owner's jobs, newest first: `limit` of them after the job `after` (None: from the newest),
@@ -115,18 +118,21 @@ class JobRecords:
         with self._lock:
             where, args = "owner = ?", [owner]
             if after is not None:
-                row = self._db.execute("SELECT created FROM jobs WHERE id = ? AND owner = ?", (after, owner)).fetchone()
+                row = self._db.execute("SELECT created FROM jobs WHERE id = ? AND owner = ?",
+                                       (after, owner)).fetchone()
                 if row is None:
                     return None
                 where += " AND (created < ? OR (created = ? AND id < ?))"
                 args += [row[0], row[0], after]
-            rows = self._db.execute(f"SELECT id, created, finished, cancelled, settings, items FROM jobs WHERE {where} "
-                                    "ORDER BY created DESC, id DESC LIMIT ?", (*args, limit + 1)).fetchall()
+            rows = self._db.execute("SELECT id, created, finished, cancelled, settings, items FROM jobs "
+                                    f"WHERE {where} ORDER BY created DESC, id DESC LIMIT ?",
+                                    (*args, limit + 1)).fetchall()
         jobs = []
         for job_id, created, finished, cancelled, settings, raw in rows[:limit]:
             items = json.loads(raw)
-            jobs.append({"id": job_id, "created": created, "finished": finished, "settings": json.loads(settings),
-                         "items": items, "state": job_state([i["state"] for i in items], bool(cancelled))})
+            jobs.append({"id": job_id, "created": created, "finished": finished,
+                         "settings": json.loads(settings), "items": items,
+                         "state": job_state([i["state"] for i in items], bool(cancelled))})
         return jobs, len(rows) > limit
 
     def forget_before(self, when: float) -> None:

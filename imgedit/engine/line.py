@@ -75,8 +75,8 @@ class Line:
             held = sum(t.client == client for t in self._tickets) if client is not None else 0
             if held >= self.client_places() and not idle:
                 raise QueueFull(f"you already have {held} edit(s) waiting; one client may hold at most "
-                                f"{self.client_places()} of the line's {size} places (CLIENT_SHARE); try again "
-                                "when one has started")
+                                f"{self.client_places()} of the line's {size} places (CLIENT_SHARE); "
+                                "try again when one has started")
             ticket = _Ticket(client)
             self._tickets.append(ticket)
             reported = -1

@@ -1,9 +1,9 @@
 """The manager: jobs through the one FIFO line (imgedit.engine.line) to the worker processes, started as
 imgedit.engine.startup plans them. No torch, no CUDA context.
 
-`prepare()` opens the checkpoint and plans the placement (engine.startup); `start()` spawns one worker per planned
-worker (imgedit.engine.pool) and returns at once (the workers load in their own processes, /health says
-503 until they are ready). Jobs from the page, the gradio API and REST wait together in arrival
+`prepare()` opens the checkpoint and plans the placement (engine.startup); `start()` spawns one worker per
+planned worker (imgedit.engine.pool) and returns at once (the workers load in their own processes, /health
+says 503 until they are ready). Jobs from the page, the gradio API and REST wait together in arrival
 order for a free worker; one job per worker at a time; cancel, progress, results and typed errors
 cross the process boundary as small messages (imgedit.runtime.messages).
 """
@@ -69,7 +69,8 @@ class PipelineManager:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._started = False
         self._nodes: dict[str, str] = {}  # WORKERS=ray: each planned worker's Ray node id
-        self.loras: tuple = ()  # imgedit.config.loras.LoraFile: the LoRAs every worker loads, checked in prepare()
+        # imgedit.config.loras.LoraFile: the LoRAs every worker loads, checked in prepare()
+        self.loras: tuple = ()
         self.prompt_tokens = PromptTokens()  # the checkpoint's tokenizer once prepare() opened it
 
     # ---- planning and start-up ----
@@ -113,7 +114,8 @@ class PipelineManager:
             self.checkpoint = open_checkpoint(self.settings.model_source)
             self.settings = startup.family_settings(self.settings, self.checkpoint.family)
             self.prompt_tokens = PromptTokens.from_checkpoint(self.checkpoint.folder)
-            log.info("prompts are counted by %s: at most %d tokens", self.prompt_tokens.source, MAX_PROMPT_TOKENS)
+            log.info("prompts are counted by %s: at most %d tokens", self.prompt_tokens.source,
+                     MAX_PROMPT_TOKENS)
             planned = startup.plan_workers(self.settings, self.checkpoint, self._plan, self._gpus)
             self._plan, self._nodes, self.loras = planned.plan, planned.nodes, planned.loras
         except Exception as exc:
@@ -127,9 +129,10 @@ class PipelineManager:
             log.info("%s", line)
         self.workers = [self._handle(w) for w in self._plan.workers]
         for w in self.workers:
+            encode_cache = f"{s.encode_cache} input(s)" if s.encode_cache else "off"
             log.info("%s: %d process(es), compile %s, encode cache %s, CPU threads %s", w.name, w.plan.ranks,
-                     "on" if self.compile_enabled(w.plan) else "off", f"{s.encode_cache} input(s)" if s.encode_cache
-                     else "off", w.spec.cpu_threads or "PyTorch's default")
+                     "on" if self.compile_enabled(w.plan) else "off", encode_cache,
+                     w.spec.cpu_threads or "PyTorch's default")
         if (refused := startup.refusal(s, self._plans, self.checkpoint, self.loras)) is not None:
             self.load_error = refused
             raise PlacementError(refused)
@@ -221,7 +224,8 @@ class PipelineManager:
         return params
 
     def resolve_enhance(self, req: EditRequest) -> Resolved:
-        """A prompt rewrite's parameters (the images and the instruction), or InvalidInput naming the field."""
+        """A prompt rewrite's parameters (the images and the instruction), or InvalidInput naming the
+        field."""
         params = resolve_enhance(req, self.settings, self.family, len(req.images), self.prompt_tokens)
         check_enhance(params, self._plans)
         return params
@@ -241,14 +245,16 @@ class PipelineManager:
         `prompt` is the rewrite, or None with a `notice` when the user's prompt is kept."""
         return self._through_line(req, "enhance", None, None, on_wait, cancel)[0]
 
-    def _through_line(self, req: EditRequest, task: str, params: Resolved | None, on_step: StepCallback | None,
-                      on_wait: WaitCallback | None, cancel: threading.Event | None) -> tuple[EditResult, Resolved]:
+    def _through_line(self, req: EditRequest, task: str, params: Resolved | None,
+                      on_step: StepCallback | None, on_wait: WaitCallback | None,
+                      cancel: threading.Event | None) -> tuple[EditResult, Resolved]:
         started = time.perf_counter()
         worker: WorkerHandle | None = None
         outcome, steps = "error", 0
         cancel = cancel or threading.Event()
         try:
-            restarting = any(w.state is WorkerState.RESTARTING or (w.state is WorkerState.LOADING and w.restarts)
+            restarting = any(w.state is WorkerState.RESTARTING
+                             or (w.state is WorkerState.LOADING and w.restarts)
                              for w in self.workers)
             if not self.ready and not restarting:  # a restarting worker is waited for, in line
                 if self.load_error and not self.workers:
@@ -276,23 +282,25 @@ class PipelineManager:
             seconds = time.perf_counter() - started
             log.info("%s %s source=%s outcome=%s worker=%s steps=%d %.2fs", req.request_id, task, req.source,
                      outcome, worker.name if worker else "-", steps, seconds)
-            record = JobRecord(req.request_id, req.source, outcome, seconds, steps, worker.name if worker else None,
-                               task)
+            record = JobRecord(req.request_id, req.source, outcome, seconds, steps,
+                               worker.name if worker else None, task)
             for listener in self.listeners:
                 listener(record)
 
     # ---- status ----
     def status(self) -> ManagerStatus:
         plan = self._plan
+        cache = self.settings.cache
+        if cache == "first-block":
+            cache = f"first-block (threshold {self.settings.cache_threshold:g})"
         return ManagerStatus(
             ready=self.ready, model=self.settings.model_source, family=self.family,
             mode=plan.mode if plan else "-", reason=plan.reason if plan else "planning",
             waiting=self.waiting(), workers=tuple(w.status() for w in self.workers), error=self.load_error,
             loras=tuple(f.describe() for f in self.loras), weights_mib=self._planned_weights(),
-            cache=self.settings.cache if self.settings.cache != "first-block"
-            else f"first-block (threshold {self.settings.cache_threshold:g})", attention=self.settings.attention,
-            compile_mode=modes.compile_mode(self.settings, self._plans), fast_quantize=self.settings.fast_quantize,
-            defaults=self.defaults())
+            cache=cache, attention=self.settings.attention,
+            compile_mode=modes.compile_mode(self.settings, self._plans),
+            fast_quantize=self.settings.fast_quantize, defaults=self.defaults())
 
     def defaults(self) -> dict:
         """What a request gets when it leaves a value out, and what the model takes (planning.families)."""

@@ -15,7 +15,8 @@ import io
 import numpy as np
 from PIL import Image, ImageOps
 
-from imgedit.engine.images import FORMATS, _check_pixels, mask_digest  # noqa: F401  (mask_digest: re-exported)
+# mask_digest: re-exported
+from imgedit.engine.images import FORMATS, _check_pixels, mask_digest  # noqa: F401
 from imgedit.errors import InputTooLarge, InvalidInput
 
 MAX_GROW = 256  # pixels the mask may be grown by (mask_grow)
@@ -32,8 +33,9 @@ def mask_from(source: Image.Image, image_size: tuple[int, int]) -> Image.Image:
         alpha = np.asarray(source.convert("RGBA"))[:, :, 3]
         edit = alpha == 0  # OpenAI: fully transparent = edit here
         if not edit.any():
-            raise InvalidInput("the mask has no fully transparent pixel: with a transparent PNG (OpenAI's way) "
-                               "the transparent area is edited; or send black and white, white = edit", "mask")
+            raise InvalidInput("the mask has no fully transparent pixel: with a transparent PNG "
+                               "(OpenAI's way) the transparent area is edited; or send black and white, "
+                               "white = edit", "mask")
     else:
         edit = np.asarray(source.convert("L")) >= 128  # white = edit
         if not edit.any():
@@ -68,7 +70,8 @@ def open_mask(raw: bytes, image_size: tuple[int, int], max_pixels: int) -> Image
         raise InputTooLarge(f"the mask is too large to decode safely (limit {max_pixels:,} pixels, "
                             "MAX_INPUT_PIXELS)", "mask") from None
     except Exception:
-        raise InvalidInput("the mask is not a readable image: send a PNG the size of the first image", "mask") from None
+        raise InvalidInput("the mask is not a readable image: send a PNG the size of the first image",
+                           "mask") from None
     return mask_from(image, image_size)
 
 
@@ -80,7 +83,8 @@ def check_mask_fields(grow, feather, strength) -> tuple[int, int, float]:
     for name, value, most in (("mask_grow", grow, MAX_GROW), ("mask_feather", feather, MAX_FEATHER)):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
             raise InvalidInput(f"{name} {value!r} is out of range: 0 to {most} pixels", name)
-    if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0.0 < strength <= 1.0:
-        raise InvalidInput(f"strength {strength!r} is out of range: above 0, at most 1 (1 = repaint the masked "
-                           "area from scratch)", "strength")
+    number = not isinstance(strength, bool) and isinstance(strength, (int, float))
+    if not number or not 0.0 < strength <= 1.0:
+        raise InvalidInput(f"strength {strength!r} is out of range: above 0, at most 1 (1 = repaint the "
+                           "masked area from scratch)", "strength")
     return grow, feather, float(strength)

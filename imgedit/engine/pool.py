@@ -190,8 +190,9 @@ class WorkerHandle:
     def _spawn(self) -> None:
         self._ready, self.weights_mib = set(), {}
         port = free_port() if self.plan.ranks > 1 else 0
-        self.transport.spawn([replace(self.spec, rank=rank, world=self.plan.ranks, plan=self.plan.for_rank(rank),
-                                      master_port=port, devices=self.plan.devices,
+        self.transport.spawn([replace(self.spec, rank=rank, world=self.plan.ranks,
+                                      plan=self.plan.for_rank(rank), master_port=port,
+                                      devices=self.plan.devices,
                                       memory_caps=self._caps(self.plan.for_rank(rank)))
                               for rank in range(self.plan.ranks)])
         log.info("%s: started %s on %s", self.name, self.transport.describe(), self.plan.describe())
@@ -243,7 +244,8 @@ class WorkerHandle:
         return events
 
     def cancel(self, request_id: str) -> None:
-        self.transport.send(Cancel(request_id), ignore_errors=True)  # a rank that is gone: the pump reports it
+        # a rank that is gone: the pump reports it
+        self.transport.send(Cancel(request_id), ignore_errors=True)
 
     def finish(self) -> None:
         self._events = None
@@ -329,7 +331,8 @@ class WorkerHandle:
             log.error("%s: could not start %s again: %r", self.name, self.transport.what, exc)
             self.transport.reap(1)
             self.state, self.detail = WorkerState.FAILED, None
-            self.error = f"{self.transport.what} ended ({died.reason}) and a new one could not be started: {exc!r}"
+            self.error = (f"{self.transport.what} ended ({died.reason}) and a new one could not be started: "
+                          f"{exc!r}")
             self.on_change()
             return
         self.state = WorkerState.LOADING if self.state is WorkerState.RESTARTING else self.state

@@ -103,7 +103,8 @@ class ProcessTransport:
         """The ranks' messages, and a `Died` last when a rank of this generation ended."""
         outboxes, procs = list(self._outboxes), list(self._procs)
         try:
-            ready = multiprocessing.connection.wait([*outboxes, *(p.sentinel for p in procs)], timeout=timeout)
+            ready = multiprocessing.connection.wait([*outboxes, *(p.sentinel for p in procs)],
+                                                    timeout=timeout)
         except (OSError, ValueError):  # closed by reap()
             time.sleep(0.05)
             return []
@@ -165,6 +166,7 @@ class ProcessTransport:
 def _entry(environ: dict[str, str], *args) -> None:
     os.environ.clear()
     os.environ.update(environ)
+    # In the child process only (torch), once the server's environment is set above
     from imgedit.runtime.worker import main
 
     main(*args)

@@ -18,6 +18,9 @@ import json
 import logging
 from pathlib import Path
 
+from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers
+from tokenizers.models import BPE
+
 log = logging.getLogger(__name__)
 
 MAX_PROMPT_TOKENS = 1024  # the pipelines' tokenizer_max_length
@@ -53,15 +56,13 @@ class PromptTokens:
 
 
 def _read(folder: Path):
-    from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers
-    from tokenizers.models import BPE
-
     if (folder / "tokenizer.json").is_file():
         return Tokenizer.from_file(str(folder / "tokenizer.json"))
     vocab = json.loads((folder / "vocab.json").read_text(encoding="utf-8"))
-    merges = [tuple(line.split(" ", 1)) for line in (folder / "merges.txt").read_text(encoding="utf-8").splitlines()
-              if line and not line.startswith("#version")]
-    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False, byte_fallback=False))
+    lines = (folder / "merges.txt").read_text(encoding="utf-8").splitlines()
+    merges = [tuple(line.split(" ", 1)) for line in lines if line and not line.startswith("#version")]
+    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False,
+                              byte_fallback=False))
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
@@ -69,5 +70,6 @@ def _read(folder: Path):
     ])
     config = folder / "tokenizer_config.json"
     added = json.loads(config.read_text()).get("added_tokens_decoder", {}) if config.is_file() else {}
-    tokenizer.add_special_tokens([AddedToken(t["content"], special=True, normalized=False) for t in added.values()])
+    tokenizer.add_special_tokens([AddedToken(t["content"], special=True, normalized=False)
+                                  for t in added.values()])
     return tokenizer

@@ -13,6 +13,7 @@ only when WORKERS=ray.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import threading
 import time
@@ -20,11 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from imgedit.config.settings import Settings
+from imgedit.engine.gpus import discover_gpus
 from imgedit.engine.pool import Died, SendFailed, TransportLost, localize
 from imgedit.errors import WorkerFailed
 from imgedit.planning.placement import plan_placement
 from imgedit.planning.plan import ComponentSpec, Placement, Plan, WorkerPlan
-from imgedit.runtime.messages import Ready
+from imgedit.runtime.messages import Channel, Ready
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 30.0  # ray.init retries an unreachable address for minutes; the server must not hang
@@ -39,7 +41,7 @@ NODE_VERDICT_S, UNAVAILABLE = 30.0, "ActorUnavailableError"
 def _ray():
     # No auto-init: a ray call after ray.shutdown() must fail, not start a new local cluster.
     os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
-    import ray
+    import ray  # optional: WORKERS=ray only, and after the variable above is set
 
     return ray
 
@@ -108,7 +110,7 @@ def alive_nodes() -> list[Node]:
 def _node_gpus(node: Node) -> list:
     """The GPUs of one node as that node's NVML sees them (Ray reports a count, not memory)."""
     ray = _ray()
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # WORKERS=ray only
 
     task = ray.remote(num_cpus=0, num_gpus=0)(_discover_here).options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False))
@@ -118,8 +120,6 @@ def _node_gpus(node: Node) -> list:
 def _discover_here(count: int) -> list:
     """Runs on the node: NVML's view of its GPUs, the first `count` (as many as Ray offers there). A
     task given no GPU may find CUDA_VISIBLE_DEVICES emptied by Ray, which would hide them all."""
-    from imgedit.engine.gpus import discover_gpus
-
     os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     return discover_gpus()[:count]
 
@@ -159,10 +159,6 @@ class RankActor:
     """One rank: runtime.worker.main in a thread of this actor's process, fed through a pipe pair."""
 
     def __init__(self):
-        import multiprocessing
-
-        from imgedit.runtime.messages import Channel
-
         # Made here, not in start(): the actor's methods run in several threads, a poll may come first.
         self._inbox_read, inbox_write = multiprocessing.Pipe(duplex=False)
         self._outbox, self._outbox_write = multiprocessing.Pipe(duplex=False)
@@ -173,7 +169,8 @@ class RankActor:
 
         # visible_devices=None: Ray has set CUDA_VISIBLE_DEVICES to the GPUs it gave this actor.
         threading.Thread(target=main, name="imgedit-worker", daemon=True,
-                         args=(spec, self._inbox_read, self._outbox_write, None, cache_dir, log_level)).start()
+                         args=(spec, self._inbox_read, self._outbox_write, None, cache_dir,
+                               log_level)).start()
         ray = _ray()
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}
@@ -228,8 +225,8 @@ class RayTransport:
 
     def spawn(self, specs: list) -> None:
         ray = _joined()
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.placement_group import placement_group  # WORKERS=ray only
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # WORKERS=ray only
 
         bundles = [_bundle(spec.plan) for spec in specs]
         if self._group is None:
@@ -276,7 +273,8 @@ class RayTransport:
         if self._polled_generation != self._generation:
             self._polled_generation, self._polled = self._generation, list(self._actors)
             self._pending = {ref: ("start", rank) for rank, ref in enumerate(self._starts)}
-            self._pending.update({a.poll.remote(POLL_S): ("poll", rank) for rank, a in enumerate(self._polled)})
+            self._pending.update({a.poll.remote(POLL_S): ("poll", rank)
+                                  for rank, a in enumerate(self._polled)})
         if not self._pending:
             threading.Event().wait(POLL_S)
             return []
@@ -311,8 +309,8 @@ class RayTransport:
                     f"Ray actor (rank {rank} on {where}) stopped during the job ({reason})", reap_timeout=0)
 
     def prepare_respawn(self, died: Died) -> None:
-        node_gone = died.reason == NODE_LEFT or self._node_left(wait=NODE_VERDICT_S if died.reason == UNAVAILABLE
-                                                                else 0)
+        verdict = NODE_VERDICT_S if died.reason == UNAVAILABLE else 0
+        node_gone = died.reason == NODE_LEFT or self._node_left(wait=verdict)
         if self.node_id and node_gone:
             # Its node left: place it again wherever the cluster has room (a node that comes back
             # has a new id), not on the node that is gone.
@@ -337,7 +335,8 @@ class RayTransport:
         actors, self._actors = self._actors, []
         if actors and timeout > 0 and self.closing:
             try:  # a Stop was sent: give the worker loops a moment to end on their own
-                ray.wait([a.poll.remote(0) for a in actors], num_returns=len(actors), timeout=min(timeout, 1.0))
+                ray.wait([a.poll.remote(0) for a in actors], num_returns=len(actors),
+                         timeout=min(timeout, 1.0))
             except Exception:  # noqa: BLE001 - dead already: killed below anyway
                 pass
         for actor in actors:
@@ -351,7 +350,7 @@ class RayTransport:
 
     def _remove_group(self) -> None:
         if self._group is not None and _ray().is_initialized():
-            from ray.util.placement_group import remove_placement_group
+            from ray.util.placement_group import remove_placement_group  # WORKERS=ray only
 
             try:
                 remove_placement_group(self._group)

@@ -11,8 +11,8 @@ has them natively is used as is:
   `ShuttingDown(message)`. Only used when the grace period ran out.
 - `close()`: stop and join every worker process (no orphans); idempotent.
 
-Order on SIGTERM (`Shutdown.run`): the edges answer 503 (`imgedit.web.serving.ShutdownGate`), the manager stops
-accepting, running jobs get SHUTDOWN_GRACE_S, stragglers are cancelled, the manager is closed,
+Order on SIGTERM (`Shutdown.run`): the edges answer 503 (`imgedit.web.serving.ShutdownGate`), the manager
+stops accepting, running jobs get SHUTDOWN_GRACE_S, stragglers are cancelled, the manager is closed,
 then uvicorn exits (closing connections within 5 s). Compose and Kubernetes grace periods must
 exceed SHUTDOWN_GRACE_S + 20 s, or the platform's SIGKILL comes first.
 """
@@ -89,7 +89,8 @@ class Draining:
         return await self._tracked(req, cancel, lambda linked: self._manager.run(
             req, on_step=on_step, on_wait=on_wait, cancel=linked, params=params))
 
-    async def run_enhance(self, req: EditRequest, on_wait=None, cancel: threading.Event | None = None) -> EditResult:
+    async def run_enhance(self, req: EditRequest, on_wait=None,
+                          cancel: threading.Event | None = None) -> EditResult:
         return await self._tracked(req, cancel, lambda linked: self._manager.run_enhance(
             req, on_wait=on_wait, cancel=linked))
 
@@ -146,7 +147,8 @@ class Draining:
 
 def drainable(manager) -> Drainable:
     """The manager itself when it implements the protocol, else a `Draining` wrapper."""
-    if all(callable(getattr(manager, m, None)) for m in ("stop_accepting", "wait_idle", "cancel_running", "close")):
+    methods = ("stop_accepting", "wait_idle", "cancel_running", "close")
+    if all(callable(getattr(manager, m, None)) for m in methods):
         return manager
     return Draining(manager)
 

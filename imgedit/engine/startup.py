@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from imgedit.config.settings import Settings
+from imgedit.engine import ray_pool
 from imgedit.engine.gpus import discover_gpus, host_memory, host_threads
 from imgedit.engine.inspection import inspect_checkpoint
 from imgedit.engine.pool import WorkerHandle
@@ -27,8 +28,8 @@ log = logging.getLogger(__name__)
 
 
 def family_settings(settings: Settings, family: str) -> Settings:
-    """The settings whose `auto` depends on the model family, made the family's: QUANTIZE_SKIP, and COMPILE where
-    compiling is not built for it (COMPILE=on is refused at start-up then: family_refusal)."""
+    """The settings whose `auto` depends on the model family, made the family's: QUANTIZE_SKIP, and COMPILE
+    where compiling is not built for it (COMPILE=on is refused at start-up then: family_refusal)."""
     if settings.quantize_skip is None:
         settings = replace(settings, quantize_skip=FAMILIES[family].quantize_skip)
     if settings.compile == "auto" and (why := not_built(family, "compile")) is not None:
@@ -47,15 +48,13 @@ class Planned:
 
 def plan_workers(settings: Settings, checkpoint: Checkpoint, plan: Plan | None,
                  gpus: Sequence[GpuSpec] | None) -> Planned:
-    """The workers to start: `plan` as given (tests), or planned from the checkpoint's sizes for Ray's nodes or
-    this machine's GPUs (`gpus`: discovered when None)."""
+    """The workers to start: `plan` as given (tests), or planned from the checkpoint's sizes for Ray's nodes
+    or this machine's GPUs (`gpus`: discovered when None)."""
     s = settings
     if s.workers == "ray":
         if s.quantize or s.offload:
             raise PlacementError("QUANTIZE and OFFLOAD work with WORKERS=local only for now; "
                                  "leave them at auto (or none) with WORKERS=ray")
-        from imgedit.engine import ray_pool
-
         try:
             ray_pool.connect(s.ray_address, s.ray_connect_timeout)
         except WorkerFailed as exc:
@@ -80,9 +79,7 @@ def worker_handle(settings: Settings, plan: WorkerPlan, spec: WorkerSpec, node: 
     """The supervisor of one planned worker over its transport: local processes, or Ray actors on `node`."""
     s = settings
     if s.workers == "ray":
-        from imgedit.engine.ray_pool import RayTransport
-
-        transport = RayTransport(plan.name, s.compile_cache_dir, s.log_level, node_id=node)
+        transport = ray_pool.RayTransport(plan.name, s.compile_cache_dir, s.log_level, node_id=node)
     else:
         transport = ProcessTransport(plan.name, s.cuda_visible_devices, s.compile_cache_dir, s.log_level,
                                      s.worker_start)

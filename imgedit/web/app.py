@@ -53,14 +53,16 @@ class Application:
         engine = drainable(engine)  # stop_accepting / wait_idle / close for the SIGTERM drain
         history = HistoryStore.from_settings(settings)
         return cls(settings=settings, engine=engine, monitor=monitor or GpuMonitor(), history=history,
-                   jobs=JobService(settings, engine, history), shutdown=Shutdown(engine, settings.shutdown_grace_s))
+                   jobs=JobService(settings, engine, history),
+                   shutdown=Shutdown(engine, settings.shutdown_grace_s))
 
 
-def build_app(settings: Settings, engine, demo: bool | None = None, monitor: GpuMonitor | None = None) -> FastAPI:
+def build_app(settings: Settings, engine, demo: bool | None = None,
+              monitor: GpuMonitor | None = None) -> FastAPI:
     """The ASGI app for `engine` (tests hand in a monitor reading made-up GPUs)."""
     parts = Application.build(settings, engine, monitor)
-    blocks = build_blocks(settings, parts.engine, demo=settings.demo if demo is None else demo, monitor=parts.monitor,
-                          history=parts.history, jobs=parts.jobs)
+    blocks = build_blocks(settings, parts.engine, demo=settings.demo if demo is None else demo,
+                          monitor=parts.monitor, history=parts.history, jobs=parts.jobs)
     # api_open=False: a raw POST to /gradio_api/api/<name> must not skip the line.
     blocks.queue(api_open=False, max_size=settings.queue_max_size)
     _calm(getattr(blocks, "_queue", None))
@@ -99,17 +101,19 @@ def build_app(settings: Settings, engine, demo: bool | None = None, monitor: Gpu
     return app
 
 
-# Gradio's queue polls its event list every 1 ms and its progress list every 10 ms while idle (Linux values of
-# gradio.queueing.Queue, 6.x): measured on the 2-core machine, an idle server spent 0.085 CPU-s per second on it,
-# with or without a page open. At 20 ms / 50 ms it spends 0.017: a page event starts at most 20 ms later (an edit
-# takes seconds; REST jobs do not pass Gradio's queue) and progress is sent at most 20 times a second.
+# Gradio's queue polls its event list every 1 ms and its progress list every 10 ms while idle (Linux values
+# of gradio.queueing.Queue, 6.x): measured on the 2-core machine, an idle server spent 0.085 CPU-s per second
+# on it, with or without a page open. At 20 ms / 50 ms it spends 0.017: a page event starts at most 20 ms
+# later (an edit takes seconds; REST jobs do not pass Gradio's queue) and progress is sent at most 20 times
+# a second.
 QUEUE_IDLE_POLL_S, PROGRESS_POLL_S = 0.02, 0.05
 
 
 def _calm(queue) -> None:
     """Slower idle polling for Gradio's queue (private attributes: left alone, with a warning, if a Gradio
     lacks them)."""
-    for name, value in (("sleep_when_free", QUEUE_IDLE_POLL_S), ("progress_update_sleep_when_free", PROGRESS_POLL_S)):
+    for name, value in (("sleep_when_free", QUEUE_IDLE_POLL_S),
+                        ("progress_update_sleep_when_free", PROGRESS_POLL_S)):
         if isinstance(getattr(queue, name, None), float):
             setattr(queue, name, max(getattr(queue, name), value))
         else:

@@ -34,10 +34,12 @@ BATCH_GROUP = "batch"  # unlimited in Gradio: the manager's line and JOBS_MAX_PE
 def _report(job: Job) -> str:
     done = sum(i.state == "succeeded" for i in job.items)
     failed = [i for i in job.items if i.state in ("failed", "cancelled")]
-    lines = [f"**{job.state}**: {done} of {len(job.items)} done" + (f", {len(failed)} failed" if failed else "")]
+    lines = [f"**{job.state}**: {done} of {len(job.items)} done"
+             + (f", {len(failed)} failed" if failed else "")]
     running = [i for i in job.items if i.state == "running"]
     if running:
-        lines.append(f"running: {', '.join(f'{html.escape(i.name)} (step {i.step}/{i.total_steps})' for i in running)}")
+        steps = ", ".join(f"{html.escape(i.name)} (step {i.step}/{i.total_steps})" for i in running)
+        lines.append(f"running: {steps}")
     elif job.position is not None:
         lines.append(f"in line: {job.position} job(s) ahead")
     lines += [f"- {html.escape(i.name)}: {html.escape(i.error or i.state)}" for i in failed]
@@ -70,21 +72,25 @@ BATCH_CSS = """<style>
 
 
 def build_batch_tab(settings: Settings, manager, jobs: JobService, controls: dict) -> None:
-    """Inside a `gr.Tabs`: the Batch tab. `controls` are the Edit tab's ({declared parameter: its control}): every
-    item runs with the ones the declaration gives the batch (protocol.PARAMETERS' "batch": the advanced settings,
-    Speed, LoRA, strength and Step cache; the tab has its own files and prompt), as a single edit would."""
+    """Inside a `gr.Tabs`: the Batch tab. `controls` are the Edit tab's ({declared parameter: its control}):
+    every item runs with the ones the declaration gives the batch (protocol.PARAMETERS' "batch": the advanced
+    settings, Speed, LoRA, strength and Step cache; the tab has its own files and prompt), as a single edit
+    would."""
     names = [p.name for p in parameters(BATCH)]  # `/batch`'s parameters after its files
     with gr.Tab("Batch", id="batch"):
-        gr.Markdown("One prompt over many images, with the editor's settings above (speed, LoRA, steps, seed, size). "
-                    "Each image is its own edit in the shared line, so single edits are not held up by a batch.")
+        gr.Markdown("One prompt over many images, with the editor's settings above (speed, LoRA, steps, "
+                    "seed, size). Each image is its own edit in the shared line, so single edits are not "
+                    "held up by a batch.")
         files = gr.File(label=f"Images or a .zip of images (up to {settings.batch_max_items})",
                         file_count="multiple", file_types=["image", ".zip"], elem_id="batch-files")
         prompt = gr.Textbox(label="What to change in every image", lines=2, elem_id="batch-prompt")
         with gr.Row():
             run = gr.Button("Run batch", variant="primary", elem_id="batch-button")
             stop = gr.Button("Cancel batch", variant="stop", elem_id="batch-cancel", interactive=False)
-        gallery = gr.Gallery(label="Results", format="png", columns=4, elem_id="batch-gallery", interactive=False)
-        gr.HTML(BATCH_CSS, padding=False)  # the line's style, once (the line itself is replaced at each update)
+        gallery = gr.Gallery(label="Results", format="png", columns=4, elem_id="batch-gallery",
+                             interactive=False)
+        # the line's style, once (the line itself is replaced at each update)
+        gr.HTML(BATCH_CSS, padding=False)
         line = gr.HTML(elem_id="batch-progress", padding=False)
         report = gr.Markdown(elem_id="batch-report", label="report")
         download = gr.File(label="All results (zip)", elem_id="batch-zip", interactive=False)
@@ -94,7 +100,8 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, controls: dic
     async def run_batch(*args):
         """Run one prompt over every uploaded image; yields (gallery, report, zip) as items finish."""
         async with contextlib.aclosing(updates(*args)) as values:
-            async for shown, report_text, archive, _ in values:  # closed with this one (a cancel stops the job)
+            # closed with this one (a cancel stops the job)
+            async for shown, report_text, archive, _ in values:
                 yield shown, report_text, archive
 
     @functools.wraps(run_batch)  # the same parameters (names, defaults, the request) as the API's
@@ -108,12 +115,14 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, controls: dic
         *values, request = args
         try:
             fields = event_fields(dict(zip(names, values, strict=True)))
-            fields["cache"] = parse_cache_input(fields.get("cache"), fields["speed"])  # "default": the server's
+            # "default": the server's
+            fields["cache"] = parse_cache_input(fields.get("cache"), fields["speed"])
             manager.check_cache(fields["cache"])  # before any item starts
             template = EditRequest(images=(), **request_kwargs(fields), source="ui")
             # the cheap fields before any file is read
             check_params(template, settings, manager.family, manager.prompt_tokens)
-            uploads = await asyncio.to_thread(read_uploads, files, settings.batch_max_items, settings.max_file_size)
+            uploads = await asyncio.to_thread(read_uploads, files, settings.batch_max_items,
+                                              settings.max_file_size)
             items = expand_uploads(uploads, settings.batch_max_items, settings.max_file_size)
             owner = page_owner(request, settings.auth is not None) or f"session:{request.session_hash}"
             job = jobs.submit(owner, template, [(name, [raw]) for name, raw in items], source="ui")
@@ -144,8 +153,9 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, controls: dic
     inputs = [files, *(prompt if name == "prompt" else controls[name] for name in names)]
     active, idle = gr.update(interactive=True), gr.update(interactive=False)  # Cancel only while a batch runs
     started = run.click(lambda: active, None, stop, queue=False, api_visibility="private")
-    event = started.then(run_batch_in_page, inputs, [gallery, report, download, line], api_visibility="private",
-                         concurrency_id=BATCH_GROUP, concurrency_limit=None, show_progress="hidden")
+    event = started.then(run_batch_in_page, inputs, [gallery, report, download, line],
+                         api_visibility="private", concurrency_id=BATCH_GROUP, concurrency_limit=None,
+                         show_progress="hidden")
     event.then(lambda: idle, None, stop, queue=False, api_visibility="private")
     stop.click(lambda: idle, None, stop, cancels=[event], queue=False, api_visibility="private")
     # The gradio API's /batch: (gallery, report, zip), without the page's progress line.
@@ -157,15 +167,18 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, controls: dic
 def read_uploads(files, max_items: int, max_file_size: int) -> list[tuple[str, bytes]]:
     """The event's files as (name, bytes), counted before any is read (one upload named 150 times in
     one event is refused unread); a file named several times is read once and its bytes shared."""
-    paths = [f if isinstance(f, str) else getattr(f, "path", None) or getattr(f, "name", str(f)) for f in files or []]
+    paths = [f if isinstance(f, str) else getattr(f, "path", None) or getattr(f, "name", str(f))
+             for f in files or []]
     if len(paths) > max_items:
-        raise InvalidInput(f"{len(paths)} files; a batch takes at most {max_items} images (BATCH_MAX_ITEMS)", "images")
+        raise InvalidInput(f"{len(paths)} files; a batch takes at most {max_items} images (BATCH_MAX_ITEMS)",
+                           "images")
     read: dict[str, bytes] = {}
     for path in dict.fromkeys(str(p) for p in paths):
         with open(path, "rb") as f:
             raw = f.read(max_file_size + 1)
         if len(raw) > max_file_size:
-            raise InputTooLarge(f"{Path(path).name} is larger than {human_size(max_file_size)} (MAX_FILE_SIZE)")
+            raise InputTooLarge(f"{Path(path).name} is larger than {human_size(max_file_size)} "
+                                "(MAX_FILE_SIZE)")
         read[path] = raw
     return [(Path(p).name, read[str(p)]) for p in paths]
 

@@ -1,12 +1,12 @@
-"""The edit chain: "Use this result as input" builds a visible chain of the inputs each edit started from, with
-Undo, Redo and a click on any step to go back to it (its inputs return to the editor), kept per browser: a
-reload shows the chain again.
+"""The edit chain: "Use this result as input" builds a visible chain of the inputs each edit started from,
+with Undo, Redo and a click on any step to go back to it (its inputs return to the editor), kept per
+browser: a reload shows the chain again.
 
 The chain lives in the browser (gr.BrowserState: its localStorage, encrypted with a secret of this server's
 run; not a gr.State, which holds a heartbeat connection open for each page's lifetime) as lists of file paths
-in Gradio's upload cache. Every path that comes back from the browser is checked to lie there before it is used
-(imgedit.web.uploads), as every other file of the page is; steps whose files the cache's sweep removed are
-dropped when the page loads.
+in Gradio's upload cache. Every path that comes back from the browser is checked to lie there before it is
+used (imgedit.web.uploads), as every other file of the page is; steps whose files the cache's sweep removed
+are dropped when the page loads.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ def build_chain_controls() -> tuple:
     """(chain value, the strip of steps, Undo, Redo): hidden until a result has been used as input."""
     chain = gr.BrowserState(EMPTY, storage_key="imgedit-edit-chain")
     with gr.Group(visible=False, elem_id="edit-chain") as group:
-        strip = gr.Gallery(label="Edit chain: the inputs of each step (click one to go back to it)", columns=8,
-                           height=130, allow_preview=False, interactive=False, object_fit="contain",
-                           elem_id="chain-strip", buttons=[])
+        strip = gr.Gallery(label="Edit chain: the inputs of each step (click one to go back to it)",
+                           columns=8, height=130, allow_preview=False, interactive=False,
+                           object_fit="contain", elem_id="chain-strip", buttons=[])
         with gr.Row():
             undo = gr.Button("Undo", size="sm", elem_id="chain-undo", interactive=False)
             redo = gr.Button("Redo", size="sm", elem_id="chain-redo", interactive=False)
@@ -47,7 +47,8 @@ def _checked(chain) -> tuple[list[list[str]], int]:
 
 def _shown(steps: list[list[str]], at: int) -> tuple:
     """(chain value, group, strip, undo, redo) updates for these steps."""
-    captions = [("start" if i == 0 else f"edit {i}") + (" (now)" if i == at else "") for i in range(len(steps))]
+    captions = [("start" if i == 0 else f"edit {i}") + (" (now)" if i == at else "")
+                for i in range(len(steps))]
     return ({"steps": steps, "at": at}, gr.update(visible=len(steps) > 1),
             [(step[0], caption) for step, caption in zip(steps, captions, strict=True) if step],
             gr.update(interactive=at > 0), gr.update(interactive=at < len(steps) - 1))
@@ -75,9 +76,9 @@ def go_to(chain, step: int) -> tuple:
 
 
 def reload(chain) -> tuple:
-    """A page (re)loaded: the chain as it was, without the steps whose files are gone (the cache's sweep removes
-    files after UPLOAD_CACHE_AGE_S) or are not in the upload cache; the position stays where every step is
-    kept, else it moves to the last one. The inputs stay as the page has them."""
+    """A page (re)loaded: the chain as it was, without the steps whose files are gone (the cache's sweep
+    removes files after UPLOAD_CACHE_AGE_S) or are not in the upload cache; the position stays where every
+    step is kept, else it moves to the last one. The inputs stay as the page has them."""
     if not isinstance(chain, dict) or not isinstance(chain.get("steps"), list):
         return _shown([], -1)
     given = chain["steps"][-CHAIN_LIMIT:]

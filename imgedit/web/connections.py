@@ -20,6 +20,9 @@ import json
 import logging
 from collections import Counter
 
+from uvicorn.config import HTTP_PROTOCOLS
+from uvicorn.importer import import_from_string
+
 log = logging.getLogger(__name__)
 
 
@@ -33,12 +36,10 @@ def _raw_answer(status: str, message: str) -> bytes:
 def guarded_protocol(header_timeout: float, max_connections: int, max_per_client: int) -> type:
     """uvicorn's HTTP protocol class (h11, or httptools where installed) with the deadline and the caps.
     0 turns a cap off. Each call makes a class with its own count (one per server)."""
-    from uvicorn.config import HTTP_PROTOCOLS
-    from uvicorn.importer import import_from_string
-
     base = import_from_string(HTTP_PROTOCOLS["auto"])
     per_client: Counter = Counter()  # the connections let in and not yet gone, per address ("" its sum)
-    late = _raw_answer("408 Request Timeout", f"the request's headers did not arrive within {header_timeout:g} "
+    late = _raw_answer("408 Request Timeout",
+                       f"the request's headers did not arrive within {header_timeout:g} "
                        "seconds (HEADER_READ_TIMEOUT)")
 
     class GuardedHTTPProtocol(base):
@@ -50,7 +51,8 @@ def guarded_protocol(header_timeout: float, max_connections: int, max_per_client
             if max_connections and per_client[""] >= max_connections:
                 self._refuse(f"the server has {max_connections} connections open (MAX_CONNECTIONS)")
             elif max_per_client and per_client[self._guard_client] >= max_per_client:
-                self._refuse(f"this address has {max_per_client} connections open (MAX_CONNECTIONS_PER_CLIENT)")
+                self._refuse(f"this address has {max_per_client} connections open "
+                             "(MAX_CONNECTIONS_PER_CLIENT)")
             else:
                 self._counted = True
                 per_client[self._guard_client] += 1
@@ -65,7 +67,8 @@ def guarded_protocol(header_timeout: float, max_connections: int, max_per_client
             self._release()
             super().connection_lost(exc)
 
-        def handle_websocket_upgrade(self, *args, **kwargs):  # the socket now belongs to the WebSocket protocol
+        # the socket now belongs to the WebSocket protocol
+        def handle_websocket_upgrade(self, *args, **kwargs):
             self._release()
             return super().handle_websocket_upgrade(*args, **kwargs)
 
@@ -102,7 +105,8 @@ def guarded_protocol(header_timeout: float, max_connections: int, max_per_client
                 per_client[""] -= 1
                 per_client[self._guard_client] -= 1
                 if per_client[self._guard_client] <= 0:
-                    del per_client[self._guard_client]  # the memory of an address goes with its last connection
+                    # the memory of an address goes with its last connection
+                    del per_client[self._guard_client]
 
     return GuardedHTTPProtocol
 

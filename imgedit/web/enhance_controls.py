@@ -40,15 +40,18 @@ def wire_enhance(settings: Settings, manager, files, prompt, controls, concurren
     async def rewrite(images, text, request: gr.Request | None):
         source = "ui" if request is not None and request.headers.get("referer") else "api"
         try:
-            parse = functools.partial(build_enhance_request, settings, manager.family, images, text, source=source)
+            parse = functools.partial(build_enhance_request, settings, manager.family, images, text,
+                                      source=source)
             req = await asyncio.to_thread(parse)
         except Exception as exc:
             raise user_error(exc) from None
         owner = page_owner(request, settings.auth is not None)
-        req = replace(req, client=owner or (f"session:{request.session_hash}" if request is not None else None))
+        session = f"session:{request.session_hash}" if request is not None else None
+        req = replace(req, client=owner or session)
         try:
             return req, await manager.run_enhance(req)
-        except Exception as exc:  # asyncio.CancelledError is not an Exception: it goes on (manager.run cancels)
+        except Exception as exc:
+            # asyncio.CancelledError is not an Exception: it goes on (manager.run cancels)
             raise user_error(exc) from None
 
     async def enhance_page(images, text, before, last, request: gr.Request = None):
@@ -58,8 +61,10 @@ def wire_enhance(settings: Settings, manager, files, prompt, controls, concurren
         except gr.Error as exc:
             return keep, keep, f"**{exc.title or 'Not rewritten'}:** {exc.message}", keep, keep
         if result.prompt is None:
-            return keep, keep, f"Your instruction is unchanged: {html.escape(result.notice or '')}.", keep, keep
-        said = f"Rewritten by the model in {result.seconds:.1f} s: edit it as you like, or go back to your words."
+            unchanged = f"Your instruction is unchanged: {html.escape(result.notice or '')}."
+            return keep, keep, unchanged, keep, keep
+        said = (f"Rewritten by the model in {result.seconds:.1f} s: edit it as you like, "
+                "or go back to your words.")
         # Enhance pressed again on the model's own words: "Back to my words" still means the user's.
         mine = before if before and text == last else req.prompt
         return result.prompt, gr.update(visible=True), said, mine, result.prompt
@@ -70,12 +75,13 @@ def wire_enhance(settings: Settings, manager, files, prompt, controls, concurren
         _, result = await rewrite(images, prompt, request)
         return result.prompt or prompt
 
-    enhance.click(enhance_page, [files, prompt, original, rewritten], [prompt, undo, note, original, rewritten],
+    enhance.click(enhance_page, [files, prompt, original, rewritten],
+                  [prompt, undo, note, original, rewritten],
                   preprocess=False,
                   concurrency_id=concurrency_id, concurrency_limit=None, show_progress_on=[prompt],
                   api_visibility="private")
-    undo.click(lambda words: (words, gr.update(visible=False), "", ""), original, [prompt, undo, note, rewritten],
-               queue=False, api_visibility="private")
+    undo.click(lambda words: (words, gr.update(visible=False), "", ""), original,
+               [prompt, undo, note, rewritten], queue=False, api_visibility="private")
     with gr.Row(visible=False):  # the API's inputs: hidden, without ranges (our checks say what is wrong)
         api_inputs = [gr.File(file_count="multiple"), gr.Textbox()]
         api_output = gr.Textbox(label="prompt")

@@ -14,7 +14,8 @@ def _landscape() -> Image.Image:
     image = Image.new("RGB", SIZE, (120, 180, 235))
     draw = ImageDraw.Draw(image)
     draw.ellipse((230, 30, 280, 80), fill=(255, 220, 90))
-    draw.polygon([(0, 170), (90, 100), (170, 160), (250, 110), (320, 150), (320, 240), (0, 240)], fill=(70, 140, 70))
+    draw.polygon([(0, 170), (90, 100), (170, 160), (250, 110), (320, 150), (320, 240), (0, 240)],
+                 fill=(70, 140, 70))
     draw.rectangle((0, 200, 320, 240), fill=(90, 160, 80))
     return image
 
@@ -53,14 +54,16 @@ DRAWINGS = {"landscape.png": _landscape, "house.png": _house, "room.png": _room,
 # (label, input file names, prompt): the multi-image one only for models that take more than one input.
 EXAMPLES = (
     ("Landscape: sunset sky", ("landscape.png",), "make the sky a warm sunset, keep the hills unchanged"),
-    ("House: red door, flowers", ("house.png",), "paint the door bright red and add flowers under the windows"),
+    ("House: red door, flowers", ("house.png",),
+     "paint the door bright red and add flowers under the windows"),
     ("Room + ball: combine two images", ("room.png", "ball.png"),
      "put the red ball from image 2 on the table in image 1"),
 )
 
 
 def example_rows(folder: str | Path, max_inputs: int) -> tuple[list[list], list[str]]:
-    """[files, prompt] rows for gr.Examples and their labels; draws the images into `folder` the first time."""
+    """[files, prompt] rows for gr.Examples and their labels; draws the images into `folder` the first
+    time."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     for name, draw in DRAWINGS.items():

@@ -34,9 +34,10 @@ def _when(created: float) -> str:
 
 
 def _describe(entry: HistoryEntry) -> dict:
-    return {"id": entry.id, "created": entry.created, "prompt": entry.prompt, "negative_prompt": entry.negative_prompt,
-            "seed": entry.seed, "num_inference_steps": entry.steps, "true_cfg_scale": entry.true_cfg_scale,
-            "num_images": entry.num_images, "width": entry.out_width, "height": entry.out_height,
+    return {"id": entry.id, "created": entry.created, "prompt": entry.prompt,
+            "negative_prompt": entry.negative_prompt, "seed": entry.seed, "num_inference_steps": entry.steps,
+            "true_cfg_scale": entry.true_cfg_scale, "num_images": entry.num_images,
+            "width": entry.out_width, "height": entry.out_height,
             "source": entry.source, "name": entry.name, "speed": entry.speed or "quality", "lora": entry.lora,
             "lora_scale": entry.lora_scale, "original_prompt": entry.original_prompt, **entry.options}
 
@@ -44,13 +45,15 @@ def _describe(entry: HistoryEntry) -> dict:
 def check_still_offered(entry: HistoryEntry, settings) -> None:
     """Raise the usual InvalidInput ("unknown LoRA ...", "speed fast needs a Lightning ...") when the
     speed preset or LoRA this entry was made with is no longer configured."""
-    req = EditRequest(images=(), prompt=entry.prompt, speed=entry.speed, lora=entry.lora, lora_scale=entry.lora_scale)
+    req = EditRequest(images=(), prompt=entry.prompt, speed=entry.speed, lora=entry.lora,
+                      lora_scale=entry.lora_scale)
     lora_adapters(req, settings, speed_preset(req, settings))
 
 
 def speed_values(entry: HistoryEntry) -> tuple[str, str, float]:
     """The Speed / LoRA / strength controls' values that repeat this entry."""
-    return (entry.speed or "quality", entry.lora or NO_LORA, 1.0 if entry.lora_scale is None else entry.lora_scale)
+    return (entry.speed or "quality", entry.lora or NO_LORA,
+            1.0 if entry.lora_scale is None else entry.lora_scale)
 
 
 # Fixed-size cells (one or two entries once stretched into full-width cropped banners), whole pictures,
@@ -71,8 +74,8 @@ def build_history_tab(settings: Settings, history: HistoryStore, controls: dict,
     """Inside a `gr.Tabs`: the History tab. `controls` ({declared parameter: the page's control}, in `/edit`'s
     order), `edit_outputs` and `edit` are the Edit tab's button's, so a re-run is an ordinary edit (same line,
     same checks and messages, stored again); the mask's settings (not stored) stay as the form has them.
-    The step cache an entry was made with comes from its first result's PNG (the store keeps no column for it);
-    `cache_offered`: the workers can run one.
+    The step cache an entry was made with comes from its first result's PNG (the store keeps no column for
+    it); `cache_offered`: the workers can run one.
     Returns the `/history` API function, to be registered outside the tabs."""
     auth = settings.auth is not None
     edit_inputs = list(controls.values())
@@ -82,17 +85,19 @@ def build_history_tab(settings: Settings, history: HistoryStore, controls: dict,
 
     with gr.Tab("History", id="history") as tab:
         gr.HTML(HISTORY_CSS, padding=False)
-        gr.Markdown("Your past edits in this browser (per user when the page asks for a sign-in), newest first. "
-                    "Old results are deleted after a while (OUTPUT_RETENTION_HOURS, OUTPUT_MAX_GB).")
+        gr.Markdown("Your past edits in this browser (per user when the page asks for a sign-in), "
+                    "newest first. Old results are deleted after a while (OUTPUT_RETENTION_HOURS, "
+                    "OUTPUT_MAX_GB).")
         refresh = gr.Button("Refresh", elem_id="history-refresh")
-        listing = gr.Gallery(label="Past edits", columns=6, height=280, allow_preview=False, interactive=False,
-                             elem_id="history-gallery")
+        listing = gr.Gallery(label="Past edits", columns=6, height=280, allow_preview=False,
+                             interactive=False, elem_id="history-gallery")
         # Plain hidden components, not gr.State: a State makes the page hold a heartbeat connection
         # open. Ids are no secret: every lookup checks the caller's owner again.
         ids = gr.JSON([], visible=False)
         chosen = gr.Textbox(visible=False)
         details = gr.Markdown(elem_id="history-details")
-        outputs = gr.Gallery(label="Result", format="png", columns=2, interactive=False, elem_id="history-result")
+        outputs = gr.Gallery(label="Result", format="png", columns=2, interactive=False,
+                             elem_id="history-result")
         download = gr.File(label="Download", interactive=False, elem_id="history-download")
         with gr.Row():
             reopen = gr.Button("Open in the editor", elem_id="history-open")
@@ -124,7 +129,8 @@ def build_history_tab(settings: Settings, history: HistoryStore, controls: dict,
                 f"{_when(entry.created)}")
         images = [Image.open(p) for p in entry.output_paths]
         # named as the page's Download PNG names a result: its prompt's first words and its seed
-        return entry.id, text, images, export_copy(entry.output_paths, download_name(entry.prompt, entry.seed))
+        named = export_copy(entry.output_paths, download_name(entry.prompt, entry.seed))
+        return entry.id, text, images, named
 
     def pick(ids: list[str], request: gr.Request, evt: gr.SelectData):
         who = owner(request)
@@ -142,7 +148,8 @@ def build_history_tab(settings: Settings, history: HistoryStore, controls: dict,
         return opened(newest[0], "Re-run done (also in the editor above):  \n")
 
     def rerun_notice(entry_id: str | None, request: gr.Request) -> str:
-        """What the History tab says while a re-run runs (or why it does not: the editor's error says it too)."""
+        """What the History tab says while a re-run runs (or why it does not: the editor's error says it
+        too)."""
         entry = history.get(owner(request), entry_id) if entry_id and owner(request) else None
         if entry is None:
             return "Choose an entry first."
@@ -161,14 +168,18 @@ def build_history_tab(settings: Settings, history: HistoryStore, controls: dict,
     def values(entry: HistoryEntry, speed: tuple) -> tuple:
         inputs = [export_copy([p], f"input-{k + 1}") for k, p in enumerate(entry.input_paths)]
         # a request that left CFG out ran at the model's own (Qwen-Image-2.1: off)
-        cfg = FAMILIES[family].cfg(settings.default_true_cfg) if entry.true_cfg_scale is None else entry.true_cfg_scale
+        cfg = entry.true_cfg_scale
+        if cfg is None:
+            cfg = FAMILIES[family].cfg(settings.default_true_cfg)
         made_with = read_settings(entry.output_paths[0]).get("cache") if entry.output_paths else None
-        stored = dict(images=inputs, prompt=entry.prompt, negative_prompt=entry.negative_prompt, seed=entry.seed,
-                      randomize_seed=False, num_inference_steps=entry.steps, true_cfg_scale=cfg,
-                      num_images=entry.num_images, width=entry.width or 0, height=entry.height or 0,
+        stored = dict(images=inputs, prompt=entry.prompt, negative_prompt=entry.negative_prompt,
+                      seed=entry.seed, randomize_seed=False, num_inference_steps=entry.steps,
+                      true_cfg_scale=cfg, num_images=entry.num_images, width=entry.width or 0,
+                      height=entry.height or 0,
                       speed=speed[0], lora=speed[1], lora_scale=speed[2],
                       cache=stored_cache_choice(made_with, cache_offered),
-                      mask=None, enhance_prompt=False,  # the store keeps no mask: the edit was unmasked or is not
+                      # the store keeps no mask: the edit was unmasked or is not
+                      mask=None, enhance_prompt=False,
                       **entry.options)  # declared parameters without a column of their own
         return tuple(stored.get(name, gr.update()) for name in controls)
 
@@ -179,7 +190,8 @@ def build_history_tab(settings: Settings, history: HistoryStore, controls: dict,
         return entry
 
     def fill(entry_id: str | None, request: gr.Request):
-        """Open in the editor: a speed or LoRA no longer offered falls back to quality / none, with a notice."""
+        """Open in the editor: a speed or LoRA no longer offered falls back to quality / none, with a
+        notice."""
         entry = chosen_entry(entry_id, request)
         speed = speed_values(entry)
         try:

@@ -83,7 +83,8 @@ class BrowserCookie:
 
         async def send_with_cookie(message):
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), (b"set-cookie", cookie.encode())]}
+                headers = [*message.get("headers", []), (b"set-cookie", cookie.encode())]
+                message = {**message, "headers": headers}
             await send(message)
 
         await self.app(scope, receive, send_with_cookie)

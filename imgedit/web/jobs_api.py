@@ -34,7 +34,14 @@ from imgedit.planning.families import FAMILIES
 from imgedit.protocol import JOBS, EditRequest, request_kwargs
 from imgedit.web.metrics import Metrics
 from imgedit.web.rest import STATUS, UNAUTHORIZED, owner_of, rest_words
-from imgedit.web.rest_requests import IMAGE_FIELDS, check_body, form_fields, mask_fields, output_format, read_form
+from imgedit.web.rest_requests import (
+    IMAGE_FIELDS,
+    check_body,
+    form_fields,
+    mask_fields,
+    output_format,
+    read_form,
+)
 
 log = logging.getLogger(__name__)
 SET_FIELD = re.compile(r"set(\d{1,4})(\[\])?")
@@ -64,9 +71,11 @@ def _restored_view(job_id: str, entries: list[HistoryEntry]) -> dict:
     first = entries[0]
     items = [{"index": e.item, "name": e.name, "state": "succeeded", "seed": e.seed, "step": e.steps,
               "total_steps": e.steps, "error": None, "outputs": e.outputs,
-              "revised_prompt": e.prompt if e.original_prompt else None, "weights": e.weights} for e in entries]
+              "revised_prompt": e.prompt if e.original_prompt else None, "weights": e.weights}
+             for e in entries]
     settings = {"prompt": first.original_prompt or first.prompt, "num_inference_steps": first.steps,
-                "n": first.num_images, "speed": first.speed, "lora": first.lora, "lora_scale": first.lora_scale,
+                "n": first.num_images, "speed": first.speed, "lora": first.lora,
+                "lora_scale": first.lora_scale,
                 "enhance_prompt": first.original_prompt is not None}
     return {**job_view(job_id, "succeeded", first.created, None, settings, items), "restored": True}
 
@@ -79,8 +88,9 @@ def _recorded_view(job_id: str, record: dict) -> dict:
 
 def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Metrics) -> APIRouter:
     router = APIRouter()
-    # JPEG/WebP results are made from the stored PNGs at each request (a job may hold 1,000 images): one thread,
-    # so such requests queue behind each other instead of taking every CPU from the server and the workers.
+    # JPEG/WebP results are made from the stored PNGs at each request (a job may hold 1,000 images): one
+    # thread, so such requests queue behind each other instead of taking every CPU from the server and the
+    # workers.
     reencoding = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reencode")
 
     def refused() -> JSONResponse:
@@ -104,15 +114,17 @@ def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Me
 
     @router.get("/v1/jobs")
     async def list_jobs(request: Request, limit: str = "20", after: str | None = None) -> Response:
-        """The caller's own jobs, newest first, `limit` (1-100) at a time; `after=<id>` gives the next page."""
+        """The caller's own jobs, newest first, `limit` (1-100) at a time; `after=<id>` gives the next
+        page."""
         if (owner := owner_of(request, settings)) is None:
             return refused()
         if not (limit.isdecimal() and 1 <= int(limit[:4]) <= 100):
-            return _error(400, f"limit must be a whole number from 1 to 100, got {limit[:40]!r}", "invalid_input",
-                          "limit")
+            return _error(400, f"limit must be a whole number from 1 to 100, got {limit[:40]!r}",
+                          "invalid_input", "limit")
         page = await asyncio.to_thread(jobs.records.newest, owner, int(limit), after)
         if page is None:
-            return _error(404, f"after={str(after)[:40]!r} is not one of this API key's jobs", "not_found", "after")
+            return _error(404, f"after={str(after)[:40]!r} is not one of this API key's jobs", "not_found",
+                          "after")
         records, more = page
         views = []
         for record in records:  # a job this server runs is shown as it is now; others as recorded
@@ -149,15 +161,17 @@ def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Me
             rows = [(i.name, i.entry, i.error) for i in job.items]
             one = int(item) if item is not None and item.isdecimal() and len(item) <= 9 else 0
             asked = job.items[one - 1] if 1 <= one <= len(rows) else None  # else: a 400/404 below
-            if not job.finished and (item is None or (asked is not None and asked.state in ("queued", "running"))):
+            asked_unfinished = asked is not None and asked.state in ("queued", "running")
+            if not job.finished and (item is None or asked_unfinished):
                 what = f"item {one} is {asked.state}" if asked is not None else f"job {job.id} is {job.state}"
-                return _error(409, f"{what}; poll GET /v1/jobs/{job.id} until it has finished (?item=N fetches an "
-                              "item as soon as it has)", "not_finished")
+                return _error(409, f"{what}; poll GET /v1/jobs/{job.id} until it has finished "
+                              "(?item=N fetches an item as soon as it has)", "not_finished")
         else:
             record = await asyncio.to_thread(jobs.records.read, owner, job_id)
             entries = await asyncio.to_thread(jobs.history.job, owner, job_id)
             if record is not None:
-                if record["state"] in ("queued", "running", "cancelling"):  # another live server's (a shared folder)
+                # another live server's (a shared folder)
+                if record["state"] in ("queued", "running", "cancelling"):
                     return _error(409, f"job {job_id} is {record['state']}", "not_finished")
                 stored = {e.item: e for e in entries}
                 rows = [(i["name"], stored.get(i["index"]), i["error"]) for i in record["items"]]
@@ -167,7 +181,8 @@ def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Me
                 return _not_found(job_id)
         if item is not None:
             if not (item.isdecimal() and len(item) <= 9):
-                return _error(400, f"item must be a whole number from 1, got {item[:40]!r}", "invalid_input", "item")
+                return _error(400, f"item must be a whole number from 1, got {item[:40]!r}", "invalid_input",
+                              "item")
             item = int(item)
             if not 1 <= item <= len(rows):
                 return _error(404, f"item {item} is out of range: 1 to {len(rows)}", "not_found", "item")
@@ -178,14 +193,20 @@ def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Me
             return _error(409, f"the job has no result ({reasons or 'nothing was stored'})", "no_result")
         try:
             loop = asyncio.get_running_loop()
-            executor = None if image_format == "png" else reencoding  # None: the loop's own threads (file reads)
+            # None: the loop's own threads (file reads)
+            executor = None if image_format == "png" else reencoding
             if len(rows) == 1 and stored[0].outputs == 1:
                 path = stored[0].output_paths[0]
-                call = (path.read_bytes,) if image_format == "png" else (reencoded, path, image_format, quality)
-                return Response(await loop.run_in_executor(executor, *call), media_type=f"image/{image_format}")
+                if image_format == "png":
+                    call = (path.read_bytes,)
+                else:
+                    call = (reencoded, path, image_format, quality)
+                return Response(await loop.run_in_executor(executor, *call),
+                                media_type=f"image/{image_format}")
             data = await loop.run_in_executor(executor, results_zip, rows, image_format, quality)
         except FileNotFoundError:  # pruned between the lookup and the read
-            return _error(410, "the stored result was deleted (OUTPUT_RETENTION_HOURS / OUTPUT_MAX_GB)", "gone")
+            return _error(410, "the stored result was deleted (OUTPUT_RETENTION_HOURS / OUTPUT_MAX_GB)",
+                          "gone")
         return Response(data, media_type="application/zip",
                         headers={"Content-Disposition": f'attachment; filename="{job_id}.zip"'})
 
@@ -202,10 +223,11 @@ def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Me
     return router
 
 
-async def _parse(request: Request, settings: Settings, manager) -> tuple[EditRequest, list[tuple[str, list[bytes]]]]:
+async def _parse(request: Request, settings: Settings,
+                 manager) -> tuple[EditRequest, list[tuple[str, list[bytes]]]]:
     limit = settings.max_file_size * (settings.batch_max_items + 2) + 1_000_000
-    check_body(request, limit, "multipart/form-data", "send multipart/form-data with 'image' (or 'batch') files "
-               "and a 'prompt'")
+    check_body(request, limit, "multipart/form-data",
+               "send multipart/form-data with 'image' (or 'batch') files and a 'prompt'")
     most = FAMILIES[manager.family].max_images  # images in one set
     form = await read_form(request, most * settings.batch_max_items + 3,
                            f"a job takes at most {settings.batch_max_items} input sets: BATCH_MAX_ITEMS")
@@ -261,9 +283,9 @@ async def _parse(request: Request, settings: Settings, manager) -> tuple[EditReq
         masking = await mask_fields(form, settings, firsts[0])
         for (name, _), size in zip(sets, checked, strict=True):
             if not isinstance(size, ImgEditError) and size != firsts[0]:
-                raise InvalidInput(f"{name} is {size[0]}x{size[1]} but the mask is {firsts[0][0]}x{firsts[0][1]}: "
-                                   "one mask is used for every item, so each item's first image must be its size",
-                                   "mask")
+                raise InvalidInput(f"{name} is {size[0]}x{size[1]} but the mask is "
+                                   f"{firsts[0][0]}x{firsts[0][1]}: one mask is used for every item, so each "
+                                   "item's first image must be its size", "mask")
         template = replace(template, mask=masking["mask"])
     return template, sets
 

@@ -16,8 +16,10 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class _Live:
     """Gauges that are read when scraped: queue, workers, GPU memory, last steps/s."""
 
-    def __init__(self, manager, monitor: GpuMonitor, gradio_queue_size: Callable[[], int], metrics: Metrics):
-        self.manager, self.monitor, self.gradio_queue_size, self.metrics = manager, monitor, gradio_queue_size, metrics
+    def __init__(self, manager, monitor: GpuMonitor, gradio_queue_size: Callable[[], int],
+                 metrics: Metrics):
+        self.manager, self.monitor = manager, monitor
+        self.gradio_queue_size, self.metrics = gradio_queue_size, metrics
 
     def collect(self):
         status = self.manager.status()
@@ -30,10 +32,12 @@ class _Live:
         total = GaugeMetricFamily("imgedit_workers", "Workers in the placement plan")
         total.add_metric([], len(status.workers))
         yield total
-        rate = GaugeMetricFamily("imgedit_steps_per_second", "Denoising steps per second of the last finished job")
+        rate = GaugeMetricFamily("imgedit_steps_per_second",
+                                 "Denoising steps per second of the last finished job")
         rate.add_metric([], self.metrics.last_steps_per_second)
         yield rate
-        used = GaugeMetricFamily("imgedit_gpu_memory_used_bytes", "GPU memory in use (all processes)", labels=["gpu"])
+        used = GaugeMetricFamily("imgedit_gpu_memory_used_bytes", "GPU memory in use (all processes)",
+                                 labels=["gpu"])
         cap = GaugeMetricFamily("imgedit_gpu_memory_total_bytes", "GPU memory in all", labels=["gpu"])
         for g in self.monitor.read():
             used.add_metric([str(g.index)], g.used_mib * 1024**2)
@@ -48,9 +52,11 @@ class Metrics:
         self.requests = Counter("imgedit_requests", "Edit requests by source and outcome",
                                 ["source", "outcome"], registry=self.registry)
         self.job_seconds = Histogram("imgedit_job_seconds", "Seconds from request to result (or error)",
-                                     buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=self.registry)
-        self.rewrites = Counter("imgedit_prompt_rewrites", "Prompt rewrites alone (Enhance, /v1/prompts/enhance) "
-                                "by source and outcome; edits with enhance_prompt count as edits",
+                                     buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
+                                     registry=self.registry)
+        self.rewrites = Counter("imgedit_prompt_rewrites",
+                                "Prompt rewrites alone (Enhance, /v1/prompts/enhance) by source and outcome; "
+                                "edits with enhance_prompt count as edits",
                                 ["source", "outcome"], registry=self.registry)
         self.last_steps_per_second = 0.0
         self.registry.register(_Live(manager, monitor, gradio_queue_size, self))

@@ -24,33 +24,37 @@ SEGMENTS = (
 PLOT_W, PLOT_H = 300, 56  # the SVG's own units; it is drawn at the card's width
 STYLE = """<style>
 .gpu-panel{font-size:13px;line-height:1.4;max-width:100%}
-.gpu-panel .gp-grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(min(100%,300px),1fr));gap:10px}
+.gpu-panel .gp-grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(min(100%,300px),1fr));
+ gap:10px}
 .gpu-panel .gp-card{border:1px solid var(--border-color-primary,#d1d5db);border-radius:8px;padding:8px 10px;
  min-width:0;background:var(--block-background-fill,transparent)}
-.gpu-panel .gp-head{display:flex;justify-content:space-between;align-items:baseline;gap:4px 10px;flex-wrap:wrap}
+.gpu-panel .gp-head{display:flex;justify-content:space-between;align-items:baseline;gap:4px 10px;
+ flex-wrap:wrap}
 .gpu-panel .gp-name{color:var(--body-text-color-subdued,#6b7280);overflow-wrap:anywhere}
 .gpu-panel .gp-util{white-space:nowrap;font-variant-numeric:tabular-nums}
 .gpu-panel .gp-meter{display:inline-block;width:48px;height:6px;border-radius:3px;background:#e5e7eb;
  vertical-align:middle;margin-left:4px;overflow:hidden}
 .gpu-panel .gp-meter span{display:block;height:100%;background:#10b981}
-.gpu-panel .gp-bar{display:flex;height:16px;border-radius:4px;overflow:hidden;margin:6px 0 4px;background:#e5e7eb}
+.gpu-panel .gp-bar{display:flex;height:16px;border-radius:4px;overflow:hidden;margin:6px 0 4px;
+ background:#e5e7eb}
 .gpu-panel .gp-seg{display:block;height:100%;flex:none}
 .gpu-panel .gp-legend{display:flex;flex-wrap:wrap;gap:0 12px;font-size:12px;font-variant-numeric:tabular-nums}
 .gpu-panel .gp-key{display:inline-block;width:9px;height:9px;border-radius:2px;margin-right:4px}
 .gpu-panel ul.gp-holds{display:flex;flex-wrap:wrap;gap:4px;list-style:none;padding:0;margin:6px 0 4px}
-.gpu-panel ul.gp-holds li{background:var(--background-fill-secondary,#f3f4f6);border-radius:10px;padding:0 8px;
- font-size:12px;overflow-wrap:anywhere;margin:0;list-style:none}
+.gpu-panel ul.gp-holds li{background:var(--background-fill-secondary,#f3f4f6);border-radius:10px;
+ padding:0 8px;font-size:12px;overflow-wrap:anywhere;margin:0;list-style:none}
 .gpu-panel ul.gp-holds li::before,.gpu-panel ul.gp-holds li::marker{content:none}
 .gpu-panel ul.gp-holds li.gp-empty{background:none;padding:0;color:var(--body-text-color-subdued,#6b7280)}
 .gpu-panel .gp-run{margin:2px 0;overflow-wrap:anywhere}
-.gpu-panel .gp-progress{display:block;height:4px;border-radius:2px;background:#e5e7eb;overflow:hidden;margin-top:2px}
+.gpu-panel .gp-progress{display:block;height:4px;border-radius:2px;background:#e5e7eb;overflow:hidden;
+ margin-top:2px}
 .gpu-panel .gp-progress span{display:block;height:100%;background:#2563eb}
 .gpu-panel .gp-plot{display:block;width:100%;height:56px;margin-top:6px;border-radius:4px;background:#f9fafb}
 .gpu-panel .gp-axis{display:flex;justify-content:space-between;font-size:11px;
  color:var(--body-text-color-subdued,#6b7280)}
 .gpu-panel .gp-none,.gpu-panel .gp-worker{margin:2px 0;overflow-wrap:anywhere}
-.gpu-panel .gp-foot{display:block;margin-top:6px;font-size:12px;color:var(--body-text-color,#1f2937);opacity:.85;
- overflow-wrap:anywhere}
+.gpu-panel .gp-foot{display:block;margin-top:6px;font-size:12px;color:var(--body-text-color,#1f2937);
+ opacity:.85;overflow-wrap:anywhere}
 </style>"""
 
 
@@ -101,7 +105,8 @@ def _runs(gpu: dict, workers: list[dict]) -> str:
         if w["state"] == "busy" and w.get("job_id"):
             total = max(1, int(w.get("total_steps") or 0))
             step = min(int(w.get("step") or 0), total)
-            progress = f'<span class="gp-progress"><span style="width:{100 * step / total:.1f}%"></span></span>'
+            progress = (f'<span class="gp-progress"><span style="width:{100 * step / total:.1f}%">'
+                        '</span></span>')
             doing = f"step {step}/{total}" if step else "preparing (encoding the prompt and images)"
             lines.append(f'<div class="gp-run gp-busy">{name}: running {escape(w["job_id"])} — {doing}'
                          f'{progress}</div>')
@@ -202,7 +207,8 @@ def _peak(history: list) -> str:
 def _card(gpu: dict, workers: list[dict], window_s: float, interval_s: float) -> str:
     util = gpu.get("utilization_percent")
     util_text = "util n/a" if util is None else f"util {util:.0f}%"
-    meter = "" if util is None else f'<span class="gp-meter"><span style="width:{min(100.0, util):.0f}%"></span></span>'
+    meter = ("" if util is None
+             else f'<span class="gp-meter"><span style="width:{min(100.0, util):.0f}%"></span></span>')
     used = f'{gpu["used_mib"] * GIB_PER_MIB:.1f} / {gpu["total_mib"] * GIB_PER_MIB:.1f} GiB'
     holds = "".join(f"<li>{escape(h)}</li>" for h in gpu.get("holds") or ())
     holds = holds or '<li class="gp-empty">nothing of ours</li>'
@@ -221,7 +227,9 @@ def _worker_line(w: dict) -> str:
         doing = f'step {int(w["step"])}/{int(w["total_steps"])}' if w.get("step") else "preparing"
         step = f' — {escape(w["job_id"])} {doing}'
     node = f' (Ray node {escape(w["node"][:8])})' if w.get("node") else ""
-    why = f' — {escape(w.get("error") or w.get("detail") or "")}' if w["state"] in ("failed", "restarting") else ""
+    why = ""
+    if w["state"] in ("failed", "restarting"):
+        why = f' — {escape(w.get("error") or w.get("detail") or "")}'
     return (f'<p class="gp-worker">{escape(w["name"])} on {escape(", ".join(w["devices"]))}{node}: '
             f'{escape(w["state"])}{step}{why}</p>')
 
@@ -259,7 +267,8 @@ def panel_html(data: dict) -> str:
                 line += f'; {int(w["cpu_threads"])} CPU threads'
             if w.get("under_cap"):
                 line += "; under the memory cap: " + ", ".join(w["under_cap"])
-            parts.append(f'<small class="gp-foot worker-weights">{escape(w["name"])} weights: {escape(line)}</small>')
+            parts.append(f'<small class="gp-foot worker-weights">{escape(w["name"])} weights: '
+                         f'{escape(line)}</small>')
     if line := defaults_line(data.get("family"), data.get("defaults")):
         parts.append(f'<small class="gp-foot model-defaults">{escape(line)}</small>')
     parts.append(f'<small class="gp-foot">placement: {escape(str(data.get("placement_mode", "")))} — '
@@ -269,7 +278,8 @@ def panel_html(data: dict) -> str:
                  f'; compile: {escape(str(data.get("compile_mode", "off")))}'
                  f'; FAST_QUANTIZE: {escape(str(data.get("fast_quantize", "none")))}'
                  f'; waiting: {int(data.get("waiting") or 0)}'
-                 + (f'; batch items not yet done: {int(data["batch_items"])}' if data.get("batch_items") else "")
+                 + (f'; batch items not yet done: {int(data["batch_items"])}'
+                    if data.get("batch_items") else "")
                  + '</small>')
     parts.append("</div>")
     return "".join(parts)
@@ -292,7 +302,8 @@ def defaults_line(family: str | None, defaults: dict | None) -> str:
 
 
 def components_line(components: dict[str, dict] | None) -> str:
-    """One short line for the panel (from a worker's status data: transformer fp8 @ GPU 0 + CPU (streamed); ..."""
+    """One short line for the panel (from a worker's status data: transformer fp8 @ GPU 0 + CPU
+    (streamed); ..."""
     if not components:
         return ""
     parts = []

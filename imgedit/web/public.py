@@ -24,7 +24,8 @@ def _hide_path(text: str | None, model: str) -> str | None:
 def open_snapshot(monitor: GpuMonitor, status: ManagerStatus, history: bool = False) -> dict:
     """The panel's data for anyone: `snapshot` of a status with the ids, paths and files left out."""
     workers = tuple(replace(w, job_id=RUNNING if w.job_id else None, error=_hide_path(w.error, status.model),
-                            detail=_hide_path(w.detail, status.model), job_client=None) for w in status.workers)
+                            detail=_hide_path(w.detail, status.model), job_client=None)
+                    for w in status.workers)
     shown = replace(status, model=public_model_name(status.model), workers=workers,
                     error=_hide_path(status.error, status.model),
                     loras=tuple({k: v for k, v in lora.items() if k != "file"} for lora in status.loras))

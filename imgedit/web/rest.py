@@ -44,8 +44,8 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "i
               405: "invalid_request_error", 413: "invalid_request_error",
               429: "rate_limit_error", 503: "server_error", 507: "server_error", 500: "server_error"}
 # every /v1 route and its methods, for the 404/405 fallback
-V1_ROUTES = {"/v1/images/edits": ("POST",), "/v1/images/generations": ("POST",), "/v1/prompts/enhance": ("POST",),
-             "/v1/status": ("GET",)}
+V1_ROUTES = {"/v1/images/edits": ("POST",), "/v1/images/generations": ("POST",),
+             "/v1/prompts/enhance": ("POST",), "/v1/status": ("GET",)}
 HTTP_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
@@ -55,7 +55,8 @@ REST_NAMES = {"num_images": "n", "images": "image"}
 
 def rest_words(message: str, param: str | None) -> tuple[str, str | None]:
     """A shared check's message and parameter in the REST caller's words ("n 5 is out of range", param n);
-    a message that names the parameter first is reworded, one in plain words ("3 input images given") is not."""
+    a message that names the parameter first is reworded, one in plain words ("3 input images given") is
+    not."""
     if param in REST_NAMES:
         if message.startswith(param + " "):
             message = REST_NAMES[param] + message[len(param):]
@@ -63,7 +64,8 @@ def rest_words(message: str, param: str | None) -> tuple[str, str | None]:
     return message, param
 
 
-def openai_error(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
+def openai_error(status: int, message: str, code: str | None = None,
+                 param: str | None = None) -> JSONResponse:
     message, param = rest_words(message, param)
     body = {"error": {"message": message, "type": ERROR_TYPE.get(status, "server_error"), "param": param,
                       "code": code}}
@@ -104,7 +106,8 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
 
     @router.get("/gpu_status")
     def gpu_status() -> JSONResponse:
-        """The GPU panel's numbers over plain HTTP, as the gradio API's /gpu_status returns them (open, as /health)."""
+        """The GPU panel's numbers over plain HTTP, as the gradio API's /gpu_status returns them (open, as
+        /health)."""
         return JSONResponse(open_snapshot(monitor, manager.status()))
 
     @router.get("/v1/status")
@@ -122,15 +125,18 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
 
     @router.post("/v1/images/edits")
     async def images_edits(request: Request) -> Response:
-        return await _images_route(request, "/v1/images/edits", lambda: parse_edit(request, settings, manager))
+        return await _images_route(request, "/v1/images/edits",
+                                   lambda: parse_edit(request, settings, manager))
 
     @router.post("/v1/images/generations")
     async def images_generations(request: Request) -> Response:
         """OpenAI's text to image, for a model that generates (imgedit.planning.families)."""
-        return await _images_route(request, "/v1/images/generations", lambda: parse_generation(request, manager))
+        return await _images_route(request, "/v1/images/generations",
+                                   lambda: parse_generation(request, manager))
 
     async def _images_route(request: Request, route: str, parse) -> Response:
-        """An images route: the key, the request parsed and resolved by `parse()`, then the job and its reply."""
+        """An images route: the key, the request parsed and resolved by `parse()`, then the job and its
+        reply."""
         if (owner := owner_of(request, settings)) is None:
             return openai_error(401, UNAUTHORIZED, "invalid_api_key")
         try:
@@ -154,7 +160,8 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
         # The images are encoded once, off the event loop, for the reply and (PNGs) for the stored result
         # (imgedit.engine.history), which the reply does not wait for. The encoding is on the critical path
         # of every REST edit: a noisy 1024x1024 PNG takes 0.14-0.17 s on a 2-core CPU, a JPEG 5-19 ms.
-        files = await asyncio.to_thread(lambda: [encoded(image, output_format, quality) for image in result.images])
+        files = await asyncio.to_thread(
+            lambda: [encoded(image, output_format, quality) for image in result.images])
         if (history := getattr(request.app.state, "history", None)) is not None:
             pngs = files if output_format == "png" else None  # the store keeps PNGs: it encodes its own
             _in_background(history.record(owner, req.request_id, 0, req, result, pngs=pngs))
@@ -163,7 +170,8 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
                  "seed": int(image.info["seed"])}
                 for file, image in zip(files, result.images, strict=True)]
         body = {"created": int(time.time()), "data": data, "output_format": output_format,
-                "size": f"{result.width}x{result.height}", "seed": result.seed, "request_id": result.request_id}
+                "size": f"{result.width}x{result.height}", "seed": result.seed,
+                "request_id": result.request_id}
         notices = frame_notices(req.images)  # e.g. an animated GIF: its first frame was edited
         if result.notice:  # an asked-for prompt rewrite that was not used
             notices.append(result.notice)
@@ -209,7 +217,8 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
         path = request.url.path
         allowed = V1_ROUTES.get(path)
         if allowed:
-            response = openai_error(405, f"{request.method} is not allowed on {path}; use {', '.join(allowed)}",
+            response = openai_error(405,
+                                    f"{request.method} is not allowed on {path}; use {', '.join(allowed)}",
                                     "method_not_allowed")
             response.headers["allow"] = ", ".join(allowed)
             return response
@@ -229,8 +238,8 @@ def _in_background(work) -> None:
 
 
 async def _run(request: Request, req: EditRequest, through_line):
-    """`through_line(cancel)`: the job through the line (manager.run or run_enhance), cancelled if the client goes
-    away: its EditResult, or its error as OpenAI's error response."""
+    """`through_line(cancel)`: the job through the line (manager.run or run_enhance), cancelled if the client
+    goes away: its EditResult, or its error as OpenAI's error response."""
     cancel = threading.Event()
     watcher = asyncio.create_task(_cancel_on_disconnect(request, cancel))
     try:

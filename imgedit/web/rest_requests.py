@@ -1,7 +1,8 @@
 """REST requests as edit requests: OpenAI's multipart edit forms and JSON generation bodies, parsed by the
-declaration (protocol.PARAMETERS: each parameter's kind), the image and mask files read within MAX_FILE_SIZE and
-MAX_INPUT_PIXELS, every limit named when a request goes over it. `/v1/images/edits`, `/v1/images/generations`,
-`/v1/prompts/enhance` (imgedit.web.rest) and `/v1/jobs` (imgedit.web.jobs_api) read their requests here."""
+declaration (protocol.PARAMETERS: each parameter's kind), the image and mask files read within MAX_FILE_SIZE
+and MAX_INPUT_PIXELS, every limit named when a request goes over it. `/v1/images/edits`,
+`/v1/images/generations`, `/v1/prompts/enhance` (imgedit.web.rest) and `/v1/jobs` (imgedit.web.jobs_api) read
+their requests here."""
 
 from __future__ import annotations
 
@@ -99,29 +100,33 @@ def _size(raw: str | None) -> tuple[int | None, int | None]:
     return int(w), int(h)
 
 
-async def parse_edit(request: Request, settings: Settings, manager) -> tuple[EditRequest, Resolved, tuple[str, int]]:
+async def parse_edit(request: Request, settings: Settings,
+                     manager) -> tuple[EditRequest, Resolved, tuple[str, int]]:
     """The edit request, its exact parameters (every check, once), and the reply's format and quality."""
     form = await edit_form(request, settings, manager.family)
     images = await read_images(form, settings, manager)
-    if not images:  # a model that generates takes none on the page and the gradio API; here OpenAI's edits needs one
+    # a model that generates takes none on the page and the gradio API; here OpenAI's edits needs one
+    if not images:
         raise InvalidInput("no input image: send the image to edit as 'image' (text to image: POST "
                            "/v1/images/generations)", "image")
     masking = await mask_fields(form, settings, images[0].size)
     response_format = str(form.get("response_format") or "b64_json")
     if response_format != "b64_json":
         raise InvalidInput("response_format must be b64_json (this server does not host image URLs)")
-    req = EditRequest(images=tuple(images), **request_kwargs({**form_fields(form, REST), **masking}), source="rest")
+    req = EditRequest(images=tuple(images), **request_kwargs({**form_fields(form, REST), **masking}),
+                      source="rest")
     return req, manager.resolve(req), output_format(form)
 
 
 async def parse_generation(request: Request, manager) -> tuple[EditRequest, Resolved, tuple[str, int]]:
-    """A generation's JSON body as an edit request without images, its exact parameters, and the reply's format."""
+    """A generation's JSON body as an edit request without images, its exact parameters, and the reply's
+    format."""
     family = FAMILIES[manager.family]
     if not family.generates:
         raise InvalidInput(f"this server's model ({family.model}) edits images and does not make them from a "
                            "prompt alone: POST /v1/images/edits with an 'image'")
-    check_body(request, MAX_JSON_BODY, "application/json", "send a JSON body (Content-Type: application/json) "
-               "with a 'prompt'")
+    check_body(request, MAX_JSON_BODY, "application/json",
+               "send a JSON body (Content-Type: application/json) with a 'prompt'")
     try:
         body = json.loads(await request.body())
     except ValueError:
@@ -130,8 +135,8 @@ async def parse_generation(request: Request, manager) -> tuple[EditRequest, Reso
         raise InvalidInput("the body must be a JSON object with a 'prompt'")
     for name in (*IMAGE_FIELDS, "mask"):
         if name in body:
-            raise InvalidInput(f"'{name}' is for POST /v1/images/edits (multipart); a generation takes a prompt",
-                               name)
+            raise InvalidInput(f"'{name}' is for POST /v1/images/edits (multipart); "
+                               "a generation takes a prompt", name)
     response_format = str(body.get("response_format") or "b64_json")
     if response_format != "b64_json":
         raise InvalidInput("response_format must be b64_json (this server does not host image URLs)",
@@ -158,8 +163,8 @@ async def edit_form(request: Request, settings: Settings, family: str):
     """The multipart form, its size checked before it is read."""
     most = FAMILIES[family].max_images
     limit = settings.max_file_size * (most + 1) + 1_000_000  # the images and a mask, plus the text fields
-    check_body(request, limit, "multipart/form-data", "send multipart/form-data with one or more 'image' files "
-               "and a 'prompt'")
+    check_body(request, limit, "multipart/form-data",
+               "send multipart/form-data with one or more 'image' files and a 'prompt'")
     return await read_form(request, most + 5, f"an edit takes at most {most} 'image' file(s) and a 'mask'")
 
 
@@ -205,7 +210,8 @@ async def read_images(form, settings: Settings, manager) -> list:
         label = image_label(i + 1, upload.filename)
         raw = await upload.read(settings.max_file_size + 1)
         if len(raw) > settings.max_file_size:
-            raise InputTooLarge(f"{label} is larger than {human_size(settings.max_file_size)} (MAX_FILE_SIZE)")
+            raise InputTooLarge(f"{label} is larger than {human_size(settings.max_file_size)} "
+                                "(MAX_FILE_SIZE)")
         images.append(await asyncio.to_thread(open_image, raw, settings.max_input_pixels, label,
                                               FAMILIES[manager.family].rgba))
     return images
@@ -222,6 +228,7 @@ async def mask_fields(form, settings: Settings, first_size: tuple[int, int]) -> 
         raise InvalidInput("'mask' must be one file upload (a PNG the size of the first image)", "mask")
     raw = await masks[0].read(settings.max_file_size + 1)
     if len(raw) > settings.max_file_size:
-        raise InputTooLarge(f"the mask is larger than {human_size(settings.max_file_size)} (MAX_FILE_SIZE)", "mask")
+        raise InputTooLarge(f"the mask is larger than {human_size(settings.max_file_size)} (MAX_FILE_SIZE)",
+                            "mask")
     out["mask"] = await asyncio.to_thread(open_mask, raw, first_size, settings.max_input_pixels)
     return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import signal
 
+import uvicorn
 from starlette.responses import JSONResponse
 
 from imgedit.config.settings import Settings
@@ -33,7 +34,8 @@ class ShutdownGate:
                 response = JSONResponse({"status": "shutting_down", "message": REFUSED}, status_code=503)
                 return await response(scope, receive, send)
             if path.startswith("/v1/") and method in ("POST", "PUT", "PATCH"):
-                body = {"error": {"message": REFUSED, "type": "server_error", "param": None, "code": "shutting_down"}}
+                body = {"error": {"message": REFUSED, "type": "server_error", "param": None,
+                                  "code": "shutting_down"}}
                 response = JSONResponse(body, status_code=503, headers={"Retry-After": "60"})
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
@@ -43,7 +45,6 @@ def serve(app, settings: Settings, shutdown: Shutdown, sock=None) -> None:
     """uvicorn, except that the first SIGTERM/SIGINT starts the drain instead of closing at once;
     a second SIGINT (Ctrl-C twice) quits without waiting. `sock`: a listening socket to serve from (else
     uvicorn binds GRADIO_SERVER_NAME:GRADIO_SERVER_PORT)."""
-    import uvicorn
 
     class GracefulServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:

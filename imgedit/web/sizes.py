@@ -3,11 +3,11 @@ than by typing Width and Height. Several inputs used to leave the size to the la
 and a portrait came out portrait); "match image 1" keeps the edited image's shape.
 
 Picking a preset writes Width and Height once (the edit then checks them as typed numbers:
-imgedit.engine.validation); "auto" gives both back to the pipeline (the last input's aspect, about a megapixel).
-The sides are about `area` pixels in all, multiples of 16, as the pipeline's own automatic size is. A "match
-image k" preset reads that input when it is picked: changing the inputs afterwards leaves the size as it is
-(pick it again), so that an upload costs no event more than the thumbnails' (the 2-core machine's browser
-tests of the mask canvas are sensitive to each).
+imgedit.engine.validation); "auto" gives both back to the pipeline (the last input's aspect, about a
+megapixel). The sides are about `area` pixels in all, multiples of 16, as the pipeline's own automatic size
+is. A "match image k" preset reads that input when it is picked: changing the inputs afterwards leaves the
+size as it is (pick it again), so that an upload costs no event more than the thumbnails' (the 2-core
+machine's browser tests of the mask canvas are sensitive to each).
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def image_aspect(path: str) -> float:
 
 
 def size_presets(max_inputs: int) -> gr.Dropdown:
-    """The "Output size" control, where it is made (wired by `wire_size_presets` once Width and Height exist)."""
+    """The "Output size" control, where it is made (wired by `wire_size_presets` once Width and Height
+    exist)."""
     return gr.Dropdown(choices(max_inputs), value=AUTO, label="Output size", elem_id="size-preset",
                        info="fills in Width and Height")
 

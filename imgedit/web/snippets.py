@@ -28,19 +28,19 @@ MASK_FILE = "mask.png"
 MASK_FIELDS = ("mask_grow", "mask_feather", "strength")
 
 
-# What api_values writes itself (the form's controls that mean something else than their raw value); every other
-# declared parameter the form sets is written as it is (protocol.PARAMETERS).
-LAID_OUT = frozenset(("images", "prompt", "negative_prompt", "seed", "randomize_seed", "num_inference_steps",
-                      "true_cfg_scale", "num_images", "width", "height", "speed", "lora", "lora_scale", "cache",
-                      "mask", *MASK_FIELDS, "enhance_prompt"))
+# What api_values writes itself (the form's controls that mean something else than their raw value); every
+# other declared parameter the form sets is written as it is (protocol.PARAMETERS).
+LAID_OUT = frozenset(("images", "prompt", "negative_prompt", "seed", "randomize_seed",
+                      "num_inference_steps", "true_cfg_scale", "num_images", "width", "height", "speed",
+                      "lora", "lora_scale", "cache", "mask", *MASK_FIELDS, "enhance_prompt"))
 
 
 def api_values(form: dict, n_images: int, default_steps: int, default_cfg: float, mask: bool = False,
                generates: bool = False) -> dict:
-    """The `/edit` API's keyword arguments for the current form ({declared parameter: the form's raw value}; input
-    files named input-N.png, the painted mask mask.png); speed, LoRA, step cache and mask only when the form sets
-    them, any other declared parameter when it is not its default. `generates`: a model that makes an image
-    from the prompt alone, so no input means none (else one placeholder input)."""
+    """The `/edit` API's keyword arguments for the current form ({declared parameter: the form's raw value};
+    input files named input-N.png, the painted mask mask.png); speed, LoRA, step cache and mask only when the
+    form sets them, any other declared parameter when it is not its default. `generates`: a model that makes
+    an image from the prompt alone, so no input means none (else one placeholder input)."""
     speed, lora, cache = form.get("speed"), form.get("lora"), form.get("cache")
     extra = {}
     if isinstance(speed, str) and speed not in ("", "quality"):
@@ -91,7 +91,8 @@ def gradio_snippet(url: str, values: dict, auth: bool) -> str:
               f"    images=[{', '.join(f'handle_file({name!r})' for name in values['images'])}],"]
     lines += [f"    {key}=handle_file({value!r})," if key == "mask" else f"    {key}={value!r},"
               for key, value in values.items() if key != "images"]
-    lines += ['    api_name="/edit",', ")", 'print(gallery[0]["image"], seed)  # a PNG file and the seed used']
+    lines += ['    api_name="/edit",', ")",
+              'print(gallery[0]["image"], seed)  # a PNG file and the seed used']
     return "\n".join(lines)
 
 
@@ -104,8 +105,10 @@ def _size(values: dict) -> str:
 _DECODE = ("import sys, json, base64\n"
            "raw = sys.stdin.buffer.read()\n"
            "try:\n    reply = json.loads(raw)\n"
-           "except ValueError:\n    sys.exit(\"the server answered: \" + raw[:500].decode(errors=\"replace\"))\n"
-           "if \"data\" not in reply:\n    sys.exit(\"the server answered: \" + str(reply.get(\"error\", reply)))\n"
+           "except ValueError:\n"
+           "    sys.exit(\"the server answered: \" + raw[:500].decode(errors=\"replace\"))\n"
+           "if \"data\" not in reply:\n"
+           "    sys.exit(\"the server answered: \" + str(reply.get(\"error\", reply)))\n"
            "open(\"out.png\", \"wb\").write(base64.b64decode(reply[\"data\"][0][\"b64_json\"]))\n"
            "print(\"wrote out.png\")")
 
@@ -114,27 +117,32 @@ def curl_snippet(url: str, values: dict) -> str:
     if not values["images"]:
         return _curl_generation(url, values)
     fields = [f"image=@{name}" for name in values["images"]] + [
-        f"prompt={values['prompt']}", f"negative_prompt={values['negative_prompt']}", f"n={values['num_images']}",
-        f"size={_size(values)}", f"num_inference_steps={values['num_inference_steps']}",
-        f"true_cfg_scale={values['true_cfg_scale']}"]
+        f"prompt={values['prompt']}", f"negative_prompt={values['negative_prompt']}",
+        f"n={values['num_images']}", f"size={_size(values)}",
+        f"num_inference_steps={values['num_inference_steps']}", f"true_cfg_scale={values['true_cfg_scale']}"]
     if not values["randomize_seed"]:
         fields.append(f"seed={values['seed']}")
     fields += [f"{key}={values[key]}" for key in ("speed", "lora", "lora_scale", "cache") if key in values]
     if "mask" in values:
-        fields += [f"mask=@{values['mask']}"] + [f"{key}={values[key]}" for key in MASK_FIELDS if key in values]
+        fields += [f"mask=@{values['mask']}"]
+        fields += [f"{key}={values[key]}" for key in MASK_FIELDS if key in values]
     fields += [f"{key}={value}" for key, value in _rest_options(values).items()]
-    parts = [f"curl -sS {shlex.quote(url + 'v1/images/edits')}", '-H "Authorization: Bearer $IMGEDIT_API_KEY"']
+    parts = [f"curl -sS {shlex.quote(url + 'v1/images/edits')}",
+             '-H "Authorization: Bearer $IMGEDIT_API_KEY"']
     parts += [f"-F {shlex.quote(field)}" for field in fields]
-    return "\n".join([INPUTS_NOTE, KEY_NOTE, " \\\n  ".join([*parts, f"| python3 -c {shlex.quote(_DECODE)}"])])
+    command = " \\\n  ".join([*parts, f"| python3 -c {shlex.quote(_DECODE)}"])
+    return "\n".join([INPUTS_NOTE, KEY_NOTE, command])
 
 
 def _extensions(values: dict) -> dict:
     """Our parameters beyond OpenAI's, as REST takes them (the openai SDK sends them through extra_body)."""
-    extra = {"negative_prompt": values["negative_prompt"], "num_inference_steps": values["num_inference_steps"],
+    extra = {"negative_prompt": values["negative_prompt"],
+             "num_inference_steps": values["num_inference_steps"],
              "true_cfg_scale": values["true_cfg_scale"]}
     if not values["randomize_seed"]:
         extra["seed"] = values["seed"]
-    extra.update({key: values[key] for key in ("speed", "lora", "lora_scale", "cache", *MASK_FIELDS) if key in values})
+    extra.update({key: values[key] for key in ("speed", "lora", "lora_scale", "cache", *MASK_FIELDS)
+                  if key in values})
     extra.update(_rest_options(values))
     return extra
 
@@ -143,7 +151,8 @@ def _curl_generation(url: str, values: dict) -> str:
     """Text to image: OpenAI's generations, a JSON body."""
     body = {"prompt": values["prompt"], "n": values["num_images"], "size": _size(values),
             "response_format": "b64_json", **_extensions(values)}
-    parts = [f"curl -sS {shlex.quote(url + 'v1/images/generations')}", '-H "Authorization: Bearer $IMGEDIT_API_KEY"',
+    parts = [f"curl -sS {shlex.quote(url + 'v1/images/generations')}",
+             '-H "Authorization: Bearer $IMGEDIT_API_KEY"',
              "-H 'Content-Type: application/json'", f"-d {shlex.quote(json.dumps(body))}"]
     return "\n".join([KEY_NOTE, " \\\n  ".join([*parts, f"| python3 -c {shlex.quote(_DECODE)}"])])
 
@@ -159,7 +168,8 @@ def openai_snippet(url: str, values: dict) -> str:
             f"                                n={values['num_images']!r}, size={_size(values)!r},",
             "                                response_format='b64_json',",
             f"                                extra_body={extra!r})",
-            "open('out.png', 'wb').write(base64.b64decode(result.data[0].b64_json))", "print('wrote out.png')"])
+            "open('out.png', 'wb').write(base64.b64decode(result.data[0].b64_json))",
+            "print('wrote out.png')"])
     files = ", ".join(f"open({name!r}, 'rb')" for name in values["images"])
     mask = f" mask=open({values['mask']!r}, 'rb')," if "mask" in values else ""
     return "\n".join([

@@ -58,9 +58,11 @@ def parse_speed_inputs(speed, lora, lora_scale) -> tuple[str | None, str | None,
         try:
             scale = float(lora_scale)
         except ValueError:
-            raise InvalidInput(f"lora_scale must be a number, got {str(lora_scale)[:40]!r}", "lora_scale") from None
+            raise InvalidInput(f"lora_scale must be a number, got {str(lora_scale)[:40]!r}",
+                               "lora_scale") from None
         if not math.isfinite(scale):
-            raise InvalidInput(f"lora_scale must be a finite number, got {str(lora_scale)[:40]!r}", "lora_scale")
+            raise InvalidInput(f"lora_scale must be a finite number, got {str(lora_scale)[:40]!r}",
+                               "lora_scale")
     return speed or None, None if lora in (None, "", NO_LORA) else lora, scale
 
 
@@ -72,7 +74,8 @@ def build_speed_controls(settings: Settings) -> list:
     has_loras = bool(settings.lora_entries)
     with gr.Row(visible=has_loras):
         lora = gr.Dropdown(lora_choices(settings), value=NO_LORA, label="LoRA", elem_id="lora")
-        scale = gr.Slider(0.0, MAX_LORA_SCALE, value=1.0, step=0.05, label="LoRA strength", elem_id="lora-scale")
+        scale = gr.Slider(0.0, MAX_LORA_SCALE, value=1.0, step=0.05, label="LoRA strength",
+                          elem_id="lora-scale")
     return [speed, lora, scale]
 
 

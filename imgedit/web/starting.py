@@ -37,8 +37,9 @@ class StartingServer:
             server_state = outer
 
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._http = type("_Http", (ThreadingHTTPServer,), {"address_family": family, "daemon_threads": True})(
-            (host, port), Handler)
+        server_class = type("_Http", (ThreadingHTTPServer,),
+                            {"address_family": family, "daemon_threads": True})
+        self._http = server_class((host, port), Handler)
         self._thread = threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.1},
                                         name="imgedit-starting", daemon=True)
         self._thread.start()
@@ -75,9 +76,11 @@ class _Handler(BaseHTTPRequestHandler):
                                   "type": "server_error", "param": None, "code": "not_ready"}})
         else:
             page = (f"<!doctype html><html><head><meta charset='utf-8'><title>imgedit is starting</title>"
-                    f"<meta http-equiv='refresh' content='{RETRY_AFTER_S}'></head><body style='font-family:sans-serif'>"
+                    f"<meta http-equiv='refresh' content='{RETRY_AFTER_S}'></head>"
+                    "<body style='font-family:sans-serif'>"
                     f"<h1>imgedit is starting</h1><p>{html.escape(detail)}</p>"
-                    f"<p>This page reloads itself; the editor appears when the server is ready.</p></body></html>")
+                    "<p>This page reloads itself; the editor appears when the server is ready.</p>"
+                    "</body></html>")
             self._send(page.encode(), "text/html; charset=utf-8")
 
     do_HEAD = do_GET

@@ -38,8 +38,8 @@ class BodyReadTimeout:
                 message = await asyncio.wait_for(receive(), self.seconds)
             except asyncio.TimeoutError:
                 timed_out = True
-                log.warning("%s %s: request body stalled for %ss; closing the connection", scope.get("method"),
-                            scope.get("path"), self.seconds)
+                log.warning("%s %s: request body stalled for %ss; closing the connection",
+                            scope.get("method"), scope.get("path"), self.seconds)
                 if not response_started:
                     await _answer_408(send, self.seconds)
                 return {"type": "http.disconnect"}

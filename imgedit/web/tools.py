@@ -58,8 +58,8 @@ def _index(value) -> int:
 
 
 class PageTools:
-    def __init__(self, settings: Settings, family: str, default_steps: int, tokens: PromptTokens | None = None,
-                 cache_offered: bool = True):
+    def __init__(self, settings: Settings, family: str, default_steps: int,
+                 tokens: PromptTokens | None = None, cache_offered: bool = True):
         self.settings = settings
         self.cache_offered = cache_offered  # the workers can run a step cache (else the control is hidden)
         self.family = family
@@ -105,7 +105,8 @@ class PageTools:
         for problem in problems:
             gr.Warning(html.escape(problem), title="left out")
         first = open_image(kept[0], self.settings.max_input_pixels) if kept else None
-        shown = cached_pngs([png_bytes(first)], "input")[0] if first else None  # as decoded (rotated, RGB), once
+        # as decoded (rotated, RGB), once
+        shown = cached_pngs([png_bytes(first)], "input")[0] if first else None
         stored = next((found for path in kept if (found := self.restorable(read_settings(path)))), {})
         return kept, (shown, shown) if shown else None, gr.update(visible=bool(stored)), stored
 
@@ -115,7 +116,8 @@ class PageTools:
         kept = {}
         for key, value in stored.items():
             if key == "cache" and isinstance(value, str):
-                value = stored_cache_choice(value, self.cache_offered)  # first-block:<threshold>: the server's
+                # first-block:<threshold>: the server's
+                value = stored_cache_choice(value, self.cache_offered)
                 if value == SERVER_CACHE:
                     continue
             probe = {"prompt": "x", key: value}
@@ -128,13 +130,14 @@ class PageTools:
         return kept
 
     def restore_settings(self, stored, names: tuple[str, ...]):
-        """The settings a result PNG carries, back into the form (seed fixed, so the edit repeats): a value for
-        each of `names` (the declared parameters the form restores, protocol.PARAMETERS' `restore`), then
+        """The settings a result PNG carries, back into the form (seed fixed, so the edit repeats): a value
+        for each of `names` (the declared parameters the form restores, protocol.PARAMETERS' `restore`), then
         Randomize seed and the Restore button."""
         if not isinstance(stored, dict) or not stored:
             raise refusal("this PNG carries no settings of this app", "nothing to restore")
-        gr.Info("Restored the prompt, seed, steps, CFG, size and step cache saved in the PNG (this image's own seed: "
-                "one image per prompt makes it again). The input images are not in the PNG: add the same ones.",
+        gr.Info("Restored the prompt, seed, steps, CFG, size and step cache saved in the PNG "
+                "(this image's own seed: one image per prompt makes it again). The input images are not in "
+                "the PNG: add the same ones.",
                 title="settings restored")
         keep = gr.update()
         values = [stored.get(name, keep) for name in names]
@@ -143,15 +146,17 @@ class PageTools:
         return (*values, False if "seed" in stored else keep, gr.update(visible=False))
 
     def api_call(self, form: dict, canvas, request: gr.Request):
-        """Copy as API call: the form ({declared parameter: raw value}) as gradio_client, curl and OpenAI-SDK code,
-        for this server's address. Each snippet repeats the page's edit: the painted mask (mask.png, offered with
-        the inputs) and the output size the server would make (one side given: both, from the last input's
-        aspect)."""
+        """Copy as API call: the form ({declared parameter: raw value}) as gradio_client, curl and OpenAI-SDK
+        code, for this server's address. Each snippet repeats the page's edit: the painted mask (mask.png,
+        offered with the inputs) and the output size the server would make (one side given: both, from the
+        last input's aspect)."""
         try:
             paths = uploaded_paths(form.get("images"))
-        except Exception:  # noqa: BLE001 - the snippets still show; the inputs are offered when they can be read
+        except Exception:  # noqa: BLE001
+            # the snippets still show; the inputs are offered when they can be read
             paths = []
-        # The snippets name their files input-1.png, ...: the same files under those names, to save beside them.
+        # The snippets name their files input-1.png, ...: the same files under those names, to save beside
+        # them.
         inputs = [export_copy([Path(path)], f"input-{k + 1}") for k, path in enumerate(paths)]
         mask = painted_mask(canvas) if canvas is not None else ""
         if mask:
@@ -160,7 +165,8 @@ class PageTools:
         form = {**form, "width": width, "height": height,
                 "cache": self._snippet_cache(form.get("cache"), form.get("speed"))}
         cfg = FAMILIES[self.family].cfg(self.settings.default_true_cfg)
-        values = api_values(form, len(paths), self.default_steps, cfg, bool(mask), FAMILIES[self.family].generates)
+        values = api_values(form, len(paths), self.default_steps, cfg, bool(mask),
+                            FAMILIES[self.family].generates)
         host = request.headers.get("host", "localhost:7860")
         url = f"{request.headers.get('x-forwarded-proto', 'http')}://{host}/"
         return (gr.update(visible=True), gradio_snippet(url, values, self.settings.auth is not None),
@@ -173,16 +179,19 @@ class PageTools:
             width, height = int(float(width or 0)), int(float(height or 0))
             if bool(width) == bool(height):
                 return width, height
-            if not paths:  # text to image: the model makes it square (validation.resolve); else as the form says
-                return output_size(width, height, (1, 1), self.settings, self.family) if FAMILIES[
-                    self.family].generates else (width, height)
+            # text to image: the model makes it square (validation.resolve); else as the form says
+            if not paths:
+                if FAMILIES[self.family].generates:
+                    return output_size(width, height, (1, 1), self.settings, self.family)
+                return width, height
             with Image.open(paths[-1]) as last:  # the header only
                 return output_size(width, height, last.size, self.settings, self.family)
         except Exception:  # noqa: BLE001 - junk or an unreadable file: the snippet repeats the form as it is
             return width, height
 
     def page_cache(self, cache, speed) -> str | None:
-        """The Step cache's value for the edit (None: the server's CACHE); unused where the control is hidden."""
+        """The Step cache's value for the edit (None: the server's CACHE); unused where the control is
+        hidden."""
         try:
             return parse_cache_input(cache, speed) if self.cache_offered else None
         except Exception as exc:
@@ -209,7 +218,8 @@ class PageTools:
         """The inputs as thumbnails in their own aspect, numbered as the model gets them."""
         try:
             paths = uploaded_paths(images)
-        except Exception:  # noqa: BLE001 - an unreadable value shows no thumbnails; the edit names the problem
+        except Exception:  # noqa: BLE001
+            # an unreadable value shows no thumbnails; the edit names the problem
             return []
         return [(path, f"image {i}") for i, path in enumerate(paths, 1)]
 
@@ -241,7 +251,8 @@ class PageTools:
         path = self.chosen_result(gallery, index)
         paths = self._paths(images)
         if len(paths) >= self.allowed:
-            raise refusal(f"this model takes at most {self.allowed} input image(s); remove one first", "too many")
+            raise refusal(f"this model takes at most {self.allowed} input image(s); remove one first",
+                          "too many")
         return [*paths, path]
 
     def select_result(self, images, gallery, evt: gr.SelectData):
@@ -291,7 +302,8 @@ def cached_pngs(pngs: list[bytes], stem: str) -> list[str]:
     cache is neither copied nor hashed again). Handed a PIL image, each component writes a PNG of its own at
     zlib level 6: 0.15-0.28 s for a 1024x1024 result on the 2-core CPU machine, once for the result and again
     for the comparison (docs/BENCHMARKS.md). The folder is named by Gradio's own hash of the bytes; a file
-    that is there already (the same bytes) is only touched, never rewritten while a browser may be reading it."""
+    that is there already (the same bytes) is only touched, never rewritten while a browser may be reading
+    it."""
     paths = []
     for i, png in enumerate(pngs):
         path = Path(get_upload_folder()) / hash_bytes(png) / f"{stem}-{i}.png"
@@ -306,10 +318,11 @@ def cached_pngs(pngs: list[bytes], stem: str) -> list[str]:
     return paths
 
 
-def page_files(req: EditRequest, first: Image.Image, pngs: list[bytes]) -> tuple[list[str], tuple[str, str] | None]:
+def page_files(req: EditRequest, first: Image.Image,
+               pngs: list[bytes]) -> tuple[list[str], tuple[str, str] | None]:
     """The result's files for the gallery, and the before/after pair for the slider: "after" is the gallery's
-    first file (`first`, the first result, as `pngs[0]`), "before" one more PNG at zlib level 1; no pair for an
-    image made from the prompt alone (nothing came before it)."""
+    first file (`first`, the first result, as `pngs[0]`), "before" one more PNG at zlib level 1; no pair for
+    an image made from the prompt alone (nothing came before it)."""
     results = cached_pngs(pngs, "result")
     if not req.images:
         return results, None

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from gradio import route_utils
 from gradio.utils import get_upload_folder
 
 from imgedit.engine.images import FORMATS, image_or_zip
@@ -27,8 +28,10 @@ from imgedit.errors import InvalidInput
 
 log = logging.getLogger(__name__)
 MAX_EVENT_BODY = 4_000_000  # an event's JSON: prompts and file references, never file contents
-NOT_UPLOADED = "was not uploaded to this server: upload the file first and send the path the upload returned"
-UNREADABLE = "the request could not be processed: check the values against the API description (/gradio_api/info)"
+NOT_UPLOADED = ("was not uploaded to this server: upload the file first and send the path the upload "
+                "returned")
+UNREADABLE = ("the request could not be processed: check the values against the API description "
+              "(/gradio_api/info)")
 UNCHECKED = ("/gradio_api/upload", "/gradio_api/cancel")  # multipart uploads; cancel names no file
 
 
@@ -38,7 +41,8 @@ def upload_folder() -> str:
 
 def in_upload_folder(path: str) -> bool:
     """True for a regular file under the upload cache, after links and `..` are resolved (a folder given as
-    an input file was recorded by Gradio, and its cleanup then failed on it at every sweep and at shutdown)."""
+    an input file was recorded by Gradio, and its cleanup then failed on it at every sweep and at
+    shutdown)."""
     if not path or "\x00" in path:
         return False
     real, folder = os.path.realpath(path), upload_folder()
@@ -91,13 +95,11 @@ class PartialUploadSweeper:
 
 
 def guard_gradio_cleanup() -> None:
-    """Gradio's sweep of the files it recorded (route_utils.delete_files_created_by_app: every few seconds, and at
-    shutdown) catches only FileNotFoundError: one entry that is a folder (IsADirectoryError) or cannot be removed
-    stopped the whole sweep and failed the server's shutdown. EventGuard refuses such inputs before Gradio records
-    them; this makes the sweep itself survive one: entries that are not regular files leave Gradio's records
-    unremoved, and an error on one file is logged and does not stop the rest. Idempotent."""
-    from gradio import route_utils
-
+    """Gradio's sweep of the files it recorded (route_utils.delete_files_created_by_app: every few seconds,
+    and at shutdown) catches only FileNotFoundError: one entry that is a folder (IsADirectoryError) or cannot
+    be removed stopped the whole sweep and failed the server's shutdown. EventGuard refuses such inputs before
+    Gradio records them; this makes the sweep itself survive one: entries that are not regular files leave
+    Gradio's records unremoved, and an error on one file is logged and does not stop the rest. Idempotent."""
     original = route_utils.delete_files_created_by_app
     if getattr(original, "imgedit_guarded", False):
         return
@@ -112,8 +114,8 @@ def guard_gradio_cleanup() -> None:
                 except (OSError, TypeError, ValueError):
                     regular = False
                 if not regular:
-                    log.warning("gradio's file records held %r, which is not a regular file: dropped, not deleted",
-                                str(entry)[:200])
+                    log.warning("gradio's file records held %r, which is not a regular file: dropped, "
+                                "not deleted", str(entry)[:200])
                     temp_set.discard(entry)
         try:
             original(blocks, age)
@@ -196,7 +198,8 @@ class EventGuard:
                 size += len(body[-1])
                 more = message.get("more_body", False)
                 if size > MAX_EVENT_BODY:
-                    await _answer(send, 413, path, f"the request body is larger than {MAX_EVENT_BODY:,} bytes")
+                    await _answer(send, 413, path,
+                                  f"the request body is larger than {MAX_EVENT_BODY:,} bytes")
                     return
             raw = b"".join(body)
             try:
@@ -250,8 +253,8 @@ def _images_only(send):
                 os.remove(p)
         name = os.path.basename(kept[refused])[:100]
         await _answer(send, 400, "/gradio_api/upload",
-                      f"file {refused + 1} ({name!r}) is not an image ({', '.join(FORMATS)}) or a zip of images; "
-                      "nothing of this upload was kept")
+                      f"file {refused + 1} ({name!r}) is not an image ({', '.join(FORMATS)}) or a zip of "
+                      "images; nothing of this upload was kept")
 
     return _held(send, lambda status: status == 200, finish)
 
@@ -288,7 +291,8 @@ def _error_body(path: str, message: str) -> bytes:
 async def _answer(send, status: int, path: str, message: str) -> None:
     body = _error_body(path, message)
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
 
 
