@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import ExifTags, Image
 
-from imgedit.engine.images import encoded, open_image
+from imgedit.engine.images import encoded, open_image, peek_image
 from imgedit.errors import InputTooLarge, InvalidInput
 
 LIMIT = 4096 * 4096
@@ -31,6 +31,31 @@ def test_exif_rotation_is_applied():
     exif[0x0112] = 6  # orientation: rotate 90 CW to display
     out = open_image(encode(image, "JPEG", exif=exif), LIMIT)
     assert out.size == (20, 40)
+
+
+def test_a_peek_reads_the_size_the_decode_will_have_and_refuses_what_it_would(tmp_path):
+    """gradio's validator reads inputs by their headers (peek_image): the size open_image gives (EXIF turns
+    applied), the same refusals named the same way; a body cut short is left to the decode."""
+    image = Image.new("RGB", (40, 20), (255, 0, 0))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    for fmt in ("JPEG", "WEBP", "TIFF", "PNG"):
+        turned = tmp_path / f"phone.{fmt.lower()}"
+        turned.write_bytes(encode(image, fmt, exif=exif))
+        assert peek_image(turned, LIMIT, "phone").size == open_image(turned, LIMIT).size == (20, 40), fmt
+    text = tmp_path / "notes.png"
+    text.write_text("not a picture")
+    with pytest.raises(InvalidInput, match=r"notes.png \(image 2\) is not a readable image"):
+        peek_image(text, LIMIT, "notes.png (image 2)")
+    big = tmp_path / "big.png"
+    big.write_bytes(encode(Image.new("L", (300, 300))))
+    with pytest.raises(InputTooLarge, match="big.png is 300x300 = 90,000 pixels"):
+        peek_image(big, 200 * 200, "big.png")
+    cut = tmp_path / "cut.png"
+    cut.write_bytes(encode(Image.effect_noise((64, 64), 50))[:300])
+    assert peek_image(cut, LIMIT, "cut.png").size == (64, 64)
+    with pytest.raises(InvalidInput, match="cut.png is not a readable image"):
+        open_image(cut, LIMIT, "cut.png")
 
 
 def test_transparent_pixels_become_white_not_black():

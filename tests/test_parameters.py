@@ -37,8 +37,8 @@ def render() -> str:
     lines = ["# An edit's parameters", "",
              "Generated from `imgedit/protocol.py` (`PARAMETERS`) by `python tests/test_parameters.py`; a test fails",
              "when this file and the declaration differ. Names are the gradio `/edit` API's; REST and `/v1/jobs` take",
-             "the form field named in the second column. PNG: recorded in each result PNG's settings; restored: the page's",
-             "\"Restore the settings saved in this PNG\" puts it back into the form.", "",
+             "the form field named in the second column. PNG: recorded in each result PNG's settings; restored:",
+             "the page's \"Restore the settings saved in this PNG\" puts it back into the form.", "",
              "| parameter | REST / jobs form field | kind | where | default | range | PNG | what it does |",
              "|---|---|---|---|---|---|---|---|"]
     for p in parameters():  # the declaration as it is now (a test may add to it)

@@ -1,7 +1,8 @@
 """#45 item 2: an edit's parameters are resolved once, at the edge, and the `Resolved` travels to the worker
 (the line does not resolve again). Before: a REST edit resolved twice (the edge's check, then the manager), a
-gradio `/edit` three times (the validator, the event, the manager). Gradio's validator still checks before
-the queue (validation.check_params: it cannot hand its result to the event), so `/edit` resolves twice."""
+gradio `/edit` three times (the validator, the event, the manager) and decoded its images twice. Gradio's
+validator still checks before the queue (validation.check_params: it cannot hand its result to the event), so
+`/edit` resolves twice, but the validator reads the images' headers only: each image is decoded once."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from gradio_client import Client, handle_file
 
 from imgedit.engine import manager as manager_module
 from imgedit.engine import validation
+from imgedit.web import requests
 
 
 def test_an_edit_is_resolved_once_on_its_way_to_a_worker(live_server, image_file, monkeypatch, tmp_path):
@@ -23,6 +25,14 @@ def test_an_edit_is_resolved_once_on_its_way_to_a_worker(live_server, image_file
 
     monkeypatch.setattr(manager_module, "resolve", counting)  # PipelineManager.resolve's
     monkeypatch.setattr(validation, "resolve", counting)  # check_params' (the validator's)
+    decoded: list[str] = []
+    real_open = requests.open_image
+
+    def decoding(source, *args, **kwargs):
+        decoded.append(str(source))
+        return real_open(source, *args, **kwargs)
+
+    monkeypatch.setattr(requests, "open_image", decoding)  # the page's and gradio API's image decoder
     picture().save(tmp_path / "in.png")
     r = httpx.post(f"{live_server.url}/v1/images/edits", timeout=120,
                    files={"image": ("in.png", (tmp_path / "in.png").read_bytes(), "image/png")},
@@ -36,3 +46,4 @@ def test_an_edit_is_resolved_once_on_its_way_to_a_worker(live_server, image_file
                                    num_images=1, width=64, height=64, api_name="/edit")
     assert seed == 3 and len(gallery) == 1
     assert calls == ["validator", "api"]  # the validator's check before the queue, then the event's, once
+    assert len(decoded) == 1, decoded  # the event's decode: the validator read the header only

@@ -22,7 +22,6 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 LIGHTNING_FILE = re.compile(r"lightning.*?(\d+)[-_ ]?steps?", re.IGNORECASE)
 LIGHTNING_STEPS = (4, 8)
 SPEEDS = {"quality": None, "fast": 8, "fastest": 4}  # speed -> Lightning steps
-MAX_LORA_SCALE = 2.0
 # The published Lightning recipe (ModelTC/Qwen-Image-Lightning generate_with_diffusers.py: "we use
 # shift=3 in distillation"): FlowMatchEuler with a constant shift of 3 applied exponentially, and no
 # shift_terminal (the Qwen checkpoints' own scheduler config has 0.02, base 0.5 / max 0.9).

@@ -10,6 +10,8 @@ import hashlib
 import io
 import json
 import os
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,11 +34,26 @@ def image_or_zip(head: bytes) -> bool:
     return head.startswith(_MAGIC) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")
 
 
+@contextmanager
+def _reading(label: str, max_pixels: int):
+    """Pillow's many failures as our messages, naming the input (`label`)."""
+    try:
+        yield
+    except (InvalidInput, InputTooLarge):
+        raise
+    except Image.DecompressionBombError:
+        raise InputTooLarge(f"{label} is too large to decode safely (limit {max_pixels:,} pixels)") from None
+    except FileNotFoundError:
+        raise InvalidInput(f"{label} could not be read") from None
+    except Exception:  # truncated, corrupt or exotic files: Pillow raises many kinds
+        raise InvalidInput(f"{label} is not a readable image (allowed: {', '.join(FORMATS)})") from None
+
+
 def open_image(source: str | Path | bytes | Image.Image, max_pixels: int, label: str = "image",
                alpha: bool = False) -> Image.Image:
     """Decode one input to an RGB image (RGBA if it has transparency and `alpha`: a model that takes it,
     planning.families), or raise InvalidInput / InputTooLarge naming `label`."""
-    try:
+    with _reading(label, max_pixels):
         if isinstance(source, Image.Image):
             image = source
             _check_pixels(image.size, max_pixels, label)
@@ -50,14 +67,37 @@ def open_image(source: str | Path | bytes | Image.Image, max_pixels: int, label:
         if frames > 1:  # an animated GIF/WebP/PNG or a multi-page TIFF: its first frame is what gets edited
             image.info["frames"] = frames
         return image
-    except (InvalidInput, InputTooLarge):
-        raise
-    except Image.DecompressionBombError:
-        raise InputTooLarge(f"{label} is too large to decode safely (limit {max_pixels:,} pixels)") from None
-    except FileNotFoundError:
-        raise InvalidInput(f"{label} could not be read") from None
-    except Exception:  # truncated, corrupt or exotic files: Pillow raises many kinds
-        raise InvalidInput(f"{label} is not a readable image (allowed: {', '.join(FORMATS)})") from None
+
+
+@dataclass(frozen=True)
+class Peeked:
+    """An input known by its header alone (`peek_image`): its size as the edit will see it."""
+
+    size: tuple[int, int]
+
+
+def peek_image(path: str | Path, max_pixels: int, label: str = "image") -> Peeked:
+    """An input's size from its header, checked as open_image checks it (a format we read, within
+    `max_pixels`) but not decoded: for checks before a job queues (gradio's validator), which need sizes
+    only. A truncated or corrupt body is found when the job decodes it (open_image), with the same message."""
+    with _reading(label, max_pixels), Image.open(path, formats=FORMATS) as image:
+        _check_pixels(image.size, max_pixels, label)
+        width, height = image.size
+        if _orientation(image) in (5, 6, 7, 8):  # exif_transpose turns these a quarter
+            width, height = height, width
+        return Peeked((width, height))
+
+
+def _orientation(image: Image.Image) -> int:
+    """The EXIF orientation as read with the header (getexif() would decode a PNG to find an eXIf chunk after
+    its pixels: such a rare PNG is peeked unturned, and decoded turned)."""
+    if image.format == "TIFF":
+        return 1  # Pillow's TIFF reader gives the turned size already (tests/test_images.py checks it)
+    if not (raw := image.info.get("exif")):
+        return 1
+    exif = Image.Exif()
+    exif.load(raw)
+    return exif.get(ExifTags.Base.Orientation, 1)
 
 
 def image_label(number: int, name: str | None = None) -> str:

@@ -19,9 +19,7 @@ from PIL import Image, ImageOps
 from imgedit.engine.images import FORMATS, _check_pixels, mask_digest  # noqa: F401
 from imgedit.errors import InputTooLarge, InvalidInput
 
-MAX_GROW = 256  # pixels the mask may be grown by (mask_grow)
-MAX_FEATHER = 256  # pixels of soft edge inside the mask (mask_feather)
-DEFAULT_FEATHER = 8
+DEFAULT_FEATHER = 8  # mask_feather's (its bounds and mask_grow's: imgedit.protocol.PARAMETERS)
 
 
 def mask_from(source: Image.Image, image_size: tuple[int, int]) -> Image.Image:
@@ -73,18 +71,3 @@ def open_mask(raw: bytes, image_size: tuple[int, int], max_pixels: int) -> Image
         raise InvalidInput("the mask is not a readable image: send a PNG the size of the first image",
                            "mask") from None
     return mask_from(image, image_size)
-
-
-def check_mask_fields(grow, feather, strength) -> tuple[int, int, float]:
-    """mask_grow, mask_feather (pixels) and strength (0 to 1], with their defaults."""
-    grow = 0 if grow is None else grow
-    feather = DEFAULT_FEATHER if feather is None else feather
-    strength = 1.0 if strength is None else strength
-    for name, value, most in (("mask_grow", grow, MAX_GROW), ("mask_feather", feather, MAX_FEATHER)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
-            raise InvalidInput(f"{name} {value!r} is out of range: 0 to {most} pixels", name)
-    number = not isinstance(strength, bool) and isinstance(strength, (int, float))
-    if not number or not 0.0 < strength <= 1.0:
-        raise InvalidInput(f"strength {strength!r} is out of range: above 0, at most 1 (1 = repaint the "
-                           "masked area from scratch)", "strength")
-    return grow, feather, float(strength)

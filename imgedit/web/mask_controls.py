@@ -16,7 +16,8 @@ import gradio as gr
 import numpy as np
 from PIL import Image
 
-from imgedit.engine.masks import DEFAULT_FEATHER, MAX_FEATHER, MAX_GROW
+from imgedit.engine.masks import DEFAULT_FEATHER
+from imgedit.protocol import param
 from imgedit.web.uploads import upload_folder, uploaded_paths
 
 MASK_COLOUR = "#ff2d6f"
@@ -32,11 +33,14 @@ def build_mask_controls():
             brush=gr.Brush(colors=[MASK_COLOUR], color_mode="fixed", default_size=32),
             eraser=gr.Eraser(default_size=32))
         with gr.Row():
-            feather = gr.Slider(0, MAX_FEATHER, value=DEFAULT_FEATHER, step=1, label="Soft edge (px)",
-                                elem_id="mask-feather")
-            grow = gr.Slider(0, MAX_GROW, value=0, step=1, label="Grow (px)", elem_id="mask-grow")
-            strength = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Strength (1 = repaint)",
-                                 elem_id="mask-strength")
+            # the declared bounds (imgedit.protocol.PARAMETERS)
+            feather = gr.Slider(*param("mask_feather").bounds(), value=DEFAULT_FEATHER, step=1,
+                                label="Soft edge (px)", elem_id="mask-feather")
+            grow = gr.Slider(*param("mask_grow").bounds(), value=0, step=1, label="Grow (px)",
+                             elem_id="mask-grow")
+            # above the declared low bound (0 is refused): the slider's first stop
+            strength = gr.Slider(0.05, param("strength").high, value=1.0, step=0.05,
+                                 label="Strength (1 = repaint)", elem_id="mask-strength")
     painted = gr.Textbox(visible=False)  # a path in the upload cache, or ""
     return canvas, painted, grow, feather, strength
 

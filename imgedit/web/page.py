@@ -31,9 +31,11 @@ from imgedit.engine.validation import check_params, default_steps
 from imgedit.errors import ImgEditError
 from imgedit.planning.families import FAMILIES
 from imgedit.protocol import EDIT, param, parameters
+from imgedit.web.batch_tab import build_batch_tab
 from imgedit.web.chain import build_chain_controls, wire_chain
 from imgedit.web.enhance_controls import build_enhance_buttons, wire_enhance
 from imgedit.web.examples import example_rows
+from imgedit.web.history_tab import build_history_tab
 from imgedit.web.identity import page_owner
 from imgedit.web.mask_controls import build_mask_controls, follow_first_input, painted_mask
 from imgedit.web.panel import banner_html, panel_html
@@ -138,7 +140,8 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         the input at fault. `values`: `/edit`'s parameters in order (imgedit.web.requests.edit_fields)."""
         verdicts = [gr.validate(True, "")] * len(fields)
         try:
-            req = build_request(settings, manager.family, *values, source="validator")
+            # the images by their headers: the event decodes them once
+            req = build_request(settings, manager.family, *values, source="validator", decode=False)
             check_params(req, settings, manager.family, manager.prompt_tokens)
         except ImgEditError as exc:
             at = fields.index(exc.field) if exc.field in fields else 0
@@ -439,9 +442,6 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                     show_progress="hidden")
         gr.api(gpu_status, api_name="gpu_status", queue=False)
         if jobs is not None:  # Batch and History tabs (imgedit.web.batch_tab, imgedit.web.history_tab)
-            from imgedit.web.batch_tab import build_batch_tab
-            from imgedit.web.history_tab import build_history_tab
-
             with gr.Tabs():
                 build_batch_tab(settings, manager, jobs, controls)
                 history_api = build_history_tab(settings, history, controls, page_outputs, edit_page,

@@ -8,7 +8,7 @@ import inspect
 import gradio as gr
 
 from imgedit.config.settings import Settings
-from imgedit.engine.images import image_label, open_image
+from imgedit.engine.images import image_label, open_image, peek_image
 from imgedit.engine.masks import open_mask
 from imgedit.engine.validation import check_counts
 from imgedit.errors import InvalidInput
@@ -100,23 +100,29 @@ def event_fields(raw: dict) -> dict:
     return fields
 
 
-def decode_uploads(settings: Settings, family: str, images) -> tuple:
+def decode_uploads(settings: Settings, family: str, images, decode: bool = True) -> tuple:
     """The event's uploaded images (in Gradio's upload cache), counted for the family and decoded, each named
-    by its file (transparency kept for a model that takes it)."""
+    by its file (transparency kept for a model that takes it). `decode` False: read by their headers only
+    (imgedit.engine.images.peek_image), for a check before the job queues."""
     paths = uploaded_paths(images)
     check_counts(len(paths), family)
+    if not decode:
+        return tuple(peek_image(p, settings.max_input_pixels, image_label(i + 1, p))
+                     for i, p in enumerate(paths))
     alpha = FAMILIES[family].rgba
     return tuple(open_image(p, settings.max_input_pixels, image_label(i + 1, p), alpha)
                  for i, p in enumerate(paths))
 
 
-def build_request(settings: Settings, family: str, *values, source: str) -> EditRequest:
+def build_request(settings: Settings, family: str, *values, source: str,
+                  decode: bool = True) -> EditRequest:
     """Parse one event's raw values, `/edit`'s parameters in the declaration's order (protocol.PARAMETERS;
     absent trailing ones take their defaults), each by its kind. Every file must lie in Gradio's upload
-    cache (imgedit.web.uploads)."""
+    cache (imgedit.web.uploads). `decode` False: the images by their headers (sizes) only, for gradio's
+    validator."""
     names = edit_fields()
     raw = dict(zip(names, values, strict=False))
-    decoded = decode_uploads(settings, family, raw.get("images"))
+    decoded = decode_uploads(settings, family, raw.get("images"), decode)
     fields = event_fields({name: raw.get(name) for name in names})  # an absent trailing one: its default
     if mask_paths := uploaded_paths(raw.get("mask"), "mask"):
         if len(mask_paths) > 1:

@@ -11,11 +11,12 @@ import math
 
 import gradio as gr
 
-from imgedit.config.loras import MAX_LORA_SCALE, SPEEDS, lightning_for
+from imgedit.config.loras import SPEEDS, lightning_for
 from imgedit.config.settings import Settings
 from imgedit.engine.validation import CACHES
 from imgedit.errors import InvalidInput
 from imgedit.planning.modes import fast_steps
+from imgedit.protocol import param
 
 SPEEDS_SHOWN = {"quality": ("Quality", "the model's steps, CFG on"), "fast": ("Fast", "Lightning, 8 steps"),
                 "fastest": ("Fastest", "Lightning, 4 steps")}  # the label, then what it runs
@@ -74,7 +75,7 @@ def build_speed_controls(settings: Settings) -> list:
     has_loras = bool(settings.lora_entries)
     with gr.Row(visible=has_loras):
         lora = gr.Dropdown(lora_choices(settings), value=NO_LORA, label="LoRA", elem_id="lora")
-        scale = gr.Slider(0.0, MAX_LORA_SCALE, value=1.0, step=0.05, label="LoRA strength",
+        scale = gr.Slider(*param("lora_scale").bounds(), value=1.0, step=0.05, label="LoRA strength",
                           elem_id="lora-scale")
     return [speed, lora, scale]
 
