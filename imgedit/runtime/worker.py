@@ -47,10 +47,7 @@ log = logging.getLogger(__name__)
 
 def main(spec: WorkerSpec, inbox, outbox, visible_devices: str | None, cache_dir: str | None,
          log_level: str = "INFO") -> None:
-    if visible_devices is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
-    if cache_dir:
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.expanduser(cache_dir))
+    prepare_process(visible_devices, cache_dir)
     inbox, outbox = Channel(inbox), Channel(outbox)
     logging.basicConfig(level=log_level,
                         format=f"%(asctime)s %(levelname)s {spec.name}.{spec.rank}: %(message)s")
@@ -81,6 +78,19 @@ def main(spec: WorkerSpec, inbox, outbox, visible_devices: str | None, cache_dir
         from imgedit.runtime.group import close_group  # imports torch: after main() (docstring)
 
         close_group()
+
+
+def prepare_process(visible_devices: str | None, cache_dir: str | None) -> None:
+    """The environment torch reads when it is imported (after this). Dynamo's automatic-dynamic profile
+    (local PGO, kept beside inductor's cache) is off: our blocks compile dynamic from the first size
+    already, and with the profile a restart compiled other variants than the first start (14 vs 10) and
+    missed inductor's cache: the fp8 pair's restart took 163 s, and 89.3 s with it off (2x H200,
+    docs/BENCHMARKS.md). A value set for the server is kept."""
+    if visible_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+    if cache_dir:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.expanduser(cache_dir))
+    os.environ.setdefault("TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO", "0")
 
 
 def _watch_parent(parent: int) -> None:
