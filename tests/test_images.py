@@ -43,6 +43,15 @@ def test_a_peek_reads_the_size_the_decode_will_have_and_refuses_what_it_would(tm
         turned = tmp_path / f"phone.{fmt.lower()}"
         turned.write_bytes(encode(image, fmt, exif=exif))
         assert peek_image(turned, LIMIT, "phone").size == open_image(turned, LIMIT).size == (20, 40), fmt
+    # an orientation in XMP only (exif_transpose reads it through getexif()), and a broken EXIF block the
+    # decode skips: the peek agrees with the decode and refuses neither
+    xmp = (b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
+           b'<rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" tiff:Orientation="6"/></rdf:RDF></x:xmpmeta>')
+    for name, data in (("xmp.jpg", encode(image, "JPEG", xmp=xmp)), ("xmp.webp", encode(image, "WEBP", xmp=xmp)),
+                       ("broken.jpg", encode(image, "JPEG", exif=b"Exif\x00\x00not a TIFF header"))):
+        (tmp_path / name).write_bytes(data)
+        expected = (40, 20) if name == "broken.jpg" else (20, 40)
+        assert peek_image(tmp_path / name, LIMIT, name).size == open_image(tmp_path / name, LIMIT).size == expected
     text = tmp_path / "notes.png"
     text.write_text("not a picture")
     with pytest.raises(InvalidInput, match=r"notes.png \(image 2\) is not a readable image"):

@@ -148,17 +148,46 @@ def test_rest_and_jobs_refuse_a_value_outside_each_declared_bound(live_server, s
                 assert f"out of range: {p.range_text(settings)}" in error["message"], (p.name, error)
 
 
-def test_a_bound_changed_in_the_declaration_is_the_bound_checked(monkeypatch):
-    """Change num_images' declared bound and nothing else: the checks hold the new one (no copy of it elsewhere)."""
+def test_each_bound_is_inclusive_and_a_bound_changed_in_the_declaration_is_the_one_checked(server_manager,
+                                                                                         monkeypatch):
+    """Through validation.resolve, the check every edge runs: a value at either declared bound passes (a low
+    declared open refuses the bound itself); then every bound is moved in the declaration alone, and resolve
+    refuses the old bounds: no copy of a bound is left elsewhere."""
     from imgedit import protocol
+    from imgedit.engine.validation import resolve
+    from imgedit.errors import InvalidInput
+
+    settings, family = server_manager.settings, server_manager.family
+    image, mask = Image.new("RGB", (64, 64)), Image.new("L", (64, 64), 255)
+    image_size = (64, 64)
+
+    def resolved(name, value):
+        req = EditRequest(images=(image,), prompt="make it red", mask=mask, **{p.request_field: value
+                          for p in parameters() if p.name == name})
+        return resolve(req, settings, family, last_image_size=image_size, n_images=1)
+
+    bounded = [p for p in parameters() if p.high is not None]
+    for p in bounded:
+        low, high = p.bounds(settings)
+        if not p.low_open:
+            resolved(p.name, low)
+        resolved(p.name, high)
+    declared = protocol.PARAMETERS
+    for p in bounded:  # one parameter's bounds narrowed at a time: the others keep their defaults valid
+        low, high = p.bounds(settings)
+        narrowed = dataclasses.replace(p, low=low + 1, high=high - 1, low_open=False)
+        monkeypatch.setattr(protocol, "PARAMETERS", tuple(narrowed if q is p else q for q in declared))
+        for value in ((high,) if p.low_open else (low, high)):
+            with pytest.raises(InvalidInput, match=f"{p.name} {value} is out of range"):
+                resolved(p.name, value)
+
+def test_a_range_check_names_the_bound_and_refuses_nan():
     from imgedit.engine.validation import check_range
     from imgedit.errors import InvalidInput
 
     check_range("num_images", 3, SimpleNamespace(max_images_per_prompt=4))
-    changed = [dataclasses.replace(p, high=2) if p.name == "num_images" else p for p in protocol.PARAMETERS]
-    monkeypatch.setattr(protocol, "PARAMETERS", tuple(changed))
-    with pytest.raises(InvalidInput, match="num_images 3 is out of range: 1 to 2"):
-        check_range("num_images", 3, SimpleNamespace(max_images_per_prompt=4))
+    with pytest.raises(InvalidInput, match="num_images 5 is out of range: 1 to 4"):
+        check_range("num_images", 5, SimpleNamespace(max_images_per_prompt=4))
     with pytest.raises(InvalidInput, match="strength 0 is out of range: above 0, at most 1"):
         check_range("strength", 0)
     with pytest.raises(InvalidInput, match="out of range"):

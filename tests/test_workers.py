@@ -231,6 +231,11 @@ def test_a_worker_process_imports_torch_with_dynamos_restart_profile_off(tmp_pat
     out = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
                          env=env, timeout=120, check=True).stdout.split()
     assert out == ["False", str(tmp_path)]
+    # WORKER_START=forkserver: the forkserver imports torch first (runtime.preload), and its forks inherit that
+    forkserver = "import imgedit.runtime.preload, torch._dynamo.config as c; print(c.automatic_dynamic_local_pgo)"
+    out = subprocess.run([sys.executable, "-c", forkserver], capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=300, check=True).stdout.split()
+    assert out == ["False"]
     env["TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO"] = "1"
     out = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
                          env=env, timeout=120, check=True).stdout.split()

@@ -88,16 +88,22 @@ def peek_image(path: str | Path, max_pixels: int, label: str = "image") -> Peeke
         return Peeked((width, height))
 
 
+# Where a PNG keeps an orientation getexif() reads (EXIF, ImageMagick's raw profile, XMP)
+PNG_ORIENTATION_KEYS = ("exif", "Raw profile type exif", "xmp", "XML:com.adobe.xmp")
+
+
 def _orientation(image: Image.Image) -> int:
-    """The EXIF orientation as read with the header (getexif() would decode a PNG to find an eXIf chunk after
-    its pixels: such a rare PNG is peeked unturned, and decoded turned)."""
+    """The orientation exif_transpose will apply, read as it reads it (getexif(): EXIF and XMP) from the
+    header; a broken EXIF block counts as none, as the decode skips it. A PNG is asked only when it carries
+    one of PNG_ORIENTATION_KEYS: getexif() decodes a PNG to look for an eXIf chunk after its pixels."""
     if image.format == "TIFF":
         return 1  # Pillow's TIFF reader gives the turned size already (tests/test_images.py checks it)
-    if not (raw := image.info.get("exif")):
+    if image.format == "PNG" and not any(key in image.info for key in PNG_ORIENTATION_KEYS):
         return 1
-    exif = Image.Exif()
-    exif.load(raw)
-    return exif.get(ExifTags.Base.Orientation, 1)
+    try:
+        return int(image.getexif().get(ExifTags.Base.Orientation, 1))
+    except Exception:  # a broken EXIF block: the decode's exif_transpose leaves the image as it is
+        return 1
 
 
 def image_label(number: int, name: str | None = None) -> str:

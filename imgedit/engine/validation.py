@@ -274,7 +274,7 @@ def check_range(name: str, value, settings: Settings | None = None, why: str = "
     above_low = low < value if declared.low_open else low <= value
     if not (above_low and value <= high):  # NaN is inside no range
         why = why or declared.why
-        raise InvalidInput(f"{name} {value!r} is out of range: {declared.range_text(settings)}"
+        raise InvalidInput(f"{name} {value} is out of range: {declared.range_text(settings)}"
                            + (f" ({why})" if why else ""), name)
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() through NVML, not the driver
+# what runtime.worker.prepare_process sets for a spawned worker; a fork inherits torch's config from here
+os.environ.setdefault("TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO", "0")
 
 import accelerate  # noqa: E402,F401
 import diffusers  # noqa: E402,F401

@@ -305,7 +305,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                         negative = gr.Textbox(label="Negative prompt", value="")
                         with gr.Row():
                             seed = gr.Number(label="Seed", value=0, precision=0,
-                                             minimum=param("seed").low)
+                                             minimum=param("seed").low, maximum=param("seed").high)
                             randomize = gr.Checkbox(label="Randomize seed", value=True)
                         # the bounds the checks hold to (imgedit.protocol.PARAMETERS)
                         low, high = param("num_inference_steps").bounds(settings)
