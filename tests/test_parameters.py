@@ -192,6 +192,9 @@ def test_a_range_check_names_the_bound_and_refuses_nan():
         check_range("strength", 0)
     with pytest.raises(InvalidInput, match="out of range"):
         check_range("lora_scale", float("nan"))
+    for sent in ("1", True, None):  # a caller of the manager's own API may send anything
+        with pytest.raises(InvalidInput, match="true_cfg_scale must be a number"):
+            check_range("true_cfg_scale", sent)
 
 
 if __name__ == "__main__":

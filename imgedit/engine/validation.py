@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import random
 import re
 
@@ -269,6 +270,8 @@ def mask_fields(req: EditRequest) -> tuple[int, int, float]:
 def check_range(name: str, value, settings: Settings | None = None, why: str = "") -> None:
     """Refuse a number outside its declared bounds (imgedit.protocol.PARAMETERS), naming the parameter, the
     range and, where the declaration or the caller gives one, the reason for a bound."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidInput(f"{name} must be a number, got {str(value)[:40]!r}", name)
     declared = param(name)
     low, high = declared.bounds(settings)
     above_low = low < value if declared.low_open else low <= value
