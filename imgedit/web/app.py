@@ -26,7 +26,8 @@ from imgedit.web.cancel import build_cancel_router
 from imgedit.web.identity import BrowserCookie
 from imgedit.web.jobs_api import build_jobs_router
 from imgedit.web.metrics import Metrics
-from imgedit.web.page import GPU_GROUP, build_blocks, page_head
+from imgedit.web.page import GPU_GROUP, build_blocks
+from imgedit.web.page_assets import page_head
 from imgedit.web.rest import build_router, openai_error
 from imgedit.web.serving import ShutdownGate
 from imgedit.web.serving import serve as serve_until_drained

@@ -16,14 +16,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import html
-import json
 import logging
 import tempfile
 from dataclasses import replace
 
 import gradio as gr
 
-from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
 from imgedit.engine.gpus import GpuMonitor
 from imgedit.engine.images import frame_notices, png_bytes
@@ -38,6 +36,7 @@ from imgedit.web.examples import example_rows
 from imgedit.web.history_tab import build_history_tab
 from imgedit.web.identity import page_owner
 from imgedit.web.mask_controls import build_mask_controls, follow_first_input, painted_mask
+from imgedit.web.page_assets import INPUT_PREVIEW_CSS
 from imgedit.web.panel import banner_html, panel_html
 from imgedit.web.progress import EditProgress
 from imgedit.web.public import open_snapshot
@@ -66,61 +65,6 @@ LAID_OUT = ("images", "prompt", "negative_prompt", "seed", "randomize_seed", "nu
 DEMO_BANNER = ("**Demo mode**: a tiny random-weight model runs on the CPU, so outputs are noise. "
                "Set `QWEN_MODEL` or `QWEN_MODEL_DIR` to serve a real checkpoint.")
 DEMO_SIZE, DEMO_STEPS = 256, 4  # a first-time visitor of the demo sees a result in seconds
-
-
-def page_head(settings: Settings) -> str:
-    """Ctrl+Enter runs the edit; on a phone, Edit scrolls to the progress; Gradio's own upload-size message
-    ("exceed the maximum allowed size of 23.8 Mb" for MAX_FILE_SIZE=25MB: it counts in MiB and says Mb) says
-    the limit as the setting wrote it."""
-    largest = human_size(settings.max_file_size)
-    limit = json.dumps(f"larger than {largest}, the largest upload this server takes (MAX_FILE_SIZE)")
-    return PAGE_SCRIPT.replace("__LIMIT__", limit.replace("</", "<\\/"))
-
-
-# Ctrl/Cmd+Enter in the prompt runs the edit; on a phone the result (with its progress) scrolls into view;
-# Gradio's upload-size message gets the limit as written (__LIMIT__, filled in by page_head).
-PAGE_SCRIPT = """<script>
-document.addEventListener('keydown', (e) => {
-  if (e.key === 'Enter' && (e.ctrlKey || e.metaKey) && e.target.closest && e.target.closest('#prompt')) {
-    e.preventDefault();
-    document.getElementById('edit-button')?.click();
-  }
-});
-document.addEventListener('click', (e) => {
-  if (window.innerWidth < 900 && e.target.closest && e.target.closest('#edit-button')) {
-    setTimeout(() => document.getElementById('result')?.scrollIntoView({block: 'start'}), 150);
-  }
-}, true);
-const SIZE_RE = /File\\(s\\) exceed the maximum allowed size of [0-9.]+ \\w+: (.*)/;
-function sayTheLimit() {
-  const found = document.evaluate("//text()[contains(., 'maximum allowed size of')]", document.body, null,
-                                  XPathResult.ORDERED_NODE_SNAPSHOT_TYPE, null);
-  for (let i = 0; i < found.snapshotLength; i++) {
-    const node = found.snapshotItem(i), match = node.textContent.match(SIZE_RE);
-    if (match) node.textContent = match[1] + ': ' + __LIMIT__;
-  }
-}
-let sizeFrame = 0;
-new MutationObserver(() => {
-  if (!sizeFrame) sizeFrame = requestAnimationFrame(() => { sizeFrame = 0; sayTheLimit(); });
-}).observe(document.documentElement, {subtree: true, childList: true, characterData: true});
-</script>"""
-
-
-# Fixed-size thumbnail cells: one input would otherwise fill the column's width. On a narrow screen (the
-# columns stack below about 2 x 320 px) the result column comes right after the Edit button and its message,
-# before Examples, Speed, LoRA, Mask and Advanced (#editor-more): the columns give their children to the row.
-INPUT_PREVIEW_CSS = """<style>
-#input-preview .grid-container{grid-template-columns:repeat(auto-fill,120px)!important;
-  grid-template-rows:none!important;grid-auto-rows:120px!important}
-#input-preview img{object-fit:contain!important}
-@media (max-width: 700px) {
-  #editor{flex-direction:column!important;flex-wrap:nowrap!important}
-  #editor-left,#editor-right{display:contents!important}
-  #editor-right>*{order:1}
-  #editor-more{order:2}
-}
-</style>"""
 
 
 def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMonitor | None = None,
