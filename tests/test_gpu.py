@@ -233,6 +233,25 @@ def test_balanced_over_two_gpus_with_a_lora_compiles_and_keeps_its_placement(rea
         manager.close()
 
 
+@pytest.mark.multi_gpu
+def test_a_split_over_two_capped_gpus_with_a_lora_compiles_whole_blocks(real_ckpt, tmp_path):
+    """MAX_MEMORY=31GiB splits the transformer's blocks over both GPUs. accelerate's hooks inside each block
+    made its compile warm-up fail and the worker serve eager (2x H200, the twenty-first session); they are
+    dropped at loading now: compiled, no fallback, a `fastest` and a quality edit finite."""
+    lora_dir = lightning_dir(real_ckpt, tmp_path)
+    manager = load(real_ckpt, DEVICE_MAP="balanced", MAX_MEMORY="31GiB", LORA_DIR=str(lora_dir), COMPILE="on")
+    try:
+        assert any(p.is_split for w in manager.plan.workers for p in w.components.values())
+        status = manager.status().workers[0]
+        assert status.compiled and status.fallbacks == (), status
+        fast = manager.edit(EditRequest(images=(picture(96, 64),), prompt="make it red", seed=0, width=512,
+                                        height=512, speed="fastest", source="test")).images[0]
+        assert np.asarray(fast, float).std() > 1.0  # not a flat (NaN) image
+        assert np.asarray(edit(manager).images[0], float).std() > 1.0
+    finally:
+        manager.close()
+
+
 @pytest.mark.gpu
 def test_fast_jobs_run_on_an_fp8_copy_and_quality_jobs_keep_their_pixels(real_ckpt, tmp_path):
     """FAST_QUANTIZE=fp8: the Lightning LoRA fused into a copy of the transformer, every Linear in fp8 (~20 GiB

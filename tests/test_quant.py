@@ -450,34 +450,40 @@ def test_a_server_whose_text_encoder_is_streamed_refuses_prompt_rewrites_by_name
 
 
 def test_loading_a_lora_keeps_the_resident_blocks_resident(plus_ckpt, tmp_path):
-    """diffusers' load_lora_weights re-applies group offloading to the whole transformer (seen on an H200 under
-    MAX_MEMORY=22GiB with a Lightning LoRA: the compile warm-up then met the hooks and fell back to eager). The
-    worker lays its blocks out again (offload.restream): block 1 resident, block 0 streamed with its LoRA layers,
-    and a LoRA edit equals the same edit on the resident pipeline."""
+    """diffusers' load_lora_weights re-applies group offloading to a whole streamed model, once per LoRA (seen on
+    an H200 under MAX_MEMORY=22GiB with a Lightning LoRA: the compile warm-up then met the hooks and fell back to
+    eager; and every resident block was copied to pinned CPU memory and back, 21 s of a restart). The worker
+    takes the streaming hooks off while LoRAs load (offload.lifted): diffusers then re-applies nothing, and the
+    layout comes back as at loading: block 1 resident, block 0 and the text encoder streamed with their LoRA
+    layers, and a LoRA edit equals the same edit on the resident pipeline."""
     from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
 
     from imgedit.config.loras import LoraFile
     from imgedit.model.lora_random import random_lora
     from imgedit.model.loras import transformer_linears
     from imgedit.runtime.adapters import Adapters
-    from imgedit.runtime.offload import restream
+    from imgedit.runtime.offload import lifted
 
     def hooked(module):
         return hasattr(module, "_diffusers_hook") and module._diffusers_hook.get_hook(_GROUP_OFFLOADING) is not None
 
     path = random_lora(tmp_path / "style.safetensors", transformer_linears(plus_ckpt), rank=4)
     lora = (LoraFile("style", str(path), None, 4, 0),)
-    memory = MemoryMode(resident_blocks=1)
+    memory = MemoryMode(offload_text_encoder=True, resident_blocks=1)
     checkpoint = loader.open_checkpoint(str(plus_ckpt))
     streamed = loader.load_pipeline(checkpoint, WorkerPlan("s", {c: Placement("cpu") for c in COMPONENTS},
                                                            memory=memory), torch.float32)
     resident = loader.load_pipeline(checkpoint, WorkerPlan("r", {c: Placement("cpu") for c in COMPONENTS}),
                                     torch.float32)
     blocks = streamed.transformer.transformer_blocks
-    Adapters(streamed, lora)
-    assert hooked(blocks[0]) and hooked(blocks[1])  # what diffusers leaves: every block streamed
-    restream(streamed.transformer, "cpu", memory)
     assert hooked(blocks[0]) and not hooked(blocks[1])
+    with lifted(streamed, memory, {c: "cpu" for c in COMPONENTS}):
+        Adapters(streamed, lora)
+        # diffusers applied nothing again (with the hooks on, it left every block streamed)
+        assert not any(hooked(m) for m in [*streamed.transformer.modules(), *streamed.text_encoder.modules()])
+    assert hooked(blocks[0]) and not hooked(blocks[1])
+    assert any(hooked(m) for m in streamed.text_encoder.modules())
+    assert any("lora_A" in name for name, _ in blocks[0].named_modules())
     images = []
     for pipe in (streamed, resident):
         if pipe is resident:

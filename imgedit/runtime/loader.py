@@ -46,7 +46,12 @@ def load_pipeline(checkpoint: Checkpoint, worker: WorkerPlan, dtype: torch.dtype
             model = offload.load_component(name, checkpoint, placement, dtype, worker.memory)
         else:
             model = weights.load_component(name, checkpoint, placement, dtype)
-        if not placement.is_split and placement.device != worker.execution_device:
+        if placement.is_split:
+            # a block's own device hook only: the ones inside it would stop its compile (keep_block_hooks)
+            dropped = weights.keep_block_hooks(model)
+            log.info("%s split over %s: kept the device hooks of its blocks, dropped %d inside them",
+                     name, ", ".join(placement.devices), dropped)
+        elif placement.device != worker.execution_device:
             _move_inputs(model, placement.device)
         if name == "vae":
             # an image is one frame: its 3-D convolutions as 2-D ones, a third of the work

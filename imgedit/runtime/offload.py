@@ -8,7 +8,9 @@ The planner side (settings, sizes, the choice) is imgedit/planning/memory.py.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
+from contextlib import contextmanager
 
 import torch
 from accelerate import dispatch_model
@@ -146,7 +148,10 @@ def load_component(name: str, checkpoint, placement: Placement, dtype: torch.dty
         if placement.is_split:
             dispatch_model(model, device_map=weights.module_device_map(model, placement))
     if streamed:
+        started = time.perf_counter()
         stream(model, placement.device, memory if streams_blocks else None)
+        log.info("%s: streaming set up in %.1fs (weights to pinned CPU memory)", name,
+                 time.perf_counter() - started)
     return model
 
 
@@ -192,16 +197,32 @@ def stream(model: torch.nn.Module, device: str, memory: MemoryMode | None) -> No
             block.to(device)
 
 
-def restream(model: torch.nn.Module, device: str, memory: MemoryMode) -> None:
-    """Lay the streamed blocks out again after LoRAs were loaded. diffusers' load_lora_weights removes a
-    group-offloaded model's hooks and applies them again to the whole model (its new LoRA layers must move
-    with their blocks): every block streamed, the resident ones too, and compiled blocks then meet the hooks'
-    functions. Our hooks off again, then stream() as at loading: the LoRA layers of a streamed block move
-    with it."""
+@contextmanager
+def lifted(pipe, memory: MemoryMode | None, devices: dict[str, str]):
+    """Take the streaming hooks off while LoRAs load, then lay the components out as at loading. With the
+    hooks on, diffusers' load_lora_weights removes a group-offloaded model's hooks and applies them again to
+    the whole model, once per LoRA and per streamed component: every block streamed, the resident ones too,
+    each copied from the GPU to pinned CPU memory (about 13 GiB of resident blocks per LoRA on a 24 GB card),
+    and compiled blocks then meet the hooks' functions. Without hooks it sees no offloading: peft adds each
+    LoRA's layers beside their weights (on the GPU or in pinned CPU memory), and stream() here pins only
+    those new layers (a weight already pinned is not copied again)."""
+    streamed = [] if memory is None else (["transformer"] * memory.streams_blocks
+                                          + ["text_encoder"] * memory.offload_text_encoder)
+    for name in streamed:
+        _unstream(getattr(pipe, name))
+    try:
+        yield
+    finally:
+        for name in streamed:
+            started = time.perf_counter()
+            stream(getattr(pipe, name), devices[name], memory if name == "transformer" else None)
+            log.info("%s streamed again after the LoRAs in %.1fs", name, time.perf_counter() - started)
+
+
+def _unstream(model: torch.nn.Module) -> None:
     registry = HookRegistry.check_if_exists_or_initialize(model)
     for name in (_GROUP_OFFLOADING, _LAYER_EXECUTION_TRACKER, _LAZY_PREFETCH_GROUP_OFFLOADING):
         registry.remove_hook(name, recurse=True)
-    stream(model, device, memory)
 
 
 def check_device(memory: MemoryMode | None, device: str, fast_quantize: str = "none") -> None:
@@ -278,7 +299,8 @@ def _compile_block(block: torch.nn.Module, options: dict) -> None:
     split over GPUs is dispatched with such a hook on every block, whose pre_forward (it moves the inputs to
     the block's GPU) is torch.compiler.disable'd, which fullgraph=True refuses: the 2x 31 GiB split's compile
     warm-up failed on it on 2x H200 and the worker served eager. The hook now runs eager around the compiled
-    forward, as accelerate calls `module._old_forward` after pre_forward."""
+    forward, as accelerate calls `module._old_forward` after pre_forward; the hooks accelerate also puts
+    inside the block were dropped at loading (weights.keep_block_hooks)."""
     if hasattr(block, "_hf_hook") and hasattr(block, "_old_forward"):
         block._imgedit_eager_forward = block._old_forward
         block._old_forward = torch.compile(block._old_forward, **options)

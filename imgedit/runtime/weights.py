@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from accelerate import dispatch_model, init_empty_weights
+from accelerate.hooks import remove_hook_from_submodules
 
 from imgedit.model.components import block_container, component_classes, from_config, trained_like_init
 from imgedit.planning.checkpoint import Checkpoint
@@ -66,3 +67,28 @@ def random_component(name: str, folder: Path, device_map: dict[str, str], dtype:
     if len(set(device_map.values())) > 1:
         dispatch_model(model, device_map=device_map)
     return model
+
+
+def keep_block_hooks(model: torch.nn.Module) -> int:
+    """After a split's dispatch: keep the device hook of each module the device map names (a block, an
+    embedding) and drop the hooks accelerate put inside it, where the module's weights all sit on the hook's
+    own device. accelerate's `attach_execution_device_hook` gives every submodule with weights its own
+    AlignDevicesHook (a block's `img_mod`, `ff`, ...); inside a block wholly on one GPU they move inputs to
+    where the block's hook already moved them, and their `pre_forward` is torch.compiler.disable'd, so a
+    block compiled with fullgraph=True fails on them: the 2x 31 GiB split's compile warm-up fell back to eager
+    on `img_mod`'s hook on 2x H200 (docs/BENCHMARKS.md, the twenty-first session). Returns how many it
+    dropped."""
+    dropped = 0
+    for module in list(model.modules()):
+        hook = getattr(module, "_hf_hook", None)
+        if module is model or hook is None or getattr(hook, "offload", False):
+            continue
+        home = getattr(hook, "execution_device", None)
+        tensors = [*module.parameters(), *module.buffers()]
+        if home is None or not tensors or any(t.device != torch.device(home) for t in tensors):
+            continue
+        for child in module.children():
+            before = sum(hasattr(m, "_hf_hook") for m in child.modules())
+            remove_hook_from_submodules(child)
+            dropped += before
+    return dropped

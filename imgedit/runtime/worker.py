@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 def main(spec: WorkerSpec, inbox, outbox, visible_devices: str | None, cache_dir: str | None,
          log_level: str = "INFO") -> None:
-    prepare_process(visible_devices, cache_dir)
+    prepare_process(visible_devices, cache_dir, capped=bool(spec.memory_caps))
     inbox, outbox = Channel(inbox), Channel(outbox)
     logging.basicConfig(level=log_level,
                         format=f"%(asctime)s %(levelname)s {spec.name}.{spec.rank}: %(message)s")
@@ -80,17 +80,24 @@ def main(spec: WorkerSpec, inbox, outbox, visible_devices: str | None, cache_dir
         close_group()
 
 
-def prepare_process(visible_devices: str | None, cache_dir: str | None) -> None:
+def prepare_process(visible_devices: str | None, cache_dir: str | None, capped: bool = False) -> None:
     """The environment torch reads when it is imported (after this). Dynamo's automatic-dynamic profile
     (local PGO, kept beside inductor's cache) is off: our blocks compile dynamic from the first size
     already, and with the profile a restart compiled other variants than the first start (14 vs 10) and
     missed inductor's cache: the fp8 pair's restart took 163 s, and 89.3 s with it off (2x H200,
-    docs/BENCHMARKS.md). A value set for the server is kept."""
+    docs/BENCHMARKS.md).
+
+    `capped` (MAX_MEMORY): the allocator grows its segments in place (expandable_segments) instead of
+    keeping fixed-size ones. Under a 16 GB cap, 2.1's 10-reference edit failed on a 244 MiB allocation
+    with 1.97 GiB reserved but unused: freed blocks of other sizes that a fixed segment cannot hand out
+    (2x H200, the twenty-first session). A value set for the server is kept, as for the profile."""
     if visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     if cache_dir:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.expanduser(cache_dir))
     os.environ.setdefault("TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO", "0")
+    if capped:
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
 def _watch_parent(parent: int) -> None:
@@ -158,12 +165,12 @@ def _load(spec: WorkerSpec, say=lambda doing: None):
     if spec.loras or fast_mode != "none":
         say(f"loading {len(spec.loras)} LoRA(s)" + (f", building the {fast_mode} fast-mode copies"
                                                    if fast_mode != "none" else ""))
-    adapters = Adapters(pipe, spec.loras, spec.fuse_lora, spec.activation_reserve,
-                        spec.memory_caps if cuda else (), agree,
-                        fast_mode, spec.fast_steps, fast_agree=agree if spec.pair_ulysses else None)
-    # the LoRAs' loading streamed them all
-    if spec.loras and plan.memory is not None and plan.memory.streams_blocks:
-        offload.restream(pipe.transformer, plan.components["transformer"].device, plan.memory)
+    # streamed components: their hooks off while the LoRAs load, then on again (offload.lifted)
+    devices = {name: placement.device for name, placement in plan.components.items()}
+    with offload.lifted(pipe, plan.memory if spec.loras else None, devices):
+        adapters = Adapters(pipe, spec.loras, spec.fuse_lora, spec.activation_reserve,
+                            spec.memory_caps if cuda else (), agree,
+                            fast_mode, spec.fast_steps, fast_agree=agree if spec.pair_ulysses else None)
     fast = adapters.copies  # FAST_QUANTIZE's copies of the transformer
     weights = _weights_per_gpu() if cuda else {}  # the LoRAs' weights included
     runner = Runner(pipe, spec.name, spec.devices or plan.devices, spec.rank, spec.world, spec.parallel,

@@ -1,0 +1,70 @@
+"""A transformer split over GPUs compiles whole blocks (#44): accelerate's dispatch hooks every submodule with
+weights inside a block, and a block compiled with fullgraph=True failed on those hooks (the 2x 31 GiB split
+served eager on 2x H200). On the CPU the same hooks come from the same call, `dispatch_model` with a
+block-by-block device map (force_hooks: one device would otherwise get none); the GPU machine runs the split
+itself (tests/test_gpu.py, the acceptance run's split31 row).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from accelerate import dispatch_model
+from conftest import LocalPipeline, picture
+
+from imgedit.model.components import block_container
+from imgedit.planning.plan import Placement
+from imgedit.runtime import offload, weights
+
+
+def split_like_a_gpu_split(transformer: torch.nn.Module) -> None:
+    blocks = len(transformer.get_submodule(block_container(transformer)))
+    device_map = weights.module_device_map(transformer, Placement("cpu", ("cpu",) * blocks))
+    dispatch_model(transformer, device_map=device_map, force_hooks=True)
+
+
+def hooked(module: torch.nn.Module) -> set[str]:
+    return {name for name, m in module.named_modules() if hasattr(m, "_hf_hook")}
+
+
+def run(pipe) -> np.ndarray:
+    return pipe(image=[picture(64, 64)], prompt="make it red", num_inference_steps=2, width=64, height=64,
+                true_cfg_scale=1.0, generator=torch.Generator().manual_seed(0), output_type="np").images
+
+
+def test_a_split_transformer_compiles_whole_blocks_inside_their_own_device_hooks(plus_ckpt):
+    pipe = LocalPipeline(plus_ckpt, memo=0).pipe
+    transformer = pipe.transformer
+    split_like_a_gpu_split(transformer)
+    eager = run(pipe)
+    inner = {name for name in hooked(transformer) if name.startswith("transformer_blocks.0.")}
+    assert "transformer_blocks.0.img_mod" in inner, inner  # what accelerate does: the cause
+
+    # with accelerate's inner hooks, the block's compile fails (what the worker's fallback caught on the GPU)
+    offload.compile_transformer(transformer, None)
+    with pytest.raises(Exception, match="disable"):
+        run(pipe)
+    offload.uncompile_transformer(transformer)
+    torch._dynamo.reset()
+
+    dropped = weights.keep_block_hooks(transformer)
+    left = hooked(transformer)
+    blocks = {f"transformer_blocks.{i}" for i in range(len(transformer.transformer_blocks))}
+    assert blocks <= left and not any(name.startswith("transformer_blocks.0.") for name in left), left
+    assert dropped >= len(inner)
+    offload.compile_transformer(transformer, None)
+    compiled = run(pipe)
+    assert all(b._old_forward is not b._imgedit_eager_forward for b in transformer.transformer_blocks)
+    np.testing.assert_allclose(compiled, eager, atol=1e-5)
+
+
+def test_a_block_with_a_weight_off_its_hooks_device_keeps_the_hooks_inside_it(plus_ckpt):
+    """Only where every weight of the module sits on its hook's device are the inner hooks redundant."""
+    transformer = LocalPipeline(plus_ckpt, memo=0).pipe.transformer
+    split_like_a_gpu_split(transformer)
+    block = transformer.transformer_blocks[1]
+    block._hf_hook.execution_device = torch.device("meta")  # as if its hook moved inputs to another device
+    weights.keep_block_hooks(transformer)
+    assert "transformer_blocks.1.img_mod" in hooked(transformer)
+    assert "transformer_blocks.0.img_mod" not in hooked(transformer)
