@@ -172,13 +172,21 @@ def _write(path: str, text: str) -> None:
 
 
 def hook_blocks(pipe, spec) -> None:
-    """install(), and an accelerate device hook on every transformer block, as dispatch_model leaves a
-    transformer split over GPUs (the 2x 31 GiB split's compile warm-up failed on them on 2x H200)."""
-    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+    """install(), and accelerate's device hooks as dispatch_model leaves a transformer split over GPUs: one on
+    every block and one on every submodule with weights inside it (the 2x 31 GiB split's compile warm-up failed
+    on them on 2x H200). One device here, so force_hooks (it would add none)."""
+    from accelerate import dispatch_model
+
+    from imgedit.model.components import block_container
+    from imgedit.planning.plan import Placement
+    from imgedit.runtime.weights import module_device_map
 
     install(pipe, spec)
-    for block in pipe.transformer.transformer_blocks:
-        add_hook_to_module(block, AlignDevicesHook(execution_device=spec.plan.execution_device))
+    transformer, device = pipe.transformer, spec.plan.execution_device
+    blocks = len(transformer.get_submodule(block_container(transformer)))
+    device_map = module_device_map(transformer, Placement(device, (device,) * blocks))
+    dispatch_model(transformer, device_map=device_map, force_hooks=True)
+    assert hasattr(transformer.transformer_blocks[0].img_mod, "_hf_hook")  # as on the GPUs
 
 
 def count_compiles(pipe, spec) -> None:
