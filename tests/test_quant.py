@@ -496,6 +496,56 @@ def test_loading_a_lora_keeps_the_resident_blocks_resident(plus_ckpt, tmp_path):
     np.testing.assert_array_equal(images[0], images[1])
 
 
+def test_loras_on_a_device_mapped_pipeline_leave_a_streamed_text_encoders_hooks_alone(plus_ckpt, tmp_path):
+    """A streamed text encoder on another GPU than the latents (2x 24 GB, balanced) also carries the loader's
+    accelerate hook, and the pipeline is marked device-mapped: diffusers then re-applies no offloading while LoRAs
+    load, and group offloading cannot be applied over an accelerate hook (it raises). offload.lifted leaves such
+    a pipeline as it is; the LoRA loads and both kinds of hook stay."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+    from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
+
+    from imgedit.config.loras import LoraFile
+    from imgedit.model.lora_random import random_lora
+    from imgedit.model.loras import transformer_linears
+    from imgedit.runtime.adapters import Adapters
+    from imgedit.runtime.offload import lifted
+
+    path = random_lora(tmp_path / "style.safetensors", transformer_linears(plus_ckpt), rank=4)
+    memory = MemoryMode(offload_text_encoder=True)
+    plan = WorkerPlan("s", {c: Placement("cpu") for c in COMPONENTS}, memory=memory)
+    pipe = loader.load_pipeline(loader.open_checkpoint(str(plus_ckpt)), plan, torch.float32)
+    # what the loader does for a component off the execution device (loader._move_inputs, hf_device_map)
+    add_hook_to_module(pipe.text_encoder, AlignDevicesHook(execution_device="cpu", io_same_device=True))
+    pipe.hf_device_map = {name: "cpu" for name in COMPONENTS}
+    with lifted(pipe, memory, {c: "cpu" for c in COMPONENTS}):
+        Adapters(pipe, (LoraFile("style", str(path), None, 4, 0),))
+    assert hasattr(pipe.text_encoder, "_hf_hook")
+    assert any(hasattr(m, "_diffusers_hook") and m._diffusers_hook.get_hook(_GROUP_OFFLOADING) is not None
+               for m in pipe.text_encoder.modules())
+    assert any("lora_A" in name for name, _ in pipe.transformer.named_modules())
+
+
+def test_a_lora_that_fails_to_load_leaves_the_streaming_as_it_was_lifted(plus_ckpt, tmp_path):
+    """The worker fails with the LoRA's own message; nothing is laid out again (minutes of pinning on a GPU)."""
+    from imgedit.config.loras import LoraFile
+    from imgedit.errors import ImgEditError
+    from imgedit.runtime import offload
+    from imgedit.runtime.adapters import Adapters
+
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"not a safetensors file")
+    memory = MemoryMode(resident_blocks=1)
+    plan = WorkerPlan("s", {c: Placement("cpu") for c in COMPONENTS}, memory=memory)
+    pipe = loader.load_pipeline(loader.open_checkpoint(str(plus_ckpt)), plan, torch.float32)
+    calls = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(offload, "stream", lambda *a, **k: calls.append(a))
+        with pytest.raises(ImgEditError, match="'broken'"):
+            with offload.lifted(pipe, memory, {c: "cpu" for c in COMPONENTS}):
+                Adapters(pipe, (LoraFile("broken", str(broken), None, None, 0),))
+    assert calls == []
+
+
 @pytest.mark.parametrize("mode", ["fp8", "int8"])
 def test_quantizing_leaves_inductors_tuning_settings_alone(monkeypatch, mode):
     """torchao's quantize_ turned on inductor's coordinate-descent tuning for the whole process by default: every

@@ -243,18 +243,19 @@ def test_a_worker_process_imports_torch_with_dynamos_restart_profile_off(tmp_pat
 
 
 @pytest.mark.parametrize("capped, given, expected", [
-    (True, None, "expandable_segments:True"), (False, None, "unset"),
-    (True, "max_split_size_mb:64", "max_split_size_mb:64"),
+    (True, {}, ["expandable_segments:True", "unset"]), (False, {}, ["unset", "unset"]),
+    (True, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}, ["max_split_size_mb:64", "unset"]),
+    (True, {"PYTORCH_ALLOC_CONF": "pinned_num_register_threads:8"}, ["unset", "pinned_num_register_threads:8"]),
 ])
 def test_a_capped_worker_grows_its_allocator_segments_in_place(capped, given, expected):
-    """MAX_MEMORY workers: torch's allocator with expandable segments (2.1 under a 16 GB cap failed on fragments,
-    1.97 GiB reserved but unused); a value the server sets stays; an uncapped worker keeps torch's default."""
+    """MAX_MEMORY workers: torch's allocator with expandable segments (2.1 under a 16 GB cap had 1.97 GiB reserved
+    but unused with fixed ones); an allocator setting the server has, under either name, stays as it is; an
+    uncapped worker keeps torch's default."""
+    names = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
     probe = ("import os; from imgedit.runtime.worker import prepare_process; "
              f"prepare_process(None, None, capped={capped}); "
-             "print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF', 'unset'))")
-    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
-    if given:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = given
+             f"print(*(os.environ.get(n, 'unset') for n in {names}))")
+    env = {k: v for k, v in os.environ.items() if k not in names} | given
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, env=env,
                          timeout=120, check=True).stdout.split()
-    assert out == [expected]
+    assert out == expected

@@ -205,18 +205,21 @@ def lifted(pipe, memory: MemoryMode | None, devices: dict[str, str]):
     each copied from the GPU to pinned CPU memory (about 13 GiB of resident blocks per LoRA on a 24 GB card),
     and compiled blocks then meet the hooks' functions. Without hooks it sees no offloading: peft adds each
     LoRA's layers beside their weights (on the GPU or in pinned CPU memory), and stream() here pins only
-    those new layers (a weight already pinned is not copied again)."""
-    streamed = [] if memory is None else (["transformer"] * memory.streams_blocks
-                                          + ["text_encoder"] * memory.offload_text_encoder)
+    those new layers (a weight already pinned is not copied again).
+
+    Nothing to do for a pipeline the loader marked device-mapped (a component with an accelerate hook, e.g.
+    a streamed text encoder on another GPU than the latents): diffusers then re-applies no offloading, and
+    group offloading cannot be applied again over an accelerate hook. A LoRA that fails to load fails the
+    worker: nothing is laid out again then."""
+    streamed = [] if memory is None or pipe.hf_device_map is not None else (
+        ["transformer"] * memory.streams_blocks + ["text_encoder"] * memory.offload_text_encoder)
     for name in streamed:
         _unstream(getattr(pipe, name))
-    try:
-        yield
-    finally:
-        for name in streamed:
-            started = time.perf_counter()
-            stream(getattr(pipe, name), devices[name], memory if name == "transformer" else None)
-            log.info("%s streamed again after the LoRAs in %.1fs", name, time.perf_counter() - started)
+    yield
+    for name in streamed:
+        started = time.perf_counter()
+        stream(getattr(pipe, name), devices[name], memory if name == "transformer" else None)
+        log.info("%s streamed again after the LoRAs in %.1fs", name, time.perf_counter() - started)
 
 
 def _unstream(model: torch.nn.Module) -> None:

@@ -88,16 +88,17 @@ def prepare_process(visible_devices: str | None, cache_dir: str | None, capped: 
     docs/BENCHMARKS.md).
 
     `capped` (MAX_MEMORY): the allocator grows its segments in place (expandable_segments) instead of
-    keeping fixed-size ones. Under a 16 GB cap, 2.1's 10-reference edit failed on a 244 MiB allocation
-    with 1.97 GiB reserved but unused: freed blocks of other sizes that a fixed segment cannot hand out
-    (2x H200, the twenty-first session). A value set for the server is kept, as for the profile."""
+    keeping fixed-size ones, so memory freed in one size serves another under the cap. Under a 16 GB cap,
+    2.1's 10-reference edit failed with 1.97 GiB reserved but unused (fixed segments); with expandable ones,
+    0.28 GiB (2x H200; that edit still needs more than the cap). An allocator setting made for the server
+    (PYTORCH_CUDA_ALLOC_CONF, or PYTORCH_ALLOC_CONF, which torch reads first) is kept, as the profile's is."""
     if visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     if cache_dir:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.expanduser(cache_dir))
     os.environ.setdefault("TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO", "0")
-    if capped:
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if capped and not (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
 def _watch_parent(parent: int) -> None:
@@ -243,11 +244,14 @@ def _cap_memory(caps: tuple[int, ...]) -> None:
     gives up with out-of-memory)."""
     import torch  # after main()'s set-up (docstring)
 
+    # what torch's allocator was started with (prepare_process); torch reads PYTORCH_ALLOC_CONF first
+    settings = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "default"
     for index, cap in enumerate(caps):
         total = torch.cuda.get_device_properties(index).total_memory
         fraction = min(1.0, max(0.01, allocator_budget(cap) / total))
         torch.cuda.set_per_process_memory_fraction(fraction, index)
-        log.info("cuda:%d: allocator capped at %.1f GiB (MAX_MEMORY)", index, fraction * total / 1024**3)
+        log.info("cuda:%d: allocator capped at %.1f GiB (MAX_MEMORY; allocator settings: %s)", index,
+                 fraction * total / 1024**3, settings)
 
 
 def _serve(spec: WorkerSpec, runner, inbox, outbox) -> None:
