@@ -225,12 +225,17 @@ def test_balanced_over_two_gpus_with_a_lora_compiles_and_keeps_its_placement(rea
         status = manager.status().workers[0]
         assert len(status.devices) == 2 and status.compiled and status.fallbacks == (), status
         assert all("cpu" not in c["bytes"] for c in status.components.values()), status.components
-        fast = manager.edit(EditRequest(images=(picture(96, 64),), prompt="make it red", seed=0, width=512,
-                                        height=512, speed="fastest", source="test")).images[0]
-        assert np.asarray(fast, float).std() > 1.0  # not a flat (NaN) image
-        assert np.asarray(edit(manager).images[0], float).std() > 1.0
+        check_fastest_and_quality_edits(manager)
     finally:
         manager.close()
+
+
+def check_fastest_and_quality_edits(manager) -> None:
+    """A `fastest` (Lightning LoRA) and a quality edit, neither a flat (NaN) image."""
+    fast = manager.edit(EditRequest(images=(picture(96, 64),), prompt="make it red", seed=0, width=512,
+                                    height=512, speed="fastest", source="test")).images[0]
+    assert np.asarray(fast, float).std() > 1.0
+    assert np.asarray(edit(manager).images[0], float).std() > 1.0
 
 
 @pytest.mark.multi_gpu
@@ -244,10 +249,7 @@ def test_a_split_over_two_capped_gpus_with_a_lora_compiles_whole_blocks(real_ckp
         assert any(p.is_split for w in manager.plan.workers for p in w.components.values())
         status = manager.status().workers[0]
         assert status.compiled and status.fallbacks == (), status
-        fast = manager.edit(EditRequest(images=(picture(96, 64),), prompt="make it red", seed=0, width=512,
-                                        height=512, speed="fastest", source="test")).images[0]
-        assert np.asarray(fast, float).std() > 1.0  # not a flat (NaN) image
-        assert np.asarray(edit(manager).images[0], float).std() > 1.0
+        check_fastest_and_quality_edits(manager)
     finally:
         manager.close()
 
