@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 from accelerate import dispatch_model
-from torch._dynamo.utils import counters
 from conftest import LocalPipeline, picture
+from torch._dynamo.utils import counters
 
 from imgedit.model.components import block_container
 from imgedit.planning.plan import Placement
