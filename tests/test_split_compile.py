@@ -75,3 +75,28 @@ def test_a_block_with_a_weight_off_its_hooks_device_keeps_the_hooks_inside_it(pl
     weights.keep_block_hooks(transformer)
     assert "transformer_blocks.1.img_mod" in hooked(transformer)
     assert "transformer_blocks.0.img_mod" not in hooked(transformer)
+
+
+def test_hooks_that_move_weights_or_guard_other_devices_are_kept():
+    """An offloading hook (weights loaded per call) keeps the hooks inside its module, and so does a module
+    with a buffer on another device than its hook's; a module with no tensors has nothing to vouch for."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    def hooked_pair():
+        outer = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
+        add_hook_to_module(outer, AlignDevicesHook(execution_device="cpu"))
+        add_hook_to_module(outer[1][0], AlignDevicesHook(execution_device="cpu"))
+        return torch.nn.ModuleDict({"block": outer})
+
+    plain = hooked_pair()
+    assert weights.keep_block_hooks(plain) == 1 and "block.1.0" not in hooked(plain)
+    offloading = hooked_pair()
+    offloading.block._hf_hook.offload = True  # set after init, which would move the weights to meta as well
+    assert weights.keep_block_hooks(offloading) == 0 and "block.1.0" in hooked(offloading)
+    elsewhere = hooked_pair()
+    elsewhere.block.register_buffer("scale", torch.ones(1, device="meta"))
+    assert weights.keep_block_hooks(elsewhere) == 0 and "block.1.0" in hooked(elsewhere)
+    empty = torch.nn.ModuleDict({"block": torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Sequential(torch.nn.ReLU()))})
+    add_hook_to_module(empty.block, AlignDevicesHook(execution_device="cpu"))
+    add_hook_to_module(empty.block[1][0], AlignDevicesHook(execution_device="cpu"))
+    assert weights.keep_block_hooks(empty) == 0 and "block.1.0" in hooked(empty)
