@@ -172,14 +172,15 @@ def _write(path: str, text: str) -> None:
 
 
 def hook_blocks(pipe, spec) -> None:
-    """install(), and accelerate's device hooks as dispatch_model leaves a transformer split over GPUs: one on
-    every block and one on every submodule with weights inside it (the 2x 31 GiB split's compile warm-up failed
-    on them on 2x H200). One device here, so force_hooks (it would add none)."""
+    """install(), and the device hooks a transformer split over GPUs has once loaded: dispatch_model's (one on
+    every block and one on every submodule with weights inside it), then the loader's keep_block_hooks (the
+    inner ones dropped: the 2x 31 GiB split's compile warm-up failed on them on 2x H200). One device here, so
+    force_hooks (dispatch_model would add none)."""
     from accelerate import dispatch_model
 
     from imgedit.model.components import block_container
     from imgedit.planning.plan import Placement
-    from imgedit.runtime.weights import module_device_map
+    from imgedit.runtime.weights import keep_block_hooks, module_device_map
 
     install(pipe, spec)
     transformer, device = pipe.transformer, spec.plan.execution_device
@@ -187,6 +188,7 @@ def hook_blocks(pipe, spec) -> None:
     device_map = module_device_map(transformer, Placement(device, (device,) * blocks))
     dispatch_model(transformer, device_map=device_map, force_hooks=True)
     assert hasattr(transformer.transformer_blocks[0].img_mod, "_hf_hook")  # as on the GPUs
+    keep_block_hooks(transformer)  # as runtime.loader does for a split
 
 
 def count_compiles(pipe, spec) -> None:

@@ -59,10 +59,10 @@ def test_a_compile_that_fails_at_warm_up_serves_eager_and_says_so(plus_ckpt, pla
 
 
 def test_a_transformer_split_over_devices_compiles_inside_its_block_hooks(plus_ckpt):
-    """A transformer split over GPUs has an accelerate device hook on every block and on every submodule with
-    weights inside it (dispatch_model), whose pre_forward fullgraph compiling refuses: on 2x H200 the 31 GiB
-    split's warm-up failed and its worker served eager. The blocks now compile inside their own hooks, the
-    ones inside them dropped: the worker is compiled, with no fallback, and serves."""
+    """A transformer split over GPUs has an accelerate device hook on every block (and, from dispatch_model, on
+    every submodule with weights inside it: the loader drops those), whose pre_forward fullgraph compiling
+    refuses: on 2x H200 the 31 GiB split's warm-up failed and its worker served eager. The blocks now compile
+    inside their own hooks: the worker is compiled, with no fallback, and serves."""
     manager = compiling_manager(plus_ckpt, cpu_plan(1), hook="faults:hook_blocks")
     worker = manager.status().workers[0]
     assert worker.state == "idle" and worker.compiled is True and not worker.fallbacks, worker

@@ -53,7 +53,7 @@ def test_a_split_transformer_compiles_whole_blocks_inside_their_own_device_hooks
     offload.uncompile_transformer(transformer)
     torch._dynamo.reset()
 
-    dropped = weights.keep_block_hooks(transformer)  # the loader's call for a split (compile_transformer's too)
+    dropped = weights.keep_block_hooks(transformer)  # the loader's call for a split
     left = hooked(transformer)
     blocks = {f"transformer_blocks.{i}" for i in range(len(transformer.transformer_blocks))}
     assert blocks <= left and not any(name.startswith("transformer_blocks.0.") for name in left), left

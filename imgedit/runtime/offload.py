@@ -285,8 +285,6 @@ def compile_transformer(transformer: torch.nn.Module, memory: MemoryMode | None,
     if (memory is None or not memory.streams_blocks) and not hooked:
         transformer.compile_repeated_blocks(**options)
         return
-    if hooked:  # the loader dropped them already for a split it made (0 here then)
-        weights.keep_block_hooks(transformer)
     streamed = set(memory.streamed(len(blocks))) if memory is not None and memory.streams_blocks else set()
     for i, block in enumerate(blocks):
         if i not in streamed:
