@@ -23,6 +23,15 @@ import pytest
 # thread per process. Measured on this machine: two processes of two threads each edit 2.5x slower
 # than one alone (OpenMP threads spin while they wait for a core); with one thread each, 2x.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# One temporary folder for the whole run, its children (xdist workers, servers, worker processes, Ray,
+# Chromium) included, removed when the run ends. Before it, every run left thousands of entries in /tmp:
+# the tests' OUTPUT_DIRs and probes, and an empty folder per file gradio_client downloads (2.7.2's
+# _download_file makes tempfile.gettempdir()/<token_hex(20)>/, moves the file out and keeps the folder);
+# a machine's disk filled, and CI failed with "No space left on device".
+_OWN_TMP = "IMGEDIT_TEST_TMP" not in os.environ
+if _OWN_TMP:
+    os.environ["IMGEDIT_TEST_TMP"] = tempfile.mkdtemp(prefix="imgedit-tests-")
+os.environ["TMPDIR"] = tempfile.tempdir = os.environ["IMGEDIT_TEST_TMP"]
 # One Gradio cache per test process: a stopping server deletes the cached copies it handed out (Gradio's
 # delete_cache), and the same file (an example image) has the same cached path in every server, so a
 # server of another test process stopping took the file from under a browser test (seen in CI).
@@ -45,12 +54,12 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import httpx  # noqa: E402
 import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads at import)
-from PIL import Image
+from PIL import Image  # noqa: E402
 
-from imgedit.config.settings import load_settings
-from imgedit.engine.manager import PipelineManager
-from imgedit.model.demo_checkpoint import build_checkpoint
-from imgedit.planning.plan import Placement, Plan, WorkerPlan
+from imgedit.config.settings import load_settings  # noqa: E402
+from imgedit.engine.manager import PipelineManager  # noqa: E402
+from imgedit.model.demo_checkpoint import build_checkpoint  # noqa: E402
+from imgedit.planning.plan import Placement, Plan, WorkerPlan  # noqa: E402
 
 
 def _malloc_from_the_heap() -> None:
@@ -406,6 +415,8 @@ def open_app(page, url: str | None = None, timeout: float = 60_000) -> None:
 
 def pytest_unconfigure(config):
     shutil.rmtree(os.environ["GRADIO_TEMP_DIR"], ignore_errors=True)
+    if _OWN_TMP:  # the process that made the run's folder (pytest itself, or xdist's controller)
+        shutil.rmtree(os.environ["IMGEDIT_TEST_TMP"], ignore_errors=True)
 
 
 def ray_report() -> str:
@@ -419,7 +430,7 @@ def ray_report() -> str:
         lines += [f"actor {a.get('ActorID', '?')[:8]} {a.get('State')} {a.get('DeathCause') or ''}"[:300]
                   for a in state.actors().values()]
         lines += [f"placement group {g['name']} {g['state']}" for g in ray.util.placement_group_table().values()]
-    logs = Path("/tmp/ray/session_latest/logs")
+    logs = Path(tempfile.gettempdir(), "ray", "session_latest", "logs")  # Ray follows TMPDIR
     for path in sorted(logs.glob("*")) if logs.is_dir() else ():
         if path.suffix not in (".out", ".err", ".log") or not path.is_file():
             continue
