@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Edit images with the Qwen image-edit models.",
         epilog="Everything else is set by environment variables or a .env file (model, GPUs, port, limits, "
-               "auth): .env.example lists every one with its default, and README.md explains them.")
+               "auth): .env.example lists every one with its default, and docs/configuration.md explains "
+               "them.")
     parser.add_argument("--demo", action="store_true",
                         help="serve a tiny random-weight model on the CPU (no download; outputs are noise)")
     parser.add_argument("--host", help="the address to listen on (sets GRADIO_SERVER_NAME; default "

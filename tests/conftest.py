@@ -6,6 +6,7 @@ image-edit model, loaded through our own settings, planner and loader.
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import re
 import shutil
@@ -416,7 +417,10 @@ def open_app(page, url: str | None = None, timeout: float = 60_000) -> None:
 def pytest_unconfigure(config):
     shutil.rmtree(os.environ["GRADIO_TEMP_DIR"], ignore_errors=True)
     if _OWN_TMP:  # the process that made the run's folder (pytest itself, or xdist's controller)
-        shutil.rmtree(os.environ["IMGEDIT_TEST_TMP"], ignore_errors=True)
+        # At exit, after multiprocessing's removal of its own pymp- folder in there (exit priority -100),
+        # which prints a traceback when the folder is already gone.
+        multiprocessing.util.Finalize(None, shutil.rmtree, args=(os.environ["IMGEDIT_TEST_TMP"], True),
+                                      exitpriority=-200)
 
 
 def ray_report() -> str:
