@@ -33,6 +33,11 @@ _OWN_TMP = "IMGEDIT_TEST_TMP" not in os.environ
 if _OWN_TMP:
     os.environ["IMGEDIT_TEST_TMP"] = tempfile.mkdtemp(prefix="imgedit-tests-")
 os.environ["TMPDIR"] = tempfile.tempdir = os.environ["IMGEDIT_TEST_TMP"]
+# A home of its own in there: servers and settings a test makes with the defaults wrote under ~/.cache/imgedit
+# (the History of every run, the sizes of every checkpoint a test built: 1,200 files after a few days' runs),
+# and Chromium under ~/.config.
+os.environ["HOME"] = os.path.join(os.environ["TMPDIR"], "home")
+os.makedirs(os.environ["HOME"], exist_ok=True)
 # One Gradio cache per test process: a stopping server deletes the cached copies it handed out (Gradio's
 # delete_cache), and the same file (an example image) has the same cached path in every server, so a
 # server of another test process stopping took the file from under a browser test (seen in CI).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -131,8 +132,10 @@ def test_registry_names_are_unique():
 def test_app_refuses_to_start_on_a_bad_setting(env, message):
     """python app.py stops at once with the message, before starting any worker (bad values before importing
     torch or gradio)."""
-    proc = subprocess.run([sys.executable, "app.py"], env={**env, "PATH": "/usr/bin:/bin"}, capture_output=True,
-                          text=True, timeout=120, cwd=__import__("pathlib").Path(__file__).resolve().parents[1])
+    # HOME: the default OUTPUT_DIR is made under it (the run's own, never the user's; conftest.py)
+    proc = subprocess.run([sys.executable, "app.py"], env={**env, "PATH": "/usr/bin:/bin", "HOME": os.environ["HOME"]},
+                          capture_output=True, text=True, timeout=120,
+                          cwd=__import__("pathlib").Path(__file__).resolve().parents[1])
     assert proc.returncode == 2
     assert message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
