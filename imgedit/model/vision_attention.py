@@ -30,6 +30,8 @@ import types
 import torch
 import torch.nn.functional as F
 
+from imgedit.model import internals
+
 log = logging.getLogger(__name__)
 
 _EXPECTED = ("hidden_states", "cu_seqlens", "position_embeddings")
@@ -104,7 +106,7 @@ def install_one_call_windows(text_encoder: torch.nn.Module) -> int:
     if not modules:
         return 0
     config = modules[0].config
-    implementation = str(getattr(config, "_attn_implementation", "") or "")
+    implementation = internals.attention_implementation(config)
     if implementation not in ("sdpa", "eager"):
         log.info("vision attention: %s has no per-window loop to replace", implementation)
         return 0

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from imgedit.model import internals
+
 
 class _Lru:
     """The last `size` (key, input, value) entries, the most recently used last."""
@@ -79,7 +81,7 @@ def install(pipe, entries: int) -> EncodeMemo | None:
     if entries <= 0:
         return None
     memo = EncodeMemo(entries)
-    encode_image = pipe._encode_vae_image
+    encode_image = internals.vae_encode(pipe)
     encode_prompt = pipe.encode_prompt
 
     def _encode_vae_image(image: torch.Tensor, generator=None):
@@ -109,6 +111,6 @@ def install(pipe, entries: int) -> EncodeMemo | None:
         memo.prompt.put(key, pixels, _clone(result))
         return result
 
-    pipe._encode_vae_image = _encode_vae_image
+    internals.replace_vae_encode(pipe, _encode_vae_image)
     pipe.encode_prompt = _encode_prompt
     return memo

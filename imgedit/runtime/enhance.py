@@ -26,6 +26,7 @@ from PIL import Image
 from transformers import StaticCache, StoppingCriteriaList
 
 from imgedit.errors import Cancelled
+from imgedit.model import internals
 
 INSTRUCTION = (Path(__file__).with_name("enhance_instruction.txt")).read_text(encoding="utf-8").strip()
 GENERATION = (Path(__file__).with_name("enhance_generation.txt")).read_text(encoding="utf-8").strip()
@@ -85,7 +86,7 @@ def on_its_own_gpu(encoder):
     runs there directly (yields that device; None, and nothing changed, for any other encoder). The balanced
     placement puts the text encoder whole on another GPU than the latents: the hook only moves a few tensors,
     but torch.compile may not trace it, and the static cache's compiled steps are what make a rewrite fast."""
-    hook = getattr(encoder, "_hf_hook", None)
+    hook = internals.device_hook(encoder)
     devices = {p.device for p in encoder.parameters()}
     if not (type(hook) is AlignDevicesHook and not hook.offload and len(devices) == 1):
         yield None
@@ -117,7 +118,8 @@ def static_cache(encoder, needed: int):
 def decodes_compiled(encoder) -> bool:
     """Whether this encoder's rewrites decode with the static cache (compiled steps): resident on one GPU, no
     hooks of its own (on_its_own_gpu takes a whole encoder's off), and not turned eager by no_static_cache."""
-    hooked = hasattr(encoder, "_hf_hook") or any(hasattr(m, "_diffusers_hook") for m in encoder.modules())
+    hooked = (internals.has_device_hook(encoder)
+              or any(internals.has_diffusers_hooks(m) for m in encoder.modules()))
     return not (hooked or getattr(encoder, "_imgedit_eager_decoding", False) or encoder.device.type != "cuda")
 
 
@@ -142,7 +144,7 @@ def rewrite(pipe, images, prompt: str, max_new_tokens: int, cancel: threading.Ev
     with on_its_own_gpu(encoder) as device, torch.inference_mode():
         cell = _cell(pipe.processor)
         inputs = pipe.processor(text=[text], images=[view(i, cell) for i in images] or None, padding=True,
-                                return_tensors="pt").to(device or pipe._execution_device)
+                                return_tensors="pt").to(device or internals.execution_device(pipe))
         if "pixel_values" in inputs:
             inputs["pixel_values"] = inputs["pixel_values"].to(encoder.dtype)
         cache = static_cache(encoder, inputs["input_ids"].shape[1] + max_new_tokens)

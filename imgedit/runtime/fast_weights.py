@@ -34,6 +34,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 
 from imgedit.errors import ImgEditError, PlacementError
+from imgedit.model import internals
 from imgedit.model.components import block_container
 from imgedit.runtime.fusion import add_lora, fusable_layers, gpu_room
 from imgedit.runtime.offload import quantize_module
@@ -56,7 +57,7 @@ def fused_copy(transformer: torch.nn.Module, adapter: str, mode: str) -> torch.n
     finally:
         setattr(owner, attr, blocks)
     shell.__dict__.pop("peft_config", None)
-    shell._hf_peft_config_loaded = False
+    internals.unmark_peft(shell)
     _fuse(shell, adapter)
     if mode != "none":
         quantize_module(shell, mode)

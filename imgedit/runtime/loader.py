@@ -17,6 +17,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from transformers import Qwen2Tokenizer
 
 from imgedit.errors import PlacementError
+from imgedit.model import internals
 from imgedit.model.processor import load_processor, processor_class
 
 # open_checkpoint is re-exported: tests and benchmarks open a checkpoint through the loader
@@ -32,7 +33,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 def _move_inputs(model: torch.nn.Module, device: str) -> None:
     """Give a whole component that sits off the execution device a hook moving its inputs there
     and its outputs back (the pipeline creates inputs on its execution device)."""
-    if not hasattr(model, "_hf_hook"):
+    if not internals.has_device_hook(model):
         add_hook_to_module(model, AlignDevicesHook(execution_device=device, io_same_device=True))
 
 
@@ -57,7 +58,7 @@ def load_pipeline(checkpoint: Checkpoint, worker: WorkerPlan, dtype: torch.dtype
             # an image is one frame: its 3-D convolutions as 2-D ones, a third of the work
             single_frame.install(model)
         parts[name] = model.eval().requires_grad_(False)
-    if len(worker.devices) > 1 and not hasattr(parts["vae"], "_hf_hook"):
+    if len(worker.devices) > 1 and not internals.has_device_hook(parts["vae"]):
         # diffusers' _execution_device asks the first registered component (the VAE); one without a
         # hook falls back to pipe.device, the first module by *name* (text_encoder), which may sit
         # on another GPU. A no-op hook on the VAE (already on the execution device) pins the answer.
@@ -74,15 +75,15 @@ def load_pipeline(checkpoint: Checkpoint, worker: WorkerPlan, dtype: torch.dtype
         **parts,
     )
     pipe.set_progress_bar_config(disable=True)
-    if any(hasattr(model, "_hf_hook") for model in parts.values()):
+    if any(internals.has_device_hook(model) for model in parts.values()):
         # A pipeline placed by a device map, marked as diffusers' own from_pretrained(device_map=...) marks
         # it. Unmarked, load_lora_weights() takes our device hooks for sequential CPU offload: it removes
         # every hook, the block splits' too, then calls enable_sequential_cpu_offload(), which streams the
         # whole pipeline from the CPU (lora_base._func_optionally_disable_offloading; measured on 2x H200: the
         # default balanced placement with a LoRA failed its compile warm-up on AlignDevicesHook.pre_forward).
         pipe.hf_device_map = {name: worker.components[name].describe() for name in parts}
-    if pipe._execution_device != torch.device(worker.execution_device):
+    if internals.execution_device(pipe) != torch.device(worker.execution_device):
         raise PlacementError(
-            f"{worker.name}: the pipeline would run on {pipe._execution_device}, "
+            f"{worker.name}: the pipeline would run on {internals.execution_device(pipe)}, "
             f"but the plan puts the latents on {worker.execution_device}")
     return pipe

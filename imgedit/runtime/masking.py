@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageFilter
 
+from imgedit.model import internals
+
 LATENT_CELL = 16  # pixels per latent token: the VAE's 8x and the 2x2 packing (Qwen-Image-2.1: its 16x VAE)
 
 
@@ -36,7 +38,7 @@ class MaskedEdit:
         self.area = grown(mask, grow)  # the first image's size, 255 = edit
         self.feather = feather
         self.hold_steps = int(round(steps * (1.0 - strength)))  # steps the masked area stays the input
-        device, dtype = pipe._execution_device, pipe.transformer.dtype
+        device, dtype = internals.execution_device(pipe), pipe.transformer.dtype
         self.original = self._encode(self.first.resize((width, height), Image.LANCZOS)).to(device, dtype)
         cells = self.area.resize((width, height), Image.BILINEAR).resize(
             (width // LATENT_CELL, height // LATENT_CELL), Image.BOX)
@@ -54,10 +56,10 @@ class MaskedEdit:
         for Qwen-Image-2.1."""
         pipe = self.pipe
         pixels = pipe.image_processor.preprocess(image, self.height, self.width).unsqueeze(2)
-        pixels = pixels.to(pipe._execution_device, pipe.vae.dtype)
+        pixels = pixels.to(internals.execution_device(pipe), pipe.vae.dtype)
         # normalised (latents_mean/std): (1, C, 1, h, w)
-        latents = pipe._encode_vae_image(pixels, generator=None)
-        return pipe._pack_latents(latents, 1, latents.shape[1], *latents.shape[-2:])
+        latents = internals.encode_vae_image(pipe, pixels)
+        return internals.pack_latents(pipe, latents)
 
     def blend(self, step: int, latents: torch.Tensor) -> torch.Tensor:
         """The latents after step `step` (0-based) with the area outside the mask set to the input at

@@ -30,6 +30,7 @@ from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
 from imgedit.config.parsers import is_skipped
 from imgedit.errors import PlacementError
+from imgedit.model import internals
 from imgedit.model.components import block_container
 from imgedit.planning.memory import check_device as check_capability
 from imgedit.planning.memory import fp8_uses
@@ -113,8 +114,7 @@ def _move(model: torch.nn.Module, name: str, device: str) -> torch.nn.Module | N
     except AttributeError:  # a parameter held directly by an intermediate module
         owner, _, pname = name.rpartition(".")
         module = model.get_submodule(owner) if owner else model
-        data = module._parameters[pname].to(device)
-        module._parameters[pname] = torch.nn.Parameter(data, requires_grad=False)
+        internals.replace_parameter(module, pname, device)
         return None
     return part.to(device)
 
@@ -258,7 +258,7 @@ def attention_in_use(transformer: torch.nn.Module) -> str:
     names = {backend: name for name, backend in ATTENTION_BACKENDS.items()}
     found = set()
     for processor in transformer.attn_processors.values():
-        backend = getattr(processor, "_attention_backend", None)
+        backend = internals.attention_backend(processor)
         backend = getattr(backend, "value", backend)
         found.add("native" if backend in (None, "native") else names.get(backend, str(backend)))
     return ", ".join(sorted(found))
@@ -281,7 +281,7 @@ def compile_transformer(transformer: torch.nn.Module, memory: MemoryMode | None,
     benchmarks/probe_fp8_compile.py says more."""
     options: dict = {"fullgraph": True, "dynamic": True} | ({"mode": mode} if mode != "default" else {})
     blocks = transformer.get_submodule(block_container(transformer))
-    hooked = any(hasattr(block, "_hf_hook") for block in blocks)
+    hooked = any(internals.has_device_hook(block) for block in blocks)
     if (memory is None or not memory.streams_blocks) and not hooked:
         transformer.compile_repeated_blocks(**options)
         return
@@ -304,9 +304,10 @@ def _compile_block(block: torch.nn.Module, options: dict) -> None:
     warm-up failed on it on 2x H200 and the worker served eager. The hook now runs eager around the compiled
     forward, as accelerate calls `module._old_forward` after pre_forward; the hooks accelerate also puts
     inside the block were dropped at loading (weights.keep_block_hooks)."""
-    if hasattr(block, "_hf_hook") and hasattr(block, "_old_forward"):
-        block._imgedit_eager_forward = block._old_forward
-        block._old_forward = torch.compile(block._old_forward, **options)
+    eager = internals.hooked_forward(block)
+    if eager is not None:
+        block._imgedit_eager_forward = eager
+        internals.replace_hooked_forward(block, torch.compile(eager, **options))
     else:
         block.compile(**options)
 
@@ -315,11 +316,10 @@ def uncompile_transformer(transformer: torch.nn.Module) -> None:
     """Undo compile_transformer: every module compiled with Module.compile, or inside its device hook, runs
     its eager forward again."""
     for module in transformer.modules():
-        if getattr(module, "_compiled_call_impl", None) is not None:
-            module._compiled_call_impl = None
+        internals.drop_compiled_call(module)
         eager = module.__dict__.pop("_imgedit_eager_forward", None)
         if eager is not None:
-            module._old_forward = eager
+            internals.replace_hooked_forward(module, eager)
 
 
 def _nbytes(t: torch.Tensor) -> int:

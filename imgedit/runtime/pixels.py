@@ -23,6 +23,8 @@ import numpy as np
 import PIL.Image
 import torch
 
+from imgedit.model import internals
+
 
 class Pixels:
     def __init__(self, processor, device: torch.device):
@@ -65,7 +67,7 @@ class Pixels:
         if (output_type != "pil" or not isinstance(image, torch.Tensor) or image.device != self.device
                 or image.ndim != 4 or image.shape[1] != 3):
             return self.postprocess(image, output_type=output_type, do_denormalize=do_denormalize)
-        image = self.processor._denormalize_conditionally(image, do_denormalize)
+        image = internals.denormalize_conditionally(self.processor, image, do_denormalize)
         data = (image.float() * 255).round_().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
         return [PIL.Image.fromarray(picture) for picture in data]
 

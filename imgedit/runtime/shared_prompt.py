@@ -19,6 +19,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from imgedit.model import internals
+
 FAILED = "failed"
 
 
@@ -57,7 +59,7 @@ def _shared(encode, pipe, rank: int, control_group, args, kwargs):
         raise PromptNotShared("the pair's first rank could not encode the prompt")
     shape, dtype, mask_meta = box[0]
     if rank != 0:
-        device = kwargs.get("device") or pipe._execution_device
+        device = kwargs.get("device") or internals.execution_device(pipe)
         embeds = torch.empty(shape, dtype=dtype, device=device)
         mask = None if mask_meta is None else torch.empty(mask_meta[0], dtype=mask_meta[1], device=device)
     dist.broadcast(embeds, src=0)

@@ -21,11 +21,13 @@ import torch
 import torch.nn.functional as F
 from diffusers.hooks import HookRegistry, ModelHook
 
+from imgedit.model import internals
+
 HOOK = "imgedit_single_frame"
 
 
 def _forward(conv, original, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
-    pad_w, _, pad_h, _, pad_t, _ = conv._padding
+    pad_w, _, pad_h, _, pad_t, _ = internals.causal_padding(conv)
     if x.shape[2] != 1 or (cache_x is not None and pad_t > 0):
         return original(x, cache_x)
     weight = conv.weight[:, :, -1]  # the tap that meets the frame; the others meet the causal zeros
@@ -38,7 +40,7 @@ def install(vae: torch.nn.Module) -> int:
     """Route the VAE's causal 3-D convolutions through `_forward`; returns how many."""
     count = 0
     for module in vae.modules():
-        padding = getattr(module, "_padding", None)
+        padding = internals.causal_padding(module)
         if (isinstance(module, torch.nn.Conv3d)
                 and module.padding_mode == "zeros" and module.padding == (0, 0, 0)
                 and isinstance(padding, tuple) and len(padding) == 6 and padding[5] == 0

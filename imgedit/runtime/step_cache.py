@@ -17,6 +17,8 @@ import logging
 
 from diffusers import FirstBlockCacheConfig, TaylorSeerCacheConfig
 
+from imgedit.model import internals
+
 log = logging.getLogger(__name__)
 
 # Full steps every 3 (of 40: 14 full, 26 forecast), after 5 full warm-up steps; first order.
@@ -47,4 +49,4 @@ class StepCache:
     def end(self) -> None:
         """After a job, however it ended: no state of it reaches the next one."""
         if self.active[0] != "none":
-            self.transformer._reset_stateful_cache()
+            internals.reset_stateful_cache(self.transformer)

@@ -32,8 +32,10 @@ from dataclasses import dataclass
 
 import torch
 from diffusers import ContextParallelConfig
-from diffusers.hooks import HookRegistry, ModelHook, context_parallel
+from diffusers.hooks import HookRegistry, ModelHook
 from torch.distributed.device_mesh import init_device_mesh
+
+from imgedit.model import internals
 
 
 def pad_text(hidden: torch.Tensor, mask: torch.Tensor | None, multiple: int = 1,
@@ -145,21 +147,18 @@ class UlyssesSwitch:
         self.mesh = enable_ulysses(transformer, Layout(cfg=1, ulysses=2, rank=rank), device_type,
                                    active=lambda: self.on, mesh=mesh)
         self._processors = [m.processor for m in transformer.modules()
-                            if getattr(getattr(m, "processor", None), "_parallel_config", None) is not None]
-        prefixes = (context_parallel._CONTEXT_PARALLEL_INPUT_HOOK_TEMPLATE.format(""),
-                    context_parallel._CONTEXT_PARALLEL_OUTPUT_HOOK_TEMPLATE.format(""))
-        self._hooks = [hook for m in transformer.modules() if hasattr(m, "_diffusers_hook")
-                       for name, hook in m._diffusers_hook.hooks.items() if name.startswith(prefixes)]
+                            if internals.parallel_config(getattr(m, "processor", None)) is not None]
+        self._hooks = [hook for m in transformer.modules() for hook in internals.context_parallel_hooks(m)]
         if not self._processors or not self._hooks:  # a diffusers that wires context parallelism otherwise
             raise RuntimeError("PAIR_ULYSSES: diffusers' context-parallel hooks or processors were not found")
-        self._config = self._processors[0]._parallel_config
+        self._config = internals.parallel_config(self._processors[0])
         self.set(False)
 
     def set(self, on: bool) -> None:
         if on == self.on:
             return
         for processor in self._processors:
-            processor._parallel_config = self._config if on else None
+            internals.set_parallel_config(processor, self._config if on else None)
         for hook in self._hooks:
             hook.fn_ref.pre_forward = hook.pre_forward if on else _unchanged_inputs
             hook.fn_ref.post_forward = hook.post_forward if on else _unchanged_output

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from imgedit.protocol import EditRequest, Resolved
-from imgedit.runtime import enhance, offload
+from imgedit.runtime import enhance, internals, offload
 from imgedit.runtime.fallback import agreed, cause
 from imgedit.runtime.messages import Job, StartupReport, WorkerSpec
 
@@ -34,7 +34,7 @@ def compile_and_warm_up(spec: WorkerSpec, runner, transformers: tuple, report: S
         # off; a batch of one specialised apart from n > 1); a fast copy's quantized blocks are variants of
         # the same block code too
         limit = (8 + 2 * len(spec.loras) + 2 * (len(transformers) - 1)) * (4 if split else 1)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        internals.raise_recompile_limit(limit)
     failure: BaseException | None = None
     try:
         for transformer in transformers:
@@ -50,7 +50,7 @@ def compile_and_warm_up(spec: WorkerSpec, runner, transformers: tuple, report: S
         return
     for transformer in transformers:
         offload.uncompile_transformer(transformer)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     runner.cleanup(force=True)
     reason = cause(failure)
     log.warning("compile failed → eager: %s", reason)

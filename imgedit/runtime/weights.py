@@ -11,6 +11,7 @@ import torch
 from accelerate import dispatch_model, init_empty_weights
 from accelerate.hooks import remove_hook_from_submodules
 
+from imgedit.model import internals
 from imgedit.model.components import block_container, component_classes, from_config, trained_like_init
 from imgedit.planning.checkpoint import Checkpoint
 from imgedit.planning.plan import Placement
@@ -76,11 +77,11 @@ def keep_block_hooks(model: torch.nn.Module) -> int:
     AlignDevicesHook (a block's `img_mod`, `ff`, ...); inside a block wholly on one GPU they move inputs to
     where the block's hook already moved them, and their `pre_forward` is torch.compiler.disable'd, so a
     block compiled with fullgraph=True fails on them: the 2x 31 GiB split's compile warm-up fell back to eager
-    on `img_mod`'s hook on 2x H200 (docs/BENCHMARKS.md, the twenty-first session). Returns how many it
+    on `img_mod`'s hook on 2x H200 (docs/gpu-runs/2026-11-28-2xh200.md, code at dada870). Returns how many it
     dropped."""
     dropped = 0
     for module in list(model.modules()):
-        hook = getattr(module, "_hf_hook", None)
+        hook = internals.device_hook(module)
         if module is model or hook is None or getattr(hook, "offload", False):
             continue
         home = getattr(hook, "execution_device", None)
@@ -88,7 +89,7 @@ def keep_block_hooks(model: torch.nn.Module) -> int:
         if home is None or not tensors or any(t.device != torch.device(home) for t in tensors):
             continue
         for child in module.children():
-            before = sum(hasattr(m, "_hf_hook") for m in child.modules())
+            before = sum(internals.has_device_hook(m) for m in child.modules())
             remove_hook_from_submodules(child)
             dropped += before
     return dropped

@@ -1,0 +1,188 @@
+"""Every touch of a library's private member, in one module, with the library version it was read from.
+
+A diffusers, transformers, accelerate or torch upgrade may move any of these without notice: `MEMBERS`
+lists each one (the library, the version the code below was written against, where the member lives), and
+tests/test_internals.py looks every one of them up on the installed libraries (it fails when one moves)
+and checks that no other worker-side module of ours reaches into a library's private member. Everything
+else uses the libraries' public API (diffusers' HookRegistry/ModelHook, set_attention_backend, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from diffusers.hooks import context_parallel
+
+
+@dataclass(frozen=True)
+class Member:
+    library: str
+    version: str  # the version this module was written against
+    # where the member lives: a module or class path, or, ending in "()", what makes an instance holding it
+    owner: str
+    name: str
+    why: str
+
+
+DIFFUSERS, ACCELERATE, TORCH = "diffusers 0.42.1", "accelerate 1.15.0", "torch 2.13.0"
+TRANSFORMERS = "transformers 5.17.0"
+
+MEMBERS = (
+    Member("diffusers", DIFFUSERS, "diffusers.DiffusionPipeline", "_execution_device",
+           "the device the pipeline makes its latents on (the loader checks the plan against it)"),
+    Member("diffusers", DIFFUSERS, "diffusers.QwenImageEditPlusPipeline", "_encode_vae_image",
+           "the VAE encode of one condition image: memoised (encode_cache), used for a mask's latents"),
+    Member("diffusers", DIFFUSERS, "diffusers.QwenImageEditPipeline", "_encode_vae_image",
+           "as above, Qwen-Image-Edit's"),
+    Member("diffusers", DIFFUSERS, "diffusers.QwenImageEditPlusPipeline", "_pack_latents",
+           "latents packed as the transformer reads them (masked edits blend them per step)"),
+    Member("diffusers", DIFFUSERS, "diffusers.models.cache_utils.CacheMixin", "_reset_stateful_cache",
+           "a step cache's state dropped after a job that ended early"),
+    Member("diffusers", DIFFUSERS, "diffusers.image_processor.VaeImageProcessor",
+           "_denormalize_conditionally",
+           "the postprocess arithmetic run on the GPU (pixels)"),
+    Member("diffusers", DIFFUSERS,
+           "diffusers.models.autoencoders.autoencoder_kl_qwenimage.QwenImageCausalConv3d()", "_padding",
+           "a causal 3-D convolution's padding, to run one frame as a 2-D convolution (single_frame)"),
+    Member("diffusers", DIFFUSERS,
+           "diffusers.models.transformers.transformer_qwenimage.QwenDoubleStreamAttnProcessor2_0",
+           "_attention_backend", "the attention kernel a processor is set to, read back for /health"),
+    Member("diffusers", DIFFUSERS,
+           "diffusers.models.transformers.transformer_qwenimage21.QwenImage21AttnProcessor",
+           "_attention_backend", "as above, Qwen-Image-2.1's"),
+    Member("diffusers", DIFFUSERS,
+           "diffusers.models.transformers.transformer_qwenimage.QwenDoubleStreamAttnProcessor2_0",
+           "_parallel_config", "a CFG pair's Ulysses switched off per job (PAIR_ULYSSES)"),
+    Member("diffusers", DIFFUSERS, "diffusers.hooks.context_parallel",
+           "_CONTEXT_PARALLEL_INPUT_HOOK_TEMPLATE",
+           "the names of the context-parallel split hooks, switched off per job"),
+    Member("diffusers", DIFFUSERS, "diffusers.hooks.context_parallel",
+           "_CONTEXT_PARALLEL_OUTPUT_HOOK_TEMPLATE",
+           "the names of the context-parallel gather hooks, switched off per job"),
+    Member("diffusers", DIFFUSERS, "diffusers.hooks.HookRegistry.check_if_exists_or_initialize()",
+           "_diffusers_hook", "a module's HookRegistry, to find the context-parallel hooks"),
+    Member("diffusers", DIFFUSERS, "diffusers.loaders.peft.PeftAdapterMixin", "_hf_peft_config_loaded",
+           "a fused copy of a transformer is no peft model (fast_weights)"),
+    Member("accelerate", ACCELERATE, "accelerate.hooks.add_hook_to_module()", "_hf_hook",
+           "accelerate's device hook of a module (placement, block splits, streaming)"),
+    Member("accelerate", ACCELERATE, "accelerate.hooks.add_hook_to_module()", "_old_forward",
+           "the forward an accelerate hook wraps: a split block compiles inside its hook"),
+    Member("transformers", TRANSFORMERS, "transformers.PretrainedConfig()", "_attn_implementation",
+           "the attention a text encoder's vision tower runs (vision_attention replaces its window loop)"),
+    Member("torch", TORCH, "torch.nn.Module()", "_parameters",
+           "a parameter held directly by an intermediate module, moved on its own"),
+    Member("torch", TORCH, "torch.nn.Module.compile()", "_compiled_call_impl",
+           "Module.compile undone (a compile that failed its warm-up falls back to eager)"),
+    Member("torch", TORCH, "torch._dynamo.config", "recompile_limit",
+           "room for every compiled variant a worker warms up (LoRAs, copies, Ulysses states)"),
+)
+
+
+# ---- diffusers -----------------------------------------------------------------------------------
+def execution_device(pipe) -> torch.device:
+    return pipe._execution_device
+
+
+def encode_vae_image(pipe, image: torch.Tensor, generator=None) -> torch.Tensor:
+    return pipe._encode_vae_image(image, generator=generator)
+
+
+def vae_encode(pipe):
+    """The pipeline's own `_encode_vae_image`, bound (to wrap it)."""
+    return pipe._encode_vae_image
+
+
+def replace_vae_encode(pipe, function) -> None:
+    """This instance's `_encode_vae_image` (the pipelines call it by keyword: `image=`, `generator=`)."""
+    pipe._encode_vae_image = function
+
+
+def pack_latents(pipe, latents: torch.Tensor) -> torch.Tensor:
+    return pipe._pack_latents(latents, 1, latents.shape[1], *latents.shape[-2:])
+
+
+def reset_stateful_cache(transformer) -> None:
+    transformer._reset_stateful_cache()
+
+
+def denormalize_conditionally(processor, image: torch.Tensor, do_denormalize) -> torch.Tensor:
+    return processor._denormalize_conditionally(image, do_denormalize)
+
+
+def causal_padding(conv) -> tuple | None:
+    """A QwenImage causal 3-D convolution's padding (left/right of width, height, time), or None."""
+    return getattr(conv, "_padding", None)
+
+
+def attention_backend(processor):
+    return getattr(processor, "_attention_backend", None)
+
+
+def parallel_config(processor):
+    return getattr(processor, "_parallel_config", None)
+
+
+def set_parallel_config(processor, config) -> None:
+    processor._parallel_config = config
+
+
+def context_parallel_hooks(module: torch.nn.Module) -> list:
+    """The context-parallel split and gather hooks diffusers' enable_parallelism registered on `module`."""
+    registry = getattr(module, "_diffusers_hook", None)
+    if registry is None:
+        return []
+    prefixes = (context_parallel._CONTEXT_PARALLEL_INPUT_HOOK_TEMPLATE.format(""),
+                context_parallel._CONTEXT_PARALLEL_OUTPUT_HOOK_TEMPLATE.format(""))
+    return [hook for name, hook in registry.hooks.items() if name.startswith(prefixes)]
+
+
+def has_diffusers_hooks(module: torch.nn.Module) -> bool:
+    return hasattr(module, "_diffusers_hook")
+
+
+def unmark_peft(model: torch.nn.Module) -> None:
+    model._hf_peft_config_loaded = False
+
+
+# ---- transformers --------------------------------------------------------------------------------
+def attention_implementation(config) -> str:
+    return str(getattr(config, "_attn_implementation", "") or "")
+
+
+# ---- accelerate ----------------------------------------------------------------------------------
+def device_hook(module: torch.nn.Module):
+    """accelerate's hook of this module (AlignDevicesHook, a SequentialHook...), or None."""
+    return getattr(module, "_hf_hook", None)
+
+
+def has_device_hook(module: torch.nn.Module) -> bool:
+    return hasattr(module, "_hf_hook")
+
+
+def hooked_forward(module: torch.nn.Module):
+    """The forward accelerate's hook calls after its pre_forward, or None for a module without one."""
+    return getattr(module, "_old_forward", None) if has_device_hook(module) else None
+
+
+def replace_hooked_forward(module: torch.nn.Module, forward) -> None:
+    module._old_forward = forward
+
+
+# ---- torch ---------------------------------------------------------------------------------------
+def replace_parameter(module: torch.nn.Module, name: str, device: str) -> None:
+    """Move a parameter held directly by `module` (not one of its submodules) to `device`."""
+    data = module._parameters[name].to(device)
+    module._parameters[name] = torch.nn.Parameter(data, requires_grad=False)
+
+
+def drop_compiled_call(module: torch.nn.Module) -> bool:
+    """Undo Module.compile on this module; whether it was compiled."""
+    if getattr(module, "_compiled_call_impl", None) is None:
+        return False
+    module._compiled_call_impl = None
+    return True
+
+
+def raise_recompile_limit(limit: int) -> None:
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)

@@ -1,0 +1,127 @@
+"""The libraries' private members we touch: each is still where imgedit.model.internals was written
+against, and no other worker-side module of ours reaches into one."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.hooks import ModelHook as AccelerateHook
+from accelerate.hooks import add_hook_to_module
+from diffusers.hooks import HookRegistry
+from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCausalConv3d
+from transformers import PretrainedConfig
+
+from imgedit.model import internals
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _hooked_by_diffusers():
+    module = torch.nn.Linear(2, 2)
+    HookRegistry.check_if_exists_or_initialize(module)
+    return module
+
+
+def _hooked_by_accelerate():
+    module = torch.nn.Linear(2, 2)
+    add_hook_to_module(module, AccelerateHook())
+    return module
+
+
+def _compiled():
+    module = torch.nn.Linear(2, 2)
+    module.compile()
+    return module
+
+
+# what makes an instance for the members that live on instances (MEMBERS' owners ending in "()")
+INSTANCES = {
+    "diffusers.models.autoencoders.autoencoder_kl_qwenimage.QwenImageCausalConv3d()":
+        lambda: QwenImageCausalConv3d(2, 2, 3, padding=1),
+    "diffusers.hooks.HookRegistry.check_if_exists_or_initialize()": _hooked_by_diffusers,
+    "accelerate.hooks.add_hook_to_module()": _hooked_by_accelerate,
+    "transformers.PretrainedConfig()": PretrainedConfig,
+    "torch.nn.Module()": lambda: torch.nn.Linear(2, 2),
+    "torch.nn.Module.compile()": _compiled,
+}
+
+
+def resolve(path: str):
+    """A module, or an attribute path inside the longest importable module prefix."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            found = getattr(found, name)
+        return found
+    raise ImportError(path)
+
+
+@pytest.mark.parametrize("member", internals.MEMBERS, ids=lambda m: f"{m.owner}:{m.name}")
+def test_each_private_member_is_where_it_was_written_against(member):
+    owner = INSTANCES[member.owner]() if member.owner.endswith("()") else resolve(member.owner)
+    assert hasattr(owner, member.name), (
+        f"{member.library} moved {member.owner}.{member.name} (imgedit.model.internals was written against "
+        f"{member.version}): {member.why}")
+
+
+def test_every_instance_maker_serves_a_member():
+    assert set(INSTANCES) == {m.owner for m in internals.MEMBERS if m.owner.endswith("()")}
+
+
+def private_names(node: ast.AST) -> list[tuple[int, str]]:
+    """`x._name` reads and writes and get/has/setattr(x, "_name") in a module: every reach into an object's
+    private member. Dunders and `self`/`cls` are not counted."""
+    found = []
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Attribute) and sub.attr.startswith("_") and not sub.attr.startswith("__"):
+            if not (isinstance(sub.value, ast.Name) and sub.value.id in ("self", "cls")):
+                found.append((sub.lineno, sub.attr))
+        elif (isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name)
+              and sub.func.id in ("getattr", "hasattr", "setattr") and len(sub.args) >= 2
+              and isinstance(sub.args[1], ast.Constant) and isinstance(sub.args[1].value, str)
+              and sub.args[1].value.startswith("_") and not sub.args[1].value.startswith("__")):
+            found.append((sub.lineno, sub.args[1].value))
+    return found
+
+
+def own_private_names(trees: list[ast.AST]) -> set[str]:
+    """The private names our own code defines: functions, classes, module names, attributes set on self/cls,
+    and instance attributes of ours (prefixed _imgedit)."""
+    names = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                  and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                names.add(node.attr)
+            elif isinstance(node, ast.alias):
+                names.add((node.asname or node.name).split(".")[-1])
+    return {n for n in names if n.startswith("_")}
+
+
+def test_no_other_module_reaches_into_a_librarys_private_member():
+    # the worker side: the server's modules never import these libraries
+    paths = sorted(path for folder in ("runtime", "model") for path in (ROOT / "imgedit" / folder).rglob("*.py"))
+    trees = {path: ast.parse(path.read_text()) for path in paths}
+    ours = own_private_names(list(trees.values())) - {m.name for m in internals.MEMBERS}
+    allowed = {"_exit", "_imgedit_eager_forward", "_imgedit_eager_decoding"}  # os._exit; our own marks
+    reaches = [f"{path.relative_to(ROOT)}:{line} {name}"
+               for path, tree in trees.items() if path.name != "internals.py"
+               for line, name in private_names(tree) if name not in ours | allowed]
+    assert reaches == [], "library private members outside imgedit/model/internals.py:\n  " + "\n  ".join(reaches)
+
+
+def test_the_scan_sees_a_reach_into_a_private_member():
+    tree = ast.parse("def f(pipe):\n    x = pipe._execution_device\n    return hasattr(pipe, '_hf_hook')\n")
+    assert [name for _, name in private_names(tree)] == ["_execution_device", "_hf_hook"]
