@@ -6,9 +6,9 @@ options), called once at a 1024² edit's sequence lengths.
     python benchmarks/probe_fp8_compile.py --device cpu --backend aot_eager      # the tracing alone, on a CPU
 
 Why: on a 2× H200 host each compile of the fp8 copy's block variant took ~3 minutes through the app, against
-~1 minute for a bf16 variant (BENCHMARKS, the sixteenth session), with inductor's GEMMs kept on cuBLAS. On the
-CPU the fp8 block traces in 7 s (3.5 s bf16) and inductor's CPU code takes 15 s either way, so the minutes are
-in the GPU code generation. For each run: the compile's wall time and torch's own breakdown
+~1 minute for a bf16 variant (docs/gpu-runs/2026-11-27-2xh200.md, code at ca0f05b), with inductor's GEMMs kept
+on cuBLAS. On the CPU the fp8 block traces in 7 s (3.5 s bf16) and inductor's CPU code takes 15 s either way,
+so the minutes are in the GPU code generation. For each run: the compile's wall time and torch's own breakdown
 (`torch._dynamo.utils.compile_times`), the inductor counters (kernels generated, autotuned GEMMs), the second
 call's time, and that the output is finite.
 """

@@ -241,7 +241,7 @@ def check_fastest_and_quality_edits(manager) -> None:
 @pytest.mark.multi_gpu
 def test_a_split_over_two_capped_gpus_with_a_lora_compiles_whole_blocks(real_ckpt, tmp_path):
     """MAX_MEMORY=31GiB splits the transformer's blocks over both GPUs. accelerate's hooks inside each block
-    made its compile warm-up fail and the worker serve eager (2x H200, the twenty-first session); they are
+    made its compile warm-up fail and the worker serve eager (2x H200, 2026-11-28, code at dada870); they are
     dropped at loading now: compiled, no fallback, a `fastest` and a quality edit finite."""
     lora_dir = lightning_dir(real_ckpt, tmp_path)
     manager = load(real_ckpt, DEVICE_MAP="balanced", MAX_MEMORY="31GiB", LORA_DIR=str(lora_dir), COMPILE="on")

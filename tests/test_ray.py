@@ -92,7 +92,7 @@ class TwoNodes:
             "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 10}})
         self.second = self.cluster.add_node(num_cpus=1, resources={"node_b": 1})
         self.cluster.wait_for_nodes()
-        if saved is None:  # the raylets have it; nothing else in this session should
+        if saved is None:  # the raylets have it; nothing else in this Ray cluster should
             os.environ.pop("PYTHONPATH")
         else:
             os.environ["PYTHONPATH"] = saved
