@@ -19,6 +19,7 @@ from imgedit.engine.validation import resolve
 from imgedit.errors import Cancelled, ImgEditError, SettingsError
 from imgedit.model.demo_checkpoint import build_checkpoint
 from imgedit.protocol import EditRequest
+from imgedit.runtime.cfg_batch import CfgBatch
 from imgedit.runtime.messages import Job
 from imgedit.runtime.runner import Runner
 
@@ -32,7 +33,9 @@ class Local:
         self.pipe = LocalPipeline(ckpt).pipe
         self.settings = load_settings({"QWEN_MODEL_DIR": str(ckpt)})
         self.plain = Runner(self.pipe, "plain", ("cpu",))
-        self.batched = Runner(self.pipe, "batched", ("cpu",), batch_cfg=True) if batched else None
+        self.batched = None
+        if batched:
+            self.batched = Runner(self.pipe, "batched", ("cpu",), parts=(CfgBatch(self.pipe.transformer),))
         self.forwards: list[int] = []  # batch size of every transformer forward (at its output layer)
         self.pipe.transformer.proj_out.register_forward_hook(
             lambda module, args, out: self.forwards.append(out.shape[0]))
@@ -128,7 +131,8 @@ def test_batching_survives_the_offload_hook_that_removes_itself(plus_ckpt):
     fresh = Local(plus_ckpt, batched=False)
     reference = fresh.run(fresh.plain)
     HookRegistry.check_if_exists_or_initialize(fresh.pipe.transformer).register_hook(RemovesItself(), "removes-itself")
-    runner = Runner(fresh.pipe, "hooked", ("cpu",), batch_cfg=True)  # installed over the hook, as in a worker
+    # installed over the hook, as in a worker
+    runner = Runner(fresh.pipe, "hooked", ("cpu",), parts=(CfgBatch(fresh.pipe.transformer),))
     image = fresh.run(runner)
     assert fresh.forwards == [2, 2]  # [2, 1, 1] when the removal dropped the batching
     assert np.abs(image - reference).max() <= 1

@@ -33,6 +33,7 @@ from imgedit.model.lora_random import random_lora
 from imgedit.model.loras import transformer_linears
 from imgedit.protocol import EditRequest
 from imgedit.runtime.adapters import Adapters
+from imgedit.runtime.masking import Masking
 from imgedit.runtime.messages import Job
 from imgedit.runtime.runner import Runner
 
@@ -177,7 +178,7 @@ class Local:
         self.settings = load_settings(env(lora_dir, QWEN_MODEL_DIR=str(ckpt)))
         self.baseline = self.run(Runner(self.pipe, "local", ("cpu",)), EditRequest(**self.ask()))
         self.adapters = Adapters(self.pipe, check_all(self.settings.lora_entries, ckpt), fuse=fuse, fast=fast)
-        self.runner = Runner(self.pipe, "local", ("cpu",), adapters=self.adapters)
+        self.runner = Runner(self.pipe, "local", ("cpu",), parts=(self.adapters, Masking(self.pipe)))
 
     @staticmethod
     def ask(**kw) -> dict:

@@ -418,7 +418,7 @@ def test_the_prefix_cache_goes_off_for_a_job_it_would_not_fit_under_a_cap(ckpt21
     runner = Runner(pipe, "local", ("cpu",))
 
     def run(room) -> tuple[list, np.ndarray]:
-        runner.prefix_cache = PrefixCache(pipe.transformer, room) if room is not None else None
+        runner.parts = [PrefixCache(pipe.transformer, room)] if room is not None else []
         seen.clear()
         params = resolve(req, settings, "21", req.images[-1].size, len(req.images))
         result = runner.run(Job(req, params, "21"), threading.Event())
@@ -473,7 +473,7 @@ def test_a_decode_that_would_not_fit_under_a_cap_runs_in_tiles(ckpt21):
     runner = Runner(pipe, "local", ("cpu",))
 
     def run(room: int) -> np.ndarray:
-        runner.decode_room = DecodeRoom(pipe.vae, lambda: room)
+        runner.parts = [DecodeRoom(pipe.vae, lambda: room)]
         params = resolve(req, settings, "21", req.images[-1].size, len(req.images))
         result = runner.run(Job(req, params, "21"), threading.Event())
         assert pipe.vae.use_tiling is False  # the next job decides again

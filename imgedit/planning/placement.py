@@ -41,7 +41,7 @@ NCCL_BUFFERS = int(0.4 * GIB)
 # ...and what it adds while jobs run: CUDA loads kernels lazily, on first use, and each loaded module
 # takes GPU memory outside torch's allocator. Measured on an H200 under MAX_MEMORY=22GiB with the
 # allocator capped at the cap minus CUDA_CONTEXT: NVML's peak for the process reached 22.3 GiB.
-# The worker caps its allocator this much lower again (runtime.worker._cap_memory).
+# The worker caps its allocator this much lower again (runtime.phases.cap_memory).
 LAZY_KERNELS = int(0.4 * GIB)
 
 

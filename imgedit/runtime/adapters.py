@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from contextlib import contextmanager
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
@@ -147,6 +148,20 @@ class Adapters:
         self._enabled = None  # unknown while walking: a walk stopped half-way is walked again by the next job
         (self.pipe.enable_lora if on else self.pipe.disable_lora)()
         self._enabled = on
+
+    @contextmanager
+    def job(self, call):
+        """A job's part (imgedit.runtime.runner.Call): exactly its adapters and scheduler; after a failed or
+        cancelled job no adapter is left on."""
+        params = call.job.params
+        self.use(params.adapters, params.scheduler, params.cache, call.cfg_on)
+        call.weights = self.weights  # FAST_QUANTIZE's copy, when the job runs on one
+        try:
+            yield
+        except BaseException:
+            self.reset(keep=False)
+            raise
+        self.reset(keep=True)
 
     def reset(self, keep: bool = False) -> None:
         """The default scheduler, and no adapter for a job that failed or was cancelled. After a finished job

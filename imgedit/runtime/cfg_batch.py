@@ -19,6 +19,8 @@ on the CPU, benchmarks/bench_quant.py measures it on the GPU).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from imgedit.runtime.cfg_parallel import ForwardOverride
@@ -45,6 +47,15 @@ class CfgBatch:
         self.active = active
         self._calls = 0
         self._cond = self._buffer = self._text = None
+
+    @contextmanager
+    def job(self, call):
+        """A job's part (imgedit.runtime.runner.Call): batched while it runs true CFG."""
+        self.begin(call.cfg_on)
+        try:
+            yield
+        finally:
+            self.begin(False)
 
     def _make_forward(self):
         batch = self

@@ -21,6 +21,7 @@ the worker logs it. Uncapped workers decode whole.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,20 @@ class DecodeRoom:
         elif not tile and self.vae.use_tiling:
             self.vae.disable_tiling()
         return tile
+
+    @contextmanager
+    def job(self, call):
+        """A job's part (imgedit.runtime.runner.Call): decided at every step's end, undone after it."""
+        params = call.job.params
+
+        def decide(step: int, tensors: dict) -> None:  # what the decode will share the GPU with is allocated now
+            self.decide(params.width, params.height, params.num_images)
+
+        call.step_hooks.append(decide)
+        try:
+            yield
+        finally:
+            self.end()
 
     def end(self) -> None:
         """After every job: the next one decides again."""

@@ -143,7 +143,7 @@ def _where(weights: list[torch.Tensor], mode: str, reserve: int, caps: tuple[int
 
 def gpu_room(index: int, caps: tuple[int, ...]) -> int:
     """Bytes this process may still allocate on cuda:index: what the driver has free plus torch's unused
-    cache, under MAX_MEMORY's cap when one is set (imgedit.runtime.worker._cap_memory)."""
+    cache, under MAX_MEMORY's cap when one is set (imgedit.runtime.phases.cap_memory)."""
     free, _ = torch.cuda.mem_get_info(index)
     allocated = torch.cuda.memory_allocated(index)
     room = free + torch.cuda.memory_reserved(index) - allocated

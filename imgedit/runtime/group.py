@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -102,6 +103,15 @@ class ParallelGroup:
         if self.layout.ulysses > 1:  # CFG off in a cfg group: the first half runs it
             return self.first_half_cpu
         return None
+
+    @contextmanager
+    def job(self, call):
+        """A job's part (imgedit.runtime.runner.Call): armed for it, disarmed however it ends."""
+        call.together = self.begin(call.cfg_on, call.may_split)
+        try:
+            yield
+        finally:
+            self.end()
 
     def end(self) -> None:
         if self.cfg_pair is not None:

@@ -18,13 +18,37 @@ steps, so the edit starts from the input there instead of from noise (those step
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 from PIL import Image, ImageFilter
 
 from imgedit.model import internals
+from imgedit.planning.families import FAMILIES
 
 LATENT_CELL = 16  # pixels per latent token: the VAE's 8x and the 2x2 packing (Qwen-Image-2.1: its 16x VAE)
+
+
+class Masking:
+    """The per-job feature (imgedit.runtime.runner.Call): a job with a mask blends its latents at every step and
+    lays the result over its first image."""
+
+    def __init__(self, pipe):
+        self.pipe = pipe
+
+    @contextmanager
+    def job(self, call):
+        req, params = call.job.request, call.job.params
+        if req.mask is not None:
+            with torch.inference_mode():
+                masked = MaskedEdit(self.pipe, req.images[0], req.mask, params.width, params.height,
+                                    params.mask_grow, params.mask_feather, params.strength, params.steps,
+                                    params.image_seeds, rgba=FAMILIES[call.job.family].rgba)
+            call.step_hooks.append(lambda step, tensors: {"latents": masked.blend(step, tensors["latents"])})
+            call.tensor_inputs.append("latents")
+            call.finish.append(masked.composite)  # the first image's size, its own pixels outside the mask
+        yield
 
 
 class MaskedEdit:

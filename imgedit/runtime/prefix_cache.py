@@ -17,6 +17,7 @@ Uncapped workers keep the pipeline's default.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,12 @@ class PrefixCache:
     def __init__(self, transformer, room):
         self.config = transformer.config
         self.room = room
+
+    @contextmanager
+    def job(self, call):
+        """A job's part (imgedit.runtime.runner.Call): `use_kv_cache` off where the cache would not fit."""
+        call.kwargs.update(self.kwargs(len(call.job.request.images), call.kwargs["output_resolution"]))
+        yield
 
     def kwargs(self, images: int, side: int) -> dict:
         room = self.room()

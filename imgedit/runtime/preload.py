@@ -48,5 +48,6 @@ else:
     import imgedit.runtime.adapters  # noqa: F401
     import imgedit.runtime.encode_cache  # noqa: F401
     import imgedit.runtime.loader  # noqa: F401
+    import imgedit.runtime.phases  # noqa: F401
     import imgedit.runtime.runner  # noqa: F401
     import imgedit.runtime.worker  # noqa: F401

@@ -2,6 +2,9 @@
 
 It turns a Job into pipeline arguments, reports each denoising step, stops within one step when
 cancelled (all ranks of a group at the same step), and turns failures into typed, user-safe errors.
+What a job runs with past the request (its LoRAs, a CFG pair's exchange, a step cache, a masked blend, a
+decode in tiles...) are per-job features (imgedit.runtime.features), each entered as a context for the job
+and left however it ends.
 """
 
 from __future__ import annotations
@@ -12,7 +15,10 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -20,12 +26,10 @@ import torch.distributed as dist
 from imgedit.errors import Cancelled, ImgEditError, OutOfGpuMemory, WorkerFailed
 from imgedit.planning.families import FAMILIES, Family
 from imgedit.protocol import EditResult
-from imgedit.runtime import enhance, shared_prompt
-from imgedit.runtime.cfg_batch import CfgBatch
+from imgedit.runtime import enhance
+from imgedit.runtime.adapters import Adapters
 from imgedit.runtime.group import ParallelGroup, agree_to_stop
-from imgedit.runtime.masking import MaskedEdit
 from imgedit.runtime.messages import Job
-from imgedit.runtime.step_cache import StepCache
 
 log = logging.getLogger(__name__)
 
@@ -55,161 +59,167 @@ class FatalError(ImgEditError):
         self.error = error
 
 
+@dataclass
+class Call:
+    """One job's pipeline call as the per-job features shape it: each feature's `job(call)` context adds
+    pipeline arguments, work at every step's end and work on the result, and undoes its state on exit."""
+
+    job: Job
+    cfg_on: bool  # true CFG: a scale above 1 and a negative prompt
+    may_split: bool  # a CFG pair may split this CFG-off job's sequence (no step cache)
+    kwargs: dict = field(default_factory=dict)  # pipeline arguments past the request's own
+    # at each step's end, in order: (step, the callback's tensors) -> tensors to hand back
+    step_hooks: list[Callable[[int, dict], dict | None]] = field(default_factory=list)
+    tensor_inputs: list[str] = field(default_factory=list)  # what the step hooks read (callback tensors)
+    finish: list[Callable[[list], list]] = field(default_factory=list)  # on the result's images, in order
+    together: object = None  # the CPU group whose ranks run this job together (agree on cancel every step)
+    weights: str | None = None  # FAST_QUANTIZE's copy, when the job runs on one
+    reached: int = 0  # the steps done
+
+
+class JobFeature(Protocol):
+    """A feature that acts per job (imgedit.runtime.features installs them on the runner, in order)."""
+
+    def job(self, call: Call) -> AbstractContextManager: ...
+
+
 class Runner:
     def __init__(self, pipe, name: str, devices: tuple[str, ...], rank: int = 0, world: int = 1,
-                 parallel: str = "none", group=None, auto_cleanup: bool = True, ulysses: int = 1,
-                 cuda: bool = False, adapters=None, batch_cfg: bool = False, pair_ulysses: bool = False):
+                 auto_cleanup: bool = True, parts: tuple[JobFeature, ...] = ()):
         self.pipe = pipe
         self.name = name
         self.devices = devices
-        self.rank, self.world, self.parallel = rank, world, parallel
+        self.rank, self.world = rank, world
         self.auto_cleanup = auto_cleanup
-        self.group = None
-        if parallel != "none":
-            self.group = ParallelGroup(pipe.transformer, parallel, rank, world, ulysses, cuda, group,
-                                       pair_ulysses, adapters.copies if adapters is not None else ())
-            if self.group.splits_cfg_off:  # a split job's prompt: encoded on rank 0, sent to rank 1
-                shared_prompt.install(pipe, rank, lambda: self.group.switch.on, self.group.cpu_group)
-        self.adapters = adapters  # imgedit.runtime.adapters.Adapters: the job's LoRAs and scheduler
-        self.step_cache = StepCache(pipe.transformer)  # CACHE / a request's cache (quality edits)
-        self.cfg_batch = None  # BATCH_CFG: both CFG branches in one forward (a group splits them instead)
-        if batch_cfg and self.group is None:
-            self.cfg_batch = CfgBatch(pipe.transformer)
-        # runtime.prefix_cache.PrefixCache: Qwen-Image-2.1 under a cap (set by the worker)
-        self.prefix_cache = None
-        # runtime.decode_room.DecodeRoom: the VAE's decode under a cap (set by the worker)
-        self.decode_room = None
+        self.parts: list[JobFeature] = list(parts)  # entered in this order for every job, left in reverse
+
+    def add(self, part: JobFeature) -> None:
+        self.parts.append(part)
+
+    def part(self, kind: type):
+        """The installed per-job feature of this type, or None."""
+        return next((p for p in self.parts if isinstance(p, kind)), None)
+
+    @property
+    def group(self) -> ParallelGroup | None:
+        """A worker of several ranks: its parallel group."""
+        return self.part(ParallelGroup)
+
+    @property
+    def adapters(self) -> Adapters | None:
+        """The job's LoRAs and scheduler."""
+        return self.part(Adapters)
 
     def takes_part(self, job: Job) -> bool:
         """With CFG off a CFG pair has no branches to split: its first rank (or half) runs the job, or both
         ranks split the sequence (PAIR_ULYSSES). A prompt rewrite alone runs on the first rank."""
         if job.params.task == "enhance":
             return self.rank == 0
-        return self.group is None or self.group.takes_part(self._cfg_on(job), self._may_split(job))
-
-    @staticmethod
-    def _cfg_on(job: Job) -> bool:
-        return job.params.true_cfg_scale > 1 and bool(job.params.negative_prompt)
-
-    @staticmethod
-    def _may_split(job: Job) -> bool:
-        """A pair splits a CFG-off job's sequence only without a step cache: each rank's cache would decide
-        on its own part which blocks to skip, and the ranks would leave their collectives out of step."""
-        return job.params.cache == "none"
+        return self.group is None or self.group.takes_part(cfg_on(job), may_split(job))
 
     def run(self, job: Job, cancel: threading.Event, on_step: StepCallback | None = None) -> EditResult:
         """Run one job. Raises Cancelled, OutOfGpuMemory, ImgEditError, or FatalError."""
         started = time.perf_counter()
-        params, req = job.params, job.request
-        if params.task == "enhance":
+        if job.params.task == "enhance":
             return self._enhance_only(job, cancel, started)
-        together = None
-        if self.group is not None:
-            together = self.group.begin(self._cfg_on(job), self._may_split(job))
-        collective = together is not None  # ranks that run this job together agree on cancel each step
-        reached = 0
-        masked = None  # imgedit.runtime.masking.MaskedEdit, built inside the try below
-
-        def step_end(pipe, step, timestep, callback_kwargs):
-            nonlocal reached
-            reached = step + 1
-            stop = cancel.is_set()
-            if collective:
-                stop = agree_to_stop(stop, together)
-            if on_step is not None:
-                on_step(step + 1, params.steps)
-            if stop:
-                raise _Abort
-            if self.decode_room is not None:  # what the decode will share the GPU with is allocated now
-                self.decode_room.decide(params.width, params.height, params.num_images)
-            if masked is not None:
-                return {"latents": masked.blend(step, callback_kwargs["latents"])}
-            return {}
-
-        if cancel.is_set() and not collective:
-            raise Cancelled("cancelled before it started")
-        family = FAMILIES[job.family]
-        images = (list(req.images) or None) if family.images_as_list else req.images[0]
-        extra = {}
-        # Qwen-Image-2.1: inputs resized to the output's area (1024² unless sized)
-        if family.output_resolution:
-            extra["output_resolution"] = output_resolution(family, params.width, params.height)
-            if self.prefix_cache is not None:
-                extra.update(self.prefix_cache.kwargs(len(req.images), extra["output_resolution"]))
-        # CPU generators give the same noise for a seed on every placement, device and rank; one per output
-        # image (its own seed), so that any image of a multi-image result can be made again alone.
-        generator = [torch.Generator(device="cpu").manual_seed(seed) for seed in params.image_seeds]
-        out_of_memory = finished = False
-        prompt, notice, weights = req.prompt, None, None
+        call = self._new_call(job)
+        out_of_memory = None
         try:
-            if params.enhance_tokens:  # the rewrite first, on the same weights (its own cancel check)
-                rewritten = self._rewrite(job, cancel, together)
-                prompt, notice = rewritten.prompt, rewritten.notice
-            if self.adapters is not None:
-                self.adapters.use(params.adapters, params.scheduler, params.cache, self._cfg_on(job))
-                weights = self.adapters.weights  # FAST_QUANTIZE's copy, when the job runs on one
-            elif params.adapters or params.scheduler != "default":
-                raise ImgEditError("this worker has no LoRAs loaded")
-            if self.cfg_batch is not None:
-                self.cfg_batch.begin(self._cfg_on(job))
-            self.step_cache.use(params.cache, params.cache_threshold)
-            with torch.inference_mode():
-                if req.mask is not None:
-                    masked = MaskedEdit(self.pipe, req.images[0], req.mask, params.width, params.height,
-                                        params.mask_grow, params.mask_feather, params.strength, params.steps,
-                                        params.image_seeds, rgba=family.rgba)
-                output = self.pipe(
-                    image=images, prompt=prompt,
-                    # CFG runs with a negative prompt and a scale above 1;
-                    # without, the pipelines warn of one unused
-                    negative_prompt=params.negative_prompt if params.true_cfg_scale > 1 else None,
-                    true_cfg_scale=params.true_cfg_scale, num_inference_steps=params.steps,
-                    num_images_per_prompt=params.num_images, width=params.width, height=params.height,
-                    generator=generator, callback_on_step_end=step_end,
-                    callback_on_step_end_tensor_inputs=["latents"] if masked is not None else [], **extra,
-                )
-            finished = True
+            with ExitStack() as stack:
+                for part in self.parts:
+                    stack.enter_context(part.job(call))
+                if cancel.is_set() and call.together is None:
+                    raise Cancelled("cancelled before it started")
+                images, prompt, notice = self._call(call, cancel, on_step)
         except _Abort:
-            raise Cancelled(f"cancelled at step {reached} of {params.steps}") from None
+            raise Cancelled(f"cancelled at step {call.reached} of {job.params.steps}") from None
         except _Refused as refused:
             raise refused.error from None
         except torch.OutOfMemoryError as exc:
             # cleaned up below, once the traceback no longer pins the activations
             out_of_memory = oom_detail(exc)
+        except ImgEditError:
+            raise
         except Exception as exc:
-            if is_device_fault(exc):
-                log.exception("%s: device fault in %s", req.request_id, self.name)
-                raise FatalError(WorkerFailed(f"{self.name} hit a GPU fault ({type(exc).__name__}); "
-                                              "its process is being restarted")) from None
-            log.exception("%s: pipeline call failed", req.request_id)
-            error = ImgEditError(f"the edit failed with an internal error (request {req.request_id})")
-            raise FatalError(error) if collective else error from None
-        finally:
-            if self.group is not None:
-                self.group.end()
-            if self.cfg_batch is not None:
-                self.cfg_batch.begin(False)
-            if self.adapters is not None:  # no adapter outlives a failed or cancelled job
-                self.adapters.reset(keep=finished)
-            self.step_cache.end()  # nor a step cache's state
-            if self.decode_room is not None:
-                self.decode_room.end()
+            raise self._failure(exc, call) from None
         if out_of_memory:
-            log.warning("%s: out of GPU memory on %s: %s",
-                        req.request_id, ",".join(self.devices), out_of_memory)
-            self.cleanup(force=True)
-            error = OutOfGpuMemory(
-                f"out of GPU memory on {', '.join(self.devices)}: try a smaller output size, fewer "
-                "images per prompt or fewer input images")
-            # One rank of a pair may have run out while the other waits in an exchange: start afresh.
-            raise FatalError(error) if collective else error
-        result = list(output.images)
-        if masked is not None:  # the first image's size, its own pixels outside the mask
-            result = masked.composite(result)
-        return EditResult(result, params.seed, params.steps, result[0].width, result[0].height,
+            raise self._out_of_memory(job, call, out_of_memory)
+        params, req = job.params, job.request
+        return EditResult(images, params.seed, params.steps, images[0].width, images[0].height,
                           time.perf_counter() - started, self.name, self.devices, req.request_id,
                           prompt=prompt if params.enhance_tokens and notice is None else None, notice=notice,
-                          weights=weights)
+                          weights=call.weights)
+
+    def _new_call(self, job: Job) -> Call:
+        if self.adapters is None and (job.params.adapters or job.params.scheduler != "default"):
+            raise ImgEditError("this worker has no LoRAs loaded")
+        call = Call(job, cfg_on(job), may_split(job))
+        family = FAMILIES[job.family]
+        if family.output_resolution:  # Qwen-Image-2.1: inputs resized to the output's area (1024² unless sized)
+            call.kwargs["output_resolution"] = output_resolution(family, job.params.width, job.params.height)
+        return call
+
+    def _call(self, call: Call, cancel: threading.Event, on_step: StepCallback | None):
+        """The rewrite (when asked), then the pipeline call with the features' arguments and step hooks."""
+        job = call.job
+        params, req = job.params, job.request
+        prompt, notice = req.prompt, None
+        if params.enhance_tokens:  # the rewrite first, on the same weights (its own cancel check)
+            rewritten = self._rewrite(job, cancel, call.together)
+            prompt, notice = rewritten.prompt, rewritten.notice
+
+        def step_end(pipe, step, timestep, tensors):
+            call.reached = step + 1
+            stop = cancel.is_set()
+            if call.together is not None:  # ranks that run this job together stop at the same step
+                stop = agree_to_stop(stop, call.together)
+            if on_step is not None:
+                on_step(step + 1, params.steps)
+            if stop:
+                raise _Abort
+            out: dict = {}
+            for hook in call.step_hooks:
+                out.update(hook(step, {**tensors, **out}) or {})
+            return out
+
+        family = FAMILIES[job.family]
+        images = (list(req.images) or None) if family.images_as_list else req.images[0]
+        # CPU generators give the same noise for a seed on every placement, device and rank; one per output
+        # image (its own seed), so that any image of a multi-image result can be made again alone.
+        generator = [torch.Generator(device="cpu").manual_seed(seed) for seed in params.image_seeds]
+        with torch.inference_mode():
+            output = self.pipe(
+                image=images, prompt=prompt,
+                # CFG runs with a negative prompt and a scale above 1; without, the pipelines warn of one unused
+                negative_prompt=params.negative_prompt if params.true_cfg_scale > 1 else None,
+                true_cfg_scale=params.true_cfg_scale, num_inference_steps=params.steps,
+                num_images_per_prompt=params.num_images, width=params.width, height=params.height,
+                generator=generator, callback_on_step_end=step_end,
+                callback_on_step_end_tensor_inputs=call.tensor_inputs, **call.kwargs,
+            )
+        result = list(output.images)
+        for finish in call.finish:
+            result = finish(result)
+        return result, prompt, notice
+
+    def _failure(self, exc: Exception, call: Call) -> ImgEditError:
+        request_id = call.job.request_id
+        if is_device_fault(exc):
+            log.exception("%s: device fault in %s", request_id, self.name)
+            return FatalError(WorkerFailed(f"{self.name} hit a GPU fault ({type(exc).__name__}); "
+                                           "its process is being restarted"))
+        log.exception("%s: pipeline call failed", request_id)
+        error = ImgEditError(f"the edit failed with an internal error (request {request_id})")
+        return FatalError(error) if call.together is not None else error
+
+    def _out_of_memory(self, job: Job, call: Call, detail: str) -> ImgEditError:
+        log.warning("%s: out of GPU memory on %s: %s", job.request_id, ",".join(self.devices), detail)
+        self.cleanup(force=True)
+        error = OutOfGpuMemory(
+            f"out of GPU memory on {', '.join(self.devices)}: try a smaller output size, fewer "
+            "images per prompt or fewer input images")
+        # One rank of a pair may have run out while the other waits in an exchange: start afresh.
+        return FatalError(error) if call.together is not None else error
 
     def _rewrite(self, job: Job, cancel: threading.Event, together):
         """The prompt rewrite (imgedit.runtime.enhance). In a group the first rank writes it and the others
@@ -261,6 +271,16 @@ class Runner:
             gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def cfg_on(job: Job) -> bool:
+    return job.params.true_cfg_scale > 1 and bool(job.params.negative_prompt)
+
+
+def may_split(job: Job) -> bool:
+    """A pair splits a CFG-off job's sequence only without a step cache: each rank's cache would decide on its
+    own part which blocks to skip, and the ranks would leave their collectives out of step."""
+    return job.params.cache == "none"
 
 
 def output_resolution(family: Family, width: int | None, height: int | None) -> int:

@@ -14,6 +14,7 @@ ends early (cancelled, failed) would leave it behind, so the runner resets it af
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 
 from diffusers import FirstBlockCacheConfig, TaylorSeerCacheConfig
 
@@ -45,6 +46,15 @@ class StepCache:
         self.active = wanted
         shown = mode if mode != "first-block" else f"first-block (threshold {threshold:g})"
         log.info("step cache: %s", shown)
+
+    @contextmanager
+    def job(self, call):
+        """A job's part (imgedit.runtime.runner.Call): the cache it asks for, none of its state left after."""
+        self.use(call.job.params.cache, call.job.params.cache_threshold)
+        try:
+            yield
+        finally:
+            self.end()
 
     def end(self) -> None:
         """After a job, however it ended: no state of it reaches the next one."""

@@ -12,8 +12,9 @@ import traceback
 import torch
 from PIL import Image
 
+from imgedit.model import internals
 from imgedit.protocol import EditRequest, Resolved
-from imgedit.runtime import enhance, internals, offload
+from imgedit.runtime import enhance, offload
 from imgedit.runtime.fallback import agreed, cause
 from imgedit.runtime.messages import Job, StartupReport, WorkerSpec
 

@@ -1,0 +1,271 @@
+"""A worker's optimisations and modes as features: one object each, with the same small interface.
+
+- `phase`: when it installs (imgedit.runtime.phases: load, optimise or warm);
+- `applies(build)`: whether it is asked for on this worker (settings, placement, GPU);
+- `install(build)`: how (diffusers' hooks, a per-job part on the runner, torch's APIs);
+- `optional`: an optimisation; if it fails to build, the worker goes on without it and says why in its fallbacks
+  (/health, the panel, the page's banner): an optimisation never takes the server down. A mode the plan needs
+  (a CFG pair's exchange) is not optional: its failure fails the load, and the pool reports it.
+- the start-up report lists every feature installed (`features`), each one's own figures where it has them.
+
+`FAMILY_FEATURES` says which features each model family has; a feature a family lacks is never installed for
+it, and the server refuses a request or setting that needs it with the family's reason
+(imgedit.planning.families.not_built). Per-job features (`JobFeature`) go on the runner, which enters them for
+every job in the order installed (imgedit.runtime.runner).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from imgedit.errors import ImgEditError
+from imgedit.planning.families import FAMILIES
+from imgedit.runtime import encode_cache, offload, pixels, shared_prompt, single_frame, warmup
+from imgedit.runtime.cfg_batch import CfgBatch
+from imgedit.runtime.decode_room import DecodeRoom
+from imgedit.runtime.fallback import cause
+from imgedit.runtime.fusion import gpu_room
+from imgedit.runtime.group import ParallelGroup
+from imgedit.runtime.masking import Masking
+from imgedit.runtime.prefix_cache import PrefixCache
+from imgedit.runtime.step_cache import StepCache
+
+if TYPE_CHECKING:
+    from imgedit.runtime.phases import Build
+
+log = logging.getLogger(__name__)
+
+
+class Feature:
+    name = ""
+    phase = "optimise"
+    optional = True  # an optimisation: the worker serves without it when it fails to build
+
+    def applies(self, build: Build) -> bool:
+        return True
+
+    def install(self, build: Build) -> None:
+        raise TypeError(f"{type(self).__name__} does not say how it installs")
+
+    def fall_back(self, build: Build, exc: BaseException) -> None:
+        reason = cause(exc)
+        log.warning("%s failed → off: %s", self.name, reason)
+        build.report.fallbacks.append(f"{self.name} failed → off: {reason}")
+
+
+# ---- load: around the pipeline as loaded -------------------------------------------------------------------
+class SingleFrameVae(Feature):
+    """An image is one frame: the VAE's causal 3-D convolutions run as 2-D ones, a third of the work (exact)."""
+
+    name, phase = "single-frame VAE", "load"
+
+    def install(self, build: Build) -> None:
+        single_frame.install(build.pipe.vae)
+
+
+class EncodeCache(Feature):
+    """ENCODE_CACHE: a repeated input is not encoded again (exact memos of the VAE and prompt encodes)."""
+
+    name, phase = "encode cache", "load"
+
+    def applies(self, build: Build) -> bool:
+        return build.spec.encode_cache > 0
+
+    def install(self, build: Build) -> None:
+        encode_cache.install(build.pipe, build.spec.encode_cache)
+        build.report.encode_cache = build.spec.encode_cache
+
+
+class PixelsOnGpu(Feature):
+    """Pictures cross to and from the VAE's GPU as bytes, the arithmetic there (exact)."""
+
+    name, phase = "pixels on the GPU", "load"
+
+    def install(self, build: Build) -> None:
+        on_gpu = pixels.install(build.pipe)
+        build.report.pixels = str(on_gpu.device) if on_gpu is not None else "cpu"
+
+
+# ---- optimise: the runner's per-job parts and the transformer's kernels ------------------------------------
+class Parallel(Feature):
+    """A worker of several ranks: CFG pair, Ulysses group, a pair's Ulysses for CFG-off jobs (PAIR_ULYSSES).
+    The plan needs it: not optional."""
+
+    name, optional = "parallel group", False
+
+    def applies(self, build: Build) -> bool:
+        return build.spec.parallel != "none"
+
+    def install(self, build: Build) -> None:
+        spec, runner = build.spec, build.runner
+        group = ParallelGroup(build.pipe.transformer, spec.parallel, spec.rank, spec.world, spec.ulysses,
+                              build.cuda, build.cpu_group, spec.pair_ulysses, build.adapters.copies)
+        runner.add(group)
+        if group.splits_cfg_off:  # a split job's prompt: encoded on rank 0, sent to rank 1
+            shared_prompt.install(build.pipe, spec.rank, lambda: group.switch.on, group.cpu_group)
+        build.report.pair_ulysses = group.splits_cfg_off
+
+
+class Loras(Feature):
+    """The job's LoRAs and scheduler (loaded in the adapt phase): exactly its own, none left after a failure."""
+
+    name, optional = "LoRAs", False
+
+    def install(self, build: Build) -> None:
+        build.runner.add(build.adapters)
+
+
+class BatchCfg(Feature):
+    """BATCH_CFG: both CFG branches in one forward (streamed blocks cross once a step). A group splits them
+    instead."""
+
+    name = "batched CFG"
+
+    def applies(self, build: Build) -> bool:
+        return build.plan.memory is not None and build.plan.memory.batch_cfg and build.spec.parallel == "none"
+
+    def install(self, build: Build) -> None:
+        build.runner.add(CfgBatch(build.pipe.transformer))
+        build.report.batch_cfg = True
+
+
+class StepCaches(Feature):
+    """CACHE / a request's `cache`: diffusers' first-block and TaylorSeer caches, per job."""
+
+    name = "step cache"
+
+    def install(self, build: Build) -> None:
+        build.runner.add(StepCache(build.pipe.transformer))
+
+
+class Masks(Feature):
+    """Masked edits: the latents outside the mask put back at every step, the result laid over the input."""
+
+    name, optional = "masks", False
+
+    def install(self, build: Build) -> None:
+        build.runner.add(Masking(build.pipe))
+
+
+class DecodeTiling(Feature):
+    """Under MAX_MEMORY: the VAE decodes in tiles for a job whose whole decode would not fit."""
+
+    name = "decode tiling"
+
+    def applies(self, build: Build) -> bool:
+        return build.capped and torch.device(build.plan.components["vae"].device).type == "cuda"
+
+    def install(self, build: Build) -> None:
+        vae, caps = torch.device(build.plan.components["vae"].device), build.spec.memory_caps
+        build.runner.add(DecodeRoom(build.pipe.vae, lambda: gpu_room(vae.index or 0, caps)))
+        build.report.under_cap.append("VAE decode in tiles for a job whose whole decode would not fit")
+
+
+class PrefixCacheRoom(Feature):
+    """Under MAX_MEMORY: Qwen-Image-2.1's prefix KV cache off for a job it would not fit."""
+
+    name = "prefix cache under the cap"
+
+    def applies(self, build: Build) -> bool:
+        return build.capped and "use_kv_cache" in inspect.signature(build.pipe.__call__).parameters
+
+    def install(self, build: Build) -> None:
+        index = torch.device(build.runner.devices[0]).index or 0
+        caps, reserve = build.spec.memory_caps, build.spec.activation_reserve
+        build.runner.add(PrefixCache(build.pipe.transformer, lambda: gpu_room(index, caps) - reserve))
+        build.report.under_cap.append("prefix cache off for a job it would not fit")
+
+
+class AttentionKernel(Feature):
+    """ATTENTION: every attention of the transformer(s) through one of PyTorch's kernels."""
+
+    name = "attention kernel"
+
+    def applies(self, build: Build) -> bool:
+        return build.spec.attention != "native"
+
+    def install(self, build: Build) -> None:
+        for transformer in build.transformers:
+            offload.use_attention(transformer, build.spec.attention)
+
+
+# ---- warm: compiled before any user waits --------------------------------------------------------------------
+class Compile(Feature):
+    """COMPILE: the transformer's repeated blocks compiled and every variant warmed up. Its own fallback: the
+    ranks of a group vote, and all of them run eager if any failed (runtime.warmup)."""
+
+    name, phase = "compile", "warm"
+
+    def applies(self, build: Build) -> bool:
+        return build.spec.compile
+
+    def install(self, build: Build) -> None:
+        warmup.compile_and_warm_up(build.spec, build.runner, build.transformers, build.report, build.agree,
+                                   build.say)
+        if not build.report.compiled:
+            raise _Reported()
+
+
+class RewriteWarmup(Feature):
+    """A short prompt rewrite before any user waits (its first ran 1.6-2.3x slower a token). On the rank that
+    writes a group's rewrites; not where the text encoder is streamed (rewrites are refused there)."""
+
+    name, phase = "rewrite warm-up", "warm"
+
+    def applies(self, build: Build) -> bool:
+        streamed = build.plan.memory is not None and build.plan.memory.offload_text_encoder
+        return build.cuda and build.spec.rank == 0 and not streamed
+
+    def install(self, build: Build) -> None:
+        build.say("warming up prompt rewriting")
+        build.report.rewrite_warmup_seconds = warmup.warm_up_rewrite(build.pipe, build.report.fallbacks,
+                                                                     build.spec.compile)
+
+
+class _Reported(Exception):
+    """A feature that reported its own fallback already."""
+
+
+FEATURES: tuple[Feature, ...] = (
+    SingleFrameVae(), EncodeCache(), PixelsOnGpu(),
+    Parallel(), Loras(), BatchCfg(), StepCaches(), DecodeTiling(), PrefixCacheRoom(), Masks(),
+    AttentionKernel(),
+    Compile(), RewriteWarmup(),
+)
+EVERY = frozenset(f.name for f in FEATURES)
+# The modes imgedit.planning.families' `not_built` names per family (the server refuses them with its reason),
+# as the features they are here.
+NOT_BUILT_AS = {"batch_cfg": "batched CFG", "cache": "step cache", "compile": "compile",
+                "cfg-parallel": "parallel group", "ulysses": "parallel group"}
+# Which family has which feature: every one but those its `not_built` names (Qwen-Image-2.1: no CFG batch, as
+# it runs without CFG; no step caches, as its steps after the first already skip the prefix; ...).
+FAMILY_FEATURES: dict[str, frozenset[str]] = {
+    key: EVERY - {NOT_BUILT_AS[mode] for mode in family.not_built if mode in NOT_BUILT_AS}
+    for key, family in FAMILIES.items()
+}
+
+
+def install(build: Build, phase: str) -> None:
+    """Install this phase's features that the family has and that apply, in FEATURES' order."""
+    family = build.spec.checkpoint.family
+    for feature in FEATURES:
+        if feature.phase != phase or not feature.applies(build):
+            continue
+        if feature.name not in FAMILY_FEATURES[family]:
+            if not feature.optional:  # the planner refuses these first: only a bug gets here
+                raise ImgEditError(f"{feature.name} is not built for {FAMILIES[family].model}")
+            continue
+        try:
+            feature.install(build)
+        except _Reported:
+            continue
+        except Exception as exc:
+            if not feature.optional:
+                raise
+            feature.fall_back(build, exc)
+            continue
+        build.report.features.append(feature.name)
