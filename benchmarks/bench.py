@@ -95,19 +95,20 @@ def one_gpu_parser(doc: str, steps: int, repeats: int) -> argparse.ArgumentParse
     return parser
 
 
-def one_gpu_settings(args, tiny_steps: int, **env) -> tuple[object, int, int]:
-    """(settings, size, steps): the real-size random checkpoint on cuda:0 (built once at --ckpt), or the tiny
-    one on the CPU with --tiny; COMPILE off, ENCODE_CACHE 0, plus `env`."""
+def one_gpu_settings(args, tiny_steps: int, kind: str = "plus", **env) -> tuple[object, int, int]:
+    """(settings, size, steps): the real-size random checkpoint of `kind` (imgedit.model.demo_checkpoint) on
+    cuda:0 (built once at --ckpt), or the tiny one on the CPU with --tiny; COMPILE off, ENCODE_CACHE 0, plus
+    `env`."""
     import tempfile
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.tiny:
-        ckpt = build_checkpoint(Path(tempfile.mkdtemp()) / "tiny", kind="plus")
+        ckpt = build_checkpoint(Path(tempfile.mkdtemp()) / "tiny", kind=kind)
         device_map, size, steps = "cpu", 64, tiny_steps
     else:
         ckpt = Path(args.ckpt)
         if not (ckpt / "model_index.json").is_file():
-            build_checkpoint(ckpt, kind="plus", size="real")
+            build_checkpoint(ckpt, kind=kind, size="real")
         device_map, size, steps = "cuda:0", args.size, args.steps
     settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": device_map, "COMPILE": "off",
                               "ENCODE_CACHE": "0", "LOG_LEVEL": "INFO", **env})

@@ -5,6 +5,7 @@ torch profiler's top CPU and CUDA operations of one rewrite.
     python benchmarks/probe_enhance.py --settings "COMPILE=off" "COMPILE=auto" [--lora] [--tokens 160]
     python benchmarks/probe_enhance.py --settings "COMPILE=off DECODE=static"   # static KV cache, compiled decode
     python benchmarks/probe_enhance.py --tiny --settings "COMPILE=off"      # CPU smoke run
+    python benchmarks/probe_enhance.py --kind 21 --settings "COMPILE=off"   # Qwen-Image-2.1's Qwen3-VL
 
 Each settings string is one worker (loaded, timed, closed) on cuda:0 with the real-size random checkpoint.
 """
@@ -72,8 +73,11 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=["COMPILE=off"])
     parser.add_argument("--lora", action="store_true", help="a random Lightning-shaped LoRA in LORA_DIR")
     parser.add_argument("--out", default=tempfile.gettempdir())
+    parser.add_argument("--kind", choices=("plus", "21"), default="plus", help="21: Qwen-Image-2.1 (Qwen3-VL)")
     args = parser.parse_args()
-    base, size, _ = one_gpu_settings(args, tiny_steps=2, ENHANCE_MAX_TOKENS=str(args.tokens))
+    if args.kind == "21" and args.ckpt == parser.get_default("ckpt"):
+        args.ckpt = "/tmp/qwen-image-2.1-real-random"
+    base, size, _ = one_gpu_settings(args, tiny_steps=2, kind=args.kind, ENHANCE_MAX_TOKENS=str(args.tokens))
     env = {"QWEN_MODEL_DIR": base.qwen_model_dir, "DEVICE_MAP": "cpu" if args.tiny else "cuda:0",
            "ENHANCE_MAX_TOKENS": str(args.tokens), "LOG_LEVEL": "INFO"}
     if args.lora:

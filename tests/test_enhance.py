@@ -18,7 +18,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from conftest import http, picture, wait_job
+from conftest import LocalPipeline, http, picture, wait_job
 from gradio_client import Client, handle_file
 from PIL import Image
 
@@ -243,3 +243,65 @@ def test_an_encoder_on_another_device_rewrites_there_without_its_hook_and_gets_i
     assert pipe.text_encoder._hf_hook is hook  # and it is back
     assert moved.token_ids == enhance.rewrite(plus_pipe.pipe, [image], "make it winter", 16,
                                               threading.Event()).token_ids
+
+
+def test_qwen_image_21_rewrites_decode_with_the_static_cache_in_one_compiled_step(tmp_path, monkeypatch):
+    """Qwen-Image-2.1's workers are never compiled (COMPILE=auto is off for its transformer), yet its rewrites
+    decode with the static cache and a compiled step, as the edit models' do: eager it wrote 100 ms a token on
+    an H200. The CPU stands in for the GPU here (the step compiled with dynamo's graphs run eagerly): the
+    start-up warm-up compiles one decoding step, which every later rewrite reuses (pictures or none: text to
+    image), and its greedy tokens are the dynamic cache's."""
+    from transformers import CompileConfig
+
+    from imgedit.model.demo_checkpoint import build_checkpoint
+    from imgedit.runtime import enhance, warmup
+
+    pipe = LocalPipeline(build_checkpoint(tmp_path / "q21", kind="21", seed=0)).pipe
+    encoder = pipe.text_encoder
+    assert type(encoder).__name__ == "Qwen3VLForConditionalGeneration"
+    asks = [([picture(256, 256)], "make it winter"), ([picture(96, 160), picture(200, 120, (200, 60, 60))],
+                                                     "put them side by side"), ([], "a red fox in the snow")]
+    dynamic = [enhance.rewrite(pipe, images, prompt, 12, threading.Event()).token_ids for images, prompt in asks]
+    graphs, caches = [], []
+
+    def backend(graph, example_inputs):  # dynamo's graphs, counted and run as they are
+        graphs.append(graph)
+        return graph.forward
+
+    def spied(encoder, needed):
+        cache = static_cache(encoder, needed)
+        caches.append(type(cache).__name__)
+        return cache
+
+    config = CompileConfig(backend=backend, mode=None)
+    config._compile_all_devices = True  # transformers compiles the decoding step on the CPU too
+    encoder.generation_config.compile_config = config
+    static_cache = enhance.static_cache
+    monkeypatch.setattr(enhance, "static_cache", spied)
+    monkeypatch.setattr(enhance, "STATIC_DEVICES", ("cuda", "cpu"))
+    torch._dynamo.reset()
+    try:
+        fallbacks = []
+        warmup.warm_up_rewrite(pipe, fallbacks, compiled=False)  # as a 2.1 worker starts: not compiled
+        assert fallbacks == [] and enhance.decodes_compiled(encoder)
+        assert caches and set(caches) == {"StaticCache"} and len(graphs) == 1, (caches, graphs)
+        static = [enhance.rewrite(pipe, images, prompt, 12, threading.Event()).token_ids for images, prompt in asks]
+        assert static == dynamic and all(len(ids) == 12 for ids in static)
+        assert len(graphs) == 1, f"the decoding step compiled {len(graphs)} times"
+    finally:
+        torch._dynamo.reset()
+
+
+def test_an_edit_worker_that_is_not_compiled_decodes_its_rewrites_eagerly(plus_pipe, monkeypatch):
+    """COMPILE=off on the edit models: nothing compiled at start-up, the rewrite's decoding included."""
+    from imgedit.runtime import enhance, warmup
+
+    encoder = plus_pipe.pipe.text_encoder
+    monkeypatch.setattr(enhance, "STATIC_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(enhance, "rewrite", lambda *args: None)  # the warm-up's rewrite itself: not the point
+    try:
+        assert enhance.decodes_compiled(encoder)
+        warmup.warm_up_rewrite(plus_pipe.pipe, [], compiled=False)
+        assert not enhance.decodes_compiled(encoder)
+    finally:
+        encoder.__dict__.pop("_imgedit_eager_decoding", None)

@@ -36,6 +36,8 @@ _CHAT = "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_en
 VIEW_AREA = 384 * 384  # what the model sees of each input (the Plus pipelines' condition-image size)
 # prompt, pictures and answer of any rewrite the settings allow (~235 MB on the 7B)
 STATIC_CACHE_TOKENS = 4096
+# the devices whose rewrites decode with the static cache (the tests add the CPU, to run that path there)
+STATIC_DEVICES = ("cuda",)
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,8 @@ def decodes_compiled(encoder) -> bool:
     hooks of its own (on_its_own_gpu takes a whole encoder's off), and not turned eager by no_static_cache."""
     hooked = (internals.has_device_hook(encoder)
               or any(internals.has_diffusers_hooks(m) for m in encoder.modules()))
-    return not (hooked or getattr(encoder, "_imgedit_eager_decoding", False) or encoder.device.type != "cuda")
+    eager = getattr(encoder, "_imgedit_eager_decoding", False)
+    return not (hooked or eager or encoder.device.type not in STATIC_DEVICES)
 
 
 def no_static_cache(encoder) -> None:
@@ -147,6 +150,8 @@ def rewrite(pipe, images, prompt: str, max_new_tokens: int, cancel: threading.Ev
                                 return_tensors="pt").to(device or internals.execution_device(pipe))
         if "pixel_values" in inputs:
             inputs["pixel_values"] = inputs["pixel_values"].to(encoder.dtype)
+        else:  # text to image: the decoding steps get the arguments they get with pictures (a None),
+            inputs["image_grid_thw"] = None  # so one compiled step serves both (one missing compiled again)
         cache = static_cache(encoder, inputs["input_ids"].shape[1] + max_new_tokens)
         output = encoder.generate(
             **inputs, max_new_tokens=max_new_tokens, do_sample=False,

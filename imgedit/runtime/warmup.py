@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from imgedit.model import internals
+from imgedit.planning.families import BY_PIPELINE, not_built
 from imgedit.protocol import EditRequest, Resolved
 from imgedit.runtime import enhance, offload
 from imgedit.runtime.fallback import agreed, cause
@@ -61,14 +62,22 @@ def compile_and_warm_up(spec: WorkerSpec, runner, transformers: tuple, report: S
 def warm_up_rewrite(pipe, fallbacks: list[str], compiled: bool) -> float:
     """A short prompt rewrite before any user waits: a worker's first rewrite ran 1.6-2.3x slower a token than
     its third (2026-11-27, H200: 58.7 against 25.5 ms, 160 tokens), the kernels and the GPU's matrix routines
-    loading on first use. One picture at the rewrite's view size, 8 tokens."""
-    if not compiled:  # COMPILE=off: rewrites decode eagerly too, nothing is compiled at start-up
+    loading on first use. One picture at the rewrite's view size, 8 tokens; and, for a family that makes
+    pictures from the prompt alone, one without a picture (the same compiled decoding step: enhance.rewrite).
+
+    COMPILE=off: rewrites decode eagerly too, nothing is compiled at start-up. But Qwen-Image-2.1's workers
+    are never compiled (its transformer's blocks would recompile: planning.families), while its text
+    encoder's decoding step compiles once like the edit models' (tests/test_enhance.py): eager, a 2.1 rewrite
+    wrote 100 ms a token on an H200. Its rewrites decode compiled whatever COMPILE says."""
+    family = BY_PIPELINE.get(type(pipe).__name__)
+    if not compiled and not (family is not None and not_built(family.key, "compile")):
         enhance.no_static_cache(pipe.text_encoder)
     started = time.perf_counter()
 
     def once() -> None:
         picture = Image.new("RGB", (1024, 1024), (120, 130, 140))
-        enhance.rewrite(pipe, [picture], "warm up", 8, threading.Event())
+        for pictures in ([picture], []) if family is not None and family.generates else ([picture],):
+            enhance.rewrite(pipe, pictures, "warm up", 8, threading.Event())
 
     with enhance.on_its_own_gpu(pipe.text_encoder):  # the encoder as a rewrite sees it
         static = enhance.decodes_compiled(pipe.text_encoder)
