@@ -240,10 +240,11 @@ class LocalPipeline:
 
     def __init__(self, ckpt: Path, memo: int = 8):
         from imgedit.model.encoding import prepare_text_encoder
-        from imgedit.runtime import encode_cache, loader
+        from imgedit.runtime import encode_cache, loader, single_frame
 
         plan = WorkerPlan("local", {c: Placement("cpu") for c in COMPONENTS})
         self.pipe = loader.load_pipeline(loader.open_checkpoint(str(ckpt)), plan, torch.float32)
+        single_frame.install(self.pipe.vae)  # the worker's load-phase features: runtime.features
         self.encoding_fix = prepare_text_encoder(self.pipe.text_encoder)  # as the worker does
         self.memo = encode_cache.install(self.pipe, memo)
 

@@ -23,7 +23,7 @@ from imgedit.model.processor import load_processor, processor_class
 # open_checkpoint is re-exported: tests and benchmarks open a checkpoint through the loader
 from imgedit.planning.checkpoint import MODEL_COMPONENTS, Checkpoint, open_checkpoint  # noqa: F401
 from imgedit.planning.plan import WorkerPlan
-from imgedit.runtime import offload, single_frame, weights
+from imgedit.runtime import offload, weights
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +54,6 @@ def load_pipeline(checkpoint: Checkpoint, worker: WorkerPlan, dtype: torch.dtype
                      name, ", ".join(placement.devices), dropped)
         elif placement.device != worker.execution_device:
             _move_inputs(model, placement.device)
-        if name == "vae":
-            # an image is one frame: its 3-D convolutions as 2-D ones, a third of the work
-            single_frame.install(model)
         parts[name] = model.eval().requires_grad_(False)
     if len(worker.devices) > 1 and not internals.has_device_hook(parts["vae"]):
         # diffusers' _execution_device asks the first registered component (the VAE); one without a
