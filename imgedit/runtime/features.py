@@ -85,6 +85,9 @@ class PixelsOnGpu(Feature):
 
     name, phase = "pixels on the GPU", "load"
 
+    def applies(self, build: Build) -> bool:
+        return pixels.vae_device(build.pipe.vae) is not None
+
     def install(self, build: Build) -> None:
         on_gpu = pixels.install(build.pipe)
         build.report.pixels = str(on_gpu.device) if on_gpu is not None else "cpu"

@@ -1,0 +1,146 @@
+"""The worker built in phases, its optimisations as features (imgedit.runtime.phases, imgedit.runtime.features):
+the phases run in order and are reported, a feature that fails to build falls back and says so while the worker
+serves, the family table comes from the families' own refusals, and per-job features are entered for a job and
+left however it ends."""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from conftest import picture
+
+from imgedit.config.settings import load_settings
+from imgedit.engine.validation import resolve
+from imgedit.errors import Cancelled, ImgEditError
+from imgedit.planning.checkpoint import open_checkpoint
+from imgedit.planning.families import FAMILIES
+from imgedit.planning.plan import Placement, WorkerPlan
+from imgedit.protocol import EditRequest
+from imgedit.runtime import features, phases, single_frame
+from imgedit.runtime.messages import Job, WorkerSpec
+
+COMPONENTS = ("transformer", "text_encoder", "vae")
+
+
+def spec_for(ckpt, **kw) -> WorkerSpec:
+    plan = WorkerPlan("worker-0", {c: Placement("cpu") for c in COMPONENTS})
+    return WorkerSpec(name="worker-0", rank=0, world=1, parallel="none", plan=plan,
+                      checkpoint=open_checkpoint(str(ckpt)), dtype="float32", compile=False, **kw)
+
+
+def edit(runner, ckpt, family="plus", cancel=None, **kw) -> np.ndarray:
+    settings = load_settings({"QWEN_MODEL_DIR": str(ckpt)})
+    req = EditRequest(**{**dict(images=(picture(),), prompt="make it red", seed=3, num_inference_steps=2,
+                                width=64, height=64), **kw})
+    params = resolve(req, settings, family, req.images[-1].size, len(req.images))
+    result = runner.run(Job(req, params, family), cancel or threading.Event())
+    return np.asarray(result.images[0], dtype=np.int16)
+
+
+@pytest.fixture(scope="module")
+def built(plus_ckpt):
+    said: list[str] = []
+    runner, report, seconds = phases.build_worker(spec_for(plus_ckpt, encode_cache=4), said.append)
+    return runner, report, said
+
+
+def test_the_phases_run_in_order_and_each_is_shown_and_reported(built):
+    runner, report, said = built
+    names = [name for name, _, _ in phases.PHASES]
+    assert names == ["place", "load", "adapt", "optimise", "warm", "ready"]
+    assert list(report.phases) == names and all(s >= 0 for s in report.phases.values())
+    assert said == [doing for _, doing, _ in phases.PHASES]  # what /health and the page show while loading
+    # the features this CPU worker has: a VAE on the CPU keeps the processor's own pixels; no cap, no group
+    assert report.features == ["single-frame VAE", "encode cache", "LoRAs", "step cache", "masks"], report.features
+    assert report.pixels == "cpu" and report.encode_cache == 4 and report.fallbacks == []
+    assert [type(p).__name__ for p in runner.parts] == ["Adapters", "StepCache", "Masking"]
+
+
+def test_a_feature_that_fails_to_build_falls_back_and_the_worker_serves(plus_ckpt, built, monkeypatch):
+    """An optimisation never takes the server down: the single-frame VAE failing to install leaves the VAE's own
+    3-D convolutions (the same image up to rounding), says why in the fallbacks, and the worker edits."""
+    def broken(vae):
+        raise RuntimeError("a diffusers that lays its convolutions out otherwise")
+
+    monkeypatch.setattr(single_frame, "install", broken)
+    runner, report, _ = phases.build_worker(spec_for(plus_ckpt), lambda doing: None)
+    assert "single-frame VAE" not in report.features
+    assert report.fallbacks == ["single-frame VAE failed → off: RuntimeError: a diffusers that lays its "
+                                "convolutions out otherwise"]
+    fallen, usual = edit(runner, plus_ckpt), edit(built[0], plus_ckpt)
+    assert fallen.shape == usual.shape and np.abs(fallen - usual).max() <= 2
+
+
+def test_a_mode_the_plan_needs_fails_the_load_instead(plus_ckpt, monkeypatch):
+    """Not an optimisation: a mode the plan needs (here the job's LoRAs) failing to install fails the load,
+    which the pool reports; it is not served without it."""
+    def broken(self, build):
+        raise RuntimeError("no adapters")
+
+    monkeypatch.setattr(features.Loras, "install", broken)
+    with pytest.raises(RuntimeError, match="no adapters"):
+        phases.build_worker(spec_for(plus_ckpt), lambda doing: None)
+
+
+def test_the_family_table_is_the_families_own_refusals():
+    assert features.FAMILY_FEATURES["plus"] == features.FAMILY_FEATURES["edit"] == features.EVERY
+    lacks = features.EVERY - features.FAMILY_FEATURES["21"]
+    assert lacks == {features.NOT_BUILT_AS[mode] for mode in FAMILIES["21"].not_built if mode in features.NOT_BUILT_AS}
+    assert "parallel group" in lacks and "masks" not in lacks
+    # every feature a family may lack is named as the server refuses it
+    assert set(features.NOT_BUILT_AS.values()) <= features.EVERY
+
+
+def test_a_mode_a_family_lacks_is_refused_not_skipped(plus_ckpt):
+    """A CFG pair is not built for Qwen-Image-2.1: the planner refuses it first; a spec that asks anyway is
+    refused at loading, never served by a half-built group."""
+    spec = spec_for(plus_ckpt)
+    spec = replace(spec, parallel="cfg", world=2, checkpoint=replace(spec.checkpoint, pipeline_class="QwenImage21Pipeline"))
+    build = phases.Build(spec, lambda doing: None)
+    with pytest.raises(ImgEditError, match="parallel group is not built for Qwen-Image-2.1"):
+        features.install(build, "optimise")
+
+
+class Recorder:
+    """A per-job feature that records what it saw."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    @contextmanager
+    def job(self, call):
+        self.log.append(("enter", self.name))
+        call.step_hooks.append(lambda step, tensors: self.log.append(("step", self.name, step)))
+        try:
+            yield
+        except BaseException as exc:
+            self.log.append(("failed", self.name, type(exc).__name__))
+            raise
+        finally:
+            self.log.append(("exit", self.name))
+
+
+def test_per_job_features_are_entered_in_order_and_left_however_the_job_ends(plus_ckpt, built):
+    runner = built[0]
+    log: list = []
+    first, second = Recorder("first", log), Recorder("second", log)
+    runner.parts[:0] = [first, second]
+    try:
+        edit(runner, plus_ckpt)
+        assert log == [("enter", "first"), ("enter", "second"), ("step", "first", 0), ("step", "second", 0),
+                       ("step", "first", 1), ("step", "second", 1), ("exit", "second"), ("exit", "first")]
+        log.clear()
+        cancel = threading.Event()
+        cancel.set()
+        with pytest.raises(Cancelled):
+            edit(runner, plus_ckpt, cancel=cancel)
+        assert log == [("enter", "first"), ("enter", "second"), ("failed", "second", "Cancelled"),
+                       ("exit", "second"), ("failed", "first", "Cancelled"), ("exit", "first")]
+    finally:
+        del runner.parts[:2]
+    assert torch.is_grad_enabled() is False  # the place phase turned autograd off for the worker
