@@ -1,0 +1,152 @@
+"""COMPILE for Qwen-Image-2.1 (QwenImage21Transformer2DModel, diffusers 0.42.1): compile only the cached
+("decode") steps, keep the first step (the prefill that writes the prefix key/value cache) eager.
+
+Why not `compile_repeated_blocks(fullgraph=True, dynamic=True)` as the other families: the prefill's
+attention (QwenImage21AttnProcessor) loops over `segments`, a Python list of (start, end, is_text) runs of
+text and condition images, and stores the cache through `cache_write_slice = slice(0, prefix_len)`. Dynamo
+unrolls the loop and guards on the list and on `cache_write_slice.stop == <prefix length>`, so every new
+prompt length or reference count compiled the blocks again (tiny 2.1 on the CPU: one new graph for every one
+of 6 requests after the first; TORCH_LOGS=recompiles names the guards).
+
+The cached steps (kv_cache_mode="cached", steps 2..N with the pipeline's default use_kv_cache=True) take no
+Python int that depends on the request: the block's inputs are the target tokens (B, T, D), the shared
+modulation (B+1, 4D), the target's RoPE (T, d/2), a bool row mask (T,), and the layer cache's K/V
+(B, P, H, d) with P the prefix length. All of T and P are symbolic with `dynamic=True`, so one graph serves
+every prompt length, reference count and resolution. The prefill (one step of N; with use_kv_cache=False
+every step, e.g. imgedit's prefix_cache on a capped GPU) runs the original eager block.
+
+`compile_21(transformer)` installs it: a diffusers ModelHook on every block routes a call by its
+`kv_cache_mode` keyword (the transformer passes it by keyword in 0.42.1) to one torch.compile'd copy of the
+block class's forward (one code object: every block shares the compiled graph) or to the eager forward.
+`uncompile_21(transformer)` removes the hooks. `warmup_requests()` lists what the warm-up must run.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.fx.experimental._config  # noqa: F401 - torch private config, see new_forward
+from diffusers.hooks import HookRegistry, ModelHook
+
+HOOK_NAME = "imgedit_compile21_decode"
+# diffusers 0.42.1: the keyword the transformer passes each block (QwenImage21Transformer2DModel.forward)
+CACHED_MODE = "cached"
+
+
+class _DecodeCompiledHook(ModelHook):
+    """Calls with kv_cache_mode="cached" go to the compiled forward; every other call (the prefill with
+    "extract", or None without the cache) to the block's eager forward."""
+
+    def __init__(self, compiled, owned: dict):
+        super().__init__()
+        self.compiled = compiled
+        self.owned = owned  # shared by every block's hook: per keyword, the last view made whole and its copy
+
+    def new_forward(self, module, *args, **kwargs):
+        if kwargs.get("kv_cache_mode") != CACHED_MODE:
+            return self.fn_ref.original_forward(*args, **kwargs)
+        kwargs = {k: self._whole(k, v) for k, v in kwargs.items()}
+        # torch 2.11/2.13 private config: no duck sizing while this block compiles. With it, dynamo gives two
+        # dimensions of equal size one symbol: the target's token count equals the inner dim at 1024² on the
+        # real model (64x64 = 4096 = 32 heads x 128) and at 64² on the tiny one (16), and layer_norm's
+        # normalized_shape guard then fixed the target length (the next resolution compiled again); the cache's
+        # and the hidden states' strides were unified the same way.
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return self.compiled(module, *args, **kwargs)
+
+    def _whole(self, name: str, value):
+        """A tensor laid out as a fresh one (offset 0, row-major strides) for a view of a larger one. The
+        decode step hands the first block `joint_hidden_states[:, prefix_len:]` and every block
+        `rotary_emb[prefix_len:]` and the mask's tail. Given as they are, dynamo guarded on their storage
+        offset (0/1-specialised: >= 2), on the first block's strides (a batch of 2's slice is not contiguous),
+        and through `_base` (outside inference_mode) on the base's size: the first block and the others
+        were two graphs, and the target length was fixed. The copy of a tensor every block gets (RoPE, mask)
+        is made once per step: the same object comes again."""
+        if not isinstance(value, torch.Tensor) or _is_fresh(value):
+            return value
+        last = self.owned.get(name)
+        if last is None or last[0]() is not value:
+            # a weak reference: the view keeps its base alive (the whole joint sequence, ~0.4 GB at 10
+            # references), the copy holds the target's rows only
+            last = self.owned[name] = (weakref.ref(value), value.clone(memory_format=torch.contiguous_format))
+        return last[1]
+
+
+def _is_fresh(t: torch.Tensor) -> bool:
+    """Offset 0 and row-major strides, size-1 dimensions included (a slice of a batch of 1 is contiguous for
+    torch but keeps its base's outer stride)."""
+    if t.storage_offset() != 0:
+        return False
+    expected = 1
+    for size, stride in zip(reversed(t.shape), reversed(t.stride())):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _block_class(transformer):
+    blocks = transformer.transformer_blocks
+    if not len(blocks):
+        raise ValueError("the transformer has no blocks")
+    return type(blocks[0])
+
+
+def compile_21(transformer: torch.nn.Module, mode: str = "default", fullgraph: bool = True) -> None:
+    """Compile the cached steps of every block of a QwenImage21Transformer2DModel, dynamic in the prefix and
+    target lengths from the first compile. Blocks under accelerate device hooks (a split transformer) or under
+    diffusers group offloading keep their hooks around the forward: this hook wraps the forward they call."""
+    cls = _block_class(transformer)
+    options: dict = {"fullgraph": fullgraph, "dynamic": True} | ({"mode": mode} if mode != "default" else {})
+    # the class's function, not a bound method: one code object, so one cache entry for all blocks (the
+    # blocks' weights are graph inputs, torch>=2.5 inline_inbuilt_nn_modules)
+    compiled = torch.compile(cls.forward, **options)
+    owned: dict = {}
+    for block in transformer.transformer_blocks:
+        registry = HookRegistry.check_if_exists_or_initialize(block)
+        if registry.get_hook(HOOK_NAME) is None:
+            registry.register_hook(_DecodeCompiledHook(compiled, owned), HOOK_NAME)
+
+
+def uncompile_21(transformer: torch.nn.Module) -> None:
+    """Every block runs eager again (the compiled graphs stay in dynamo's cache until torch._dynamo.reset())."""
+    for block in transformer.transformer_blocks:
+        registry = getattr(block, "_diffusers_hook", None)  # diffusers 0.42.1: HookRegistry's attribute
+        if registry is not None and registry.get_hook(HOOK_NAME) is not None:
+            registry.remove_hook(HOOK_NAME, recurse=False)
+
+
+def is_compiled_21(transformer: torch.nn.Module) -> bool:
+    registry = getattr(transformer.transformer_blocks[0], "_diffusers_hook", None)  # diffusers 0.42.1
+    return registry is not None and registry.get_hook(HOOK_NAME) is not None
+
+
+def warmup_requests(max_images_per_prompt: int = 1, cfg: bool = False,
+                    sizes: tuple = ((1024, 1024), (768, 1024))) -> list[dict]:
+    """The pipeline calls the warm-up must make before users come: keyword arguments of
+    QwenImage21Pipeline.__call__ except the prompt (`words`: a prompt of about that many words) and the
+    condition images (`images`: how many, any content and size). Two steps each are enough: step 1 (the
+    prefill) runs eager, step 2 compiles. `sizes`: (width, height) output sizes, the first two used.
+
+    - one call, 1 image per prompt, one condition image: the first compile. Prefix and target lengths are
+      symbolic from it (dynamic=True, no duck sizing): every later prompt length, reference count (0-10) and
+      output size reuses it;
+    - a second call with another prompt length, no condition image, another output size: checks that no guard
+      specialised a length (it must compile nothing: assert it, or log the graphs it made);
+    - with num_images_per_prompt > 1 allowed: one call at 2 images per prompt (dynamo specialises a batch of 1
+      apart from larger ones; 2 covers every batch above 1: the batch symbol's range is [2, inf));
+    - `cfg`: the same calls with true CFG (its negative branch runs the same block shapes, its own cache: it
+      adds no graph; warm it only to load its kernels).
+    The KV cache must be on (use_kv_cache=True, the default): without it no step runs compiled (the prefill
+    path runs every step, eager), so imgedit's prefix_cache turning it off for a job is safe, just eager.
+    """
+    first, second = sizes[0], sizes[1] if len(sizes) > 1 else sizes[0]
+    runs = [dict(images=1, words=3, width=first[0], height=first[1], num_images_per_prompt=1),
+            dict(images=0, words=11, width=second[0], height=second[1], num_images_per_prompt=1)]
+    if max_images_per_prompt > 1:
+        runs.append(dict(images=2, words=5, width=first[0], height=first[1], num_images_per_prompt=2))
+    if cfg:
+        for run in runs:
+            run.update(true_cfg_scale=4.0, negative_prompt=" ")
+    return [dict(run, num_inference_steps=2) for run in runs]
