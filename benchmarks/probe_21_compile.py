@@ -148,6 +148,8 @@ def main(argv=None) -> int:
     parser.add_argument("--recipe", choices=("decode", "blocks", "none"), default="decode",
                         help="decode: compile21_recipe.compile_21; blocks: compile_repeated_blocks(fullgraph=True, "
                              "dynamic=True) as the other families; none: eager twice")
+    parser.add_argument("--memo", action="store_true", help="also compile21_recipe.memoize_21_metadata (the rotary "
+                        "table and token metadata once per request)")
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--sizes", help="output sizes WxH,... (default: 64x64,96x64,64x128,128x128 tiny; "
@@ -192,6 +194,8 @@ def main(argv=None) -> int:
         compile21_recipe.compile_21(pipe.transformer)
     elif args.recipe == "blocks":
         pipe.transformer.compile_repeated_blocks(fullgraph=True, dynamic=True)
+    if args.memo:
+        compile21_recipe.memoize_21_metadata(pipe.transformer)
     sides = [s for s in (tuple(map(int, x.split("x"))) for x in args.sizes.split(","))]
     warm = compile21_recipe.warmup_requests(max_images_per_prompt=2 if args.batch2 else 1, cfg=False,
                                             sizes=sides[:2])
@@ -225,7 +229,7 @@ def main(argv=None) -> int:
     total_graphs = sum(r["graphs"] for r in rows)
     total_recompiles = sum(len(r["recompiles"]) for r in rows)
     worst = min(r["psnr"] for r in rows)
-    summary = dict(recipe=args.recipe, device=args.device, size=args.size, requests=len(rows), steps=args.steps,
+    summary = dict(recipe=args.recipe, memo=args.memo, device=args.device, size=args.size, requests=len(rows), steps=args.steps,
                    warmup=warm, warmup_graphs=warm_graphs, warmup_recompiles=warm_recompiles,
                    graphs_after_warmup=total_graphs, recompiles_after_warmup=total_recompiles, min_psnr=worst,
                    step_speedup=round(float(np.nanmean([r["eager_step_s"] for r in rows]))

@@ -107,6 +107,7 @@ def compile_21(transformer: torch.nn.Module, mode: str = "default", fullgraph: b
         registry = HookRegistry.check_if_exists_or_initialize(block)
         if registry.get_hook(HOOK_NAME) is None:
             registry.register_hook(_DecodeCompiledHook(compiled, owned), HOOK_NAME)
+    HookRegistry.check_if_exists_or_initialize(transformer).invalidate_child_registries_cache()
 
 
 def uncompile_21(transformer: torch.nn.Module) -> None:
@@ -115,6 +116,7 @@ def uncompile_21(transformer: torch.nn.Module) -> None:
         registry = getattr(block, "_diffusers_hook", None)  # diffusers 0.42.1: HookRegistry's attribute
         if registry is not None and registry.get_hook(HOOK_NAME) is not None:
             registry.remove_hook(HOOK_NAME, recurse=False)
+    HookRegistry.check_if_exists_or_initialize(transformer).invalidate_child_registries_cache()
 
 
 def is_compiled_21(transformer: torch.nn.Module) -> bool:
@@ -150,3 +152,90 @@ def warmup_requests(max_images_per_prompt: int = 1, cfg: bool = False,
         for run in runs:
             run.update(true_cfg_scale=4.0, negative_prompt=" ")
     return [dict(run, num_inference_steps=2) for run in runs]
+
+
+# --- per-request memo of the transformer's token metadata (optional, independent of compile_21) -------------
+
+MEMO_HOOK = "imgedit_21_metadata_memo"
+
+
+class _RequestKey(ModelHook):
+    """On the transformer: remembers which request a forward belongs to. The pipeline passes the same `img_mask`
+    tensor object at every step of a call (diffusers 0.42.1 QwenImage21Pipeline.__call__: `image_pad_mask`,
+    and `negative_image_pad_mask` for CFG's other branch), a new one for every call."""
+
+    def __init__(self, state: dict):
+        super().__init__()
+        self.state = state
+
+    def pre_forward(self, module, *args, **kwargs):
+        img_mask, shapes = kwargs.get("img_mask"), kwargs.get("img_shapes")
+        self.state["key"] = None
+        if isinstance(img_mask, torch.Tensor) and shapes is not None:
+            self.state["key"] = (weakref.ref(img_mask), tuple(tuple(s) for s in shapes[0]))
+        return args, kwargs
+
+
+def _same(key, other) -> bool:
+    return key is not None and other is not None and key[0]() is not None and key[0]() is other[0]() \
+        and key[1] == other[1]
+
+
+class _RopeMemo(ModelHook):
+    """On `transformer.pos_embed` (QwenImage21Rope): the rotary table of the whole joint sequence, built once per
+    request and branch instead of at every step. diffusers 0.42.1 rebuilds it in Python lists from
+    `image_pad_mask.tolist()` (a device sync) at every step, the cached ones included: 33 ms of one CPU core at
+    10 condition images at 1024² (45,356 tokens), against ~0.3 s of GPU work a cached step."""
+
+    def __init__(self, state: dict):
+        super().__init__()
+        self.state = state
+        self.memo: list = []  # [(key, rotary)], the last two (a CFG call's two branches)
+
+    def new_forward(self, module, *args, **kwargs):
+        key = self.state.get("key")
+        for k, value in self.memo:
+            if _same(key, k):
+                return value
+        value = self.fn_ref.original_forward(*args, **kwargs)
+        if key is not None:
+            self.memo = [*self.memo[-1:], (key, value)]
+        return value
+
+
+def memoize_21_metadata(transformer: torch.nn.Module) -> None:
+    """Build the rotary table (and the token metadata: `build_token_metadata`, whose `nonzero` and Python list
+    of 45k ids cost 11 ms a step at 10 references) once per request instead of once per step. Same values, so
+    the same images bit for bit. Hooks only; `uncompile`-like removal: unmemoize_21_metadata."""
+    state: dict = {}
+    registry = HookRegistry.check_if_exists_or_initialize(transformer)
+    if registry.get_hook(MEMO_HOOK) is not None:
+        return
+    registry.register_hook(_RequestKey(state), MEMO_HOOK)
+    HookRegistry.check_if_exists_or_initialize(transformer.pos_embed).register_hook(_RopeMemo(state), MEMO_HOOK)
+    # diffusers 0.42.1: the model calls `self.build_token_metadata(image_pad_mask, img_shapes[0])`, a
+    # staticmethod; an instance attribute of the same name takes its place for this model only
+    original = type(transformer).build_token_metadata
+    memo: list = []
+
+    def build_token_metadata(image_pad_mask, img_shapes):
+        key = state.get("key")
+        for k, value in memo:
+            if _same(key, k):
+                return value
+        value = original(image_pad_mask, img_shapes)
+        if key is not None:
+            memo[:] = [*memo[-1:], (key, value)]
+        return value
+
+    transformer.build_token_metadata = build_token_metadata
+    registry.invalidate_child_registries_cache()
+
+
+def unmemoize_21_metadata(transformer: torch.nn.Module) -> None:
+    for module in (transformer, transformer.pos_embed):
+        registry = getattr(module, "_diffusers_hook", None)  # diffusers 0.42.1: HookRegistry's attribute
+        if registry is not None and registry.get_hook(MEMO_HOOK) is not None:
+            registry.remove_hook(MEMO_HOOK, recurse=False)
+    transformer.__dict__.pop("build_token_metadata", None)
+    HookRegistry.check_if_exists_or_initialize(transformer).invalidate_child_registries_cache()
