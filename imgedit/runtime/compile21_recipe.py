@@ -44,8 +44,11 @@ class _DecodeCompiledHook(ModelHook):
         self.owned = owned  # shared by every block's hook: per keyword, the last view made whole and its copy
 
     def new_forward(self, module, *args, **kwargs):
+        return self.route(module, self.fn_ref.original_forward, *args, **kwargs)
+
+    def route(self, module, eager, *args, **kwargs):
         if kwargs.get("kv_cache_mode") != CACHED_MODE:
-            return self.fn_ref.original_forward(*args, **kwargs)
+            return eager(*args, **kwargs)
         kwargs = {k: self._whole(k, v) for k, v in kwargs.items()}
         # torch 2.11/2.13 private config: no duck sizing while this block compiles. With it, dynamo gives two
         # dimensions of equal size one symbol: the target's token count equals the inner dim at 1024² on the
@@ -79,7 +82,7 @@ def _is_fresh(t: torch.Tensor) -> bool:
     if t.storage_offset() != 0:
         return False
     expected = 1
-    for size, stride in zip(reversed(t.shape), reversed(t.stride())):
+    for size, stride in zip(reversed(t.shape), reversed(t.stride()), strict=True):
         if stride != expected:
             return False
         expected *= size
@@ -93,21 +96,46 @@ def _block_class(transformer):
     return type(blocks[0])
 
 
-def compile_21(transformer: torch.nn.Module, mode: str = "default", fullgraph: bool = True) -> None:
+def compile_21(transformer: torch.nn.Module, mode: str = "default", fullgraph: bool = True) -> int:
     """Compile the cached steps of every block of a QwenImage21Transformer2DModel, dynamic in the prefix and
-    target lengths from the first compile. Blocks under accelerate device hooks (a split transformer) or under
-    diffusers group offloading keep their hooks around the forward: this hook wraps the forward they call."""
+    target lengths from the first compile. Returns how many blocks run compiled.
+
+    - a plain block: a diffusers ModelHook routes each call;
+    - a block under an accelerate device hook (a transformer split over GPUs, imgedit's weights.keep_block_hooks):
+      the routing goes inside the hook, in place of `_old_forward`, so the hook still moves the inputs to the
+      block's GPU first (its pre_forward is torch.compiler.disable'd: it must stay outside the graph);
+    - a block under any other diffusers hook (group offloading streams its weights in hooks): stays eager, as
+      offload.compile_transformer keeps streamed blocks eager (the compiled call would skip the onloading)."""
     cls = _block_class(transformer)
     options: dict = {"fullgraph": fullgraph, "dynamic": True} | ({"mode": mode} if mode != "default" else {})
     # the class's function, not a bound method: one code object, so one cache entry for all blocks (the
     # blocks' weights are graph inputs, torch>=2.5 inline_inbuilt_nn_modules)
     compiled = torch.compile(cls.forward, **options)
     owned: dict = {}
+    done = 0
     for block in transformer.transformer_blocks:
-        registry = HookRegistry.check_if_exists_or_initialize(block)
-        if registry.get_hook(HOOK_NAME) is None:
-            registry.register_hook(_DecodeCompiledHook(compiled, owned), HOOK_NAME)
+        registry = getattr(block, "_diffusers_hook", None)  # diffusers 0.42.1: HookRegistry's attribute
+        if registry is not None and registry.get_hook(HOOK_NAME) is not None:
+            done += 1
+            continue
+        if hasattr(block, "_hf_hook") and hasattr(block, "_old_forward"):  # accelerate's add_hook_to_module
+            hook = _DecodeCompiledHook(compiled, owned)
+            eager = block._old_forward
+            block._imgedit_21_eager_forward = eager
+
+            def routed(*args, _hook=hook, _block=block, _eager=eager, **kwargs):
+                return _hook.route(_block, _eager, *args, **kwargs)
+
+            block._old_forward = routed
+            done += 1
+            continue
+        if registry is not None and registry._hook_order:  # group offloading or another diffusers hook
+            continue
+        HookRegistry.check_if_exists_or_initialize(block).register_hook(_DecodeCompiledHook(compiled, owned),
+                                                                       HOOK_NAME)
+        done += 1
     HookRegistry.check_if_exists_or_initialize(transformer).invalidate_child_registries_cache()
+    return done
 
 
 def uncompile_21(transformer: torch.nn.Module) -> None:
@@ -116,12 +144,17 @@ def uncompile_21(transformer: torch.nn.Module) -> None:
         registry = getattr(block, "_diffusers_hook", None)  # diffusers 0.42.1: HookRegistry's attribute
         if registry is not None and registry.get_hook(HOOK_NAME) is not None:
             registry.remove_hook(HOOK_NAME, recurse=False)
+        eager = block.__dict__.pop("_imgedit_21_eager_forward", None)
+        if eager is not None:
+            block._old_forward = eager
     HookRegistry.check_if_exists_or_initialize(transformer).invalidate_child_registries_cache()
 
 
 def is_compiled_21(transformer: torch.nn.Module) -> bool:
-    registry = getattr(transformer.transformer_blocks[0], "_diffusers_hook", None)  # diffusers 0.42.1
-    return registry is not None and registry.get_hook(HOOK_NAME) is not None
+    block = transformer.transformer_blocks[0]
+    registry = getattr(block, "_diffusers_hook", None)  # diffusers 0.42.1
+    return (registry is not None and registry.get_hook(HOOK_NAME) is not None) \
+        or "_imgedit_21_eager_forward" in block.__dict__
 
 
 def warmup_requests(max_images_per_prompt: int = 1, cfg: bool = False,
