@@ -1,5 +1,5 @@
 """Does a compiled Qwen-Image-2.1 recompile for new prompt lengths, reference counts and sizes, and does it give
-the eager images? imgedit/runtime/compile21_recipe.py (compile the cached steps, prefill eager) against the
+the eager images? imgedit/runtime/compile21.py (compile the cached steps, prefill eager) against the
 other families' recipe (compile_repeated_blocks(fullgraph=True, dynamic=True)).
 
     python benchmarks/probe_21_compile.py                                   # CPU, tiny checkpoint, float32
@@ -8,7 +8,7 @@ other families' recipe (compile_repeated_blocks(fullgraph=True, dynamic=True)).
 
 Per run: the eager images of N requests (seeded mix of prompt lengths, 0-10 condition images of several
 aspects, output sizes, 1 or 2 images per prompt, CFG on some), then the recipe installed, its warm-up
-(compile21_recipe.warmup_requests), and the same N requests again. Printed per request: the graphs dynamo
+(compile21.warmup_requests), and the same N requests again. Printed per request: the graphs dynamo
 compiled for it (counters["stats"]["unique_graphs"]) and its recompile messages (TORCH_LOGS=recompiles'
 logger), PSNR of the compiled image against the eager one (same seed), the prefill step's and the mean later
 step's seconds, eager and compiled. Asserts every image finite. --size real builds the published configs with
@@ -146,9 +146,9 @@ def main(argv=None) -> int:
     parser.add_argument("--size", choices=("tiny", "real"), default="tiny")
     parser.add_argument("--checkpoint", help="a checkpoint folder (default /tmp/probe21-SIZE, built if missing)")
     parser.add_argument("--recipe", choices=("decode", "blocks", "none"), default="decode",
-                        help="decode: compile21_recipe.compile_21; blocks: compile_repeated_blocks(fullgraph=True, "
+                        help="decode: compile21.compile_21; blocks: compile_repeated_blocks(fullgraph=True, "
                              "dynamic=True) as the other families; none: eager twice")
-    parser.add_argument("--memo", action="store_true", help="also compile21_recipe.memoize_21_metadata (the rotary "
+    parser.add_argument("--memo", action="store_true", help="also compile21.memoize_21_metadata (the rotary "
                         "table and token metadata once per request)")
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--steps", type=int, default=3)
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     import torch
     from torch._dynamo.utils import counters
 
-    from imgedit.runtime import compile21_recipe
+    from imgedit.runtime import compile21
 
     torch.set_num_threads(args.threads)
     recompiles = RecompileLog()
@@ -192,13 +192,13 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     if args.recipe == "decode":
-        compile21_recipe.compile_21(pipe.transformer)
+        compile21.compile_21(pipe.transformer)
     elif args.recipe == "blocks":
         pipe.transformer.compile_repeated_blocks(fullgraph=True, dynamic=True)
     if args.memo:
-        compile21_recipe.memoize_21_metadata(pipe.transformer)
+        compile21.memoize_21_metadata(pipe.transformer)
     sides = [s for s in (tuple(map(int, x.split("x"))) for x in args.sizes.split(","))]
-    warm = compile21_recipe.warmup_requests(max_images_per_prompt=2 if args.batch2 else 1, cfg=False,
+    warm = compile21.warmup_requests(max_images_per_prompt=2 if args.batch2 else 1, cfg=False,
                                             sizes=sides[:2])
     for j, w in enumerate(warm):
         g0 = counters["stats"]["unique_graphs"]

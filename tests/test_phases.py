@@ -88,10 +88,11 @@ def test_a_mode_the_plan_needs_fails_the_load_instead(plus_ckpt, monkeypatch):
 
 
 def test_the_family_table_is_the_families_own_refusals():
-    assert features.FAMILY_FEATURES["plus"] == features.FAMILY_FEATURES["edit"] == features.EVERY
+    only_21 = {"2.1 metadata once a request"}
+    assert features.FAMILY_FEATURES["plus"] == features.FAMILY_FEATURES["edit"] == features.EVERY - only_21
     lacks = features.EVERY - features.FAMILY_FEATURES["21"]
     assert lacks == {features.NOT_BUILT_AS[mode] for mode in FAMILIES["21"].not_built if mode in features.NOT_BUILT_AS}
-    assert "parallel group" in lacks and "masks" not in lacks
+    assert "parallel group" in lacks and "masks" not in lacks and "compile" not in lacks
     # every feature a family may lack is named as the server refuses it
     assert set(features.NOT_BUILT_AS.values()) <= features.EVERY
 
@@ -100,7 +101,8 @@ def test_a_mode_a_family_lacks_is_refused_not_skipped(plus_ckpt):
     """A CFG pair is not built for Qwen-Image-2.1: the planner refuses it first; a spec that asks anyway is
     refused at loading, never served by a half-built group."""
     spec = spec_for(plus_ckpt)
-    spec = replace(spec, parallel="cfg", world=2, checkpoint=replace(spec.checkpoint, pipeline_class="QwenImage21Pipeline"))
+    as_21 = replace(spec.checkpoint, pipeline_class="QwenImage21Pipeline")
+    spec = replace(spec, parallel="cfg", world=2, checkpoint=as_21)
     build = phases.Build(spec, lambda doing: None)
     with pytest.raises(ImgEditError, match="parallel group is not built for Qwen-Image-2.1"):
         features.install(build, "optimise")

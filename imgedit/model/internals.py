@@ -137,6 +137,11 @@ def context_parallel_hooks(module: torch.nn.Module) -> list:
     return [hook for name, hook in registry.hooks.items() if name.startswith(prefixes)]
 
 
+def hook_registry(module: torch.nn.Module):
+    """The module's diffusers HookRegistry, or None (HookRegistry.check_if_exists_or_initialize makes one)."""
+    return getattr(module, "_diffusers_hook", None)
+
+
 def has_diffusers_hooks(module: torch.nn.Module) -> bool:
     return hasattr(module, "_diffusers_hook")
 

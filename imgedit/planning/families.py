@@ -70,11 +70,6 @@ _21_NOT_BUILT = {
              "the step caches are not built for its transformer",
     "lightning": "there is no Lightning LoRA for Qwen-Image-2.1",
     "batch_cfg": "BATCH_CFG batches Qwen-Image-Edit's two CFG branches; Qwen-Image-2.1 runs without CFG",
-    # measured on the CPU (tiny 2.1, TORCH_LOGS=recompiles): the first step's attention specialises on the
-    # number of text and image segments and on where its key/value cache ends (an int in a slice), so every
-    # new prompt length or image count compiled its blocks again after the warm-up
-    "compile": "compiled blocks of Qwen-Image-2.1 recompile for every new prompt length and image count (its "
-               "first step's key/value cache specialises on them): the workers run it eager",
 }
 
 FAMILIES = {

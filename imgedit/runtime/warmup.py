@@ -15,7 +15,7 @@ from PIL import Image
 from imgedit.model import internals
 from imgedit.planning.families import BY_PIPELINE, not_built
 from imgedit.protocol import EditRequest, Resolved
-from imgedit.runtime import enhance, offload
+from imgedit.runtime import compile21, enhance, offload
 from imgedit.runtime.fallback import agreed, cause
 from imgedit.runtime.messages import Job, StartupReport, WorkerSpec
 
@@ -38,10 +38,14 @@ def compile_and_warm_up(spec: WorkerSpec, runner, transformers: tuple, report: S
         limit = (8 + 2 * len(spec.loras) + 2 * (len(transformers) - 1)) * (4 if split else 1)
         internals.raise_recompile_limit(limit)
     failure: BaseException | None = None
+    qwen21 = spec.checkpoint.family == "21"
     try:
         for transformer in transformers:
-            offload.compile_transformer(transformer, spec.plan.memory, spec.compile_mode)
-        report.warmup_seconds = warm_up(runner, spec, say)
+            if qwen21:  # its cached steps only, dynamic in the prefix and target lengths (runtime.compile21)
+                compile21.compile_21(transformer, spec.compile_mode)
+            else:
+                offload.compile_transformer(transformer, spec.plan.memory, spec.compile_mode)
+        report.warmup_seconds = warm_up_21(runner, spec, say) if qwen21 else warm_up(runner, spec, say)
     except Exception as exc:  # noqa: BLE001 - reported below; the worker serves eager
         failure = exc
         log.debug("the compile warm-up failed:\n%s", traceback.format_exc())
@@ -51,7 +55,7 @@ def compile_and_warm_up(spec: WorkerSpec, runner, transformers: tuple, report: S
         report.compile_seconds = round(time.perf_counter() - started, 2)
         return
     for transformer in transformers:
-        offload.uncompile_transformer(transformer)
+        (compile21.uncompile_21 if qwen21 else offload.uncompile_transformer)(transformer)
     torch.compiler.reset()
     runner.cleanup(force=True)
     reason = cause(failure)
@@ -141,6 +145,28 @@ def warm_up(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
                          {"true_cfg_scale": 1.0, "adapters": adapters,
                           "scheduler": "lightning" if adapters else "default"}))
     return [execute(k, *one) for k, one in enumerate(runs, 1)]
+
+
+def warm_up_21(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
+    """Qwen-Image-2.1's warm-up (runtime.compile21.warmup_requests): one reference at the first size (the one
+    compile: prefix and target lengths are symbolic from it), then no reference, another prompt length and the
+    second size (compiles nothing), then two images per prompt (a batch above 1 is a graph of its own)."""
+    sizes = spec.warmup_sizes or ((1024, 1024),)
+    runs = compile21.warmup_requests(max_images_per_prompt=2, sizes=sizes)
+    seconds = []
+    for k, run in enumerate(runs, 1):
+        width, height = run["width"], run["height"]
+        say(f"compiling: warm-up {k} of {len(runs)} ({run['images']} reference(s) at {width}x{height})")
+        started = time.perf_counter()
+        images = tuple(Image.new("RGB", (width, height), (120, 130, 140)) for _ in range(run["images"]))
+        prompt = " ".join([WARMUP_PROMPT] * max(1, run["words"] // 2))
+        req = EditRequest(images=images, prompt=prompt, request_id=f"warmup-21-{k}", source="warmup")
+        job = Job(req, Resolved(steps=run["num_inference_steps"], negative_prompt=" ", seed=0,
+                                num_images=run["num_images_per_prompt"], width=width, height=height,
+                                true_cfg_scale=1.0), spec.checkpoint.family)
+        runner.run(job, threading.Event())
+        seconds.append(round(time.perf_counter() - started, 2))
+    return seconds
 
 
 WARMUP_PROMPT = "warm up"

@@ -29,6 +29,8 @@ import torch
 import torch.fx.experimental._config  # noqa: F401 - torch private config, see new_forward
 from diffusers.hooks import HookRegistry, ModelHook
 
+from imgedit.model import internals
+
 HOOK_NAME = "imgedit_compile21_decode"
 # diffusers 0.42.1: the keyword the transformer passes each block (QwenImage21Transformer2DModel.forward)
 CACHED_MODE = "cached"
@@ -114,22 +116,22 @@ def compile_21(transformer: torch.nn.Module, mode: str = "default", fullgraph: b
     owned: dict = {}
     done = 0
     for block in transformer.transformer_blocks:
-        registry = getattr(block, "_diffusers_hook", None)  # diffusers 0.42.1: HookRegistry's attribute
+        registry = internals.hook_registry(block)
         if registry is not None and registry.get_hook(HOOK_NAME) is not None:
             done += 1
             continue
-        if hasattr(block, "_hf_hook") and hasattr(block, "_old_forward"):  # accelerate's add_hook_to_module
+        eager = internals.hooked_forward(block)  # under accelerate's device hook (a split transformer)
+        if eager is not None:
             hook = _DecodeCompiledHook(compiled, owned)
-            eager = block._old_forward
             block._imgedit_21_eager_forward = eager
 
             def routed(*args, _hook=hook, _block=block, _eager=eager, **kwargs):
                 return _hook.route(_block, _eager, *args, **kwargs)
 
-            block._old_forward = routed
+            internals.replace_hooked_forward(block, routed)
             done += 1
             continue
-        if registry is not None and registry._hook_order:  # group offloading or another diffusers hook
+        if registry is not None and registry.hooks:  # group offloading or another diffusers hook
             continue
         HookRegistry.check_if_exists_or_initialize(block).register_hook(_DecodeCompiledHook(compiled, owned),
                                                                        HOOK_NAME)
@@ -141,18 +143,18 @@ def compile_21(transformer: torch.nn.Module, mode: str = "default", fullgraph: b
 def uncompile_21(transformer: torch.nn.Module) -> None:
     """Every block runs eager again (the compiled graphs stay in dynamo's cache until torch._dynamo.reset())."""
     for block in transformer.transformer_blocks:
-        registry = getattr(block, "_diffusers_hook", None)  # diffusers 0.42.1: HookRegistry's attribute
+        registry = internals.hook_registry(block)
         if registry is not None and registry.get_hook(HOOK_NAME) is not None:
             registry.remove_hook(HOOK_NAME, recurse=False)
         eager = block.__dict__.pop("_imgedit_21_eager_forward", None)
         if eager is not None:
-            block._old_forward = eager
+            internals.replace_hooked_forward(block, eager)
     HookRegistry.check_if_exists_or_initialize(transformer).invalidate_child_registries_cache()
 
 
 def is_compiled_21(transformer: torch.nn.Module) -> bool:
     block = transformer.transformer_blocks[0]
-    registry = getattr(block, "_diffusers_hook", None)  # diffusers 0.42.1
+    registry = internals.hook_registry(block)
     return (registry is not None and registry.get_hook(HOOK_NAME) is not None) \
         or "_imgedit_21_eager_forward" in block.__dict__
 
@@ -267,7 +269,7 @@ def memoize_21_metadata(transformer: torch.nn.Module) -> None:
 
 def unmemoize_21_metadata(transformer: torch.nn.Module) -> None:
     for module in (transformer, transformer.pos_embed):
-        registry = getattr(module, "_diffusers_hook", None)  # diffusers 0.42.1: HookRegistry's attribute
+        registry = internals.hook_registry(module)
         if registry is not None and registry.get_hook(MEMO_HOOK) is not None:
             registry.remove_hook(MEMO_HOOK, recurse=False)
     transformer.__dict__.pop("build_token_metadata", None)
