@@ -246,11 +246,11 @@ def test_an_encoder_on_another_device_rewrites_there_without_its_hook_and_gets_i
 
 
 def test_qwen_image_21_rewrites_decode_with_the_static_cache_in_one_compiled_step(tmp_path, monkeypatch):
-    """Qwen-Image-2.1's workers are never compiled (COMPILE=auto is off for its transformer), yet its rewrites
-    decode with the static cache and a compiled step, as the edit models' do: eager it wrote 100 ms a token on
-    an H200. The CPU stands in for the GPU here (the step compiled with dynamo's graphs run eagerly): the
-    start-up warm-up compiles one decoding step, which every later rewrite reuses (pictures or none: text to
-    image), and its greedy tokens are the dynamic cache's."""
+    """Qwen-Image-2.1's rewrites decode with the static cache and a compiled step on a compiled worker
+    (COMPILE=auto on a GPU), as the edit models' do: eager it wrote 100 ms a token on an H200. The CPU stands in
+    for the GPU here (the step compiled with dynamo's graphs run eagerly): the warm-up compiles the decoding
+    step once, and rewrites with one picture, two and none (text to image) reuse it, their greedy tokens the
+    dynamic cache's."""
     from transformers import CompileConfig
 
     from imgedit.model.demo_checkpoint import build_checkpoint
@@ -282,7 +282,7 @@ def test_qwen_image_21_rewrites_decode_with_the_static_cache_in_one_compiled_ste
     torch._dynamo.reset()
     try:
         fallbacks = []
-        warmup.warm_up_rewrite(pipe, fallbacks, compiled=False)  # as a 2.1 worker starts: not compiled
+        warmup.warm_up_rewrite(pipe, fallbacks, compiled=True)  # as a compiled 2.1 worker starts
         assert fallbacks == [] and enhance.decodes_compiled(encoder)
         assert caches and set(caches) == {"StaticCache"} and len(graphs) == 1, (caches, graphs)
         static = [enhance.rewrite(pipe, images, prompt, 12, threading.Event()).token_ids for images, prompt in asks]

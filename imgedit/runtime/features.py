@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
 from imgedit.errors import ImgEditError
 from imgedit.planning.families import FAMILIES
 from imgedit.runtime import compile21, encode_cache, offload, pixels, shared_prompt, single_frame, warmup
+from imgedit.runtime.build import Build
 from imgedit.runtime.cfg_batch import CfgBatch
 from imgedit.runtime.decode_room import DecodeRoom
 from imgedit.runtime.fallback import cause
@@ -33,9 +33,6 @@ from imgedit.runtime.group import ParallelGroup
 from imgedit.runtime.masking import Masking
 from imgedit.runtime.prefix_cache import PrefixCache
 from imgedit.runtime.step_cache import StepCache
-
-if TYPE_CHECKING:
-    from imgedit.runtime.phases import Build
 
 log = logging.getLogger(__name__)
 

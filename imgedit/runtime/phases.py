@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 
@@ -22,47 +22,12 @@ from imgedit.model.encoding import prepare_text_encoder
 from imgedit.planning.placement import allocator_budget
 from imgedit.runtime import features, loader, offload
 from imgedit.runtime.adapters import Adapters
+from imgedit.runtime.build import Build
 from imgedit.runtime.group import agree_to_stop, init_group
 from imgedit.runtime.messages import StartupReport, WorkerSpec
 from imgedit.runtime.runner import Runner
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Build:
-    """What a worker's start-up has built so far: the phases fill it in order."""
-
-    spec: WorkerSpec
-    say: Callable[[str], None]  # what /health and the page show while this rank loads
-    report: StartupReport = field(default_factory=StartupReport)
-    cuda: bool = False
-    dtype: torch.dtype = torch.bfloat16
-    cpu_group: object = None  # a group's CPU process group (cancel agreement, votes)
-    agree: Callable[[bool], bool] | None = None  # a group's vote: true only if true on every rank
-    pipe: object = None
-    adapters: Adapters | None = None
-    runner: Runner | None = None
-
-    @property
-    def plan(self):
-        return self.spec.plan
-
-    @property
-    def capped(self) -> bool:
-        """MAX_MEMORY caps this rank's GPUs."""
-        return self.cuda and bool(self.spec.memory_caps)
-
-    @property
-    def late_cap(self) -> bool:
-        """A random-weight benchmark checkpoint is built in bf16 on the GPU before it is quantized or
-        offloaded: the allocator is capped once loading is done (the cap still holds for every job)."""
-        return self.plan.memory is not None and self.spec.checkpoint.random_weights
-
-    @property
-    def transformers(self) -> tuple:
-        """The quality transformer and FAST_QUANTIZE's copies of it (compiled, wrapped and warmed alike)."""
-        return (self.pipe.transformer, *(self.adapters.copies if self.adapters is not None else ()))
 
 
 def place(build: Build) -> None:

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from imgedit.model import internals
-from imgedit.planning.families import BY_PIPELINE, not_built
+from imgedit.planning.families import BY_PIPELINE
 from imgedit.protocol import EditRequest, Resolved
 from imgedit.runtime import compile21, enhance, offload
 from imgedit.runtime.fallback import agreed, cause
@@ -69,12 +69,10 @@ def warm_up_rewrite(pipe, fallbacks: list[str], compiled: bool) -> float:
     loading on first use. One picture at the rewrite's view size, 8 tokens; and, for a family that makes
     pictures from the prompt alone, one without a picture (the same compiled decoding step: enhance.rewrite).
 
-    COMPILE=off: rewrites decode eagerly too, nothing is compiled at start-up. But Qwen-Image-2.1's workers
-    are never compiled (its transformer's blocks would recompile: planning.families), while its text
-    encoder's decoding step compiles once like the edit models' (tests/test_enhance.py): eager, a 2.1 rewrite
-    wrote 100 ms a token on an H200. Its rewrites decode compiled whatever COMPILE says."""
+    COMPILE=off: rewrites decode eagerly too, nothing is compiled at start-up (eager, a Qwen-Image-2.1 rewrite
+    wrote 100 ms a token on an H200)."""
     family = BY_PIPELINE.get(type(pipe).__name__)
-    if not compiled and not (family is not None and not_built(family.key, "compile")):
+    if not compiled:
         enhance.no_static_cache(pipe.text_encoder)
     started = time.perf_counter()
 
