@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.fx.experimental._config  # noqa: F401 - no_duck_shapes patches it
 from diffusers.hooks import context_parallel
 
 
@@ -74,6 +75,8 @@ MEMBERS = (
            "a parameter held directly by an intermediate module, moved on its own"),
     Member("torch", TORCH, "torch.nn.Module.compile()", "_compiled_call_impl",
            "Module.compile undone (a compile that failed its warm-up falls back to eager)"),
+    Member("torch", TORCH, "torch.fx.experimental._config", "use_duck_shape",
+           "2.1's compiled steps: equal sizes not unified into one symbol (compile21)"),
     Member("torch", TORCH, "torch._dynamo.config", "recompile_limit",
            "room for every compiled variant a worker warms up (LoRAs, copies, Ulysses states)"),
 )
@@ -187,6 +190,11 @@ def drop_compiled_call(module: torch.nn.Module) -> bool:
         return False
     module._compiled_call_impl = None
     return True
+
+
+def no_duck_shapes():
+    """A context in which dynamo gives every dimension a symbol of its own, even two of equal size."""
+    return torch.fx.experimental._config.patch(use_duck_shape=False)
 
 
 def raise_recompile_limit(limit: int) -> None:

@@ -52,12 +52,12 @@ class _DecodeCompiledHook(ModelHook):
         if kwargs.get("kv_cache_mode") != CACHED_MODE:
             return eager(*args, **kwargs)
         kwargs = {k: self._whole(k, v) for k, v in kwargs.items()}
-        # torch 2.11/2.13 private config: no duck sizing while this block compiles. With it, dynamo gives two
-        # dimensions of equal size one symbol: the target's token count equals the inner dim at 1024² on the
-        # real model (64x64 = 4096 = 32 heads x 128) and at 64² on the tiny one (16), and layer_norm's
-        # normalized_shape guard then fixed the target length (the next resolution compiled again); the cache's
-        # and the hidden states' strides were unified the same way.
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
+        # No duck sizing while this block compiles. With it, dynamo gives two dimensions of equal size
+        # one symbol: the target's token count equals the inner dim at 1024² on the real model (64x64 = 4096
+        # = 32 heads x 128) and at 64² on the tiny one (16), and layer_norm's normalized_shape guard then
+        # fixed the target length (the next resolution compiled again); the cache's and the hidden states'
+        # strides were unified the same way.
+        with internals.no_duck_shapes():
             return self.compiled(module, *args, **kwargs)
 
     def _whole(self, name: str, value):
@@ -103,9 +103,10 @@ def compile_21(transformer: torch.nn.Module, mode: str = "default", fullgraph: b
     target lengths from the first compile. Returns how many blocks run compiled.
 
     - a plain block: a diffusers ModelHook routes each call;
-    - a block under an accelerate device hook (a transformer split over GPUs, imgedit's weights.keep_block_hooks):
-      the routing goes inside the hook, in place of `_old_forward`, so the hook still moves the inputs to the
-      block's GPU first (its pre_forward is torch.compiler.disable'd: it must stay outside the graph);
+    - a block under an accelerate device hook (a transformer split over GPUs, imgedit's
+      weights.keep_block_hooks): the routing goes inside the hook, in place of `_old_forward`, so the hook
+      still moves the inputs to the block's GPU first (its pre_forward is torch.compiler.disable'd: it must
+      stay outside the graph);
     - a block under any other diffusers hook (group offloading streams its weights in hooks): stays eager, as
       offload.compile_transformer keeps streamed blocks eager (the compiled call would skip the onloading)."""
     cls = _block_class(transformer)
@@ -141,7 +142,8 @@ def compile_21(transformer: torch.nn.Module, mode: str = "default", fullgraph: b
 
 
 def uncompile_21(transformer: torch.nn.Module) -> None:
-    """Every block runs eager again (the compiled graphs stay in dynamo's cache until torch._dynamo.reset())."""
+    """Every block runs eager again (the compiled graphs stay in dynamo's cache until
+    torch.compiler.reset())."""
     for block in transformer.transformer_blocks:
         registry = internals.hook_registry(block)
         if registry is not None and registry.get_hook(HOOK_NAME) is not None:
@@ -195,10 +197,9 @@ MEMO_HOOK = "imgedit_21_metadata_memo"
 
 
 class _RequestKey(ModelHook):
-    """On the transformer: remembers which request a forward belongs to. The pipeline passes the same `img_mask`
-    tensor object at every step of a call (diffusers 0.42.1 QwenImage21Pipeline.__call__: `image_pad_mask`,
-    and `negative_image_pad_mask` for CFG's other branch), a new one for every call."""
-
+    """On the transformer: remembers which request a forward belongs to. The pipeline passes the same
+    `img_mask` tensor object at every step of a call (diffusers 0.42.1 QwenImage21Pipeline.__call__:
+    `image_pad_mask`, and `negative_image_pad_mask` for CFG's other branch), a new one for every call."""
     def __init__(self, state: dict):
         super().__init__()
         self.state = state
@@ -217,10 +218,10 @@ def _same(key, other) -> bool:
 
 
 class _RopeMemo(ModelHook):
-    """On `transformer.pos_embed` (QwenImage21Rope): the rotary table of the whole joint sequence, built once per
-    request and branch instead of at every step. diffusers 0.42.1 rebuilds it in Python lists from
-    `image_pad_mask.tolist()` (a device sync) at every step, the cached ones included: 33 ms of one CPU core at
-    10 condition images at 1024² (45,356 tokens), against ~0.3 s of GPU work a cached step."""
+    """On `transformer.pos_embed` (QwenImage21Rope): the rotary table of the whole joint sequence, built once
+    per request and branch instead of at every step. diffusers 0.42.1 rebuilds it in Python lists from
+    `image_pad_mask.tolist()` (a device sync) at every step, the cached ones included: 33 ms of one CPU core
+    at 10 condition images at 1024² (45,356 tokens), against ~0.3 s of GPU work a cached step."""
 
     def __init__(self, state: dict):
         super().__init__()
@@ -247,7 +248,8 @@ def memoize_21_metadata(transformer: torch.nn.Module) -> None:
     if registry.get_hook(MEMO_HOOK) is not None:
         return
     registry.register_hook(_RequestKey(state), MEMO_HOOK)
-    HookRegistry.check_if_exists_or_initialize(transformer.pos_embed).register_hook(_RopeMemo(state), MEMO_HOOK)
+    rope = HookRegistry.check_if_exists_or_initialize(transformer.pos_embed)
+    rope.register_hook(_RopeMemo(state), MEMO_HOOK)
     # diffusers 0.42.1: the model calls `self.build_token_metadata(image_pad_mask, img_shapes[0])`, a
     # staticmethod; an instance attribute of the same name takes its place for this model only
     original = type(transformer).build_token_metadata

@@ -64,7 +64,8 @@ class DecodeRoom:
         """A job's part (imgedit.runtime.runner.Call): decided at every step's end, undone after it."""
         params = call.job.params
 
-        def decide(step: int, tensors: dict) -> None:  # what the decode will share the GPU with is allocated now
+        # at a step's end what the decode will share the GPU with is allocated, the step's activations are not
+        def decide(step: int, tensors: dict) -> None:
             self.decide(params.width, params.height, params.num_images)
 
         call.step_hooks.append(decide)

@@ -3,9 +3,9 @@
 - `phase`: when it installs (imgedit.runtime.phases: load, optimise or warm);
 - `applies(build)`: whether it is asked for on this worker (settings, placement, GPU);
 - `install(build)`: how (diffusers' hooks, a per-job part on the runner, torch's APIs);
-- `optional`: an optimisation; if it fails to build, the worker goes on without it and says why in its fallbacks
-  (/health, the panel, the page's banner): an optimisation never takes the server down. A mode the plan needs
-  (a CFG pair's exchange) is not optional: its failure fails the load, and the pool reports it.
+- `optional`: an optimisation; if it fails to build, the worker goes on without it and says why in its
+  fallbacks (/health, the panel, the page's banner): an optimisation never takes the server down. A mode the
+  plan needs (a CFG pair's exchange) is not optional: its failure fails the load, and the pool reports it.
 - the start-up report lists every feature installed (`features`), each one's own figures where it has them.
 
 `FAMILY_FEATURES` says which features each model family has; a feature a family lacks is never installed for
@@ -57,7 +57,8 @@ class Feature:
 
 # ---- load: around the pipeline as loaded -------------------------------------------------------------------
 class SingleFrameVae(Feature):
-    """An image is one frame: the VAE's causal 3-D convolutions run as 2-D ones, a third of the work (exact)."""
+    """An image is one frame: the VAE's causal 3-D convolutions run as 2-D ones, a third of the work
+    (exact)."""
 
     name, phase = "single-frame VAE", "load"
 
@@ -122,7 +123,8 @@ class Parallel(Feature):
 
 
 class Loras(Feature):
-    """The job's LoRAs and scheduler (loaded in the adapt phase): exactly its own, none left after a failure."""
+    """The job's LoRAs and scheduler (loaded in the adapt phase): exactly its own, none left after a
+    failure."""
 
     name, optional = "LoRAs", False
 
@@ -204,7 +206,7 @@ class AttentionKernel(Feature):
             offload.use_attention(transformer, build.spec.attention)
 
 
-# ---- warm: compiled before any user waits --------------------------------------------------------------------
+# ---- warm: compiled before any user waits ----------------------------------------------------------
 class Compile(Feature):
     """COMPILE: the transformer's repeated blocks compiled and every variant warmed up. Its own fallback: the
     ranks of a group vote, and all of them run eager if any failed (runtime.warmup)."""

@@ -31,8 +31,8 @@ LATENT_CELL = 16  # pixels per latent token: the VAE's 8x and the 2x2 packing (Q
 
 
 class Masking:
-    """The per-job feature (imgedit.runtime.runner.Call): a job with a mask blends its latents at every step and
-    lays the result over its first image."""
+    """The per-job feature (imgedit.runtime.runner.Call): a job with a mask blends its latents at every step
+    and lays the result over its first image."""
 
     def __init__(self, pipe):
         self.pipe = pipe

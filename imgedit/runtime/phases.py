@@ -50,14 +50,15 @@ def place(build: Build) -> None:
 
 
 def load(build: Build) -> None:
-    """The weights onto their devices (quantized, offloaded or split as planned), the text encoder prepared."""
+    """The weights onto their devices (quantized, offloaded or split as planned), the text encoder
+    prepared."""
     build.pipe = loader.load_pipeline(build.spec.checkpoint, build.plan, build.dtype)
     prepare_text_encoder(build.pipe.text_encoder)  # token types, no logits, the vision tower in one call
 
 
 def adapt(build: Build) -> None:
-    """Every configured LoRA, all disabled; FAST_QUANTIZE's copies where fast jobs run (every rank of a pair that
-    splits them, else rank 0 alone); FUSE_LORA's room (the ranks of a group fuse all or none)."""
+    """Every configured LoRA, all disabled; FAST_QUANTIZE's copies where fast jobs run (every rank of a pair
+    that splits them, else rank 0 alone); FUSE_LORA's room (the ranks of a group fuse all or none)."""
     spec, plan = build.spec, build.plan
     fast_mode = spec.fast_quantize if spec.rank == 0 or spec.pair_ulysses else "none"
     if spec.loras or fast_mode != "none":
@@ -66,8 +67,9 @@ def adapt(build: Build) -> None:
     # streamed components: their hooks off while the LoRAs load, then on again (offload.lifted)
     devices = {name: placement.device for name, placement in plan.components.items()}
     with offload.lifted(build.pipe, plan.memory if spec.loras else None, devices):
-        build.adapters = Adapters(build.pipe, spec.loras, spec.fuse_lora, spec.activation_reserve,
-                                  spec.memory_caps if build.cuda else (), build.agree, fast_mode, spec.fast_steps,
+        caps = spec.memory_caps if build.cuda else ()
+        build.adapters = Adapters(build.pipe, spec.loras, spec.fuse_lora, spec.activation_reserve, caps,
+                                  build.agree, fast_mode, spec.fast_steps,
                                   fast_agree=build.agree if spec.pair_ulysses else None)
     report, adapters = build.report, build.adapters
     report.loras = [f.name for f in spec.loras]
@@ -121,7 +123,8 @@ PHASES: tuple[tuple[str, str, Callable[[Build], None]], ...] = (
 
 
 def build_worker(spec: WorkerSpec, say: Callable[[str], None]) -> tuple[Runner, StartupReport, float]:
-    """Run the phases in order, each phase's features after it; returns the runner, the report, the seconds."""
+    """Run the phases in order, each phase's features after it; returns the runner, the report and the
+    seconds."""
     started = time.perf_counter()
     build = Build(spec, say)
     for name, doing, phase in PHASES:

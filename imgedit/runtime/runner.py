@@ -155,7 +155,8 @@ class Runner:
             raise ImgEditError("this worker has no LoRAs loaded")
         call = Call(job, cfg_on(job), may_split(job))
         family = FAMILIES[job.family]
-        if family.output_resolution:  # Qwen-Image-2.1: inputs resized to the output's area (1024² unless sized)
+        # Qwen-Image-2.1: inputs resized to the output's area (1024² unless sized)
+        if family.output_resolution:
             call.kwargs["output_resolution"] = output_resolution(family, job.params.width, job.params.height)
         return call
 
@@ -190,7 +191,8 @@ class Runner:
         with torch.inference_mode():
             output = self.pipe(
                 image=images, prompt=prompt,
-                # CFG runs with a negative prompt and a scale above 1; without, the pipelines warn of one unused
+                # CFG runs with a negative prompt and a scale above 1;
+                # without, the pipelines warn of one unused
                 negative_prompt=params.negative_prompt if params.true_cfg_scale > 1 else None,
                 true_cfg_scale=params.true_cfg_scale, num_inference_steps=params.steps,
                 num_images_per_prompt=params.num_images, width=params.width, height=params.height,
