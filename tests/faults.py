@@ -215,3 +215,11 @@ def count_compiles(pipe, spec) -> None:
         return original(module, *args, **{**kwargs, "backend": counting})
 
     torch.nn.Module.compile = compile
+    compile_function = torch.compile  # Qwen-Image-2.1's steps compile the block's function (runtime.compile21)
+
+    def compile_any(model=None, *args, **kwargs):
+        kwargs.pop("mode", None)
+        kwargs.pop("options", None)
+        return compile_function(model, *args, **{**kwargs, "backend": counting})
+
+    torch.compile = compile_any

@@ -107,3 +107,34 @@ def test_the_blocks_compile_dynamic_from_the_first_size(pair_ckpt):
             assert result.images[0].size == (width, height)
         after = compiled()
         assert after == at_ready, f"compiled after the warm-up: {after[len(at_ready):]}"
+
+
+def test_a_compiled_qwen_image_21_worker_compiles_nothing_after_its_warm_up(tmp_path):
+    """Qwen-Image-2.1's later steps (its prefix K/V cached) compile once, dynamic in the prefix and target lengths
+    (runtime.compile21): after the warm-up, text to image and edits with 1-4 references, prompts of other lengths,
+    other sizes and two images per prompt compile nothing (its blocks compiled whole recompiled for every new
+    prompt length and image count)."""
+    ckpt = build_checkpoint(tmp_path / "q21", kind="21", seed=0)
+    with compile_log() as compiled:
+        settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cpu", "COMPILE": "on",
+                                  "WORKER_START": "forkserver", "OUTPUT_DIR": str(tmp_path / "out")})
+        manager = PipelineManager(settings, plan=cpu_plan(1), worker_hook="faults:count_compiles",
+                                  warmup_sizes=((320, 320), (320, 384)))
+        _MANAGERS.append(manager)
+        manager.load()
+        worker = manager.workers[0].info
+        assert (worker.get("compiled"), worker.get("fallbacks")) == (True, []), worker
+        assert "compile" in worker["features"] and list(worker["phases"])[-1] == "ready"
+        at_ready = compiled()
+        assert at_ready  # the warm-up compiled
+        asks = [((), "a red apple on a table", 384, 320, 1),
+                ((picture(96, 64),), "paint it", 320, 320, 1),
+                (tuple(picture(64, 64, (10 * i, 90, 200)) for i in range(4)),
+                 "put all four of them together in one quiet picture of a garden at dusk", 352, 320, 1),
+                ((picture(64, 80), picture(80, 64)), "blend them", 320, 352, 2)]
+        for images, prompt, width, height, n in asks:
+            result = manager.edit(EditRequest(images=images, prompt=prompt, seed=1, width=width, height=height,
+                                              num_inference_steps=2, num_images=n))
+            assert len(result.images) == n and result.images[0].size == (width, height)
+        after = compiled()
+        assert after == at_ready, f"compiled after the warm-up: {after[len(at_ready):]}"
