@@ -104,33 +104,27 @@ def warm_up(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
     """Compile before any user waits: one short CFG edit per warm-up size. The blocks compile dynamic in the
     sequence lengths from the first size (offload.compile_transformer); the second size checks, before any
     user waits, that no guard of the first one specialised a length."""
-    family = spec.checkpoint.family
-    runs: list[tuple[int, int, str, dict]] = [(width, height, "", {"true_cfg_scale": 4.0})
-                                              for width, height in spec.warmup_sizes]
-
-    def execute(k: int, width: int, height: int, name: str, params: dict) -> float:
+    runs = warmup_runs(runner, spec)
+    seconds = []
+    for k, (width, height, name, params) in enumerate(runs, 1):
         say(f"compiling: warm-up {k} of {len(runs)} ({name.rstrip('-') or 'quality'} at {width}x{height})")
-        image = Image.new("RGB", (width, height), (120, 130, 140))
-        cfg_on = params["true_cfg_scale"] > 1
-        multiple = runner.group.text_multiple(cfg_on) if runner.group is not None else 1
         started = time.perf_counter()
-        for i, prompt in enumerate(warmup_prompts(getattr(runner.pipe, "tokenizer", None), multiple)):
-            # a text padded to the Ulysses degree carries a mask, one not padded none: two variants of the
-            # compiled block, each warmed at every size (or a user's first prompt of the other kind compiles)
-            negative = prompt if cfg_on and multiple > 1 else " "
-            req = EditRequest(images=(image,), prompt=prompt, request_id=f"warmup-{name}{width}x{height}-{i}",
-                              source="warmup")
-            job = Job(req, Resolved(steps=2, negative_prompt=negative, seed=0, num_images=1, width=width,
-                                    height=height, **params), family)
+        for job in _warmup_jobs(runner, spec, width, height, name, params):
             if runner.takes_part(job):
                 runner.run(job, threading.Event())
-        return round(time.perf_counter() - started, 2)
+        seconds.append(round(time.perf_counter() - started, 2))
+    return seconds
 
-    # CFG-off jobs are variants of their own: each Lightning LoRA's at the first size (with
-    # FUSE_LORA, the no-LoRA variant on fused weights); on a pair that splits CFG-off jobs
-    # (Ulysses on) the first one at every size. With FAST_QUANTIZE the Lightning jobs run on
-    # their copies: the quality weights' CFG-off variant is warmed too, and on a splitting
-    # pair every one of them at every size (each copy is a transformer of its own).
+
+def warmup_runs(runner, spec: WorkerSpec) -> list[tuple[int, int, str, dict]]:
+    """(width, height, name, parameters) of each warm-up run: a CFG edit at every warm-up size, then the
+    CFG-off variants. CFG-off jobs are variants of their own: each Lightning LoRA's at the first size (with
+    FUSE_LORA, the no-LoRA variant on fused weights); on a pair that splits CFG-off jobs (Ulysses on) the
+    first one at every size. With FAST_QUANTIZE the Lightning jobs run on their copies: the quality weights'
+    CFG-off variant is warmed too, and on a splitting pair every one of them at every size (each copy is a
+    transformer of its own)."""
+    runs: list[tuple[int, int, str, dict]] = [(width, height, "", {"true_cfg_scale": 4.0})
+                                              for width, height in spec.warmup_sizes]
     split = runner.group is not None and runner.group.splits_cfg_off
     copies = runner.adapters is not None and bool(runner.adapters.copies)
     offs = [((f.name, 1.0),) for f in spec.loras if f.steps] or ([()] if split else [])
@@ -142,7 +136,24 @@ def warm_up(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
             runs.append((width, height, f"{adapters[0][0] if adapters else 'cfg-off'}-",
                          {"true_cfg_scale": 1.0, "adapters": adapters,
                           "scheduler": "lightning" if adapters else "default"}))
-    return [execute(k, *one) for k, one in enumerate(runs, 1)]
+    return runs
+
+
+def _warmup_jobs(runner, spec: WorkerSpec, width: int, height: int, name: str, params: dict) -> list[Job]:
+    """One run's jobs: a prompt of every text kind the group pads differently. A text padded to the Ulysses
+    degree carries a mask, one not padded none: two variants of the compiled block, each warmed at every size
+    (or a user's first prompt of the other kind compiles)."""
+    image = Image.new("RGB", (width, height), (120, 130, 140))
+    cfg_on = params["true_cfg_scale"] > 1
+    multiple = runner.group.text_multiple(cfg_on) if runner.group is not None else 1
+    jobs = []
+    for i, prompt in enumerate(warmup_prompts(getattr(runner.pipe, "tokenizer", None), multiple)):
+        negative = prompt if cfg_on and multiple > 1 else " "
+        req = EditRequest(images=(image,), prompt=prompt, request_id=f"warmup-{name}{width}x{height}-{i}",
+                          source="warmup")
+        jobs.append(Job(req, Resolved(steps=2, negative_prompt=negative, seed=0, num_images=1, width=width,
+                                      height=height, **params), spec.checkpoint.family))
+    return jobs
 
 
 def warm_up_21(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:

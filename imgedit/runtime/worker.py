@@ -18,8 +18,10 @@ import queue
 import threading
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from imgedit.errors import Cancelled, ImgEditError
+from imgedit.errors import ImgEditError
 from imgedit.model import quiet_known_noise
 from imgedit.runtime.messages import (
     Cancel,
@@ -106,76 +108,100 @@ def _watch_parent(parent: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _serve(spec: WorkerSpec, runner, inbox, outbox) -> None:
-    from imgedit.runtime.runner import FatalError  # imports torch: after main() (docstring)
+class Inbox:
+    """This rank's inbox, read on a thread of its own: jobs and Stop queue up in order, and a Cancel sets its
+    job's flag at once, so a running job stops at its next step (a job not yet started begins cancelled)."""
 
-    jobs: queue.Queue = queue.Queue()
-    cancelled: set[str] = set()
-    current: dict[str, threading.Event] = {}
-    lock = threading.Lock()
+    def __init__(self, channel: Channel):
+        self.channel = channel
+        self.jobs: queue.Queue = queue.Queue()
+        self._cancelled: set[str] = set()
+        self._current: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read, name="inbox", daemon=True).start()
 
-    def read():
+    def _read(self) -> None:
         while True:
             try:
-                message = inbox.get()
+                message = self.channel.get()
             except (EOFError, OSError):
                 message = Stop()
             if isinstance(message, Cancel):
-                with lock:
-                    if len(cancelled) > 1000:  # cancels of jobs this rank skipped
-                        cancelled.clear()
-                    cancelled.add(message.request_id)
-                    if message.request_id in current:
-                        current[message.request_id].set()
+                self._cancel(message.request_id)
                 continue
-            jobs.put(message)
+            self.jobs.put(message)
             if isinstance(message, Stop):
                 return
 
-    threading.Thread(target=read, name="inbox", daemon=True).start()
-    while True:
-        message = jobs.get()
-        if isinstance(message, Stop):
-            log.info("stopping")
-            return
-        if not isinstance(message, Job):
-            continue
-        job: Job = message
-        if not runner.takes_part(job):
-            with lock:
-                cancelled.discard(job.request_id)
-            continue
+    def _cancel(self, request_id: str) -> None:
+        with self._lock:
+            if len(self._cancelled) > 1000:  # cancels of jobs this rank skipped
+                self._cancelled.clear()
+            self._cancelled.add(request_id)
+            if request_id in self._current:
+                self._current[request_id].set()
+
+    def next(self) -> Job | None:
+        """The next job, or None on Stop."""
+        while not isinstance(message := self.jobs.get(), Stop):
+            if isinstance(message, Job):
+                return message
+        return None
+
+    def skip(self, request_id: str) -> None:
+        with self._lock:
+            self._cancelled.discard(request_id)
+
+    @contextmanager
+    def running(self, request_id: str) -> Iterator[threading.Event]:
+        """The job's cancel flag while it runs (set already if its Cancel came first)."""
         cancel = threading.Event()
-        with lock:
-            current[job.request_id] = cancel
-            if job.request_id in cancelled:
+        with self._lock:
+            self._current[request_id] = cancel
+            if request_id in self._cancelled:
                 cancel.set()
-
-        def on_step(step: int, total: int, request_id: str = job.request_id) -> None:
-            if spec.rank == 0:
-                outbox.put(Step(request_id, step, total))
-
         try:
-            result = runner.run(job, cancel, on_step)
-            if spec.rank == 0:
-                outbox.put(Done(job.request_id, result))
-        except FatalError as exc:
-            outbox.put(Failed(job.request_id, exc.kind, exc.message, spec.rank, fatal=True))
-            os._exit(1)
-        except Cancelled as exc:
-            if spec.rank == 0:
-                outbox.put(Failed(job.request_id, exc.kind, exc.message, spec.rank))
-        except ImgEditError as exc:
-            if spec.rank == 0:
-                outbox.put(Failed(job.request_id, exc.kind, exc.message, spec.rank))
-        except BaseException:  # noqa: BLE001 - a bug of ours: report it, and start afresh
-            log.exception("%s: unexpected failure", job.request_id)
-            outbox.put(Failed(job.request_id, "internal",
-                              f"the edit failed with an internal error (request {job.request_id})",
-                              spec.rank, fatal=True))
-            os._exit(1)
+            yield cancel
         finally:
-            with lock:
-                current.pop(job.request_id, None)
-                cancelled.discard(job.request_id)
+            with self._lock:
+                self._current.pop(request_id, None)
+                self._cancelled.discard(request_id)
+
+
+def _serve(spec: WorkerSpec, runner, inbox: Channel, outbox: Channel) -> None:
+    jobs = Inbox(inbox)
+    while (job := jobs.next()) is not None:
+        if not runner.takes_part(job):
+            jobs.skip(job.request_id)
+            continue
+        with jobs.running(job.request_id) as cancel:
+            _run(spec, runner, job, cancel, outbox)
         runner.cleanup()
+    log.info("stopping")
+
+
+def _run(spec: WorkerSpec, runner, job: Job, cancel: threading.Event, outbox: Channel) -> None:
+    """One job: its steps and result from rank 0; a failure from any rank (a fatal one ends the process, and
+    the pool starts a fresh one)."""
+    from imgedit.runtime.runner import FatalError  # imports torch: after main() (docstring)
+
+    def on_step(step: int, total: int) -> None:
+        if spec.rank == 0:
+            outbox.put(Step(job.request_id, step, total))
+
+    try:
+        result = runner.run(job, cancel, on_step)
+        if spec.rank == 0:
+            outbox.put(Done(job.request_id, result))
+    except FatalError as exc:
+        outbox.put(Failed(job.request_id, exc.kind, exc.message, spec.rank, fatal=True))
+        os._exit(1)
+    except ImgEditError as exc:  # Cancelled too
+        if spec.rank == 0:
+            outbox.put(Failed(job.request_id, exc.kind, exc.message, spec.rank))
+    except BaseException:  # noqa: BLE001 - a bug of ours: report it, and start afresh
+        log.exception("%s: unexpected failure", job.request_id)
+        outbox.put(Failed(job.request_id, "internal",
+                          f"the edit failed with an internal error (request {job.request_id})",
+                          spec.rank, fatal=True))
+        os._exit(1)
