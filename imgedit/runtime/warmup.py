@@ -127,16 +127,22 @@ def warmup_runs(runner, spec: WorkerSpec) -> list[tuple[int, int, str, dict]]:
                                               for width, height in spec.warmup_sizes]
     split = runner.group is not None and runner.group.splits_cfg_off
     copies = runner.adapters is not None and bool(runner.adapters.copies)
-    offs = [((f.name, 1.0),) for f in spec.loras if f.steps] or ([()] if split else [])
-    if copies and () not in offs:
-        offs.append(())
     sizes = spec.warmup_sizes or ((1024, 1024),)
-    for k, adapters in enumerate(offs):
+    for k, adapters in enumerate(_cfg_off_adapters(spec, split, copies)):
         for width, height in sizes if split and (k == 0 or copies) else sizes[:1]:
             runs.append((width, height, f"{adapters[0][0] if adapters else 'cfg-off'}-",
                          {"true_cfg_scale": 1.0, "adapters": adapters,
                           "scheduler": "lightning" if adapters else "default"}))
     return runs
+
+
+def _cfg_off_adapters(spec: WorkerSpec, split: bool, copies: bool) -> list[tuple]:
+    """The adapter sets of the CFG-off warm-up runs: each Lightning LoRA's, or none where a splitting pair
+    or FAST_QUANTIZE's copies need the no-LoRA CFG-off variant too."""
+    offs = [((f.name, 1.0),) for f in spec.loras if f.steps] or ([()] if split else [])
+    if copies and () not in offs:
+        offs.append(())
+    return offs
 
 
 def _warmup_jobs(runner, spec: WorkerSpec, width: int, height: int, name: str, params: dict) -> list[Job]:
