@@ -258,19 +258,21 @@ def test_copy_as_api_for_a_text_to_image_runs_as_copied(server21, manager21, tmp
     assert np.array_equal(made["gradio"], made["curl"]) and np.array_equal(made["curl"], made["openai"])
 
 
-def test_compiling_is_off_for_the_family_and_compile_on_is_refused(ckpt21):
-    """COMPILE=auto leaves 2.1's workers eager (its compiled blocks recompiled for every new prompt length and
-    image count, measured with TORCH_LOGS=recompiles); COMPILE=on is refused at start-up with that reason."""
+def test_compiling_is_on_for_the_family_on_whole_gpus_and_off_under_a_cap(ckpt21):
+    """COMPILE=auto compiles 2.1's GPU workers (its steps after the first: runtime.compile21, no recompile per
+    request), and COMPILE=on is taken; under MAX_MEMORY auto leaves them eager (not measured under a cap)."""
     from imgedit.planning.plan import GpuSpec
 
     manager = make_manager(ckpt21, plan="planner", load=False, DEVICE_MAP="auto")
     manager._gpus = [GpuSpec(0, "H100", 80 * 2**30, 79 * 2**30)]
     manager.prepare()
-    assert manager.settings.compile == "off" and not manager.compile_enabled(manager.workers[0].plan)
-    assert manager.status().compile_mode == "off"
-    refused = make_manager(ckpt21, plan="planner", load=False, COMPILE="on")
-    with pytest.raises(PlacementError, match="COMPILE=on cannot serve Qwen-Image-2.1: compiled blocks"):
-        refused.prepare()
+    assert manager.settings.compile == "auto" and manager.compile_enabled(manager.workers[0].plan)
+    assert manager.status().compile_mode == "default"
+    make_manager(ckpt21, plan="planner", load=False, COMPILE="on").prepare()  # not refused
+    capped = make_manager(ckpt21, plan="planner", load=False, MAX_MEMORY="14.5GiB")
+    capped._gpus = [GpuSpec(0, "H100", 80 * 2**30, 79 * 2**30)]
+    capped.prepare()
+    assert capped.settings.compile == "off" and not capped.compile_enabled(capped.workers[0].plan)
 
 
 def test_a_job_of_reference_sets_runs_each_set_and_keeps_its_transparency(server21):

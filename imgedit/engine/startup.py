@@ -29,11 +29,18 @@ log = logging.getLogger(__name__)
 
 def family_settings(settings: Settings, family: str) -> Settings:
     """The settings whose `auto` depends on the model family, made the family's: QUANTIZE_SKIP, and COMPILE
-    where compiling is not built for it (COMPILE=on is refused at start-up then: family_refusal)."""
+    where compiling is not built for it (COMPILE=on is refused at start-up then: family_refusal) or, for
+    Qwen-Image-2.1, under MAX_MEMORY."""
     if settings.quantize_skip is None:
         settings = replace(settings, quantize_skip=FAMILIES[family].quantize_skip)
     if settings.compile == "auto" and (why := not_built(family, "compile")) is not None:
         log.info("COMPILE=auto: off for %s (%s)", FAMILIES[family].model, why)
+        settings = replace(settings, compile="off")
+    if settings.compile == "auto" and family == "21" and settings.max_memory:
+        # its compiled steps (runtime.compile21) are measured on whole GPUs only; under a cap its prefix cache
+        # goes off for the jobs it would not fit, and those run eager anyway
+        log.info("COMPILE=auto: off for %s under MAX_MEMORY (its compiled steps are not measured under a cap)",
+                 FAMILIES[family].model)
         settings = replace(settings, compile="off")
     return settings
 
