@@ -316,6 +316,7 @@ def test_offload_hooks_keep_resident_blocks_and_stream_the_rest(plus_ckpt, plus_
     from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
 
     from imgedit.model.encoding import prepare_text_encoder
+    from imgedit.runtime import single_frame
 
     checkpoint = loader.open_checkpoint(str(plus_ckpt))
 
@@ -329,6 +330,7 @@ def test_offload_hooks_keep_resident_blocks_and_stream_the_rest(plus_ckpt, plus_
     plan = WorkerPlan("local", {c: Placement("cpu") for c in COMPONENTS}, memory=memory)
     pipe = loader.load_pipeline(checkpoint, plan, torch.float32)
     prepare_text_encoder(pipe.text_encoder)  # as the worker does, and as plus_pipe has
+    single_frame.install(pipe.vae)  # the worker's load-phase feature, which plus_pipe has too
     reference, streamed = edit(plus_pipe.pipe), edit(pipe)  # the same weights, with and without the hooks
     blocks = pipe.transformer.transformer_blocks
 
