@@ -136,8 +136,8 @@ REGISTRY: tuple[Var, ...] = (
         "GPUs, each forward's sequence split in two (Ulysses-2) instead of "
         "on one GPU; auto = on for GPU pairs with ATTENTION native or cudnn"),
     Var("COMPILE", "auto", _choice("auto", "on", "off"),
-        "Compile the transformer's repeated blocks "
-        "(torch.compile), warmed up at start-up; auto = on for GPUs"),
+        "Compile the transformer's repeated blocks (torch.compile; Qwen-Image-2.1: its steps after the "
+        "first), warmed up at start-up; auto = on for GPUs (2.1: not under MAX_MEMORY)"),
     Var("COMPILE_MODE", "default", _choice("default", "max-autotune-no-cudagraphs"),
         "torch.compile's mode for the compiled blocks: default | max-autotune-no-cudagraphs "
         "(tries kernel variants at start-up; on an H100 no faster: 0.626 vs 0.623 s/step, "
