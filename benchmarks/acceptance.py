@@ -40,9 +40,11 @@ Rows 21-one, 21-pair and 21-16gb serve Qwen-Image-2.1 (its real-size random-weig
 built from the published configs; --tiny: the tiny one) with a random LoRA of its own, and make instead:
 
     REST /v1/images/generations   a --steps text to image twice (first, steady)
-    REST /v1/images/edits         a 3-reference edit at --steps; a 10-reference edit, an RGBA input (its alpha
-                                  kept), the LoRA at lora_scale 0.5 and a masked edit at --other-steps
+    REST /v1/images/edits         edits with 1, 3, 5 and 10 references at --steps; a 10-reference edit, an RGBA
+                                  input (its alpha kept), the LoRA at lora_scale 0.5 and a masked edit at
+                                  --other-steps
     gradio_client /edit           a text to image without an image at --other-steps
+    /v1/prompts/enhance           a prompt rewrite (ms per token, as the edit rows)
 
 With --restart the server is then stopped (SIGTERM) and started again with the same settings and compile
 cache: the restart's time to ready, and one REST edit. The server is always stopped at the end of a row
@@ -544,13 +546,17 @@ def run_requests_21(requests: Requests, health: dict, steps: int, other_steps: i
     quality = {"num_inference_steps": str(steps)}
     add(requests.rest_generation("t2i-first", {"num_inference_steps": steps}))
     add(requests.rest_generation("t2i-steady", {"num_inference_steps": steps}))
+    add(requests.rest_edit("refs1", quality, pictures=references[:1]))
     add(requests.rest_edit("refs3", quality, pictures=references[:3]))
+    add(requests.rest_edit("refs5", quality, pictures=references[:5]))
+    add(requests.rest_edit("refs10-full", quality, pictures=references))
     other = {"num_inference_steps": str(other_steps)}
     add(requests.rest_edit("refs10", other, pictures=references))
     add(requests.rest_edit("rgba", other, pictures=[input_picture(size, alpha=True)]))
     add(requests.rest_edit("lora-0.5", {**other, "lora": LORA_21, "lora_scale": "0.5"}))
     add(requests.rest_edit("mask", other, mask=True))
     add(requests.gradio_edit("gradio-t2i", generate=True, cfg=1.0))
+    add(requests.enhance("rewrite"))
 
 
 def describe(record: dict) -> str:
@@ -703,8 +709,8 @@ def _pair(records: dict, speed: str) -> str:
 
 def table_21(rows: list[dict], device: str) -> str:
     """The Qwen-Image-2.1 rows' table."""
-    head = ["row", "ready s", "restart s", "t2i first s", "t2i steady s", "3 refs", "10 refs", "rgba", "lora 0.5",
-            "mask", "gradio t2i", "all finite"]
+    head = ["row", "ready s", "restart s", "t2i first s", "t2i steady s", "1 ref", "3 refs", "5 refs", "10 refs",
+            "10 refs (other steps)", "rgba", "lora 0.5", "mask", "gradio t2i", "rewrite ms/token", "all finite"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         records = {r["name"]: r for r in row["requests"]}
@@ -713,9 +719,12 @@ def table_21(rows: list[dict], device: str) -> str:
         ready = f"{row['ready_s']}" if row.get("ready") else "FAIL"
         restart_s = row.get("restart_ready_s")
         restarted = "—" if "restart" not in row else (f"{restart_s}" if restart_s is not None else "FAIL")
+        rewrite = records.get("rewrite", {})
         cells = [f"{row['name']} ({device})", ready, restarted,
-                 *(_cell(records, name) for name in ("t2i-first", "t2i-steady", "refs3", "refs10", "rgba",
-                                                     "lora-0.5", "mask", "gradio-t2i")), finite]
+                 *(_cell(records, name) for name in ("t2i-first", "t2i-steady", "refs1", "refs3", "refs5",
+                                                     "refs10-full", "refs10", "rgba", "lora-0.5", "mask",
+                                                     "gradio-t2i")),
+                 str(rewrite.get("ms_per_token", _cell(records, "rewrite"))), finite]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
