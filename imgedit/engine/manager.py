@@ -24,7 +24,7 @@ from imgedit.engine.images import stamp_result
 from imgedit.engine.line import Line, WaitCallback
 from imgedit.engine.pool import WorkerHandle, wait_result
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
-from imgedit.engine.validation import check_enhance, default_steps, resolve, resolve_enhance
+from imgedit.engine.validation import check_params, default_steps, resolve, resolve_enhance
 from imgedit.errors import (
     Cancelled,
     ImgEditError,
@@ -94,12 +94,22 @@ class PipelineManager:
         return modes.compile_enabled(self.settings, plan)
 
     def cache_refusal(self) -> str | None:
+        """Why these workers cannot run a step cache (the family, then the plan's modes), or None: the page
+        hides its Step cache control then."""
         return not_built(self.family, "cache") or modes.cache_refusal(self.settings, self._plans)
 
-    def check_cache(self, cache: str | None) -> None:
-        """InvalidInput (400) when a job asks for a step cache these workers cannot run."""
-        if cache not in (None, "none") and (refusal := self.cache_refusal()) is not None:
-            raise InvalidInput(f"cache {cache} is not available on this server: {refusal}", "cache")
+    def can_run(self, params: Resolved) -> InvalidInput | None:
+        """Whether these workers can run a job with these parameters: the refusal (a 400 naming the
+        parameter) or None. What the plan decides and the value checks cannot know (a step cache on compiled
+        workers or a Ulysses group, a prompt rewrite where the text encoder is streamed); `resolve` and
+        `check`, which every edge calls, end here."""
+        if params.cache != "none" and (refusal := self.cache_refusal()) is not None:
+            return InvalidInput(f"cache {params.cache} is not available on this server: {refusal}", "cache")
+        if params.task == "enhance" or params.enhance_tokens:
+            if (refusal := modes.enhance_refusal(self._plans)) is not None:
+                return InvalidInput(f"prompt rewriting is not available on this server: {refusal}",
+                                    None if params.task == "enhance" else "enhance_prompt")
+        return None
 
     @property
     def _plans(self) -> list:
@@ -219,15 +229,23 @@ class PipelineManager:
         (an edge resolves and hands them to `run`/`edit`, which then take them as they are)."""
         params = resolve(req, self.settings, self.family, req.images[-1].size if req.images else None,
                          len(req.images), self.prompt_tokens)
-        self.check_cache(params.cache)
-        check_enhance(params, self._plans)
-        return params
+        return self._runnable(params)
+
+    def check(self, req: EditRequest) -> Resolved:
+        """`resolve` for a request whose images are not decoded (Gradio's validator: their headers) or not
+        there yet (a job's template, checked before its files are read): every check that needs no pixels,
+        and whether these workers can run it (`can_run`)."""
+        return self._runnable(check_params(req, self.settings, self.family, self.prompt_tokens))
 
     def resolve_enhance(self, req: EditRequest) -> Resolved:
         """A prompt rewrite's parameters (the images and the instruction), or InvalidInput naming the
         field."""
-        params = resolve_enhance(req, self.settings, self.family, len(req.images), self.prompt_tokens)
-        check_enhance(params, self._plans)
+        return self._runnable(resolve_enhance(req, self.settings, self.family, len(req.images),
+                                              self.prompt_tokens))
+
+    def _runnable(self, params: Resolved) -> Resolved:
+        if (refusal := self.can_run(params)) is not None:
+            raise refusal
         return params
 
     def edit(self, req: EditRequest, on_step: StepCallback | None = None, on_wait: WaitCallback | None = None,

@@ -18,7 +18,6 @@ from imgedit.config.settings import Settings
 from imgedit.engine.masks import DEFAULT_FEATHER, check_mask_size
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.errors import InvalidInput
-from imgedit.planning import modes
 from imgedit.planning.families import FAMILIES, not_built
 from imgedit.protocol import EditRequest, Resolved, param  # noqa: F401  (Resolved: re-exported for the edges)
 
@@ -117,10 +116,10 @@ def output_size(width: int | None, height: int | None, last_image_size: tuple[in
 
 
 def check_params(req: EditRequest, settings: Settings, family: str,
-                 tokens: PromptTokens | None = None) -> None:
+                 tokens: PromptTokens | None = None) -> Resolved:
     """Everything that can be checked without decoding images (the prompts' token counts too, when
-    the edge has the checkpoint's tokenizer)."""
-    resolve(req, settings, family, last_image_size=None, n_images=None, tokens=tokens)
+    the edge has the checkpoint's tokenizer); what these workers can run is the manager's (`check`)."""
+    return resolve(req, settings, family, last_image_size=None, n_images=None, tokens=tokens)
 
 
 def check_tokens(req: EditRequest, tokens: PromptTokens) -> None:
@@ -196,14 +195,6 @@ def step_cache(req: EditRequest, settings: Settings, preset, family: str = "plus
     if req.cache not in (None, "none") and (refused := not_built(family, "cache")) is not None:
         raise InvalidInput(f"cache {req.cache} is not available for this model: {refused}", "cache")
     return req.cache or settings.cache
-
-
-def check_enhance(params: Resolved, plans) -> None:
-    """InvalidInput (400) when a job asks for a prompt rewrite these workers cannot write (planning.modes)."""
-    if params.task == "enhance" or params.enhance_tokens:
-        if (refusal := modes.enhance_refusal(plans)) is not None:
-            raise InvalidInput(f"prompt rewriting is not available on this server: {refusal}",
-                               None if params.task == "enhance" else "enhance_prompt")
 
 
 def resolve_enhance(req: EditRequest, settings: Settings, family: str, n_images: int | None,

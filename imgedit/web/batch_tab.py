@@ -20,7 +20,6 @@ import gradio as gr
 from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
 from imgedit.engine.batch import Job, JobService, expand_uploads, results_zip
-from imgedit.engine.validation import check_params
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.protocol import BATCH, EditRequest, parameters, request_kwargs
 from imgedit.web.identity import page_owner
@@ -117,10 +116,9 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, controls: dic
             fields = event_fields(dict(zip(names, values, strict=True)))
             # "default": the server's
             fields["cache"] = parse_cache_input(fields.get("cache"), fields["speed"])
-            manager.check_cache(fields["cache"])  # before any item starts
             template = EditRequest(images=(), **request_kwargs(fields), source="ui")
-            # the cheap fields before any file is read
-            check_params(template, settings, manager.family, manager.prompt_tokens)
+            # the cheap fields, and whether these workers can run them, before any file is read
+            manager.check(template)
             uploads = await asyncio.to_thread(read_uploads, files, settings.batch_max_items,
                                               settings.max_file_size)
             items = expand_uploads(uploads, settings.batch_max_items, settings.max_file_size)

@@ -28,7 +28,7 @@ from imgedit.config.settings import Settings
 from imgedit.engine.batch import JobService, clean_name, expand_uploads, job_view, results_zip
 from imgedit.engine.history import HistoryEntry
 from imgedit.engine.images import open_image, reencoded
-from imgedit.engine.validation import check_aspect, check_counts, check_params
+from imgedit.engine.validation import check_aspect, check_counts
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.planning.families import FAMILIES
 from imgedit.protocol import JOBS, EditRequest, request_kwargs
@@ -235,7 +235,7 @@ async def _parse(request: Request, settings: Settings,
     # The cheap fields first: a request without a prompt (or with a bad number) costs no file read.
     # every item runs with these
     template = EditRequest(images=(), **request_kwargs(form_fields(form, JOBS)), source="rest")
-    check_params(template, settings, manager.family, manager.prompt_tokens)
+    manager.check(template)  # the values, and whether these workers can run them: as /v1/images/edits
     # Then count the input sets from the field names alone (a zip counts once here, its members below).
     numbered = sorted((int(m.group(1)), key) for key in set(form.keys()) if (m := SET_FIELD.fullmatch(key)))
     singles = [u for key in IMAGE_FIELDS for u in form.getlist(key)]

@@ -25,7 +25,7 @@ import gradio as gr
 from imgedit.config.settings import Settings
 from imgedit.engine.gpus import GpuMonitor
 from imgedit.engine.images import frame_notices, png_bytes
-from imgedit.engine.validation import check_params, default_steps
+from imgedit.engine.validation import default_steps
 from imgedit.errors import ImgEditError
 from imgedit.planning.families import FAMILIES
 from imgedit.protocol import EDIT, param, parameters
@@ -86,7 +86,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         try:
             # the images by their headers: the event decodes them once
             req = build_request(settings, manager.family, *values, source="validator", decode=False)
-            check_params(req, settings, manager.family, manager.prompt_tokens)
+            manager.check(req)  # the values, and whether these workers can run them
         except ImgEditError as exc:
             at = fields.index(exc.field) if exc.field in fields else 0
             verdicts[at] = gr.validate(False, html.escape(exc.message))
