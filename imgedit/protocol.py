@@ -267,6 +267,41 @@ class WorkerState(str, Enum):
         return self in (WorkerState.FAILED, WorkerState.STOPPED)
 
 
+class ItemState(str, Enum):
+    """Where one item of a job (a batch, or a /v1/jobs input set) is. A str: the jobs API, the Batch tab and
+    the records on disk (imgedit.engine.job_records) read and write the value."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    __str__ = str.__str__
+
+    @property
+    def finished(self) -> bool:
+        return self not in (ItemState.QUEUED, ItemState.RUNNING)
+
+
+class JobState(str, Enum):
+    """A job's state, made from its items' (imgedit.engine.job_records.job_state)."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    CANCELLING = "cancelling"  # asked to stop: waiting items leave the line, a running one stops at a step
+    SUCCEEDED = "succeeded"
+    PARTIAL = "partial"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    __str__ = str.__str__
+
+    @property
+    def finished(self) -> bool:
+        return self not in (JobState.QUEUED, JobState.RUNNING, JobState.CANCELLING)
+
+
 @dataclass(frozen=True)
 class WorkerStatus:
     name: str

@@ -27,12 +27,11 @@ from imgedit.engine.images import SUFFIXES, mask_digest, open_image, reencoded
 from imgedit.engine.job_records import JobRecords, job_state
 from imgedit.errors import Cancelled, ImgEditError, InputTooLarge, InvalidInput, QueueFull
 from imgedit.planning.families import FAMILIES
-from imgedit.protocol import EditRequest, WorkerState, new_request_id
+from imgedit.protocol import EditRequest, ItemState, JobState, WorkerState, new_request_id
 
 log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-FINISHED = ("succeeded", "partial", "failed", "cancelled")
 KEEP_FINISHED_S = 3600.0  # finished jobs stay in memory this long; afterwards the history answers
 RETRY_BUSY_S = 1.0
 
@@ -42,7 +41,7 @@ class Item:
     index: int
     name: str
     inputs: list[bytes] | None  # encoded images; dropped once the item has run
-    state: str = "queued"  # queued | running | succeeded | failed | cancelled
+    state: ItemState = ItemState.QUEUED
     error: str | None = None
     seed: int | None = None
     step: int = 0
@@ -74,16 +73,16 @@ class Job:
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
-    def state(self) -> str:
+    def state(self) -> JobState:
         return job_state([i.state for i in self.items], self.cancel.is_set())
 
     @property
     def finished(self) -> bool:
-        return self.state in FINISHED
+        return self.state.finished
 
     @property
     def position(self) -> int | None:
-        waiting = [i.position for i in self.items if i.state == "queued" and i.position is not None]
+        waiting = [i.position for i in self.items if i.state is ItemState.QUEUED and i.position is not None]
         return min(waiting) if waiting else None
 
     def touch(self) -> None:
@@ -111,14 +110,14 @@ class Job:
         return [i.entry for i in self.items if i.entry is not None]
 
 
-def job_view(job_id: str, state: str, created: float, position: int | None, settings: dict,
+def job_view(job_id: str, state: JobState, created: float, position: int | None, settings: dict,
              items: list[dict]) -> dict:
     """What GET /v1/jobs/<id> answers, for a job in memory or one read back from disk. Items are numbered
     from 1 (`item`), as `?item=N` fetches them (the records' own `index` counts from 0)."""
     shown = [{"item": i["index"] + 1, **{k: v for k, v in i.items() if k != "index"}} for i in items]
     return {"id": job_id, "object": "job", "state": state, "created": int(created), "position": position,
-            **settings, "items": shown, "done": sum(i["state"] == "succeeded" for i in items),
-            "failed": sum(i["state"] in ("failed", "cancelled") for i in items)}
+            **settings, "items": shown, "done": sum(i["state"] == ItemState.SUCCEEDED for i in items),
+            "failed": sum(i["state"] in (ItemState.FAILED, ItemState.CANCELLED) for i in items)}
 
 
 def expand_uploads(files: list[tuple[str, bytes]], max_items: int,
@@ -212,7 +211,7 @@ class JobService:
         return FAMILIES[self.manager.family].rgba
 
     def pending_items(self, owner: str | None = None) -> int:
-        return sum(i.state in ("queued", "running") for j in self._jobs.values() for i in j.items
+        return sum(not i.state.finished for j in self._jobs.values() for i in j.items
                    if owner is None or j.owner == owner)
 
     def client_items(self) -> int:
@@ -287,13 +286,13 @@ class JobService:
             await asyncio.gather(*(one(item) for item in job.items))
         finally:
             for item in job.items:  # the task itself was cancelled (server stopping)
-                if item.state in ("queued", "running"):
-                    item.state, item.error, item.inputs = "cancelled", "stopped", None
+                if not item.state.finished:
+                    item.state, item.error, item.inputs = ItemState.CANCELLED, "stopped", None
             job.finished_at = time.time()
             job.touch()
             self._persist(job)  # not in a thread: the task may be being cancelled (server stopping)
             log.info("%s %s: %d/%d succeeded", job.id, job.state,
-                     sum(i.state == "succeeded" for i in job.items), len(job.items))
+                     sum(i.state is ItemState.SUCCEEDED for i in job.items), len(job.items))
 
     async def _run_item(self, job: Job, item: Item) -> None:
         settings = self.settings
@@ -312,7 +311,7 @@ class JobService:
                 item.position = ahead
 
             def on_step(step: int, total: int) -> None:
-                item.state, item.position, item.step, item.total_steps = "running", None, step, total
+                item.state, item.position, item.step, item.total_steps = ItemState.RUNNING, None, step, total
 
             while True:
                 try:
@@ -325,13 +324,13 @@ class JobService:
             item.seed, item.notice = result.seed, result.notice
             item.entry = await asyncio.to_thread(self.history.save, job.owner, job.id, item.index, req,
                                                  result, item.name)
-            item.state = "succeeded"
+            item.state = ItemState.SUCCEEDED
         except Cancelled as exc:
-            item.state, item.error = "cancelled", exc.message
+            item.state, item.error = ItemState.CANCELLED, exc.message
         except ImgEditError as exc:
-            item.state, item.error = "failed", exc.message
+            item.state, item.error = ItemState.FAILED, exc.message
         except Exception:
             log.exception("%s item %d failed", job.id, item.index)
-            item.state, item.error = "failed", f"internal error (job {job.id}, item {item.index + 1})"
+            item.state, item.error = ItemState.FAILED, f"internal error (job {job.id}, item {item.index + 1})"
         finally:
             item.inputs, item.position = None, None

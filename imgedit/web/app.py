@@ -14,21 +14,20 @@ from dataclasses import dataclass
 
 import gradio as gr
 from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 
 from imgedit.config.settings import Settings
 from imgedit.engine.batch import JobService
 from imgedit.engine.gpus import GpuMonitor
 from imgedit.engine.history import HistoryStore
 from imgedit.engine.shutdown import Drainable, Shutdown, drainable
+from imgedit.web import api_errors
 from imgedit.web.cancel import build_cancel_router
 from imgedit.web.identity import BrowserCookie
 from imgedit.web.jobs_api import build_jobs_router
 from imgedit.web.metrics import Metrics
 from imgedit.web.page import GPU_GROUP, build_blocks
 from imgedit.web.page_assets import page_head
-from imgedit.web.rest import build_router, openai_error
+from imgedit.web.rest import build_router
 from imgedit.web.serving import ShutdownGate
 from imgedit.web.serving import serve as serve_until_drained
 from imgedit.web.timeouts import BodyReadTimeout
@@ -76,17 +75,17 @@ def build_app(settings: Settings, engine, demo: bool | None = None,
 
     metrics = Metrics(parts.engine, parts.monitor, gradio_waiting)
     app = FastAPI(title="imgedit", docs_url=None, redoc_url=None)
-    app.add_exception_handler(RequestValidationError, _invalid_request)
+    api_errors.install(app)  # every REST route's errors in OpenAI's shape
     app.add_middleware(EventGuard)  # every Gradio event's file paths, before Gradio sees them
     app.add_middleware(BodyReadTimeout, seconds=settings.body_read_timeout)  # outermost: times every read
     # before REST's /v1 catch-all (404/405 fallback)
     app.include_router(build_jobs_router(settings, parts.engine, parts.jobs, metrics))
-    app.include_router(build_router(settings, parts.engine, metrics, parts.monitor))
+    app.include_router(build_router(settings, parts.engine, metrics, parts.monitor, parts.history))
     app.include_router(build_cancel_router(blocks))  # ahead of the mount: it replaces Gradio's cancel route
     # abandoned partial uploads (Gradio keeps them): deleted now and every few seconds
     PartialUploadSweeper(settings.body_read_timeout).start()
     guard_gradio_cleanup()  # one bad entry never stops Gradio's own sweep nor the shutdown
-    # what outlives the build: the drain (serve), the history (REST's `save` and tests read it)
+    # what outlives the build: the drain (serve), the history (tests read it)
     app.state.shutdown, app.state.history = parts.shutdown, parts.history
     app.add_middleware(ShutdownGate, shutdown=parts.shutdown)
     app.add_middleware(BrowserCookie)
@@ -119,14 +118,6 @@ def _calm(queue) -> None:
             setattr(queue, name, max(getattr(queue, name), value))
         else:
             log.warning("gradio's queue has no %s: it polls at its own rate", name)
-
-
-async def _invalid_request(request, exc: RequestValidationError) -> JSONResponse:
-    """A path or query value FastAPI could not convert: our OpenAI-shaped 400, not its 422 (whose
-    text is the framework's)."""
-    where = next((e.get("loc", ()) for e in exc.errors()), ())
-    param = str(where[-1]) if where else None
-    return openai_error(400, f"{param or 'a request value'} is not valid", "invalid_input", param)
 
 
 def serve(app: FastAPI, settings: Settings, sock=None) -> None:
