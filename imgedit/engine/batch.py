@@ -24,6 +24,7 @@ from pathlib import PurePosixPath
 from imgedit.config.settings import Settings
 from imgedit.engine.history import HistoryEntry, HistoryStore
 from imgedit.engine.images import SUFFIXES, mask_digest, open_image, reencoded
+from imgedit.engine.interface import Engine
 from imgedit.engine.job_records import JobRecords, job_state
 from imgedit.errors import Cancelled, ImgEditError, InputTooLarge, InvalidInput, QueueFull
 from imgedit.planning.families import FAMILIES
@@ -197,7 +198,7 @@ def results_zip(items: list[tuple[str, HistoryEntry | None, str | None]], output
 class JobService:
     """Accepts jobs, runs their items through the manager and keeps them (by owner) for lookups."""
 
-    def __init__(self, settings: Settings, manager, history: HistoryStore):
+    def __init__(self, settings: Settings, manager: Engine, history: HistoryStore):
         self.manager = manager
         self.settings = settings
         self.history = history

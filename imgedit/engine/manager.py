@@ -21,9 +21,11 @@ from collections.abc import Callable, Sequence
 from imgedit.config.settings import Settings
 from imgedit.engine import startup
 from imgedit.engine.images import stamp_result
-from imgedit.engine.line import Line, WaitCallback
+from imgedit.engine.interface import Engine, StepCallback, WaitCallback
+from imgedit.engine.line import Line
 from imgedit.engine.pool import WorkerHandle, wait_result
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
+from imgedit.engine.shutdown import NOT_STARTED, STOPPED
 from imgedit.engine.validation import check_params, default_steps, resolve, resolve_enhance
 from imgedit.errors import (
     Cancelled,
@@ -45,14 +47,13 @@ from imgedit.runtime.messages import Done, Job
 
 log = logging.getLogger(__name__)
 
-StepCallback = Callable[[int, int], None]  # (step, total)
 ERRORS = {cls.kind: cls for cls in (Cancelled, OutOfGpuMemory, WorkerFailed, NotReady, QueueFull)}
 # Sizes warmed at start-up: the default square and a portrait one (the blocks compile dynamic from the
 # first; the second checks that no guard specialised a length: imgedit.runtime.warmup).
 WARMUP_SIZES = ((1024, 1024), (832, 1248))
 
 
-class PipelineManager:
+class PipelineManager(Engine):
     def __init__(self, settings: Settings, plan: Plan | None = None, gpus: Sequence[GpuSpec] | None = None,
                  worker_hook: str | None = None, warmup_sizes: tuple[tuple[int, int], ...] = WARMUP_SIZES):
         self.settings = settings
@@ -189,6 +190,16 @@ class PipelineManager:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
+    # ---- the SIGTERM drain (imgedit.engine.shutdown), through the line that knows every job in flight ----
+    def stop_accepting(self, message: str = NOT_STARTED) -> None:
+        self.line.close(message)
+
+    def wait_idle(self, timeout: float) -> bool:
+        return self.line.wait_empty(timeout)
+
+    def cancel_running(self, message: str = STOPPED) -> None:
+        self.line.cancel_all(message)
+
     # ---- the line (imgedit.engine.line) ----
     def waiting(self) -> int:
         return len(self.line)
@@ -266,10 +277,16 @@ class PipelineManager:
     def _through_line(self, req: EditRequest, task: str, params: Resolved | None,
                       on_step: StepCallback | None, on_wait: WaitCallback | None,
                       cancel: threading.Event | None) -> tuple[EditResult, Resolved]:
+        # in flight until its worker is released: what the drain waits for, or stops (a ShuttingDown then)
+        with self.line.admit(cancel) as admitted:
+            return self._on_worker(req, task, params, on_step, on_wait, admitted)
+
+    def _on_worker(self, req: EditRequest, task: str, params: Resolved | None, on_step: StepCallback | None,
+                   on_wait: WaitCallback | None, cancel: threading.Event) -> tuple[EditResult, Resolved]:
+        """Checked, in line, on a worker, and back: one job, logged and reported to the listeners."""
         started = time.perf_counter()
         worker: WorkerHandle | None = None
         outcome, steps = "error", 0
-        cancel = cancel or threading.Event()
         try:
             restarting = any(w.state is WorkerState.RESTARTING
                              or (w.state is WorkerState.LOADING and w.restarts)

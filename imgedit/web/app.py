@@ -19,7 +19,8 @@ from imgedit.config.settings import Settings
 from imgedit.engine.batch import JobService
 from imgedit.engine.gpus import GpuMonitor
 from imgedit.engine.history import HistoryStore
-from imgedit.engine.shutdown import Drainable, Shutdown, drainable
+from imgedit.engine.interface import Engine
+from imgedit.engine.shutdown import Shutdown
 from imgedit.web import api_errors
 from imgedit.web.cancel import build_cancel_router
 from imgedit.web.identity import BrowserCookie
@@ -42,22 +43,21 @@ class Application:
     was handed the settings (or the values) it uses when it was built."""
 
     settings: Settings
-    engine: Drainable  # the line in front of the workers (engine.manager.PipelineManager), drainable
+    engine: Engine  # the line in front of the workers (engine.manager.PipelineManager), and its drain
     monitor: GpuMonitor  # NVML readings (no CUDA context)
     history: HistoryStore
     jobs: JobService  # batch and /v1/jobs items, through the engine's line
     shutdown: Shutdown
 
     @classmethod
-    def build(cls, settings: Settings, engine, monitor: GpuMonitor | None = None) -> Application:
-        engine = drainable(engine)  # stop_accepting / wait_idle / close for the SIGTERM drain
+    def build(cls, settings: Settings, engine: Engine, monitor: GpuMonitor | None = None) -> Application:
         history = HistoryStore.from_settings(settings)
         return cls(settings=settings, engine=engine, monitor=monitor or GpuMonitor(), history=history,
                    jobs=JobService(settings, engine, history),
                    shutdown=Shutdown(engine, settings.shutdown_grace_s))
 
 
-def build_app(settings: Settings, engine, demo: bool | None = None,
+def build_app(settings: Settings, engine: Engine, demo: bool | None = None,
               monitor: GpuMonitor | None = None) -> FastAPI:
     """The ASGI app for `engine` (tests hand in a monitor reading made-up GPUs)."""
     parts = Application.build(settings, engine, monitor)

@@ -20,6 +20,7 @@ import gradio as gr
 from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
 from imgedit.engine.batch import Job, JobService, expand_uploads, results_zip
+from imgedit.engine.interface import Engine
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.protocol import BATCH, EditRequest, ItemState, parameters, request_kwargs
 from imgedit.web.identity import page_owner
@@ -70,7 +71,7 @@ BATCH_CSS = """<style>
 </style>"""
 
 
-def build_batch_tab(settings: Settings, manager, jobs: JobService, controls: dict) -> None:
+def build_batch_tab(settings: Settings, manager: Engine, jobs: JobService, controls: dict) -> None:
     """Inside a `gr.Tabs`: the Batch tab. `controls` are the Edit tab's ({declared parameter: its control}):
     every item runs with the ones the declaration gives the batch (protocol.PARAMETERS' "batch": the advanced
     settings, Speed, LoRA, strength and Step cache; the tab has its own files and prompt), as a single edit

@@ -28,6 +28,7 @@ from imgedit.config.settings import Settings
 from imgedit.engine.batch import Job, JobService, clean_name, expand_uploads, job_view, results_zip
 from imgedit.engine.history import HistoryEntry
 from imgedit.engine.images import open_image, reencoded
+from imgedit.engine.interface import Engine
 from imgedit.engine.validation import check_aspect, check_counts
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.planning.families import FAMILIES
@@ -79,7 +80,7 @@ def _recorded_view(job_id: str, record: dict) -> dict:
     return {**view, "restored": True}
 
 
-def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Metrics) -> APIRouter:
+def build_jobs_router(settings: Settings, manager: Engine, jobs: JobService, metrics: Metrics) -> APIRouter:
     router = APIRouter()
     # JPEG/WebP results are made from the stored PNGs at each request (a job may hold 1,000 images): one
     # thread, so such requests queue behind each other instead of taking every CPU from the server and the
@@ -199,7 +200,7 @@ def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Me
 
 
 async def _parse(request: Request, settings: Settings,
-                 manager) -> tuple[EditRequest, list[tuple[str, list[bytes]]]]:
+                 manager: Engine) -> tuple[EditRequest, list[tuple[str, list[bytes]]]]:
     limit = settings.max_file_size * (settings.batch_max_items + 2) + 1_000_000
     check_body(request, limit, "multipart/form-data",
                "send multipart/form-data with 'image' (or 'batch') files and a 'prompt'")

@@ -25,6 +25,7 @@ import gradio as gr
 from imgedit.config.settings import Settings
 from imgedit.engine.gpus import GpuMonitor
 from imgedit.engine.images import frame_notices, png_bytes
+from imgedit.engine.interface import Engine
 from imgedit.engine.validation import default_steps
 from imgedit.errors import ImgEditError
 from imgedit.planning.families import FAMILIES
@@ -67,7 +68,7 @@ DEMO_BANNER = ("**Demo mode**: a tiny random-weight model runs on the CPU, so ou
 DEMO_SIZE, DEMO_STEPS = 256, 4  # a first-time visitor of the demo sees a result in seconds
 
 
-def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMonitor | None = None,
+def build_blocks(settings: Settings, manager: Engine, demo: bool = False, monitor: GpuMonitor | None = None,
                  history=None, jobs=None) -> gr.Blocks:
     monitor = monitor or GpuMonitor()
     family = FAMILIES[manager.family]

@@ -30,6 +30,7 @@ from imgedit.config.settings import Settings
 from imgedit.engine.gpus import GpuMonitor
 from imgedit.engine.history import HistoryStore
 from imgedit.engine.images import encoded, frame_notices
+from imgedit.engine.interface import Engine
 from imgedit.errors import ImgEditError, InvalidInput
 from imgedit.protocol import EditRequest, EditResult, Resolved, WorkerState
 from imgedit.web.api_errors import openai_error, rejected
@@ -52,7 +53,7 @@ class InternalError(ImgEditError):
     kind = "internal_error"
 
 
-def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMonitor,
+def build_router(settings: Settings, manager: Engine, metrics: Metrics, monitor: GpuMonitor,
                  history: HistoryStore | None = None) -> APIRouter:
     router = APIRouter()
     # the key check, once: every route below takes its owner from it (a 401 before the route runs)
