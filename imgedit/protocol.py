@@ -363,9 +363,9 @@ class ManagerStatus:
         return sum(w.state.serving for w in self.workers)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Resolved:
-    """The exact parameters the pipeline gets."""
+    """The exact parameters the pipeline gets (by name: twelve of them read alike in a row of values)."""
 
     steps: int
     true_cfg_scale: float
