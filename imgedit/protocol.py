@@ -62,6 +62,15 @@ class Param:
     low_open: bool = False
     unit: str = ""
     why: str = ""
+    # "Copy as API call" (imgedit.web.snippets): `always`: written whatever the form says (the call then
+    # repeats the edit), else only when set (not empty, not its default); `beside`: written only beside that
+    # parameter (a LoRA's strength beside the LoRA, the mask's settings beside the mask); `unless`: left out
+    # of a REST call where that switch is on (the seed where randomize_seed is ticked); `openai`: one of
+    # OpenAI's own arguments (an SDK keyword), not an extension sent through `extra_body`.
+    always: bool = False
+    beside: str | None = None
+    unless: str | None = None
+    openai: bool = False
 
     @property
     def edit_default(self) -> object:
@@ -113,40 +122,42 @@ def param(name: str) -> Param:
 PARAMETERS: tuple[Param, ...] = (
     Param("images", "file", "the image(s) to edit: 1 for Qwen-Image-Edit, 1-3 for 2509/2511, 0-10 for "
           "Qwen-Image-2.1 (none: an image from the prompt alone)", rest="image",
-          takes=SINGLE, required=True),
+          takes=SINGLE, required=True, openai=True),
     Param("prompt", "text", "what to change, in words (up to 4,000 characters and 1,024 tokens)", default="",
-          required=True, png=True, restore=True),
-    Param("negative_prompt", "text", "what to avoid (true CFG)", default="", png=True, restore=True),
+          required=True, png=True, restore=True, always=True, openai=True),
+    Param("negative_prompt", "text", "what to avoid (true CFG)", default="", png=True, restore=True,
+          always=True),
     Param("seed", "whole", "the noise the edit starts from; absent: a random one, returned with the result",
-          png=True, restore=True, api_default=0, low=0, high=2**32 - 1),
+          png=True, restore=True, api_default=0, low=0, high=2**32 - 1, always=True, unless="randomize_seed"),
     Param("randomize_seed", "flag", "ignore `seed` and draw one", takes=frozenset((EDIT, BATCH)),
-          default=False, field=None, api_default=True),
+          default=False, field=None, api_default=True, always=True),
     Param("num_inference_steps", "whole", "denoising steps; absent: the model's", png=True, restore=True,
-          low=2, high="max_steps"),
+          low=2, high="max_steps", always=True),
     Param("true_cfg_scale", "number", "how strongly the prompt is followed (1 turns CFG off); absent: "
           "DEFAULT_TRUE_CFG (Qwen-Image-2.1: 1)", png=True, restore=True,
-          low=1, high=20, why="1 turns CFG off"),
+          low=1, high=20, why="1 turns CFG off", always=True),
     Param("num_images", "whole", "images per prompt", default=1, rest="n",
-          low=1, high="max_images_per_prompt"),
+          low=1, high="max_images_per_prompt", always=True, openai=True),
     Param("width", "whole", "output width; 0 or absent: from the last input's aspect, about 1 megapixel",
-          takes=frozenset((EDIT, BATCH)), png=True, restore=True, api_default=0),
+          takes=frozenset((EDIT, BATCH)), png=True, restore=True, api_default=0, always=True),
     Param("height", "whole", "output height; 0 or absent: as width", takes=frozenset((EDIT, BATCH)), png=True,
-          restore=True, api_default=0),
+          restore=True, api_default=0, always=True),
     Param("size", "size", "`auto` or WIDTHxHEIGHT (OpenAI's name for width and height)",
-          takes=frozenset((REST, JOBS)), field=None),
+          takes=frozenset((REST, JOBS)), field=None, openai=True),
     Param("speed", "text", "quality, fast (Lightning 8 steps) or fastest (4 steps), where offered", png=True,
           api_default="quality"),
     Param("lora", "text", "a configured LoRA's name, or none", png=True, api_default="none"),
     Param("lora_scale", "number", "that LoRA's strength; absent: 1", png=True, api_default=1.0,
-          low=0, high=2),
+          low=0, high=2, beside="lora"),
     Param("mask", "file", "where to edit: white (or OpenAI's transparent) = edit; the first image's size "
-          "(one mask for every item of a job)", takes=SINGLE, png=True),
+          "(one mask for every item of a job)", takes=SINGLE, png=True, openai=True),
     Param("mask_grow", "whole", "pixels the mask is grown by; absent: 0", takes=SINGLE, png=True, low=0,
-          high=256, unit="pixels"),
+          high=256, unit="pixels", beside="mask"),
     Param("mask_feather", "whole", "pixels of soft edge inside the mask; absent: 8", takes=SINGLE, png=True,
-          low=0, high=256, unit="pixels"),
+          low=0, high=256, unit="pixels", beside="mask"),
     Param("strength", "number", "how far the masked area may move from the input; absent: 1", takes=SINGLE,
-          png=True, low=0, high=1, low_open=True, why="1 = repaint the masked area from scratch"),
+          png=True, low=0, high=1, low_open=True, why="1 = repaint the masked area from scratch",
+          beside="mask"),
     Param("enhance_prompt", "flag", "rewrite the prompt with the model's own text encoder first",
           takes=SINGLE, default=False),
     Param("cache", "text", "step cache for quality edits: none, first-block or taylorseer, where offered",

@@ -130,14 +130,15 @@ def test_the_page_has_a_control_for_it_and_restores_it(server, manager):
 
 
 def test_the_snippets_send_it_and_leave_it_out_at_its_default(declared):
-    from imgedit.web.snippets import api_values, curl_snippet, gradio_snippet, openai_snippet
+    from imgedit.web.snippets import api_values, curl_snippet, gradio_snippet, input_files, openai_snippet
 
     form = {"prompt": "make it red", "seed": 3, "randomize_seed": False, "note": "kept by a snippet"}
-    values = api_values(form, 1, 2, 4.0)
+    defaults = {"num_inference_steps": 2, "true_cfg_scale": 4.0}
+    values = api_values(form, input_files(1), defaults)
     assert "note='kept by a snippet'," in gradio_snippet("http://h/", values, auth=False)
     assert "-F 'note=kept by a snippet'" in curl_snippet("http://h/", values)
     assert "'note': 'kept by a snippet'" in openai_snippet("http://h/", values)
-    assert "note" not in api_values({**form, "note": ""}, 1, 2, 4.0)
+    assert "note" not in api_values({**form, "note": ""}, input_files(1), defaults)
 
 
 def test_the_parameter_table_lists_it_and_the_request_carries_it_to_the_worker(declared):

@@ -173,11 +173,12 @@ def resolve(req: EditRequest, settings: Settings, family: str,
     # True CFG runs only when a negative prompt is passed: always pass one (" " when empty).
     negative = req.negative_prompt if (req.negative_prompt or "").strip() else " "
     adapters = lora_adapters(req, settings, preset)
-    return Resolved(steps=int(steps), true_cfg_scale=float(cfg), negative_prompt=negative, seed=int(seed),
-                    num_images=int(req.num_images), width=width, height=height, adapters=adapters,
-                    scheduler="default" if preset is None else "lightning", mask_grow=grow, mask_feather=feather,
-                    strength=strength, enhance_tokens=settings.enhance_max_tokens if req.enhance_prompt else 0,
-                    cache=step_cache(req, settings, preset, family), cache_threshold=settings.cache_threshold)
+    return Resolved(
+        steps=int(steps), true_cfg_scale=float(cfg), negative_prompt=negative, seed=int(seed),
+        num_images=int(req.num_images), width=width, height=height, adapters=adapters,
+        scheduler="default" if preset is None else "lightning", mask_grow=grow, mask_feather=feather,
+        strength=strength, enhance_tokens=settings.enhance_max_tokens if req.enhance_prompt else 0,
+        cache=step_cache(req, settings, preset, family), cache_threshold=settings.cache_threshold)
 
 
 CACHES = ("none", "first-block", "taylorseer")
@@ -202,8 +203,8 @@ def resolve_enhance(req: EditRequest, settings: Settings, family: str, n_images:
                     tokens: PromptTokens | None = None) -> Resolved:
     """A prompt rewrite alone: the images and prompt are checked as an edit's; nothing else applies."""
     _check_inputs(req, family, n_images, tokens)
-    return Resolved(steps=0, true_cfg_scale=1.0, negative_prompt="", seed=0, num_images=1, width=None, height=None,
-                    task="enhance", enhance_tokens=settings.enhance_max_tokens)
+    return Resolved(steps=0, true_cfg_scale=1.0, negative_prompt="", seed=0, num_images=1, width=None,
+                    height=None, task="enhance", enhance_tokens=settings.enhance_max_tokens)
 
 
 def _check_inputs(req: EditRequest, family: str, n_images: int | None, tokens: PromptTokens | None) -> None:
