@@ -97,11 +97,7 @@ class Job:
         self._changed.clear()
 
     def settings(self) -> dict:
-        t = self.template
-        return {"prompt": t.prompt, "num_inference_steps": t.num_inference_steps, "n": t.num_images,
-                "speed": t.speed, "lora": t.lora, "lora_scale": t.lora_scale,
-                "enhance_prompt": t.enhance_prompt,
-                "mask": None if t.mask is None else f"sha256:{mask_digest(t.mask)}"}
+        return job_settings(self.template)
 
     def view(self) -> dict:
         return job_view(self.id, self.state, self.created, self.position, self.settings(),
@@ -109,6 +105,15 @@ class Job:
 
     def entries(self) -> list[HistoryEntry]:
         return [i.entry for i in self.items if i.entry is not None]
+
+
+def job_settings(template: EditRequest) -> dict:
+    """The settings a job's status shows (every item runs with them), by their REST names: for a job in memory
+    and for one read back from the history alike."""
+    t = template
+    return {"prompt": t.prompt, "num_inference_steps": t.num_inference_steps, "n": t.num_images,
+            "speed": t.speed, "lora": t.lora, "lora_scale": t.lora_scale, "enhance_prompt": t.enhance_prompt,
+            "mask": None if t.mask is None else f"sha256:{mask_digest(t.mask)}"}
 
 
 def job_view(job_id: str, state: JobState, created: float, position: int | None, settings: dict,

@@ -25,7 +25,15 @@ from starlette.datastructures import UploadFile
 
 from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
-from imgedit.engine.batch import Job, JobService, clean_name, expand_uploads, job_view, results_zip
+from imgedit.engine.batch import (
+    Job,
+    JobService,
+    clean_name,
+    expand_uploads,
+    job_settings,
+    job_view,
+    results_zip,
+)
 from imgedit.engine.history import HistoryEntry
 from imgedit.engine.images import open_image, reencoded
 from imgedit.engine.interface import Engine
@@ -67,11 +75,13 @@ def _restored_view(job_id: str, entries: list[HistoryEntry]) -> dict:
               "total_steps": e.steps, "error": None, "outputs": e.outputs,
               "revised_prompt": e.prompt if e.original_prompt else None, "weights": e.weights}
              for e in entries]
-    settings = {"prompt": first.original_prompt or first.prompt, "num_inference_steps": first.steps,
-                "n": first.num_images, "speed": first.speed, "lora": first.lora,
-                "lora_scale": first.lora_scale,
-                "enhance_prompt": first.original_prompt is not None}
-    return {**job_view(job_id, JobState.SUCCEEDED, first.created, None, settings, items), "restored": True}
+    # as it was asked for (the store keeps no mask)
+    asked = EditRequest(images=(), prompt=first.original_prompt or first.prompt,
+                        num_inference_steps=first.steps, num_images=first.num_images, speed=first.speed,
+                        lora=first.lora, lora_scale=first.lora_scale,
+                        enhance_prompt=first.original_prompt is not None)
+    view = job_view(job_id, JobState.SUCCEEDED, first.created, None, job_settings(asked), items)
+    return {**view, "restored": True}
 
 
 def _recorded_view(job_id: str, record: dict) -> dict:
