@@ -1,6 +1,7 @@
-"""#45 item 1: an edit's parameters are declared once (imgedit.protocol.PARAMETERS) and the entry points follow
-the declaration: REST and /v1/jobs parse their form fields from it, `/edit`'s parameters come in its order,
-each result PNG records the parameters declared `png`, and docs/PARAMETERS.md is generated from it.
+"""#45 item 1: an edit's parameters are declared once (imgedit.protocol.EditRequest's fields, read as
+PARAMETERS) and the entry points follow the declaration: REST and /v1/jobs parse their form fields from it,
+`/edit`'s parameters come in its order, each result PNG records the parameters declared `png`, and
+docs/PARAMETERS.md is generated from it.
 
     python tests/test_parameters.py     # rewrites docs/PARAMETERS.md from the declaration
 """
@@ -35,8 +36,9 @@ INVALID = {"whole": "1.5x", "number": "nan", "flag": "perhaps", "size": "big", "
 
 def render() -> str:
     lines = ["# An edit's parameters", "",
-             "Generated from `imgedit/protocol.py` (`PARAMETERS`) by `python tests/test_parameters.py`; a test fails",
-             "when this file and the declaration differ. Names are the gradio `/edit` API's; REST and `/v1/jobs` take",
+             "Generated from `imgedit/protocol.py` (`EditRequest`'s fields, read as `PARAMETERS`) by",
+             "`python tests/test_parameters.py`; a test fails when this file and the declaration differ. Names are",
+             "the gradio `/edit` API's; REST and `/v1/jobs` take",
              "the form field named in the second column. PNG: recorded in each result PNG's settings; restored:",
              "the page's \"Restore the settings saved in this PNG\" puts it back into the form.", "",
              "| parameter | REST / jobs form field | kind | where | default | range | PNG | what it does |",
