@@ -132,14 +132,14 @@ def declared(kind: str, help: str, **how) -> Param:
     return Param("", kind, help, **how)
 
 
-def _declaration() -> tuple[Param, ...]:
-    """The declared parameters in EditRequest's order: each field's `declared(...)` named and defaulted by the
-    field, and the callers' switches (`ClassVar[Param]`: declared there, never carried)."""
+def declaration(request_type: type) -> tuple[Param, ...]:
+    """The parameters a request type declares, in its fields' order: each field's `declared(...)` named and
+    defaulted by the field, and the callers' switches (`ClassVar[Param]`: declared there, never carried)."""
     found = []
-    own = {f.name: f for f in fields(EditRequest)}
-    for name, hint in typing.get_type_hints(EditRequest, include_extras=True).items():
+    own = {f.name: f for f in fields(request_type)}
+    for name, hint in typing.get_type_hints(request_type, include_extras=True).items():
         if typing.get_origin(hint) is ClassVar:
-            if isinstance(switch := getattr(EditRequest, name), Param):
+            if isinstance(switch := getattr(request_type, name), Param):
                 found.append(replace(switch, name=name))
             continue
         how = next((m for m in getattr(hint, "__metadata__", ()) if isinstance(m, Param)), None)
@@ -284,7 +284,7 @@ class EditRequest:
 
 
 # Every declared parameter, read from EditRequest once (tests/test_declared_once.py adds a test-only one).
-PARAMETERS: tuple[Param, ...] = _declaration()
+PARAMETERS: tuple[Param, ...] = declaration(EditRequest)
 
 
 @dataclass(frozen=True)
