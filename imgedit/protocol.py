@@ -6,10 +6,16 @@ manager and its workers report. Below the server and the worker side alike; impo
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, field, fields
+import typing
+from dataclasses import MISSING, dataclass, field, fields, replace
 from enum import Enum
+from typing import Annotated, ClassVar
 
 from PIL import Image
+from pydantic import ConfigDict, ValidationError, model_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
+from imgedit.errors import InvalidInput
 
 
 def new_request_id() -> str:
@@ -17,12 +23,12 @@ def new_request_id() -> str:
     return "req_" + secrets.token_urlsafe(12)
 
 
-# ---- an edit's parameters, declared once ----
+# ---- an edit's parameters, declared once: EditRequest's fields (below) ----
 # Where a parameter is taken: the page and the gradio `/edit` API ("edit"), OpenAI-style REST
 # (/v1/images/edits: "rest"), the jobs API (/v1/jobs: "jobs"), the page's Batch tab and gradio `/batch`
-# ("batch": every item of a batch runs with them). REST and the jobs API parse their form fields from this
-# table (imgedit.web.rest_requests.form_fields), `/edit`'s and `/batch`'s parameters and the page's controls
-# follow its order (imgedit.web.requests), and docs/PARAMETERS.md is generated from it
+# ("batch": every item of a batch runs with them). REST and the jobs API parse their form fields by the
+# declaration (imgedit.web.rest_requests.form_fields), `/edit`'s and `/batch`'s parameters and the page's
+# controls follow its order (imgedit.web.requests), and docs/PARAMETERS.md is generated from it
 # (tests/test_parameters.py).
 EDIT, REST, JOBS, BATCH = "edit", "rest", "jobs", "batch"
 EVERYWHERE = frozenset((EDIT, REST, JOBS, BATCH))
@@ -43,8 +49,9 @@ class Param:
     here; `unit` follows the range in messages ("0 to 256 pixels"), `why` explains a bound where a user
     would ask.
 
-    A parameter that is not an EditRequest attribute travels in `EditRequest.options` (by name), from every
-    entry point to the worker: adding one is its Param here and the worker code that reads it."""
+    Each is written once, as an EditRequest field's `declared(...)` (or a caller's switch there); a parameter
+    that is not an EditRequest attribute travels in `EditRequest.options` (by name), from every entry point to
+    the worker."""
 
     name: str
     kind: str
@@ -62,6 +69,15 @@ class Param:
     low_open: bool = False
     unit: str = ""
     why: str = ""
+    # "Copy as API call" (imgedit.web.snippets): `always`: written whatever the form says (the call then
+    # repeats the edit), else only when set (not empty, not its default); `beside`: written only beside that
+    # parameter (a LoRA's strength beside the LoRA, the mask's settings beside the mask); `unless`: left out
+    # of a REST call where that switch is on (the seed where randomize_seed is ticked); `openai`: one of
+    # OpenAI's own arguments (an SDK keyword), not an extension sent through `extra_body`.
+    always: bool = False
+    beside: str | None = None
+    unless: str | None = None
+    openai: bool = False
 
     @property
     def edit_default(self) -> object:
@@ -110,48 +126,27 @@ def param(name: str) -> Param:
     raise KeyError(name)
 
 
-PARAMETERS: tuple[Param, ...] = (
-    Param("images", "file", "the image(s) to edit: 1 for Qwen-Image-Edit, 1-3 for 2509/2511, 0-10 for "
-          "Qwen-Image-2.1 (none: an image from the prompt alone)", rest="image",
-          takes=SINGLE, required=True),
-    Param("prompt", "text", "what to change, in words (up to 4,000 characters and 1,024 tokens)", default="",
-          required=True, png=True, restore=True),
-    Param("negative_prompt", "text", "what to avoid (true CFG)", default="", png=True, restore=True),
-    Param("seed", "whole", "the noise the edit starts from; absent: a random one, returned with the result",
-          png=True, restore=True, api_default=0, low=0, high=2**32 - 1),
-    Param("randomize_seed", "flag", "ignore `seed` and draw one", takes=frozenset((EDIT, BATCH)),
-          default=False, field=None, api_default=True),
-    Param("num_inference_steps", "whole", "denoising steps; absent: the model's", png=True, restore=True,
-          low=2, high="max_steps"),
-    Param("true_cfg_scale", "number", "how strongly the prompt is followed (1 turns CFG off); absent: "
-          "DEFAULT_TRUE_CFG (Qwen-Image-2.1: 1)", png=True, restore=True,
-          low=1, high=20, why="1 turns CFG off"),
-    Param("num_images", "whole", "images per prompt", default=1, rest="n",
-          low=1, high="max_images_per_prompt"),
-    Param("width", "whole", "output width; 0 or absent: from the last input's aspect, about 1 megapixel",
-          takes=frozenset((EDIT, BATCH)), png=True, restore=True, api_default=0),
-    Param("height", "whole", "output height; 0 or absent: as width", takes=frozenset((EDIT, BATCH)), png=True,
-          restore=True, api_default=0),
-    Param("size", "size", "`auto` or WIDTHxHEIGHT (OpenAI's name for width and height)",
-          takes=frozenset((REST, JOBS)), field=None),
-    Param("speed", "text", "quality, fast (Lightning 8 steps) or fastest (4 steps), where offered", png=True,
-          api_default="quality"),
-    Param("lora", "text", "a configured LoRA's name, or none", png=True, api_default="none"),
-    Param("lora_scale", "number", "that LoRA's strength; absent: 1", png=True, api_default=1.0,
-          low=0, high=2),
-    Param("mask", "file", "where to edit: white (or OpenAI's transparent) = edit; the first image's size "
-          "(one mask for every item of a job)", takes=SINGLE, png=True),
-    Param("mask_grow", "whole", "pixels the mask is grown by; absent: 0", takes=SINGLE, png=True, low=0,
-          high=256, unit="pixels"),
-    Param("mask_feather", "whole", "pixels of soft edge inside the mask; absent: 8", takes=SINGLE, png=True,
-          low=0, high=256, unit="pixels"),
-    Param("strength", "number", "how far the masked area may move from the input; absent: 1", takes=SINGLE,
-          png=True, low=0, high=1, low_open=True, why="1 = repaint the masked area from scratch"),
-    Param("enhance_prompt", "flag", "rewrite the prompt with the model's own text encoder first",
-          takes=SINGLE, default=False),
-    Param("cache", "text", "step cache for quality edits: none, first-block or taylorseer, where offered",
-          png=True, restore=True),
-)
+def declared(kind: str, help: str, **how) -> Param:
+    """A request field's declaration, in its type (`Annotated[int | None, declared("whole", ...)]`): the name
+    and the default are the field's own."""
+    return Param("", kind, help, **how)
+
+
+def declaration(request_type: type) -> tuple[Param, ...]:
+    """The parameters a request type declares, in its fields' order: each field's `declared(...)` named and
+    defaulted by the field, and the callers' switches (`ClassVar[Param]`: declared there, never carried)."""
+    found = []
+    own = {f.name: f for f in fields(request_type)}
+    for name, hint in typing.get_type_hints(request_type, include_extras=True).items():
+        if typing.get_origin(hint) is ClassVar:
+            if isinstance(switch := getattr(request_type, name), Param):
+                found.append(replace(switch, name=name))
+            continue
+        how = next((m for m in getattr(hint, "__metadata__", ()) if isinstance(m, Param)), None)
+        if how is not None:
+            default = own[name].default
+            found.append(replace(how, name=name, default=how.default if default is MISSING else default))
+    return tuple(found)
 
 
 def parameters(entry: str | None = None) -> tuple[Param, ...]:
@@ -170,31 +165,94 @@ def request_kwargs(values: dict) -> dict:
     return kwargs
 
 
-@dataclass(frozen=True)
-class EditRequest:
-    """One edit as the user asked for it. None means "the model's default"."""
+@typing.runtime_checkable
+class Picture(typing.Protocol):
+    """An input image: a PIL image, or one known by its header alone before it is decoded (Gradio's validator
+    checks sizes only: imgedit.engine.images.peek_image). Jobs carry decoded PIL images."""
 
-    images: tuple[Image.Image, ...]
-    prompt: str
-    negative_prompt: str = ""
-    seed: int | None = None
-    num_inference_steps: int | None = None
-    true_cfg_scale: float | None = None
-    num_images: int = 1
-    width: int | None = None
-    height: int | None = None
-    # quality | fast (Lightning 8 steps) | fastest (Lightning 4 steps); None = quality
-    speed: str | None = None
-    lora: str | None = None  # a configured LoRA's name; None or "none" = no LoRA
-    lora_scale: float | None = None  # that LoRA's strength, 0 to 2; None = 1
+    size: tuple[int, int]
+
+
+# A number as it was sent: 1 stays 1 (in messages and settings), 2.5 stays 2.5.
+Number = int | float
+# What a value of the wrong type is told, by pydantic's error type (the edges parse each field by its kind
+# first; this is the manager's own API, where a caller may send anything).
+_WRONG = {"int_from_float": "must be a whole number", "int_parsing": "must be a whole number",
+          "int_type": "must be a whole number", "float_parsing": "must be a number",
+          "float_type": "must be a number", "bool_parsing": "must be true or false",
+          "bool_type": "must be true or false", "string_type": "must be text"}
+
+
+@pydantic_dataclass(frozen=True, config=ConfigDict(arbitrary_types_allowed=True))
+class EditRequest:
+    """One edit as the user asked for it, and the declaration of every parameter a caller sends: each field's
+    type, default and `declared(...)` (kind, help, bounds, unit, which entry points take it, PNG and restore,
+    its REST name) are the one place it is written; `PARAMETERS` is read from here, in this order (it is
+    `/edit`'s API's order). None means "the model's default". Pydantic checks each value's type when a
+    request is made; the bounds, which may depend on the settings, are checked when it is resolved
+    (imgedit.engine.validation)."""
+
+    images: Annotated[tuple[Picture, ...], declared(
+        "file", "the image(s) to edit: 1 for Qwen-Image-Edit, 1-3 for 2509/2511, 0-10 for Qwen-Image-2.1 "
+        "(none: an image from the prompt alone)", rest="image", takes=SINGLE, required=True, openai=True)]
+    prompt: Annotated[str, declared(
+        "text", "what to change, in words (up to 4,000 characters and 1,024 tokens)", default="",
+        required=True, png=True, restore=True, always=True, openai=True)]
+    negative_prompt: Annotated[str, declared(
+        "text", "what to avoid (true CFG)", png=True, restore=True, always=True)] = ""
+    seed: Annotated[int | None, declared(
+        "whole", "the noise the edit starts from; absent: a random one, returned with the result", png=True,
+        restore=True, api_default=0, low=0, high=2**32 - 1, always=True, unless="randomize_seed")] = None
+    randomize_seed: ClassVar[Param] = Param(  # a caller's switch: the edges draw the seed where it is on
+        "randomize_seed", "flag", "ignore `seed` and draw one", takes=frozenset((EDIT, BATCH)), default=False,
+        field=None, api_default=True, always=True)
+    num_inference_steps: Annotated[int | None, declared(
+        "whole", "denoising steps; absent: the model's", png=True, restore=True, low=2, high="max_steps",
+        always=True)] = None
+    true_cfg_scale: Annotated[Number | None, declared(
+        "number", "how strongly the prompt is followed (1 turns CFG off); absent: DEFAULT_TRUE_CFG "
+        "(Qwen-Image-2.1: 1)", png=True, restore=True, low=1, high=20, why="1 turns CFG off",
+        always=True)] = None
+    num_images: Annotated[int, declared(
+        "whole", "images per prompt", rest="n", low=1, high="max_images_per_prompt", always=True,
+        openai=True)] = 1
+    width: Annotated[int | None, declared(
+        "whole", "output width; 0 or absent: from the last input's aspect, about 1 megapixel",
+        takes=frozenset((EDIT, BATCH)), png=True, restore=True, api_default=0, always=True)] = None
+    height: Annotated[int | None, declared(
+        "whole", "output height; 0 or absent: as width", takes=frozenset((EDIT, BATCH)), png=True,
+        restore=True, api_default=0, always=True)] = None
+    size: ClassVar[Param] = Param(  # OpenAI's name for width and height: REST parses it into them
+        "size", "size", "`auto` or WIDTHxHEIGHT (OpenAI's name for width and height)",
+        takes=frozenset((REST, JOBS)), field=None, openai=True)
+    speed: Annotated[str | None, declared(  # None = quality
+        "text", "quality, fast (Lightning 8 steps) or fastest (4 steps), where offered", png=True,
+        api_default="quality")] = None
+    lora: Annotated[str | None, declared(  # None or "none" = no LoRA
+        "text", "a configured LoRA's name, or none", png=True, api_default="none")] = None
+    lora_scale: Annotated[Number | None, declared(  # None = 1
+        "number", "that LoRA's strength; absent: 1", png=True, api_default=1.0, low=0, high=2,
+        beside="lora")] = None
     # Masked editing (imgedit.engine.masks): "L", the first image's size, 255 = may change; None = whole image
-    mask: Image.Image | None = None
-    mask_grow: int | None = None  # pixels the mask is grown by; None = 0
-    mask_feather: int | None = None  # pixels of soft edge inside the mask; None = masks.DEFAULT_FEATHER
-    strength: float | None = None  # (0, 1]: how far from the input the masked area may go; None = 1
-    cache: str | None = None  # step cache for a quality edit: none | first-block | taylorseer; None = CACHE
+    mask: Annotated[Image.Image | None, declared(
+        "file", "where to edit: white (or OpenAI's transparent) = edit; the first image's size (one mask for "
+        "every item of a job)", takes=SINGLE, png=True, openai=True)] = None
+    mask_grow: Annotated[int | None, declared(
+        "whole", "pixels the mask is grown by; absent: 0", takes=SINGLE, png=True, low=0, high=256,
+        unit="pixels", beside="mask")] = None
+    mask_feather: Annotated[int | None, declared(  # None = masks.DEFAULT_FEATHER
+        "whole", "pixels of soft edge inside the mask; absent: 8", takes=SINGLE, png=True, low=0, high=256,
+        unit="pixels", beside="mask")] = None
+    strength: Annotated[Number | None, declared(
+        "number", "how far the masked area may move from the input; absent: 1", takes=SINGLE, png=True, low=0,
+        high=1, low_open=True, why="1 = repaint the masked area from scratch", beside="mask")] = None
     # rewrite the prompt with the model's text encoder first (imgedit.runtime.enhance)
-    enhance_prompt: bool = False
+    enhance_prompt: Annotated[bool, declared(
+        "flag", "rewrite the prompt with the model's own text encoder first", takes=SINGLE)] = False
+    cache: Annotated[str | None, declared(  # None = CACHE
+        "text", "step cache for quality edits: none, first-block or taylorseer, where offered", png=True,
+        restore=True)] = None
+    # not parameters: who and what the request is
     request_id: str = field(default_factory=new_request_id)
     source: str = "ui"  # ui | api | rest: for logs and metrics
     client: str | None = None  # who asked (imgedit.web.identity's owner): for each client's share of the line
@@ -202,11 +260,31 @@ class EditRequest:
     # here
     options: dict = field(default_factory=dict)
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _in_our_words(cls, values, handler):
+        """A value of the wrong type: InvalidInput naming the parameter, as every other check says it."""
+        try:
+            return handler(values)
+        except ValidationError as exc:
+            errors = exc.errors()
+            # a union (a Number) lists one error per member: the last one says what was expected
+            error = [e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]][-1]
+            name = str(error["loc"][0]) if error["loc"] else "a request value"
+            wrong = _WRONG.get(error["type"], "is not valid")
+            value = error.get("input")
+            shown = repr(value) if isinstance(value, (int, float)) else repr(str(value)[:40])
+            raise InvalidInput(f"{name} {wrong}, got {shown}", name if error["loc"] else None) from None
+
     def value(self, name: str, default=None):
         """A declared parameter's value as asked for: its attribute, or its entry in `options`."""
         if name in self.options:
             return self.options[name]
         return getattr(self, name, default)
+
+
+# Every declared parameter, read from EditRequest once (tests/test_declared_once.py adds a test-only one).
+PARAMETERS: tuple[Param, ...] = declaration(EditRequest)
 
 
 @dataclass(frozen=True)
@@ -265,6 +343,41 @@ class WorkerState(str, Enum):
     @property
     def ended(self) -> bool:
         return self in (WorkerState.FAILED, WorkerState.STOPPED)
+
+
+class ItemState(str, Enum):
+    """Where one item of a job (a batch, or a /v1/jobs input set) is. A str: the jobs API, the Batch tab and
+    the records on disk (imgedit.engine.job_records) read and write the value."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    __str__ = str.__str__
+
+    @property
+    def finished(self) -> bool:
+        return self not in (ItemState.QUEUED, ItemState.RUNNING)
+
+
+class JobState(str, Enum):
+    """A job's state, made from its items' (imgedit.engine.job_records.job_state)."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    CANCELLING = "cancelling"  # asked to stop: waiting items leave the line, a running one stops at a step
+    SUCCEEDED = "succeeded"
+    PARTIAL = "partial"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    __str__ = str.__str__
+
+    @property
+    def finished(self) -> bool:
+        return self not in (JobState.QUEUED, JobState.RUNNING, JobState.CANCELLING)
 
 
 @dataclass(frozen=True)
@@ -328,9 +441,9 @@ class ManagerStatus:
         return sum(w.state.serving for w in self.workers)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Resolved:
-    """The exact parameters the pipeline gets."""
+    """The exact parameters the pipeline gets (by name: twelve of them read alike in a row of values)."""
 
     steps: int
     true_cfg_scale: float

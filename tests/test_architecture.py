@@ -227,6 +227,32 @@ def test_only_the_handle_writes_a_workers_state(tmp_path):
     assert state_writers(planted) == [2]
 
 
+def engine_members_used(path: Path) -> set[str]:
+    """What a module reads of the engine: attributes of a name `manager` or `engine` (self.manager too)."""
+    used = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            owner = node.value
+            name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", None)
+            if name in ("manager", "engine"):
+                used.add(node.attr)
+    return used
+
+
+def test_the_web_uses_the_engine_through_its_interface_only():
+    """The web is handed an `Engine` (imgedit.engine.interface) and uses nothing else of the manager; the
+    manager implements it (no proxy forwarding unknown names)."""
+    from imgedit.engine.interface import Engine
+    from imgedit.engine.manager import PipelineManager
+
+    offered = {name for name in dir(Engine) if not name.startswith("__")} | set(Engine.__annotations__)
+    used = {name: found - offered for name, path in modules().items()
+            if name.startswith("imgedit.web.") and (found := engine_members_used(path) - offered)}
+    assert used == {}, f"the web reaches past the engine's interface: {used}"
+    assert issubclass(PipelineManager, Engine) and not PipelineManager.__abstractmethods__
+    assert not any(hasattr(cls, "__getattr__") for cls in PipelineManager.__mro__ if cls is not object)
+
+
 def test_the_checker_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
     """The two checks above can fail: a made-up package with a cycle and an upward import trips them."""
     fake = tmp_path / "imgedit"

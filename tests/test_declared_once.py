@@ -11,6 +11,8 @@ declared for this module's server only; then:
 - the History store keeps it: `/history` lists it and the History tab's Re-run puts it back into the form;
 - docs/PARAMETERS.md's generator lists it.
 
+And the declaration is the request type (imgedit.protocol.EditRequest): a field added there, with its type and
+`declared(...)`, is that parameter, checked and described, with nothing else written.
 """
 
 from __future__ import annotations
@@ -19,15 +21,20 @@ import base64
 import io
 import pickle
 import time
+from typing import Annotated
 
 import httpx
 import pytest
 from conftest import make_manager, start_server
 from PIL import Image
+from pydantic import ConfigDict
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 from raw_gradio import RawGradio
 
 from imgedit import protocol
+from imgedit.errors import InvalidInput
 from imgedit.protocol import EVERYWHERE, EditRequest, Param
+from imgedit.protocol import declared as declare
 from imgedit.web.identity import COOKIE
 from imgedit.web.requests import edit_fields
 
@@ -130,14 +137,15 @@ def test_the_page_has_a_control_for_it_and_restores_it(server, manager):
 
 
 def test_the_snippets_send_it_and_leave_it_out_at_its_default(declared):
-    from imgedit.web.snippets import api_values, curl_snippet, gradio_snippet, openai_snippet
+    from imgedit.web.snippets import api_values, curl_snippet, gradio_snippet, input_files, openai_snippet
 
     form = {"prompt": "make it red", "seed": 3, "randomize_seed": False, "note": "kept by a snippet"}
-    values = api_values(form, 1, 2, 4.0)
+    defaults = {"num_inference_steps": 2, "true_cfg_scale": 4.0}
+    values = api_values(form, input_files(1), defaults)
     assert "note='kept by a snippet'," in gradio_snippet("http://h/", values, auth=False)
     assert "-F 'note=kept by a snippet'" in curl_snippet("http://h/", values)
     assert "'note': 'kept by a snippet'" in openai_snippet("http://h/", values)
-    assert "note" not in api_values({**form, "note": ""}, 1, 2, 4.0)
+    assert "note" not in api_values({**form, "note": ""}, input_files(1), defaults)
 
 
 def test_the_parameter_table_lists_it_and_the_request_carries_it_to_the_worker(declared):
@@ -146,3 +154,24 @@ def test_the_parameter_table_lists_it_and_the_request_carries_it_to_the_worker(d
     assert any(line.startswith("| `note` |") for line in render().splitlines())
     req = EditRequest(images=(), **protocol.request_kwargs({"prompt": "p", "note": "n"}))
     assert req.value("note") == "n" and pickle.loads(pickle.dumps(req)).value("note") == "n"  # as a worker gets it
+
+
+
+# A field added to the request type, with its declaration: on a subclass, so that the real type stays as it is
+# for the other tests (module level: the annotation is read in this module's namespace).
+@pydantic_dataclass(frozen=True, config=ConfigDict(arbitrary_types_allowed=True))
+class WithCount(EditRequest):
+    count: Annotated[int | None, declare("whole", "a test-only count", png=True, low=0, high=9,
+                                         unit="notes")] = None
+
+
+def test_a_field_added_to_the_request_type_is_a_declared_parameter_and_nothing_else_is_written():
+    found = protocol.declaration(WithCount)
+    assert [p.name for p in found] == [p.name for p in protocol.declaration(EditRequest)] + ["count"]
+    count = found[-1]
+    assert (count.kind, count.takes, count.default, count.png, count.range_text()) == (
+        "whole", EVERYWHERE, None, True, "0 to 9 notes")
+    assert WithCount(images=(), prompt="x", count="3").count == 3
+    with pytest.raises(InvalidInput, match="count must be a whole number, got 'many'") as refused:
+        WithCount(images=(), prompt="x", count="many")
+    assert refused.value.field == "count"

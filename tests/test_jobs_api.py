@@ -165,6 +165,7 @@ def test_result_before_the_end_is_409_and_delete_cancels(server):
         time.sleep(0.1)
     early = http.get(f"{server.url}/v1/jobs/{job_id}/result", headers=A, timeout=30)
     assert early.status_code == 409 and early.json()["error"]["code"] == "not_finished"
+    assert early.json()["error"]["type"] == "invalid_request_error"  # the caller's to wait for, as every 4xx
     deleted = http.delete(f"{server.url}/v1/jobs/{job_id}", headers=A, timeout=30)
     assert deleted.status_code == 200 and deleted.json()["state"] == "cancelling"  # it said "running"
     view = wait_finished(server.url, job_id, timeout=60)
@@ -175,6 +176,23 @@ def test_result_before_the_end_is_409_and_delete_cancels(server):
     assert gone.status_code == 409 and gone.json()["error"]["code"] == "no_result"
     history = server.server.config.app.state.history
     assert history.job(owner_of("token-a"), job_id) == []  # nothing is stored for a cancelled job
+
+
+def test_a_result_deleted_after_the_job_is_410_in_the_shape_of_every_other_4xx(server):
+    """One error builder for every route: 409 and 410 are the request's (invalid_request_error), not the
+    server's."""
+    job_id = http.post(f"{server.url}/v1/jobs", files={"image": ("d.png", png(), "image/png")}, data=FIELDS,
+                       headers=A, timeout=60).json()["id"]
+    assert wait_finished(server.url, job_id)["state"] == "succeeded"
+    history = server.server.config.app.state.history
+    for entry in history.job(owner_of("token-a"), job_id):
+        for path in entry.output_paths:
+            path.unlink()
+    gone = http.get(f"{server.url}/v1/jobs/{job_id}/result", headers=A, timeout=30)
+    assert gone.status_code == 410, gone.text
+    assert gone.json()["error"] == {"message": "the stored result was deleted (OUTPUT_RETENTION_HOURS / "
+                                    "OUTPUT_MAX_GB)", "type": "invalid_request_error", "param": None,
+                                    "code": "gone"}
 
 
 def test_finished_items_are_served_at_once_a_cancelled_job_keeps_them_and_jobs_are_listed(server):

@@ -58,7 +58,8 @@ def test_each_image_of_a_result_has_its_own_seed_and_alone_repeats(plus_manager)
     assert np.abs(pixels(both, 0) - pixels(first)).max() <= 1  # batch 2 vs 1: float sums may differ in the last bit
     assert np.abs(pixels(both, 1) - pixels(second)).max() <= 1
     assert np.abs(pixels(both, 0) - pixels(both, 1)).mean() > 1.0
-    last = Resolved(4, 4.0, " ", 2**32 - 1, 3, 64, 64)  # the last seed wraps to 0
+    last = Resolved(steps=4, true_cfg_scale=4.0, negative_prompt=" ", seed=2**32 - 1, num_images=3, width=64,
+                    height=64)  # the last seed wraps to 0
     assert last.image_seeds == (2**32 - 1, 0, 1)
 
 

@@ -1,6 +1,7 @@
-"""#45 item 1: an edit's parameters are declared once (imgedit.protocol.PARAMETERS) and the entry points follow
-the declaration: REST and /v1/jobs parse their form fields from it, `/edit`'s parameters come in its order,
-each result PNG records the parameters declared `png`, and docs/PARAMETERS.md is generated from it.
+"""#45 item 1: an edit's parameters are declared once (imgedit.protocol.EditRequest's fields, read as
+PARAMETERS) and the entry points follow the declaration: REST and /v1/jobs parse their form fields from it,
+`/edit`'s parameters come in its order, each result PNG records the parameters declared `png`, and
+docs/PARAMETERS.md is generated from it.
 
     python tests/test_parameters.py     # rewrites docs/PARAMETERS.md from the declaration
 """
@@ -35,8 +36,9 @@ INVALID = {"whole": "1.5x", "number": "nan", "flag": "perhaps", "size": "big", "
 
 def render() -> str:
     lines = ["# An edit's parameters", "",
-             "Generated from `imgedit/protocol.py` (`PARAMETERS`) by `python tests/test_parameters.py`; a test fails",
-             "when this file and the declaration differ. Names are the gradio `/edit` API's; REST and `/v1/jobs` take",
+             "Generated from `imgedit/protocol.py` (`EditRequest`'s fields, read as `PARAMETERS`) by",
+             "`python tests/test_parameters.py`; a test fails when this file and the declaration differ. Names are",
+             "the gradio `/edit` API's; REST and `/v1/jobs` take",
              "the form field named in the second column. PNG: recorded in each result PNG's settings; restored:",
              "the page's \"Restore the settings saved in this PNG\" puts it back into the form.", "",
              "| parameter | REST / jobs form field | kind | where | default | range | PNG | what it does |",
@@ -200,3 +202,29 @@ def test_a_range_check_names_the_bound_and_refuses_nan():
 if __name__ == "__main__":
     DOC.write_text(render())
     print(f"wrote {DOC}")
+
+
+def test_the_declaration_is_the_request_type():
+    """#61 item 1: each parameter is written once, as an EditRequest field (its type, default and `declared`:
+    kind, help, bounds, unit, where it is taken); PARAMETERS is read from the fields, in their order, and a value
+    of the wrong type is refused when a request is made, naming the parameter."""
+    import typing
+
+    from imgedit.errors import InvalidInput
+    from imgedit.protocol import Param
+
+    hints = typing.get_type_hints(EditRequest, include_extras=True)
+    declared = [name for name, hint in hints.items()
+                if any(isinstance(m, Param) for m in getattr(hint, "__metadata__", ()))
+                or typing.get_origin(hint) is typing.ClassVar]
+    assert declared == [p.name for p in PARAMETERS]  # nothing declares a parameter anywhere else
+    steps = next(p for p in PARAMETERS if p.name == "num_inference_steps")
+    assert (steps.kind, steps.low, steps.high, steps.default) == ("whole", 2, "max_steps", None)
+    for field, value, words in (("num_inference_steps", 2.5, "must be a whole number, got 2.5"),
+                                ("lora_scale", "many", "must be a number, got 'many'"),
+                                ("enhance_prompt", "perhaps", "must be true or false"),
+                                ("prompt", None, "must be text")):
+        with pytest.raises(InvalidInput, match=f"{field} {words}") as refused:
+            EditRequest(images=(), **{"prompt": "x", field: value})
+        assert refused.value.field == field
+    assert EditRequest(images=[], prompt="x", num_inference_steps=3.0).num_inference_steps == 3  # lax, exact

@@ -82,10 +82,10 @@ def test_a_cache_where_the_workers_cannot_run_it_is_refused_at_start_with_the_re
     # A job's (or a batch's) own `cache` on such workers: a 400 naming the field, before anything runs.
     ulysses = make_manager(plus_ckpt, plan=group_plan("ulysses", 2, 2), load=False).prepare()
     with pytest.raises(InvalidInput, match="cache first-block is not available on this server: a Ulysses") as refused:
-        ulysses.check_cache("first-block")
+        ulysses.check(EditRequest(images=(), prompt="x", cache="first-block"))
     assert refused.value.field == "cache"
-    ulysses.check_cache("none")  # no cache asked: nothing to refuse
-    ulysses.check_cache(None)
+    ulysses.check(EditRequest(images=(), prompt="x", cache="none"))  # no cache asked: nothing to refuse
+    ulysses.check(EditRequest(images=(), prompt="x"))
 
 
 def picture_bytes() -> bytes:

@@ -334,11 +334,11 @@ def test_api_call_snippets_are_valid_code_for_the_form():
     """"Copy as API call": the gradio_client and OpenAI snippets compile; quotes in a prompt stay quoted."""
     import shlex
 
-    from imgedit.web.snippets import api_values, curl_snippet, gradio_snippet, openai_snippet
+    from imgedit.web.snippets import api_values, curl_snippet, gradio_snippet, input_files, openai_snippet
 
     form = {"prompt": "it's \"red\"", "negative_prompt": "", "seed": "7", "randomize_seed": False,
             "num_inference_steps": None, "true_cfg_scale": "4.5", "num_images": 2, "width": 64, "height": 0}
-    values = api_values(form, 2, 40, 4.0)
+    values = api_values(form, input_files(2), {"num_inference_steps": 40, "true_cfg_scale": 4.0})
     assert values["seed"] == 7 and values["num_inference_steps"] == 40 and values["true_cfg_scale"] == 4.5
     code = gradio_snippet("http://host:7860/", values, auth=False)
     compile(code, "gradio_snippet", "exec")

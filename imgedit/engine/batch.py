@@ -24,15 +24,15 @@ from pathlib import PurePosixPath
 from imgedit.config.settings import Settings
 from imgedit.engine.history import HistoryEntry, HistoryStore
 from imgedit.engine.images import SUFFIXES, mask_digest, open_image, reencoded
+from imgedit.engine.interface import Engine
 from imgedit.engine.job_records import JobRecords, job_state
 from imgedit.errors import Cancelled, ImgEditError, InputTooLarge, InvalidInput, QueueFull
 from imgedit.planning.families import FAMILIES
-from imgedit.protocol import EditRequest, WorkerState, new_request_id
+from imgedit.protocol import EditRequest, ItemState, JobState, WorkerState, new_request_id
 
 log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-FINISHED = ("succeeded", "partial", "failed", "cancelled")
 KEEP_FINISHED_S = 3600.0  # finished jobs stay in memory this long; afterwards the history answers
 RETRY_BUSY_S = 1.0
 
@@ -42,7 +42,7 @@ class Item:
     index: int
     name: str
     inputs: list[bytes] | None  # encoded images; dropped once the item has run
-    state: str = "queued"  # queued | running | succeeded | failed | cancelled
+    state: ItemState = ItemState.QUEUED
     error: str | None = None
     seed: int | None = None
     step: int = 0
@@ -74,16 +74,16 @@ class Job:
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
-    def state(self) -> str:
+    def state(self) -> JobState:
         return job_state([i.state for i in self.items], self.cancel.is_set())
 
     @property
     def finished(self) -> bool:
-        return self.state in FINISHED
+        return self.state.finished
 
     @property
     def position(self) -> int | None:
-        waiting = [i.position for i in self.items if i.state == "queued" and i.position is not None]
+        waiting = [i.position for i in self.items if i.state is ItemState.QUEUED and i.position is not None]
         return min(waiting) if waiting else None
 
     def touch(self) -> None:
@@ -97,11 +97,7 @@ class Job:
         self._changed.clear()
 
     def settings(self) -> dict:
-        t = self.template
-        return {"prompt": t.prompt, "num_inference_steps": t.num_inference_steps, "n": t.num_images,
-                "speed": t.speed, "lora": t.lora, "lora_scale": t.lora_scale,
-                "enhance_prompt": t.enhance_prompt,
-                "mask": None if t.mask is None else f"sha256:{mask_digest(t.mask)}"}
+        return job_settings(self.template)
 
     def view(self) -> dict:
         return job_view(self.id, self.state, self.created, self.position, self.settings(),
@@ -111,14 +107,23 @@ class Job:
         return [i.entry for i in self.items if i.entry is not None]
 
 
-def job_view(job_id: str, state: str, created: float, position: int | None, settings: dict,
+def job_settings(template: EditRequest) -> dict:
+    """The settings a job's status shows (every item runs with them), by their REST names: for a job in memory
+    and for one read back from the history alike."""
+    t = template
+    return {"prompt": t.prompt, "num_inference_steps": t.num_inference_steps, "n": t.num_images,
+            "speed": t.speed, "lora": t.lora, "lora_scale": t.lora_scale, "enhance_prompt": t.enhance_prompt,
+            "mask": None if t.mask is None else f"sha256:{mask_digest(t.mask)}"}
+
+
+def job_view(job_id: str, state: JobState, created: float, position: int | None, settings: dict,
              items: list[dict]) -> dict:
     """What GET /v1/jobs/<id> answers, for a job in memory or one read back from disk. Items are numbered
     from 1 (`item`), as `?item=N` fetches them (the records' own `index` counts from 0)."""
     shown = [{"item": i["index"] + 1, **{k: v for k, v in i.items() if k != "index"}} for i in items]
     return {"id": job_id, "object": "job", "state": state, "created": int(created), "position": position,
-            **settings, "items": shown, "done": sum(i["state"] == "succeeded" for i in items),
-            "failed": sum(i["state"] in ("failed", "cancelled") for i in items)}
+            **settings, "items": shown, "done": sum(i["state"] == ItemState.SUCCEEDED for i in items),
+            "failed": sum(i["state"] in (ItemState.FAILED, ItemState.CANCELLED) for i in items)}
 
 
 def expand_uploads(files: list[tuple[str, bytes]], max_items: int,
@@ -198,7 +203,7 @@ def results_zip(items: list[tuple[str, HistoryEntry | None, str | None]], output
 class JobService:
     """Accepts jobs, runs their items through the manager and keeps them (by owner) for lookups."""
 
-    def __init__(self, settings: Settings, manager, history: HistoryStore):
+    def __init__(self, settings: Settings, manager: Engine, history: HistoryStore):
         self.manager = manager
         self.settings = settings
         self.history = history
@@ -212,7 +217,7 @@ class JobService:
         return FAMILIES[self.manager.family].rgba
 
     def pending_items(self, owner: str | None = None) -> int:
-        return sum(i.state in ("queued", "running") for j in self._jobs.values() for i in j.items
+        return sum(not i.state.finished for j in self._jobs.values() for i in j.items
                    if owner is None or j.owner == owner)
 
     def client_items(self) -> int:
@@ -287,13 +292,13 @@ class JobService:
             await asyncio.gather(*(one(item) for item in job.items))
         finally:
             for item in job.items:  # the task itself was cancelled (server stopping)
-                if item.state in ("queued", "running"):
-                    item.state, item.error, item.inputs = "cancelled", "stopped", None
+                if not item.state.finished:
+                    item.state, item.error, item.inputs = ItemState.CANCELLED, "stopped", None
             job.finished_at = time.time()
             job.touch()
             self._persist(job)  # not in a thread: the task may be being cancelled (server stopping)
             log.info("%s %s: %d/%d succeeded", job.id, job.state,
-                     sum(i.state == "succeeded" for i in job.items), len(job.items))
+                     sum(i.state is ItemState.SUCCEEDED for i in job.items), len(job.items))
 
     async def _run_item(self, job: Job, item: Item) -> None:
         settings = self.settings
@@ -312,7 +317,7 @@ class JobService:
                 item.position = ahead
 
             def on_step(step: int, total: int) -> None:
-                item.state, item.position, item.step, item.total_steps = "running", None, step, total
+                item.state, item.position, item.step, item.total_steps = ItemState.RUNNING, None, step, total
 
             while True:
                 try:
@@ -325,13 +330,13 @@ class JobService:
             item.seed, item.notice = result.seed, result.notice
             item.entry = await asyncio.to_thread(self.history.save, job.owner, job.id, item.index, req,
                                                  result, item.name)
-            item.state = "succeeded"
+            item.state = ItemState.SUCCEEDED
         except Cancelled as exc:
-            item.state, item.error = "cancelled", exc.message
+            item.state, item.error = ItemState.CANCELLED, exc.message
         except ImgEditError as exc:
-            item.state, item.error = "failed", exc.message
+            item.state, item.error = ItemState.FAILED, exc.message
         except Exception:
             log.exception("%s item %d failed", job.id, item.index)
-            item.state, item.error = "failed", f"internal error (job {job.id}, item {item.index + 1})"
+            item.state, item.error = ItemState.FAILED, f"internal error (job {job.id}, item {item.index + 1})"
         finally:
             item.inputs, item.position = None, None

@@ -20,10 +20,11 @@ import threading
 import time
 from pathlib import Path
 
+from imgedit.protocol import ItemState, JobState
+
 log = logging.getLogger(__name__)
 
 STOPPED = "the server stopped before this item finished"
-UNFINISHED = ("queued", "running")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     id TEXT PRIMARY KEY,
@@ -40,19 +41,20 @@ CREATE INDEX IF NOT EXISTS jobs_created ON jobs (created);
 """
 
 
-def job_state(states: list[str], cancelled: bool) -> str:
-    """A job's state from its items' (queued, running, succeeded, failed, cancelled)."""
-    if any(s in UNFINISHED for s in states):
+def job_state(states: list[str], cancelled: bool) -> JobState:
+    """A job's state from its items' (ItemState, or their values as read back from disk)."""
+    states = [ItemState(s) for s in states]
+    if not all(s.finished for s in states):
         if cancelled:
             # asked to stop: waiting items are leaving the line, a running one stops at a step
-            return "cancelling"
-        return "running" if any(s != "queued" for s in states) else "queued"
-    if cancelled and "cancelled" in states:
-        return "cancelled"  # the items that finished before it was cancelled can still be fetched
+            return JobState.CANCELLING
+        return JobState.RUNNING if any(s is not ItemState.QUEUED for s in states) else JobState.QUEUED
+    if cancelled and ItemState.CANCELLED in states:
+        return JobState.CANCELLED  # the items that finished before it was cancelled can still be fetched
     # A cancel that came after every item had ended took nothing away: the job stays as it ended (a DELETE
     # of a finished job, or the page's batch handler closing, once made a succeeded job "cancelled").
-    ok = states.count("succeeded")
-    return "succeeded" if ok == len(states) else ("failed" if ok == 0 else "partial")
+    ok = states.count(ItemState.SUCCEEDED)
+    return JobState.SUCCEEDED if ok == len(states) else (JobState.FAILED if ok == 0 else JobState.PARTIAL)
 
 
 def _start_time(pid: int) -> str | None:
@@ -148,8 +150,8 @@ class JobRecords:
                 continue
             items = json.loads(raw)
             for item in items:
-                if item["state"] in UNFINISHED:
-                    item.update(state="failed", error=STOPPED, step=0)
+                if not ItemState(item["state"]).finished:
+                    item.update(state=ItemState.FAILED, error=STOPPED, step=0)
             with self._lock:
                 self._db.execute("UPDATE jobs SET items = ?, finished = ? WHERE id = ?",
                                  (json.dumps(items), time.time(), job_id))

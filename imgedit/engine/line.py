@@ -1,17 +1,23 @@
 """The one FIFO line in front of the workers: jobs from the page, the gradio API, REST and batches wait here
 together, in arrival order, for a free worker. QUEUE_MAX_SIZE bounds the line and CLIENT_SHARE one client's
 places in it. No torch; the workers' handles (imgedit.engine.pool) are claimed and released here only.
+
+The line also knows every job in flight, from its arrival to its worker's release (`admit`), which is all
+the SIGTERM drain needs (imgedit.engine.shutdown): `close` refuses new jobs and fails the waiting ones,
+`wait_empty` waits for the running ones, `cancel_all` stops them at their next step.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from imgedit.config.settings import Settings
 from imgedit.engine.pool import WorkerHandle
+from imgedit.engine.shutdown import REFUSED, ShuttingDown
 from imgedit.errors import Cancelled, QueueFull, WorkerFailed
 from imgedit.protocol import WorkerState
 
@@ -27,6 +33,24 @@ class _Ticket:
         self.client = client
 
 
+class Admitted(threading.Event):
+    """A job in flight: its cancel flag, set by the drain or read through from the caller's own (the drain
+    never sets the caller's flag: a batch's flag set by the drain would read as "cancelled by the user"), and
+    why the drain stopped it."""
+
+    def __init__(self, outer: threading.Event | None):
+        super().__init__()
+        self.outer = outer
+        self.reason: str | None = None
+
+    def is_set(self) -> bool:
+        return super().is_set() or (self.outer is not None and self.outer.is_set())
+
+    def stop(self, reason: str) -> None:
+        self.reason = self.reason or reason
+        self.set()
+
+
 class Line:
     """`workers()`: the handles jobs wait for (the manager's list, read at each look). The line's condition is
     also what start-up waits on: `changed()` wakes everyone when a worker's state changes."""
@@ -36,6 +60,46 @@ class Line:
         self._workers = workers
         self._cond = threading.Condition()
         self._tickets: collections.deque[_Ticket] = collections.deque()
+        self._in_flight: list[Admitted] = []
+        self._closed: str | None = None  # why jobs still waiting were dropped (`close`)
+
+    @contextlib.contextmanager
+    def admit(self, cancel: threading.Event | None) -> Iterator[Admitted]:
+        """A job in flight, until the block ends (its worker released): its cancel flag, linked to the
+        caller's. Refused (ShuttingDown) once the line is closed; a job the drain stopped raises
+        ShuttingDown with the drain's reason instead of Cancelled."""
+        job = Admitted(cancel)
+        with self._cond:
+            if self._closed is not None:
+                raise ShuttingDown(REFUSED)
+            self._in_flight.append(job)
+        try:
+            yield job
+        except Cancelled:
+            if job.reason is not None and not (cancel is not None and cancel.is_set()):
+                raise ShuttingDown(job.reason) from None
+            raise
+        finally:
+            with self._cond:
+                self._in_flight.remove(job)
+                self._cond.notify_all()
+
+    def close(self, message: str) -> None:
+        """No new job from now on; every job still waiting for a worker fails at once with `message` (jobs
+        on a worker go on)."""
+        with self._cond:
+            self._closed = message
+            self._cond.notify_all()
+
+    def cancel_all(self, message: str) -> None:
+        """Stop every job in flight at its next step; its caller gets ShuttingDown(message)."""
+        with self._cond:
+            for job in self._in_flight:
+                job.stop(message)
+
+    def wait_empty(self, timeout: float) -> bool:
+        """Wait until no job is in flight (True), or `timeout` seconds (False)."""
+        return self.wait_while(lambda: bool(self._in_flight), timeout)
 
     def __len__(self) -> int:
         with self._cond:
@@ -83,6 +147,8 @@ class Line:
             try:
                 while True:
                     workers = self._workers()
+                    if self._closed is not None:
+                        raise ShuttingDown(self._closed)
                     if cancel is not None and cancel.is_set():
                         raise Cancelled("cancelled while waiting")
                     if not any(not w.state.ended for w in workers):

@@ -21,10 +21,12 @@ from collections.abc import Callable, Sequence
 from imgedit.config.settings import Settings
 from imgedit.engine import startup
 from imgedit.engine.images import stamp_result
-from imgedit.engine.line import Line, WaitCallback
+from imgedit.engine.interface import Engine, StepCallback, WaitCallback
+from imgedit.engine.line import Line
 from imgedit.engine.pool import WorkerHandle, wait_result
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
-from imgedit.engine.validation import check_enhance, default_steps, resolve, resolve_enhance
+from imgedit.engine.shutdown import NOT_STARTED, STOPPED
+from imgedit.engine.validation import check_params, default_steps, resolve, resolve_enhance
 from imgedit.errors import (
     Cancelled,
     ImgEditError,
@@ -45,14 +47,13 @@ from imgedit.runtime.messages import Done, Job
 
 log = logging.getLogger(__name__)
 
-StepCallback = Callable[[int, int], None]  # (step, total)
 ERRORS = {cls.kind: cls for cls in (Cancelled, OutOfGpuMemory, WorkerFailed, NotReady, QueueFull)}
 # Sizes warmed at start-up: the default square and a portrait one (the blocks compile dynamic from the
 # first; the second checks that no guard specialised a length: imgedit.runtime.warmup).
 WARMUP_SIZES = ((1024, 1024), (832, 1248))
 
 
-class PipelineManager:
+class PipelineManager(Engine):
     def __init__(self, settings: Settings, plan: Plan | None = None, gpus: Sequence[GpuSpec] | None = None,
                  worker_hook: str | None = None, warmup_sizes: tuple[tuple[int, int], ...] = WARMUP_SIZES):
         self.settings = settings
@@ -94,12 +95,22 @@ class PipelineManager:
         return modes.compile_enabled(self.settings, plan)
 
     def cache_refusal(self) -> str | None:
+        """Why these workers cannot run a step cache (the family, then the plan's modes), or None: the page
+        hides its Step cache control then."""
         return not_built(self.family, "cache") or modes.cache_refusal(self.settings, self._plans)
 
-    def check_cache(self, cache: str | None) -> None:
-        """InvalidInput (400) when a job asks for a step cache these workers cannot run."""
-        if cache not in (None, "none") and (refusal := self.cache_refusal()) is not None:
-            raise InvalidInput(f"cache {cache} is not available on this server: {refusal}", "cache")
+    def can_run(self, params: Resolved) -> InvalidInput | None:
+        """Whether these workers can run a job with these parameters: the refusal (a 400 naming the
+        parameter) or None. What the plan decides and the value checks cannot know (a step cache on compiled
+        workers or a Ulysses group, a prompt rewrite where the text encoder is streamed); `resolve` and
+        `check`, which every edge calls, end here."""
+        if params.cache != "none" and (refusal := self.cache_refusal()) is not None:
+            return InvalidInput(f"cache {params.cache} is not available on this server: {refusal}", "cache")
+        if params.task == "enhance" or params.enhance_tokens:
+            if (refusal := modes.enhance_refusal(self._plans)) is not None:
+                return InvalidInput(f"prompt rewriting is not available on this server: {refusal}",
+                                    None if params.task == "enhance" else "enhance_prompt")
+        return None
 
     @property
     def _plans(self) -> list:
@@ -179,6 +190,16 @@ class PipelineManager:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
+    # ---- the SIGTERM drain (imgedit.engine.shutdown), through the line that knows every job in flight ----
+    def stop_accepting(self, message: str = NOT_STARTED) -> None:
+        self.line.close(message)
+
+    def wait_idle(self, timeout: float) -> bool:
+        return self.line.wait_empty(timeout)
+
+    def cancel_running(self, message: str = STOPPED) -> None:
+        self.line.cancel_all(message)
+
     # ---- the line (imgedit.engine.line) ----
     def waiting(self) -> int:
         return len(self.line)
@@ -219,15 +240,23 @@ class PipelineManager:
         (an edge resolves and hands them to `run`/`edit`, which then take them as they are)."""
         params = resolve(req, self.settings, self.family, req.images[-1].size if req.images else None,
                          len(req.images), self.prompt_tokens)
-        self.check_cache(params.cache)
-        check_enhance(params, self._plans)
-        return params
+        return self._runnable(params)
+
+    def check(self, req: EditRequest) -> Resolved:
+        """`resolve` for a request whose images are not decoded (Gradio's validator: their headers) or not
+        there yet (a job's template, checked before its files are read): every check that needs no pixels,
+        and whether these workers can run it (`can_run`)."""
+        return self._runnable(check_params(req, self.settings, self.family, self.prompt_tokens))
 
     def resolve_enhance(self, req: EditRequest) -> Resolved:
         """A prompt rewrite's parameters (the images and the instruction), or InvalidInput naming the
         field."""
-        params = resolve_enhance(req, self.settings, self.family, len(req.images), self.prompt_tokens)
-        check_enhance(params, self._plans)
+        return self._runnable(resolve_enhance(req, self.settings, self.family, len(req.images),
+                                              self.prompt_tokens))
+
+    def _runnable(self, params: Resolved) -> Resolved:
+        if (refusal := self.can_run(params)) is not None:
+            raise refusal
         return params
 
     def edit(self, req: EditRequest, on_step: StepCallback | None = None, on_wait: WaitCallback | None = None,
@@ -248,10 +277,16 @@ class PipelineManager:
     def _through_line(self, req: EditRequest, task: str, params: Resolved | None,
                       on_step: StepCallback | None, on_wait: WaitCallback | None,
                       cancel: threading.Event | None) -> tuple[EditResult, Resolved]:
+        # in flight until its worker is released: what the drain waits for, or stops (a ShuttingDown then)
+        with self.line.admit(cancel) as admitted:
+            return self._on_worker(req, task, params, on_step, on_wait, admitted)
+
+    def _on_worker(self, req: EditRequest, task: str, params: Resolved | None, on_step: StepCallback | None,
+                   on_wait: WaitCallback | None, cancel: threading.Event) -> tuple[EditResult, Resolved]:
+        """Checked, in line, on a worker, and back: one job, logged and reported to the listeners."""
         started = time.perf_counter()
         worker: WorkerHandle | None = None
         outcome, steps = "error", 0
-        cancel = cancel or threading.Event()
         try:
             restarting = any(w.state is WorkerState.RESTARTING
                              or (w.state is WorkerState.LOADING and w.restarts)

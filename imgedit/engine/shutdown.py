@@ -1,15 +1,8 @@
 """Graceful shutdown: on SIGTERM stop taking jobs, let running ones finish, fail queued ones, exit.
 
-What the manager must provide (the `Drainable` protocol below). `Draining` wraps a manager that
-lacks these methods and implements them over its public interface (`run`, `status`); a manager that
-has them natively is used as is:
-
-- `stop_accepting(message)`: from now on `run` raises `ShuttingDown(message)`; every job still
-  waiting in line fails at once with `ShuttingDown(message)`; jobs already on a worker go on.
-- `wait_idle(timeout) -> bool`: block until no job is running (True) or the timeout passed (False).
-- `cancel_running(message)`: stop the jobs still running at their next step; their callers get
-  `ShuttingDown(message)`. Only used when the grace period ran out.
-- `close()`: stop and join every worker process (no orphans); idempotent.
+The engine's drain methods (imgedit.engine.interface.Engine: `stop_accepting`, `wait_idle`,
+`cancel_running`, `close`) do the work; the manager implements them with the line, which knows every job in
+flight (imgedit.engine.line.Line.admit). `cancel_running` is only used when the grace period ran out.
 
 Order on SIGTERM (`Shutdown.run`): the edges answer 503 (`imgedit.web.serving.ShutdownGate`), the manager
 stops accepting, running jobs get SHUTDOWN_GRACE_S, stragglers are cancelled, the manager is closed,
@@ -22,10 +15,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Protocol
 
-from imgedit.errors import Cancelled, ImgEditError
-from imgedit.protocol import EditRequest, EditResult
+from imgedit.engine.interface import Engine
+from imgedit.errors import ImgEditError
 
 log = logging.getLogger(__name__)
 
@@ -39,124 +31,10 @@ class ShuttingDown(ImgEditError):
     kind = "shutting_down"
 
 
-class Drainable(Protocol):
-    """The shutdown interface the manager provides (see the module docstring)."""
-
-    def stop_accepting(self, message: str) -> None: ...
-    def wait_idle(self, timeout: float) -> bool: ...
-    def cancel_running(self, message: str) -> None: ...
-    def close(self) -> None: ...
-
-
-class _Linked(threading.Event):
-    """Set by the drain or by the caller's own cancel flag; the drain never sets the caller's flag
-    (a batch's flag set by the drain would read as "cancelled by the user")."""
-
-    def __init__(self, outer: threading.Event | None):
-        super().__init__()
-        self.outer = outer
-
-    def is_set(self) -> bool:
-        return super().is_set() or (self.outer is not None and self.outer.is_set())
-
-
-class _InFlight:
-    __slots__ = ("request_id", "cancel", "reason")
-
-    def __init__(self, request_id: str, cancel: threading.Event):
-        self.request_id, self.cancel, self.reason = request_id, cancel, None
-
-
-class Draining:
-    """Today's manager plus the `Drainable` methods, built on its public interface only: every
-    `run` is tracked; a job counts as running once a worker reports its id (`status().workers`)."""
-
-    def __init__(self, manager):
-        self._manager = manager
-        self._cond = threading.Condition()
-        self._jobs: dict[int, _InFlight] = {}
-        self._refusal: str | None = None
-
-    def __getattr__(self, name: str):  # settings, family, status(), listeners, workers, ...
-        return getattr(self._manager, name)
-
-    @property
-    def accepting(self) -> bool:
-        return self._refusal is None
-
-    async def run(self, req: EditRequest, on_step=None, on_wait=None, cancel: threading.Event | None = None,
-                  params=None) -> EditResult:
-        return await self._tracked(req, cancel, lambda linked: self._manager.run(
-            req, on_step=on_step, on_wait=on_wait, cancel=linked, params=params))
-
-    async def run_enhance(self, req: EditRequest, on_wait=None,
-                          cancel: threading.Event | None = None) -> EditResult:
-        return await self._tracked(req, cancel, lambda linked: self._manager.run_enhance(
-            req, on_wait=on_wait, cancel=linked))
-
-    async def _tracked(self, req: EditRequest, cancel: threading.Event | None, through_line) -> EditResult:
-        if self._refusal is not None:
-            raise ShuttingDown(self._refusal)
-        job = _InFlight(req.request_id, _Linked(cancel))
-        with self._cond:
-            self._jobs[id(job)] = job
-        try:
-            return await through_line(job.cancel)
-        except Cancelled:
-            if job.reason is not None and not (cancel is not None and cancel.is_set()):
-                raise ShuttingDown(job.reason) from None
-            raise
-        finally:
-            with self._cond:
-                del self._jobs[id(job)]
-                self._cond.notify_all()
-
-    def _running_ids(self) -> set[str]:
-        return {w.job_id for w in self._manager.status().workers if w.job_id}
-
-    def stop_accepting(self, message: str = NOT_STARTED) -> None:
-        with self._cond:
-            self._refusal = REFUSED
-            running = self._running_ids()
-            for job in self._jobs.values():
-                if job.request_id not in running:
-                    job.reason = message
-                    job.cancel.set()  # the manager's line drops a cancelled waiter within 50 ms
-
-    def cancel_running(self, message: str = STOPPED) -> None:
-        with self._cond:
-            for job in self._jobs.values():
-                job.reason = job.reason or message
-                job.cancel.set()
-
-    def wait_idle(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._jobs:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(min(left, 0.5))
-        return True
-
-    def close(self) -> None:
-        close = getattr(self._manager, "close", None)
-        if close is not None:
-            close()
-
-
-def drainable(manager) -> Drainable:
-    """The manager itself when it implements the protocol, else a `Draining` wrapper."""
-    methods = ("stop_accepting", "wait_idle", "cancel_running", "close")
-    if all(callable(getattr(manager, m, None)) for m in methods):
-        return manager
-    return Draining(manager)
-
-
 class Shutdown:
     """The drain, run once on the first SIGTERM/SIGINT in its own thread."""
 
-    def __init__(self, manager: Drainable, grace_s: float):
+    def __init__(self, manager: Engine, grace_s: float):
         self.manager = manager
         self.grace_s = grace_s
         self.started = threading.Event()

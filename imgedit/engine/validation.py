@@ -18,7 +18,6 @@ from imgedit.config.settings import Settings
 from imgedit.engine.masks import DEFAULT_FEATHER, check_mask_size
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.errors import InvalidInput
-from imgedit.planning import modes
 from imgedit.planning.families import FAMILIES, not_built
 from imgedit.protocol import EditRequest, Resolved, param  # noqa: F401  (Resolved: re-exported for the edges)
 
@@ -117,10 +116,10 @@ def output_size(width: int | None, height: int | None, last_image_size: tuple[in
 
 
 def check_params(req: EditRequest, settings: Settings, family: str,
-                 tokens: PromptTokens | None = None) -> None:
+                 tokens: PromptTokens | None = None) -> Resolved:
     """Everything that can be checked without decoding images (the prompts' token counts too, when
-    the edge has the checkpoint's tokenizer)."""
-    resolve(req, settings, family, last_image_size=None, n_images=None, tokens=tokens)
+    the edge has the checkpoint's tokenizer); what these workers can run is the manager's (`check`)."""
+    return resolve(req, settings, family, last_image_size=None, n_images=None, tokens=tokens)
 
 
 def check_tokens(req: EditRequest, tokens: PromptTokens) -> None:
@@ -142,13 +141,10 @@ def resolve(req: EditRequest, settings: Settings, family: str,
         # before its images are decoded (n_images None: /v1/jobs, the Batch tab, a PNG's restore) keeps the
         # other side open, as for the edit models.
         last_image_size = (1, 1)
-    if not isinstance(req.enhance_prompt, bool):
-        raise InvalidInput("enhance_prompt must be true or false", "enhance_prompt")
     preset = speed_preset(req, settings, family)  # a Lightning preset sets its steps and turns CFG off
     steps = req.num_inference_steps if preset is None else preset.steps
     if steps is None:
         steps = default_steps(settings, family)
-    _whole("num_inference_steps", steps)
     check_range("num_inference_steps", steps, settings, why=ONE_STEP if steps == 1 else "")
     cfg = req.true_cfg_scale
     if cfg is None:
@@ -156,10 +152,8 @@ def resolve(req: EditRequest, settings: Settings, family: str,
     if preset is not None:
         cfg = 1.0
     check_range("true_cfg_scale", cfg, settings)
-    _whole("num_images", req.num_images)
     check_range("num_images", req.num_images, settings)
     seed = req.seed if req.seed is not None else random.randint(0, 2**31 - 1)
-    _whole("seed", seed)
     check_range("seed", seed, settings)
     grow, feather, strength = mask_fields(req)
     if req.mask is not None and req.images:
@@ -174,10 +168,12 @@ def resolve(req: EditRequest, settings: Settings, family: str,
     # True CFG runs only when a negative prompt is passed: always pass one (" " when empty).
     negative = req.negative_prompt if (req.negative_prompt or "").strip() else " "
     adapters = lora_adapters(req, settings, preset)
-    return Resolved(int(steps), float(cfg), negative, int(seed), int(req.num_images), width, height, adapters,
-                    "default" if preset is None else "lightning", grow, feather, strength,
-                    enhance_tokens=settings.enhance_max_tokens if req.enhance_prompt else 0,
-                    cache=step_cache(req, settings, preset, family), cache_threshold=settings.cache_threshold)
+    return Resolved(
+        steps=int(steps), true_cfg_scale=float(cfg), negative_prompt=negative, seed=int(seed),
+        num_images=int(req.num_images), width=width, height=height, adapters=adapters,
+        scheduler="default" if preset is None else "lightning", mask_grow=grow, mask_feather=feather,
+        strength=strength, enhance_tokens=settings.enhance_max_tokens if req.enhance_prompt else 0,
+        cache=step_cache(req, settings, preset, family), cache_threshold=settings.cache_threshold)
 
 
 CACHES = ("none", "first-block", "taylorseer")
@@ -198,19 +194,12 @@ def step_cache(req: EditRequest, settings: Settings, preset, family: str = "plus
     return req.cache or settings.cache
 
 
-def check_enhance(params: Resolved, plans) -> None:
-    """InvalidInput (400) when a job asks for a prompt rewrite these workers cannot write (planning.modes)."""
-    if params.task == "enhance" or params.enhance_tokens:
-        if (refusal := modes.enhance_refusal(plans)) is not None:
-            raise InvalidInput(f"prompt rewriting is not available on this server: {refusal}",
-                               None if params.task == "enhance" else "enhance_prompt")
-
-
 def resolve_enhance(req: EditRequest, settings: Settings, family: str, n_images: int | None,
                     tokens: PromptTokens | None = None) -> Resolved:
     """A prompt rewrite alone: the images and prompt are checked as an edit's; nothing else applies."""
     _check_inputs(req, family, n_images, tokens)
-    return Resolved(0, 1.0, "", 0, 1, None, None, task="enhance", enhance_tokens=settings.enhance_max_tokens)
+    return Resolved(steps=0, true_cfg_scale=1.0, negative_prompt="", seed=0, num_images=1, width=None,
+                    height=None, task="enhance", enhance_tokens=settings.enhance_max_tokens)
 
 
 def _check_inputs(req: EditRequest, family: str, n_images: int | None, tokens: PromptTokens | None) -> None:
@@ -223,7 +212,7 @@ def _check_inputs(req: EditRequest, family: str, n_images: int | None, tokens: P
 
 
 def _check_prompt(req: EditRequest, tokens: PromptTokens | None) -> None:
-    if not isinstance(req.prompt, str) or not req.prompt.strip():
+    if not req.prompt.strip():
         raise InvalidInput("the prompt is empty: say what to change", "prompt")
     for field, text in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt or "")):
         # The text encoder's control tokens (<|image_pad|>, <|im_end|>, ...) in a prompt broke the
@@ -257,13 +246,8 @@ def mask_fields(req: EditRequest) -> tuple[int, int, float]:
     grow = 0 if req.mask_grow is None else req.mask_grow
     feather = DEFAULT_FEATHER if req.mask_feather is None else req.mask_feather
     strength = 1.0 if req.strength is None else req.strength
-    for name, value in (("mask_grow", grow), ("mask_feather", feather)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise InvalidInput(f"{name} must be a whole number of pixels, got {str(value)[:40]!r}", name)
-        check_range(name, value)
-    if isinstance(strength, bool) or not isinstance(strength, (int, float)):
-        raise InvalidInput(f"strength must be a number, got {str(strength)[:40]!r}", "strength")
-    check_range("strength", strength)
+    for name, value in (("mask_grow", grow), ("mask_feather", feather), ("strength", strength)):
+        check_range(name, value)  # the types are the request's own (protocol.EditRequest)
     return grow, feather, float(strength)
 
 
@@ -279,12 +263,6 @@ def check_range(name: str, value, settings: Settings | None = None, why: str = "
         why = why or declared.why
         raise InvalidInput(f"{name} {value} is out of range: {declared.range_text(settings)}"
                            + (f" ({why})" if why else ""), name)
-
-
-def _whole(name: str, value) -> None:
-    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()) \
-            or isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidInput(f"{name} must be a whole number, got {value!r}", name)
 
 
 def speed_preset(req: EditRequest, settings: Settings, family: str = "plus"):
@@ -310,8 +288,6 @@ def lora_adapters(req: EditRequest, settings: Settings, preset) -> tuple[tuple[s
     then the picked LoRA at its strength."""
     adapters = [(preset.name, 1.0)] if preset is not None else []
     scale = 1.0 if req.lora_scale is None else req.lora_scale
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise InvalidInput(f"lora_scale must be a number, got {str(scale)[:40]!r}", "lora_scale")
     # checked with or without a LoRA: a value no LoRA could run with is refused, never stored
     check_range("lora_scale", scale, settings)
     name = req.lora

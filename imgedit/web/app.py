@@ -14,21 +14,21 @@ from dataclasses import dataclass
 
 import gradio as gr
 from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 
 from imgedit.config.settings import Settings
 from imgedit.engine.batch import JobService
 from imgedit.engine.gpus import GpuMonitor
 from imgedit.engine.history import HistoryStore
-from imgedit.engine.shutdown import Drainable, Shutdown, drainable
+from imgedit.engine.interface import Engine
+from imgedit.engine.shutdown import Shutdown
+from imgedit.web import api_errors
 from imgedit.web.cancel import build_cancel_router
 from imgedit.web.identity import BrowserCookie
 from imgedit.web.jobs_api import build_jobs_router
 from imgedit.web.metrics import Metrics
 from imgedit.web.page import GPU_GROUP, build_blocks
 from imgedit.web.page_assets import page_head
-from imgedit.web.rest import build_router, openai_error
+from imgedit.web.rest import build_router
 from imgedit.web.serving import ShutdownGate
 from imgedit.web.serving import serve as serve_until_drained
 from imgedit.web.timeouts import BodyReadTimeout
@@ -43,22 +43,21 @@ class Application:
     was handed the settings (or the values) it uses when it was built."""
 
     settings: Settings
-    engine: Drainable  # the line in front of the workers (engine.manager.PipelineManager), drainable
+    engine: Engine  # the line in front of the workers (engine.manager.PipelineManager), and its drain
     monitor: GpuMonitor  # NVML readings (no CUDA context)
     history: HistoryStore
     jobs: JobService  # batch and /v1/jobs items, through the engine's line
     shutdown: Shutdown
 
     @classmethod
-    def build(cls, settings: Settings, engine, monitor: GpuMonitor | None = None) -> Application:
-        engine = drainable(engine)  # stop_accepting / wait_idle / close for the SIGTERM drain
+    def build(cls, settings: Settings, engine: Engine, monitor: GpuMonitor | None = None) -> Application:
         history = HistoryStore.from_settings(settings)
         return cls(settings=settings, engine=engine, monitor=monitor or GpuMonitor(), history=history,
                    jobs=JobService(settings, engine, history),
                    shutdown=Shutdown(engine, settings.shutdown_grace_s))
 
 
-def build_app(settings: Settings, engine, demo: bool | None = None,
+def build_app(settings: Settings, engine: Engine, demo: bool | None = None,
               monitor: GpuMonitor | None = None) -> FastAPI:
     """The ASGI app for `engine` (tests hand in a monitor reading made-up GPUs)."""
     parts = Application.build(settings, engine, monitor)
@@ -76,17 +75,17 @@ def build_app(settings: Settings, engine, demo: bool | None = None,
 
     metrics = Metrics(parts.engine, parts.monitor, gradio_waiting)
     app = FastAPI(title="imgedit", docs_url=None, redoc_url=None)
-    app.add_exception_handler(RequestValidationError, _invalid_request)
+    api_errors.install(app)  # every REST route's errors in OpenAI's shape
     app.add_middleware(EventGuard)  # every Gradio event's file paths, before Gradio sees them
     app.add_middleware(BodyReadTimeout, seconds=settings.body_read_timeout)  # outermost: times every read
     # before REST's /v1 catch-all (404/405 fallback)
     app.include_router(build_jobs_router(settings, parts.engine, parts.jobs, metrics))
-    app.include_router(build_router(settings, parts.engine, metrics, parts.monitor))
+    app.include_router(build_router(settings, parts.engine, metrics, parts.monitor, parts.history))
     app.include_router(build_cancel_router(blocks))  # ahead of the mount: it replaces Gradio's cancel route
     # abandoned partial uploads (Gradio keeps them): deleted now and every few seconds
     PartialUploadSweeper(settings.body_read_timeout).start()
     guard_gradio_cleanup()  # one bad entry never stops Gradio's own sweep nor the shutdown
-    # what outlives the build: the drain (serve), the history (REST's `save` and tests read it)
+    # what outlives the build: the drain (serve), the history (tests read it)
     app.state.shutdown, app.state.history = parts.shutdown, parts.history
     app.add_middleware(ShutdownGate, shutdown=parts.shutdown)
     app.add_middleware(BrowserCookie)
@@ -119,14 +118,6 @@ def _calm(queue) -> None:
             setattr(queue, name, max(getattr(queue, name), value))
         else:
             log.warning("gradio's queue has no %s: it polls at its own rate", name)
-
-
-async def _invalid_request(request, exc: RequestValidationError) -> JSONResponse:
-    """A path or query value FastAPI could not convert: our OpenAI-shaped 400, not its 422 (whose
-    text is the framework's)."""
-    where = next((e.get("loc", ()) for e in exc.errors()), ())
-    param = str(where[-1]) if where else None
-    return openai_error(400, f"{param or 'a request value'} is not valid", "invalid_input", param)
 
 
 def serve(app: FastAPI, settings: Settings, sock=None) -> None:

@@ -20,9 +20,9 @@ import gradio as gr
 from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
 from imgedit.engine.batch import Job, JobService, expand_uploads, results_zip
-from imgedit.engine.validation import check_params
+from imgedit.engine.interface import Engine
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
-from imgedit.protocol import BATCH, EditRequest, parameters, request_kwargs
+from imgedit.protocol import BATCH, EditRequest, ItemState, parameters, request_kwargs
 from imgedit.web.identity import page_owner
 from imgedit.web.requests import api_signature, event_fields
 from imgedit.web.speed import parse_cache_input
@@ -32,11 +32,11 @@ BATCH_GROUP = "batch"  # unlimited in Gradio: the manager's line and JOBS_MAX_PE
 
 
 def _report(job: Job) -> str:
-    done = sum(i.state == "succeeded" for i in job.items)
-    failed = [i for i in job.items if i.state in ("failed", "cancelled")]
+    done = sum(i.state is ItemState.SUCCEEDED for i in job.items)
+    failed = [i for i in job.items if i.state in (ItemState.FAILED, ItemState.CANCELLED)]
     lines = [f"**{job.state}**: {done} of {len(job.items)} done"
              + (f", {len(failed)} failed" if failed else "")]
-    running = [i for i in job.items if i.state == "running"]
+    running = [i for i in job.items if i.state is ItemState.RUNNING]
     if running:
         steps = ", ".join(f"{html.escape(i.name)} (step {i.step}/{i.total_steps})" for i in running)
         lines.append(f"running: {steps}")
@@ -51,11 +51,11 @@ def progress_line(job: Job) -> str:
     running item's step, and the time since the batch was sent. Gradio's own progress overlay is off for
     the batch (it covered every output with "0.0%", its bar did not move and its timer restarted at each
     update)."""
-    finished = sum(i.state not in ("queued", "running") for i in job.items)
+    finished = sum(i.state.finished for i in job.items)
     total = len(job.items)
     elapsed = int((job.finished_at if job.finished and job.finished_at else time.time()) - job.created)
     parts = [f"{finished} of {total} image(s) finished"]
-    running = [i for i in job.items if i.state == "running"]
+    running = [i for i in job.items if i.state is ItemState.RUNNING]
     if running and running[0].total_steps:
         parts.append(f"{html.escape(running[0].name)}: step {running[0].step}/{running[0].total_steps}")
     elif not job.finished and job.position is not None:
@@ -71,7 +71,7 @@ BATCH_CSS = """<style>
 </style>"""
 
 
-def build_batch_tab(settings: Settings, manager, jobs: JobService, controls: dict) -> None:
+def build_batch_tab(settings: Settings, manager: Engine, jobs: JobService, controls: dict) -> None:
     """Inside a `gr.Tabs`: the Batch tab. `controls` are the Edit tab's ({declared parameter: its control}):
     every item runs with the ones the declaration gives the batch (protocol.PARAMETERS' "batch": the advanced
     settings, Speed, LoRA, strength and Step cache; the tab has its own files and prompt), as a single edit
@@ -117,10 +117,9 @@ def build_batch_tab(settings: Settings, manager, jobs: JobService, controls: dic
             fields = event_fields(dict(zip(names, values, strict=True)))
             # "default": the server's
             fields["cache"] = parse_cache_input(fields.get("cache"), fields["speed"])
-            manager.check_cache(fields["cache"])  # before any item starts
             template = EditRequest(images=(), **request_kwargs(fields), source="ui")
-            # the cheap fields before any file is read
-            check_params(template, settings, manager.family, manager.prompt_tokens)
+            # the cheap fields, and whether these workers can run them, before any file is read
+            manager.check(template)
             uploads = await asyncio.to_thread(read_uploads, files, settings.batch_max_items,
                                               settings.max_file_size)
             items = expand_uploads(uploads, settings.batch_max_items, settings.max_file_size)

@@ -18,6 +18,7 @@ from dataclasses import replace
 import gradio as gr
 
 from imgedit.config.settings import Settings
+from imgedit.engine.interface import Engine
 from imgedit.web.identity import page_owner
 from imgedit.web.requests import build_enhance_request
 from imgedit.web.tools import user_error
@@ -34,7 +35,7 @@ def build_enhance_buttons():
     return enhance, undo, note, original, rewritten
 
 
-def wire_enhance(settings: Settings, manager, files, prompt, controls, concurrency_id: str) -> None:
+def wire_enhance(settings: Settings, manager: Engine, files, prompt, controls, concurrency_id: str) -> None:
     enhance, undo, note, original, rewritten = controls
 
     async def rewrite(images, text, request: gr.Request | None):

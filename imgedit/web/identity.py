@@ -14,7 +14,12 @@ import hashlib
 import hmac
 import re
 import secrets
+from collections.abc import Awaitable, Callable
 from http.cookies import SimpleCookie
+
+from fastapi import Request
+
+from imgedit.web.api_errors import ApiError
 
 COOKIE = "imgedit_browser"
 _VALID = re.compile(r"[A-Za-z0-9_-]{32}")
@@ -63,6 +68,22 @@ def rest_owner(request, api_key: str | None = None, api_keys: tuple[tuple[str, s
     if api_key:
         return "token:" + _digest(token.decode()) if hmac.compare_digest(token, api_key.encode()) else None
     return None if api_keys else "token:" + _digest(token.decode())
+
+
+UNAUTHORIZED = "missing or wrong API key (Authorization: Bearer <key>)"
+
+
+def key_holder(api_key: str | None,
+               api_keys: tuple[tuple[str, str], ...]) -> Callable[[Request], Awaitable[str]]:
+    """The REST routes' key check, as a FastAPI dependency (`Depends(key_holder(...))`): the caller's owner,
+    or a 401 in OpenAI's shape when keys are set and it sent none of them."""
+
+    async def owner(request: Request) -> str:
+        if (found := rest_owner(request, api_key, api_keys)) is None:
+            raise ApiError(401, UNAUTHORIZED, "invalid_api_key")
+        return found
+
+    return owner
 
 
 class BrowserCookie:

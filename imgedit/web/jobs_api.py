@@ -19,21 +19,31 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
 
 from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
-from imgedit.engine.batch import JobService, clean_name, expand_uploads, job_view, results_zip
+from imgedit.engine.batch import (
+    Job,
+    JobService,
+    clean_name,
+    expand_uploads,
+    job_settings,
+    job_view,
+    results_zip,
+)
 from imgedit.engine.history import HistoryEntry
 from imgedit.engine.images import open_image, reencoded
-from imgedit.engine.validation import check_aspect, check_counts, check_params
+from imgedit.engine.interface import Engine
+from imgedit.engine.validation import check_aspect, check_counts
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.planning.families import FAMILIES
-from imgedit.protocol import JOBS, EditRequest, request_kwargs
+from imgedit.protocol import JOBS, EditRequest, ItemState, JobState, request_kwargs
+from imgedit.web.api_errors import ApiError, rejected
+from imgedit.web.identity import key_holder
 from imgedit.web.metrics import Metrics
-from imgedit.web.rest import STATUS, UNAUTHORIZED, owner_of, rest_words
 from imgedit.web.rest_requests import (
     IMAGE_FIELDS,
     check_body,
@@ -48,16 +58,8 @@ SET_FIELD = re.compile(r"set(\d{1,4})(\[\])?")
 BATCH_FIELDS = ("batch", "batch[]")
 
 
-def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
-    message, param = rest_words(message, param)
-    kind = "invalid_request_error" if status < 500 and status not in (401, 429) else (
-        "authentication_error" if status == 401 else "rate_limit_error" if status == 429 else "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status)
-
-
-def _not_found(job_id: str) -> JSONResponse:
-    return _error(404, f"no job {job_id[:40]!r} for this API key", "not_found")
+def _not_found(job_id: str) -> ApiError:
+    return ApiError(404, f"no job {job_id[:40]!r} for this API key", "not_found")
 
 
 def _links(view: dict) -> dict:
@@ -69,15 +71,17 @@ def _links(view: dict) -> dict:
 def _restored_view(job_id: str, entries: list[HistoryEntry]) -> dict:
     """A REST edit (/v1/images/edits), stored as a one-item job, or a job from before job records."""
     first = entries[0]
-    items = [{"index": e.item, "name": e.name, "state": "succeeded", "seed": e.seed, "step": e.steps,
+    items = [{"index": e.item, "name": e.name, "state": ItemState.SUCCEEDED, "seed": e.seed, "step": e.steps,
               "total_steps": e.steps, "error": None, "outputs": e.outputs,
               "revised_prompt": e.prompt if e.original_prompt else None, "weights": e.weights}
              for e in entries]
-    settings = {"prompt": first.original_prompt or first.prompt, "num_inference_steps": first.steps,
-                "n": first.num_images, "speed": first.speed, "lora": first.lora,
-                "lora_scale": first.lora_scale,
-                "enhance_prompt": first.original_prompt is not None}
-    return {**job_view(job_id, "succeeded", first.created, None, settings, items), "restored": True}
+    # as it was asked for (the store keeps no mask)
+    asked = EditRequest(images=(), prompt=first.original_prompt or first.prompt,
+                        num_inference_steps=first.steps, num_images=first.num_images, speed=first.speed,
+                        lora=first.lora, lora_scale=first.lora_scale,
+                        enhance_prompt=first.original_prompt is not None)
+    view = job_view(job_id, JobState.SUCCEEDED, first.created, None, job_settings(asked), items)
+    return {**view, "restored": True}
 
 
 def _recorded_view(job_id: str, record: dict) -> dict:
@@ -86,45 +90,34 @@ def _recorded_view(job_id: str, record: dict) -> dict:
     return {**view, "restored": True}
 
 
-def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Metrics) -> APIRouter:
+def build_jobs_router(settings: Settings, manager: Engine, jobs: JobService, metrics: Metrics) -> APIRouter:
     router = APIRouter()
     # JPEG/WebP results are made from the stored PNGs at each request (a job may hold 1,000 images): one
     # thread, so such requests queue behind each other instead of taking every CPU from the server and the
     # workers.
     reencoding = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reencode")
-
-    def refused() -> JSONResponse:
-        return _error(401, UNAUTHORIZED, "invalid_api_key")
+    # the key check, once: every route below takes its owner from it (a 401 before the route runs)
+    key = Depends(key_holder(settings.api_key, settings.api_keys))
 
     @router.post("/v1/jobs")
-    async def create_job(request: Request) -> Response:
-        if (owner := owner_of(request, settings)) is None:
-            return refused()
-        try:
+    async def create_job(request: Request, owner: str = key) -> Response:
+        async def accepted() -> Job:
             template, inputs = await _parse(request, settings, manager)
-            job = jobs.submit(owner, template, inputs, source="rest")
-        except ImgEditError as exc:
-            metrics.record_rejected("rest", exc.kind)
-            return _error(STATUS.get(exc.kind, 400), exc.message, exc.kind, exc.field)
-        except Exception:
-            log.exception("unreadable /v1/jobs request")
-            metrics.record_rejected("rest", "invalid_input")
-            return _error(400, "the request could not be read", "invalid_input")
+            return jobs.submit(owner, template, inputs, source="rest")
+
+        job = await rejected(metrics, "/v1/jobs", accepted())
         return JSONResponse(_links(job.view()), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
 
     @router.get("/v1/jobs")
-    async def list_jobs(request: Request, limit: str = "20", after: str | None = None) -> Response:
+    async def list_jobs(limit: str = "20", after: str | None = None, owner: str = key) -> Response:
         """The caller's own jobs, newest first, `limit` (1-100) at a time; `after=<id>` gives the next
         page."""
-        if (owner := owner_of(request, settings)) is None:
-            return refused()
         if not (limit.isdecimal() and 1 <= int(limit[:4]) <= 100):
-            return _error(400, f"limit must be a whole number from 1 to 100, got {limit[:40]!r}",
-                          "invalid_input", "limit")
+            raise InvalidInput(f"limit must be a whole number from 1 to 100, got {limit[:40]!r}", "limit")
         page = await asyncio.to_thread(jobs.records.newest, owner, int(limit), after)
         if page is None:
-            return _error(404, f"after={str(after)[:40]!r} is not one of this API key's jobs", "not_found",
-                          "after")
+            raise ApiError(404, f"after={str(after)[:40]!r} is not one of this API key's jobs", "not_found",
+                           "after")
         records, more = page
         views = []
         for record in records:  # a job this server runs is shown as it is now; others as recorded
@@ -135,9 +128,7 @@ def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Me
                              "last_id": views[-1]["id"] if views else None})
 
     @router.get("/v1/jobs/{job_id}")
-    async def job_status(job_id: str, request: Request) -> Response:
-        if (owner := owner_of(request, settings)) is None:
-            return refused()
+    async def job_status(job_id: str, owner: str = key) -> Response:
         job = jobs.get(owner, job_id)
         if job is not None:
             return JSONResponse(_links(job.view()))
@@ -145,52 +136,49 @@ def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Me
         if record is not None:
             return JSONResponse(_links(_recorded_view(job_id, record)))
         entries = await asyncio.to_thread(jobs.history.job, owner, job_id)
-        return JSONResponse(_links(_restored_view(job_id, entries))) if entries else _not_found(job_id)
+        if not entries:
+            raise _not_found(job_id)
+        return JSONResponse(_links(_restored_view(job_id, entries)))
 
     @router.get("/v1/jobs/{job_id}/result")
-    async def job_result(job_id: str, request: Request, item: str | None = None) -> Response:
+    async def job_result(job_id: str, request: Request, item: str | None = None,
+                         owner: str = key) -> Response:
         """The result as stored (PNG), or as `?output_format=jpeg|webp&output_compression=0-100` asks."""
-        if (owner := owner_of(request, settings)) is None:
-            return refused()
-        try:
-            image_format, quality = output_format(request.query_params)
-        except ImgEditError as exc:
-            return _error(400, exc.message, exc.kind, exc.field)
+        image_format, quality = output_format(request.query_params)
         job = jobs.get(owner, job_id)
         if job is not None:
             rows = [(i.name, i.entry, i.error) for i in job.items]
             one = int(item) if item is not None and item.isdecimal() and len(item) <= 9 else 0
             asked = job.items[one - 1] if 1 <= one <= len(rows) else None  # else: a 400/404 below
-            asked_unfinished = asked is not None and asked.state in ("queued", "running")
+            asked_unfinished = asked is not None and not asked.state.finished
             if not job.finished and (item is None or asked_unfinished):
                 what = f"item {one} is {asked.state}" if asked is not None else f"job {job.id} is {job.state}"
-                return _error(409, f"{what}; poll GET /v1/jobs/{job.id} until it has finished "
-                              "(?item=N fetches an item as soon as it has)", "not_finished")
+                raise ApiError(409, f"{what}; poll GET /v1/jobs/{job.id} until it has finished "
+                               "(?item=N fetches an item as soon as it has)", "not_finished")
         else:
             record = await asyncio.to_thread(jobs.records.read, owner, job_id)
             entries = await asyncio.to_thread(jobs.history.job, owner, job_id)
             if record is not None:
                 # another live server's (a shared folder)
-                if record["state"] in ("queued", "running", "cancelling"):
-                    return _error(409, f"job {job_id} is {record['state']}", "not_finished")
+                if not JobState(record["state"]).finished:
+                    raise ApiError(409, f"job {job_id} is {record['state']}", "not_finished")
                 stored = {e.item: e for e in entries}
                 rows = [(i["name"], stored.get(i["index"]), i["error"]) for i in record["items"]]
             elif entries:
                 rows = [(e.name, e, None) for e in entries]
             else:
-                return _not_found(job_id)
+                raise _not_found(job_id)
         if item is not None:
             if not (item.isdecimal() and len(item) <= 9):
-                return _error(400, f"item must be a whole number from 1, got {item[:40]!r}", "invalid_input",
-                              "item")
+                raise InvalidInput(f"item must be a whole number from 1, got {item[:40]!r}", "item")
             item = int(item)
             if not 1 <= item <= len(rows):
-                return _error(404, f"item {item} is out of range: 1 to {len(rows)}", "not_found", "item")
+                raise ApiError(404, f"item {item} is out of range: 1 to {len(rows)}", "not_found", "item")
             rows = [rows[item - 1]]
         stored = [entry for _, entry, _ in rows if entry is not None]
         if not stored:
             reasons = "; ".join(f"{name}: {error}" for name, _, error in rows if error)[:500]
-            return _error(409, f"the job has no result ({reasons or 'nothing was stored'})", "no_result")
+            raise ApiError(409, f"the job has no result ({reasons or 'nothing was stored'})", "no_result")
         try:
             loop = asyncio.get_running_loop()
             # None: the loop's own threads (file reads)
@@ -205,18 +193,16 @@ def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Me
                                 media_type=f"image/{image_format}")
             data = await loop.run_in_executor(executor, results_zip, rows, image_format, quality)
         except FileNotFoundError:  # pruned between the lookup and the read
-            return _error(410, "the stored result was deleted (OUTPUT_RETENTION_HOURS / OUTPUT_MAX_GB)",
-                          "gone")
+            raise ApiError(410, "the stored result was deleted (OUTPUT_RETENTION_HOURS / OUTPUT_MAX_GB)",
+                           "gone") from None
         return Response(data, media_type="application/zip",
                         headers={"Content-Disposition": f'attachment; filename="{job_id}.zip"'})
 
     @router.delete("/v1/jobs/{job_id}")
-    async def cancel_job(job_id: str, request: Request) -> Response:
-        if (owner := owner_of(request, settings)) is None:
-            return refused()
+    async def cancel_job(job_id: str, owner: str = key) -> Response:
         job = jobs.get(owner, job_id)
         if job is None:
-            return _not_found(job_id)
+            raise _not_found(job_id)
         job.cancel.set()  # waiting items leave the line; a running one stops at its next step
         return JSONResponse(_links(job.view()))
 
@@ -224,7 +210,7 @@ def build_jobs_router(settings: Settings, manager, jobs: JobService, metrics: Me
 
 
 async def _parse(request: Request, settings: Settings,
-                 manager) -> tuple[EditRequest, list[tuple[str, list[bytes]]]]:
+                 manager: Engine) -> tuple[EditRequest, list[tuple[str, list[bytes]]]]:
     limit = settings.max_file_size * (settings.batch_max_items + 2) + 1_000_000
     check_body(request, limit, "multipart/form-data",
                "send multipart/form-data with 'image' (or 'batch') files and a 'prompt'")
@@ -235,7 +221,7 @@ async def _parse(request: Request, settings: Settings,
     # The cheap fields first: a request without a prompt (or with a bad number) costs no file read.
     # every item runs with these
     template = EditRequest(images=(), **request_kwargs(form_fields(form, JOBS)), source="rest")
-    check_params(template, settings, manager.family, manager.prompt_tokens)
+    manager.check(template)  # the values, and whether these workers can run them: as /v1/images/edits
     # Then count the input sets from the field names alone (a zip counts once here, its members below).
     numbered = sorted((int(m.group(1)), key) for key in set(form.keys()) if (m := SET_FIELD.fullmatch(key)))
     singles = [u for key in IMAGE_FIELDS for u in form.getlist(key)]

@@ -23,9 +23,9 @@ from imgedit.web.uploads import upload_folder, uploaded_paths
 MASK_COLOUR = "#ff2d6f"
 
 
-def build_mask_controls():
-    """(canvas, painted, mask_grow, mask_feather, strength): `painted` holds the mask file of the last run
-    (the order of the edit's mask parameters after the canvas)."""
+def build_mask_controls() -> tuple[gr.ImageEditor, dict[str, gr.components.Component]]:
+    """The canvas, and the mask parameters' controls by their declared names (imgedit.protocol.PARAMETERS):
+    `mask` holds the mask file of the last run, painted on the canvas."""
     with gr.Accordion("Mask: edit only where you paint", open=False, elem_id="mask-accordion"):
         canvas = gr.ImageEditor(
             label="Paint over the first input where it may change (the eraser takes paint away)", type="pil",
@@ -42,7 +42,7 @@ def build_mask_controls():
             strength = gr.Slider(0.05, param("strength").high, value=1.0, step=0.05,
                                  label="Strength (1 = repaint)", elem_id="mask-strength")
     painted = gr.Textbox(visible=False)  # a path in the upload cache, or ""
-    return canvas, painted, grow, feather, strength
+    return canvas, {"mask": painted, "mask_grow": grow, "mask_feather": feather, "strength": strength}
 
 
 def follow_first_input(files, canvas) -> None:

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 
 from imgedit.engine.gpus import GpuMonitor
+from imgedit.engine.interface import Engine
 from imgedit.protocol import JobRecord
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -16,7 +17,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class _Live:
     """Gauges that are read when scraped: queue, workers, GPU memory, last steps/s."""
 
-    def __init__(self, manager, monitor: GpuMonitor, gradio_queue_size: Callable[[], int],
+    def __init__(self, manager: Engine, monitor: GpuMonitor, gradio_queue_size: Callable[[], int],
                  metrics: Metrics):
         self.manager, self.monitor = manager, monitor
         self.gradio_queue_size, self.metrics = gradio_queue_size, metrics
@@ -47,7 +48,8 @@ class _Live:
 
 
 class Metrics:
-    def __init__(self, manager, monitor: GpuMonitor, gradio_queue_size: Callable[[], int] = lambda: 0):
+    def __init__(self, manager: Engine, monitor: GpuMonitor,
+                 gradio_queue_size: Callable[[], int] = lambda: 0):
         self.registry = CollectorRegistry()
         self.requests = Counter("imgedit_requests", "Edit requests by source and outcome",
                                 ["source", "outcome"], registry=self.registry)

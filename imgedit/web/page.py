@@ -25,7 +25,8 @@ import gradio as gr
 from imgedit.config.settings import Settings
 from imgedit.engine.gpus import GpuMonitor
 from imgedit.engine.images import frame_notices, png_bytes
-from imgedit.engine.validation import check_params, default_steps
+from imgedit.engine.interface import Engine
+from imgedit.engine.validation import default_steps
 from imgedit.errors import ImgEditError
 from imgedit.planning.families import FAMILIES
 from imgedit.protocol import EDIT, param, parameters
@@ -57,17 +58,12 @@ log = logging.getLogger(__name__)
 UPLOAD_CACHE_SWEEP_S = 600
 UPLOAD_CACHE_AGE_S = 2 * 3600  # a result on a page left open longer is in History
 GPU_GROUP = "gpu"
-# The declared parameters (protocol.PARAMETERS) the page lays out itself, in the order its controls are
-# made; any other one gets a control of its own under Advanced (imgedit.web.requests.page_control).
-LAID_OUT = ("images", "prompt", "negative_prompt", "seed", "randomize_seed", "num_inference_steps",
-            "true_cfg_scale", "num_images", "width", "height", "speed", "lora", "lora_scale", "cache", "mask",
-            "mask_grow", "mask_feather", "strength", "enhance_prompt")
 DEMO_BANNER = ("**Demo mode**: a tiny random-weight model runs on the CPU, so outputs are noise. "
                "Set `QWEN_MODEL` or `QWEN_MODEL_DIR` to serve a real checkpoint.")
 DEMO_SIZE, DEMO_STEPS = 256, 4  # a first-time visitor of the demo sees a result in seconds
 
 
-def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMonitor | None = None,
+def build_blocks(settings: Settings, manager: Engine, demo: bool = False, monitor: GpuMonitor | None = None,
                  history=None, jobs=None) -> gr.Blocks:
     monitor = monitor or GpuMonitor()
     family = FAMILIES[manager.family]
@@ -78,6 +74,13 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                       cache_offered=not cache_refused)
     # `/edit`'s parameters in the declaration's order: the page's edit inputs follow it
     fields = edit_fields()
+    # The page's own controls for declared parameters, by name as each is made (`lay`); any other declared one
+    # gets a control of its own under Advanced (imgedit.web.requests.page_control).
+    laid_out: dict[str, gr.components.Component] = {}
+
+    def lay(name: str, control):
+        laid_out[param(name).name] = control  # a declared parameter's name (KeyError for any other)
+        return control
 
     def validate(*values):
         """Runs before an API job enters the queue: bad input costs nothing else. The message goes to
@@ -86,7 +89,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         try:
             # the images by their headers: the event decodes them once
             req = build_request(settings, manager.family, *values, source="validator", decode=False)
-            check_params(req, settings, manager.family, manager.prompt_tokens)
+            manager.check(req)  # the values, and whether these workers can run them
         except ImgEditError as exc:
             at = fields.index(exc.field) if exc.field in fields else 0
             verdicts[at] = gr.validate(False, html.escape(exc.message))
@@ -207,17 +210,18 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         banner = gr.HTML(elem_id="server-banner", padding=False)
         with gr.Row(elem_id="editor"):
             with gr.Column(elem_id="editor-left"):
-                files = gr.File(label=family.inputs_label, file_count="multiple", file_types=["image"],
-                                elem_id="input-files")
+                files = lay("images", gr.File(label=family.inputs_label, file_count="multiple",
+                                              file_types=["image"], elem_id="input-files"))
                 # The inputs as pictures (remove one with its x in the list above; click one to choose it).
                 preview = gr.Gallery(label="Inputs, in the order the model gets them", columns=max_inputs,
                                      object_fit="contain", height=170, interactive=False,
                                      elem_id="input-preview", buttons=[], allow_preview=False)
                 chosen_input = gr.Number(value=-1, visible=False)
                 first = gr.Button("Make the chosen input image 1", size="sm", elem_id="make-first")
-                prompt = gr.Textbox(label="What to change", lines=2, elem_id="prompt",
-                                    placeholder="e.g. make the sky a sunset, keep the people unchanged",
-                                    info="Ctrl+Enter (⌘+Enter on a Mac) runs the edit")
+                prompt = lay("prompt", gr.Textbox(
+                    label="What to change", lines=2, elem_id="prompt",
+                    placeholder="e.g. make the sky a sunset, keep the people unchanged",
+                    info="Ctrl+Enter (⌘+Enter on a Mac) runs the edit"))
                 # characters and tokens, as the edit counts them
                 counter = gr.Markdown(elem_id="prompt-count")
                 enhance_controls = build_enhance_buttons()  # the model rewrites the instruction
@@ -242,38 +246,45 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
                     rows, labels = example_rows(examples_folder, max_inputs)
                     gr.Examples(rows, [files, prompt], example_labels=labels,
                                 label="Examples (click one to fill the form)", elem_id="examples")
-                    speed_inputs = build_speed_controls(settings)  # Speed, LoRA, strength (imgedit.web.speed)
-                    canvas, *mask_inputs = build_mask_controls()  # painted mask, grow, feather, strength
+                    # Speed, LoRA, strength (imgedit.web.speed)
+                    laid_out.update(build_speed_controls(settings))
+                    canvas, masking = build_mask_controls()  # painted mask, grow, feather, strength
+                    laid_out.update(masking)
                     size_preset = size_presets(max_inputs)  # the output's shape by name
                     with gr.Accordion("Advanced", open=False, elem_id="advanced"):
-                        negative = gr.Textbox(label="Negative prompt", value="")
+                        lay("negative_prompt", gr.Textbox(label="Negative prompt", value=""))
                         with gr.Row():
-                            seed = gr.Number(label="Seed", value=0, precision=0,
-                                             minimum=param("seed").low, maximum=param("seed").high)
-                            randomize = gr.Checkbox(label="Randomize seed", value=True)
+                            lay("seed", gr.Number(label="Seed", value=0, precision=0,
+                                                  minimum=param("seed").low, maximum=param("seed").high))
+                            randomize = lay("randomize_seed", gr.Checkbox(label="Randomize seed", value=True))
                         # the bounds the checks hold to (imgedit.protocol.PARAMETERS)
                         low, high = param("num_inference_steps").bounds(settings)
-                        steps = gr.Number(label=f"Steps ({low}-{high})", precision=0,
-                                          value=min(DEMO_STEPS, family_steps) if demo else family_steps)
+                        lay("num_inference_steps", gr.Number(
+                            label=f"Steps ({low}-{high})", precision=0,
+                            value=min(DEMO_STEPS, family_steps) if demo else family_steps))
                         low, high = param("true_cfg_scale").bounds(settings)
-                        cfg = gr.Slider(low, high, value=family.cfg(settings.default_true_cfg), step=0.5,
-                                        label="True CFG scale")
+                        cfg = family.cfg(settings.default_true_cfg)
+                        lay("true_cfg_scale", gr.Slider(low, high, value=cfg, step=0.5,
+                                                        label="True CFG scale"))
                         low, high = param("num_images").bounds(settings)
-                        num = gr.Slider(low, high, value=1, step=1, label="Images per prompt")
+                        lay("num_images", gr.Slider(low, high, value=1, step=1, label="Images per prompt"))
                         with gr.Row():
                             # The demo: a small width, the height from the input's aspect (0 = auto).
-                            width = gr.Number(label="Width (0 = auto)", value=DEMO_SIZE if demo else 0,
-                                              precision=0, minimum=0)
-                            height = gr.Number(label="Height (0 = auto)", value=0, precision=0, minimum=0)
-                        cache = build_cache_control(settings, cache_refused)  # hidden where refused
+                            auto = DEMO_SIZE if demo else 0
+                            width = lay("width", gr.Number(label="Width (0 = auto)", value=auto, precision=0,
+                                                           minimum=0))
+                            height = lay("height", gr.Number(label="Height (0 = auto)", value=0, precision=0,
+                                                             minimum=0))
+                        # hidden where refused
+                        lay("cache", build_cache_control(settings, cache_refused))
                         # a declared parameter the page does not lay out: a control of its own (the
                         # declaration's)
                         generic = {p.name: page_control(p, settings) for p in parameters(EDIT)
-                                   if p.name not in LAID_OUT}
+                                   if p.name not in laid_out}
                     area, auto_width = (DEMO_SIZE**2, DEMO_SIZE) if demo else (1024**2, 0)
                     wire_size_presets(size_preset, files, width, height, area=area, auto_width=auto_width)
                 # the page rewrites a prompt with its own button (imgedit.web.enhance_controls): never on Edit
-                enhance = gr.Checkbox(False, visible=False)
+                lay("enhance_prompt", gr.Checkbox(False, visible=False))
             with gr.Column(elem_id="editor-right"):
                 result = gr.Gallery(label="Result", format="png", columns=2, elem_id="result",
                                     interactive=False, object_fit="contain", height="auto",
@@ -317,9 +328,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         # then Gradio's upload check); the handlers check the paths they open or return once more.
         files.upload(tools.check_uploads, files, [files, compare, restore, stored], preprocess=False,
                      api_visibility="private")
-        inputs = [files, prompt, negative, seed, randomize, steps, cfg, num, width, height]
-        made = {**dict(zip(LAID_OUT, inputs + speed_inputs + [cache] + mask_inputs + [enhance], strict=True)),
-                **generic}
+        made = {**laid_out, **generic}
         controls = {name: made[name] for name in fields}  # in `/edit`'s order
         page_outputs = [result, status, compare, chosen, message]
         # No Gradio limit: every job goes straight to the manager's line, where UI, API and REST jobs
@@ -331,7 +340,7 @@ def build_blocks(settings: Settings, manager, demo: bool = False, monitor: GpuMo
         cleared = run.click(lambda: ("", gr.update(interactive=True)), None, [message, stop], queue=False,
                             api_visibility="private")
         # The painted strokes become a mask file first (the canvas's own preprocessing reads them).
-        masked = cleared.then(painted_mask, canvas, mask_inputs[0], queue=False, preprocess=False,
+        masked = cleared.then(painted_mask, canvas, controls["mask"], queue=False, preprocess=False,
                               api_visibility="private")
         event = masked.then(edit_page, edit_inputs, page_outputs, api_visibility="private",
                             concurrency_id=GPU_GROUP, concurrency_limit=None, preprocess=False,

@@ -23,65 +23,41 @@ import threading
 import time
 from dataclasses import replace
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from imgedit.config.settings import Settings
 from imgedit.engine.gpus import GpuMonitor
+from imgedit.engine.history import HistoryStore
 from imgedit.engine.images import encoded, frame_notices
+from imgedit.engine.interface import Engine
 from imgedit.errors import ImgEditError, InvalidInput
-from imgedit.protocol import EditRequest, Resolved, WorkerState
-from imgedit.web.identity import rest_owner
+from imgedit.protocol import EditRequest, EditResult, Resolved, WorkerState
+from imgedit.web.api_errors import openai_error, rejected
+from imgedit.web.identity import key_holder
 from imgedit.web.metrics import CONTENT_TYPE, Metrics
 from imgedit.web.public import full_snapshot, open_snapshot
 from imgedit.web.rest_requests import edit_form, parse_edit, parse_generation, read_images
 
 log = logging.getLogger(__name__)
 
-STATUS = {"invalid_input": 400, "too_large": 413, "busy": 429, "cancelled": 499, "out_of_memory": 507,
-          "worker_failed": 503, "not_ready": 503, "shutting_down": 503}
-ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-              405: "invalid_request_error", 413: "invalid_request_error",
-              429: "rate_limit_error", 503: "server_error", 507: "server_error", 500: "server_error"}
 # every /v1 route and its methods, for the 404/405 fallback
 V1_ROUTES = {"/v1/images/edits": ("POST",), "/v1/images/generations": ("POST",),
              "/v1/prompts/enhance": ("POST",), "/v1/status": ("GET",)}
 HTTP_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
-# The request's fields as REST callers name them (OpenAI's words), where the shared checks use ours.
-REST_NAMES = {"num_images": "n", "images": "image"}
+class InternalError(ImgEditError):
+    """An unexpected failure, answered as a 500 naming the request (the traceback goes to the log)."""
+
+    kind = "internal_error"
 
 
-def rest_words(message: str, param: str | None) -> tuple[str, str | None]:
-    """A shared check's message and parameter in the REST caller's words ("n 5 is out of range", param n);
-    a message that names the parameter first is reworded, one in plain words ("3 input images given") is
-    not."""
-    if param in REST_NAMES:
-        if message.startswith(param + " "):
-            message = REST_NAMES[param] + message[len(param):]
-        return message, REST_NAMES[param]
-    return message, param
-
-
-def openai_error(status: int, message: str, code: str | None = None,
-                 param: str | None = None) -> JSONResponse:
-    message, param = rest_words(message, param)
-    body = {"error": {"message": message, "type": ERROR_TYPE.get(status, "server_error"), "param": param,
-                      "code": code}}
-    return JSONResponse(body, status_code=status)
-
-
-def owner_of(request: Request, settings: Settings) -> str | None:
-    """Who makes this call (imgedit.web.identity), or None: a key is required and it sent none of them."""
-    return rest_owner(request, settings.api_key, settings.api_keys)
-
-
-UNAUTHORIZED = "missing or wrong API key (Authorization: Bearer <key>)"
-
-
-def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMonitor) -> APIRouter:
+def build_router(settings: Settings, manager: Engine, metrics: Metrics, monitor: GpuMonitor,
+                 history: HistoryStore | None = None) -> APIRouter:
     router = APIRouter()
+    # the key check, once: every route below takes its owner from it (a 401 before the route runs)
+    key = Depends(key_holder(settings.api_key, settings.api_keys))
 
     @router.get("/health")
     def health() -> JSONResponse:
@@ -111,58 +87,37 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
         return JSONResponse(open_snapshot(monitor, manager.status()))
 
     @router.get("/v1/status")
-    def details(request: Request) -> JSONResponse:
+    def details(owner: str = key) -> JSONResponse:
         """What /health leaves out (job ids, process ids, the checkpoint, LoRA files), for key holders."""
-        if (caller := owner_of(request, settings)) is None:
-            return openai_error(401, UNAUTHORIZED, "invalid_api_key")
-        return JSONResponse(full_snapshot(monitor, manager.status(), caller))
+        return JSONResponse(full_snapshot(monitor, manager.status(), owner))
 
     @router.get("/metrics")
-    def prometheus(request: Request) -> Response:
-        if owner_of(request, settings) is None:
-            return openai_error(401, UNAUTHORIZED, "invalid_api_key")
+    def prometheus(owner: str = key) -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @router.post("/v1/images/edits")
-    async def images_edits(request: Request) -> Response:
-        return await _images_route(request, "/v1/images/edits",
-                                   lambda: parse_edit(request, settings, manager))
+    async def images_edits(request: Request, owner: str = key) -> Response:
+        parsed = await rejected(metrics, "/v1/images/edits", parse_edit(request, settings, manager))
+        return await _image_reply(request, owner, *parsed)
 
     @router.post("/v1/images/generations")
-    async def images_generations(request: Request) -> Response:
+    async def images_generations(request: Request, owner: str = key) -> Response:
         """OpenAI's text to image, for a model that generates (imgedit.planning.families)."""
-        return await _images_route(request, "/v1/images/generations",
-                                   lambda: parse_generation(request, manager))
+        parsed = await rejected(metrics, "/v1/images/generations", parse_generation(request, manager))
+        return await _image_reply(request, owner, *parsed)
 
-    async def _images_route(request: Request, route: str, parse) -> Response:
-        """An images route: the key, the request parsed and resolved by `parse()`, then the job and its
-        reply."""
-        if (owner := owner_of(request, settings)) is None:
-            return openai_error(401, UNAUTHORIZED, "invalid_api_key")
-        try:
-            req, params, (output_format, quality) = await parse()
-        except ImgEditError as exc:
-            metrics.record_rejected("rest", exc.kind)
-            return openai_error(STATUS.get(exc.kind, 400), exc.message, exc.kind, exc.field)
-        except Exception:
-            log.exception("unreadable %s request", route)
-            metrics.record_rejected("rest", "invalid_input")
-            return openai_error(400, "the request could not be read", "invalid_input")
-        return await _image_reply(request, replace(req, client=owner), params, output_format, quality)
-
-    async def _image_reply(request: Request, req: EditRequest, params: Resolved, output_format: str,
-                           quality: int) -> Response:
+    async def _image_reply(request: Request, owner: str, req: EditRequest, params: Resolved,
+                           reply: tuple[str, int]) -> Response:
         """Run the job through the line and answer with its images (OpenAI's shape, our extensions)."""
-        owner = req.client
+        output_format, quality = reply
+        req = replace(req, client=owner)
         result = await _run(request, req, lambda cancel: manager.run(req, cancel=cancel, params=params))
-        if isinstance(result, JSONResponse):
-            return result
         # The images are encoded once, off the event loop, for the reply and (PNGs) for the stored result
         # (imgedit.engine.history), which the reply does not wait for. The encoding is on the critical path
         # of every REST edit: a noisy 1024x1024 PNG takes 0.14-0.17 s on a 2-core CPU, a JPEG 5-19 ms.
         files = await asyncio.to_thread(
             lambda: [encoded(image, output_format, quality) for image in result.images])
-        if (history := getattr(request.app.state, "history", None)) is not None:
+        if history is not None:
             pngs = files if output_format == "png" else None  # the store keeps PNGs: it encodes its own
             _in_background(history.record(owner, req.request_id, 0, req, result, pngs=pngs))
         # Extension: each image's own seed (image i is drawn from seed + i; that seed alone makes it again).
@@ -182,28 +137,21 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
         return JSONResponse(body)
 
     @router.post("/v1/prompts/enhance")
-    async def prompts_enhance(request: Request) -> Response:
+    async def prompts_enhance(request: Request, owner: str = key) -> Response:
         """The model's text encoder rewrites `prompt` for the `image` file(s): {"prompt", "original_prompt"},
         with "notice" when the original is kept (the rewrite came back empty or was cut at its limit)."""
-        if (owner := owner_of(request, settings)) is None:
-            return openai_error(401, UNAUTHORIZED, "invalid_api_key")
-        try:
+
+        async def parse() -> EditRequest:
             form = await edit_form(request, settings, manager.family)
             images = await read_images(form, settings, manager)
             prompt = form.get("prompt")
             if not isinstance(prompt, str):
                 raise InvalidInput("prompt is required (a text field)", "prompt")
-            req = EditRequest(images=tuple(images), prompt=prompt, source="rest", client=owner)
-        except ImgEditError as exc:
-            metrics.record_rejected("rest", exc.kind, "enhance")
-            return openai_error(STATUS.get(exc.kind, 400), exc.message, exc.kind, exc.field)
-        except Exception:
-            log.exception("unreadable /v1/prompts/enhance request")
-            metrics.record_rejected("rest", "invalid_input", "enhance")
-            return openai_error(400, "the request could not be read", "invalid_input")
+            return EditRequest(images=tuple(images), prompt=prompt, source="rest", client=owner)
+
+        req = await rejected(metrics, "/v1/prompts/enhance", parse(), "enhance")
+        prompt = req.prompt
         result = await _run(request, req, lambda cancel: manager.run_enhance(req, cancel=cancel))
-        if isinstance(result, JSONResponse):
-            return result
         body = {"prompt": result.prompt or prompt, "original_prompt": prompt, "request_id": req.request_id}
         if result.notice:
             body["notice"] = result.notice
@@ -217,11 +165,8 @@ def build_router(settings: Settings, manager, metrics: Metrics, monitor: GpuMoni
         path = request.url.path
         allowed = V1_ROUTES.get(path)
         if allowed:
-            response = openai_error(405,
-                                    f"{request.method} is not allowed on {path}; use {', '.join(allowed)}",
-                                    "method_not_allowed")
-            response.headers["allow"] = ", ".join(allowed)
-            return response
+            return openai_error(405, f"{request.method} is not allowed on {path}; use {', '.join(allowed)}",
+                                "method_not_allowed", headers={"allow": ", ".join(allowed)})
         return openai_error(404, f"Invalid URL ({request.method} {path[:200]})", "not_found")
 
     return router
@@ -237,18 +182,18 @@ def _in_background(work) -> None:
     task.add_done_callback(_BACKGROUND.discard)
 
 
-async def _run(request: Request, req: EditRequest, through_line):
+async def _run(request: Request, req: EditRequest, through_line) -> EditResult:
     """`through_line(cancel)`: the job through the line (manager.run or run_enhance), cancelled if the client
-    goes away: its EditResult, or its error as OpenAI's error response."""
+    goes away: its EditResult; its error raised for the handler."""
     cancel = threading.Event()
     watcher = asyncio.create_task(_cancel_on_disconnect(request, cancel))
     try:
         return await through_line(cancel)
-    except ImgEditError as exc:
-        return openai_error(STATUS.get(exc.kind, 500), exc.message, exc.kind, exc.field)
+    except ImgEditError:
+        raise
     except Exception:
         log.exception("%s failed", req.request_id)
-        return openai_error(500, f"internal error (request {req.request_id})", "internal_error")
+        raise InternalError(f"internal error (request {req.request_id})") from None
     finally:
         watcher.cancel()
 

@@ -16,6 +16,7 @@ from starlette.datastructures import UploadFile
 from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
 from imgedit.engine.images import REPLY_FORMATS, image_label, open_image
+from imgedit.engine.interface import Engine
 from imgedit.engine.masks import open_mask
 from imgedit.engine.validation import check_counts
 from imgedit.errors import InputTooLarge, InvalidInput
@@ -101,7 +102,7 @@ def _size(raw: str | None) -> tuple[int | None, int | None]:
 
 
 async def parse_edit(request: Request, settings: Settings,
-                     manager) -> tuple[EditRequest, Resolved, tuple[str, int]]:
+                     manager: Engine) -> tuple[EditRequest, Resolved, tuple[str, int]]:
     """The edit request, its exact parameters (every check, once), and the reply's format and quality."""
     form = await edit_form(request, settings, manager.family)
     images = await read_images(form, settings, manager)
@@ -118,7 +119,8 @@ async def parse_edit(request: Request, settings: Settings,
     return req, manager.resolve(req), output_format(form)
 
 
-async def parse_generation(request: Request, manager) -> tuple[EditRequest, Resolved, tuple[str, int]]:
+async def parse_generation(request: Request,
+                           manager: Engine) -> tuple[EditRequest, Resolved, tuple[str, int]]:
     """A generation's JSON body as an edit request without images, its exact parameters, and the reply's
     format."""
     family = FAMILIES[manager.family]
@@ -199,7 +201,7 @@ async def read_form(request: Request, max_files: int, files_why: str):
         raise InvalidInput(f"malformed multipart body ({type(exc).__name__})") from None
 
 
-async def read_images(form, settings: Settings, manager) -> list:
+async def read_images(form, settings: Settings, manager: Engine) -> list:
     """The `image`/`image[]` files, each read up to MAX_FILE_SIZE and opened within MAX_INPUT_PIXELS."""
     uploads = [v for key in IMAGE_FIELDS for v in form.getlist(key)]
     if any(not isinstance(u, UploadFile) for u in uploads):

@@ -67,8 +67,8 @@ def parse_speed_inputs(speed, lora, lora_scale) -> tuple[str | None, str | None,
     return speed or None, None if lora in (None, "", NO_LORA) else lora, scale
 
 
-def build_speed_controls(settings: Settings) -> list:
-    """[speed, lora, lora_scale] components, for the edit event's inputs."""
+def build_speed_controls(settings: Settings) -> dict[str, gr.components.Component]:
+    """The speed, lora and lora_scale controls, by their declared names (imgedit.protocol.PARAMETERS)."""
     choices = speed_choices(settings)
     speed = gr.Radio(choices, value="quality", label="Speed", elem_id="speed", visible=len(choices) > 1,
                      info="Lightning presets set their own steps and turn CFG off")
@@ -77,7 +77,7 @@ def build_speed_controls(settings: Settings) -> list:
         lora = gr.Dropdown(lora_choices(settings), value=NO_LORA, label="LoRA", elem_id="lora")
         scale = gr.Slider(*param("lora_scale").bounds(), value=1.0, step=0.05, label="LoRA strength",
                           elem_id="lora-scale")
-    return [speed, lora, scale]
+    return {"speed": speed, "lora": lora, "lora_scale": scale}
 
 
 def build_cache_control(settings: Settings, refusal: str | None) -> gr.Dropdown:

@@ -25,7 +25,14 @@ from imgedit.planning.families import FAMILIES
 from imgedit.protocol import EditRequest, request_kwargs
 from imgedit.web.exports import download_copy, export_copy
 from imgedit.web.mask_controls import painted_mask
-from imgedit.web.snippets import MASK_FILE, api_values, curl_snippet, gradio_snippet, openai_snippet
+from imgedit.web.snippets import (
+    MASK_FILE,
+    api_values,
+    curl_snippet,
+    gradio_snippet,
+    input_files,
+    openai_snippet,
+)
 from imgedit.web.speed import SERVER_CACHE, parse_cache_input, stored_cache_choice
 from imgedit.web.uploads import gallery_paths, uploaded_paths
 
@@ -164,9 +171,11 @@ class PageTools:
         width, height = self._snippet_size(form.get("width"), form.get("height"), paths)
         form = {**form, "width": width, "height": height,
                 "cache": self._snippet_cache(form.get("cache"), form.get("speed"))}
-        cfg = FAMILIES[self.family].cfg(self.settings.default_true_cfg)
-        values = api_values(form, len(paths), self.default_steps, cfg, bool(mask),
-                            FAMILIES[self.family].generates)
+        family = FAMILIES[self.family]
+        # what the model does where the form leaves it to the model (the declaration's default: None)
+        defaults = {"num_inference_steps": self.default_steps,
+                    "true_cfg_scale": family.cfg(self.settings.default_true_cfg)}
+        values = api_values(form, input_files(len(paths), bool(mask), family.generates), defaults)
         host = request.headers.get("host", "localhost:7860")
         url = f"{request.headers.get('x-forwarded-proto', 'http')}://{host}/"
         return (gr.update(visible=True), gradio_snippet(url, values, self.settings.auth is not None),
