@@ -36,6 +36,11 @@ run of every row fits the time a machine is held; their timings are then not 40-
 Rows 2511-one and 2511-16gb serve Qwen-Image-Edit-2511 (its real-size random checkpoint at --ckpt2511: 2509's
 with zero_cond_t) with the edit rows' requests, for the comparison with 2.1's rows on the same card.
 
+Row 21-turbo serves Qwen-Image-2.1 on one GPU with TURBO_MODEL_DIR (the real-size random-weight Turbo checkpoint
+at --ckpt21turbo, `--kind 21turbo --size real`; --tiny: the tiny one): the 21 rows' requests, then speed=fastest
+and speed=fast text to image twice each (first, steady), a speed=fastest edit of the input picture and one of 3
+references (the Turbo's 8 steps, CFG off).
+
 Rows 21-one, 21-pair and 21-16gb serve Qwen-Image-2.1 (its real-size random-weight checkpoint at --ckpt21,
 built from the published configs; --tiny: the tiny one) with a random LoRA of its own, and make instead:
 
@@ -99,11 +104,14 @@ ROWS: dict[str, dict[str, str]] = {
     "21-one": {"DEVICE_MAP": "cuda:0"},
     "21-pair": {"DEVICE_MAP": "auto", "CUDA_VISIBLE_DEVICES": "0,1"},
     "21-16gb": {"MAX_MEMORY": "14.5GiB", "CUDA_VISIBLE_DEVICES": "0"},
+    # Qwen-Image-2.1 with its Turbo (TURBO_MODEL_DIR: the real-size random Turbo checkpoint at --ckpt21turbo)
+    "21-turbo": {"DEVICE_MAP": "cuda:0"},
     # Qwen-Image-Edit-2511 (FAMILY_2511, its own checkpoint): the edit rows' requests, beside 2.1's rows
     "2511-one": {"DEVICE_MAP": "cuda:0"},
     "2511-16gb": {"MAX_MEMORY": "14.5GiB", "CUDA_VISIBLE_DEVICES": "0"},
 }
-FAMILY_21 = ("21-one", "21-pair", "21-16gb")
+FAMILY_21 = ("21-one", "21-pair", "21-16gb", "21-turbo")
+TURBO_ROWS = ("21-turbo",)
 FAMILY_2511 = ("2511-one", "2511-16gb")
 # --tiny: the same row names on the CPU (the harness itself is what is tested there). Rows that need GPUs
 # run with DEVICE_MAP=cpu; fp8 needs a CUDA GPU, so its CPU row makes the int8 copy instead.
@@ -120,6 +128,7 @@ CPU_ROWS: dict[str, dict[str, str]] = {
     "21-one": {"DEVICE_MAP": "cpu"},
     "21-pair": {"DEVICE_MAP": "auto"},
     "21-16gb": {"DEVICE_MAP": "cpu"},
+    "21-turbo": {"DEVICE_MAP": "cpu"},
     "2511-one": {"DEVICE_MAP": "cpu"},
     "2511-16gb": {"DEVICE_MAP": "cpu"},
 }
@@ -557,6 +566,12 @@ def run_requests_21(requests: Requests, health: dict, steps: int, other_steps: i
     add(requests.rest_edit("mask", other, mask=True))
     add(requests.gradio_edit("gradio-t2i", generate=True, cfg=1.0))
     add(requests.enhance("rewrite"))
+    if any(worker.get("turbo") for worker in health.get("workers", [])):  # TURBO_MODEL_DIR: the fast tier
+        for speed in ("fastest", "fast"):  # both run the Turbo's 8 steps
+            for run in ("first", "steady"):
+                add(requests.rest_generation(f"turbo-t2i-{speed}-{run}", {"speed": speed}))
+        add(requests.rest_edit("turbo-edit-fastest", {"speed": "fastest"}))
+        add(requests.rest_edit("turbo-refs3-fastest", {"speed": "fastest"}, pictures=references[:3]))
 
 
 def describe(record: dict) -> str:
@@ -707,10 +722,17 @@ def _pair(records: dict, speed: str) -> str:
     return f"{text} {weights}" if weights else text
 
 
+def _turbo_pair(records: dict, speed: str) -> str:
+    """A Turbo text to image's steady seconds, the first run's in brackets."""
+    steady, first = _cell(records, f"turbo-t2i-{speed}-steady"), _cell(records, f"turbo-t2i-{speed}-first")
+    return steady if first == "—" else f"{steady} ({first})"
+
+
 def table_21(rows: list[dict], device: str) -> str:
     """The Qwen-Image-2.1 rows' table."""
     head = ["row", "ready s", "restart s", "t2i first s", "t2i steady s", "1 ref", "3 refs", "5 refs", "10 refs",
-            "10 refs (other steps)", "rgba", "lora 0.5", "mask", "gradio t2i", "rewrite ms/token", "all finite"]
+            "10 refs (other steps)", "rgba", "lora 0.5", "mask", "gradio t2i", "rewrite ms/token",
+            "turbo t2i fastest s", "turbo t2i fast s", "turbo edit s", "turbo 3 refs s", "all finite"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         records = {r["name"]: r for r in row["requests"]}
@@ -724,7 +746,9 @@ def table_21(rows: list[dict], device: str) -> str:
                  *(_cell(records, name) for name in ("t2i-first", "t2i-steady", "refs1", "refs3", "refs5",
                                                      "refs10-full", "refs10", "rgba", "lora-0.5", "mask",
                                                      "gradio-t2i")),
-                 str(rewrite.get("ms_per_token", _cell(records, "rewrite"))), finite]
+                 str(rewrite.get("ms_per_token", _cell(records, "rewrite"))),
+                 _turbo_pair(records, "fastest"), _turbo_pair(records, "fast"),
+                 _cell(records, "turbo-edit-fastest"), _cell(records, "turbo-refs3-fastest"), finite]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -791,6 +815,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--tiny: OUT/tiny-checkpoint)")
     parser.add_argument("--ckpt21", default=None, help="the Qwen-Image-2.1 rows' checkpoint, built when it has no "
                         "model_index.json (default /tmp/qwen-image-2.1-real-random; --tiny: OUT/tiny-checkpoint-21)")
+    parser.add_argument("--ckpt21turbo", default=None, help="the 21-turbo row's TURBO_MODEL_DIR, built when it has "
+                        "no model_index.json (default /tmp/qwen-image-2.1-turbo-real-random; --tiny: "
+                        "OUT/tiny-checkpoint-21turbo)")
     parser.add_argument("--ckpt2511", default=None, help="the 2511 rows' checkpoint, built when it has no "
                         "model_index.json (default /tmp/qwen-image-edit-2511-real-random; --tiny: "
                         "OUT/tiny-checkpoint-2511)")
@@ -851,6 +878,11 @@ def main(argv: list[str] | None = None) -> int:
     if any(name in FAMILY_21 for name in args.row_names):  # Qwen-Image-2.1 rows: their own checkpoint and LoRA
         common_21 = family_settings(args, out_dir, "21", args.ckpt21, "/tmp/qwen-image-2.1-real-random",
                                     prepare_lora_21)
+    common_turbo = {}
+    if any(name in TURBO_ROWS for name in args.row_names):  # the 21 rows' settings and the Turbo checkpoint
+        default = out_dir / "tiny-checkpoint-21turbo" if args.tiny else Path("/tmp/qwen-image-2.1-turbo-real-random")
+        turbo = prepare_checkpoint(Path(args.ckpt21turbo or default).expanduser(), args.tiny, kind="21turbo")
+        common_turbo = {**common_21, "TURBO_MODEL_DIR": str(turbo)}
     picture_path = out_dir / "input.png"
     picture = input_picture(args.size)
     picture_path.write_bytes(picture)
@@ -866,8 +898,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.row_names:
             row = {"name": name, "requests": []}
             report["rows"].append(row)
-            run_row(row, args, common_21 if name in FAMILY_21 else common_2511 if name in FAMILY_2511 else common,
-                    pictures)
+            family = (common_turbo if name in TURBO_ROWS else common_21 if name in FAMILY_21
+                      else common_2511 if name in FAMILY_2511 else common)
+            run_row(row, args, family, pictures)
             row["failures"] = row_failures(row)
             write_results(report, args)  # after every row: a long GPU run keeps what it measured
     except KeyboardInterrupt:

@@ -405,6 +405,7 @@ class WorkerStatus:
     # per GPU, measured by its ranks after loading
     weights_mib: dict[str, float] = field(default_factory=dict)
     fast_weights: str = ""  # FAST_QUANTIZE as the worker built it: none, or the mode and its copies
+    turbo: str = ""  # TURBO_MODEL_DIR's transformer as the worker loaded it (speed=fast/fastest); "" = none
     cpu_threads: int = 0  # PyTorch's CPU threads in the worker's processes (WORKER_THREADS)
     # optimisations that failed to build and what the worker runs instead ("compile failed → eager: ...")
     fallbacks: tuple[str, ...] = ()
@@ -453,7 +454,9 @@ class Resolved:
     width: int | None
     height: int | None
     adapters: tuple[tuple[str, float], ...] = ()  # (LoRA name, strength) active for this job
-    scheduler: str = "default"  # default | lightning (imgedit.config.loras.LIGHTNING_SCHEDULER)
+    # default | lightning (imgedit.config.loras.LIGHTNING_SCHEDULER) | turbo (TURBO_MODEL_DIR's transformer
+    # and schedule: imgedit.runtime.turbo)
+    scheduler: str = "default"
     # With a mask: the model runs at width x height, the result is the first image's size
     mask_grow: int = 0
     mask_feather: int = 0

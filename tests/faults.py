@@ -15,8 +15,9 @@ output: [rewrite:TEXT] makes the model answer TEXT and end its answer; [rewrite-
 forward. Without a marker the random model writes nonsense until
 the token limit.
 IMGEDIT_TEST_GPU_HEADROOM_GIB caps the worker's GPU memory at its weights plus that many GiB.
-Every forward of the main modules (text encoder, transformer, FAST_QUANTIZE's copies, VAE encoder/decoder) appends
-"<pid> enter|leave <module>" to the file named by IMGEDIT_TEST_PROBE, if set (conftest.ConcurrencyProbe reads it).
+Every forward of the main modules (text encoder, transformer, FAST_QUANTIZE's copies, TURBO_MODEL_DIR's
+transformer, VAE encoder/decoder) appends "<pid> enter|leave <module>" to the file named by IMGEDIT_TEST_PROBE, if
+set (conftest.ConcurrencyProbe reads it).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def install(pipe, spec) -> None:
 
     pipe.text_encoder.register_forward_pre_hook(before_text_encoder)
     copies = getattr(pipe, "imgedit_fast_copies", ())  # FAST_QUANTIZE: fast jobs run on these
-    for transformer in (pipe.transformer, *copies):
+    turbo = getattr(pipe, "imgedit_turbo_transformer", None)  # TURBO_MODEL_DIR: speed=fast/fastest runs on it
+    for transformer in (pipe.transformer, *copies, *(() if turbo is None else (turbo,))):
         transformer.register_forward_pre_hook(before_forward)
     script_rewrites(pipe)
     probe = os.environ.get("IMGEDIT_TEST_PROBE")
@@ -89,6 +91,8 @@ def install(pipe, spec) -> None:
                    "vae_encoder": pipe.vae.encoder, "vae_decoder": pipe.vae.decoder}
         for i, copy in enumerate(copies):  # "fast_transformer", "fast_transformer1", ...
             modules["fast_transformer" + (str(i) if i else "")] = copy if spec.compile else copy.transformer_blocks[0]
+        if turbo is not None:
+            modules["turbo_transformer"] = turbo if spec.compile else turbo.transformer_blocks[0]
         for name, module in modules.items():
             module.register_forward_pre_hook(mark("enter", name))
             module.register_forward_hook(mark("leave", name))

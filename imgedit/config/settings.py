@@ -104,6 +104,11 @@ REGISTRY: tuple[Var, ...] = (
     Var("FAST_LORA_8STEP", "", _optional_str,
         "Name of the Lightning 8-step LoRA for speed=fast; "
         "empty = the LoRA whose file name says Lightning-8steps"),
+    Var("TURBO_MODEL_DIR", "", _optional_str,
+        "Qwen-Image-2.1 only: a local Qwen-Image-2.1-Turbo folder (the 8-step distilled checkpoint, Qwen "
+        "Research License); speed=fast and fastest then run its transformer and schedule (8 steps, CFG off), "
+        "a second transformer of the model's size on the same GPU(s); not with MAX_MEMORY, QUANTIZE or "
+        "OFFLOAD"),
     Var("FUSE_LORA", "auto", _choice("auto", "off"),
         "auto: a job with exactly one LoRA (e.g. speed=fastest) runs it fused into the weights, no per-step "
         "cost instead of +9 %, when an exact copy of the weights it adapts (25 GiB for a Lightning LoRA) "
@@ -248,6 +253,7 @@ class Settings:
     loras: tuple[tuple[str, str], ...]
     fast_lora_4step: str | None
     fast_lora_8step: str | None
+    turbo_model_dir: str | None
     fuse_lora: str
     fast_quantize: str
     fast_quantize_speeds: tuple[str, ...]

@@ -375,8 +375,8 @@ class WorkerHandle:
         if r is None:
             return {}
         return dict(compiled=r.compiled, encode_cache=r.encode_cache, attention=r.attention,
-                    components=r.components, fast_weights=r.fast_weights, cpu_threads=r.cpu_threads,
-                    fallbacks=tuple(r.fallbacks), under_cap=tuple(r.under_cap))
+                    components=r.components, fast_weights=r.fast_weights, turbo=r.turbo,
+                    cpu_threads=r.cpu_threads, fallbacks=tuple(r.fallbacks), under_cap=tuple(r.under_cap))
 
 
 def wait_result(handle: WorkerHandle, events: queue.Queue, cancel: threading.Event,

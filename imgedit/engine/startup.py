@@ -17,7 +17,7 @@ from imgedit.engine.inspection import inspect_checkpoint
 from imgedit.engine.pool import WorkerHandle
 from imgedit.engine.processes import ProcessTransport
 from imgedit.errors import PlacementError, WorkerFailed
-from imgedit.planning import modes
+from imgedit.planning import modes, turbo
 from imgedit.planning.checkpoint import Checkpoint
 from imgedit.planning.families import FAMILIES, not_built
 from imgedit.planning.memory import bytes_item, plan_memory
@@ -58,6 +58,9 @@ def plan_workers(settings: Settings, checkpoint: Checkpoint, plan: Plan | None,
     """The workers to start: `plan` as given (tests), or planned from the checkpoint's sizes for Ray's nodes
     or this machine's GPUs (`gpus`: discovered when None)."""
     s = settings
+    fast = check_turbo(s, checkpoint)  # TURBO_MODEL_DIR: refused before anything is inspected or planned
+    if fast is not None:  # planned without quantized or streamed weights (memory_refusal refused those)
+        s = replace(s, quantize=(), offload=())
     if s.workers == "ray":
         if s.quantize or s.offload:
             raise PlacementError("QUANTIZE and OFFLOAD work with WORKERS=local only for now; "
@@ -70,6 +73,8 @@ def plan_workers(settings: Settings, checkpoint: Checkpoint, plan: Plan | None,
     # Sizes (from the configs) and the LoRA check, measured on the worker side in a subprocess
     sizes, loras = inspect_checkpoint(checkpoint, s.quantize_skip, s.lora_entries, sizes=plan is None)
     nodes: dict[str, str] = {}
+    if fast is not None and sizes:
+        sizes = turbo.with_turbo(sizes)  # a second transformer, block for block beside the model's
     if plan is None:
         item = bytes_item(s.torch_dtype)  # QUANTIZE / OFFLOAD: the planner sizes each mode
         if s.workers == "ray":
@@ -77,8 +82,26 @@ def plan_workers(settings: Settings, checkpoint: Checkpoint, plan: Plan | None,
             plan, nodes = ray_pool.plan_cluster(specs, s, ray_pool.alive_nodes(), checkpoint.family)
         else:
             gpus = discover_gpus() if gpus is None else list(gpus)
-            plan = plan_memory(sizes, gpus, s, item, host_memory() if gpus else None, checkpoint.family)
+            try:
+                plan = plan_memory(sizes, gpus, s, item, host_memory() if gpus else None, checkpoint.family)
+            except PlacementError as exc:
+                if fast is None:
+                    raise
+                raise PlacementError(f"{exc.message} (counting {turbo.SETTING}'s second transformer: "
+                                     f"unset {turbo.SETTING} to serve without it)") from exc
     return Planned(plan, nodes, loras)
+
+
+def check_turbo(settings: Settings, checkpoint: Checkpoint) -> turbo.TurboCheckpoint | None:
+    """TURBO_MODEL_DIR checked against the served model and the memory settings (None when unset)."""
+    if not settings.turbo_model_dir:
+        return None
+    fast = turbo.check_turbo(settings.turbo_model_dir, checkpoint)
+    refused = turbo.memory_refusal(settings.max_memory, settings.quantize, settings.offload)
+    if refused is not None:
+        raise PlacementError(refused)
+    log.info("speed=fast/fastest: %s on the same GPU(s) as the model", fast.describe)
+    return fast
 
 
 def worker_handle(settings: Settings, plan: WorkerPlan, spec: WorkerSpec, node: str | None,
@@ -144,4 +167,5 @@ def worker_spec(settings: Settings, plan: WorkerPlan, every: tuple[WorkerPlan, .
                       encode_cache=s.encode_cache, attention=s.attention, compile_mode=s.compile_mode,
                       fuse_lora=modes.fuse_lora(s, plan), activation_reserve=s.activation_reserve,
                       fast_quantize=s.fast_quantize, fast_steps=modes.fast_steps(s),
+                      turbo=turbo.open_turbo(s.turbo_model_dir) if s.turbo_model_dir else None,
                       cpu_threads=modes.worker_threads(s, plan, every, *host_threads()))

@@ -19,6 +19,8 @@ from imgedit.engine.masks import DEFAULT_FEATHER, check_mask_size
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.errors import InvalidInput
 from imgedit.planning.families import FAMILIES, not_built
+from imgedit.planning.turbo import SETTING as TURBO_SETTING
+from imgedit.planning.turbo import TurboCheckpoint, open_turbo
 from imgedit.protocol import EditRequest, Resolved, param  # noqa: F401  (Resolved: re-exported for the edges)
 
 SIDE_MULTIPLE = 16  # the edit families' VAE downsamples 8x and latents are packed in 2x2 patches (2.1: 32)
@@ -141,7 +143,7 @@ def resolve(req: EditRequest, settings: Settings, family: str,
         # before its images are decoded (n_images None: /v1/jobs, the Batch tab, a PNG's restore) keeps the
         # other side open, as for the edit models.
         last_image_size = (1, 1)
-    preset = speed_preset(req, settings, family)  # a Lightning preset sets its steps and turns CFG off
+    preset = speed_preset(req, settings, family)  # a Lightning or Turbo preset sets its steps, turns CFG off
     steps = req.num_inference_steps if preset is None else preset.steps
     if steps is None:
         steps = default_steps(settings, family)
@@ -171,7 +173,7 @@ def resolve(req: EditRequest, settings: Settings, family: str,
     return Resolved(
         steps=int(steps), true_cfg_scale=float(cfg), negative_prompt=negative, seed=int(seed),
         num_images=int(req.num_images), width=width, height=height, adapters=adapters,
-        scheduler="default" if preset is None else "lightning", mask_grow=grow, mask_feather=feather,
+        scheduler=preset_scheduler(preset), mask_grow=grow, mask_feather=feather,
         strength=strength, enhance_tokens=settings.enhance_max_tokens if req.enhance_prompt else 0,
         cache=step_cache(req, settings, preset, family), cache_threshold=settings.cache_threshold)
 
@@ -187,7 +189,8 @@ def step_cache(req: EditRequest, settings: Settings, preset, family: str = "plus
     if preset is not None:
         if req.cache not in (None, "none"):
             raise InvalidInput(f"cache {req.cache} is for quality edits; speed {req.speed} runs a few "
-                               "Lightning steps with nothing to skip: leave cache out", "cache")
+                               f"{'Turbo' if isinstance(preset, TurboCheckpoint) else 'Lightning'} steps "
+                               "with nothing to skip: leave cache out", "cache")
         return "none"
     if req.cache not in (None, "none") and (refused := not_built(family, "cache")) is not None:
         raise InvalidInput(f"cache {req.cache} is not available for this model: {refused}", "cache")
@@ -266,15 +269,20 @@ def check_range(name: str, value, settings: Settings | None = None, why: str = "
 
 
 def speed_preset(req: EditRequest, settings: Settings, family: str = "plus"):
-    """The Lightning LoRA entry a fast/fastest request runs with; None for quality."""
+    """What a fast/fastest request runs with: TURBO_MODEL_DIR's checkpoint (Qwen-Image-2.1: both speeds run
+    its own schedule, imgedit.planning.turbo), else the Lightning LoRA entry; None for quality."""
     speed = "quality" if req.speed in (None, "") else req.speed
     if not isinstance(speed, str) or speed.lower() not in SPEEDS:
         raise InvalidInput(f"speed must be one of {', '.join(SPEEDS)}, got {str(speed)[:40]!r}", "speed")
     steps = SPEEDS[speed.lower()]
     if steps is None:
         return None
+    if settings.turbo_model_dir:  # start-up takes it for a Qwen-Image-2.1 server only
+        return open_turbo(settings.turbo_model_dir)
     if (refused := not_built(family, "lightning")) is not None:
-        raise InvalidInput(f"speed {speed.lower()} is not available for this model: {refused}", "speed")
+        turbo = f": set {TURBO_SETTING} to a local Qwen-Image-2.1-Turbo folder" if family == "21" else ""
+        raise InvalidInput(f"speed {speed.lower()} is not available for this model: {refused}{turbo}",
+                           "speed")
     entry = lightning_for(settings.lora_entries, steps)
     if entry is None:
         raise InvalidInput(f"speed {speed.lower()} needs a Lightning {steps}-step LoRA and none is "
@@ -283,16 +291,28 @@ def speed_preset(req: EditRequest, settings: Settings, family: str = "plus"):
     return entry
 
 
+def preset_scheduler(preset) -> str:
+    """The scheduler a job runs with (Resolved.scheduler): the model's, Lightning's or the Turbo's."""
+    if preset is None:
+        return "default"
+    return "turbo" if isinstance(preset, TurboCheckpoint) else "lightning"
+
+
 def lora_adapters(req: EditRequest, settings: Settings, preset) -> tuple[tuple[str, float], ...]:
     """(name, strength) of every adapter the job runs with: the speed preset's Lightning LoRA at 1,
-    then the picked LoRA at its strength."""
-    adapters = [(preset.name, 1.0)] if preset is not None else []
+    then the picked LoRA at its strength. A Turbo preset runs no adapter, and takes none (the LoRAs are
+    loaded on the model's transformer, not on the Turbo's)."""
+    turbo = isinstance(preset, TurboCheckpoint)
+    adapters = [(preset.name, 1.0)] if preset is not None and not turbo else []
     scale = 1.0 if req.lora_scale is None else req.lora_scale
     # checked with or without a LoRA: a value no LoRA could run with is refused, never stored
     check_range("lora_scale", scale, settings)
     name = req.lora
     if name in (None, "", "none"):
         return tuple(adapters)
+    if turbo:
+        raise InvalidInput(f"speed {req.speed} runs Qwen-Image-2.1-Turbo's own transformer, and LoRAs are "
+                           "loaded on the model's: leave lora out, or use speed quality with it", "lora")
     known = [e.name for e in settings.lora_entries]
     if not isinstance(name, str) or name not in known:
         offered = ", ".join(known) if known else "none (set LORA_DIR or LORAS)"

@@ -1,6 +1,7 @@
 """Write a random-weight Qwen image-edit checkpoint folder, fully offline.
 
-    python -m imgedit.model.demo_checkpoint OUT_DIR [--kind plus|edit|21|2511] [--seed 0] [--size tiny|real]
+    python -m imgedit.model.demo_checkpoint OUT_DIR [--kind plus|edit|21|21turbo|2511] [--seed 0]
+                                            [--size tiny|real]
 
 `tiny` (the default) is a 2-layer model of about a megabyte that runs an edit on a CPU in seconds:
 the demo mode and the tests load it exactly like a real checkpoint. `real` writes the published
@@ -10,7 +11,9 @@ for benchmarks (speed and memory do not depend on the weights' values).
 The tokenizer is a byte-level BPE trained here on a few sentences, with Qwen's special tokens at
 their real ids. `--kind 21` writes a Qwen-Image-2.1 checkpoint (QwenImage21Pipeline: a Qwen3-VL text
 encoder with the processor holding the tokenizer, a single-stream transformer, a 16x RGBA VAE), its tiny
-configs as diffusers' own tests of that pipeline build them.
+configs as diffusers' own tests of that pipeline build them. `--kind 21turbo` writes its Turbo (the folder
+TURBO_MODEL_DIR names): the same checkpoint but for the transformer's weights (another seed, TURBO_SEED), a
+scheduler without shifting and the distilled schedule in model_index.json (`sample_sigmas`).
 
 Building needs torch, diffusers and transformers: they are imported inside the functions that build, so
 that the inspection subprocess (imgedit.model.inspect imports ensure_checkpoint on every run) and
@@ -41,6 +44,7 @@ PIPELINE_CLASS = {
     "edit": "QwenImageEditPipeline",
     "plus": "QwenImageEditPlusPipeline",
     "21": "QwenImage21Pipeline",
+    "21turbo": "QwenImage21Pipeline",  # Qwen-Image-2.1-Turbo: 2.1's components, its own transformer weights
     "2511": "QwenImageEditPlusPipeline",  # 2511: 2509's pipeline, its transformer with zero_cond_t
 }
 # The Qwen chat template the 2.1 pipeline runs on its system message (it counts the tokens to drop by it, so
@@ -68,6 +72,12 @@ SCHEDULER_CONFIG = {
     "stochastic_sampling": False, "time_shift_type": "exponential", "use_beta_sigmas": False,
     "use_dynamic_shifting": True, "use_exponential_sigmas": False, "use_karras_sigmas": False,
 }
+# Qwen-Image-2.1-Turbo, as the task that added it describes the published checkpoint: 8 steps of this schedule
+# (model_index.json's `sample_sigmas`), FlowMatchEuler with shift 1.0 and no dynamic shifting, CFG off. No
+# shift_terminal: it would stretch the last sigma, and the distilled schedule runs as listed.
+TURBO_SIGMAS = [1.0, 0.978453, 0.95418, 0.926626, 0.89508, 0.845148, 0.704534, 0.414568]
+TURBO_SCHEDULER = {**SCHEDULER_CONFIG, "shift": 1.0, "use_dynamic_shifting": False, "shift_terminal": None}
+TURBO_SEED = 1000  # the Turbo transformer's seed is the checkpoint's seed plus this (the rest: the seed)
 
 
 def _configs(size: str) -> dict:
@@ -170,7 +180,7 @@ def _special_id(token: str) -> int:
     return FIRST_SPECIAL_ID + SPECIAL_TOKENS.index(token)
 
 
-def _build_21(out: Path, seed: int, size: str, tokenizer) -> None:
+def _build_21(out: Path, seed: int, size: str, tokenizer, transformer_seed: int | None = None) -> None:
     from diffusers import AutoencoderKLQwenImage21, QwenImage21Transformer2DModel  # building only (docstring)
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration  # building only (docstring)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (  # building only (docstring)
@@ -203,9 +213,10 @@ def _build_21(out: Path, seed: int, size: str, tokenizer) -> None:
                               video_token_id=_special_id("<|video_pad|>"),
                               vision_start_token_id=_special_id("<|vision_start|>"),
                               vision_end_token_id=_special_id("<|vision_end|>"))
-    _save_seeded(out, seed, {"transformer": lambda: QwenImage21Transformer2DModel(**cfg["transformer"]),
-                             "vae": lambda: AutoencoderKLQwenImage21(**cfg["vae"]),
+    _save_seeded(out, seed, {"vae": lambda: AutoencoderKLQwenImage21(**cfg["vae"]),
                              "text_encoder": lambda: Qwen3VLForConditionalGeneration(te_config)})
+    _save_seeded(out, seed if transformer_seed is None else transformer_seed,
+                 {"transformer": lambda: QwenImage21Transformer2DModel(**cfg["transformer"])})
 
 
 def _save_seeded(out: Path, seed: int, builders: dict) -> None:
@@ -285,14 +296,17 @@ def build_checkpoint(out: str | Path, kind: str = "plus", seed: int = 0, size: s
     if kind == "2511":  # Qwen-Image-Edit-2511's transformer config adds zero_cond_t (the rest is 2509's)
         cfg["transformer"]["zero_cond_t"] = True
     tokenizer = build_tokenizer()
-    FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG).save_pretrained(out / "scheduler")  # 2.1's: the same
-    if kind == "21":
-        _build_21(out, seed, size, tokenizer)
+    turbo = kind == "21turbo"
+    FlowMatchEulerDiscreteScheduler(**(TURBO_SCHEDULER if turbo else SCHEDULER_CONFIG)).save_pretrained(
+        out / "scheduler")  # 2.1's: the same as the edit models'
+    if kind in ("21", "21turbo"):
+        _build_21(out, seed, size, tokenizer, seed + TURBO_SEED if turbo else None)
     else:
         _build_edit(out, seed, size, tokenizer, cfg)
+    index = INDEX if kind not in ("21", "21turbo") else {**INDEX_21,
+                                                         "sample_sigmas": TURBO_SIGMAS if turbo else None}
     _write_json(out / "model_index.json", {
-        "_class_name": PIPELINE_CLASS[kind], "_diffusers_version": "0.42.1",
-        **(INDEX_21 if kind == "21" else INDEX),
+        "_class_name": PIPELINE_CLASS[kind], "_diffusers_version": "0.42.1", **index,
         "imgedit_demo": {"seed": seed, "size": size, "random_weights": size != "tiny"},
     })
     log.info("wrote %s %s checkpoint (seed %d) to %s", size, PIPELINE_CLASS[kind], seed, out)

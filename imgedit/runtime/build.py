@@ -27,6 +27,7 @@ class Build:
     pipe: object = None
     adapters: Adapters | None = None
     runner: Runner | None = None
+    turbo: object = None  # imgedit.runtime.turbo.Turbo: TURBO_MODEL_DIR's transformer, scheduler and sigmas
 
     @property
     def plan(self):
@@ -45,5 +46,8 @@ class Build:
 
     @property
     def transformers(self) -> tuple:
-        """The quality transformer and FAST_QUANTIZE's copies of it (compiled, wrapped and warmed alike)."""
-        return (self.pipe.transformer, *(self.adapters.copies if self.adapters is not None else ()))
+        """The quality transformer, FAST_QUANTIZE's copies of it and TURBO_MODEL_DIR's transformer (compiled,
+        wrapped and warmed alike)."""
+        copies = self.adapters.copies if self.adapters is not None else ()
+        turbo = (self.turbo.transformer,) if self.turbo is not None else ()
+        return (self.pipe.transformer, *copies, *turbo)

@@ -23,7 +23,16 @@ import torch
 
 from imgedit.errors import ImgEditError
 from imgedit.planning.families import FAMILIES
-from imgedit.runtime import compile21, encode_cache, offload, pixels, shared_prompt, single_frame, warmup
+from imgedit.runtime import (
+    compile21,
+    encode_cache,
+    offload,
+    pixels,
+    shared_prompt,
+    single_frame,
+    turbo,
+    warmup,
+)
 from imgedit.runtime.build import Build
 from imgedit.runtime.cfg_batch import CfgBatch
 from imgedit.runtime.decode_room import DecodeRoom
@@ -33,6 +42,7 @@ from imgedit.runtime.group import ParallelGroup
 from imgedit.runtime.masking import Masking
 from imgedit.runtime.prefix_cache import PrefixCache
 from imgedit.runtime.step_cache import StepCache
+from imgedit.runtime.weights import weights_per_gpu
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +140,28 @@ class Loras(Feature):
 
     def install(self, build: Build) -> None:
         build.runner.add(build.adapters)
+
+
+class Turbo(Feature):
+    """TURBO_MODEL_DIR (Qwen-Image-2.1): the Turbo transformer beside the model's, its scheduler and sigmas;
+    speed=fast/fastest jobs run on them (after the LoRAs' part: it swaps the transformer they set).
+    Configured, it is needed: a Turbo that cannot load fails the load, naming the setting."""
+
+    name, optional, only = "turbo", False, frozenset({"21"})
+
+    def applies(self, build: Build) -> bool:
+        return build.spec.turbo is not None
+
+    def install(self, build: Build) -> None:
+        build.say(f"loading {build.spec.turbo.describe}")
+        part = turbo.load(build.spec.turbo, build.pipe, build.plan, build.dtype,
+                          memoize=Metadata21.name in build.report.features)
+        build.runner.add(part)
+        build.turbo = part
+        build.pipe.imgedit_turbo_transformer = part.transformer  # for hooks that watch every transformer
+        build.report.turbo = build.spec.turbo.describe
+        if build.cuda:  # the panel's "our weights": the Turbo's too
+            build.report.weights_mib = weights_per_gpu()
 
 
 class BatchCfg(Feature):
@@ -245,7 +277,7 @@ class _Reported(Exception):
 
 FEATURES: tuple[Feature, ...] = (
     SingleFrameVae(), EncodeCache(), PixelsOnGpu(), Metadata21(),
-    Parallel(), Loras(), BatchCfg(), StepCaches(), DecodeTiling(), PrefixCacheRoom(), Masks(),
+    Parallel(), Loras(), Turbo(), BatchCfg(), StepCaches(), DecodeTiling(), PrefixCacheRoom(), Masks(),
     AttentionKernel(),
     Compile(), RewriteWarmup(),
 )

@@ -37,24 +37,29 @@ def _move_inputs(model: torch.nn.Module, device: str) -> None:
         add_hook_to_module(model, AlignDevicesHook(execution_device=device, io_same_device=True))
 
 
+def load_model(name: str, checkpoint: Checkpoint, worker: WorkerPlan, dtype: torch.dtype) -> torch.nn.Module:
+    """One component of `checkpoint` onto the devices `worker` plans for `name` (quantized or streamed as its
+    memory mode says), with the device hooks its placement needs. TURBO_MODEL_DIR's transformer is loaded
+    this way too, onto the model's transformer's devices."""
+    placement = worker.components[name]
+    if worker.memory is not None and worker.memory.touches(name):  # QUANTIZE / OFFLOAD
+        model = offload.load_component(name, checkpoint, placement, dtype, worker.memory)
+    else:
+        model = weights.load_component(name, checkpoint, placement, dtype)
+    if placement.is_split:
+        # a block's own device hook only: the ones inside it would stop its compile (keep_block_hooks)
+        dropped = weights.keep_block_hooks(model)
+        log.info("%s split over %s: kept the device hooks of its blocks, dropped %d inside them",
+                 name, ", ".join(placement.devices), dropped)
+    elif placement.device != worker.execution_device:
+        _move_inputs(model, placement.device)
+    return model.eval().requires_grad_(False)
+
+
 def load_pipeline(checkpoint: Checkpoint, worker: WorkerPlan, dtype: torch.dtype):
     """Build one worker's pipeline on its devices."""
     folder = checkpoint.folder
-    parts = {}
-    for name in MODEL_COMPONENTS:
-        placement = worker.components[name]
-        if worker.memory is not None and worker.memory.touches(name):  # QUANTIZE / OFFLOAD
-            model = offload.load_component(name, checkpoint, placement, dtype, worker.memory)
-        else:
-            model = weights.load_component(name, checkpoint, placement, dtype)
-        if placement.is_split:
-            # a block's own device hook only: the ones inside it would stop its compile (keep_block_hooks)
-            dropped = weights.keep_block_hooks(model)
-            log.info("%s split over %s: kept the device hooks of its blocks, dropped %d inside them",
-                     name, ", ".join(placement.devices), dropped)
-        elif placement.device != worker.execution_device:
-            _move_inputs(model, placement.device)
-        parts[name] = model.eval().requires_grad_(False)
+    parts = {name: load_model(name, checkpoint, worker, dtype) for name in MODEL_COMPONENTS}
     if len(worker.devices) > 1 and not internals.has_device_hook(parts["vae"]):
         # diffusers' _execution_device asks the first registered component (the VAE); one without a
         # hook falls back to pipe.device, the first module by *name* (text_encoder), which may sit

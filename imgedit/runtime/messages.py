@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from imgedit.config.loras import LoraFile
 from imgedit.planning.checkpoint import Checkpoint
 from imgedit.planning.plan import WorkerPlan
+from imgedit.planning.turbo import TurboCheckpoint
 from imgedit.protocol import EditRequest, EditResult, Resolved
 
 
@@ -73,6 +74,7 @@ class WorkerSpec:
     fast_quantize: str = "none"  # FAST_QUANTIZE: Lightning LoRAs' quantized copies (runtime.fast_weights)
     fast_steps: tuple[int, ...] = (4, 8)  # FAST_QUANTIZE_SPEEDS as Lightning step counts
     cpu_threads: int = 0  # WORKER_THREADS (planning.modes.worker_threads); 0 = PyTorch's default
+    turbo: TurboCheckpoint | None = None  # TURBO_MODEL_DIR, checked: speed=fast/fastest's transformer
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,7 @@ class StartupReport:
     components: dict = field(default_factory=dict)
     fuse_lora: str = "off"  # FUSE_LORA as it runs
     fast_weights: str = "none"  # FAST_QUANTIZE's copies
+    turbo: str = ""  # TURBO_MODEL_DIR's transformer, loaded beside the model's (planning.turbo.describe)
     # MiB per GPU after loading (this rank's numbering)
     weights_mib: dict[str, float] = field(default_factory=dict)
     encode_cache: int = 0  # ENCODE_CACHE entries

@@ -26,6 +26,7 @@ from imgedit.runtime.build import Build
 from imgedit.runtime.group import agree_to_stop, init_group
 from imgedit.runtime.messages import StartupReport, WorkerSpec
 from imgedit.runtime.runner import Runner
+from imgedit.runtime.weights import weights_per_gpu
 
 log = logging.getLogger(__name__)
 
@@ -139,13 +140,6 @@ def build_worker(spec: WorkerSpec, say: Callable[[str], None]) -> tuple[Runner, 
     log.info("loaded on %s in %.1fs (%s)", ",".join(build.plan.devices), time.perf_counter() - started,
              asdict(build.report))
     return build.runner, build.report, time.perf_counter() - started
-
-
-def weights_per_gpu() -> dict[str, float]:
-    """MiB torch holds on each of this rank's GPUs right after loading, before any job or warm-up: the
-    weights (the GPU panel's "our weights"; keyed cuda:0.. as this process numbers its GPUs)."""
-    return {f"cuda:{i}": round(torch.cuda.memory_allocated(i) / 1024**2, 1)
-            for i in range(torch.cuda.device_count())}
 
 
 def cap_memory(caps: tuple[int, ...]) -> None:

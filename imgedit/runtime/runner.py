@@ -30,6 +30,7 @@ from imgedit.runtime import enhance
 from imgedit.runtime.adapters import Adapters
 from imgedit.runtime.group import ParallelGroup, agree_to_stop
 from imgedit.runtime.messages import Job
+from imgedit.runtime.turbo import Turbo
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,8 @@ class Runner:
     def _new_call(self, job: Job) -> Call:
         if self.adapters is None and (job.params.adapters or job.params.scheduler != "default"):
             raise ImgEditError("this worker has no LoRAs loaded")
+        if job.params.scheduler == "turbo" and self.part(Turbo) is None:  # the server refuses it first
+            raise ImgEditError("this worker has no Turbo transformer loaded (TURBO_MODEL_DIR)")
         call = Call(job, cfg_on(job), may_split(job))
         family = FAMILIES[job.family]
         # Qwen-Image-2.1: inputs resized to the output's area (1024² unless sized)

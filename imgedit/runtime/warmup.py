@@ -165,20 +165,26 @@ def _warmup_jobs(runner, spec: WorkerSpec, width: int, height: int, name: str, p
 def warm_up_21(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
     """Qwen-Image-2.1's warm-up (runtime.compile21.warmup_requests): one reference at the first size (the one
     compile: prefix and target lengths are symbolic from it), then no reference, another prompt length and the
-    second size (compiles nothing), then two images per prompt (a batch above 1 is a graph of its own)."""
+    second size (compiles nothing), then two images per prompt (a batch above 1 is a graph of its own); with
+    TURBO_MODEL_DIR, a Turbo job at the first size (its blocks run the same compiled code, its weights are
+    graph inputs: nothing compiles again, its kernels load)."""
     sizes = spec.warmup_sizes or ((1024, 1024),)
     runs = compile21.warmup_requests(max_images_per_prompt=2, sizes=sizes)
+    if spec.turbo is not None:  # TURBO_MODEL_DIR: its blocks compiled too, warmed at the first size
+        runs.append(dict(runs[0], num_inference_steps=spec.turbo.steps, scheduler="turbo"))
     seconds = []
     for k, run in enumerate(runs, 1):
         width, height = run["width"], run["height"]
-        say(f"compiling: warm-up {k} of {len(runs)} ({run['images']} reference(s) at {width}x{height})")
+        what = "Turbo, " if run.get("scheduler") == "turbo" else ""
+        say(f"compiling: warm-up {k} of {len(runs)} ({what}{run['images']} reference(s) at {width}x{height})")
         started = time.perf_counter()
         images = tuple(Image.new("RGB", (width, height), (120, 130, 140)) for _ in range(run["images"]))
         prompt = " ".join([WARMUP_PROMPT] * max(1, run["words"] // 2))
         req = EditRequest(images=images, prompt=prompt, request_id=f"warmup-21-{k}", source="warmup")
         job = Job(req, Resolved(steps=run["num_inference_steps"], negative_prompt=" ", seed=0,
                                 num_images=run["num_images_per_prompt"], width=width, height=height,
-                                true_cfg_scale=1.0), spec.checkpoint.family)
+                                true_cfg_scale=1.0, scheduler=run.get("scheduler", "default")),
+                  spec.checkpoint.family)
         runner.run(job, threading.Event())
         seconds.append(round(time.perf_counter() - started, 2))
     return seconds

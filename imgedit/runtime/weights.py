@@ -93,3 +93,10 @@ def keep_block_hooks(model: torch.nn.Module) -> int:
             remove_hook_from_submodules(child)
             dropped += before
     return dropped
+
+
+def weights_per_gpu() -> dict[str, float]:
+    """MiB torch holds on each of this rank's GPUs right after loading, before any job or warm-up: the
+    weights (the GPU panel's "our weights"; keyed cuda:0.. as this process numbers its GPUs)."""
+    return {f"cuda:{i}": round(torch.cuda.memory_allocated(i) / 1024**2, 1)
+            for i in range(torch.cuda.device_count())}

@@ -1,6 +1,7 @@
 """The page's speed and LoRA controls: "Speed" (quality / fast / fastest), shown only when a Lightning
-LoRA for that speed is configured, a LoRA picker with a strength, shown only when LoRAs are, and the
-step cache for quality edits, shown only when the workers can run one.
+LoRA for that speed is configured (Qwen-Image-2.1: both when TURBO_MODEL_DIR is set), a LoRA picker with a
+strength, shown only when LoRAs are, and the step cache for quality edits, shown only when the workers can
+run one.
 
 The values go to the /edit event as `speed`, `lora`, `lora_scale`, `cache`, the same names REST takes.
 """
@@ -16,6 +17,7 @@ from imgedit.config.settings import Settings
 from imgedit.engine.validation import CACHES
 from imgedit.errors import InvalidInput
 from imgedit.planning.modes import fast_steps
+from imgedit.planning.turbo import open_turbo
 from imgedit.protocol import param
 
 SPEEDS_SHOWN = {"quality": ("Quality", "the model's steps, CFG on"), "fast": ("Fast", "Lightning, 8 steps"),
@@ -29,8 +31,13 @@ CACHE_LABELS = {"none": "None (the exact image)",
 
 def speed_choices(settings: Settings) -> list[tuple[str, str]]:
     """Quality, plus each Lightning speed whose LoRA is configured; a speed that runs on FAST_QUANTIZE's copy
-    says so (its images are not the bf16 weights' images)."""
+    says so (its images are not the bf16 weights' images). With TURBO_MODEL_DIR (start-up took it for
+    Qwen-Image-2.1 only) both speeds, each running the Turbo's steps."""
 
+    if settings.turbo_model_dir:  # Qwen-Image-2.1-Turbo: both speeds run its own schedule
+        runs = f"Qwen-Image-2.1-Turbo, {open_turbo(settings.turbo_model_dir).steps} steps"
+        return [(f"{SPEEDS_SHOWN['quality'][0]} (the model's steps)", "quality"),
+                *((f"{SPEEDS_SHOWN[speed][0]} ({runs})", speed) for speed in ("fast", "fastest"))]
     quantized = fast_steps(settings)
     choices = []
     for speed, steps in SPEEDS.items():
@@ -71,7 +78,8 @@ def build_speed_controls(settings: Settings) -> dict[str, gr.components.Componen
     """The speed, lora and lora_scale controls, by their declared names (imgedit.protocol.PARAMETERS)."""
     choices = speed_choices(settings)
     speed = gr.Radio(choices, value="quality", label="Speed", elem_id="speed", visible=len(choices) > 1,
-                     info="Lightning presets set their own steps and turn CFG off")
+                     info=("Turbo" if settings.turbo_model_dir else "Lightning")
+                     + " presets set their own steps and turn CFG off")
     has_loras = bool(settings.lora_entries)
     with gr.Row(visible=has_loras):
         lora = gr.Dropdown(lora_choices(settings), value=NO_LORA, label="LoRA", elem_id="lora")
