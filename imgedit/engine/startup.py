@@ -39,8 +39,8 @@ def family_settings(settings: Settings, family: str) -> Settings:
     if settings.compile == "auto" and family == "21" and settings.max_memory:
         # its compiled steps (runtime.compile21) are measured on whole GPUs only; under a cap its prefix cache
         # goes off for the jobs it would not fit, and those run eager anyway
-        log.info("COMPILE=auto: off for %s under MAX_MEMORY (its compiled steps are not measured under a cap)",
-                 FAMILIES[family].model)
+        log.info("COMPILE=auto: off for %s under MAX_MEMORY (its compiled steps are not measured under a "
+                 "cap)", FAMILIES[family].model)
         settings = replace(settings, compile="off")
     return settings
 
