@@ -411,6 +411,8 @@ class WorkerStatus:
     fallbacks: tuple[str, ...] = ()
     # what a job gives up where MAX_MEMORY leaves no room (imgedit.runtime.worker)
     under_cap: tuple[str, ...] = ()
+    features: tuple[str, ...] = ()  # the optimisations and modes it installed (imgedit.runtime.features)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds of each start-up phase (runtime.phases)
     job_client: str | None = None  # who asked for the running job (imgedit.web.identity's owner); never shown
 
     def __post_init__(self):

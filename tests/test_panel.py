@@ -260,9 +260,14 @@ def test_what_a_capped_worker_gives_up_per_job_reaches_the_status_and_the_panel(
     manager = make_manager(plus_ckpt, plan=plan, load=False).prepare()
     gives_up = ["VAE decode in tiles for a job whose whole decode would not fit"]
     vae = {"dtype": "bfloat16", "quantization": "none", "location": "GPU 0"}
-    manager.workers[0]._handle(Ready(0, 10, 1.0, StartupReport(components={"vae": vae}, under_cap=gives_up)))
+    report = StartupReport(components={"vae": vae}, under_cap=gives_up, features=["pixels on the GPU", "compile"],
+                           phases={"place": 0.0, "load": 1.8, "warm": 74.3})
+    manager.workers[0]._handle(Ready(0, 10, 1.0, report))
     worker = manager.status().workers[0]
-    assert worker.under_cap == tuple(gives_up)
+    assert worker.under_cap == tuple(gives_up) and worker.features == ("pixels on the GPU", "compile")
+    assert worker.phases == {"place": 0.0, "load": 1.8, "warm": 74.3}
     mon, _ = one_gpu_busy()
     html = panel_html(snapshot(mon, manager.status()))
     assert "under the memory cap: VAE decode in tiles for a job whose whole decode would not fit" in html
+    # the worker's optimisations and its start-up phases (runtime.features, runtime.phases)
+    assert "features: pixels on the GPU, compile; start-up: place 0.0 s, load 1.8 s, warm 74.3 s" in html

@@ -376,7 +376,8 @@ class WorkerHandle:
             return {}
         return dict(compiled=r.compiled, encode_cache=r.encode_cache, attention=r.attention,
                     components=r.components, fast_weights=r.fast_weights, turbo=r.turbo,
-                    cpu_threads=r.cpu_threads, fallbacks=tuple(r.fallbacks), under_cap=tuple(r.under_cap))
+                    cpu_threads=r.cpu_threads, fallbacks=tuple(r.fallbacks), under_cap=tuple(r.under_cap),
+                    features=tuple(r.features), phases=dict(r.phases))
 
 
 def wait_result(handle: WorkerHandle, events: queue.Queue, cancel: threading.Event,

@@ -267,6 +267,11 @@ def panel_html(data: dict) -> str:
                 line += f'; {int(w["cpu_threads"])} CPU threads'
             if w.get("under_cap"):
                 line += "; under the memory cap: " + ", ".join(w["under_cap"])
+            if w.get("features"):
+                line += "; features: " + ", ".join(w["features"])
+            if w.get("phases"):
+                phases = w["phases"].items()
+                line += "; start-up: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases)
             parts.append(f'<small class="gp-foot worker-weights">{escape(w["name"])} weights: '
                          f'{escape(line)}</small>')
     if line := defaults_line(data.get("family"), data.get("defaults")):
