@@ -113,8 +113,12 @@ class Adapters:
             copy = self.fast.for_job(adapters, self.adapter_names, scheduler, cache, cfg)
         self._transformer(copy if copy is not None else self.base)
         self.weights = self.fast.mode if copy is not None else None  # the job's result says so (the PNG too)
-        if copy is not None:
-            return
+        if copy is None:
+            self._on_base(adapters)
+
+    def _on_base(self, adapters: tuple[tuple[str, float], ...]) -> None:
+        """A job on the quality weights: its lone LoRA fused where FUSE_LORA can, else peft's layers on with
+        exactly its adapters and strengths, or off."""
         one = self.adapter_names[adapters[0][0]] if len(adapters) == 1 else None
         fused = one is not None and self.fusion is not None and self.fusion.can_fuse(one)
         if self.fusion is not None and not fused:
