@@ -42,33 +42,37 @@ class ParallelGroup:
         self.cfg_pair = None
         self.switch = None  # a CFG pair's Ulysses-2 for CFG-off jobs (PAIR_ULYSSES)
         self._copies: list = []  # the UlyssesSwitch of each FAST_QUANTIZE copy, set as the above
-        degree = ulysses if ulysses > 1 else 2 if cfg == 2 and pair_ulysses else 1
-        heads = transformer.config.num_attention_heads
-        if heads % degree:
-            raise ImgEditError(
-                "PAIR_ULYSSES=on splits CFG-off jobs' attention heads over the pair's 2 GPUs, "
-                f"but this transformer has {heads} heads; set PAIR_ULYSSES=auto (off for it) or off"
-                if ulysses == 1 else
-                f"Ulysses-{degree} splits the attention heads over {degree} GPUs, "
-                f"but this transformer has {heads} heads; use a group whose halves divide {heads}")
+        degree = split_degree(cfg, ulysses, pair_ulysses)
+        check_heads(transformer.config.num_attention_heads, degree, ulysses)
+        device_type = "cuda" if cuda else "cpu"
+        # the process groups are made in this order on every rank (torch.distributed.new_group is collective)
         if degree == 2 and ulysses == 1:  # before the pair's override: that stays the outermost forward
-            self.switch = UlyssesSwitch(transformer, rank, "cuda" if cuda else "cpu")
+            self.switch = UlyssesSwitch(transformer, rank, device_type)
         if ulysses > 1:
-            gloo = "gloo" if cuda else None
-            halves = {c: dist.new_group(self.layout.half(c), backend=gloo) for c in range(cfg)}
-            self.first_half_cpu = halves[0]
-            enable_ulysses(transformer, self.layout, "cuda" if cuda else "cpu")
+            self.first_half_cpu = self._halves(cfg, cuda)
+            enable_ulysses(transformer, self.layout, device_type)
         if cfg == 2:
-            peers = {}
-            if ulysses > 1:
-                peers = {u: dist.new_group(self.layout.exchange_peers(u)) for u in range(ulysses)}
-            self.cfg_pair = CfgPair(transformer, self.layout.cfg_index, peers.get(self.layout.ulysses_index))
+            self.cfg_pair = self._cfg_pair(transformer, ulysses)
         if copies and (cfg != 2 or ulysses != 1):  # planning.modes.fast_refusal refuses these first
             raise ImgEditError("FAST_QUANTIZE's copies run on workers of one GPU or on CFG pairs")
         if self.switch is not None:
             # the quality transformer's mesh: the same NCCL communicators (one job runs at a time)
-            self._copies = [UlyssesSwitch(copy, rank, "cuda" if cuda else "cpu", self.switch.mesh)
-                            for copy in copies]
+            self._copies = [UlyssesSwitch(copy, rank, device_type, self.switch.mesh) for copy in copies]
+
+    def _halves(self, cfg: int, cuda: bool):
+        """A CPU group for each half of a group with Ulysses inside its halves (made on every rank); returns
+        the first half's, whose ranks agree on cancel when only they run a job."""
+        gloo = "gloo" if cuda else None
+        halves = {c: dist.new_group(self.layout.half(c), backend=gloo) for c in range(cfg)}
+        return halves[0]
+
+    def _cfg_pair(self, transformer, ulysses: int) -> CfgPair:
+        """This rank's CFG branch; with Ulysses inside each half, the exchange with the other half's rank at
+        the same place."""
+        peers = {}
+        if ulysses > 1:
+            peers = {u: dist.new_group(self.layout.exchange_peers(u)) for u in range(ulysses)}
+        return CfgPair(transformer, self.layout.cfg_index, peers.get(self.layout.ulysses_index))
 
     @property
     def splits_cfg_off(self) -> bool:
@@ -119,6 +123,25 @@ class ParallelGroup:
         for switch in (self.switch, *self._copies):
             if switch is not None:
                 switch.set(False)
+
+
+def split_degree(cfg: int, ulysses: int, pair_ulysses: bool) -> int:
+    """The ranks that split each forward's sequence: a Ulysses group's (or half's), or a CFG pair's two for
+    CFG-off jobs (PAIR_ULYSSES); 1 where nothing is split."""
+    if ulysses > 1:
+        return ulysses
+    return 2 if cfg == 2 and pair_ulysses else 1
+
+
+def check_heads(heads: int, degree: int, ulysses: int) -> None:
+    """Ulysses splits the attention heads: a degree that does not divide them is refused with the setting."""
+    if heads % degree == 0:
+        return
+    if ulysses == 1:
+        raise ImgEditError("PAIR_ULYSSES=on splits CFG-off jobs' attention heads over the pair's 2 GPUs, but "
+                           f"this transformer has {heads} heads; set PAIR_ULYSSES=auto (off for it) or off")
+    raise ImgEditError(f"Ulysses-{degree} splits the attention heads over {degree} GPUs, "
+                       f"but this transformer has {heads} heads; use a group whose halves divide {heads}")
 
 
 # ---- the process groups every parallel group uses (a worker's, made once per process) ----

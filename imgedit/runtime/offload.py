@@ -136,23 +136,31 @@ def load_component(name: str, checkpoint, placement: Placement, dtype: torch.dty
         # streamed parts go to the CPU when the offload hooks are set up (below)
     else:
         model = weights.load_component(name, checkpoint, Placement("cpu"), dtype).eval().requires_grad_(False)
-        work = placement.device  # fp8 is made on the GPU (torchao checks the capability there)
-        for part, device in _parts(model, placement):
-            offloaded = streamed and (not streams_blocks or not _is_resident(model, part, memory))
-            home = "cpu" if offloaded else device
-            moved = _move(model, part, work if mode != "none" else home)
-            if moved is not None and mode != "none":
-                quantize_module(moved, mode, skip, prefix=part + ".")
-            if moved is not None and home != work:
-                moved.to(home)
-        if placement.is_split:
-            dispatch_model(model, device_map=weights.module_device_map(model, placement))
+        _place_parts(model, placement, memory, mode, skip, streamed, streams_blocks)
     if streamed:
         started = time.perf_counter()
         stream(model, placement.device, memory if streams_blocks else None)
         log.info("%s: streaming set up in %.1fs (weights to pinned CPU memory)", name,
                  time.perf_counter() - started)
     return model
+
+
+def _place_parts(model: torch.nn.Module, placement: Placement, memory: MemoryMode, mode: str, skip: tuple,
+                 streamed: bool, streams_blocks: bool) -> None:
+    """A component loaded on the CPU, part by part onto its planned device (quantized there first), the
+    streamed parts back to the CPU: never more than its quantized size plus one part in the model dtype on a
+    GPU."""
+    work = placement.device  # fp8 is made on the GPU (torchao checks the capability there)
+    for part, device in _parts(model, placement):
+        offloaded = streamed and (not streams_blocks or not _is_resident(model, part, memory))
+        home = "cpu" if offloaded else device
+        moved = _move(model, part, work if mode != "none" else home)
+        if moved is not None and mode != "none":
+            quantize_module(moved, mode, skip, prefix=part + ".")
+        if moved is not None and home != work:
+            moved.to(home)
+    if placement.is_split:
+        dispatch_model(model, device_map=weights.module_device_map(model, placement))
 
 
 def _is_resident(model: torch.nn.Module, part: str, memory: MemoryMode) -> bool:
@@ -341,33 +349,34 @@ def _where(device: str) -> str:
 
 def describe(pipe, memory: MemoryMode | None) -> dict[str, dict]:
     """Each component's dtype, quantization and where its weights are now (read from the tensors)."""
-    out = {}
-    for name in ("transformer", "text_encoder", "vae"):
-        model = getattr(pipe, name)
-        where: Counter = Counter()
-        dtypes: Counter = Counter()
-        linear = quantized = 0
-        kinds: Counter = Counter()
-        for module in model.modules():
-            if isinstance(module, torch.nn.Linear):
-                linear += 1
-                if _kind(module.weight):
-                    quantized += 1
-                    kinds[_kind(module.weight)] += 1
-        for p in model.parameters():
-            where[str(p.device)] += _nbytes(p)
-            if not _kind(p):
-                dtypes[str(p.dtype).replace("torch.", "")] += p.numel()
-        mode = memory.mode_of(name) if memory is not None else "none"
-        streamed = memory is not None and ((name == "text_encoder" and memory.offload_text_encoder)
-                                           or (name == "transformer" and memory.streams_blocks))
-        locations = ", ".join(f"{_where(d)} {n / GIB:.2f} GiB" for d, n in sorted(where.items()))
-        out[name] = {
-            "dtype": dtypes.most_common(1)[0][0] if dtypes else "",
-            "quantization": (f"{mode}: {quantized} of {linear} Linear layers ({', '.join(kinds)})"
-                             if quantized else "none"),
-            "location": locations + (" (streamed to the GPU when it runs)" if streamed else ""),
-            "bytes": {d: n for d, n in where.items()},
-        }
-    return out
+    return {name: _describe(name, getattr(pipe, name), memory)
+            for name in ("transformer", "text_encoder", "vae")}
+
+
+def _describe(name: str, model: torch.nn.Module, memory: MemoryMode | None) -> dict:
+    where: Counter = Counter()
+    dtypes: Counter = Counter()
+    linear = quantized = 0
+    kinds: Counter = Counter()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            linear += 1
+            if _kind(module.weight):
+                quantized += 1
+                kinds[_kind(module.weight)] += 1
+    for p in model.parameters():
+        where[str(p.device)] += _nbytes(p)
+        if not _kind(p):
+            dtypes[str(p.dtype).replace("torch.", "")] += p.numel()
+    mode = memory.mode_of(name) if memory is not None else "none"
+    streamed = memory is not None and ((name == "text_encoder" and memory.offload_text_encoder)
+                                       or (name == "transformer" and memory.streams_blocks))
+    locations = ", ".join(f"{_where(d)} {n / GIB:.2f} GiB" for d, n in sorted(where.items()))
+    return {
+        "dtype": dtypes.most_common(1)[0][0] if dtypes else "",
+        "quantization": (f"{mode}: {quantized} of {linear} Linear layers ({', '.join(kinds)})"
+                         if quantized else "none"),
+        "location": locations + (" (streamed to the GPU when it runs)" if streamed else ""),
+        "bytes": dict(where),
+    }
 
