@@ -2,7 +2,7 @@
 
 `python app.py --demo` builds (once, cached) and serves the tiny random-weight demo checkpoint.
 This process is the server: it never imports torch and never holds a CUDA context; the worker
-processes it starts own the GPUs (imgedit/engine/pool.py, imgedit/runtime/worker.py).
+processes it starts own the GPUs (imgedit/engine/workers/pool.py, imgedit/runtime/worker.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dotenv import load_dotenv
 
 from imgedit.config.parsers import DeviceMap
 from imgedit.config.settings import load_settings, writable_folder
-from imgedit.engine.gpus import discover_gpus
+from imgedit.engine.workers.gpus import discover_gpus
 from imgedit.errors import ImgEditError, SettingsError
 from imgedit.planning.families import FAMILIES
 from imgedit.web.starting import StartingServer
@@ -76,8 +76,8 @@ def _start(args, settings, starting, log) -> int:
     # import (about 2 s) comes after the port is answered and the settings are known to be good.
     # The server process never imports torch nor touches CUDA (GPUs are read through NVML); the
     # worker processes own the GPUs.
-    from imgedit.engine.inspection import ensure_demo_checkpoint
     from imgedit.engine.manager import PipelineManager
+    from imgedit.engine.workers.inspection import ensure_demo_checkpoint
     from imgedit.web.app import build_app, serve
 
     no_model_chosen = not settings.qwen_model_dir and "QWEN_MODEL" not in os.environ

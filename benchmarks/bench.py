@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from PIL import Image, ImageStat  # noqa: E402
 
 from imgedit.config.settings import load_settings  # noqa: E402
-from imgedit.engine.gpus import GpuMonitor  # noqa: E402
 from imgedit.engine.manager import PipelineManager  # noqa: E402
+from imgedit.engine.workers.gpus import GpuMonitor  # noqa: E402
 from imgedit.model.demo_checkpoint import build_checkpoint  # noqa: E402
 from imgedit.protocol import EditRequest  # noqa: E402
 

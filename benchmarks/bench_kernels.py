@@ -34,8 +34,8 @@ from bench import (  # noqa: E402
     write_results,
 )
 
-from imgedit.engine.gpus import GpuMonitor  # noqa: E402
 from imgedit.engine.manager import PipelineManager  # noqa: E402
+from imgedit.engine.workers.gpus import GpuMonitor  # noqa: E402
 
 log = logging.getLogger("bench_kernels")
 # name -> settings: every route of #24 item 4 (PyTorch's own kernels; nothing is downloaded)

@@ -42,8 +42,8 @@ import numpy as np  # noqa: E402
 from bench import StepClock, contrast, finite_check, peak_sampler, reference_image, request  # noqa: E402
 
 from imgedit.config.settings import load_settings  # noqa: E402
-from imgedit.engine.gpus import GpuMonitor  # noqa: E402
 from imgedit.engine.manager import PipelineManager  # noqa: E402
+from imgedit.engine.workers.gpus import GpuMonitor  # noqa: E402
 from imgedit.model.demo_checkpoint import build_checkpoint  # noqa: E402
 
 log = logging.getLogger("bench_quant")

@@ -15,7 +15,7 @@ case for PNG; a photo compresses better and writes faster.
 
 `--page` times the server's work for a page edit's result after the job (one 1024x1024 result, a noise image and a
 photo-like one): the Gallery and the before/after ImageSlider handed PIL images (Gradio writes a PNG at zlib
-level 6 for each, and the history wrote its own), against the app's way (imgedit.web.tools.page_files: one PNG at
+level 6 for each, and the history wrote its own), against the app's way (imgedit.web.page.tools.page_files: one PNG at
 level 1 for the gallery, the slider's "after" and the history, one more for "before").
 """
 
@@ -58,7 +58,7 @@ def page() -> dict:
     from PIL import Image
 
     from imgedit.engine.images import png_bytes
-    from imgedit.web.tools import compare_pair, page_files
+    from imgedit.web.page.tools import compare_pair, page_files
 
     rng = np.random.default_rng(0)
     smooth = np.asarray(reference_image(1024), dtype=np.float32)

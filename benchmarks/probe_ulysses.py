@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     args = parser.parse_args()
-    from imgedit.engine.pool import free_port
+    from imgedit.engine.workers.pool import free_port
 
     port = free_port()
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/inductor-probe")

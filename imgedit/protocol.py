@@ -27,8 +27,8 @@ def new_request_id() -> str:
 # Where a parameter is taken: the page and the gradio `/edit` API ("edit"), OpenAI-style REST
 # (/v1/images/edits: "rest"), the jobs API (/v1/jobs: "jobs"), the page's Batch tab and gradio `/batch`
 # ("batch": every item of a batch runs with them). REST and the jobs API parse their form fields by the
-# declaration (imgedit.web.rest_requests.form_fields), `/edit`'s and `/batch`'s parameters and the page's
-# controls follow its order (imgedit.web.requests), and docs/PARAMETERS.md is generated from it
+# declaration (imgedit.web.api.rest_requests.form_fields), `/edit`'s and `/batch`'s parameters and the page's
+# controls follow its order (imgedit.web.page.requests), and docs/PARAMETERS.md is generated from it
 # (tests/test_parameters.py).
 EDIT, REST, JOBS, BATCH = "edit", "rest", "jobs", "batch"
 EVERYWHERE = frozenset((EDIT, REST, JOBS, BATCH))
@@ -69,7 +69,7 @@ class Param:
     low_open: bool = False
     unit: str = ""
     why: str = ""
-    # "Copy as API call" (imgedit.web.snippets): `always`: written whatever the form says (the call then
+    # "Copy as API call" (imgedit.web.page.snippets): `always`: written whatever the form says (the call then
     # repeats the edit), else only when set (not empty, not its default); `beside`: written only beside that
     # parameter (a LoRA's strength beside the LoRA, the mask's settings beside the mask); `unless`: left out
     # of a REST call where that switch is on (the seed where randomize_seed is ticked); `openai`: one of
@@ -318,7 +318,7 @@ class JobRecord:
 
 
 class WorkerState(str, Enum):
-    """Where a worker is in its life. Written only by its handle (imgedit.engine.pool: its pump thread as the
+    """Where a worker is in its life. Written only by its handle (engine.workers.pool: its pump thread as the
     processes report, `claim()`/`release()` for the manager's line); a str, so /health and the panel read the
     value."""
 
@@ -347,7 +347,7 @@ class WorkerState(str, Enum):
 
 class ItemState(str, Enum):
     """Where one item of a job (a batch, or a /v1/jobs input set) is. A str: the jobs API, the Batch tab and
-    the records on disk (imgedit.engine.job_records) read and write the value."""
+    the records on disk (imgedit.engine.jobs.records) read and write the value."""
 
     QUEUED = "queued"
     RUNNING = "running"
@@ -363,7 +363,7 @@ class ItemState(str, Enum):
 
 
 class JobState(str, Enum):
-    """A job's state, made from its items' (imgedit.engine.job_records.job_state)."""
+    """A job's state, made from its items' (imgedit.engine.jobs.records.job_state)."""
 
     QUEUED = "queued"
     RUNNING = "running"

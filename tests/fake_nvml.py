@@ -1,4 +1,4 @@
-"""Made-up GPUs behind the pynvml calls imgedit.engine.gpus makes (the lowest seam of the GPU readings):
+"""Made-up GPUs behind the pynvml calls imgedit.engine.workers.gpus makes (the lowest seam of the GPU readings):
 the panel's arithmetic and rendering are tested on a machine without GPUs."""
 
 from __future__ import annotations

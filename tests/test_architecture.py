@@ -37,8 +37,8 @@ ALLOWED = {
 # The engine's only ways into the runtime: the typed messages, and the worker process's entry point
 # (imported inside the function the child process runs, never at the server's import time).
 BOUNDARY = {"imgedit.runtime.messages"}
-CHILD_ENTRIES = {("imgedit.engine.processes", "imgedit.runtime.worker"),
-                 ("imgedit.engine.ray_pool", "imgedit.runtime.worker")}
+CHILD_ENTRIES = {("imgedit.engine.workers.processes", "imgedit.runtime.worker"),
+                 ("imgedit.engine.workers.ray_pool", "imgedit.runtime.worker")}
 TOP_LEVEL_MAX = 6
 LINES_MAX = 400
 LINES_HARD = 600
@@ -139,6 +139,18 @@ def test_imports_run_down_the_layers_only():
                 wrong.append(f"{module} -> {target}")
     assert wrong == [], "imports against the layers:\n  " + "\n  ".join(wrong)
 
+
+
+# Sibling folders of one package that never import each other: the page and REST share the engine, not code.
+APART = [("imgedit.web.page", "imgedit.web.api")]
+
+
+def test_sibling_folders_stay_apart():
+    wrong = []
+    for module, deps in graph().items():
+        for a, b in APART + [(b, a) for a, b in APART]:
+            wrong += [f"{module} -> {t}" for t, _ in deps if module.startswith(a + ".") and t.startswith(b + ".")]
+    assert wrong == [], "imports between folders kept apart:\n  " + "\n  ".join(wrong)
 
 def test_base_modules_import_only_each_other():
     for module in ("imgedit.errors", "imgedit.protocol"):

@@ -88,7 +88,7 @@ class UploadWatch:
         """Whether a file uploaded after `since` (time.time()) is a paint layer: a PNG partly transparent and
         partly not (the background and the composite are opaque; an unpainted layer is transparent).
         Playwright gives no body for these uploads, so the server's upload folder is read."""
-        from imgedit.web.uploads import upload_folder
+        from imgedit.web.page.uploads import upload_folder
 
         for path in Path(upload_folder()).rglob("*.png"):
             try:
@@ -177,7 +177,7 @@ def test_bad_upload_shows_a_clear_message(browser, server, manager, tmp_path):
 
 
 def test_too_many_images_and_out_of_range_values_get_our_message(browser, server, manager, photos, capfd, caplog):
-    caplog.set_level(logging.INFO, logger="imgedit.web.tools")
+    caplog.set_level(logging.INFO, logger="imgedit.web.page.tools")
     before = jobs_done(manager)
     page = open_page(browser, server)
     page.evaluate("""() => { window.inputErrors = []; new MutationObserver(() => {
@@ -437,7 +437,7 @@ def test_paint_a_mask_and_only_that_area_changes(browser, server, manager, photo
     result = Image.open(saved)
     # The mask the page made of the stroke (a file in this server's upload cache), named by the PNG's hash.
     from imgedit.engine.masks import mask_digest
-    from imgedit.web.uploads import upload_folder
+    from imgedit.web.page.uploads import upload_folder
 
     files = Path(upload_folder()).glob("imgedit-masks/*.png")
     masks = {f"sha256:{mask_digest(Image.open(p))}": Image.open(p) for p in files}

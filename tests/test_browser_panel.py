@@ -12,10 +12,10 @@ import pytest
 from conftest import ARTIFACTS, LiveServer, free_port, make_manager, open_app, start_server
 from fake_nvml import FakeGpu, FakeNvml
 
-from imgedit.engine.gpus import GpuMonitor, discover_gpus, snapshot
+from imgedit.engine.workers.gpus import GpuMonitor, discover_gpus, snapshot
 from imgedit.protocol import ManagerStatus, WorkerStatus
 from imgedit.web.app import build_app
-from imgedit.web.panel import PLOT_H, panel_html
+from imgedit.web.page.panel import PLOT_H, panel_html
 
 pytestmark = pytest.mark.browser
 VIEWPORTS = {"desktop": {"width": 1400, "height": 1000}, "phone": {"width": 390, "height": 844}}

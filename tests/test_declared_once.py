@@ -36,7 +36,7 @@ from imgedit.errors import InvalidInput
 from imgedit.protocol import EVERYWHERE, EditRequest, Param
 from imgedit.protocol import declared as declare
 from imgedit.web.identity import COOKIE
-from imgedit.web.requests import edit_fields
+from imgedit.web.page.requests import edit_fields
 
 NOTE = Param("note", "text", "a test-only note, kept with the result", takes=EVERYWHERE, default="", png=True,
              restore=True)
@@ -127,7 +127,7 @@ def test_the_page_has_a_control_for_it_and_restores_it(server, manager):
     assert controls[0]["props"]["label"] == "Note" and NOTE.help in controls[0]["props"]["info"]
 
     from imgedit.engine.images import restorable
-    from imgedit.web.tools import PageTools
+    from imgedit.web.page.tools import PageTools
 
     assert restorable()["note"] is str
     tools = PageTools(manager.settings, manager.family, 2)
@@ -137,7 +137,7 @@ def test_the_page_has_a_control_for_it_and_restores_it(server, manager):
 
 
 def test_the_snippets_send_it_and_leave_it_out_at_its_default(declared):
-    from imgedit.web.snippets import api_values, curl_snippet, gradio_snippet, input_files, openai_snippet
+    from imgedit.web.page.snippets import api_values, curl_snippet, gradio_snippet, input_files, openai_snippet
 
     form = {"prompt": "make it red", "seed": 3, "randomize_seed": False, "note": "kept by a snippet"}
     defaults = {"num_inference_steps": 2, "true_cfg_scale": 4.0}

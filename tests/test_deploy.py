@@ -34,7 +34,7 @@ GPU = "nvidia.com/gpu"
 def test_app_port_and_health_route_are_what_the_deploy_files_assume():
     defaults = {var.name: var.default for var in REGISTRY}
     assert defaults["GRADIO_SERVER_PORT"] == str(PORT)
-    assert '@router.get("/health")' in (ROOT / "imgedit/web/rest.py").read_text(encoding="utf-8")
+    assert '@router.get("/health")' in (ROOT / "imgedit/web/api/rest.py").read_text(encoding="utf-8")
 
 
 # ---------------------------------------------------------------- docker-compose.yml

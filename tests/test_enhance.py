@@ -74,7 +74,7 @@ def test_an_enhanced_edit_runs_the_rewrite_and_its_png_keeps_both_prompts(plus_m
     assert kept.prompt is None and "came back empty" in kept.notice
     assert kept.images[0].info["prompt"] == "x [rewrite-empty]"
     # History stores the prompt used and the user's words (the History tab shows both).
-    from imgedit.engine.history import HistoryStore
+    from imgedit.engine.jobs.history import HistoryStore
 
     store = HistoryStore(tmp_path / "history")
     entry = store.save("someone", "job", 0, EditRequest(images=(photo(),), prompt=ASKED), enhanced)

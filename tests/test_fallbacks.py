@@ -15,9 +15,9 @@ from conftest import _MANAGERS, cfg_plan, cpu_plan, free_port, start_server
 from PIL import Image
 
 from imgedit.config.settings import load_settings
-from imgedit.engine.gpus import GpuMonitor
 from imgedit.engine.manager import PipelineManager
-from imgedit.engine.pool import WorkerHandle
+from imgedit.engine.workers.gpus import GpuMonitor
+from imgedit.engine.workers.pool import WorkerHandle
 from imgedit.model.lora_random import random_lora
 from imgedit.model.loras import transformer_linears
 from imgedit.planning.checkpoint import MODEL_COMPONENTS
@@ -26,7 +26,7 @@ from imgedit.protocol import WorkerState
 from imgedit.runtime import loader
 from imgedit.runtime.adapters import Adapters
 from imgedit.runtime.messages import Loading
-from imgedit.web.panel import banner_html, panel_html
+from imgedit.web.page.panel import banner_html, panel_html
 from imgedit.web.public import open_snapshot
 
 

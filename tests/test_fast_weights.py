@@ -17,7 +17,7 @@ from imgedit.planning import modes
 from imgedit.planning.plan import MemoryMode, Placement, WorkerPlan
 from imgedit.protocol import EditRequest
 from imgedit.runtime.fast_weights import FastWeights, copy_bytes
-from imgedit.web.panel import panel_html
+from imgedit.web.page.panel import panel_html
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +144,7 @@ def test_a_worker_process_serves_fast_jobs_on_the_copy_and_says_so(plus_ckpt, lo
     # the lossy copy is named where the image goes: the result, the PNG's settings (REST and the page show it)
     assert (fast.weights, eight.weights, quality.weights) == ("int8", None, None)
     assert fast.images[0].info["weights"] == "int8" and "weights" not in eight.images[0].info
-    from imgedit.web.speed import speed_choices
+    from imgedit.web.page.speed import speed_choices
 
     labels = dict((value, label) for label, value in speed_choices(manager.settings))
     assert labels["fastest"] == "Fastest (Lightning, 4 steps, int8 weights)"
@@ -157,7 +157,7 @@ def test_a_worker_process_serves_fast_jobs_on_the_copy_and_says_so(plus_ckpt, lo
     assert fastest.status_code == 200 and fastest.json()["weights"] == "int8"
     assert plain.status_code == 200 and "weights" not in plain.json()
     assert view["state"] == "succeeded" and view["items"][0]["weights"] == "int8", view  # /v1/jobs, from History
-    from imgedit.engine.gpus import GpuMonitor, snapshot
+    from imgedit.engine.workers.gpus import GpuMonitor, snapshot
 
     data = snapshot(GpuMonitor(), manager.status())
     assert data["fast_quantize"] == "int8" and data["workers"][0]["fast_weights"].startswith("int8: ")

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from conftest import ARTIFACTS, ConcurrencyProbe, decoder_outputs, make_manager, picture
 
-from imgedit.engine.gpus import GpuMonitor, discover_gpus, snapshot
+from imgedit.engine.workers.gpus import GpuMonitor, discover_gpus, snapshot
 from imgedit.errors import OutOfGpuMemory
 from imgedit.model.demo_checkpoint import build_checkpoint
 from imgedit.model.lora_random import random_lora
 from imgedit.model.loras import transformer_linears
 from imgedit.protocol import EditRequest
-from imgedit.web.panel import panel_html
+from imgedit.web.page.panel import panel_html
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,10 @@ from conftest import http, make_manager, picture, start_server
 from gradio_client import Client, handle_file
 from PIL import Image
 
-from imgedit.engine.history import HistoryStore
+from imgedit.engine.jobs.history import HistoryStore
 from imgedit.protocol import EditRequest
 from imgedit.web.identity import COOKIE
-from imgedit.web.requests import edit_fields
+from imgedit.web.page.requests import edit_fields
 
 FIELDS = {"prompt": "make it red", "size": "64x64", "num_inference_steps": "2", "seed": "7"}
 A = {"Authorization": "Bearer token-a"}
@@ -317,7 +317,7 @@ def test_history_exports_are_swept_not_left_one_folder_a_click(tmp_path):
     """#27 item 5: "pick" and "Open in the editor" hand Gradio a copy; 25 clicks once left 25 folders."""
     import os
 
-    from imgedit.web import exports
+    from imgedit.web.page import exports
 
     source = tmp_path / "out-0.png"
     picture().save(source)

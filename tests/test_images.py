@@ -162,7 +162,7 @@ def test_restore_offers_only_what_a_request_could_carry_and_skips_bulky_chunks(t
 
     from imgedit.config.settings import load_settings
     from imgedit.engine.images import read_settings, save_png, stamp
-    from imgedit.web.tools import PageTools
+    from imgedit.web.page.tools import PageTools
 
     ours = {"software": "imgedit 0.1.0", "prompt": "<b>make it red</b>", "seed": str(2**64 + 5),
             "true_cfg_scale": "nan", "num_inference_steps": "8", "width": "99999", "height": "512"}

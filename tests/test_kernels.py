@@ -15,7 +15,7 @@ from conftest import COMPONENTS, http, make_manager, picture, start_server
 from imgedit.errors import PlacementError
 from imgedit.planning.plan import MemoryMode, Placement, Plan, WorkerPlan
 from imgedit.protocol import EditRequest
-from imgedit.web.panel import panel_html
+from imgedit.web.page.panel import panel_html
 
 
 def request(**kw) -> EditRequest:

@@ -140,7 +140,7 @@ def test_a_bad_lora_stops_start_up_naming_the_file(plus_ckpt, bad_loras, file, s
 def test_a_checked_lora_file_is_checked_again_only_when_it_changes(plus_ckpt, linears, tmp_path, monkeypatch):
     """A restart with the same file starts no inspection subprocess; the same path rewritten is checked
     again (and refused when it is no LoRA now)."""
-    from imgedit.engine import inspection
+    from imgedit.engine.workers import inspection
 
     monkeypatch.setattr(inspection, "CACHE_DIR", tmp_path / "cache")
     runs = []
@@ -342,8 +342,8 @@ def test_jobs_with_different_loras_share_a_worker_without_leaking(lora_server):
     assert {lora["name"]: lora["lightning_steps"] for lora in health["loras"]} == {FOUR: 4, EIGHT: 8, "style": None}
     assert all(lora["rank"] == 4 for lora in health["loras"])
     assert [w["jobs_done"] for w in health["workers"]] == [7]  # one worker ran them all, one after another
-    from imgedit.engine.gpus import GpuMonitor, snapshot
-    from imgedit.web.panel import panel_html
+    from imgedit.engine.workers.gpus import GpuMonitor, snapshot
+    from imgedit.web.page.panel import panel_html
 
     assert f"LoRAs loaded: {FOUR} (Lightning 4-step), {EIGHT} (Lightning 8-step), style" in \
         panel_html(snapshot(GpuMonitor(), manager.status()))
@@ -379,7 +379,7 @@ def test_bad_lora_fields_get_specific_errors_and_cost_nothing(lora_server, tmp_p
 
 
 def test_page_shows_speed_and_lora_controls_only_when_configured(lora_dir):
-    from imgedit.web.speed import lora_choices, speed_choices
+    from imgedit.web.page.speed import lora_choices, speed_choices
 
     configured, bare = load_settings(env(lora_dir)), load_settings(env(lora_dir, LORA_DIR=""))
     assert [value for _, value in speed_choices(configured)] == ["quality", "fast", "fastest"]

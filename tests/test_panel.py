@@ -9,11 +9,11 @@ import pytest
 from conftest import make_manager
 from fake_nvml import FakeGpu, FakeNvml
 
-from imgedit.engine.gpus import GpuMonitor, GpuReading, MemoryHistory, _annotate, snapshot
+from imgedit.engine.workers.gpus import GpuMonitor, GpuReading, MemoryHistory, _annotate, snapshot
 from imgedit.planning.plan import Placement, Plan, WorkerPlan
 from imgedit.protocol import ManagerStatus, WorkerStatus
 from imgedit.runtime.messages import Ready, StartupReport
-from imgedit.web.panel import panel_html
+from imgedit.web.page.panel import panel_html
 
 
 def reading(i: int) -> GpuReading:

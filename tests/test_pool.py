@@ -5,8 +5,8 @@ its transports were split: the test moved there with the pipes)."""
 from __future__ import annotations
 
 from imgedit.config.parsers import GIB
-from imgedit.engine.pool import WorkerHandle, localize
-from imgedit.engine.processes import ProcessTransport
+from imgedit.engine.workers.pool import WorkerHandle, localize
+from imgedit.engine.workers.processes import ProcessTransport
 from imgedit.planning.plan import Placement, WorkerPlan
 
 COMPONENTS = ("transformer", "text_encoder", "vae")
@@ -35,7 +35,7 @@ def test_each_rank_of_a_pair_gets_one_gpu_and_its_cap():
 
 def test_the_cluster_plan_keeps_each_group_on_one_node(monkeypatch):
     from imgedit.config.settings import load_settings
-    from imgedit.engine import ray_pool
+    from imgedit.engine.workers import ray_pool
     from imgedit.planning.plan import ComponentSpec, GpuSpec
 
     gpus = {"aaa": [GpuSpec(i, "H200", 140 * GIB, 139 * GIB) for i in range(3)],

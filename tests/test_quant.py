@@ -14,8 +14,8 @@ from conftest import COMPONENTS, make_manager, picture
 
 from imgedit.config.parsers import GIB, parse_offload, parse_quantize
 from imgedit.config.settings import load_settings
-from imgedit.engine.gpus import GpuMonitor, snapshot
-from imgedit.engine.inspection import inspect_checkpoint
+from imgedit.engine.workers.gpus import GpuMonitor, snapshot
+from imgedit.engine.workers.inspection import inspect_checkpoint
 from imgedit.errors import InvalidInput, PlacementError, SettingsError
 from imgedit.model.demo_checkpoint import build_checkpoint
 from imgedit.planning.memory import (
@@ -29,7 +29,7 @@ from imgedit.planning.memory import (
 from imgedit.planning.plan import ComponentSpec, GpuSpec, Placement, Plan, WorkerPlan
 from imgedit.protocol import EditRequest
 from imgedit.runtime import loader, weights
-from imgedit.web.panel import panel_html
+from imgedit.web.page.panel import panel_html
 
 ADA, AMPERE = (8, 9), (8, 6)
 

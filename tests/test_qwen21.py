@@ -198,7 +198,7 @@ def test_the_real_size_checkpoint_is_the_published_model_and_a_16gb_card_gets_a_
     """`--size real --kind 21` writes the published configs (7.1 B transformer, Qwen3-VL-8B, the 16x VAE); on one
     80 GB GPU capped at 14.5 GiB (a 16 GB card) `auto` finds a lossless plan: the text encoder streamed per
     prompt, the transformer's blocks partly resident (the host's memory is the GPU machine's, 120 GiB free)."""
-    import imgedit.engine.startup as startup_module  # where start-up reads the host's memory
+    import imgedit.engine.workers.startup as startup_module  # where start-up reads the host's memory
     from imgedit.model.inspect import layer_sizes
     from imgedit.planning.plan import GpuSpec
 
@@ -217,7 +217,7 @@ def test_the_real_size_checkpoint_is_the_published_model_and_a_16gb_card_gets_a_
 
 def test_the_demo_can_serve_the_family(tmp_path):
     from imgedit.config.settings import load_settings
-    from imgedit.engine.inspection import ensure_demo_checkpoint
+    from imgedit.engine.workers.inspection import ensure_demo_checkpoint
     from imgedit.planning.checkpoint import open_checkpoint
 
     settings = load_settings({"DEMO": "true", "DEMO_KIND": "21", "DEMO_DIR": str(tmp_path / "demo")})
@@ -234,7 +234,7 @@ def test_copy_as_api_for_a_text_to_image_runs_as_copied(server21, manager21, tmp
     import sys
     from types import SimpleNamespace
 
-    from imgedit.web.tools import PageTools
+    from imgedit.web.page.tools import PageTools
 
     tools = PageTools(manager21.settings, "21", 40, manager21.prompt_tokens)
     form = {"images": None, "prompt": "a small boat", "negative_prompt": "", "seed": 6, "randomize_seed": False,
@@ -346,7 +346,7 @@ def test_review_findings_one_side_history_cfg_snippet_size_cache_control_and_a_l
 
     from imgedit.engine.validation import check_params
     from imgedit.protocol import EditRequest
-    from imgedit.web.tools import PageTools
+    from imgedit.web.page.tools import PageTools
 
     check_params(EditRequest(images=(), prompt="x", width=3072), manager21.settings, "21")  # no error
     assert manager21.resolve(EditRequest(images=(), prompt="x", width=256)).height == 256  # text to image: square
@@ -379,7 +379,7 @@ def test_history_fills_the_form_with_the_familys_cfg_for_an_entry_that_left_it_o
     from raw_gradio import RawGradio
 
     from imgedit.web.identity import COOKIE
-    from imgedit.web.requests import edit_fields
+    from imgedit.web.page.requests import edit_fields
 
     browser = Client(server21.url, verbose=False)
     browser.predict(images=[], prompt="a quiet harbour", seed=3, randomize_seed=False, num_inference_steps=2,

@@ -269,7 +269,7 @@ def test_a_killed_actor_fails_only_its_job_and_the_next_runs_on_the_other_node(m
 
 
 def test_the_panel_names_each_workers_node(manager, nodes):
-    from imgedit.web.panel import panel_html
+    from imgedit.web.page.panel import panel_html
 
     status = manager.status()
     data = {"gpus": [], "message": "no GPU", "placement_mode": status.mode, "placement_reason": status.reason,
@@ -319,7 +319,7 @@ def test_a_node_that_leaves_fails_only_its_job_and_health_shows_the_lost_worker(
 
     wait_for(waiting_for_room, 60)
     assert manager.status().ready  # /health: ready, with the lost worker listed as loading
-    from imgedit.web.panel import panel_html
+    from imgedit.web.page.panel import panel_html
 
     status = manager.status()
     html = panel_html({"gpus": [], "message": "no GPU", "placement_mode": status.mode, "waiting": 0, "ready": True,

@@ -18,7 +18,7 @@ def test_without_an_address_the_server_starts_a_local_cluster_that_outlives_the_
     its GCS when that thread ends unless it stays (found on the GPU machine: every later call hung)."""
     code = (
         "import sys, time; from conftest import make_manager, picture; from imgedit.protocol import EditRequest\n"
-        "from imgedit.engine.ray_pool import connect\n"
+        "from imgedit.engine.workers.ray_pool import connect\n"
         "t = time.perf_counter(); connect(None, 60); print('connected', round(time.perf_counter() - t, 1))\n"
         f"m = make_manager({str(plus_ckpt)!r}, WORKERS='ray', RAY_CONNECT_TIMEOUT='60', plan='planner', load=False)\n"
         "try:\n    m.load(timeout=300)\n"

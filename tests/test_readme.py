@@ -166,7 +166,7 @@ def json_values(text: str) -> list:
 def test_a_cancel_that_comes_after_the_end_changes_nothing():
     """The state a job reports (a DELETE after the end once turned a succeeded job into "cancelled", and so did
     the page's batch handler as it closed)."""
-    from imgedit.engine.job_records import job_state
+    from imgedit.engine.jobs.records import job_state
 
     assert job_state(["succeeded", "succeeded"], cancelled=True) == "succeeded"
     assert job_state(["succeeded", "failed"], cancelled=True) == "partial"

@@ -12,7 +12,7 @@ from gradio_client import Client, handle_file
 
 from imgedit.engine import manager as manager_module
 from imgedit.engine import validation
-from imgedit.web import requests
+from imgedit.web.page import requests
 
 
 def test_an_edit_is_resolved_once_on_its_way_to_a_worker(live_server, image_file, monkeypatch, tmp_path):

@@ -22,8 +22,8 @@ from raw_gradio import RawGradio, file_data
 from starlette.routing import Mount
 from starlette.testclient import TestClient
 
-from imgedit.web.requests import edit_fields
-from imgedit.web.uploads import upload_folder
+from imgedit.web.page.requests import edit_fields
+from imgedit.web.page.uploads import upload_folder
 
 EDIT_REST = {"prompt": "make it red", "size": "64x64", "num_inference_steps": "2", "seed": "1"}
 
@@ -120,7 +120,7 @@ def test_uploaded_files_and_results_still_work_by_hand(live_server, raw, secret)
     assert done and done[0]["success"], done
     gallery, seed = done[0]["output"]["data"]
     assert seed == 3
-    # "Use this result as input": the inputs, the results, the chosen one and the edit chain (imgedit.web.chain)
+    # "Use this result as input": the inputs, the results, the chosen one and the edit chain (imgedit.web.page.chain)
     chain = {"steps": [], "at": -1}
     r = raw.join(raw.fn_index(trigger=("use-result", "click")), [[file_data(cached)], gallery, 0, chain])
     assert r.status_code == 200, r.text
@@ -136,7 +136,7 @@ def test_gradio_itself_refuses_files_not_uploaded(live_server, secret):
     gradio_app = next(route.app for route in app.routes if isinstance(route, Mount))
     raw = RawGradio("http://testserver", TestClient(gradio_app, raise_server_exceptions=False))
     # "Copy as API call" runs unqueued and takes the file input as it is (it only counts the files).
-    # the page's edit controls in `/edit`'s order (imgedit.web.requests.edit_fields), then the mask canvas
+    # the page's edit controls in `/edit`'s order (imgedit.web.page.requests.edit_fields), then the mask canvas
     form = {"images": [file_data(str(secret))], "prompt": "p", "num_inference_steps": 4, "true_cfg_scale": 4}
     data = [form.get(name) for name in edit_fields()] + [None]
     r = raw.predict(raw.fn_index(trigger=("copy-api", "click")), data)
@@ -452,7 +452,7 @@ def test_a_folder_given_as_an_input_file_is_refused_before_gradio_records_it(liv
 def test_an_upload_abandoned_mid_body_leaves_no_partial_file(impatient_server):
     """Content-Length says 20 MB, 5 MB come, the client hangs up: Gradio's partial tmp* file at the top of the
     upload folder is deleted by the sweeper (BODY_READ_TIMEOUT=2 here: untouched for 7 s means abandoned)."""
-    from imgedit.web.uploads import PartialUploadSweeper
+    from imgedit.web.page.uploads import PartialUploadSweeper
 
     folder = Path(upload_folder())
     stale = folder / "tmpimgedit-stale-test"  # left by an earlier run: gone at the next sweep
@@ -486,7 +486,7 @@ def test_gradios_sweep_survives_an_entry_that_is_not_a_regular_file(tmp_path):
     import gradio as gr
     from gradio import route_utils
 
-    from imgedit.web.uploads import guard_gradio_cleanup
+    from imgedit.web.page.uploads import guard_gradio_cleanup
 
     def recorded():
         folder, cached = tmp_path / "a-folder", tmp_path / "cached.png"

@@ -158,7 +158,8 @@ def test_the_configuration_page_documents_every_setting():
 
 def test_the_edges_do_not_import_torch():
     """The whole server side (web, engine, planning, config) imports no torch."""
-    code = ("import sys, imgedit.web.app, imgedit.engine.manager, imgedit.engine.ray_pool, imgedit.engine.inspection; "
+    code = ("import sys, imgedit.web.app, imgedit.engine.manager, imgedit.engine.workers.ray_pool, "
+            "imgedit.engine.workers.inspection; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=__import__("pathlib").Path(__file__).resolve().parents[1])

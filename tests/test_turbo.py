@@ -135,7 +135,7 @@ def test_rest_speed_fastest_records_the_speed_and_health_names_the_turbo(server,
 
 def test_the_page_offers_both_speeds_with_the_turbo(manager):
     from imgedit.config.settings import load_settings
-    from imgedit.web.speed import speed_choices
+    from imgedit.web.page.speed import speed_choices
 
     shown = dict((value, label) for label, value in speed_choices(manager.settings))
     assert list(shown) == ["quality", "fast", "fastest"]

@@ -222,7 +222,7 @@ def test_demo_banner_and_page(plus_ckpt):
 
 def test_the_before_after_view_keeps_the_inputs_aspect():
     """The comparison once squashed an input of another aspect into the result's shape."""
-    from imgedit.web.tools import compare_pair
+    from imgedit.web.page.tools import compare_pair
 
     tall = Image.new("RGB", (60, 120), (200, 0, 0))
     before, after = compare_pair(tall, Image.new("RGB", (64, 64)))
@@ -237,7 +237,7 @@ def test_after_a_masked_edit_the_before_side_shows_where_the_mask_let_it_change(
     colour), every other pixel the input's."""
     import numpy as np
 
-    from imgedit.web.tools import MASK_TINT, compare_pair
+    from imgedit.web.page.tools import MASK_TINT, compare_pair
 
     first = Image.new("RGB", (96, 64), (20, 120, 60))
     mask = Image.new("L", (96, 64), 0)
@@ -334,7 +334,7 @@ def test_api_call_snippets_are_valid_code_for_the_form():
     """"Copy as API call": the gradio_client and OpenAI snippets compile; quotes in a prompt stay quoted."""
     import shlex
 
-    from imgedit.web.snippets import api_values, curl_snippet, gradio_snippet, input_files, openai_snippet
+    from imgedit.web.page.snippets import api_values, curl_snippet, gradio_snippet, input_files, openai_snippet
 
     form = {"prompt": "it's \"red\"", "negative_prompt": "", "seed": "7", "randomize_seed": False,
             "num_inference_steps": None, "true_cfg_scale": "4.5", "num_images": 2, "width": 64, "height": 0}
@@ -366,8 +366,8 @@ def test_the_api_snippets_run_as_copied_with_a_login_and_a_key(server_manager, i
     from conftest import LiveServer, free_port
 
     from imgedit.web.app import build_app
-    from imgedit.web.tools import PageTools
-    from imgedit.web.uploads import upload_folder
+    from imgedit.web.page.tools import PageTools
+    from imgedit.web.page.uploads import upload_folder
 
     settings = dataclasses.replace(server_manager.settings, gradio_auth=(("ann", "pw-1"),), api_key="key-1")
     upload = Path(upload_folder()) / "snippet-test" / "photo.png"  # as the page's upload would be
@@ -424,8 +424,8 @@ def test_the_api_snippets_run_as_copied_with_a_login_and_a_key(server_manager, i
 def test_the_step_cache_in_the_page_and_batch_and_where_it_is_hidden(client, image_file, plus_ckpt):
     """The Step cache choice (Advanced) reaches /batch as /edit's `cache`, and the PNG records it; a Lightning
     speed drops it; on workers that cannot run a cache (a Ulysses group) the control is not shown at all."""
-    from imgedit.web.page import build_blocks
-    from imgedit.web.speed import SERVER_CACHE, parse_cache_input
+    from imgedit.web.page.blocks import build_blocks
+    from imgedit.web.page.speed import SERVER_CACHE, parse_cache_input
 
     gallery, report, _ = client.predict(*edit_args([image_file]), "quality", "none", 1.0, "first-block",
                                         api_name="/batch")
@@ -450,8 +450,8 @@ def test_a_pngs_step_cache_is_restored_only_where_the_workers_can_run_one(plus_c
     none when the PNG has our settings but no cache). Where the control is hidden (a server refusing caches) it
     stays at the server's default: a restored taylorseer there would have every later edit refused."""
     from imgedit.engine.validation import default_steps
-    from imgedit.web.speed import SERVER_CACHE, stored_cache_choice
-    from imgedit.web.tools import PageTools
+    from imgedit.web.page.speed import SERVER_CACHE, stored_cache_choice
+    from imgedit.web.page.tools import PageTools
 
     settings = make_manager(plus_ckpt, load=False).prepare().settings
     stored = {"prompt": "make it red", "seed": 3, "cache": "first-block:0.08"}
@@ -467,14 +467,14 @@ def test_a_pngs_step_cache_is_restored_only_where_the_workers_can_run_one(plus_c
 
 
 def test_a_reloaded_edit_chain_drops_the_steps_whose_files_are_gone():
-    """The edit chain is kept in the browser (imgedit.web.chain): on a reload a step whose file the upload cache's
+    """The edit chain is kept in the browser (imgedit.web.page.chain): on a reload a step whose file the upload cache's
     sweep removed, or that names a file outside the cache, is dropped and the rest shows as it was."""
     import shutil
     import uuid
 
     from gradio.utils import get_upload_folder
 
-    from imgedit.web.chain import reload
+    from imgedit.web.page.chain import reload
 
     folder = Path(get_upload_folder()) / f"chain-{uuid.uuid4().hex}"
     folder.mkdir(parents=True)

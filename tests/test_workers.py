@@ -162,7 +162,8 @@ def test_server_process_holds_no_cuda_or_distributed_state(pair, plus_manager):
 
     assert not torch.cuda.is_initialized()
     assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
-    code = ("import sys, imgedit.engine.manager, imgedit.engine.pool, imgedit.web.app, imgedit.engine.gpus; "
+    code = ("import sys, imgedit.engine.manager, imgedit.engine.workers.pool, imgedit.web.app, "
+            "imgedit.engine.workers.gpus; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr[-2000:]

@@ -351,7 +351,7 @@ def _plain_text_chunks(path: str | Path) -> bool:
 def read_settings(path: str | Path) -> dict[str, str | int | float]:
     """The restorable settings stored in a PNG we made ({} for any other file). Reads the header
     chunks only, and only when they look like ours; values that do not parse are left out, never
-    trusted as given (the page also checks each as a request field: imgedit.web.tools)."""
+    trusted as given (the page also checks each as a request field: imgedit.web.page.tools)."""
     if not _plain_text_chunks(path):
         return {}
     try:

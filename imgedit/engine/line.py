@@ -1,6 +1,6 @@
 """The one FIFO line in front of the workers: jobs from the page, the gradio API, REST and batches wait here
 together, in arrival order, for a free worker. QUEUE_MAX_SIZE bounds the line and CLIENT_SHARE one client's
-places in it. No torch; the workers' handles (imgedit.engine.pool) are claimed and released here only.
+places in it. No torch; the workers' handles (imgedit.engine.workers.pool) are claimed and released here only.
 
 The line also knows every job in flight, from its arrival to its worker's release (`admit`), which is all
 the SIGTERM drain needs (imgedit.engine.shutdown): `close` refuses new jobs and fails the waiting ones,
@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable, Iterator
 
 from imgedit.config.settings import Settings
-from imgedit.engine.pool import WorkerHandle
 from imgedit.engine.shutdown import REFUSED, ShuttingDown
+from imgedit.engine.workers.pool import WorkerHandle
 from imgedit.errors import Cancelled, QueueFull, WorkerFailed
 from imgedit.protocol import WorkerState
 

@@ -1,8 +1,8 @@
 """The manager: jobs through the one FIFO line (imgedit.engine.line) to the worker processes, started as
-imgedit.engine.startup plans them. No torch, no CUDA context.
+imgedit.engine.workers.startup plans them. No torch, no CUDA context.
 
 `prepare()` opens the checkpoint and plans the placement (engine.startup); `start()` spawns one worker per
-planned worker (imgedit.engine.pool) and returns at once (the workers load in their own processes, /health
+planned worker (engine.workers.pool) and returns at once (the workers load in their own processes, /health
 says 503 until they are ready). Jobs from the page, the gradio API and REST wait together in arrival
 order for a free worker; one job per worker at a time; cancel, progress, results and typed errors
 cross the process boundary as small messages (imgedit.runtime.messages).
@@ -19,14 +19,14 @@ import time
 from collections.abc import Callable, Sequence
 
 from imgedit.config.settings import Settings
-from imgedit.engine import startup
 from imgedit.engine.images import stamp_result
 from imgedit.engine.interface import Engine, StepCallback, WaitCallback
 from imgedit.engine.line import Line
-from imgedit.engine.pool import WorkerHandle, wait_result
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.engine.shutdown import NOT_STARTED, STOPPED
 from imgedit.engine.validation import check_params, default_steps, resolve, resolve_enhance
+from imgedit.engine.workers import startup
+from imgedit.engine.workers.pool import WorkerHandle, wait_result
 from imgedit.errors import (
     Cancelled,
     ImgEditError,

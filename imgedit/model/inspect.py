@@ -4,7 +4,7 @@ read), and the configured LoRA files checked against the transformer.
 
 The server never imports this (it would pull in torch): it runs
 `python -m imgedit.model.inspect` with a JSON request on stdin and reads a JSON answer on stdout
-(imgedit.engine.inspection). Answers are plain JSON, no classes of the server side.
+(imgedit.engine.workers.inspection). Answers are plain JSON, no classes of the server side.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def layer_sizes(folder: Path, skip: tuple[str, ...] = ()) -> list[dict]:
     """Count every component's parameters from its config alone (meta device, no weights):
     per part (the head, each repeated block) the Linear weights QUANTIZE converts (`linear`), those
     QUANTIZE_SKIP keeps (`kept`) and every other parameter (`other`)."""
-    # here, not at the top: with the sizes cached (imgedit.engine.inspection) this subprocess measures
+    # here, not at the top: with the sizes cached (imgedit.engine.workers.inspection) this subprocess measures
     # nothing, and loads torch and diffusers only for a LoRA check or a demo build (seconds of CPU)
     import torch
     from accelerate import init_empty_weights  # (as torch)

@@ -1,6 +1,6 @@
 """A worker process (one rank): load the pipeline onto its GPUs, warm it up, then serve jobs.
 
-Started by imgedit.engine.pool with the spawn method and CUDA_VISIBLE_DEVICES holding only this rank's
+Started by imgedit.engine.workers.pool with the spawn method and CUDA_VISIBLE_DEVICES holding only this rank's
 GPUs. A reader thread takes messages off the inbox (jobs to a local queue, cancels to flags) so a
 cancel reaches a running job at its next step. The process exits on Stop, on a fatal error (the
 pool restarts it) and when its parent, the server, is gone (no orphans even after a SIGKILL).

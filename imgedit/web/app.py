@@ -16,23 +16,23 @@ import gradio as gr
 from fastapi import FastAPI
 
 from imgedit.config.settings import Settings
-from imgedit.engine.batch import JobService
-from imgedit.engine.gpus import GpuMonitor
-from imgedit.engine.history import HistoryStore
 from imgedit.engine.interface import Engine
+from imgedit.engine.jobs.batch import JobService
+from imgedit.engine.jobs.history import HistoryStore
 from imgedit.engine.shutdown import Shutdown
-from imgedit.web import api_errors
-from imgedit.web.cancel import build_cancel_router
+from imgedit.engine.workers.gpus import GpuMonitor
+from imgedit.web.api import errors as api_errors
+from imgedit.web.api.jobs import build_jobs_router
+from imgedit.web.api.rest import build_router
 from imgedit.web.identity import BrowserCookie
-from imgedit.web.jobs_api import build_jobs_router
 from imgedit.web.metrics import Metrics
-from imgedit.web.page import GPU_GROUP, build_blocks
-from imgedit.web.page_assets import page_head
-from imgedit.web.rest import build_router
+from imgedit.web.page.assets import page_head
+from imgedit.web.page.blocks import GPU_GROUP, build_blocks
+from imgedit.web.page.cancel import build_cancel_router
+from imgedit.web.page.uploads import EventGuard, PartialUploadSweeper, guard_gradio_cleanup
 from imgedit.web.serving import ShutdownGate
 from imgedit.web.serving import serve as serve_until_drained
 from imgedit.web.timeouts import BodyReadTimeout
-from imgedit.web.uploads import EventGuard, PartialUploadSweeper, guard_gradio_cleanup
 
 log = logging.getLogger(__name__)
 

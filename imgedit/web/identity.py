@@ -19,7 +19,7 @@ from http.cookies import SimpleCookie
 
 from fastapi import Request
 
-from imgedit.web.api_errors import ApiError
+from imgedit.web.api.errors import ApiError
 
 COOKIE = "imgedit_browser"
 _VALID = re.compile(r"[A-Za-z0-9_-]{32}")

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from imgedit.engine.gpus import GpuMonitor
 from imgedit.engine.interface import Engine
+from imgedit.engine.workers.gpus import GpuMonitor
 from imgedit.protocol import JobRecord
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from imgedit.config.settings import public_model_name
-from imgedit.engine.gpus import GpuMonitor, snapshot
+from imgedit.engine.workers.gpus import GpuMonitor, snapshot
 from imgedit.protocol import ManagerStatus
 
 RUNNING = "a job"  # what an open view says instead of a job's id

@@ -1,7 +1,7 @@
 """REST requests as edit requests: OpenAI's multipart edit forms and JSON generation bodies, parsed by the
 declaration (protocol.PARAMETERS: each parameter's kind), the image and mask files read within MAX_FILE_SIZE
 and MAX_INPUT_PIXELS, every limit named when a request goes over it. `/v1/images/edits`,
-`/v1/images/generations`, `/v1/prompts/enhance` (imgedit.web.rest) and `/v1/jobs` (imgedit.web.jobs_api) read
+`/v1/images/generations`, `/v1/prompts/enhance` (web.api.rest) and `/v1/jobs` (web.api.jobs) read
 their requests here."""
 
 from __future__ import annotations

@@ -19,14 +19,14 @@ import gradio as gr
 
 from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
-from imgedit.engine.batch import Job, JobService, expand_uploads, results_zip
 from imgedit.engine.interface import Engine
+from imgedit.engine.jobs.batch import Job, JobService, expand_uploads, results_zip
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.protocol import BATCH, EditRequest, ItemState, parameters, request_kwargs
 from imgedit.web.identity import page_owner
-from imgedit.web.requests import api_signature, event_fields
-from imgedit.web.speed import parse_cache_input
-from imgedit.web.tools import refusal, user_error
+from imgedit.web.page.requests import api_signature, event_fields
+from imgedit.web.page.speed import parse_cache_input
+from imgedit.web.page.tools import refusal, user_error
 
 BATCH_GROUP = "batch"  # unlimited in Gradio: the manager's line and JOBS_MAX_PENDING bound batches
 

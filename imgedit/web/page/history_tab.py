@@ -15,16 +15,16 @@ import gradio as gr
 from PIL import Image
 
 from imgedit.config.settings import Settings
-from imgedit.engine.history import HistoryEntry, HistoryStore
 from imgedit.engine.images import read_settings
+from imgedit.engine.jobs.history import HistoryEntry, HistoryStore
 from imgedit.engine.validation import lora_adapters, speed_preset
 from imgedit.errors import ImgEditError
 from imgedit.planning.families import FAMILIES
 from imgedit.protocol import EditRequest
-from imgedit.web.exports import download_name, export_copy
 from imgedit.web.identity import page_owner
-from imgedit.web.speed import NO_LORA, stored_cache_choice
-from imgedit.web.tools import refusal, user_error
+from imgedit.web.page.exports import download_name, export_copy
+from imgedit.web.page.speed import NO_LORA, stored_cache_choice
+from imgedit.web.page.tools import refusal, user_error
 
 NO_OWNER = "History needs cookies (or sign-in): this browser sent none, so nothing is kept for it."
 

@@ -14,8 +14,8 @@ from imgedit.engine.validation import check_counts
 from imgedit.errors import InvalidInput
 from imgedit.planning.families import FAMILIES
 from imgedit.protocol import EDIT, EditRequest, parameters, request_kwargs
-from imgedit.web.speed import parse_speed_inputs
-from imgedit.web.uploads import uploaded_paths
+from imgedit.web.page.speed import parse_speed_inputs
+from imgedit.web.page.uploads import uploaded_paths
 
 
 def edit_fields() -> tuple[str, ...]:
@@ -118,7 +118,7 @@ def build_request(settings: Settings, family: str, *values, source: str,
                   decode: bool = True) -> EditRequest:
     """Parse one event's raw values, `/edit`'s parameters in the declaration's order (protocol.PARAMETERS;
     absent trailing ones take their defaults), each by its kind. Every file must lie in Gradio's upload
-    cache (imgedit.web.uploads). `decode` False: the images by their headers (sizes) only, for gradio's
+    cache (imgedit.web.page.uploads). `decode` False: the images by their headers (sizes) only, for gradio's
     validator."""
     names = edit_fields()
     raw = dict(zip(names, values, strict=False))

@@ -25,7 +25,9 @@ from starlette.datastructures import UploadFile
 
 from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
-from imgedit.engine.batch import (
+from imgedit.engine.images import open_image, reencoded
+from imgedit.engine.interface import Engine
+from imgedit.engine.jobs.batch import (
     Job,
     JobService,
     clean_name,
@@ -34,17 +36,13 @@ from imgedit.engine.batch import (
     job_view,
     results_zip,
 )
-from imgedit.engine.history import HistoryEntry
-from imgedit.engine.images import open_image, reencoded
-from imgedit.engine.interface import Engine
+from imgedit.engine.jobs.history import HistoryEntry
 from imgedit.engine.validation import check_aspect, check_counts
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.planning.families import FAMILIES
 from imgedit.protocol import JOBS, EditRequest, ItemState, JobState, request_kwargs
-from imgedit.web.api_errors import ApiError, rejected
-from imgedit.web.identity import key_holder
-from imgedit.web.metrics import Metrics
-from imgedit.web.rest_requests import (
+from imgedit.web.api.errors import ApiError, rejected
+from imgedit.web.api.rest_requests import (
     IMAGE_FIELDS,
     check_body,
     form_fields,
@@ -52,6 +50,8 @@ from imgedit.web.rest_requests import (
     output_format,
     read_form,
 )
+from imgedit.web.identity import key_holder
+from imgedit.web.metrics import Metrics
 
 log = logging.getLogger(__name__)
 SET_FIELD = re.compile(r"set(\d{1,4})(\[\])?")

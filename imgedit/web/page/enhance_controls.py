@@ -20,8 +20,8 @@ import gradio as gr
 from imgedit.config.settings import Settings
 from imgedit.engine.interface import Engine
 from imgedit.web.identity import page_owner
-from imgedit.web.requests import build_enhance_request
-from imgedit.web.tools import user_error
+from imgedit.web.page.requests import build_enhance_request
+from imgedit.web.page.tools import user_error
 
 
 def build_enhance_buttons():

@@ -1,4 +1,4 @@
-"""The GPU panel's HTML, rendered from `imgedit.engine.gpus.snapshot(..., history=True)`: pure, no I/O.
+"""The GPU panel's HTML, rendered from `engine.workers.gpus.snapshot(..., history=True)`: pure, no I/O.
 
 Per GPU a card: a stacked memory bar (our weights / activations / other processes / free), the
 utilisation, what the GPU holds (components or block ranges), which job and step it runs, and a

@@ -18,7 +18,7 @@ import gradio as gr
 from PIL import Image, ImageOps
 
 from imgedit.engine.validation import MIN_SIDE, SIDE_MULTIPLE
-from imgedit.web.uploads import uploaded_paths
+from imgedit.web.page.uploads import uploaded_paths
 
 AUTO = "auto: as the last input"
 ASPECTS = {"square 1:1": 1.0, "landscape 4:3": 4 / 3, "portrait 3:4": 3 / 4, "wide 16:9": 16 / 9,

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import PurePosixPath
 
 from imgedit.config.settings import Settings
-from imgedit.engine.history import HistoryEntry, HistoryStore
 from imgedit.engine.images import SUFFIXES, mask_digest, open_image, reencoded
 from imgedit.engine.interface import Engine
-from imgedit.engine.job_records import JobRecords, job_state
+from imgedit.engine.jobs.history import HistoryEntry, HistoryStore
+from imgedit.engine.jobs.records import JobRecords, job_state
 from imgedit.errors import Cancelled, ImgEditError, InputTooLarge, InvalidInput, QueueFull
 from imgedit.planning.families import FAMILIES
 from imgedit.protocol import EditRequest, ItemState, JobState, WorkerState, new_request_id

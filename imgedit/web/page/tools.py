@@ -23,9 +23,9 @@ from imgedit.engine.validation import MAX_PROMPT_CHARS, check_params, output_siz
 from imgedit.errors import ImgEditError
 from imgedit.planning.families import FAMILIES
 from imgedit.protocol import EditRequest, request_kwargs
-from imgedit.web.exports import download_copy, export_copy
-from imgedit.web.mask_controls import painted_mask
-from imgedit.web.snippets import (
+from imgedit.web.page.exports import download_copy, export_copy
+from imgedit.web.page.mask_controls import painted_mask
+from imgedit.web.page.snippets import (
     MASK_FILE,
     api_values,
     curl_snippet,
@@ -33,8 +33,8 @@ from imgedit.web.snippets import (
     input_files,
     openai_snippet,
 )
-from imgedit.web.speed import SERVER_CACHE, parse_cache_input, stored_cache_choice
-from imgedit.web.uploads import gallery_paths, uploaded_paths
+from imgedit.web.page.speed import SERVER_CACHE, parse_cache_input, stored_cache_choice
+from imgedit.web.page.uploads import gallery_paths, uploaded_paths
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def refusal(message: str, title: str | None = None) -> gr.Error:
     gr.Error it catches (print_exception). The message is rendered as HTML, so pass it escaped."""
     log.info("page: refused (%s): %s", title or "error", message)
     # always titled: an untitled gr.Error of an unqueued event (History's buttons) reached its caller as the
-    # generic "could not be processed" (imgedit.web.uploads lets only titled errors through as ours)
+    # generic "could not be processed" (imgedit.web.page.uploads lets only titled errors through as ours)
     return gr.Error(message, title=title or "Error", print_exception=False)
 
 

@@ -23,25 +23,24 @@ from dataclasses import replace
 import gradio as gr
 
 from imgedit.config.settings import Settings
-from imgedit.engine.gpus import GpuMonitor
 from imgedit.engine.images import frame_notices, png_bytes
 from imgedit.engine.interface import Engine
 from imgedit.engine.validation import default_steps
+from imgedit.engine.workers.gpus import GpuMonitor
 from imgedit.errors import ImgEditError
 from imgedit.planning.families import FAMILIES
 from imgedit.protocol import EDIT, param, parameters
-from imgedit.web.batch_tab import build_batch_tab
-from imgedit.web.chain import build_chain_controls, wire_chain
-from imgedit.web.enhance_controls import build_enhance_buttons, wire_enhance
-from imgedit.web.examples import example_rows
-from imgedit.web.history_tab import build_history_tab
 from imgedit.web.identity import page_owner
-from imgedit.web.mask_controls import build_mask_controls, follow_first_input, painted_mask
-from imgedit.web.page_assets import INPUT_PREVIEW_CSS
-from imgedit.web.panel import banner_html, panel_html
-from imgedit.web.progress import EditProgress
-from imgedit.web.public import open_snapshot
-from imgedit.web.requests import (
+from imgedit.web.page.assets import INPUT_PREVIEW_CSS
+from imgedit.web.page.batch_tab import build_batch_tab
+from imgedit.web.page.chain import build_chain_controls, wire_chain
+from imgedit.web.page.enhance_controls import build_enhance_buttons, wire_enhance
+from imgedit.web.page.examples import example_rows
+from imgedit.web.page.history_tab import build_history_tab
+from imgedit.web.page.mask_controls import build_mask_controls, follow_first_input, painted_mask
+from imgedit.web.page.panel import banner_html, panel_html
+from imgedit.web.page.progress import EditProgress
+from imgedit.web.page.requests import (
     api_component,
     build_request,
     edit_fields,
@@ -49,10 +48,11 @@ from imgedit.web.requests import (
     form_signature,
     page_control,
 )
-from imgedit.web.sizes import size_presets, wire_size_presets
-from imgedit.web.speed import build_cache_control, build_speed_controls
-from imgedit.web.tools import PageTools, cached_pngs, page_files, user_error
-from imgedit.web.uploads import upload_folder
+from imgedit.web.page.sizes import size_presets, wire_size_presets
+from imgedit.web.page.speed import build_cache_control, build_speed_controls
+from imgedit.web.page.tools import PageTools, cached_pngs, page_files, user_error
+from imgedit.web.page.uploads import upload_folder
+from imgedit.web.public import open_snapshot
 
 log = logging.getLogger(__name__)
 UPLOAD_CACHE_SWEEP_S = 600
@@ -75,7 +75,7 @@ def build_blocks(settings: Settings, manager: Engine, demo: bool = False, monito
     # `/edit`'s parameters in the declaration's order: the page's edit inputs follow it
     fields = edit_fields()
     # The page's own controls for declared parameters, by name as each is made (`lay`); any other declared one
-    # gets a control of its own under Advanced (imgedit.web.requests.page_control).
+    # gets a control of its own under Advanced (imgedit.web.page.requests.page_control).
     laid_out: dict[str, gr.components.Component] = {}
 
     def lay(name: str, control):
@@ -84,7 +84,7 @@ def build_blocks(settings: Settings, manager: Engine, demo: bool = False, monito
 
     def validate(*values):
         """Runs before an API job enters the queue: bad input costs nothing else. The message goes to
-        the input at fault. `values`: `/edit`'s parameters in order (imgedit.web.requests.edit_fields)."""
+        the input at fault. `values`: `/edit`'s parameters in order (web.page.requests.edit_fields)."""
         verdicts = [gr.validate(True, "")] * len(fields)
         try:
             # the images by their headers: the event decodes them once
@@ -231,7 +231,7 @@ def build_blocks(settings: Settings, manager: Engine, demo: bool = False, monito
                 # hold a heartbeat connection open for the session's lifetime.
                 stored = gr.JSON({}, visible=False)
                 with gr.Row():
-                    # a model that generates: "Generate" while there is no input image (imgedit.web.tools)
+                    # a model that generates: "Generate" while there is no input image (web.page.tools)
                     run = gr.Button("Generate" if family.generates else "Edit", variant="primary",
                                     elem_id="edit-button")
                     # Active only while an edit of this page runs (it looked ready to click when idle).
@@ -246,7 +246,7 @@ def build_blocks(settings: Settings, manager: Engine, demo: bool = False, monito
                     rows, labels = example_rows(examples_folder, max_inputs)
                     gr.Examples(rows, [files, prompt], example_labels=labels,
                                 label="Examples (click one to fill the form)", elem_id="examples")
-                    # Speed, LoRA, strength (imgedit.web.speed)
+                    # Speed, LoRA, strength (imgedit.web.page.speed)
                     laid_out.update(build_speed_controls(settings))
                     canvas, masking = build_mask_controls()  # painted mask, grow, feather, strength
                     laid_out.update(masking)
@@ -283,7 +283,7 @@ def build_blocks(settings: Settings, manager: Engine, demo: bool = False, monito
                                    if p.name not in laid_out}
                     area, auto_width = (DEMO_SIZE**2, DEMO_SIZE) if demo else (1024**2, 0)
                     wire_size_presets(size_preset, files, width, height, area=area, auto_width=auto_width)
-                # the page rewrites a prompt with its own button (imgedit.web.enhance_controls): never on Edit
+                # the page rewrites a prompt with its own button (web.page.enhance_controls): never on Edit
                 lay("enhance_prompt", gr.Checkbox(False, visible=False))
             with gr.Column(elem_id="editor-right"):
                 result = gr.Gallery(label="Result", format="png", columns=2, elem_id="result",
@@ -295,7 +295,7 @@ def build_blocks(settings: Settings, manager: Engine, demo: bool = False, monito
                     again = gr.Button("Use this result as input", elem_id="use-result", interactive=False)
                     add = gr.Button("Add it as another input", elem_id="add-result", interactive=False)
                     download = gr.DownloadButton("Download PNG", elem_id="download-result", interactive=False)
-                # "Use this result as input" builds a chain of steps with Undo and Redo (imgedit.web.chain)
+                # "Use this result as input" builds a chain of steps with Undo and Redo (web.page.chain)
                 chain_controls = build_chain_controls()
                 compare = gr.ImageSlider(label="Before / after (drag the handle)", format="png", type="pil",
                                          interactive=False, elem_id="compare", max_height=420)
@@ -324,7 +324,7 @@ def build_blocks(settings: Settings, manager: Engine, demo: bool = False, monito
             api_button = gr.Button()
 
         # preprocess=False: our own code parses the raw values (junk gets our message, not a Gradio
-        # processing error). Files were checked twice before a handler runs (imgedit.web.uploads.EventGuard,
+        # processing error). Files were checked twice before a handler runs (web.page.uploads.EventGuard,
         # then Gradio's upload check); the handlers check the paths they open or return once more.
         files.upload(tools.check_uploads, files, [files, compare, restore, stored], preprocess=False,
                      api_visibility="private")
@@ -394,7 +394,7 @@ def build_blocks(settings: Settings, manager: Engine, demo: bool = False, monito
             refresh(panel, None, [gpu_panel, banner], queue=False, api_visibility="private",
                     show_progress="hidden")
         gr.api(gpu_status, api_name="gpu_status", queue=False)
-        if jobs is not None:  # Batch and History tabs (imgedit.web.batch_tab, imgedit.web.history_tab)
+        if jobs is not None:  # Batch and History tabs (web.page.batch_tab, web.page.history_tab)
             with gr.Tabs():
                 build_batch_tab(settings, manager, jobs, controls)
                 history_api = build_history_tab(settings, history, controls, page_outputs, edit_page,

@@ -27,17 +27,17 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from imgedit.config.settings import Settings
-from imgedit.engine.gpus import GpuMonitor
-from imgedit.engine.history import HistoryStore
 from imgedit.engine.images import encoded, frame_notices
 from imgedit.engine.interface import Engine
+from imgedit.engine.jobs.history import HistoryStore
+from imgedit.engine.workers.gpus import GpuMonitor
 from imgedit.errors import ImgEditError, InvalidInput
 from imgedit.protocol import EditRequest, EditResult, Resolved, WorkerState
-from imgedit.web.api_errors import openai_error, rejected
+from imgedit.web.api.errors import openai_error, rejected
+from imgedit.web.api.rest_requests import edit_form, parse_edit, parse_generation, read_images
 from imgedit.web.identity import key_holder
 from imgedit.web.metrics import CONTENT_TYPE, Metrics
 from imgedit.web.public import full_snapshot, open_snapshot
-from imgedit.web.rest_requests import edit_form, parse_edit, parse_generation, read_images
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def build_router(settings: Settings, manager: Engine, metrics: Metrics, monitor:
         req = replace(req, client=owner)
         result = await _run(request, req, lambda cancel: manager.run(req, cancel=cancel, params=params))
         # The images are encoded once, off the event loop, for the reply and (PNGs) for the stored result
-        # (imgedit.engine.history), which the reply does not wait for. The encoding is on the critical path
+        # (engine.jobs.history), which the reply does not wait for. The encoding is on the critical path
         # of every REST edit: a noisy 1024x1024 PNG takes 0.14-0.17 s on a 2-core CPU, a JPEG 5-19 ms.
         files = await asyncio.to_thread(
             lambda: [encoded(image, output_format, quality) for image in result.images])

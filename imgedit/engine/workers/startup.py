@@ -1,5 +1,5 @@
 """Start-up, before any worker process starts: the family's settings, the workers planned (Ray's cluster or
-this machine's GPUs, from the sizes and the LoRA check of imgedit.engine.inspection's subprocess: no torch
+this machine's GPUs, from the sizes and the LoRA check of engine.workers.inspection's subprocess: no torch
 here), every mode the settings ask for checked against the plan (and refused with the reason, in the user's
 words, where this machine cannot run it), and each planned worker's spec and handle (a process or a Ray
 actor under one supervisor)."""
@@ -11,11 +11,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from imgedit.config.settings import Settings
-from imgedit.engine import ray_pool
-from imgedit.engine.gpus import discover_gpus, host_memory, host_threads
-from imgedit.engine.inspection import inspect_checkpoint
-from imgedit.engine.pool import WorkerHandle
-from imgedit.engine.processes import ProcessTransport
+from imgedit.engine.workers import ray_pool
+from imgedit.engine.workers.gpus import discover_gpus, host_memory, host_threads
+from imgedit.engine.workers.inspection import inspect_checkpoint
+from imgedit.engine.workers.pool import WorkerHandle
+from imgedit.engine.workers.processes import ProcessTransport
 from imgedit.errors import PlacementError, WorkerFailed
 from imgedit.planning import modes, turbo
 from imgedit.planning.checkpoint import Checkpoint

@@ -18,7 +18,7 @@ from PIL import Image
 
 from imgedit.engine.masks import DEFAULT_FEATHER
 from imgedit.protocol import param
-from imgedit.web.uploads import upload_folder, uploaded_paths
+from imgedit.web.page.uploads import upload_folder, uploaded_paths
 
 MASK_COLOUR = "#ff2d6f"
 

@@ -5,7 +5,7 @@ browser: a reload shows the chain again.
 The chain lives in the browser (gr.BrowserState: its localStorage, encrypted with a secret of this server's
 run; not a gr.State, which holds a heartbeat connection open for each page's lifetime) as lists of file paths
 in Gradio's upload cache. Every path that comes back from the browser is checked to lie there before it is
-used (imgedit.web.uploads), as every other file of the page is; steps whose files the cache's sweep removed
+used (web.page.uploads), as every other file of the page is; steps whose files the cache's sweep removed
 are dropped when the page loads.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import gradio as gr
 
-from imgedit.web.tools import refusal, user_error
-from imgedit.web.uploads import uploaded_paths
+from imgedit.web.page.tools import refusal, user_error
+from imgedit.web.page.uploads import uploaded_paths
 
 CHAIN_LIMIT = 20  # steps kept: the oldest go first (each is a file in the upload cache, not in memory)
 EMPTY = {"steps": [], "at": -1}

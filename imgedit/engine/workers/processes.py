@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import replace
 
-from imgedit.engine.pool import Died, localize
+from imgedit.engine.workers.pool import Died, localize
 from imgedit.runtime.messages import Channel, WorkerSpec
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from imgedit.config.settings import Settings
-from imgedit.engine.gpus import discover_gpus
-from imgedit.engine.pool import Died, SendFailed, TransportLost, localize
+from imgedit.engine.workers.gpus import discover_gpus
+from imgedit.engine.workers.pool import Died, SendFailed, TransportLost, localize
 from imgedit.errors import WorkerFailed
 from imgedit.planning.placement import plan_placement
 from imgedit.planning.plan import ComponentSpec, Placement, Plan, WorkerPlan

@@ -1,6 +1,6 @@
 """The page's own script and style, outside Gradio's components: Ctrl+Enter, the phone layout, the upload-size
 message in the setting's words, and the input thumbnails' grid. `page_head` goes into the page's <head>
-(imgedit.web.app); INPUT_PREVIEW_CSS into the editor (imgedit.web.page)."""
+(imgedit.web.app); INPUT_PREVIEW_CSS into the editor (imgedit.web.page.blocks)."""
 
 from __future__ import annotations
 
