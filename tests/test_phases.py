@@ -88,7 +88,7 @@ def test_a_mode_the_plan_needs_fails_the_load_instead(plus_ckpt, monkeypatch):
 
 
 def test_the_family_table_is_the_families_own_refusals():
-    only_21 = {"2.1 metadata once a request", "turbo"}
+    only_21 = {"2.1 metadata once a request", "2.1 attention: real RoPE", "turbo"}
     assert features.FAMILY_FEATURES["plus"] == features.FAMILY_FEATURES["edit"] == features.EVERY - only_21
     lacks = features.EVERY - features.FAMILY_FEATURES["21"]
     assert lacks == {features.NOT_BUILT_AS[mode] for mode in FAMILIES["21"].not_built if mode in features.NOT_BUILT_AS}

@@ -122,6 +122,11 @@ def attention_backend(processor):
     return getattr(processor, "_attention_backend", None)
 
 
+def set_attention_backend(processor, backend) -> None:
+    """A processor made by us takes the kernel of the one it replaces (set_attention_backend's value)."""
+    processor._attention_backend = backend
+
+
 def parallel_config(processor):
     return getattr(processor, "_parallel_config", None)
 

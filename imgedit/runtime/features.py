@@ -22,6 +22,7 @@ import logging
 import torch
 
 from imgedit.errors import ImgEditError
+from imgedit.model import attention21
 from imgedit.planning.families import FAMILIES
 from imgedit.runtime import (
     compile21,
@@ -225,6 +226,22 @@ class PrefixCacheRoom(Feature):
         build.report.under_cap.append("prefix cache off for a job it would not fit")
 
 
+class Attention21(Feature):
+    """Qwen-Image-2.1: its attention with the rotary embedding in real arithmetic (a compiled step fuses it
+    with the Q/K norm; diffusers' complex64 rotation runs as separate kernels), and under MAX_MEMORY the
+    projections and feed-forward a slice of the sequence at a time, for steps that run a long prefix
+    (imgedit.model.attention21). The same image up to rounding (tests/test_compile21.py)."""
+
+    name, only = "2.1 attention: real RoPE", frozenset({"21"})
+
+    def install(self, build: Build) -> None:
+        chunk = attention21.CHUNK if build.capped else None
+        for transformer in build.transformers:
+            attention21.install(transformer, chunk)
+        if chunk:
+            build.report.under_cap.append(f"2.1's projections and feed-forward {chunk} tokens at a time")
+
+
 class AttentionKernel(Feature):
     """ATTENTION: every attention of the transformer(s) through one of PyTorch's kernels."""
 
@@ -278,7 +295,7 @@ class _Reported(Exception):
 FEATURES: tuple[Feature, ...] = (
     SingleFrameVae(), EncodeCache(), PixelsOnGpu(), Metadata21(),
     Parallel(), Loras(), Turbo(), BatchCfg(), StepCaches(), DecodeTiling(), PrefixCacheRoom(), Masks(),
-    AttentionKernel(),
+    Attention21(), AttentionKernel(),
     Compile(), RewriteWarmup(),
 )
 EVERY = frozenset(f.name for f in FEATURES)
