@@ -39,8 +39,8 @@ def encode(pipe, images):
     try:
         with torch.no_grad():
             # the class's own method: the test pipelines' encode memo would hand back the first result
-            embeds, _ = type(pipe).encode_prompt(pipe, prompt="make the sky red", image=images,
-                                                 device=torch.device("cpu"))
+            embeds = type(pipe).encode_prompt(pipe, prompt="make the sky red", image=images,
+                                              device=torch.device("cpu"))[0]
     finally:
         handle.remove()
     return embeds, captured["hidden"]
@@ -99,18 +99,30 @@ def test_the_hook_steps_aside_when_the_caller_passes_the_ids(plus_pipe):
     assert seen["ids"] is zeros
 
 
-def test_prompt_encoding_computes_one_tokens_logits_and_the_same_embeddings(plus_pipe):
+@pytest.fixture(scope="module")
+def pipe21(tmp_path_factory):
+    from conftest import LocalPipeline
+
+    from imgedit.model.demo_checkpoint import build_checkpoint
+
+    return LocalPipeline(build_checkpoint(tmp_path_factory.mktemp("e21") / "q21", kind="21", seed=0), memo=0)
+
+
+@pytest.mark.parametrize("family", ["plus", "21"])
+def test_prompt_encoding_is_lean_and_gives_the_same_embeddings(family, request):
     """install_no_logits: the pipeline's encoding asks for hidden states only, so the encoder computes the last
-    token's logits alone (not 152,064 per token), and the embeddings are those of the full computation."""
-    pipe = plus_pipe.pipe
+    token's logits alone (not 152,064 per token), keeps no cache and returns one hidden state, not one a layer;
+    the embeddings are those of the full computation (2.1: its own hook on the final norm included)."""
+    pipe = request.getfixturevalue("plus_pipe" if family == "plus" else "pipe21").pipe
     images = [picture(64, 48)]
     seen = []
-    probe = pipe.text_encoder.register_forward_hook(lambda m, a, kw, out: seen.append(out.logits.shape),
-                                                    with_kwargs=True)
+    probe = pipe.text_encoder.register_forward_hook(
+        lambda m, a, kw, out: seen.append((out.logits.shape[1], len(out.hidden_states), kw.get("use_cache"))),
+        with_kwargs=True)
     try:
         hooked, _ = encode(pipe, images)
         hooks = pipe.text_encoder._forward_pre_hooks
-        mine = [k for k, hook in hooks.items() if getattr(hook, "__name__", "") == "last_logits_only"]
+        mine = [k for k, hook in hooks.items() if getattr(hook, "__name__", "") == "lean"]
         assert len(mine) == 1, "the loader installs it once"
         removed = hooks.pop(mine[0])
         try:
@@ -119,5 +131,5 @@ def test_prompt_encoding_computes_one_tokens_logits_and_the_same_embeddings(plus
             hooks[mine[0]] = removed
     finally:
         probe.remove()
-    assert seen[0][1] == 1 and seen[1][1] > 10, seen  # one position's logits, then every token's
+    assert seen[0] == (1, 1, False) and seen[1][0] > 10 and seen[1][1] > 2, seen  # lean, then every token's
     assert torch.equal(hooked, full)

@@ -232,8 +232,10 @@ def test_an_out_of_memory_log_line_says_how_much_and_where():
     except torch.OutOfMemoryError as exc:
         detail = oom_detail(exc)
     assert detail == ("CUDA out of memory. Tried to allocate 7.50 GiB. GPU 0 has a total capacity of 139.8 GiB of "
-                      "which 2.1 GiB is free (in test_manager.py:"
-                      f"{allocate_the_cache.__code__.co_firstlineno + 1}, allocate_the_cache)")
+                      "which 2.1 GiB is free (in tests/test_manager.py:"
+                      f"{allocate_the_cache.__code__.co_firstlineno + 1} allocate_the_cache < "
+                      f"tests/test_manager.py:{allocate_the_cache.__code__.co_firstlineno + 5} "
+                      "test_an_out_of_memory_log_line_says_how_much_and_where)")
 
 
 def test_what_loading_left_in_reference_cycles_is_freed_before_the_first_job(plus_ckpt, tmp_path):

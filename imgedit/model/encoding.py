@@ -56,21 +56,48 @@ def install_token_type_fix(text_encoder: torch.nn.Module):
 
 
 def install_no_logits(text_encoder: torch.nn.Module):
-    """The pipelines' prompt encoding takes the encoder's last hidden states and never its logits, yet the
-    encoder computes the logits of every token (vocabulary 152,064: ~91 MB and ~0.3 TFLOP for a 300-token
-    prompt on the 7B model; on the tiny CPU checkpoint two thirds of each encoding). A pre-hook asks for the
-    last token's logits alone (`logits_to_keep=1`, as transformers' own generate() does) on calls that want
-    hidden states and did not choose; the hidden states do not depend on it. Returns the hook handle (None
-    when this transformers version does not take the argument)."""
+    """The pipelines' prompt encoding reads one hidden state, `outputs.hidden_states[-1]`, and nothing else of the
+    encoder's output, yet by default the encoder also computes the logits of every token (vocabulary 152,064:
+    ~91 MB and ~0.3 TFLOP for a 300-token prompt on the 7B model), keeps a key/value cache of every layer and
+    returns every layer's hidden states. At 2.1's ten 1024² references (~10,400 tokens) the cache is 1.5 GiB
+    and the layers' states 3.1 GiB, beside 5.3 GiB of resident weights on the 16 GB plan: the encode ran out
+    of memory there. On calls that want hidden states and chose none of these, a pre-hook asks for the last
+    token's logits alone (`logits_to_keep=1`, as transformers' generate() does), no cache (`use_cache=False`)
+    and no per-layer states; a forward hook on the base model keeps its output and the encoder's output carries
+    it as its one hidden state. transformers 5 ties `hidden_states[-1]` to that output (the base model's, after
+    its final norm, which QwenImage21Pipeline's own hook makes the identity), so the pipelines read the same
+    values (tests/test_encoding.py). Returns the pre-hook's handle (None when this transformers version does not
+    take `logits_to_keep`)."""
     if "logits_to_keep" not in inspect.signature(text_encoder.forward).parameters:
         return None
+    base = getattr(text_encoder, "model", None)
+    kept: list = []
 
-    def last_logits_only(module, args, kwargs):
+    def lean(module, args, kwargs):
         if not kwargs.get("output_hidden_states") or "logits_to_keep" in kwargs:
             return None
-        return args, {**kwargs, "logits_to_keep": 1}
+        changes = {"logits_to_keep": 1}
+        if "use_cache" not in kwargs:
+            changes["use_cache"] = False
+        if base is not None:
+            changes["output_hidden_states"] = False
+            kept[:] = [None]  # this call's slot: the base model's output goes here
+        return args, {**kwargs, **changes}
 
-    return text_encoder.register_forward_pre_hook(last_logits_only, with_kwargs=True)
+    def keep(module, args, output):
+        if kept and kept[-1] is None:
+            kept[-1] = output.last_hidden_state
+
+    def give(module, args, kwargs, output):
+        if kept and kwargs.get("output_hidden_states") is False and kept[-1] is not None:
+            output.hidden_states = (kept.pop(),)
+        return output
+
+    handle = text_encoder.register_forward_pre_hook(lean, with_kwargs=True)
+    if base is not None:
+        base.register_forward_hook(keep)
+        text_encoder.register_forward_hook(give, with_kwargs=True)
+    return handle
 
 
 def prepare_text_encoder(text_encoder: torch.nn.Module):

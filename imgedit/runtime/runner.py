@@ -302,8 +302,11 @@ def oom_detail(exc: BaseException) -> str:
     """The log's account of an out-of-memory error: torch's first sentences (what it tried to allocate, what
     the process holds) and the frame that asked, so that a run on the GPU machine says where memory ran
     out."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
-    where = f" (in {Path(frames[-1].filename).name}:{frames[-1].lineno}, {frames[-1].name})" if frames else ""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename][-5:]
+    # the innermost frames outside torch, innermost first: the library call and the module that made it
+    calls = " < ".join(f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}"
+                       for f in reversed(frames))
+    where = f" (in {calls})" if frames else ""
     return " ".join(str(exc).split(". Of the allocated")[0].split())[:400] + where
 
 
