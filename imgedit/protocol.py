@@ -78,6 +78,13 @@ class Param:
     beside: str | None = None
     unless: str | None = None
     openai: bool = False
+    # Where else it shows: `status`: in a job's status (GET /v1/jobs/<id>, by its REST name); `history`: a
+    # History entry keeps it (the store's column of that name, or of its `resolved` name).
+    status: bool = False
+    history: bool = False
+    # The name the worker side gives the value the pipeline gets (Resolved's and EditResult's attribute, read
+    # by imgedit.runtime) where it is not the parameter's own: the one place the two names meet.
+    resolved: str = ""
 
     @property
     def edit_default(self) -> object:
@@ -86,6 +93,10 @@ class Param:
     @property
     def form_name(self) -> str:
         return self.rest or self.name
+
+    @property
+    def worker_name(self) -> str:
+        return self.resolved or self.name
 
     @property
     def request_field(self) -> str | None:
@@ -155,6 +166,19 @@ def parameters(entry: str | None = None) -> tuple[Param, ...]:
     return tuple(p for p in PARAMETERS if entry is None or entry in p.takes)
 
 
+def as_declared(source, params: typing.Iterable[Param] | None = None) -> dict:
+    """{declared parameter: value} as `source` holds them (a Resolved, an EditResult, a History entry): each
+    parameter's attribute by its own name, else by the name the worker side gives it (`resolved`); one
+    `source` lacks is left out. `params`: these only (default: every declared one)."""
+    found = {}
+    for p in PARAMETERS if params is None else params:
+        for attribute in dict.fromkeys((p.name, p.worker_name)):
+            if hasattr(source, attribute):
+                found[p.name] = getattr(source, attribute)
+                break
+    return found
+
+
 def request_kwargs(values: dict) -> dict:
     """{EditRequest field or declared parameter name: value} as EditRequest's keyword arguments: a name that
     is not one of its attributes goes into `options`."""
@@ -197,46 +221,49 @@ class EditRequest:
         "(none: an image from the prompt alone)", rest="image", takes=SINGLE, required=True, openai=True)]
     prompt: Annotated[str, declared(
         "text", "what to change, in words (up to 4,000 characters and 1,024 tokens)", default="",
-        required=True, png=True, restore=True, always=True, openai=True)]
+        required=True, png=True, restore=True, always=True, openai=True, status=True, history=True)]
     negative_prompt: Annotated[str, declared(
-        "text", "what to avoid (true CFG)", png=True, restore=True, always=True)] = ""
+        "text", "what to avoid (true CFG)", png=True, restore=True, always=True, history=True)] = ""
     seed: Annotated[int | None, declared(
         "whole", "the noise the edit starts from; absent: a random one, returned with the result", png=True,
-        restore=True, api_default=0, low=0, high=2**32 - 1, always=True, unless="randomize_seed")] = None
+        restore=True, api_default=0, low=0, high=2**32 - 1, always=True, unless="randomize_seed",
+        history=True)] = None
     randomize_seed: ClassVar[Param] = Param(  # a caller's switch: the edges draw the seed where it is on
         "randomize_seed", "flag", "ignore `seed` and draw one", takes=frozenset((EDIT, BATCH)), default=False,
         field=None, api_default=True, always=True)
     num_inference_steps: Annotated[int | None, declared(
         "whole", "denoising steps; absent: the model's", png=True, restore=True, low=2, high="max_steps",
-        always=True)] = None
+        always=True, status=True, history=True, resolved="steps")] = None
     true_cfg_scale: Annotated[Number | None, declared(
         "number", "how strongly the prompt is followed (1 turns CFG off); absent: DEFAULT_TRUE_CFG "
         "(Qwen-Image-2.1: 1)", png=True, restore=True, low=1, high=20, why="1 turns CFG off",
-        always=True)] = None
+        always=True, history=True)] = None
     num_images: Annotated[int, declared(
         "whole", "images per prompt", rest="n", low=1, high="max_images_per_prompt", always=True,
-        openai=True)] = 1
+        openai=True, status=True, history=True)] = 1
     width: Annotated[int | None, declared(
         "whole", "output width; 0 or absent: from the last input's aspect, about 1 megapixel",
-        takes=frozenset((EDIT, BATCH)), png=True, restore=True, api_default=0, always=True)] = None
+        takes=frozenset((EDIT, BATCH)), png=True, restore=True, api_default=0, always=True,
+        history=True)] = None
     height: Annotated[int | None, declared(
         "whole", "output height; 0 or absent: as width", takes=frozenset((EDIT, BATCH)), png=True,
-        restore=True, api_default=0, always=True)] = None
+        restore=True, api_default=0, always=True, history=True)] = None
     size: ClassVar[Param] = Param(  # OpenAI's name for width and height: REST parses it into them
         "size", "size", "`auto` or WIDTHxHEIGHT (OpenAI's name for width and height)",
         takes=frozenset((REST, JOBS)), field=None, openai=True)
     speed: Annotated[str | None, declared(  # None = quality
         "text", "quality, fast (Lightning 8 steps) or fastest (4 steps), where offered", png=True,
-        api_default="quality")] = None
+        api_default="quality", status=True, history=True)] = None
     lora: Annotated[str | None, declared(  # None or "none" = no LoRA
-        "text", "a configured LoRA's name, or none", png=True, api_default="none")] = None
+        "text", "a configured LoRA's name, or none", png=True, api_default="none", status=True,
+        history=True)] = None
     lora_scale: Annotated[Number | None, declared(  # None = 1
         "number", "that LoRA's strength; absent: 1", png=True, api_default=1.0, low=0, high=2,
-        beside="lora")] = None
+        beside="lora", status=True, history=True)] = None
     # Masked editing (imgedit.engine.masks): "L", the first image's size, 255 = may change; None = whole image
     mask: Annotated[Image.Image | None, declared(
         "file", "where to edit: white (or OpenAI's transparent) = edit; the first image's size (one mask for "
-        "every item of a job)", takes=SINGLE, png=True, openai=True)] = None
+        "every item of a job)", takes=SINGLE, png=True, openai=True, status=True)] = None
     mask_grow: Annotated[int | None, declared(
         "whole", "pixels the mask is grown by; absent: 0", takes=SINGLE, png=True, low=0, high=256,
         unit="pixels", beside="mask")] = None
@@ -248,7 +275,8 @@ class EditRequest:
         high=1, low_open=True, why="1 = repaint the masked area from scratch", beside="mask")] = None
     # rewrite the prompt with the model's text encoder first (imgedit.runtime.enhance)
     enhance_prompt: Annotated[bool, declared(
-        "flag", "rewrite the prompt with the model's own text encoder first", takes=SINGLE)] = False
+        "flag", "rewrite the prompt with the model's own text encoder first", takes=SINGLE,
+        status=True)] = False
     cache: Annotated[str | None, declared(  # None = CACHE
         "text", "step cache for quality edits: none, first-block or taylorseer, where offered", png=True,
         restore=True)] = None

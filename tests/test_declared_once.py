@@ -130,7 +130,7 @@ def test_the_page_has_a_control_for_it_and_restores_it(server, manager):
     from imgedit.web.page.tools import PageTools
 
     assert restorable()["note"] is str
-    tools = PageTools(manager.settings, manager.family, 2)
+    tools = PageTools(manager.settings, manager.family)
     names = ("prompt", "note")
     restored = tools.restore_settings({"prompt": "p", "note": "from the PNG"}, names)
     assert restored[:2] == ("p", "from the PNG")

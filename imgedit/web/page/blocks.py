@@ -70,7 +70,7 @@ def build_blocks(settings: Settings, manager: Engine, demo: bool = False, monito
     max_inputs = family.max_images
     family_steps = default_steps(settings, manager.family)
     cache_refused = manager.cache_refusal()  # the Step cache control is hidden, and its value unused, then
-    tools = PageTools(settings, manager.family, family_steps, manager.prompt_tokens,
+    tools = PageTools(settings, manager.family, manager.prompt_tokens,
                       cache_offered=not cache_refused)
     # `/edit`'s parameters in the declaration's order: the page's edit inputs follow it
     fields = edit_fields()
