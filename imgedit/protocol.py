@@ -5,6 +5,7 @@ manager and its workers report. Below the server and the worker side alike; impo
 
 from __future__ import annotations
 
+import math
 import secrets
 import typing
 from dataclasses import MISSING, dataclass, field, fields, replace
@@ -102,6 +103,35 @@ class Param:
     def request_field(self) -> str | None:
         return self.name if self.field == "" else self.field
 
+    def parse(self, raw, name: str | None = None):
+        """A value as a caller sent it, a form's text or any JSON, as this parameter's kind: the one parser
+        every edge uses (the page, the gradio API, REST's forms and bodies). Empty (None or "") is absent: the
+        default. Anything else not of the kind is refused, named as the caller called it (`name`: REST's `n`).
+        A form's text is a number as written ("9" for a `number` is 9.0); a JSON number keeps its value, a
+        whole one as an int (gradio's Number sends 4.0 for 4). The bounds are checked when a request is
+        resolved."""
+        name = name or self.name
+        if raw is None or raw == "":
+            return self.default
+        number = isinstance(raw, (int, float)) and not isinstance(raw, bool)
+        shown = repr(raw) if number else repr(str(raw)[:40])
+        if self.kind == "text":
+            if not isinstance(raw, str):
+                raise InvalidInput(f"{name} must be text", name)
+            return raw
+        if self.kind == "flag":
+            if isinstance(raw, bool):
+                return raw
+            word = raw.strip().lower() if isinstance(raw, str) else None
+            if word in ("true", "1", "yes", "on"):
+                return True
+            if word in ("false", "0", "no", "off"):
+                return False
+            raise InvalidInput(f"{name} must be true or false, got {shown}", name)
+        if self.kind in ("whole", "number"):
+            return _parsed_number(raw, name, shown, self.kind == "whole")
+        raise TypeError(f"{self.name}: a {self.kind} is read by its edge")  # files, REST's WxH size
+
     def bounds(self, settings=None) -> tuple[float | None, float | str | None]:
         """(low, high) with a settings-named `high` read from `settings`; without settings it stays the
         variable's name (MAX_STEPS), as the docs show it."""
@@ -120,6 +150,31 @@ class Param:
         else:
             text = f"{_number(low)} to {_number(high)}"
         return f"{text} {self.unit}".rstrip()
+
+
+def _parsed_number(raw, name: str, shown: str, whole: bool) -> Number:
+    what = "a whole number" if whole else "a number"
+    if isinstance(raw, bool) or not isinstance(raw, (int, float, str)) or len(str(raw)) > 40:
+        raise InvalidInput(f"{name} must be {what}, got {shown}", name)
+    number = raw
+    if isinstance(raw, str):
+        try:
+            number = int(raw.strip())  # exact, however many digits
+            number = number if whole else float(number)
+        except ValueError:
+            try:
+                number = float(raw)
+            except ValueError:
+                raise InvalidInput(f"{name} must be {what}, got {shown}", name) from None
+    elif isinstance(raw, float) and raw.is_integer():
+        number = int(raw)
+    if isinstance(number, float) and not math.isfinite(number):  # nan, inf, 1e400: JSON cannot carry them
+        raise InvalidInput(f"{name} must be a finite number, got {shown}", name)
+    if whole and isinstance(number, float):
+        if not number.is_integer():
+            raise InvalidInput(f"{name} must be {what}, got {shown}", name)
+        number = int(number)
+    return number
 
 
 def _number(value) -> str:

@@ -22,7 +22,12 @@ from imgedit.errors import InvalidInput
 from imgedit.planning.families import FAMILIES, not_built
 from imgedit.planning.turbo import SETTING as TURBO_SETTING
 from imgedit.planning.turbo import TurboCheckpoint, open_turbo
-from imgedit.protocol import EditRequest, Resolved, as_declared, param  # noqa: F401  (Resolved: re-exported for the edges)
+from imgedit.protocol import (
+    EditRequest,
+    Resolved,  # noqa: F401  (re-exported for the edges)
+    as_declared,
+    param,
+)
 
 SIDE_MULTIPLE = 16  # the edit families' VAE downsamples 8x and latents are packed in 2x2 patches (2.1: 32)
 MIN_SIDE = 64

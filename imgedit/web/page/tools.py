@@ -65,7 +65,8 @@ def _index(value) -> int:
 
 
 class PageTools:
-    def __init__(self, settings: Settings, family: str, tokens: PromptTokens | None = None, cache_offered: bool = True):
+    def __init__(self, settings: Settings, family: str, tokens: PromptTokens | None = None,
+                 cache_offered: bool = True):
         self.settings = settings
         self.cache_offered = cache_offered  # the workers can run a step cache (else the control is hidden)
         self.family = family
