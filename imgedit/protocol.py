@@ -83,6 +83,13 @@ class Param:
     # History entry keeps it (the store's column of that name, or of its `resolved` name).
     status: bool = False
     history: bool = False
+    # The page's control under Advanced (imgedit.web.page.controls): `label` (`{low}` and `{high}` filled from
+    # the bounds), a slider moving by `slider` (else a number box or the kind's own), `same_row`: beside the
+    # parameter before it. A parameter without a label laid out nowhere else gets a control named by its name
+    # and explained by its help.
+    label: str = ""
+    slider: float | None = None
+    same_row: bool = False
     # The name the worker side gives the value the pipeline gets (Resolved's and EditResult's attribute, read
     # by imgedit.runtime) where it is not the parameter's own: the one place the two names meet.
     resolved: str = ""
@@ -145,6 +152,8 @@ class Param:
         low, high = self.bounds(settings)
         if low is None and high is None:
             return ""
+        if high is None:
+            return f"at least {_number(low)} {self.unit}".rstrip()
         if self.low_open:
             text = f"above {_number(low)}, at most {_number(high)}"
         else:
@@ -278,31 +287,33 @@ class EditRequest:
         "text", "what to change, in words (up to 4,000 characters and 1,024 tokens)", default="",
         required=True, png=True, restore=True, always=True, openai=True, status=True, history=True)]
     negative_prompt: Annotated[str, declared(
-        "text", "what to avoid (true CFG)", png=True, restore=True, always=True, history=True)] = ""
+        "text", "what to avoid (true CFG)", png=True, restore=True, always=True, history=True,
+        label="Negative prompt")] = ""
     seed: Annotated[int | None, declared(
         "whole", "the noise the edit starts from; absent: a random one, returned with the result", png=True,
         restore=True, api_default=0, low=0, high=2**32 - 1, always=True, unless="randomize_seed",
-        history=True)] = None
+        history=True, label="Seed")] = None
     randomize_seed: ClassVar[Param] = Param(  # a caller's switch: the edges draw the seed where it is on
         "randomize_seed", "flag", "ignore `seed` and draw one", takes=frozenset((EDIT, BATCH)), default=False,
-        field=None, api_default=True, always=True)
+        field=None, api_default=True, always=True, label="Randomize seed", same_row=True)
     num_inference_steps: Annotated[int | None, declared(
         "whole", "denoising steps; absent: the model's", png=True, restore=True, low=2, high="max_steps",
-        always=True, status=True, history=True, resolved="steps")] = None
+        always=True, status=True, history=True, resolved="steps", label="Steps ({low}-{high})")] = None
     true_cfg_scale: Annotated[Number | None, declared(
         "number", "how strongly the prompt is followed (1 turns CFG off); absent: DEFAULT_TRUE_CFG "
         "(Qwen-Image-2.1: 1)", png=True, restore=True, low=1, high=20, why="1 turns CFG off",
-        always=True, history=True)] = None
+        always=True, history=True, label="True CFG scale", slider=0.5)] = None
     num_images: Annotated[int, declared(
         "whole", "images per prompt", rest="n", low=1, high="max_images_per_prompt", always=True,
-        openai=True, status=True, history=True)] = 1
+        openai=True, status=True, history=True, label="Images per prompt", slider=1)] = 1
     width: Annotated[int | None, declared(
         "whole", "output width; 0 or absent: from the last input's aspect, about 1 megapixel",
-        takes=frozenset((EDIT, BATCH)), png=True, restore=True, api_default=0, always=True,
-        history=True)] = None
+        takes=frozenset((EDIT, BATCH)), png=True, restore=True, api_default=0, always=True, low=0,
+        history=True, label="Width (0 = auto)")] = None
     height: Annotated[int | None, declared(
         "whole", "output height; 0 or absent: as width", takes=frozenset((EDIT, BATCH)), png=True,
-        restore=True, api_default=0, always=True, history=True)] = None
+        restore=True, api_default=0, always=True, low=0, history=True, label="Height (0 = auto)",
+        same_row=True)] = None
     size: ClassVar[Param] = Param(  # OpenAI's name for width and height: REST parses it into them
         "size", "size", "`auto` or WIDTHxHEIGHT (OpenAI's name for width and height)",
         takes=frozenset((REST, JOBS)), field=None, openai=True)

@@ -74,9 +74,10 @@ HISTORY_CSS = """<style>
 
 def build_history_tab(settings: Settings, history: HistoryStore, controls: dict, edit_outputs: list, edit,
                       gpu_group: str, cache_offered: bool = True, family: str = "plus"):
-    """Inside a `gr.Tabs`: the History tab. `controls` ({declared parameter: the page's control}, in `/edit`'s
-    order), `edit_outputs` and `edit` are the Edit tab's button's, so a re-run is an ordinary edit (same line,
-    same checks and messages, stored again); the mask's settings (not stored) stay as the form has them.
+    """Inside a `gr.Tabs`: the History tab. `controls` ({declared parameter: the page's control}, in
+    `/edit`'s order; `edit` takes them by name), `edit_outputs` and `edit` are the Edit tab's button's, so a
+    re-run is an ordinary edit (same line, same checks and messages, stored again); the mask's settings (not
+    stored) stay as the form has them.
     The step cache an entry was made with comes from its first result's PNG (the store keeps no column for
     it); `cache_offered`: the workers can run one.
     Returns the `/history` API function, to be registered outside the tabs."""
@@ -226,8 +227,8 @@ def build_history_tab(settings: Settings, history: HistoryStore, controls: dict,
     reopen.click(fill, chosen, edit_inputs, api_visibility="private")
     # A re-run is an ordinary edit of the editor's; its progress and its result show here too.
     rerun.click(fill_for_rerun, chosen, edit_inputs, queue=False, api_visibility="private").success(
-        edit, edit_inputs, edit_outputs, concurrency_id=gpu_group, concurrency_limit=None, preprocess=False,
-        show_progress_on=[edit_outputs[0], outputs], api_visibility="private"
+        edit, None, edit_outputs, inputs_kwargs=controls, concurrency_id=gpu_group, concurrency_limit=None,
+        preprocess=False, show_progress_on=[edit_outputs[0], outputs], api_visibility="private"
     ).success(rerun_done, None, entry_view, queue=False, api_visibility="private").then(
         relist, None, [listing, ids], queue=False, api_visibility="private")
     rerun.click(rerun_notice, chosen, details, queue=False, api_visibility="private")

@@ -24,38 +24,6 @@ def edit_fields() -> tuple[str, ...]:
     return tuple(p.name for p in parameters(EDIT))
 
 
-def api_component(param):
-    """The hidden input of `/edit` for one declared parameter: no ranges, so that every value reaches our
-    checks (and our messages), and the declared default for gradio_client."""
-    if param.kind == "file":
-        return gr.File(file_count="multiple" if param.name == "images" else "single")
-    if param.required:  # no value: gradio_client then asks for it
-        return gr.Textbox() if param.kind == "text" else gr.Number()
-    if param.kind == "flag":
-        return gr.Checkbox(param.edit_default)
-    if param.kind in ("whole", "number"):
-        return gr.Number(param.edit_default)
-    return gr.Textbox(param.edit_default)
-
-
-def page_control(param, settings: Settings):
-    """The page's control for a declared parameter it does not lay out itself (in Advanced): named and
-    explained by the declaration."""
-    label, info = param.name.replace("_", " ").capitalize(), param.help
-    if param.kind == "flag":
-        return gr.Checkbox(param.default or False, label=label, info=info, elem_id=f"param-{param.name}")
-    if param.kind in ("whole", "number"):
-        low, high = param.bounds(settings)
-        if range_text := param.range_text(settings):
-            info = f"{info} ({range_text})"
-        precision = 0 if param.kind == "whole" else None
-        return gr.Number(param.default, label=label, info=info, precision=precision,
-                         minimum=low, maximum=high, elem_id=f"param-{param.name}")
-    if param.kind == "file":
-        return gr.File(label=label, elem_id=f"param-{param.name}")
-    return gr.Textbox(param.default or "", label=label, info=info, elem_id=f"param-{param.name}")
-
-
 def event_fields(raw: dict) -> dict:
     """A form's raw values ({`/edit` parameter: value}, any JSON) as EditRequest fields: each declared
     parameter named in `raw` but the files, parsed by its kind, then what the form's controls mean: a
@@ -109,7 +77,9 @@ def build_request(settings: Settings, family: str, *values, source: str,
 
 def _signed(params: list[inspect.Parameter], progress: bool):
     """A decorator giving a function `params`, then gr.Request (and gr.Progress): Gradio reads an event's
-    parameters from the signature and passes those two where it finds them (after the inputs)."""
+    parameters from the signature and passes those two where it finds them (after the inputs). Only a gradio
+    API's handler is signed so (its parameters, names and defaults are the declaration's, which a written
+    signature would list again); the page's handlers take the form by name (`inputs_kwargs`)."""
     positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
     params = [*params, inspect.Parameter("request", positional, default=None, annotation=gr.Request)]
     if progress:
@@ -121,12 +91,6 @@ def _signed(params: list[inspect.Parameter], progress: bool):
         return function
 
     return signed
-
-
-def form_signature(names, *, progress: bool = False):
-    """A decorator: `function(*values, request[, progress])` for a page event's inputs, one per name."""
-    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    return _signed([inspect.Parameter(name, positional, default=None) for name in names], progress)
 
 
 def api_signature(entry: str = EDIT, leading: tuple[str, ...] = (), progress: bool = True):
