@@ -207,7 +207,8 @@ def settings_text(req, params, model: str, size: tuple[int, int], rewritten: str
     if getattr(req, "mask", None) is not None:  # which mask (its hash), and how it was applied
         text["mask"] = f"sha256:{mask_digest(req.mask)}"
     for name, value in getattr(req, "options", {}).items():  # declared parameters of their own (protocol)
-        if value is not None and any(p.name == name and p.png for p in parameters()):
+        # the value the pipeline got (above) is the one that made the image
+        if value is not None and name not in ran and any(p.name == name and p.png for p in parameters()):
             text[name] = _as_text(value)
     return text
 
