@@ -47,7 +47,7 @@ NOTE = Param("note", "text", "a test-only note, kept with the result", takes=EVE
 @pytest.fixture(scope="module")
 def declared():
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(protocol, "PARAMETERS", (*protocol.PARAMETERS, NOTE))
+        patch.setattr(protocol.request, "PARAMETERS", (*protocol.PARAMETERS, NOTE))  # where it is read
         yield
 
 
@@ -215,7 +215,7 @@ def test_a_name_the_worker_side_gives_otherwise_is_mapped_by_the_declaration_alo
 
     threshold = Param("threshold", "number", "a test-only threshold", png=True, status=True,
                       resolved="cache_threshold")
-    monkeypatch.setattr(protocol, "PARAMETERS", (*protocol.PARAMETERS, threshold))
+    monkeypatch.setattr(protocol.request, "PARAMETERS", (*protocol.PARAMETERS, threshold))
     ran = Resolved(steps=7, true_cfg_scale=2.5, negative_prompt=" ", seed=3, num_images=1, width=64, height=64,
                    cache_threshold=0.25)
     req = EditRequest(images=(), **protocol.request_kwargs({"prompt": "p", "num_inference_steps": 9, "threshold": 1}))
