@@ -8,6 +8,7 @@ declared for this module's server only; then:
 - the result PNGs record it (the request carried it through the line and the worker), and the page's
   "Restore the settings saved in this PNG" gives it back;
 - the page's "Copy as API call" snippets send it (gradio_client, curl, OpenAI SDK);
+- a job's status (GET /v1/jobs/<id>) shows it (declared `status`);
 - the History store keeps it: `/history` lists it and the History tab's Re-run puts it back into the form;
 - docs/PARAMETERS.md's generator lists it.
 
@@ -18,6 +19,7 @@ And the declaration is the request type (imgedit.protocol.EditRequest): a field 
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import pickle
 import time
@@ -39,13 +41,13 @@ from imgedit.web.identity import COOKIE
 from imgedit.web.page.requests import edit_fields
 
 NOTE = Param("note", "text", "a test-only note, kept with the result", takes=EVERYWHERE, default="", png=True,
-             restore=True)
+             restore=True, status=True)
 
 
 @pytest.fixture(scope="module")
 def declared():
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(protocol, "PARAMETERS", (*protocol.PARAMETERS, NOTE))
+        patch.setattr(protocol.request, "PARAMETERS", (*protocol.PARAMETERS, NOTE))  # where it is read
         yield
 
 
@@ -115,7 +117,7 @@ def test_rest_and_jobs_take_the_declared_field(server):
     while (view := httpx.get(f"{server.url}/v1/jobs/{job.json()['id']}", timeout=30).json())["state"] not in (
             "succeeded", "failed", "cancelled") and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert view["state"] == "succeeded", view
+    assert view["state"] == "succeeded" and view["note"] == "kept by a job", view  # declared `status`
     stored = httpx.get(f"{server.url}/v1/jobs/{job.json()['id']}/result", timeout=30)
     assert stored.status_code == 200 and note_of(stored.content) == "kept by a job"
 
@@ -130,7 +132,7 @@ def test_the_page_has_a_control_for_it_and_restores_it(server, manager):
     from imgedit.web.page.tools import PageTools
 
     assert restorable()["note"] is str
-    tools = PageTools(manager.settings, manager.family, 2)
+    tools = PageTools(manager.settings, manager.family)
     names = ("prompt", "note")
     restored = tools.restore_settings({"prompt": "p", "note": "from the PNG"}, names)
     assert restored[:2] == ("p", "from the PNG")
@@ -175,3 +177,51 @@ def test_a_field_added_to_the_request_type_is_a_declared_parameter_and_nothing_e
     with pytest.raises(InvalidInput, match="count must be a whole number, got 'many'") as refused:
         WithCount(images=(), prompt="x", count="many")
     assert refused.value.field == "count"
+
+
+def test_one_parser_reads_every_edge_alike():
+    """#61: values are parsed once, by kind (protocol.Param.parse): the page's events (any JSON) and REST's forms
+    (text) give the same request fields, and refuse the same junk with the same words, naming the parameter."""
+    from imgedit.web.api.rest_requests import form_fields
+    from imgedit.web.page.requests import event_fields
+
+    page = event_fields({"prompt": "p", "num_inference_steps": 4.0, "true_cfg_scale": 2.5, "num_images": "2",
+                         "enhance_prompt": True, "randomize_seed": False, "seed": 7})
+    rest = form_fields({"prompt": "p", "num_inference_steps": "4", "true_cfg_scale": "2.5", "n": "2",
+                        "enhance_prompt": "true", "seed": "7"}, protocol.REST)
+    for name in ("prompt", "num_inference_steps", "true_cfg_scale", "num_images", "enhance_prompt", "seed"):
+        assert page[name] == rest[name] and type(page[name]) is type(rest[name]), (name, page[name], rest[name])
+    for name, junk, words in (("num_inference_steps", "2.5", "must be a whole number, got '2.5'"),
+                              ("true_cfg_scale", "nan", "must be a finite number"),
+                              ("enhance_prompt", "perhaps", "must be true or false")):
+        rest_form = functools.partial(form_fields, entry=protocol.REST)
+        for parse, raw in ((event_fields, {name: junk}), (rest_form, {"prompt": "p", name: junk})):
+            with pytest.raises(InvalidInput, match=f"{name} {words}") as refused:
+                parse(raw)
+            assert refused.value.field == name
+
+
+def test_a_name_the_worker_side_gives_otherwise_is_mapped_by_the_declaration_alone(monkeypatch):
+    """One field, one name: where the pipeline's value has a name of its own (Resolved.steps is
+    num_inference_steps), the declaration's `resolved` maps it, and every view (the PNG's settings, /health's
+    model defaults, History, a job's status) reads it under the declared name. A parameter declared with a worker
+    name, here a test-only `threshold` for Resolved.cache_threshold, is written into each PNG with nothing else
+    written."""
+    from types import SimpleNamespace
+
+    from imgedit.engine.images import settings_text
+    from imgedit.engine.jobs.batch import job_settings
+    from imgedit.protocol import Resolved
+
+    threshold = Param("threshold", "number", "a test-only threshold", png=True, status=True,
+                      resolved="cache_threshold")
+    monkeypatch.setattr(protocol.request, "PARAMETERS", (*protocol.PARAMETERS, threshold))
+    ran = Resolved(steps=7, true_cfg_scale=2.5, negative_prompt=" ", seed=3, num_images=1, width=64, height=64,
+                   cache_threshold=0.25)
+    req = EditRequest(images=(), **protocol.request_kwargs({"prompt": "p", "num_inference_steps": 9, "threshold": 1}))
+    written = settings_text(req, ran, "model", (64, 64))
+    assert (written["num_inference_steps"], written["threshold"], written["true_cfg_scale"]) == ("7", "0.25", "2.5")
+    assert protocol.as_declared(ran)["num_inference_steps"] == 7 and "steps" not in protocol.as_declared(ran)
+    assert protocol.as_declared(SimpleNamespace(steps=5, prompt="x")) == {"prompt": "x", "num_inference_steps": 5}
+    shown = job_settings(req)  # as asked for, by the REST names
+    assert (shown["num_inference_steps"], shown["n"], shown["threshold"]) == (9, 1, 1)

@@ -171,7 +171,7 @@ def test_restore_offers_only_what_a_request_could_carry_and_skips_bulky_chunks(t
     save_png(image, tmp_path / "odd.png")
     stored = read_settings(tmp_path / "odd.png")
     assert stored["seed"] == 2**64 + 5 and math.isnan(stored["true_cfg_scale"])  # parsed, not yet trusted
-    tools = PageTools(load_settings({}), "plus", 40)
+    tools = PageTools(load_settings({}), "plus")
     assert tools.restorable(stored) == {"prompt": "<b>make it red</b>", "num_inference_steps": 8, "height": 512}
 
     def png_with(add) -> Path:

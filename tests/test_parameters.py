@@ -36,7 +36,7 @@ INVALID = {"whole": "1.5x", "number": "nan", "flag": "perhaps", "size": "big", "
 
 def render() -> str:
     lines = ["# An edit's parameters", "",
-             "Generated from `imgedit/protocol.py` (`EditRequest`'s fields, read as `PARAMETERS`) by",
+             "Generated from `imgedit/protocol/request.py` (`EditRequest`'s fields, read as `PARAMETERS`) by",
              "`python tests/test_parameters.py`; a test fails when this file and the declaration differ. Names are",
              "the gradio `/edit` API's; REST and `/v1/jobs` take",
              "the form field named in the second column. PNG: recorded in each result PNG's settings; restored:",
@@ -174,11 +174,11 @@ def test_each_bound_is_inclusive_and_a_bound_changed_in_the_declaration_is_the_o
         if not p.low_open:
             resolved(p.name, low)
         resolved(p.name, high)
-    declared = protocol.PARAMETERS
+    declared = protocol.request.PARAMETERS
     for p in bounded:  # one parameter's bounds narrowed at a time: the others keep their defaults valid
         low, high = p.bounds(settings)
         narrowed = dataclasses.replace(p, low=low + 1, high=high - 1, low_open=False)
-        monkeypatch.setattr(protocol, "PARAMETERS", tuple(narrowed if q is p else q for q in declared))
+        monkeypatch.setattr(protocol.request, "PARAMETERS", tuple(narrowed if q is p else q for q in declared))
         for value in ((high,) if p.low_open else (low, high)):
             with pytest.raises(InvalidInput, match=f"{p.name} {value} is out of range"):
                 resolved(p.name, value)

@@ -236,7 +236,7 @@ def test_copy_as_api_for_a_text_to_image_runs_as_copied(server21, manager21, tmp
 
     from imgedit.web.page.tools import PageTools
 
-    tools = PageTools(manager21.settings, "21", 40, manager21.prompt_tokens)
+    tools = PageTools(manager21.settings, "21", manager21.prompt_tokens)
     form = {"images": None, "prompt": "a small boat", "negative_prompt": "", "seed": 6, "randomize_seed": False,
             "num_inference_steps": 2, "true_cfg_scale": 1.0, "num_images": 1, "width": 64, "height": 96}
     shown = tools.api_call(form, None, request=SimpleNamespace(headers={"host": f"127.0.0.1:{server21.port}"}))
@@ -351,7 +351,7 @@ def test_review_findings_one_side_history_cfg_snippet_size_cache_control_and_a_l
     check_params(EditRequest(images=(), prompt="x", width=3072), manager21.settings, "21")  # no error
     assert manager21.resolve(EditRequest(images=(), prompt="x", width=256)).height == 256  # text to image: square
     assert "caches the text and condition keys" in manager21.cache_refusal()
-    tools = PageTools(manager21.settings, "21", 40, manager21.prompt_tokens)
+    tools = PageTools(manager21.settings, "21", manager21.prompt_tokens)
     form = {"images": None, "prompt": "a boat", "negative_prompt": "", "seed": 1, "randomize_seed": False,
             "num_inference_steps": 2, "true_cfg_scale": 1.0, "num_images": 1, "width": 256, "height": 0}
     _, _, curl, openai, _ = tools.api_call(form, None, request=SimpleNamespace(headers={"host": "h:1"}))

@@ -375,7 +375,7 @@ def test_the_api_snippets_run_as_copied_with_a_login_and_a_key(server_manager, i
     shutil.copyfile(image_file, upload)
     port = free_port()
     with LiveServer(build_app(settings, server_manager), port):
-        tools = PageTools(settings, server_manager.family, 4, server_manager.prompt_tokens)
+        tools = PageTools(settings, server_manager.family, server_manager.prompt_tokens)
         # #46 items 2 and 3: one side given (128, height 0: the server makes 128x96 of the 80x60 input) and a
         # painted mask (its left half): every snippet repeats exactly that edit
         layer = upload.parent / "strokes.png"
@@ -449,14 +449,13 @@ def test_a_pngs_step_cache_is_restored_only_where_the_workers_can_run_one(plus_c
     """Restore and History's Open/Re-run set the Step cache from a PNG's `cache` ("first-block:0.08" -> first-block;
     none when the PNG has our settings but no cache). Where the control is hidden (a server refusing caches) it
     stays at the server's default: a restored taylorseer there would have every later edit refused."""
-    from imgedit.engine.validation import default_steps
     from imgedit.web.page.speed import SERVER_CACHE, stored_cache_choice
     from imgedit.web.page.tools import PageTools
 
     settings = make_manager(plus_ckpt, load=False).prepare().settings
     stored = {"prompt": "make it red", "seed": 3, "cache": "first-block:0.08"}
     for offered, expected in ((True, "first-block"), (False, SERVER_CACHE)):
-        tools = PageTools(settings, "plus", default_steps(settings, "plus"), cache_offered=offered)
+        tools = PageTools(settings, "plus", cache_offered=offered)
         kept = tools.restorable(stored)
         assert kept.get("cache") == (expected if offered else None) and kept["seed"] == 3
         names = ("prompt", "seed", "cache")

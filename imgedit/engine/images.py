@@ -19,7 +19,7 @@ from PIL import ExifTags, Image, ImageOps, PngImagePlugin
 
 from imgedit import __version__
 from imgedit.errors import InputTooLarge, InvalidInput
-from imgedit.protocol import parameters
+from imgedit.protocol import as_declared, parameters
 
 FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
 
@@ -185,8 +185,11 @@ def settings_text(req, params, model: str, size: tuple[int, int], rewritten: str
     # size to ask for again (restored into the form, it repeats the edit)
     masked = getattr(req, "mask", None) is not None and getattr(params, "width", None)
     run = (params.width, params.height) if masked else size
-    text = {"prompt": req.prompt, "negative_prompt": req.negative_prompt or "", "seed": str(params.seed),
-            "num_inference_steps": str(params.steps), "true_cfg_scale": f"{params.true_cfg_scale:g}",
+    # the numbers the pipeline really got, under their declared names (a mask's settings beside a mask only)
+    numbers = [p for p in parameters() if p.png and p.kind in ("whole", "number")
+               and (p.beside is None or getattr(req, p.beside, None) is not None)]
+    ran = {name: _as_text(value) for name, value in as_declared(params, numbers).items() if value is not None}
+    text = {"prompt": req.prompt, "negative_prompt": req.negative_prompt or "", **ran,
             "width": str(run[0]), "height": str(run[1]), "model": model,
             "lora": ",".join(name for name, _ in adapters) or "none", "software": f"imgedit {__version__}"}
     if adapters:
@@ -202,12 +205,17 @@ def settings_text(req, params, model: str, size: tuple[int, int], rewritten: str
     if weights:  # lossy: a server without FAST_QUANTIZE makes a slightly different image from these settings
         text["weights"] = weights
     if getattr(req, "mask", None) is not None:  # which mask (its hash), and how it was applied
-        text.update(mask=f"sha256:{mask_digest(req.mask)}", mask_grow=str(params.mask_grow),
-                    mask_feather=str(params.mask_feather), strength=f"{params.strength:g}")
+        text["mask"] = f"sha256:{mask_digest(req.mask)}"
     for name, value in getattr(req, "options", {}).items():  # declared parameters of their own (protocol)
-        if value is not None and any(p.name == name and p.png for p in parameters()):
-            text[name] = f"{value:g}" if isinstance(value, float) else str(value)
+        # the value the pipeline got (above) is the one that made the image
+        if value is not None and name not in ran and any(p.name == name and p.png for p in parameters()):
+            text[name] = _as_text(value)
     return text
+
+
+def _as_text(value) -> str:
+    """A setting as its PNG text: 4 not 4.0, 2.5 as it is."""
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def mask_digest(mask: Image.Image) -> str:

@@ -24,7 +24,7 @@ from imgedit.engine.interface import Engine, StepCallback, WaitCallback
 from imgedit.engine.line import Line
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.engine.shutdown import NOT_STARTED, STOPPED
-from imgedit.engine.validation import check_params, default_steps, resolve, resolve_enhance
+from imgedit.engine.validation import check_params, model_defaults, resolve, resolve_enhance
 from imgedit.engine.workers import startup
 from imgedit.engine.workers.pool import WorkerHandle, wait_result
 from imgedit.errors import (
@@ -340,8 +340,7 @@ class PipelineManager(Engine):
     def defaults(self) -> dict:
         """What a request gets when it leaves a value out, and what the model takes (planning.families)."""
         family = FAMILIES[self.family]
-        return {"num_inference_steps": default_steps(self.settings, self.family),
-                "true_cfg_scale": family.cfg(self.settings.default_true_cfg), "max_images": family.max_images,
+        return {**model_defaults(self.settings, self.family), "max_images": family.max_images,
                 "text_to_image": family.generates, "output_resolution": family.output_resolution,
                 "transparency": family.rgba}
 

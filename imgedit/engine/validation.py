@@ -12,6 +12,7 @@ import math
 import numbers
 import random
 import re
+from types import SimpleNamespace
 
 from imgedit.config.loras import SPEEDS, lightning_for
 from imgedit.config.settings import Settings
@@ -21,7 +22,12 @@ from imgedit.errors import InvalidInput
 from imgedit.planning.families import FAMILIES, not_built
 from imgedit.planning.turbo import SETTING as TURBO_SETTING
 from imgedit.planning.turbo import TurboCheckpoint, open_turbo
-from imgedit.protocol import EditRequest, Resolved, param  # noqa: F401  (Resolved: re-exported for the edges)
+from imgedit.protocol import (
+    EditRequest,
+    Resolved,  # noqa: F401  (re-exported for the edges)
+    as_declared,
+    param,
+)
 
 SIDE_MULTIPLE = 16  # the edit families' VAE downsamples 8x and latents are packed in 2x2 patches (2.1: 32)
 MIN_SIDE = 64
@@ -242,6 +248,15 @@ def _masked_size(first: tuple[int, int], settings: Settings,
 
 def default_steps(settings: Settings, family: str) -> int:
     return min(settings.default_steps or FAMILIES[family].default_steps, settings.max_steps)
+
+
+def model_defaults(settings: Settings, family: str) -> dict:
+    """What the model gives the parameters a request leaves to it ("absent: the model's"), by their declared
+    names (the page's snippets, /health's defaults): named as the pipeline gets them, mapped by the
+    declaration."""
+    model = SimpleNamespace(steps=default_steps(settings, family),
+                            true_cfg_scale=FAMILIES[family].cfg(settings.default_true_cfg))
+    return as_declared(model)
 
 
 def mask_fields(req: EditRequest) -> tuple[int, int, float]:

@@ -28,7 +28,7 @@ from imgedit.engine.jobs.history import HistoryEntry, HistoryStore
 from imgedit.engine.jobs.records import JobRecords, job_state
 from imgedit.errors import Cancelled, ImgEditError, InputTooLarge, InvalidInput, QueueFull
 from imgedit.planning.families import FAMILIES
-from imgedit.protocol import EditRequest, ItemState, JobState, WorkerState, new_request_id
+from imgedit.protocol import JOBS, EditRequest, ItemState, JobState, WorkerState, new_request_id, parameters
 
 log = logging.getLogger(__name__)
 
@@ -110,10 +110,14 @@ class Job:
 def job_settings(template: EditRequest) -> dict:
     """The settings a job's status shows (every item runs with them), by their REST names: for a job in memory
     and for one read back from the history alike."""
-    t = template
-    return {"prompt": t.prompt, "num_inference_steps": t.num_inference_steps, "n": t.num_images,
-            "speed": t.speed, "lora": t.lora, "lora_scale": t.lora_scale, "enhance_prompt": t.enhance_prompt,
-            "mask": None if t.mask is None else f"sha256:{mask_digest(t.mask)}"}
+    shown = {}
+    for p in parameters(JOBS):
+        if p.status:  # declared as shown in a job's status; a file (the mask) by its hash
+            value = template.value(p.name)
+            if p.kind == "file" and value is not None:
+                value = f"sha256:{mask_digest(value)}"
+            shown[p.form_name] = value
+    return shown
 
 
 def job_view(job_id: str, state: JobState, created: float, position: int | None, settings: dict,

@@ -17,7 +17,7 @@ import shutil
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from imgedit.config.settings import Settings
@@ -62,9 +62,6 @@ CREATE INDEX IF NOT EXISTS results_owner ON results (owner, created);
 CREATE INDEX IF NOT EXISTS results_job ON results (job_id, item);
 CREATE INDEX IF NOT EXISTS results_created ON results (created);
 """
-_COLUMNS = ("id, job_id, item, owner, created, source, name, prompt, negative_prompt, seed, steps, "
-            "true_cfg_scale, num_images, width, height, out_width, out_height, outputs, inputs, folder, "
-            "bytes, speed, lora, lora_scale, original_prompt, weights, options")
 # Columns added after the first release, with their types: a database written by an older version gets
 # them at start-up (its rows read back as None: quality, no LoRA, which is what made them).
 _ADDED_COLUMNS = {"speed": "TEXT", "lora": "TEXT", "lora_scale": "REAL", "original_prompt": "TEXT",
@@ -118,6 +115,11 @@ class HistoryEntry:
     @property
     def thumb_path(self) -> Path:
         return self.folder / "thumb.png"
+
+
+# The table's columns: HistoryEntry's fields, by name (folder: relative to the store; options: JSON)
+COLUMNS = tuple(f.name for f in fields(HistoryEntry))
+_COLUMNS = ", ".join(COLUMNS)
 
 
 class HistoryStore:
@@ -188,18 +190,19 @@ class HistoryStore:
             shutil.rmtree(partial, ignore_errors=True)
             raise
         entry = HistoryEntry(
-            entry_id, job_id, item, owner, created, req.source, name or f"item {item + 1}",
-            result.prompt or req.prompt, req.negative_prompt or "", result.seed, result.steps,
-            req.true_cfg_scale, len(result.images), req.width, req.height, result.width, result.height,
-            len(result.images), len(req.images), folder, size,
-            req.speed or None, None if req.lora in (None, "", "none") else req.lora, req.lora_scale,
-            req.prompt if result.prompt else None, result.weights, dict(req.options))
-        row = (entry.id, entry.job_id, entry.item, entry.owner, entry.created, entry.source, entry.name,
-               entry.prompt, entry.negative_prompt, entry.seed, entry.steps, entry.true_cfg_scale,
-               entry.num_images, entry.width, entry.height, entry.out_width, entry.out_height, entry.outputs,
-               entry.inputs, str(folder.relative_to(self.root)), entry.bytes, entry.speed, entry.lora,
-               entry.lora_scale, entry.original_prompt, entry.weights,
-               json.dumps(entry.options) if entry.options else None)
+            id=entry_id, job_id=job_id, item=item, owner=owner, created=created, source=req.source,
+            name=name or f"item {item + 1}", prompt=result.prompt or req.prompt,
+            negative_prompt=req.negative_prompt or "", seed=result.seed, steps=result.steps,
+            true_cfg_scale=req.true_cfg_scale, num_images=len(result.images), width=req.width,
+            height=req.height, out_width=result.width, out_height=result.height, outputs=len(result.images),
+            inputs=len(req.images),
+            folder=folder, bytes=size, speed=req.speed or None,
+            lora=None if req.lora in (None, "", "none") else req.lora, lora_scale=req.lora_scale,
+            original_prompt=req.prompt if result.prompt else None, weights=result.weights,
+            options=dict(req.options))
+        stored = {**vars(entry), "folder": str(folder.relative_to(self.root)),
+                  "options": json.dumps(entry.options) if entry.options else None}
+        row = tuple(stored[column] for column in COLUMNS)
         places = ", ".join("?" * len(row))
         with self._lock:
             self._db.execute(f"INSERT OR REPLACE INTO results ({_COLUMNS}) VALUES ({places})", row)
@@ -235,7 +238,12 @@ class HistoryStore:
     def _select(self, where: str, args: tuple) -> list[HistoryEntry]:
         with self._lock:
             rows = self._db.execute(f"SELECT {_COLUMNS} FROM results {where}", args).fetchall()
-        return [HistoryEntry(*row[:19], self.root / row[19], *row[20:-1], _options(row[-1])) for row in rows]
+        entries = []
+        for row in rows:
+            stored = dict(zip(COLUMNS, row, strict=True))
+            stored.update(folder=self.root / stored["folder"], options=_options(stored["options"]))
+            entries.append(HistoryEntry(**stored))
+        return entries
 
     # ---- pruning ----
     def total_bytes(self) -> int:

@@ -1,10 +1,10 @@
 """REST for operators and OpenAI clients: /health, /metrics, /v1/images/edits and /v1/images/generations.
 
 `/v1/images/edits` speaks OpenAI's Images API (multipart; `image` or `image[]`, `prompt`, `n`, `size`,
-`response_format=b64_json`) plus the extensions `negative_prompt`, `seed`, `num_inference_steps`,
-`true_cfg_scale`, `speed` (quality | fast | fastest), `lora` and `lora_scale` (the openai SDK sends
-extensions through `extra_body`). OpenAI's `output_format` (png | jpeg | webp) and `output_compression`
-(0-100, the JPEG/WebP quality) pick the reply's encoding: PNG by default (lossless), JPEG the fastest.
+`response_format=b64_json`) plus our declared extensions, each by its REST name (imgedit.protocol's
+declaration, listed in docs/PARAMETERS.md; the openai SDK sends extensions through `extra_body`).
+OpenAI's `output_format` (png | jpeg | webp) and `output_compression` (0-100, the JPEG/WebP quality) pick
+the reply's encoding: PNG by default (lossless), JPEG the fastest.
 OpenAI's `mask` is taken (imgedit.engine.masks), with `mask_grow`, `mask_feather` and `strength`. Jobs go
 to the same manager line and workers as the UI. Errors come back in OpenAI's shape:
 {"error": {"message", "type", "param", "code"}}.

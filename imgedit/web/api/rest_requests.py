@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 
 from fastapi import Request
 from starlette.datastructures import UploadFile
@@ -40,36 +39,10 @@ def _int(form, name: str, default: int | None) -> int | None:
         raise InvalidInput(f"{name} must be a whole number, got {str(raw)[:40]!r}", name) from None
 
 
-def _float(form, name: str) -> float | None:
-    raw = form.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        value = float(str(raw))
-    except ValueError:
-        raise InvalidInput(f"{name} must be a number, got {str(raw)[:40]!r}", name) from None
-    if not math.isfinite(value):  # nan, inf, 1e400: no setting takes them, and JSON cannot carry them
-        raise InvalidInput(f"{name} must be a finite number, got {str(raw)[:40]!r}", name)
-    return value
-
-
-def _bool(form, name: str) -> bool:
-    raw = form.get(name)
-    if raw is None or raw == "":
-        return False
-    if isinstance(raw, bool):  # a JSON body's true / false
-        return raw
-    text = str(raw).strip().lower() if isinstance(raw, str) else None
-    if text in ("true", "1", "yes", "on"):
-        return True
-    if text in ("false", "0", "no", "off"):
-        return False
-    raise InvalidInput(f"{name} must be true or false, got {str(raw)[:40]!r}", name)
-
-
 def form_fields(form, entry: str) -> dict:
-    """Every declared parameter `entry` (REST or JOBS) takes as a plain form field, parsed by its kind, as
-    EditRequest fields (protocol.PARAMETERS; validation.resolve checks the values). Files are read apart."""
+    """Every declared parameter `entry` (REST or JOBS) takes as a plain form field, parsed by its kind
+    (protocol.Param.parse), as EditRequest fields (validation.resolve checks the values). Files are read
+    apart."""
     out: dict = {}
     for param in parameters(entry):
         raw = form.get(param.form_name)
@@ -77,18 +50,10 @@ def form_fields(form, entry: str) -> dict:
             continue
         if param.kind == "size":
             out["width"], out["height"] = _size(raw)
-        elif param.kind == "text":
-            if raw is not None and not isinstance(raw, str):
-                raise InvalidInput(f"{param.form_name} must be a text field", param.form_name)
-            if param.required and raw is None:
-                raise InvalidInput(f"{param.form_name} is required (a text field)", param.form_name)
-            out[param.request_field] = raw or param.default  # an empty field is an absent one
-        elif param.kind == "whole":
-            out[param.request_field] = _int(form, param.form_name, param.default)
-        elif param.kind == "number":
-            out[param.request_field] = _float(form, param.form_name)
-        elif param.kind == "flag":
-            out[param.request_field] = _bool(form, param.form_name)
+            continue
+        if param.required and raw is None:
+            raise InvalidInput(f"{param.form_name} is required (a {param.kind} field)", param.form_name)
+        out[param.request_field] = param.parse(raw, param.form_name)  # an empty field is an absent one
     return out
 
 

@@ -20,7 +20,7 @@ from imgedit.engine.jobs.history import HistoryEntry, HistoryStore
 from imgedit.engine.validation import lora_adapters, speed_preset
 from imgedit.errors import ImgEditError
 from imgedit.planning.families import FAMILIES
-from imgedit.protocol import EditRequest
+from imgedit.protocol import EditRequest, as_declared, parameters
 from imgedit.web.identity import page_owner
 from imgedit.web.page.exports import download_name, export_copy
 from imgedit.web.page.speed import NO_LORA, stored_cache_choice
@@ -34,12 +34,15 @@ def _when(created: float) -> str:
 
 
 def _describe(entry: HistoryEntry) -> dict:
-    return {"id": entry.id, "created": entry.created, "prompt": entry.prompt,
-            "negative_prompt": entry.negative_prompt, "seed": entry.seed, "num_inference_steps": entry.steps,
-            "true_cfg_scale": entry.true_cfg_scale, "num_images": entry.num_images,
-            "width": entry.out_width, "height": entry.out_height,
-            "source": entry.source, "name": entry.name, "speed": entry.speed or "quality", "lora": entry.lora,
-            "lora_scale": entry.lora_scale, "original_prompt": entry.original_prompt, **entry.options}
+    """`/history`'s view of an entry: the declared parameters it keeps, by their names; its output size."""
+    return {"id": entry.id, "created": entry.created, **stored_parameters(entry),
+            "width": entry.out_width, "height": entry.out_height, "source": entry.source, "name": entry.name,
+            "speed": entry.speed or "quality", "original_prompt": entry.original_prompt, **entry.options}
+
+
+def stored_parameters(entry: HistoryEntry) -> dict:
+    """{declared parameter: value} for those a History entry keeps (declared `history`), as it ran."""
+    return as_declared(entry, [p for p in parameters() if p.history])
 
 
 def check_still_offered(entry: HistoryEntry, settings) -> None:
@@ -71,9 +74,10 @@ HISTORY_CSS = """<style>
 
 def build_history_tab(settings: Settings, history: HistoryStore, controls: dict, edit_outputs: list, edit,
                       gpu_group: str, cache_offered: bool = True, family: str = "plus"):
-    """Inside a `gr.Tabs`: the History tab. `controls` ({declared parameter: the page's control}, in `/edit`'s
-    order), `edit_outputs` and `edit` are the Edit tab's button's, so a re-run is an ordinary edit (same line,
-    same checks and messages, stored again); the mask's settings (not stored) stay as the form has them.
+    """Inside a `gr.Tabs`: the History tab. `controls` ({declared parameter: the page's control}, in
+    `/edit`'s order; `edit` takes them by name), `edit_outputs` and `edit` are the Edit tab's button's, so a
+    re-run is an ordinary edit (same line, same checks and messages, stored again); the mask's settings (not
+    stored) stay as the form has them.
     The step cache an entry was made with comes from its first result's PNG (the store keeps no column for
     it); `cache_offered`: the workers can run one.
     Returns the `/history` API function, to be registered outside the tabs."""
@@ -172,10 +176,8 @@ def build_history_tab(settings: Settings, history: HistoryStore, controls: dict,
         if cfg is None:
             cfg = FAMILIES[family].cfg(settings.default_true_cfg)
         made_with = read_settings(entry.output_paths[0]).get("cache") if entry.output_paths else None
-        stored = dict(images=inputs, prompt=entry.prompt, negative_prompt=entry.negative_prompt,
-                      seed=entry.seed, randomize_seed=False, num_inference_steps=entry.steps,
-                      true_cfg_scale=cfg, num_images=entry.num_images, width=entry.width or 0,
-                      height=entry.height or 0,
+        stored = dict(stored_parameters(entry), images=inputs, randomize_seed=False,
+                      true_cfg_scale=cfg, width=entry.width or 0, height=entry.height or 0,
                       speed=speed[0], lora=speed[1], lora_scale=speed[2],
                       cache=stored_cache_choice(made_with, cache_offered),
                       # the store keeps no mask: the edit was unmasked or is not
@@ -225,8 +227,8 @@ def build_history_tab(settings: Settings, history: HistoryStore, controls: dict,
     reopen.click(fill, chosen, edit_inputs, api_visibility="private")
     # A re-run is an ordinary edit of the editor's; its progress and its result show here too.
     rerun.click(fill_for_rerun, chosen, edit_inputs, queue=False, api_visibility="private").success(
-        edit, edit_inputs, edit_outputs, concurrency_id=gpu_group, concurrency_limit=None, preprocess=False,
-        show_progress_on=[edit_outputs[0], outputs], api_visibility="private"
+        edit, None, edit_outputs, inputs_kwargs=controls, concurrency_id=gpu_group, concurrency_limit=None,
+        preprocess=False, show_progress_on=[edit_outputs[0], outputs], api_visibility="private"
     ).success(rerun_done, None, entry_view, queue=False, api_visibility="private").then(
         relist, None, [listing, ids], queue=False, api_visibility="private")
     rerun.click(rerun_notice, chosen, details, queue=False, api_visibility="private")

@@ -13,7 +13,7 @@ from imgedit.engine.masks import open_mask
 from imgedit.engine.validation import check_counts
 from imgedit.errors import InvalidInput
 from imgedit.planning.families import FAMILIES
-from imgedit.protocol import EDIT, EditRequest, parameters, request_kwargs
+from imgedit.protocol import EDIT, EditRequest, param, parameters, request_kwargs
 from imgedit.web.page.speed import parse_speed_inputs
 from imgedit.web.page.uploads import uploaded_paths
 
@@ -24,76 +24,15 @@ def edit_fields() -> tuple[str, ...]:
     return tuple(p.name for p in parameters(EDIT))
 
 
-def api_component(param):
-    """The hidden input of `/edit` for one declared parameter: no ranges, so that every value reaches our
-    checks (and our messages), and the declared default for gradio_client."""
-    if param.kind == "file":
-        return gr.File(file_count="multiple" if param.name == "images" else "single")
-    if param.required:  # no value: gradio_client then asks for it
-        return gr.Textbox() if param.kind == "text" else gr.Number()
-    if param.kind == "flag":
-        return gr.Checkbox(param.edit_default)
-    if param.kind in ("whole", "number"):
-        return gr.Number(param.edit_default)
-    return gr.Textbox(param.edit_default)
-
-
-def page_control(param, settings: Settings):
-    """The page's control for a declared parameter it does not lay out itself (in Advanced): named and
-    explained by the declaration."""
-    label, info = param.name.replace("_", " ").capitalize(), param.help
-    if param.kind == "flag":
-        return gr.Checkbox(param.default or False, label=label, info=info, elem_id=f"param-{param.name}")
-    if param.kind in ("whole", "number"):
-        low, high = param.bounds(settings)
-        if range_text := param.range_text(settings):
-            info = f"{info} ({range_text})"
-        precision = 0 if param.kind == "whole" else None
-        return gr.Number(param.default, label=label, info=info, precision=precision,
-                         minimum=low, maximum=high, elem_id=f"param-{param.name}")
-    if param.kind == "file":
-        return gr.File(label=label, elem_id=f"param-{param.name}")
-    return gr.Textbox(param.default or "", label=label, info=info, elem_id=f"param-{param.name}")
-
-
-def _number(value, name: str, default=None):
-    """A number from the raw event data (events run with preprocess=False: any JSON can arrive)."""
-    if value is None or value == "":
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise InvalidInput(f"{name} must be a number, got {str(value)[:40]!r}", name)
-    try:
-        number = float(value)
-    except ValueError:
-        raise InvalidInput(f"{name} must be a number, got {str(value)[:40]!r}", name) from None
-    return int(number) if number.is_integer() else number
-
-
-def _text(value, name: str) -> str:
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise InvalidInput(f"{name} must be text", name)
-    return value
-
-
 def event_fields(raw: dict) -> dict:
     """A form's raw values ({`/edit` parameter: value}, any JSON) as EditRequest fields: each declared
     parameter named in `raw` but the files, parsed by its kind, then what the form's controls mean: a
     ticked "randomize" draws the seed, 0 is an automatic side, the speed controls' "quality" and "none" are
     no preset and no LoRA."""
-    fields: dict = {}
-    for param in parameters(EDIT):
-        value = raw.get(param.name)
-        if param.request_field is None or param.kind == "file" or param.name not in raw:
-            continue
-        if param.kind == "text":
-            fields[param.name] = _text(value, param.name) or param.default
-        elif param.kind in ("whole", "number"):
-            fields[param.name] = _number(value, param.name, param.default)
-        elif param.kind == "flag":
-            fields[param.name] = _flag(value, param.name)
-    fields["seed"] = None if _flag(raw.get("randomize_seed"), "randomize_seed") else fields.get("seed") or 0
+    fields = {p.name: p.parse(raw[p.name]) for p in parameters(EDIT)
+              if p.request_field is not None and p.kind != "file" and p.name in raw}
+    randomize = param("randomize_seed").parse(raw.get("randomize_seed"))
+    fields["seed"] = None if randomize else fields.get("seed") or 0
     fields["width"], fields["height"] = fields.get("width") or None, fields.get("height") or None
     fields["speed"], fields["lora"], fields["lora_scale"] = parse_speed_inputs(
         raw.get("speed"), raw.get("lora"), raw.get("lora_scale"))
@@ -138,7 +77,9 @@ def build_request(settings: Settings, family: str, *values, source: str,
 
 def _signed(params: list[inspect.Parameter], progress: bool):
     """A decorator giving a function `params`, then gr.Request (and gr.Progress): Gradio reads an event's
-    parameters from the signature and passes those two where it finds them (after the inputs)."""
+    parameters from the signature and passes those two where it finds them (after the inputs). Only a gradio
+    API's handler is signed so (its parameters, names and defaults are the declaration's, which a written
+    signature would list again); the page's handlers take the form by name (`inputs_kwargs`)."""
     positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
     params = [*params, inspect.Parameter("request", positional, default=None, annotation=gr.Request)]
     if progress:
@@ -150,12 +91,6 @@ def _signed(params: list[inspect.Parameter], progress: bool):
         return function
 
     return signed
-
-
-def form_signature(names, *, progress: bool = False):
-    """A decorator: `function(*values, request[, progress])` for a page event's inputs, one per name."""
-    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    return _signed([inspect.Parameter(name, positional, default=None) for name in names], progress)
 
 
 def api_signature(entry: str = EDIT, leading: tuple[str, ...] = (), progress: bool = True):
@@ -175,15 +110,7 @@ def edit_signature(function):
     return api_signature(EDIT)(function)
 
 
-def _flag(value, name: str) -> bool:
-    if value is None or value == "":
-        return False
-    if not isinstance(value, bool):
-        raise InvalidInput(f"{name} must be true or false, got {str(value)[:40]!r}", name)
-    return value
-
-
 def build_enhance_request(settings: Settings, family: str, images, prompt, *, source: str) -> EditRequest:
     """A prompt rewrite's raw values (the images and the instruction) as an EditRequest."""
     decoded = decode_uploads(settings, family, images)
-    return EditRequest(images=decoded, prompt=_text(prompt, "prompt"), source=source)
+    return EditRequest(images=decoded, prompt=param("prompt").parse(prompt), source=source)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shlex
 
+from imgedit.errors import InvalidInput
 from imgedit.protocol import EDIT, REST, Param, param, parameters
 
 MASK_FILE = "mask.png"
@@ -28,23 +29,15 @@ _DECODE = ("import sys, json, base64\n"
            "print(\"wrote out.png\")")
 
 
-def _number(value, default):
-    """The form's raw value as int/float, or `default` when it is empty or not a number."""
-    if isinstance(value, bool):
-        return default
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return default
-    return int(number) if number.is_integer() else number
-
-
 def _form_value(p: Param, raw, default):
-    if p.kind == "flag":
-        return bool(raw)
-    if p.kind in ("whole", "number"):
-        return _number(raw, default)
-    return raw if isinstance(raw, str) else default
+    """The form's raw value parsed by its kind (protocol.Param.parse), or `default` where it is empty or
+    not of its kind: a snippet repeats the form and the server checks the call."""
+    if raw is None or raw == "":
+        return False if p.kind == "flag" else default
+    try:
+        return p.parse(raw)
+    except InvalidInput:
+        return default
 
 
 def input_files(n_images: int, mask: bool = False, generates: bool = False) -> dict:

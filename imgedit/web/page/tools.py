@@ -19,7 +19,7 @@ from PIL import Image, ImageOps
 from imgedit.config.settings import Settings
 from imgedit.engine.images import open_image, png_bytes, read_settings
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
-from imgedit.engine.validation import MAX_PROMPT_CHARS, check_params, output_size
+from imgedit.engine.validation import MAX_PROMPT_CHARS, check_params, model_defaults, output_size
 from imgedit.errors import ImgEditError
 from imgedit.planning.families import FAMILIES
 from imgedit.protocol import EditRequest, request_kwargs
@@ -65,14 +65,13 @@ def _index(value) -> int:
 
 
 class PageTools:
-    def __init__(self, settings: Settings, family: str, default_steps: int,
-                 tokens: PromptTokens | None = None, cache_offered: bool = True):
+    def __init__(self, settings: Settings, family: str, tokens: PromptTokens | None = None,
+                 cache_offered: bool = True):
         self.settings = settings
         self.cache_offered = cache_offered  # the workers can run a step cache (else the control is hidden)
         self.family = family
         self.tokens = tokens
         self.allowed = FAMILIES[family].max_images
-        self.default_steps = default_steps
 
     def prompt_count(self, text) -> str:
         """The line under the prompt box: its characters and tokens against the limits the edit checks (the
@@ -171,11 +170,10 @@ class PageTools:
         width, height = self._snippet_size(form.get("width"), form.get("height"), paths)
         form = {**form, "width": width, "height": height,
                 "cache": self._snippet_cache(form.get("cache"), form.get("speed"))}
-        family = FAMILIES[self.family]
         # what the model does where the form leaves it to the model (the declaration's default: None)
-        defaults = {"num_inference_steps": self.default_steps,
-                    "true_cfg_scale": family.cfg(self.settings.default_true_cfg)}
-        values = api_values(form, input_files(len(paths), bool(mask), family.generates), defaults)
+        defaults = model_defaults(self.settings, self.family)
+        generates = FAMILIES[self.family].generates
+        values = api_values(form, input_files(len(paths), bool(mask), generates), defaults)
         host = request.headers.get("host", "localhost:7860")
         url = f"{request.headers.get('x-forwarded-proto', 'http')}://{host}/"
         return (gr.update(visible=True), gradio_snippet(url, values, self.settings.auth is not None),
