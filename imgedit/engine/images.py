@@ -204,6 +204,8 @@ def settings_text(req, params, model: str, size: tuple[int, int], rewritten: str
     if getattr(req, "mask", None) is not None:  # which mask (its hash), and how it was applied
         text.update(mask=f"sha256:{mask_digest(req.mask)}", mask_grow=str(params.mask_grow),
                     mask_feather=str(params.mask_feather), strength=f"{params.strength:g}")
+    if getattr(req, "expand", None):  # an expanded canvas: how (the mask is the new area's)
+        text["expand"] = req.expand
     for name, value in getattr(req, "options", {}).items():  # declared parameters of their own (protocol)
         if value is not None and any(p.name == name and p.png for p in parameters()):
             text[name] = f"{value:g}" if isinstance(value, float) else str(value)

@@ -193,7 +193,8 @@ class HistoryStore:
             req.true_cfg_scale, len(result.images), req.width, req.height, result.width, result.height,
             len(result.images), len(req.images), folder, size,
             req.speed or None, None if req.lora in (None, "", "none") else req.lora, req.lora_scale,
-            req.prompt if result.prompt else None, result.weights, dict(req.options))
+            req.prompt if result.prompt else None, result.weights,
+            {**req.options, **({"expand": req.expand} if req.expand else {})})  # a re-run pads again
         row = (entry.id, entry.job_id, entry.item, entry.owner, entry.created, entry.source, entry.name,
                entry.prompt, entry.negative_prompt, entry.seed, entry.steps, entry.true_cfg_scale,
                entry.num_images, entry.width, entry.height, entry.out_width, entry.out_height, entry.outputs,
