@@ -261,6 +261,7 @@ class EditRequest:
     request_id: str = field(default_factory=new_request_id)
     source: str = "ui"  # ui | api | rest: for logs and metrics
     client: str | None = None  # who asked (imgedit.web.identity's owner): for each client's share of the line
+    watch: bool = False  # someone watches it: the worker sends a live preview every few steps (runtime.preview)
     # declared parameters (PARAMETERS) without an attribute of their own, by name: request_kwargs() puts them
     # here
     options: dict = field(default_factory=dict)

@@ -324,6 +324,12 @@ class PipelineManager(Engine):
             for listener in self.listeners:
                 listener(record)
 
+    def preview(self, request_id: str) -> bytes | None:
+        for worker in self.workers:
+            if worker.job_id == request_id:
+                return worker.preview
+        return None
+
     # ---- status ----
     def status(self) -> ManagerStatus:
         plan = self._plan

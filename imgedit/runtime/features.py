@@ -41,6 +41,7 @@ from imgedit.runtime.fusion import gpu_room
 from imgedit.runtime.group import ParallelGroup
 from imgedit.runtime.masking import Masking
 from imgedit.runtime.prefix_cache import PrefixCache
+from imgedit.runtime.preview import LivePreview
 from imgedit.runtime.step_cache import StepCache
 from imgedit.runtime.weights import weights_per_gpu
 
@@ -196,6 +197,19 @@ class Masks(Feature):
         build.runner.add(Masking(build.pipe))
 
 
+class Previews(Feature):
+    """A live preview for a watched job: the latents' estimate of the image as a small JPEG every few steps
+    (nothing for a job nobody watches; imgedit.runtime.preview). On the rank that reports steps."""
+
+    name = "live preview"
+
+    def applies(self, build: Build) -> bool:
+        return build.spec.rank == 0
+
+    def install(self, build: Build) -> None:
+        build.runner.add(LivePreview(build.pipe, build.spec.rank, FAMILIES[build.spec.checkpoint.family].rgba))
+
+
 class DecodeTiling(Feature):
     """Under MAX_MEMORY: the VAE decodes in tiles for a job whose whole decode would not fit."""
 
@@ -277,7 +291,7 @@ class _Reported(Exception):
 
 FEATURES: tuple[Feature, ...] = (
     SingleFrameVae(), EncodeCache(), PixelsOnGpu(), Metadata21(),
-    Parallel(), Loras(), Turbo(), BatchCfg(), StepCaches(), DecodeTiling(), PrefixCacheRoom(), Masks(),
+    Parallel(), Loras(), Turbo(), BatchCfg(), StepCaches(), DecodeTiling(), PrefixCacheRoom(), Masks(), Previews(),
     AttentionKernel(),
     Compile(), RewriteWarmup(),
 )

@@ -67,6 +67,11 @@ def _bool(form, name: str) -> bool:
     raise InvalidInput(f"{name} must be true or false, got {str(raw)[:40]!r}", name)
 
 
+def flag_field(form, name: str) -> bool:
+    """A true/false form field that is not an edit parameter (e.g. /v1/jobs' `preview`)."""
+    return _bool(form, name)
+
+
 def form_fields(form, entry: str) -> dict:
     """Every declared parameter `entry` (REST or JOBS) takes as a plain form field, parsed by its kind, as
     EditRequest fields (protocol.PARAMETERS; validation.resolve checks the values). Files are read apart."""
