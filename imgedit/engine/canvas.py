@@ -1,6 +1,6 @@
-"""Expanding the canvas (outpainting): `expand` pads the first image on any side and the model fills the new
-area through the masked-edit path (imgedit.runtime.masking): the padded area is the mask, so every pixel of the
-original is kept exactly where it was. Server side, no torch.
+"""Expanding the canvas (outpainting): `expand` pads the first image on any side and the model fills the
+new area through the masked-edit path (imgedit.runtime.masking): the padded area is the mask, so every pixel
+of the original is kept exactly where it was. Server side, no torch.
 
 `expand` is one text field: a number of pixels for every side (`256`), or sides by name (`left=256,right=256`;
 `top`, `bottom`, `left`, `right`, and `x`/`y` for both sides of an axis). The request keeps the original image

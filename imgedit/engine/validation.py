@@ -194,8 +194,8 @@ def _expanded_first(req: EditRequest, settings: Settings, family: str,
         return None
     size = expanded_size(req.images[0].size, expand_sides(req))
     if size[0] * size[1] > settings.max_input_pixels:
-        raise InvalidInput(f"the expanded image would be {size[0]}x{size[1]}, over {settings.max_input_pixels:,} "
-                           "pixels (MAX_INPUT_PIXELS): expand less", "expand")
+        raise InvalidInput(f"the expanded image would be {size[0]}x{size[1]}, over "
+                           f"{settings.max_input_pixels:,} pixels (MAX_INPUT_PIXELS): expand less", "expand")
     check_aspect(size, family, "the expanded image")
     return size
 

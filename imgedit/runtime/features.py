@@ -207,7 +207,8 @@ class Previews(Feature):
         return build.spec.rank == 0
 
     def install(self, build: Build) -> None:
-        build.runner.add(LivePreview(build.pipe, build.spec.rank, FAMILIES[build.spec.checkpoint.family].rgba))
+        rgba = FAMILIES[build.spec.checkpoint.family].rgba
+        build.runner.add(LivePreview(build.pipe, build.spec.rank, rgba))
 
 
 class DecodeTiling(Feature):
@@ -291,7 +292,8 @@ class _Reported(Exception):
 
 FEATURES: tuple[Feature, ...] = (
     SingleFrameVae(), EncodeCache(), PixelsOnGpu(), Metadata21(),
-    Parallel(), Loras(), Turbo(), BatchCfg(), StepCaches(), DecodeTiling(), PrefixCacheRoom(), Masks(), Previews(),
+    Parallel(), Loras(), Turbo(), BatchCfg(), StepCaches(), DecodeTiling(), PrefixCacheRoom(), Masks(),
+    Previews(),
     AttentionKernel(),
     Compile(), RewriteWarmup(),
 )

@@ -184,7 +184,7 @@ def _run(spec: WorkerSpec, runner, job: Job, cancel: threading.Event, outbox: Ch
     """One job: its steps and result from rank 0; a failure from any rank (a fatal one ends the process, and
     the pool starts a fresh one)."""
     from imgedit.runtime.preview import LivePreview  # imports torch: after main() (docstring)
-    from imgedit.runtime.runner import FatalError
+    from imgedit.runtime.runner import FatalError  # imports torch: after main() (docstring)
 
     preview = runner.part(LivePreview) if job.request.watch else None
 

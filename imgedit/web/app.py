@@ -37,8 +37,8 @@ from imgedit.web.timeouts import BodyReadTimeout
 
 log = logging.getLogger(__name__)
 API_DESCRIPTION = ("OpenAI-style REST for image edits with the Qwen image models: every `/v1` route and "
-                   "`/metrics` take `Authorization: Bearer <key>` when the server has keys (Authorize, above). "
-                   "The guide: docs/api.md.")
+                   "`/metrics` take `Authorization: Bearer <key>` when the server has keys (Authorize, "
+                   "above). The guide: docs/api.md.")
 
 
 @dataclass(frozen=True)

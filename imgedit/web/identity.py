@@ -80,7 +80,8 @@ def key_holder(api_key: str | None,
     or a 401 in OpenAI's shape when keys are set and it sent none of them."""
 
     # declared for the OpenAPI schema (/docs: its Authorize button); the header is read by rest_owner
-    scheme = HTTPBearer(auto_error=False, description="API_KEY, or your key of API_KEYS (any text when unset)")
+    scheme = HTTPBearer(auto_error=False,
+                        description="API_KEY, or your key of API_KEYS (any text when unset)")
 
     async def owner(request: Request, _: HTTPAuthorizationCredentials | None = Security(scheme)) -> str:
         if (found := rest_owner(request, api_key, api_keys)) is None:

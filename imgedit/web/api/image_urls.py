@@ -43,11 +43,13 @@ def build_image_urls_router(history: HistoryStore, key: Depends) -> APIRouter:
         entries = await asyncio.to_thread(history.job, owner, request_id[:64])
         one = int(number) if number.isdecimal() and len(number) <= 4 else 0
         if not entries or not 1 <= one <= entries[0].outputs:
-            raise ApiError(404, f"no image {number[:8]!r} of {request_id[:40]!r} for this API key", "not_found")
+            raise ApiError(404, f"no image {number[:8]!r} of {request_id[:40]!r} for this API key",
+                           "not_found")
         entry = entries[0]
         if time.time() - entry.created > URL_LIFETIME_S:
             raise ApiError(410, f"this image URL expired {URL_LIFETIME_S // 60} minutes after the edit; "
-                           f"GET /v1/jobs/{request_id}/result gives the stored result while it is kept", "expired")
+                           f"GET /v1/jobs/{request_id}/result gives the stored result while it is kept",
+                           "expired")
         path = entry.output_paths[one - 1]
         try:
             if image_format == "png":

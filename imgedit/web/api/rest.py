@@ -183,7 +183,8 @@ def build_router(settings: Settings, manager: Engine, metrics: Metrics, monitor:
         """OpenAI's model lookup: this server's model, or 404."""
         card = _model_card()
         if model_id != card["id"]:
-            raise ApiError(404, f"the model {model_id[:80]!r} does not exist; this server serves {card['id']!r}",
+            raise ApiError(404, f"the model {model_id[:80]!r} does not exist; this server serves "
+                           f"{card['id']!r}",
                            "model_not_found", "model")
         return JSONResponse(card)
 
