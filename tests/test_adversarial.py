@@ -173,7 +173,7 @@ def test_junk_over_rest_is_an_openai_error(live_server, server_manager):
         {"files": {"image": ("a.png", png(), "image/png")}, "data": {**FIELDS, "num_inference_steps": "1e9"}},
         {"files": {"image": ("a.png", png(), "image/png")}, "data": {**FIELDS, "seed": "-5"}},
         {"files": {"image": ("a.png", png(), "image/png")}, "data": {**FIELDS, "true_cfg_scale": "nan"}},
-        {"files": {"image": ("a.png", png(), "image/png")}, "data": {**FIELDS, "response_format": "url"}},
+        {"files": {"image": ("a.png", png(), "image/png")}, "data": {**FIELDS, "response_format": "image_url"}},
         {"files": {"image": ("a.png", png(1, 900), "image/png")}, "data": FIELDS},
         {"files": [("image", ("a.png", png(), "image/png"))] * 4, "data": FIELDS},
         {"files": {"image": ("a.png", png(), "image/png")}, "data": {**FIELDS, "prompt": ""}},
@@ -215,6 +215,8 @@ def test_api_key_and_login_hold(keyed):
         assert r.status_code == 401, (header, r.text)
         assert r.json()["error"]["code"] == "invalid_api_key"
     assert http.get(f"{server.url}/metrics", timeout=30).status_code == 401
+    for route in ("/v1/models", "/v1/images/results/req_x/1"):  # OpenAI's model list, response_format=url's images
+        assert http.get(f"{server.url}{route}", timeout=30).status_code == 401, route
     assert http.get(f"{server.url}/metrics", headers={"authorization": "Bearer s3cret-key"}, timeout=30).is_success
     sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret-key", max_retries=0, timeout=120)
     out = sdk.images.edit(model="m", image=[("a.png", png(), "image/png")], prompt="x", size="64x64",

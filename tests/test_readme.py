@@ -88,7 +88,7 @@ def made_here(path: Path) -> dict:
 
 
 def test_the_api_sections_blocks_are_the_ones_this_test_runs():
-    assert [language for language, _ in api_blocks()] == ["python", "bash", "python", "python", "bash"]
+    assert [language for language, _ in api_blocks()] == ["python", "bash", "python", "python", "bash", "python"]
 
 
 def test_gradio_client_example(server, folder):
@@ -114,6 +114,13 @@ def test_openai_sdk_example(server, folder):
     run(language, code, server, folder)
     text = made_here(folder / "out.png")
     assert text["seed"] == "42" and text["negative_prompt"] == "blurry"
+
+
+def test_front_end_example(server, folder):
+    """docs/api.md's /v1/models and response_format=url example: the image fetched from its URL."""
+    language, code = api_blocks()[5]
+    run(language, code, server, folder)
+    assert made_here(folder / "from-url.png")["seed"]
 
 
 def test_text_to_image_example(server21, folder):

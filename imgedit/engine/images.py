@@ -206,6 +206,8 @@ def settings_text(req, params, model: str, size: tuple[int, int], rewritten: str
         text["weights"] = weights
     if getattr(req, "mask", None) is not None:  # which mask (its hash), and how it was applied
         text["mask"] = f"sha256:{mask_digest(req.mask)}"
+    if getattr(req, "expand", None):  # an expanded canvas: how (the mask is the new area's)
+        text.setdefault("expand", req.expand)
     for name, value in getattr(req, "options", {}).items():  # declared parameters of their own (protocol)
         # the value the pipeline got (above) is the one that made the image
         if value is not None and name not in ran and any(p.name == name and p.png for p in parameters()):

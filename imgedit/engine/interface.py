@@ -61,6 +61,10 @@ class Engine(ABC):
                           cancel: threading.Event | None = None) -> EditResult:
         """A prompt rewrite alone, through the same line."""
 
+    def preview(self, request_id: str) -> bytes | None:
+        """A watched job's newest live preview while it runs (a small JPEG; EditRequest.watch), else None."""
+        return None
+
     # ---- the SIGTERM drain (imgedit.engine.shutdown.Shutdown) ----
     @abstractmethod
     def stop_accepting(self, message: str) -> None:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from imgedit.config.settings import Settings
+from imgedit.engine.canvas import expanded
 from imgedit.engine.images import stamp_result
 from imgedit.engine.interface import Engine, StepCallback, WaitCallback
 from imgedit.engine.line import Line
@@ -302,7 +303,8 @@ class PipelineManager(Engine):
             worker = self.line.acquire(cancel, on_wait, req.client)
             if cancel.is_set():
                 raise Cancelled("cancelled before it started")
-            events = worker.submit(Job(req, params, self.family))
+            # an expanded canvas runs as a masked edit of the padded image (the request keeps the original)
+            events = worker.submit(Job(expanded(req) if task == "edit" else req, params, self.family))
             answer = wait_result(worker, events, cancel, on_step)
             if not isinstance(answer, Done):
                 raise ERRORS.get(answer.kind, ImgEditError)(answer.message)
@@ -321,6 +323,12 @@ class PipelineManager(Engine):
                                worker.name if worker else None, task)
             for listener in self.listeners:
                 listener(record)
+
+    def preview(self, request_id: str) -> bytes | None:
+        for worker in self.workers:
+            if worker.job_id == request_id:
+                return worker.preview
+        return None
 
     # ---- status ----
     def status(self) -> ManagerStatus:

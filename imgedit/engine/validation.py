@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 from imgedit.config.loras import SPEEDS, lightning_for
 from imgedit.config.settings import Settings
+from imgedit.engine.canvas import expand_sides, expanded_size
 from imgedit.engine.masks import DEFAULT_FEATHER, check_mask_size
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.errors import InvalidInput
@@ -164,10 +165,13 @@ def resolve(req: EditRequest, settings: Settings, family: str,
     seed = req.seed if req.seed is not None else random.randint(0, 2**31 - 1)
     check_range("seed", seed, settings)
     grow, feather, strength = mask_fields(req)
+    first = _expanded_first(req, settings, family, n_images) if expand_sides(req) is not None else None
     if req.mask is not None and req.images:
-        # A masked edit follows the first image (the one it changes), not the last as the pipelines do.
         first = req.images[0].size
         check_mask_size(req.mask.size, first)
+    if first is not None:
+        # A masked edit (an expanded canvas is one) follows the first image (the one it changes), not the last
+        # as the pipelines do.
         width, height = output_size(req.width, req.height, first, settings, family)
         if width is None:
             width, height = _masked_size(first, settings, FAMILIES[family].side_multiple)
@@ -182,6 +186,24 @@ def resolve(req: EditRequest, settings: Settings, family: str,
         scheduler=preset_scheduler(preset), mask_grow=grow, mask_feather=feather,
         strength=strength, enhance_tokens=settings.enhance_max_tokens if req.enhance_prompt else 0,
         cache=step_cache(req, settings, preset, family), cache_threshold=settings.cache_threshold)
+
+
+def _expanded_first(req: EditRequest, settings: Settings, family: str,
+                    n_images: int | None) -> tuple[int, int] | None:
+    """The first image's size once `expand` has padded it (imgedit.engine.canvas), checked as an input's; None
+    before the images are known (a job's template)."""
+    if req.mask is not None:
+        raise InvalidInput("expand makes its own mask (the new area): leave the mask out", "expand")
+    if n_images == 0:
+        raise InvalidInput("expand pads an input image: send the image to expand", "expand")
+    if not req.images:  # a job's template: its images come later
+        return None
+    size = expanded_size(req.images[0].size, expand_sides(req))
+    if size[0] * size[1] > settings.max_input_pixels:
+        raise InvalidInput(f"the expanded image would be {size[0]}x{size[1]}, over "
+                           f"{settings.max_input_pixels:,} pixels (MAX_INPUT_PIXELS): expand less", "expand")
+    check_aspect(size, family, "the expanded image")
+    return size
 
 
 CACHES = ("none", "first-block", "taylorseer")

@@ -56,18 +56,18 @@ def install_token_type_fix(text_encoder: torch.nn.Module):
 
 
 def install_no_logits(text_encoder: torch.nn.Module):
-    """The pipelines' prompt encoding reads one hidden state, `outputs.hidden_states[-1]`, and nothing else of the
-    encoder's output, yet by default the encoder also computes the logits of every token (vocabulary 152,064:
-    ~91 MB and ~0.3 TFLOP for a 300-token prompt on the 7B model), keeps a key/value cache of every layer and
-    returns every layer's hidden states. At 2.1's ten 1024² references (~10,400 tokens) the cache is 1.5 GiB
-    and the layers' states 3.1 GiB, beside 5.3 GiB of resident weights on the 16 GB plan: the encode ran out
-    of memory there. On calls that want hidden states and chose none of these, a pre-hook asks for the last
-    token's logits alone (`logits_to_keep=1`, as transformers' generate() does), no cache (`use_cache=False`)
-    and no per-layer states; a forward hook on the base model keeps its output and the encoder's output carries
-    it as its one hidden state. transformers 5 ties `hidden_states[-1]` to that output (the base model's, after
-    its final norm, which QwenImage21Pipeline's own hook makes the identity), so the pipelines read the same
-    values (tests/test_encoding.py). Returns the pre-hook's handle (None when this transformers version does not
-    take `logits_to_keep`)."""
+    """The pipelines' prompt encoding reads one hidden state, `outputs.hidden_states[-1]`, and nothing else of
+    the encoder's output, yet by default the encoder also computes the logits of every token (vocabulary
+    152,064: ~91 MB and ~0.3 TFLOP for a 300-token prompt on the 7B model), keeps a key/value cache of every
+    layer and returns every layer's hidden states. At 2.1's ten 1024² references (~10,400 tokens) the cache is
+    1.5 GiB and the layers' states 3.1 GiB, beside 5.3 GiB of resident weights on the 16 GB plan: the encode
+    ran out of memory there. On calls that want hidden states and chose none of these, a pre-hook asks for the
+    last token's logits alone (`logits_to_keep=1`, as transformers' generate() does), no cache
+    (`use_cache=False`) and no per-layer states; a forward hook on the base model keeps its output and the
+    encoder's output carries it as its one hidden state. transformers 5 ties `hidden_states[-1]` to that
+    output (the base model's, after its final norm, which QwenImage21Pipeline's own hook makes the identity),
+    so the pipelines read the same values (tests/test_encoding.py). Returns the pre-hook's handle (None when
+    this transformers version does not take `logits_to_keep`)."""
     if "logits_to_keep" not in inspect.signature(text_encoder.forward).parameters:
         return None
     base = getattr(text_encoder, "model", None)

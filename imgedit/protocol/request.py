@@ -112,10 +112,16 @@ class EditRequest:
     cache: Annotated[str | None, declared(  # None = CACHE
         "text", "step cache for quality edits: none, first-block or taylorseer, where offered", png=True,
         restore=True)] = None
+    # outpainting (imgedit.engine.canvas): the request keeps the original image, the job gets it padded
+    expand: Annotated[str | None, declared(
+        "text", "pad the first image and let the model fill the new area (outpainting): pixels for every "
+        "side (256) or sides by name (left=256,right=256; top, bottom, x, y); the original is kept exactly",
+        png=True, restore=True)] = None
     # not parameters: who and what the request is
     request_id: str = field(default_factory=new_request_id)
     source: str = "ui"  # ui | api | rest: for logs and metrics
     client: str | None = None  # who asked (imgedit.web.identity's owner): for each client's share of the line
+    watch: bool = False  # someone watches: the worker sends a live preview every few steps (runtime.preview)
     # declared parameters (PARAMETERS) without an attribute of their own, by name: request_kwargs() puts them
     # here
     options: dict = field(default_factory=dict)

@@ -42,6 +42,7 @@ from imgedit.runtime.fusion import gpu_room
 from imgedit.runtime.group import ParallelGroup
 from imgedit.runtime.masking import Masking
 from imgedit.runtime.prefix_cache import PrefixCache
+from imgedit.runtime.preview import LivePreview
 from imgedit.runtime.step_cache import StepCache
 from imgedit.runtime.weights import weights_per_gpu
 
@@ -197,6 +198,20 @@ class Masks(Feature):
         build.runner.add(Masking(build.pipe))
 
 
+class Previews(Feature):
+    """A live preview for a watched job: the latents' estimate of the image as a small JPEG every few steps
+    (nothing for a job nobody watches; imgedit.runtime.preview). On the rank that reports steps."""
+
+    name = "live preview"
+
+    def applies(self, build: Build) -> bool:
+        return build.spec.rank == 0
+
+    def install(self, build: Build) -> None:
+        rgba = FAMILIES[build.spec.checkpoint.family].rgba
+        build.runner.add(LivePreview(build.pipe, build.spec.rank, rgba))
+
+
 class DecodeTiling(Feature):
     """Under MAX_MEMORY: the VAE decodes in tiles for a job whose whole decode would not fit."""
 
@@ -295,7 +310,7 @@ class _Reported(Exception):
 FEATURES: tuple[Feature, ...] = (
     SingleFrameVae(), EncodeCache(), PixelsOnGpu(), Metadata21(),
     Parallel(), Loras(), Turbo(), BatchCfg(), StepCaches(), DecodeTiling(), PrefixCacheRoom(), Masks(),
-    Attention21(), AttentionKernel(),
+    Previews(), Attention21(), AttentionKernel(),
     Compile(), RewriteWarmup(),
 )
 EVERY = frozenset(f.name for f in FEATURES)

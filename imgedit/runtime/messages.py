@@ -161,6 +161,7 @@ class Step:
     request_id: str
     step: int
     total: int
+    preview: bytes | None = None  # a watched job's newest preview, a small JPEG (imgedit.runtime.preview)
 
 
 @dataclass(frozen=True)

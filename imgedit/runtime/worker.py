@@ -183,11 +183,14 @@ def _serve(spec: WorkerSpec, runner, inbox: Channel, outbox: Channel) -> None:
 def _run(spec: WorkerSpec, runner, job: Job, cancel: threading.Event, outbox: Channel) -> None:
     """One job: its steps and result from rank 0; a failure from any rank (a fatal one ends the process, and
     the pool starts a fresh one)."""
+    from imgedit.runtime.preview import LivePreview  # imports torch: after main() (docstring)
     from imgedit.runtime.runner import FatalError  # imports torch: after main() (docstring)
 
+    preview = runner.part(LivePreview) if job.request.watch else None
+
     def on_step(step: int, total: int) -> None:
-        if spec.rank == 0:
-            outbox.put(Step(job.request_id, step, total))
+        if spec.rank == 0:  # a watched job's newest preview goes with the step (imgedit.runtime.preview)
+            outbox.put(Step(job.request_id, step, total, preview.take() if preview is not None else None))
 
     try:
         result = runner.run(job, cancel, on_step)

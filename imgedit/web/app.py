@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import gradio as gr
 from fastapi import FastAPI
 
+from imgedit import __version__
 from imgedit.config.settings import Settings
 from imgedit.engine.interface import Engine
 from imgedit.engine.jobs.batch import JobService
@@ -35,6 +36,9 @@ from imgedit.web.serving import serve as serve_until_drained
 from imgedit.web.timeouts import BodyReadTimeout
 
 log = logging.getLogger(__name__)
+API_DESCRIPTION = ("OpenAI-style REST for image edits with the Qwen image models: every `/v1` route and "
+                   "`/metrics` take `Authorization: Bearer <key>` when the server has keys (Authorize, "
+                   "above). The guide: docs/api.md.")
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,10 @@ def build_app(settings: Settings, engine: Engine, demo: bool | None = None,
         return len(event_queue.queue) if event_queue is not None else 0
 
     metrics = Metrics(parts.engine, parts.monitor, gradio_waiting)
-    app = FastAPI(title="imgedit", docs_url=None, redoc_url=None)
+    # /docs: FastAPI's browsable page of the REST routes (open, as the routes' names are; each route still
+    # asks for the key); Gradio's own routes are a mounted app's, not in the schema.
+    app = FastAPI(title="imgedit", version=__version__, description=API_DESCRIPTION, docs_url="/docs",
+                  redoc_url=None, openapi_url="/openapi.json")
     api_errors.install(app)  # every REST route's errors in OpenAI's shape
     app.add_middleware(EventGuard)  # every Gradio event's file paths, before Gradio sees them
     app.add_middleware(BodyReadTimeout, seconds=settings.body_read_timeout)  # outermost: times every read

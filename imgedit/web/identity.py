@@ -17,7 +17,8 @@ import secrets
 from collections.abc import Awaitable, Callable
 from http.cookies import SimpleCookie
 
-from fastapi import Request
+from fastapi import Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from imgedit.web.api.errors import ApiError
 
@@ -78,7 +79,11 @@ def key_holder(api_key: str | None,
     """The REST routes' key check, as a FastAPI dependency (`Depends(key_holder(...))`): the caller's owner,
     or a 401 in OpenAI's shape when keys are set and it sent none of them."""
 
-    async def owner(request: Request) -> str:
+    # declared for the OpenAPI schema (/docs: its Authorize button); the header is read by rest_owner
+    scheme = HTTPBearer(auto_error=False,
+                        description="API_KEY, or your key of API_KEYS (any text when unset)")
+
+    async def owner(request: Request, _: HTTPAuthorizationCredentials | None = Security(scheme)) -> str:
         if (found := rest_owner(request, api_key, api_keys)) is None:
             raise ApiError(401, UNAUTHORIZED, "invalid_api_key")
         return found

@@ -50,6 +50,7 @@ class Item:
     position: int | None = None  # jobs ahead in line, while waiting there
     entry: HistoryEntry | None = None
     notice: str | None = None  # why an asked-for prompt rewrite was not used (the prompt as sent ran)
+    request_id: str | None = None  # its edit's, once it runs (a watched job's live preview is found by it)
 
     def view(self) -> dict:
         return {"index": self.index, "name": self.name, "state": self.state, "seed": self.seed,
@@ -316,6 +317,7 @@ class JobService:
             # The template's prompt and every setting (speed, lora and lora_scale included) carry over.
             req = replace(job.template, images=images, request_id=new_request_id(), source=job.source,
                           client=job.owner)
+            item.request_id = req.request_id
 
             def on_wait(ahead: int) -> None:
                 item.position = ahead

@@ -199,7 +199,7 @@ class HistoryStore:
             folder=folder, bytes=size, speed=req.speed or None,
             lora=None if req.lora in (None, "", "none") else req.lora, lora_scale=req.lora_scale,
             original_prompt=req.prompt if result.prompt else None, weights=result.weights,
-            options=dict(req.options))
+            options={**req.options, **({"expand": req.expand} if req.expand else {})})  # a re-run pads again
         stored = {**vars(entry), "folder": str(folder.relative_to(self.root)),
                   "options": json.dumps(entry.options) if entry.options else None}
         row = tuple(stored[column] for column in COLUMNS)

@@ -157,6 +157,7 @@ class WorkerHandle:
         self.job_id: str | None = None
         self.job_client: str | None = None
         self.step = self.total_steps = 0
+        self.preview: bytes | None = None  # the running job's newest live preview (a watched job's), a JPEG
         self.jobs_done = 0
         self.restarts = 0
         self.report: StartupReport | None = None  # rank 0's, once it has loaded (runtime.messages)
@@ -235,6 +236,7 @@ class WorkerHandle:
         events: queue.Queue = queue.Queue()
         self._events = events
         self.job_id, self.step, self.total_steps = job.request_id, 0, job.params.steps
+        self.preview = None
         self.job_client = job.request.client  # who asked: /v1/status shows the job's id to them alone
         try:
             self.transport.send(job)
@@ -251,6 +253,7 @@ class WorkerHandle:
         self._events = None
         self.job_id = self.job_client = None
         self.step = self.total_steps = 0
+        self.preview = None
 
     # ---- the pump: messages and deaths, as the transport reports them ----
     def _run_pump(self) -> None:
@@ -298,6 +301,7 @@ class WorkerHandle:
         elif isinstance(message, Step):
             if message.request_id == self.job_id:
                 self.step = message.step
+                self.preview = message.preview or self.preview
             if events is not None:
                 events.put(message)
         elif isinstance(message, (Done, Failed)):

@@ -14,6 +14,7 @@ answered from the history after a restart.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,7 @@ from imgedit.web.api.errors import ApiError, rejected
 from imgedit.web.api.rest_requests import (
     IMAGE_FIELDS,
     check_body,
+    flag_field,
     form_fields,
     mask_fields,
     output_format,
@@ -82,6 +84,19 @@ def _restored_view(job_id: str, entries: list[HistoryEntry]) -> dict:
         {**shown, "prompt": first.original_prompt or first.prompt, "enhance_prompt": rewritten}))
     view = job_view(job_id, JobState.SUCCEEDED, first.created, None, job_settings(asked), items)
     return {**view, "restored": True}
+
+
+def _with_previews(view: dict, job: Job, manager: Engine) -> dict:
+    """A job made with preview=true: each running item's newest live preview as a data URL (`preview`, also at
+    the top for the first running item); nothing for other jobs."""
+    if not job.template.watch:
+        return view
+    for item, shown in zip(job.items, view["items"], strict=True):
+        jpeg = manager.preview(item.request_id) if item.request_id and not item.state.finished else None
+        if jpeg:
+            shown["preview"] = "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
+            view.setdefault("preview", shown["preview"])
+    return view
 
 
 def _recorded_view(job_id: str, record: dict) -> dict:
@@ -131,7 +146,7 @@ def build_jobs_router(settings: Settings, manager: Engine, jobs: JobService, met
     async def job_status(job_id: str, owner: str = key) -> Response:
         job = jobs.get(owner, job_id)
         if job is not None:
-            return JSONResponse(_links(job.view()))
+            return JSONResponse(_links(_with_previews(job.view(), job, manager)))
         record = await asyncio.to_thread(jobs.records.read, owner, job_id)
         if record is not None:
             return JSONResponse(_links(_recorded_view(job_id, record)))
@@ -220,7 +235,9 @@ async def _parse(request: Request, settings: Settings,
 
     # The cheap fields first: a request without a prompt (or with a bad number) costs no file read.
     # every item runs with these
-    template = EditRequest(images=(), **request_kwargs(form_fields(form, JOBS)), source="rest")
+    # preview=true: someone watches, and each running item's status carries a live preview (runtime.preview)
+    template = EditRequest(images=(), **request_kwargs(form_fields(form, JOBS)), source="rest",
+                           watch=flag_field(form, "preview"))
     manager.check(template)  # the values, and whether these workers can run them: as /v1/images/edits
     # Then count the input sets from the field names alone (a zip counts once here, its members below).
     numbered = sorted((int(m.group(1)), key) for key in set(form.keys()) if (m := SET_FIELD.fullmatch(key)))

@@ -33,8 +33,10 @@ from imgedit.engine.jobs.history import HistoryStore
 from imgedit.engine.workers.gpus import GpuMonitor
 from imgedit.errors import ImgEditError, InvalidInput
 from imgedit.protocol import EditRequest, EditResult, Resolved, WorkerState
-from imgedit.web.api.errors import openai_error, rejected
+from imgedit.web.api.errors import ApiError, openai_error, rejected
+from imgedit.web.api.image_urls import build_image_urls_router, image_urls
 from imgedit.web.api.rest_requests import edit_form, parse_edit, parse_generation, read_images
+from imgedit.web.api.schema import edit_body, generation_body
 from imgedit.web.identity import key_holder
 from imgedit.web.metrics import CONTENT_TYPE, Metrics
 from imgedit.web.public import full_snapshot, open_snapshot
@@ -43,7 +45,7 @@ log = logging.getLogger(__name__)
 
 # every /v1 route and its methods, for the 404/405 fallback
 V1_ROUTES = {"/v1/images/edits": ("POST",), "/v1/images/generations": ("POST",),
-             "/v1/prompts/enhance": ("POST",), "/v1/status": ("GET",)}
+             "/v1/prompts/enhance": ("POST",), "/v1/status": ("GET",), "/v1/models": ("GET",)}
 HTTP_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
@@ -56,6 +58,7 @@ class InternalError(ImgEditError):
 def build_router(settings: Settings, manager: Engine, metrics: Metrics, monitor: GpuMonitor,
                  history: HistoryStore | None = None) -> APIRouter:
     router = APIRouter()
+    started = int(time.time())  # a model's `created`: when this server came up
     # the key check, once: every route below takes its owner from it (a 401 before the route runs)
     key = Depends(key_holder(settings.api_key, settings.api_keys))
 
@@ -95,35 +98,46 @@ def build_router(settings: Settings, manager: Engine, metrics: Metrics, monitor:
     def prometheus(owner: str = key) -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @router.post("/v1/images/edits")
+    @router.post("/v1/images/edits", openapi_extra=edit_body())
     async def images_edits(request: Request, owner: str = key) -> Response:
         parsed = await rejected(metrics, "/v1/images/edits", parse_edit(request, settings, manager))
         return await _image_reply(request, owner, *parsed)
 
-    @router.post("/v1/images/generations")
+    @router.post("/v1/images/generations", openapi_extra=generation_body())
     async def images_generations(request: Request, owner: str = key) -> Response:
         """OpenAI's text to image, for a model that generates (imgedit.planning.families)."""
         parsed = await rejected(metrics, "/v1/images/generations", parse_generation(request, manager))
         return await _image_reply(request, owner, *parsed)
 
     async def _image_reply(request: Request, owner: str, req: EditRequest, params: Resolved,
-                           reply: tuple[str, int]) -> Response:
-        """Run the job through the line and answer with its images (OpenAI's shape, our extensions)."""
+                           reply: tuple[str, int], answer: str) -> Response:
+        """Run the job through the line and answer with its images, or (`answer` url) their stored results'
+        URLs (OpenAI's shape, our extensions)."""
         output_format, quality = reply
+        if answer == "url" and history is None:
+            raise InvalidInput("response_format url needs the stored results (OUTPUT_DIR): use b64_json",
+                               "response_format")
         req = replace(req, client=owner)
         result = await _run(request, req, lambda cancel: manager.run(req, cancel=cancel, params=params))
         # The images are encoded once, off the event loop, for the reply and (PNGs) for the stored result
-        # (engine.jobs.history), which the reply does not wait for. The encoding is on the critical path
-        # of every REST edit: a noisy 1024x1024 PNG takes 0.14-0.17 s on a 2-core CPU, a JPEG 5-19 ms.
-        files = await asyncio.to_thread(
-            lambda: [encoded(image, output_format, quality) for image in result.images])
-        if history is not None:
-            pngs = files if output_format == "png" else None  # the store keeps PNGs: it encodes its own
-            _in_background(history.record(owner, req.request_id, 0, req, result, pngs=pngs))
+        # (engine.jobs.history), which the reply does not wait for unless it names the stored images. The
+        # encoding is on the critical path of every REST edit: a noisy 1024x1024 PNG takes 0.14-0.17 s on a
+        # 2-core CPU, a JPEG 5-19 ms.
+        files = await asyncio.to_thread(lambda: [encoded(image, "png" if answer == "url" else output_format,
+                                                         quality) for image in result.images])
+        pngs = files if output_format == "png" or answer == "url" else None  # the store keeps PNGs
+        if answer == "url":
+            entry = await history.record(owner, req.request_id, 0, req, result, pngs=pngs)
+            if entry is None:
+                raise InternalError(f"storing the result failed (request {req.request_id}): use b64_json")
+            items = [{"url": url} for url in image_urls(request, entry, reply)]
+        else:
+            if history is not None:
+                _in_background(history.record(owner, req.request_id, 0, req, result, pngs=pngs))
+            items = [{"b64_json": base64.b64encode(file).decode()} for file in files]
         # Extension: each image's own seed (image i is drawn from seed + i; that seed alone makes it again).
-        data = [{"b64_json": base64.b64encode(file).decode(), "revised_prompt": result.prompt,
-                 "seed": int(image.info["seed"])}
-                for file, image in zip(files, result.images, strict=True)]
+        data = [{**item, "revised_prompt": result.prompt, "seed": int(image.info["seed"])}
+                for item, image in zip(items, result.images, strict=True)]
         body = {"created": int(time.time()), "data": data, "output_format": output_format,
                 "size": f"{result.width}x{result.height}", "seed": result.seed,
                 "request_id": result.request_id}
@@ -156,6 +170,29 @@ def build_router(settings: Settings, manager: Engine, metrics: Metrics, monitor:
         if result.notice:
             body["notice"] = result.notice
         return JSONResponse(body)
+
+    @router.get("/v1/models")
+    def list_models(owner: str = key) -> JSONResponse:
+        """OpenAI's model list (front ends ask for it first): the one model this server serves, by its public
+        name (a hub id, a local checkpoint's folder name, `imgedit-demo`). Requests may name any model:
+        this server runs its own."""
+        return JSONResponse({"object": "list", "data": [_model_card()]})
+
+    @router.get("/v1/models/{model_id:path}")
+    def get_model(model_id: str, owner: str = key) -> JSONResponse:
+        """OpenAI's model lookup: this server's model, or 404."""
+        card = _model_card()
+        if model_id != card["id"]:
+            raise ApiError(404, f"the model {model_id[:80]!r} does not exist; this server serves "
+                           f"{card['id']!r}",
+                           "model_not_found", "model")
+        return JSONResponse(card)
+
+    def _model_card() -> dict:
+        return {"id": settings.model_name, "object": "model", "created": started, "owned_by": "imgedit"}
+
+    if history is not None:  # response_format=url's images, before the /v1 fallback below
+        router.include_router(build_image_urls_router(history, key))
 
     @router.api_route("/v1", methods=HTTP_METHODS, include_in_schema=False)
     @router.api_route("/v1/{rest:path}", methods=HTTP_METHODS, include_in_schema=False)

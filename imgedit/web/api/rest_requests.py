@@ -20,7 +20,7 @@ from imgedit.engine.masks import open_mask
 from imgedit.engine.validation import check_counts
 from imgedit.errors import InputTooLarge, InvalidInput
 from imgedit.planning.families import FAMILIES
-from imgedit.protocol import REST, EditRequest, Resolved, parameters, request_kwargs
+from imgedit.protocol import REST, EditRequest, Param, Resolved, parameters, request_kwargs
 
 IMAGE_FIELDS = ("image", "image[]", "images", "images[]")
 MAX_JSON_BODY = 1_000_000  # a generation's JSON: the prompts and the parameters
@@ -37,6 +37,12 @@ def _int(form, name: str, default: int | None) -> int | None:
         return int(text)
     except ValueError:
         raise InvalidInput(f"{name} must be a whole number, got {str(raw)[:40]!r}", name) from None
+
+
+def flag_field(form, name: str) -> bool:
+    """A true/false form field that is not an edit parameter (e.g. /v1/jobs' `preview`): the declaration's
+    parser of flags."""
+    return bool(Param(name, "flag", "").parse(form.get(name), name))
 
 
 def form_fields(form, entry: str) -> dict:
@@ -67,8 +73,9 @@ def _size(raw: str | None) -> tuple[int | None, int | None]:
 
 
 async def parse_edit(request: Request, settings: Settings,
-                     manager: Engine) -> tuple[EditRequest, Resolved, tuple[str, int]]:
-    """The edit request, its exact parameters (every check, once), and the reply's format and quality."""
+                     manager: Engine) -> tuple[EditRequest, Resolved, tuple[str, int], str]:
+    """The edit request, its exact parameters (every check, once), the images' format and quality, and the
+    reply's `response_format`."""
     form = await edit_form(request, settings, manager.family)
     images = await read_images(form, settings, manager)
     # a model that generates takes none on the page and the gradio API; here OpenAI's edits needs one
@@ -76,18 +83,16 @@ async def parse_edit(request: Request, settings: Settings,
         raise InvalidInput("no input image: send the image to edit as 'image' (text to image: POST "
                            "/v1/images/generations)", "image")
     masking = await mask_fields(form, settings, images[0].size)
-    response_format = str(form.get("response_format") or "b64_json")
-    if response_format != "b64_json":
-        raise InvalidInput("response_format must be b64_json (this server does not host image URLs)")
+    answer = response_format(form)
     req = EditRequest(images=tuple(images), **request_kwargs({**form_fields(form, REST), **masking}),
                       source="rest")
-    return req, manager.resolve(req), output_format(form)
+    return req, manager.resolve(req), output_format(form), answer
 
 
 async def parse_generation(request: Request,
-                           manager: Engine) -> tuple[EditRequest, Resolved, tuple[str, int]]:
-    """A generation's JSON body as an edit request without images, its exact parameters, and the reply's
-    format."""
+                           manager: Engine) -> tuple[EditRequest, Resolved, tuple[str, int], str]:
+    """A generation's JSON body as an edit request without images, its exact parameters, the images' format
+    and the reply's `response_format`."""
     family = FAMILIES[manager.family]
     if not family.generates:
         raise InvalidInput(f"this server's model ({family.model}) edits images and does not make them from a "
@@ -104,12 +109,22 @@ async def parse_generation(request: Request,
         if name in body:
             raise InvalidInput(f"'{name}' is for POST /v1/images/edits (multipart); "
                                "a generation takes a prompt", name)
-    response_format = str(body.get("response_format") or "b64_json")
-    if response_format != "b64_json":
-        raise InvalidInput("response_format must be b64_json (this server does not host image URLs)",
-                           "response_format")
+    answer = response_format(body)
     req = EditRequest(images=(), **request_kwargs(form_fields(body, REST)), source="rest")
-    return req, manager.resolve(req), output_format(body)
+    return req, manager.resolve(req), output_format(body), answer
+
+
+RESPONSE_FORMATS = ("b64_json", "url")
+
+
+def response_format(form) -> str:
+    """OpenAI's `response_format`: the images in the reply (`b64_json`, the default) or as URLs of the stored
+    results (`url`: imgedit.web.api.image_urls)."""
+    answer = form.get("response_format") or "b64_json"
+    if answer not in RESPONSE_FORMATS:
+        raise InvalidInput(f"response_format must be b64_json or url, got {str(answer)[:40]!r}",
+                           "response_format")
+    return answer
 
 
 def output_format(form) -> tuple[str, int]:
