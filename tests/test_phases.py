@@ -57,9 +57,10 @@ def test_the_phases_run_in_order_and_each_is_shown_and_reported(built):
     assert said == [doing for _, doing, _ in phases.PHASES]  # what /health and the page show while loading
     # the features this CPU worker has: a VAE on the CPU keeps the processor's own pixels; no cap, no group
     assert report.features == ["single-frame VAE", "encode cache", "LoRAs", "step cache", "masks",
-                               "live preview"], report.features
+                               "live preview", "time budget"], report.features
     assert report.pixels == "cpu" and report.encode_cache == 4 and report.fallbacks == []
-    assert [type(p).__name__ for p in runner.parts] == ["Adapters", "StepCache", "Masking", "LivePreview"]
+    assert [type(p).__name__ for p in runner.parts] == ["Adapters", "StepCache", "Masking", "LivePreview",
+                                                        "TimeBudget"]
 
 
 def test_a_feature_that_fails_to_build_falls_back_and_the_worker_serves(plus_ckpt, built, monkeypatch):

@@ -192,6 +192,18 @@ def test_metrics_count_rest_edits(live_server, image_file):
     assert after["imgedit_workers_healthy"][0].value == 2
     assert after["imgedit_workers"][0].value == 2
     assert after["imgedit_steps_per_second"][0].value > 0
+    # the time budget (imgedit.runtime.budget): each phase of the one edit summed once, and the worker's
+    # phases inside the job's seconds
+    phases = ("upload", "queue", "prepare", "first_step", "later_steps", "finish", "reply")
+    for phase in phases:
+        counted = sample_value(after, "imgedit_request_phase_seconds_count", phase=phase) - sample_value(
+            before, "imgedit_request_phase_seconds_count", phase=phase)
+        assert counted == 1, (phase, counted)
+    spent = {phase: sample_value(after, "imgedit_request_phase_seconds_sum", phase=phase) - sample_value(
+        before, "imgedit_request_phase_seconds_sum", phase=phase) for phase in phases}
+    assert spent["first_step"] > 0 and spent["later_steps"] > 0 and spent["prepare"] > 0, spent
+    job = sample_value(after, "imgedit_job_seconds_sum") - sample_value(before, "imgedit_job_seconds_sum")
+    assert sum(spent[p] for p in ("queue", "prepare", "first_step", "later_steps", "finish")) <= job, (spent, job)
 
 
 # ---- 4. readiness ----

@@ -288,6 +288,7 @@ class PipelineManager(Engine):
         started = time.perf_counter()
         worker: WorkerHandle | None = None
         outcome, steps = "error", 0
+        timings: dict[str, float] = {}  # seconds per phase: the queue here, the worker's from its result
         try:
             restarting = any(w.state is WorkerState.RESTARTING
                              or (w.state is WorkerState.LOADING and w.restarts)
@@ -300,7 +301,9 @@ class PipelineManager(Engine):
                 raise NotReady("the model is still loading; try again shortly")
             params = params or (self.resolve_enhance(req) if task == "enhance" else self.resolve(req))
             steps = params.steps
+            waited = time.perf_counter()
             worker = self.line.acquire(cancel, on_wait, req.client)
+            timings["queue"] = round(time.perf_counter() - waited, 4)
             if cancel.is_set():
                 raise Cancelled("cancelled before it started")
             # an expanded canvas runs as a masked edit of the padded image (the request keeps the original)
@@ -309,6 +312,7 @@ class PipelineManager(Engine):
             if not isinstance(answer, Done):
                 raise ERRORS.get(answer.kind, ImgEditError)(answer.message)
             outcome = "ok"
+            timings.update(answer.result.timings)
             return answer.result, params
         except ImgEditError as exc:
             outcome = exc.kind
@@ -319,8 +323,11 @@ class PipelineManager(Engine):
             seconds = time.perf_counter() - started
             log.info("%s %s source=%s outcome=%s worker=%s steps=%d %.2fs", req.request_id, task, req.source,
                      outcome, worker.name if worker else "-", steps, seconds)
+            if timings:
+                log.debug("%s time budget: %s", req.request_id,
+                          ", ".join(f"{phase} {value:.3f}s" for phase, value in timings.items()))
             record = JobRecord(req.request_id, req.source, outcome, seconds, steps,
-                               worker.name if worker else None, task)
+                               worker.name if worker else None, task, timings)
             for listener in self.listeners:
                 listener(record)
 

@@ -25,6 +25,8 @@ class EditResult:
     notice: str | None = None  # why an asked-for rewrite was not used (the user's prompt was)
     # the lossy copy a fast job ran on (FAST_QUANTIZE: fp8 | int8); None: the model's own
     weights: str | None = None
+    # seconds of each phase in the worker (imgedit.runtime.budget): prepare, first_step, later_steps, finish
+    timings: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,8 @@ class JobRecord:
     steps: int
     worker: str | None
     task: str = "edit"  # edit | enhance (a prompt rewrite alone)
+    # seconds of each phase: the queue, and the worker's (EditResult.timings); /metrics sums them
+    timings: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

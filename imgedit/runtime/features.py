@@ -34,6 +34,7 @@ from imgedit.runtime import (
     turbo,
     warmup,
 )
+from imgedit.runtime.budget import TimeBudget
 from imgedit.runtime.build import Build
 from imgedit.runtime.cfg_batch import CfgBatch
 from imgedit.runtime.decode_room import DecodeRoom
@@ -68,6 +69,15 @@ class Feature:
 
 
 # ---- load: around the pipeline as loaded -------------------------------------------------------------------
+class Timings(Feature):
+    """Where each job's time goes inside the worker (imgedit.runtime.budget): CUDA events, no waiting."""
+
+    name = "time budget"
+
+    def install(self, build: Build) -> None:
+        build.runner.add(TimeBudget(build.transformers, build.cuda))
+
+
 class SingleFrameVae(Feature):
     """An image is one frame: the VAE's causal 3-D convolutions run as 2-D ones, a third of the work
     (exact)."""
@@ -310,7 +320,7 @@ class _Reported(Exception):
 FEATURES: tuple[Feature, ...] = (
     SingleFrameVae(), EncodeCache(), PixelsOnGpu(), Metadata21(),
     Parallel(), Loras(), Turbo(), BatchCfg(), StepCaches(), DecodeTiling(), PrefixCacheRoom(), Masks(),
-    Previews(), Attention21(), AttentionKernel(),
+    Previews(), Attention21(), AttentionKernel(), Timings(),
     Compile(), RewriteWarmup(),
 )
 EVERY = frozenset(f.name for f in FEATURES)

@@ -76,6 +76,7 @@ class Call:
     together: object = None  # the CPU group whose ranks run this job together (agree on cancel every step)
     weights: str | None = None  # FAST_QUANTIZE's copy, when the job runs on one
     reached: int = 0  # the steps done
+    timings: dict = field(default_factory=dict)  # seconds per phase (imgedit.runtime.budget)
 
 
 class JobFeature(Protocol):
@@ -149,7 +150,7 @@ class Runner:
         return EditResult(images, params.seed, params.steps, images[0].width, images[0].height,
                           time.perf_counter() - started, self.name, self.devices, req.request_id,
                           prompt=prompt if params.enhance_tokens and notice is None else None, notice=notice,
-                          weights=call.weights)
+                          weights=call.weights, timings=call.timings)
 
     def _new_call(self, job: Job) -> Call:
         if self.adapters is None and (job.params.adapters or job.params.scheduler != "default"):

@@ -12,6 +12,7 @@ from imgedit.engine.workers.gpus import GpuMonitor
 from imgedit.protocol import JobRecord
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
 class _Live:
@@ -60,6 +61,13 @@ class Metrics:
                                 "Prompt rewrites alone (Enhance, /v1/prompts/enhance) by source and outcome; "
                                 "edits with enhance_prompt count as edits",
                                 ["source", "outcome"], registry=self.registry)
+        # where a request's time goes (imgedit.runtime.budget, the line, REST's upload and reply): one
+        # series a phase, so that sum/count per phase is its mean and the buckets its spread
+        self.phases = Histogram("imgedit_request_phase_seconds",
+                                "Seconds of each phase of a finished edit: upload (REST: reading and "
+                                "decoding the files), queue, prepare (encodes), first_step, later_steps, "
+                                "finish (VAE decode, pictures), reply (REST: encoding the images)", ["phase"],
+                                buckets=PHASE_BUCKETS, registry=self.registry)
         self.last_steps_per_second = 0.0
         self.registry.register(_Live(manager, monitor, gradio_queue_size, self))
         manager.listeners.append(self.record)
@@ -73,6 +81,12 @@ class Metrics:
             self.job_seconds.observe(job.seconds)
         if job.outcome == "ok" and job.seconds > 0:
             self.last_steps_per_second = job.steps / job.seconds
+            for phase, seconds in job.timings.items():
+                self.phases.labels(phase).observe(seconds)
+
+    def observe_phase(self, phase: str, seconds: float) -> None:
+        """A phase the edge measures itself (REST's upload and reply)."""
+        self.phases.labels(phase).observe(seconds)
 
     def record_rejected(self, source: str, outcome: str, task: str = "edit") -> None:
         """A request refused before it reached the manager (bad input at the edge)."""

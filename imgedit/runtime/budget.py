@@ -1,0 +1,81 @@
+"""Where a job's time goes inside the worker, per job: the pipeline's preparation (the prompt's rewrite when
+asked, its encoding, the inputs' VAE encoding, the latents), the first denoising step (2.1's prefill writes
+the prefix cache there), the later steps, and the end (the VAE decode, the pictures, the features' finishing
+work).
+
+A per-job part of the runner (imgedit.runtime.runner.Call): it marks the job's start, the first call of any of
+the worker's transformers (a forward pre-hook on each, installed once: Turbo's and the fast copies' included),
+every step's end (a step hook) and the job's end. On a GPU the marks are CUDA events on the current stream,
+read once the result is on the CPU: the marks never make the CPU wait for the GPU, so the job runs as fast as
+without them. The phases (seconds) go back with the result (`EditResult.timings`); the server adds its own
+(the queue, the upload, the reply) and sums them in /metrics (`imgedit_request_phase_seconds`).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+
+
+class _Clock:
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.marks: dict[str, object] = {}
+        self.steps: list[object] = []
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self, name: str) -> None:
+        self.marks.setdefault(name, self.now())
+
+    def step(self) -> None:
+        self.steps.append(self.now())
+
+    def between(self, a, b) -> float:
+        if not self.cuda:
+            return b - a
+        return a.elapsed_time(b) / 1000
+
+    def phases(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        start, end = self.marks["start"], self.marks["end"]
+        first = self.marks.get("first_call")
+        if first is None or not self.steps:  # no denoising step ran (a rewrite alone)
+            return {"prepare": self.between(start, end)}
+        out = {"prepare": self.between(start, first), "first_step": self.between(first, self.steps[0]),
+               "finish": self.between(self.steps[-1], end)}
+        if len(self.steps) > 1:
+            out["later_steps"] = self.between(self.steps[0], self.steps[-1])
+        return {name: round(max(seconds, 0.0), 4) for name, seconds in out.items()}
+
+
+class TimeBudget:
+    def __init__(self, transformers, cuda: bool):
+        self.cuda = cuda
+        self.clock: _Clock | None = None
+        for transformer in transformers:
+            transformer.register_forward_pre_hook(self._called)
+
+    def _called(self, module, args) -> None:
+        if self.clock is not None:
+            self.clock.mark("first_call")
+
+    @contextmanager
+    def job(self, call):
+        self.clock = clock = _Clock(self.cuda and torch.cuda.is_available())
+        clock.mark("start")
+        call.step_hooks.append(lambda step, tensors: clock.step())
+        try:
+            yield
+            clock.mark("end")
+            call.timings.update(clock.phases())
+        finally:
+            self.clock = None
