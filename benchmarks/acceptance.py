@@ -138,6 +138,7 @@ PROMPT = "turn the sky into a sunset and keep everything else unchanged"
 POLL_S = 0.5
 STOP_WAIT_S = 120  # SIGTERM: the server lets running jobs finish (none are running when it is sent)
 CUT_AT = re.compile(r"cut at the (\d+)-token limit")
+PHASE_SUM = re.compile(r'^imgedit_request_phase_seconds_sum\{phase="(\w+)"\} (\S+)$', re.M)
 
 
 # ---- set-up: checkpoint, LoRAs, pictures ----
@@ -395,13 +396,25 @@ class Requests:
         record = {"name": name, "api": "rest /v1/images/generations", "fields": body, "expected_images": 1}
         return self._post(record, "/v1/images/generations", None, json=body)
 
+    def phase_sums(self) -> dict[str, float]:
+        """/metrics' time budget so far: seconds per phase (imgedit_request_phase_seconds_sum)."""
+        try:
+            text = self.http.get(f"{self.url}/metrics").text
+        except httpx.HTTPError:
+            return {}
+        return {m.group(1): float(m.group(2)) for m in PHASE_SUM.finditer(text)}
+
     def _post(self, record: dict, path: str, may_refuse: str | None, **content) -> dict:
+        before = self.phase_sums()
         t0 = time.perf_counter()
         try:
             response = self.http.post(f"{self.url}{path}", **content)
         except httpx.HTTPError as exc:
             return self._failed(record, t0, f"{type(exc).__name__}: {exc}")
         record.update(status=response.status_code, seconds=round(time.perf_counter() - t0, 3))
+        after = self.phase_sums()  # where this request's time went (REST's; the worker's phases inside)
+        record["phases"] = {name: round(after[name] - before.get(name, 0.0), 3) for name in after
+                            if after[name] - before.get(name, 0.0) > 0}
         body = _json(response)
         if response.status_code != 200:
             message = (body.get("error") or {}).get("message") if isinstance(body, dict) else None
@@ -586,6 +599,8 @@ def describe(record: dict) -> str:
         text += f"  {record['tokens']} tokens, {record['ms_per_token']} ms/token"
     if record.get("error"):
         text += f"  ({record['error'][:300]})"
+    if record.get("phases"):
+        text += "  [" + " ".join(f"{name} {value:.2f}" for name, value in record["phases"].items()) + "]"
     return text
 
 

@@ -1,0 +1,244 @@
+"""A load test of a running imgedit server over REST: N clients at once, each sending a realistic mix of requests
+for a set time; what the server served and how long each kind waited.
+
+    python3 benchmarks/load.py --url http://localhost:7860 --clients 8 --minutes 10 --json load.json
+
+Each client loops: it draws a kind by its weight (--mix), sends it, waits for the answer, and draws again. The
+kinds: `quality` (a 40-step edit, --steps), `fast` and `fastest` (speed=..., where the server offers them),
+`masked` (an 8-step edit with a mask), `two` (two input images), `rewrite` (/v1/prompts/enhance, 160 tokens),
+`t2i` (text to image, for a model that generates). A kind the server cannot run (its /health offers no fast
+LoRA, its model does not generate) is left out of the mix and named. Meanwhile a sampler reads /health every
+--sample seconds: the line's length and each GPU's utilisation.
+
+The report: images a minute (in all and per GPU), latency p50/p95/p99 and the p99/p50 ratio per kind, errors
+(every non-200 answer, by status and message: there should be none), the queue's length over time (min, mean,
+max, and the samples in the JSON) and the GPUs' mean utilisation. Every image answered is checked to decode and
+to be neither blank nor one colour. Exit status 1 if any request failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from PIL import Image, ImageStat
+
+PROMPT = "turn the sky into a sunset and keep everything else unchanged"
+KINDS = ("quality", "fast", "fastest", "masked", "two", "rewrite", "t2i")
+DEFAULT_MIX = "quality=4,fast=3,fastest=6,masked=2,two=2,rewrite=1,t2i=2"
+
+
+def picture(side: int, seed: int) -> bytes:
+    """A side x side PNG with structure (gradients and a checkerboard), different per seed."""
+    rng = random.Random(seed)
+    image = Image.new("RGB", (side, side))
+    pixels = image.load()
+    shift = rng.randrange(256)
+    for y in range(side):
+        for x in range(side):
+            board = 60 if ((x * 8 // side) + (y * 8 // side)) % 2 else 0
+            pixels[x, y] = ((x * 255 // side + shift) % 256, (y * 255 // side) % 256, (board + shift) % 256)
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def mask_png(side: int) -> bytes:
+    """OpenAI's mask: transparent (to be edited) in a centred square."""
+    mask = Image.new("RGBA", (side, side), (0, 0, 0, 255))
+    quarter = side // 4
+    mask.paste((0, 0, 0, 0), (quarter, quarter, side - quarter, side - quarter))
+    buffer = io.BytesIO()
+    mask.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def sound(item: dict) -> bool:
+    """An answered image decodes and is not a single colour."""
+    image = Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))).convert("RGB")
+    return max(hi - lo for lo, hi in ImageStat.Stat(image).extrema) > 0
+
+
+class Load:
+    def __init__(self, args, health: dict):
+        self.args, self.url = args, args.url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
+        self.pictures = [picture(args.size, seed) for seed in range(4)]
+        self.mask = mask_png(args.size)
+        self.lock = threading.Lock()
+        self.done: list[dict] = []
+        self.samples: list[dict] = []
+        self.stop = threading.Event()
+        steps = {lora.get("lightning_steps") for lora in health.get("loras") or ()}
+        turbo = any(worker.get("turbo") for worker in health.get("workers") or ())
+        speeds = {speed for speed, n in (("fastest", 4), ("fast", 8)) if n in steps or turbo}
+        generates = bool((health.get("defaults") or {}).get("text_to_image"))
+        weights = dict(kind_weight.split("=") for kind_weight in args.mix.split(","))
+        self.mix, self.left_out = {}, {}
+        for kind, weight in weights.items():
+            if kind not in KINDS:
+                raise SystemExit(f"--mix: unknown kind {kind!r} (kinds: {', '.join(KINDS)})")
+            if kind in ("fast", "fastest") and kind not in speeds and not args.assume_speeds:
+                self.left_out[kind] = "no LoRA or Turbo for this speed in /health"
+            elif kind == "t2i" and not generates and not args.assume_t2i:
+                self.left_out[kind] = "the model does not generate from a prompt alone"
+            elif float(weight) > 0:
+                self.mix[kind] = float(weight)
+        if not self.mix:
+            raise SystemExit("nothing left in the mix to send")
+
+    # ---- one request of each kind ----
+    def send(self, client: httpx.Client, kind: str, seed: int) -> dict:
+        size = f"{self.args.size}x{self.args.size}"
+        fields = {"prompt": PROMPT, "size": size, "n": "1", "response_format": "b64_json", "seed": str(seed)}
+        files = [("image", ("input-1.png", self.pictures[seed % 4], "image/png"))]
+        if kind == "quality":
+            fields["num_inference_steps"] = str(self.args.steps)
+        elif kind in ("fast", "fastest"):
+            fields["speed"] = kind
+        elif kind == "masked":
+            fields["num_inference_steps"] = "8"
+            files.append(("mask", ("mask.png", self.mask, "image/png")))
+        elif kind == "two":
+            fields["num_inference_steps"] = "8"
+            files.append(("image", ("input-2.png", self.pictures[(seed + 1) % 4], "image/png")))
+        if kind == "rewrite":
+            return self._post(client, "/v1/prompts/enhance",
+                              data={"prompt": PROMPT, "max_new_tokens": "160"}, files=files)
+        if kind == "t2i":
+            body = {"prompt": PROMPT, "size": size, "n": 1, "response_format": "b64_json", "seed": seed,
+                    "num_inference_steps": self.args.steps}
+            return self._post(client, "/v1/images/generations", json=body)
+        return self._post(client, "/v1/images/edits", data=fields, files=files)
+
+    def _post(self, client: httpx.Client, path: str, **content) -> dict:
+        t0 = time.perf_counter()
+        try:
+            response = client.post(f"{self.url}{path}", headers=self.headers, **content)
+        except httpx.HTTPError as exc:
+            return {"status": None, "error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0}
+        seconds = time.perf_counter() - t0
+        if response.status_code != 200:
+            return {"status": response.status_code, "error": response.text[:200], "seconds": seconds}
+        body = response.json()
+        images = body.get("data") or []
+        bad = [i for i, item in enumerate(images) if "b64_json" in item and not sound(item)]
+        if bad:
+            return {"status": 200, "error": f"image(s) {bad} blank or one colour", "seconds": seconds}
+        return {"status": 200, "seconds": seconds, "images": len(images)}
+
+    # ---- the clients and the sampler ----
+    def client(self, index: int, until: float) -> None:
+        rng = random.Random(index)
+        kinds, weights = list(self.mix), list(self.mix.values())
+        with httpx.Client(timeout=self.args.request_timeout) as client:
+            while time.monotonic() < until and not self.stop.is_set():
+                kind = rng.choices(kinds, weights)[0]
+                started = time.monotonic()
+                outcome = self.send(client, kind, rng.randrange(1 << 30))
+                with self.lock:
+                    self.done.append({"kind": kind, "client": index, "at": started, **outcome})
+
+    def sampler(self, began: float) -> None:
+        with httpx.Client(timeout=10) as client:
+            while not self.stop.wait(self.args.sample):
+                try:
+                    health = client.get(f"{self.url}/health").json()
+                except (httpx.HTTPError, ValueError):
+                    continue
+                utils = [g.get("utilization_percent") for g in health.get("gpus") or ()]
+                self.samples.append({"s": round(time.monotonic() - began, 1), "waiting": health.get("waiting"),
+                                     "gpu_utilization": utils})
+
+    def run(self) -> dict:
+        began = time.monotonic()
+        until = began + self.args.minutes * 60
+        sampler = threading.Thread(target=self.sampler, args=(began,), daemon=True)
+        sampler.start()
+        clients = [threading.Thread(target=self.client, args=(i, until)) for i in range(self.args.clients)]
+        for thread in clients:
+            thread.start()
+        for thread in clients:
+            thread.join()
+        self.stop.set()
+        sampler.join(timeout=15)
+        return self.report(time.monotonic() - began)
+
+    def report(self, elapsed: float) -> dict:
+        ok = [d for d in self.done if d["status"] == 200 and "error" not in d]
+        errors: dict[str, int] = {}
+        for d in self.done:
+            if d not in ok:
+                key = f"{d['status']}: {d['error'][:120]}"
+                errors[key] = errors.get(key, 0) + 1
+        kinds = {}
+        for kind in self.mix:
+            seconds = sorted(d["seconds"] for d in ok if d["kind"] == kind)
+            if seconds:
+                p50, p95, p99 = (quantile(seconds, q) for q in (0.5, 0.95, 0.99))
+                kinds[kind] = {"n": len(seconds), "p50_s": round(p50, 3), "p95_s": round(p95, 3),
+                               "p99_s": round(p99, 3), "p99_over_p50": round(p99 / p50, 2)}
+        images = sum(d.get("images", 0) for d in ok)
+        waiting = [s["waiting"] for s in self.samples if s["waiting"] is not None]
+        utils = [u for s in self.samples for u in s["gpu_utilization"] if u is not None]
+        gpus = max((len(s["gpu_utilization"]) for s in self.samples), default=0)
+        return {
+            "url": self.url, "clients": self.args.clients, "seconds": round(elapsed, 1), "mix": self.mix,
+            "left_out": self.left_out, "requests": len(self.done), "ok": len(ok), "images": images,
+            "images_per_minute": round(images / elapsed * 60, 2),
+            "images_per_minute_per_gpu": round(images / elapsed * 60 / gpus, 2) if gpus else None,
+            "kinds": kinds, "errors": errors,
+            "queue": {"min": min(waiting, default=None), "max": max(waiting, default=None),
+                      "mean": round(statistics.fmean(waiting), 2) if waiting else None},
+            "gpu_utilization_mean": round(statistics.fmean(utils), 1) if utils else None,
+            "samples": self.samples,
+        }
+
+
+def quantile(sorted_values: list[float], q: float) -> float:
+    """The q-quantile by linear interpolation (numpy's default), from sorted values."""
+    position = (len(sorted_values) - 1) * q
+    low = int(position)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default="http://localhost:7860")
+    parser.add_argument("--key", default=None, help="API_KEY of the server, if it has one")
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--mix", default=DEFAULT_MIX, help=f"kind=weight,... (default {DEFAULT_MIX})")
+    parser.add_argument("--steps", type=int, default=40, help="steps of the quality edits and text to image")
+    parser.add_argument("--size", type=int, default=1024, help="side of the inputs and outputs")
+    parser.add_argument("--sample", type=float, default=2.0, help="seconds between /health samples")
+    parser.add_argument("--request-timeout", type=float, default=900.0)
+    parser.add_argument("--assume-speeds", action="store_true", help="send fast/fastest even if /health "
+                        "offers no LoRA for them (they are then refused: errors)")
+    parser.add_argument("--assume-t2i", action="store_true", help="send text to image whatever the model")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    health = httpx.get(f"{args.url.rstrip('/')}/health", timeout=30).json()
+    load = Load(args, health)
+    print(f"{args.clients} clients for {args.minutes} min: mix {load.mix}; left out {load.left_out or 'none'}",
+          flush=True)
+    report = load.run()
+    summary = {k: v for k, v in report.items() if k != "samples"}
+    print(json.dumps(summary, indent=1), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 1 if report["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
