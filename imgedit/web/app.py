@@ -77,7 +77,8 @@ def build_app(settings: Settings, engine: Engine, demo: bool | None = None,
     app = FastAPI(title="imgedit", docs_url=None, redoc_url=None)
     api_errors.install(app)  # every REST route's errors in OpenAI's shape
     app.add_middleware(EventGuard)  # every Gradio event's file paths, before Gradio sees them
-    app.add_middleware(BodyReadTimeout, seconds=settings.body_read_timeout)  # outermost: times every read
+    # outermost: times every read
+    app.add_middleware(BodyReadTimeout, seconds=settings.body_read_timeout, min_rate=settings.body_min_rate)
     # before REST's /v1 catch-all (404/405 fallback)
     app.include_router(build_jobs_router(settings, parts.engine, parts.jobs, metrics))
     app.include_router(build_router(settings, parts.engine, metrics, parts.monitor, parts.history))
