@@ -36,7 +36,8 @@ def server(tmp_path_factory):
     port = free_port()
     env = {**os.environ, "QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cpu", "GRADIO_SERVER_NAME": "127.0.0.1",
            "GRADIO_SERVER_PORT": str(port), "OUTPUT_DIR": str(tmp / "outputs"), "LOG_LEVEL": "WARNING",
-           "TORCH_DTYPE": "float32", "CLIENT_SHARE": "1", "QUEUE_MAX_SIZE": "16"}
+           "TORCH_DTYPE": "float32", "CLIENT_SHARE": "1", "QUEUE_MAX_SIZE": "16",
+           "MAX_CONNECTIONS_PER_CLIENT": "32"}
     env.pop("MALLOC_TRIM_THRESHOLD_", None)  # the tests' own malloc tuning (conftest): glibc's defaults here
     env.pop("MALLOC_MMAP_MAX_", None)
     log = open(tmp / "server.log", "w+")
@@ -52,7 +53,7 @@ def server(tmp_path_factory):
 
     try:
         wait_for(ready, 180)
-        yield url, proc
+        yield url, proc, tmp / "server.log"
     finally:
         for child in psutil.Process(proc.pid).children(recursive=True):
             child.send_signal(signal.SIGCONT)
@@ -99,7 +100,7 @@ def test_sixteen_waiting_ten_reference_requests_cost_their_bytes_and_memory_come
     """16 requests of ten 2048x2048 references (6 REST edits, 5 /v1/jobs, 5 gradio /edit) wait behind a stuck
     worker: the server's resident memory rises by their bytes, not their pixels (before the fix: every request
     decoded at once, +1.9 GiB), and once they are cancelled and the worker's job is done it is back near idle."""
-    url, proc = server
+    url, proc, _ = server
     idle = rss(proc.pid)
     workers = psutil.Process(proc.pid).children(recursive=True)
     for child in workers:
@@ -156,3 +157,40 @@ def test_sixteen_waiting_ten_reference_requests_cost_their_bytes_and_memory_come
     assert after < 150 * MIB, f"after the jobs the server holds {after / MIB:.0f} MiB above idle"
     print(json.dumps({"idle_mib": idle // MIB, "waiting_mib": held // MIB, "after_mib": after // MIB}))
 
+
+
+def test_a_flood_of_refused_connections_is_summed_up_in_the_log(server):
+    """800 connections from one address past its cap (MAX_CONNECTIONS_PER_CLIENT=32) are each refused with a
+    503, and the log writes a few of them and then one line saying how many more there were (before: one
+    warning per refusal, 490,370 lines in 75 s)."""
+    url, _, log = server
+    port = int(url.rsplit(":", 1)[1])
+    held = []
+    try:
+        for _ in range(32):
+            sock = socket.socket()
+            sock.bind(("127.0.0.2", 0))
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            held.append(sock)
+        before = log.read_text().count("refused a connection")
+        started = time.monotonic()
+        for _ in range(800):
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.2", 0))
+                sock.connect(("127.0.0.1", port))
+                sock.settimeout(10)
+                assert sock.recv(4096).startswith(b"HTTP/1.1 503")
+        time.sleep(max(0.0, 5.5 - (time.monotonic() - started)))
+        with socket.socket() as sock:  # one more, after the window: its line sums up the ones left out
+            sock.bind(("127.0.0.2", 0))
+            sock.connect(("127.0.0.1", port))
+            sock.settimeout(10)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 503")
+        time.sleep(0.5)
+    finally:
+        for sock in held:
+            sock.close()
+    lines = [line for line in log.read_text().splitlines() if "refused a connection" in line]
+    assert len(lines) - before < 30, f"{len(lines) - before} lines for 801 refusals"
+    assert "more like this were not written" in lines[-1], lines[-1]

@@ -1,0 +1,49 @@
+"""Issue 63 items 5 and 6: configuration that once failed open or ended in a raw traceback stops start-up at
+once (app.py's `main`, before the port is taken or any worker starts), naming the line or the variable."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def main():
+    spec = importlib.util.spec_from_file_location("imgedit_app_main", ROOT / "app.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def start(main, capsys, tmp_path, env_file: str = "") -> str:
+    """main()'s exit status must be 2; what it wrote to stderr."""
+    (tmp_path / "settings.env").write_bytes(env_file.encode())
+    assert main(["--demo", "--env-file", str(tmp_path / "settings.env")]) == 2
+    return capsys.readouterr().err
+
+
+def test_a_bad_env_file_stops_start_up_naming_each_bad_line(main, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("OUTPUT_DIR", str(tmp_path / "out"))
+    said = start(main, capsys, tmp_path, 'QUEUE_MAX_SIZ=4\nHF_TOKEN=x\nLOG_LEVEL=IN\0FO\n'
+                 'GRADIO_AUTH="admin:secret-pw\nLOG_LEVEL=INFO\n')
+    # an unclosed quote on GRADIO_AUTH's line: python-dotenv logged a warning and the page started with no login
+    assert "settings.env line 4 (GRADIO_AUTH=...) cannot be parsed" in said, said
+    assert "line 1: QUEUE_MAX_SIZ is not a setting; did you mean QUEUE_MAX_SIZE?" in said, said
+    assert "line 3 (LOG_LEVEL=...) holds a NUL byte" in said, said  # was ValueError's traceback
+    assert "secret-pw" not in said and "HF_TOKEN" not in said
+
+
+def test_folders_that_are_files_and_a_broken_history_are_named(main, capsys, tmp_path, monkeypatch):
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setenv("OUTPUT_DIR", str(tmp_path / "out"))
+    for name in ("GRADIO_TEMP_DIR", "COMPILE_CACHE_DIR"):  # a raw traceback; a server at 503 naming nothing
+        with monkeypatch.context() as env:
+            env.setenv(name, str(tmp_path / "a-file"))
+            said = start(main, capsys, tmp_path)
+        assert f"{name}='{tmp_path / 'a-file'}' cannot be used as a folder: it is a file" in said, said
+    (tmp_path / "out").mkdir(exist_ok=True)
+    (tmp_path / "out" / "history.sqlite3").write_bytes(b"not a database" * 100)
+    said = start(main, capsys, tmp_path)  # was sqlite3's traceback, once the workers had started
+    assert "history.sqlite3 (in OUTPUT_DIR) cannot be opened: file is not a database" in said, said
