@@ -47,3 +47,25 @@ def test_folders_that_are_files_and_a_broken_history_are_named(main, capsys, tmp
     (tmp_path / "out" / "history.sqlite3").write_bytes(b"not a database" * 100)
     said = start(main, capsys, tmp_path)  # was sqlite3's traceback, once the workers had started
     assert "history.sqlite3 (in OUTPUT_DIR) cannot be opened: file is not a database" in said, said
+
+
+def test_values_that_refused_everything_or_passed_unnoticed_are_named():
+    from PIL import Image
+
+    from imgedit.config.settings import load_settings
+    from imgedit.engine.validation import output_size, resolve
+    from imgedit.errors import InvalidInput, SettingsError
+    from imgedit.protocol import EditRequest
+
+    for env, said in (({"MAX_STEPS": "1"}, "MAX_STEPS='1' is not valid"),  # a server that refused every edit
+                      ({"MAX_FILE_SIZE": "0"}, "MAX_FILE_SIZE='0' is not valid: expected at least 1KB")):
+        with pytest.raises(SettingsError, match=said):
+            load_settings(env)
+    settings = load_settings({})
+    with pytest.raises(InvalidInput, match="2064x2048 is 4,227,072 pixels"):  # rounded to 2048x2048, accepted
+        output_size(2064, 2048, None, settings, "21")
+    assert output_size(2048, 2048, None, settings, "21") == (2048, 2048)
+    req = EditRequest(images=(Image.new("RGB", (64, 64)),), prompt="x", negative_prompt="n" * 4001)
+    with pytest.raises(InvalidInput, match="the negative prompt is longer than 4000") as refused:
+        resolve(req, settings, "plus", (64, 64), 1)  # was "the prompt is longer", naming the prompt
+    assert refused.value.field == "negative_prompt"

@@ -74,7 +74,8 @@ REGISTRY: tuple[Var, ...] = (
         "Jobs allowed to wait in line; more get 'busy, try later'"),
     Var("DEFAULT_STEPS", "0", _int_range(0, 1000),
         "Default denoising steps; 0 = per model (Edit 50, Plus 40, Qwen-Image-2.1 40)"),
-    Var("MAX_STEPS", "100", _int_range(1, 1000), "Largest num_inference_steps a request may ask for"),
+    Var("MAX_STEPS", "100", _int_range(2, 1000),  # one step makes a blank image: every request was refused
+        "Largest num_inference_steps a request may ask for"),
     Var("DEFAULT_TRUE_CFG", "4.0", _float_range(1.0, 20.0),
         "Default true CFG scale (1 turns CFG off) for the edit models; Qwen-Image-2.1 runs at 1 (no CFG) "
         "unless a request asks"),
@@ -335,6 +336,9 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
         except ValueError as exc:
             shown = "(hidden)" if var.name in SECRET else repr(raw)  # a typo must not print the keys
             problems.append(f"{var.name}={shown} is not valid: expected {exc}")
+    if values.get("max_file_size") is not None and values["max_file_size"] < 1024:  # 0 refused every upload
+        problems.append(f"MAX_FILE_SIZE={env.get('MAX_FILE_SIZE')!r} is not valid: expected at least 1KB "
+                        "(smaller refuses every upload)")
     steps, most = values.get("default_steps"), values.get("max_steps")
     if steps is not None and most is not None and steps > most:
         problems.append(f"DEFAULT_STEPS={steps} is above MAX_STEPS={most}")

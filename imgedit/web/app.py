@@ -32,6 +32,7 @@ from imgedit.web.page.cancel import build_cancel_router
 from imgedit.web.page.uploads import EventGuard, PartialUploadSweeper, guard_gradio_cleanup
 from imgedit.web.serving import ShutdownGate
 from imgedit.web.serving import serve as serve_until_drained
+from imgedit.web.sessions import PageWatch, SessionSweeper
 from imgedit.web.timeouts import BodyReadTimeout
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,8 @@ def build_app(settings: Settings, engine: Engine, demo: bool | None = None,
     # before REST's /v1 catch-all (404/405 fallback)
     app.include_router(build_jobs_router(settings, parts.engine, parts.jobs, metrics))
     app.include_router(build_router(settings, parts.engine, metrics, parts.monitor, parts.history))
-    app.include_router(build_cancel_router(blocks))  # ahead of the mount: it replaces Gradio's cancel route
+    # ahead of the mount: it replaces Gradio's cancel route
+    app.include_router(build_cancel_router(blocks, bool(settings.auth)))
     # abandoned partial uploads (Gradio keeps them): deleted now and every few seconds
     PartialUploadSweeper(settings.body_read_timeout).start()
     guard_gradio_cleanup()  # one bad entry never stops Gradio's own sweep nor the shutdown
@@ -90,6 +92,8 @@ def build_app(settings: Settings, engine: Engine, demo: bool | None = None,
     app.state.shutdown, app.state.history = parts.shutdown, parts.history
     app.add_middleware(ShutdownGate, shutdown=parts.shutdown)
     app.add_middleware(BrowserCookie)
+    sessions = SessionSweeper()
+    app.add_middleware(PageWatch, sweeper=sessions)  # which Gradio sessions a page holds open
     # show_error=False: only gr.Error text (our own messages) reaches users, never Gradio's or Python's.
     app = gr.mount_gradio_app(
         app, blocks, path="/", auth=settings.auth, show_error=False, max_file_size=settings.max_file_size,
@@ -99,6 +103,10 @@ def build_app(settings: Settings, engine: Engine, demo: bool | None = None,
     # only once `has_launched` is set, which launch() does and mount_gradio_app does not: without this
     # a hand-made request could have any server file copied into the cache and served back.
     blocks.has_launched = True
+    # the mounted Gradio app, whose login cookie our own Gradio routes check (web.page.cancel)
+    app.state.gradio_app = next((r.app for r in app.routes if hasattr(getattr(r, "app", None), "tokens")),
+                                None)
+    sessions.start(blocks)  # Gradio's per-session state: API calls' dropped, idle pages' after a while
     return app
 
 
