@@ -39,8 +39,9 @@ def main(argv: list[str] | None = None) -> int:
                         "127.0.0.1, this machine only; 0.0.0.0 opens it to the network)")
     parser.add_argument("--port", type=int,
                         help="the port to serve on (sets GRADIO_SERVER_PORT; default 7860)")
-    parser.add_argument("--env-file", help="the .env file to read (default: .env in this folder or above it); "
-                        "a line it cannot parse, or a name one typo away from a setting's, stops start-up")
+    parser.add_argument("--env-file", help="the .env file to read (default: .env in this folder or above "
+                        "it); a line it cannot parse, or a name one typo away from a setting's, stops "
+                        "start-up")
     args = parser.parse_args(argv)
     try:
         # .env fills in what the environment does not set; a line it cannot read stops start-up here

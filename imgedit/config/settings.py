@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dotenv import load_dotenv
+from dotenv.parser import parse_stream
+
 from imgedit.config.loras import entries, parse_loras
 from imgedit.config.parsers import (
     DTYPES,
@@ -377,9 +380,6 @@ def load_env_file(path: str | os.PathLike) -> None:
     cannot parse (an unclosed quote on GRADIO_AUTH's line started a server with no login: python-dotenv only
     logs it), a NUL byte, or a name one typo away from a setting's (QUEUE_MAX_SIZ=4) stops start-up with a
     SettingsError naming the line. Values are never shown: the line may hold a key."""
-    from dotenv import load_dotenv
-    from dotenv.parser import parse_stream
-
     if not path or not os.path.isfile(path):
         return
     try:

@@ -51,7 +51,7 @@ class SessionSweeper:
             else:
                 gone = idle > API_IDLE_S or (idle > QUIET_S and _holds_nothing(session))
             if gone:
-                holder.delete_state(session_hash)  # each State's delete_callback, as Gradio's expiry runs them
+                holder.delete_state(session_hash)  # each State's delete_callback, as Gradio's expiry does
                 with holder.lock:
                     holder.session_data.pop(session_hash, None)
                     holder.time_last_used.pop(session_hash, None)
