@@ -295,3 +295,30 @@ def test_an_upload_part_without_a_file_name_is_a_400(trickle_app):
     with TestClient(trickle_app) as client:
         r = client.post("/gradio_api/upload", files={"files": ("", b"\x89PNG\r\n\x1a\n", "image/png")})
     assert r.status_code == 400 and "must be a file with a file name" in r.text, r.text
+
+
+def test_a_client_leaving_mid_body_is_one_quiet_line_not_an_error(trickle_app):
+    """Every upload abandoned mid-body logged ERROR "Exception in ASGI application" with a traceback."""
+    import logging
+
+    from imgedit.web.connections import guarded_protocol
+
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = seen.append
+    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "imgedit")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        with LiveServer(trickle_app, free_port(), http=guarded_protocol(10, 20, 20)) as server:
+            for path in (b"/v1/images/edits", b"/gradio_api/upload"):
+                sock = trickle(server.port, "127.0.0.1", path)
+                sock.sendall(b"Content-Disposition: form-data; name=\"image\"; filename=\"a.png\"\r\n\r\nabc")
+                time.sleep(0.3)
+                sock.close()
+            time.sleep(1.0)
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+    errors = [r for r in seen if r.levelno >= logging.ERROR]
+    assert not errors, [(r.getMessage(), r.exc_info and r.exc_info[0]) for r in errors]

@@ -15,6 +15,8 @@ import json
 import logging
 import time
 
+from starlette.requests import ClientDisconnect
+
 log = logging.getLogger(__name__)
 
 
@@ -71,7 +73,11 @@ class BodyReadTimeout:
                 response_started = True
             await send(message)
 
-        await self.app(scope, timed_receive, guarded_send)
+        try:
+            await self.app(scope, timed_receive, guarded_send)
+        except ClientDisconnect:  # a client that left mid-body: nobody to answer (was an ERROR, a traceback)
+            log.info("%s %s: the client left before its body was sent", scope.get("method"),
+                     scope.get("path"))
 
 
 async def _answer_408(send, why: str) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from gradio import route_utils
 from gradio.utils import get_upload_folder
+from starlette.requests import ClientDisconnect
 
 from imgedit.engine.images import FORMATS, image_or_zip
 from imgedit.errors import InvalidInput
@@ -227,6 +228,8 @@ class EventGuard:
 
         try:
             await self.app(scope, receive, _own_errors_only(path, tracked))
+        except ClientDisconnect:  # the client left mid-body: nobody to answer (was an ERROR and a traceback)
+            log.info("%s %s: the client left before its body was sent", scope["method"], path)
         except Exception as exc:  # Gradio lets some refusals escape (e.g. an unknown fn_index: KeyError)
             if isinstance(exc, TypeError) and upload and not started:
                 # a part with an empty file name is a form field to Gradio's parser, not a file: it raised
