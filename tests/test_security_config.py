@@ -69,3 +69,30 @@ def test_values_that_refused_everything_or_passed_unnoticed_are_named():
     with pytest.raises(InvalidInput, match="the negative prompt is longer than 4000") as refused:
         resolve(req, settings, "plus", (64, 64), 1)  # was "the prompt is longer", naming the prompt
     assert refused.value.field == "negative_prompt"
+
+
+def test_repeated_log_lines_are_written_a_few_times_then_summed_up():
+    """web.logs.Repeats on a real handler: 800 refusals in a window write BURST lines; the first one after the
+    window says how many were left out (a flood once wrote one warning per refused connection)."""
+    import logging
+
+    from imgedit.web.logs import BURST, WINDOW_S, Repeats
+
+    written: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: written.append(record.getMessage())
+    handler.addFilter(Repeats())
+    logger = logging.getLogger("imgedit.test_repeats")
+
+    def refusal(at: float) -> None:
+        record = logger.makeRecord(logger.name, logging.WARNING, __file__, 1,
+                                   "refused a connection from %s: %s", ("127.0.0.2", "cap"), None)
+        record.created = at
+        handler.handle(record)
+
+    for k in range(800):
+        refusal(1000.0 + k / 1000)
+    assert len(written) == BURST
+    refusal(1000.0 + WINDOW_S + 0.1)
+    assert written[-1] == (f"refused a connection from 127.0.0.2: cap [{800 - BURST:,} more like this were not "
+                           "written in the last 5 s]"), written[-1]

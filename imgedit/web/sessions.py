@@ -19,8 +19,8 @@ import time
 
 log = logging.getLogger(__name__)
 
-SWEEP_S = 2.0
-QUIET_S = 2.0  # an API-only session that holds nothing: dropped once idle this long (its call is over)
+SWEEP_S = 1.0
+QUIET_S = 1.0  # an API-only session that holds nothing: dropped once idle this long (its call is over)
 API_IDLE_S = 600.0  # an API-only session with State values of its own (a gradio_client's chain)
 CLOSED_S = 600.0  # a page's session after its page closed (Gradio keeps its State for an hour)
 HEARTBEAT = "/gradio_api/heartbeat/"

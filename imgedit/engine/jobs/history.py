@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imgedit.config.settings import Settings
+from imgedit.engine import heap
 from imgedit.engine.images import decoded, save_png
 from imgedit.protocol import EditRequest, EditResult
 
@@ -177,6 +178,7 @@ class HistoryStore:
                     save_png(image, partial / f"out-{i}.png")  # with the settings that made it
             for i, image in enumerate(req.images):  # one decoded at a time
                 decoded(image).save(partial / f"in-{i}.png", format="PNG", compress_level=1)
+            heap.give_back()  # their pixels' pages, which this thread's arena would keep
             thumb = result.images[0].copy()
             thumb.thumbnail((THUMB_SIDE, THUMB_SIDE))
             thumb.save(partial / "thumb.png", format="PNG")
