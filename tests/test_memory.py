@@ -100,6 +100,27 @@ def png(image: Image.Image) -> bytes:
     return buffer.getvalue()
 
 
+def test_anonymous_api_calls_leave_no_gradio_session_state_behind(server):
+    """Issue 63 (the module's first test: memory the others free would hide the growth): 150 `/gpu_status`
+    calls over the gradio API, each under a new session hash (as gradio_client makes one per client): Gradio
+    kept a ~270 KB SessionState for each (10,000 took the server 0.19 -> 2.89 GB; here 150 grew it 39 MiB
+    before the fix); now each is dropped once its call is over."""
+    url, proc = server.url, server.proc
+    gradio = RawGradio(url)
+    try:
+        status = gradio.fn_index(api_name="gpu_status")
+        before = rss(proc.pid)
+        for k in range(150):
+            gradio.session = f"anon{k:06d}"
+            assert gradio.predict(status, []).status_code == 200
+        time.sleep(2.5)  # a sweep (web.sessions.SWEEP_S) after the last call
+        grown = rss(proc.pid) - before
+    finally:
+        gradio.close()
+    print(json.dumps({"anonymous_calls_mib": round(grown / MIB, 1)}))
+    assert grown < 20 * MIB, f"150 anonymous calls: the server grew {grown / MIB:.0f} MiB"
+
+
 def test_a_batch_naming_one_upload_150_times_is_refused_unread(server, tmp_path):
     """One 4 MB upload named 150 times in one /batch event (~30 KB of JSON): refused with the limit
     named, before any file is read (before the fix: +620 MiB of peak RSS on the 2-core machine)."""
@@ -196,6 +217,35 @@ def rest_edit(url: str, images: list[bytes], prompt: str = "make it red") -> soc
     return sock
 
 
+def test_a_flood_of_refused_connections_is_summed_up_in_the_log(server):
+    """800 connections from one address past its cap (MAX_CONNECTIONS_PER_CLIENT=32) are each refused with a
+    503, and the server's log writes a few of them (before: one warning per refusal, 490,370 lines in 75 s;
+    the line that sums up the rest: test_security_config)."""
+    url, log = server.url, server.log_path
+    port = int(url.rsplit(":", 1)[1])
+    held = []
+    try:
+        for _ in range(32):
+            sock = socket.socket()
+            sock.bind(("127.0.0.2", 0))
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            held.append(sock)
+        before = log.read_text().count("refused a connection")
+        for _ in range(800):
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.2", 0))
+                sock.connect(("127.0.0.1", port))
+                sock.settimeout(10)
+                assert sock.recv(4096).startswith(b"HTTP/1.1 503")
+        time.sleep(0.5)
+    finally:
+        for sock in held:
+            sock.close()
+    lines = [line for line in log.read_text().splitlines() if "refused a connection" in line]
+    assert len(lines) - before < 30, f"{len(lines) - before} lines for 800 refusals"
+
+
 def test_sixteen_waiting_ten_reference_requests_cost_their_bytes_and_memory_comes_back(server, tmp_path):
     """16 requests of ten 2048x2048 references (6 REST edits, 5 /v1/jobs, 5 gradio /edit) wait behind a stuck
     worker: the server's resident memory rises by their bytes, not their pixels (before the fix: every request
@@ -257,53 +307,3 @@ def test_sixteen_waiting_ten_reference_requests_cost_their_bytes_and_memory_come
              "MiB above idle after the jobs")
     after = rss(proc.pid) - idle
     print(json.dumps({"idle_mib": idle // MIB, "waiting_mib": held // MIB, "after_mib": after // MIB}))
-
-
-
-def test_a_flood_of_refused_connections_is_summed_up_in_the_log(server):
-    """800 connections from one address past its cap (MAX_CONNECTIONS_PER_CLIENT=32) are each refused with a
-    503, and the server's log writes a few of them (before: one warning per refusal, 490,370 lines in 75 s;
-    the line that sums up the rest: test_security_config)."""
-    url, log = server.url, server.log_path
-    port = int(url.rsplit(":", 1)[1])
-    held = []
-    try:
-        for _ in range(32):
-            sock = socket.socket()
-            sock.bind(("127.0.0.2", 0))
-            sock.connect(("127.0.0.1", port))
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
-            held.append(sock)
-        before = log.read_text().count("refused a connection")
-        for _ in range(800):
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.2", 0))
-                sock.connect(("127.0.0.1", port))
-                sock.settimeout(10)
-                assert sock.recv(4096).startswith(b"HTTP/1.1 503")
-        time.sleep(0.5)
-    finally:
-        for sock in held:
-            sock.close()
-    lines = [line for line in log.read_text().splitlines() if "refused a connection" in line]
-    assert len(lines) - before < 30, f"{len(lines) - before} lines for 800 refusals"
-
-
-def test_anonymous_api_calls_leave_no_gradio_session_state_behind(server):
-    """150 `/gpu_status` calls over the gradio API, each under a new session hash (as gradio_client makes
-    one per client): Gradio kept a ~270 KB SessionState for each (10,000 took the server 0.19 -> 2.89 GB;
-    here 1,000 grew it 264 MiB before the fix); now each is dropped once its call is over."""
-    url, proc = server.url, server.proc
-    gradio = RawGradio(url)
-    try:
-        status = gradio.fn_index(api_name="gpu_status")
-        before = rss(proc.pid)
-        for k in range(150):
-            gradio.session = f"anon{k:06d}"
-            assert gradio.predict(status, []).status_code == 200
-        time.sleep(2.5)  # a sweep (web.sessions.SWEEP_S) after the last call
-        grown = rss(proc.pid) - before
-    finally:
-        gradio.close()
-    print(json.dumps({"anonymous_calls_mib": round(grown / MIB, 1)}))
-    assert grown < 20 * MIB, f"150 anonymous calls: the server grew {grown / MIB:.0f} MiB"
