@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from conftest import LiveServer, free_port, make_manager, start_server
+from conftest import LiveServer, free_port, make_manager, start_server, wait_for
 
 HALF_OPEN = b"GET /health HTTP/1.1\r\nHost: x\r\n"  # no final blank line: the headers never end
 # A refused socket whose request reached the server before it closed is reset by the kernel (a close with
@@ -322,3 +322,26 @@ def test_a_client_leaving_mid_body_is_one_quiet_line_not_an_error(trickle_app):
             logger.removeHandler(handler)
     errors = [r for r in seen if r.levelno >= logging.ERROR]
     assert not errors, [(r.getMessage(), r.exc_info and r.exc_info[0]) for r in errors]
+
+
+def test_gradio_state_of_api_callers_goes_and_a_pages_stays(trickle_app):
+    """Issue 63 item 4 (web.sessions): a session no page opened is dropped once its call is over; one whose
+    page holds its heartbeat is kept (its memory figures: test_memory)."""
+    from raw_gradio import RawGradio
+
+    from imgedit.web.connections import guarded_protocol
+
+    with LiveServer(trickle_app, free_port(), http=guarded_protocol(10, 20, 20)) as server:
+        gradio = RawGradio(server.url)
+        try:
+            status = gradio.fn_index(api_name="gpu_status")
+            with gradio.http.stream("GET", f"{server.url}/gradio_api/heartbeat/a-page") as beat:
+                assert beat.status_code == 200
+                for session in ("api-caller", "a-page"):
+                    gradio.session = session
+                    assert gradio.predict(status, []).status_code == 200
+                holder = trickle_app.state.sessions.blocks.state_holder
+                wait_for(lambda: "api-caller" not in holder.session_data, 10, "the API caller's state stayed")
+                assert "a-page" in holder.session_data
+        finally:
+            gradio.close()

@@ -90,9 +90,9 @@ def build_app(settings: Settings, engine: Engine, demo: bool | None = None,
     guard_gradio_cleanup()  # one bad entry never stops Gradio's own sweep nor the shutdown
     # what outlives the build: the drain (serve), the history (tests read it)
     app.state.shutdown, app.state.history = parts.shutdown, parts.history
+    sessions = app.state.sessions = SessionSweeper()  # Gradio's per-session state (tests read it)
     app.add_middleware(ShutdownGate, shutdown=parts.shutdown)
     app.add_middleware(BrowserCookie)
-    sessions = SessionSweeper()
     app.add_middleware(PageWatch, sweeper=sessions)  # which Gradio sessions a page holds open
     # show_error=False: only gr.Error text (our own messages) reaches users, never Gradio's or Python's.
     app = gr.mount_gradio_app(

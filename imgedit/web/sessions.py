@@ -32,7 +32,7 @@ class SessionSweeper:
 
     def __init__(self, blocks=None):
         self.blocks = blocks
-        self.paged: set[str] = set()  # sessions whose page ever opened a heartbeat
+        self.paged: dict[str, float] = {}  # sessions whose page opened a heartbeat: when it was first seen
 
     def sweep(self, now: datetime.datetime | None = None) -> int:
         holder = getattr(self.blocks, "state_holder", None)
@@ -55,8 +55,12 @@ class SessionSweeper:
                 with holder.lock:
                     holder.session_data.pop(session_hash, None)
                     holder.time_last_used.pop(session_hash, None)
-                self.paged.discard(session_hash)
+                self.paged.pop(session_hash, None)
                 dropped.append(session_hash)
+        # heartbeats of sessions that never held state (made-up hashes too) are forgotten after a while
+        for session_hash, seen in list(self.paged.items()):
+            if session_hash not in holder.session_data and time.monotonic() - seen > CLOSED_S:
+                self.paged.pop(session_hash, None)
         if dropped:
             log.debug("dropped the state of %d idle Gradio session(s)", len(dropped))
         return len(dropped)
@@ -97,5 +101,5 @@ class PageWatch:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope.get("path", "").startswith(HEARTBEAT):
-            self.sweeper.paged.add(scope["path"][len(HEARTBEAT):].strip("/"))
+            self.sweeper.paged.setdefault(scope["path"][len(HEARTBEAT):].strip("/")[:100], time.monotonic())
         await self.app(scope, receive, send)
