@@ -372,8 +372,8 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
 
 # Read by the deployment files or the libraries, not by a setting of ours: a .env may name them
 OTHER_NAMES = ("GPU_COUNT", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES",
-               "MODEL_CACHE_DIR", "HF_HOME", "HF_TOKEN", "HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_HUB_ENABLE_HF_TRANSFER",
-               "GRADIO_TEMP_DIR", "GRADIO_ROOT_PATH")
+               "MODEL_CACHE_DIR", "HF_HOME", "HF_TOKEN", "HF_ENDPOINT", "HF_HUB_OFFLINE",
+               "HF_HUB_ENABLE_HF_TRANSFER", "GRADIO_TEMP_DIR", "GRADIO_ROOT_PATH")
 
 
 def load_env_file(path: str | os.PathLike) -> None:
