@@ -8,19 +8,22 @@ processes it starts own the GPUs (imgedit/engine/workers/pool.py, imgedit/runtim
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
+import sqlite3
 import sys
 from dataclasses import replace
 
-from dotenv import load_dotenv
+from dotenv import find_dotenv
 
 from imgedit.config.parsers import DeviceMap
-from imgedit.config.settings import load_settings, writable_folder
+from imgedit.config.settings import load_env_file, load_settings, writable_folder
 from imgedit.engine.workers.gpus import discover_gpus
 from imgedit.errors import ImgEditError, SettingsError
 from imgedit.planning.families import FAMILIES
+from imgedit.web import logs
 from imgedit.web.starting import StartingServer
 
 
@@ -36,19 +39,27 @@ def main(argv: list[str] | None = None) -> int:
                         "127.0.0.1, this machine only; 0.0.0.0 opens it to the network)")
     parser.add_argument("--port", type=int,
                         help="the port to serve on (sets GRADIO_SERVER_PORT; default 7860)")
+    parser.add_argument("--env-file", help="the .env file to read (default: .env in this folder or above "
+                        "it); a line it cannot parse, or a name one typo away from a setting's, stops "
+                        "start-up")
     args = parser.parse_args(argv)
-    load_dotenv()  # .env fills in what the environment does not set
-    if args.host is not None:
-        os.environ["GRADIO_SERVER_NAME"] = args.host
-    if args.port is not None:
-        os.environ["GRADIO_SERVER_PORT"] = str(args.port)
     try:
+        # .env fills in what the environment does not set; a line it cannot read stops start-up here
+        load_env_file(args.env_file or find_dotenv())
+        if args.host is not None:
+            os.environ["GRADIO_SERVER_NAME"] = args.host
+        if args.port is not None:
+            os.environ["GRADIO_SERVER_PORT"] = str(args.port)
         settings = load_settings()
         writable_folder("OUTPUT_DIR", settings.output_dir)
+        _history_readable(settings.output_dir)
+        writable_folder("COMPILE_CACHE_DIR", settings.compile_cache_dir)  # the workers' compiler writes there
+        if os.environ.get("GRADIO_TEMP_DIR"):  # Gradio's uploads and cached results
+            writable_folder("GRADIO_TEMP_DIR", os.environ["GRADIO_TEMP_DIR"])
     except SettingsError as exc:
         print(f"imgedit: {exc.message}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(settings.log_level)  # repeated lines summed up (a flood of refusals wrote 76 MB in 75 s)
     log = logging.getLogger("imgedit")
     # The port is bound now and answered from the first second: /health and the page say what the server
     # is doing while it inspects the checkpoint and starts the workers (a minute on a slow first start).
@@ -121,6 +132,20 @@ def _start(args, settings, starting, log) -> int:
         log.info("stopping the worker processes")
         manager.close()
     return 0
+
+
+def _history_readable(output_dir: str) -> None:
+    """The History's index (engine.jobs.history), if there is one, is a database: a damaged one ended in a
+    raw traceback after the workers had started."""
+    path = os.path.join(os.path.expanduser(output_dir), "history.sqlite3")
+    if not os.path.exists(path):
+        return
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+            db.execute("PRAGMA schema_version").fetchone()
+    except sqlite3.DatabaseError as exc:
+        raise SettingsError(f"Bad configuration:\n  the History's database {path} (in OUTPUT_DIR) cannot be "
+                            f"opened: {exc}; move it aside and start again (a new one is made)") from None
 
 
 def _exit_quietly(signum, frame) -> None:

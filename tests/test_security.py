@@ -345,7 +345,8 @@ def test_v1_wrong_method_or_path_is_openai_shaped(live_server, method, path, sta
 
 @pytest.fixture(scope="module")
 def impatient_server(plus_ckpt):
-    with start_server(make_manager(plus_ckpt, BODY_READ_TIMEOUT="2")) as server:
+    # BODY_MIN_RATE 100 bytes a second: the slow upload below (a small body in pieces 1.2 s apart) stays above it
+    with start_server(make_manager(plus_ckpt, BODY_READ_TIMEOUT="2", BODY_MIN_RATE="100")) as server:
         yield server
 
 

@@ -7,11 +7,15 @@ value stops start-up with a message naming the variable, the value and what is a
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from dotenv import load_dotenv
+from dotenv.parser import parse_stream
 
 from imgedit.config.loras import entries, parse_loras
 from imgedit.config.parsers import (
@@ -73,7 +77,8 @@ REGISTRY: tuple[Var, ...] = (
         "Jobs allowed to wait in line; more get 'busy, try later'"),
     Var("DEFAULT_STEPS", "0", _int_range(0, 1000),
         "Default denoising steps; 0 = per model (Edit 50, Plus 40, Qwen-Image-2.1 40)"),
-    Var("MAX_STEPS", "100", _int_range(1, 1000), "Largest num_inference_steps a request may ask for"),
+    Var("MAX_STEPS", "100", _int_range(2, 1000),  # one step makes a blank image: every request was refused
+        "Largest num_inference_steps a request may ask for"),
     Var("DEFAULT_TRUE_CFG", "4.0", _float_range(1.0, 20.0),
         "Default true CFG scale (1 turns CFG off) for the edit models; Qwen-Image-2.1 runs at 1 (no CFG) "
         "unless a request asks"),
@@ -84,6 +89,9 @@ REGISTRY: tuple[Var, ...] = (
     Var("MAX_FILE_SIZE", "25MB", _size, "Largest upload accepted by the UI and REST"),
     Var("BODY_READ_TIMEOUT", "30", _int_range(1, 3600),
         "Seconds a request body may stall (no bytes at all) before the server answers 408 and hangs up"),
+    Var("BODY_MIN_RATE", "1024", _int_range(0, 1_000_000_000),
+        "Bytes per second a request body must average once BODY_READ_TIMEOUT seconds have passed (0 = no "
+        "floor); a slower one is answered 408, and is the first to go when the server is full"),
     Var("HEADER_READ_TIMEOUT", "10", _int_range(1, 3600),
         "Seconds a connection may take to send a request's "
         "headers before the server answers 408 and hangs up"),
@@ -245,6 +253,7 @@ class Settings:
     max_output_pixels: int
     max_file_size: int
     body_read_timeout: int
+    body_min_rate: int
     header_read_timeout: int
     max_connections: int
     max_connections_per_client: int
@@ -330,6 +339,9 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
         except ValueError as exc:
             shown = "(hidden)" if var.name in SECRET else repr(raw)  # a typo must not print the keys
             problems.append(f"{var.name}={shown} is not valid: expected {exc}")
+    if values.get("max_file_size") is not None and values["max_file_size"] < 1024:  # 0 refused every upload
+        problems.append(f"MAX_FILE_SIZE={env.get('MAX_FILE_SIZE')!r} is not valid: expected at least 1KB "
+                        "(smaller refuses every upload)")
     steps, most = values.get("default_steps"), values.get("max_steps")
     if steps is not None and most is not None and steps > most:
         problems.append(f"DEFAULT_STEPS={steps} is above MAX_STEPS={most}")
@@ -358,6 +370,43 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
     return Settings(**values)
 
 
+# Read by the deployment files or the libraries, not by a setting of ours: a .env may name them
+OTHER_NAMES = ("GPU_COUNT", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES",
+               "MODEL_CACHE_DIR", "HF_HOME", "HF_TOKEN", "HF_ENDPOINT", "HF_HUB_OFFLINE",
+               "HF_HUB_ENABLE_HF_TRANSFER", "GRADIO_TEMP_DIR", "GRADIO_ROOT_PATH")
+
+
+def load_env_file(path: str | os.PathLike) -> None:
+    """`.env` into the environment (what the environment sets wins), by python-dotenv, strictly: a line it
+    cannot parse (an unclosed quote on GRADIO_AUTH's line started a server with no login: python-dotenv only
+    logs it), a NUL byte, or a name one typo away from a setting's (QUEUE_MAX_SIZ=4) stops start-up with a
+    SettingsError naming the line. Values are never shown: the line may hold a key."""
+    if not path or not os.path.isfile(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as stream:
+            bindings = list(parse_stream(stream))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"Bad configuration:\n  {path} cannot be read: {exc}") from None
+    known = [var.name for var in REGISTRY] + list(OTHER_NAMES)
+    problems, line = [], 1
+    for binding in bindings:
+        start, line = line, line + binding.original.string.count("\n")
+        name = binding.key or binding.original.string.split("=", 1)[0].strip()[:40]
+        if binding.error:
+            problems.append(f"{path} line {start} ({name}=...) cannot be parsed (an unclosed quote?)")
+        elif binding.key is not None and "\0" in binding.original.string:
+            problems.append(f"{path} line {start} ({name}=...) holds a NUL byte")
+        elif binding.key is not None and binding.key not in known:
+            close = difflib.get_close_matches(binding.key, known, n=1, cutoff=0.85)
+            if close:
+                problems.append(f"{path} line {start}: {binding.key} is not a setting; "
+                                f"did you mean {close[0]}?")
+    if problems:
+        raise SettingsError("Bad configuration:\n  " + "\n  ".join(problems))
+    load_dotenv(path)
+
+
 def public_model_name(model: str) -> str:
     """A hub id as it is; a local checkpoint by its folder's name, not its path."""
     return os.path.basename(model.rstrip("/")) if model.startswith(("/", "~", ".")) else model
@@ -374,6 +423,6 @@ def writable_folder(name: str, path: str) -> Path:
         probe.unlink()
     except OSError as exc:
         raise SettingsError(f"Bad configuration:\n  {name}={path!r} cannot be used as a folder: "
-                            f"{exc.strerror or type(exc).__name__}; "
+                            f"{'it is a file' if folder.is_file() else exc.strerror or type(exc).__name__}; "
                             "choose a folder this user can write") from exc
     return folder

@@ -17,10 +17,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from imgedit.config.settings import Settings
+from imgedit.engine import heap
 from imgedit.engine.canvas import expanded
-from imgedit.engine.images import stamp_result
+from imgedit.engine.images import Encoded, decoded, stamp_result
 from imgedit.engine.interface import Engine, StepCallback, WaitCallback
 from imgedit.engine.line import Line
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
@@ -306,8 +308,10 @@ class PipelineManager(Engine):
             timings["queue"] = round(time.perf_counter() - waited, 4)
             if cancel.is_set():
                 raise Cancelled("cancelled before it started")
-            # an expanded canvas runs as a masked edit of the padded image (the request keeps the original)
-            events = worker.submit(Job(expanded(req) if task == "edit" else req, params, self.family))
+            # the inputs decoded now that the job has a worker; an expanded canvas runs as a masked edit of
+            # the padded image (the request keeps the original)
+            job_req = _with_pixels(req)
+            events = worker.submit(Job(expanded(job_req) if task == "edit" else job_req, params, self.family))
             answer = wait_result(worker, events, cancel, on_step)
             if not isinstance(answer, Done):
                 raise ERRORS.get(answer.kind, ImgEditError)(answer.message)
@@ -320,6 +324,8 @@ class PipelineManager(Engine):
         finally:
             if worker is not None:
                 self.line.release(worker)
+            if any(isinstance(image, Encoded) for image in req.images):
+                heap.give_back()  # the pixels decoded for the job are gone: their pages too
             seconds = time.perf_counter() - started
             log.info("%s %s source=%s outcome=%s worker=%s steps=%d %.2fs", req.request_id, task, req.source,
                      outcome, worker.name if worker else "-", steps, seconds)
@@ -363,3 +369,11 @@ class PipelineManager(Engine):
         """The plan's weights on each local GPU (the panel's until a worker measured its own). Ray plans name
         GPUs of other machines: not these."""
         return {} if self._plan is None or self.settings.workers == "ray" else self._plan.gpu_weights_mib()
+
+
+def _with_pixels(req: EditRequest) -> EditRequest:
+    """The request as the worker takes it: inputs that waited in line as their bytes (images.Encoded) decoded
+    now that the job has a worker, so a waiting request costs its compressed size."""
+    if not any(isinstance(image, Encoded) for image in req.images):
+        return req
+    return replace(req, images=tuple(decoded(image) for image in req.images))

@@ -109,19 +109,21 @@ def output_size(width: int | None, height: int | None, last_image_size: tuple[in
             raise InvalidInput(f"{name} {value} is out of range: {MIN_SIDE} to 16384 (0 = automatic)", name)
     if width is None and height is None:
         return None, None
+    asked = width is not None and height is not None
     if width is None or height is None:
         if last_image_size is None:
             return width, height  # checked again once the images are decoded
         aspect = last_image_size[0] / last_image_size[1]
         width = width or max(MIN_SIDE, round(height * aspect))
         height = height or max(MIN_SIDE, round(width / aspect))
-    width = max(MIN_SIDE, width // multiple * multiple)
-    height = max(MIN_SIDE, height // multiple * multiple)
+    rounded = max(MIN_SIDE, width // multiple * multiple), max(MIN_SIDE, height // multiple * multiple)
+    # a size asked is checked as asked: 2064x2048 (over the limit) rounded down to 2048x2048 passed
+    width, height = (width, height) if asked else rounded
     if width * height > settings.max_output_pixels:
         raise InvalidInput(
             f"output {width}x{height} is {width * height:,} pixels; the limit is "
             f"{settings.max_output_pixels:,} (MAX_OUTPUT_PIXELS)", "width")
-    return width, height
+    return rounded
 
 
 def check_params(req: EditRequest, settings: Settings, family: str,
@@ -251,8 +253,10 @@ def _check_prompt(req: EditRequest, tokens: PromptTokens | None) -> None:
         if isinstance(text, str) and (found := CONTROL_TOKEN.search(text)):
             raise InvalidInput(f"the {field.replace('_', ' ')} contains {found.group(0)}, a control token of "
                                "the model's text encoder: leave it out", field)
-    if len(req.prompt) > MAX_PROMPT_CHARS or len(req.negative_prompt or "") > MAX_PROMPT_CHARS:
-        raise InvalidInput(f"the prompt is longer than {MAX_PROMPT_CHARS} characters", "prompt")
+    for field, text in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt or "")):
+        if len(text) > MAX_PROMPT_CHARS:  # each named as itself (a long negative prompt was "the prompt")
+            raise InvalidInput(f"the {field.replace('_', ' ')} is longer than {MAX_PROMPT_CHARS} characters",
+                               field)
     if tokens is not None:
         check_tokens(req, tokens)
 

@@ -33,6 +33,7 @@ from imgedit.web.page.cancel import build_cancel_router
 from imgedit.web.page.uploads import EventGuard, PartialUploadSweeper, guard_gradio_cleanup
 from imgedit.web.serving import ShutdownGate
 from imgedit.web.serving import serve as serve_until_drained
+from imgedit.web.sessions import PageWatch, SessionSweeper
 from imgedit.web.timeouts import BodyReadTimeout
 
 log = logging.getLogger(__name__)
@@ -84,18 +85,22 @@ def build_app(settings: Settings, engine: Engine, demo: bool | None = None,
                   redoc_url=None, openapi_url="/openapi.json")
     api_errors.install(app)  # every REST route's errors in OpenAI's shape
     app.add_middleware(EventGuard)  # every Gradio event's file paths, before Gradio sees them
-    app.add_middleware(BodyReadTimeout, seconds=settings.body_read_timeout)  # outermost: times every read
+    # outermost: times every read
+    app.add_middleware(BodyReadTimeout, seconds=settings.body_read_timeout, min_rate=settings.body_min_rate)
     # before REST's /v1 catch-all (404/405 fallback)
     app.include_router(build_jobs_router(settings, parts.engine, parts.jobs, metrics))
     app.include_router(build_router(settings, parts.engine, metrics, parts.monitor, parts.history))
-    app.include_router(build_cancel_router(blocks))  # ahead of the mount: it replaces Gradio's cancel route
+    # ahead of the mount: it replaces Gradio's cancel route
+    app.include_router(build_cancel_router(blocks, bool(settings.auth)))
     # abandoned partial uploads (Gradio keeps them): deleted now and every few seconds
     PartialUploadSweeper(settings.body_read_timeout).start()
     guard_gradio_cleanup()  # one bad entry never stops Gradio's own sweep nor the shutdown
     # what outlives the build: the drain (serve), the history (tests read it)
     app.state.shutdown, app.state.history = parts.shutdown, parts.history
+    sessions = app.state.sessions = SessionSweeper()  # Gradio's per-session state (tests read it)
     app.add_middleware(ShutdownGate, shutdown=parts.shutdown)
     app.add_middleware(BrowserCookie)
+    app.add_middleware(PageWatch, sweeper=sessions)  # which Gradio sessions a page holds open
     # show_error=False: only gr.Error text (our own messages) reaches users, never Gradio's or Python's.
     app = gr.mount_gradio_app(
         app, blocks, path="/", auth=settings.auth, show_error=False, max_file_size=settings.max_file_size,
@@ -105,6 +110,10 @@ def build_app(settings: Settings, engine: Engine, demo: bool | None = None,
     # only once `has_launched` is set, which launch() does and mount_gradio_app does not: without this
     # a hand-made request could have any server file copied into the cache and served back.
     blocks.has_launched = True
+    # the mounted Gradio app, whose login cookie our own Gradio routes check (web.page.cancel)
+    app.state.gradio_app = next((r.app for r in app.routes if hasattr(getattr(r, "app", None), "tokens")),
+                                None)
+    sessions.start(blocks)  # Gradio's per-session state: API calls' dropped, idle pages' after a while
     return app
 
 

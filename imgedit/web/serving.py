@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse
 
 from imgedit.config.settings import Settings
 from imgedit.engine.shutdown import REFUSED, Shutdown
+from imgedit.web import logs
 from imgedit.web.connections import uvicorn_options
 
 log = logging.getLogger(__name__)
@@ -58,4 +59,5 @@ def serve(app, settings: Settings, shutdown: Shutdown, sock=None) -> None:
     config = uvicorn.Config(app, host=settings.gradio_server_name, port=settings.gradio_server_port,
                             log_level=settings.log_level.lower(), timeout_graceful_shutdown=UVICORN_CLOSE_S,
                             **uvicorn_options(settings))  # the headers' deadline, the connection caps
+    logs.calm(*(logging.getLogger(name) for name in logs.UVICORN_LOGGERS))  # handlers uvicorn just made
     GracefulServer(config).run(sockets=[sock] if sock is not None else None)

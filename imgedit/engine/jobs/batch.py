@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import PurePosixPath
 
 from imgedit.config.settings import Settings
-from imgedit.engine.images import SUFFIXES, mask_digest, open_image, reencoded
+from imgedit.engine.images import SUFFIXES, encoded_image, mask_digest, reencoded
 from imgedit.engine.interface import Engine
 from imgedit.engine.jobs.history import HistoryEntry, HistoryStore
 from imgedit.engine.jobs.records import JobRecords, job_state
@@ -312,7 +312,7 @@ class JobService:
                 raise Cancelled("cancelled before it started")
             alpha = self.alpha
             images = await asyncio.to_thread(
-                lambda: tuple(open_image(raw, settings.max_input_pixels, f"{item.name}", alpha)
+                lambda: tuple(encoded_image(raw, settings.max_input_pixels, f"{item.name}", alpha)
                               for raw in item.inputs))
             # The template's prompt and every setting (speed, lora and lora_scale included) carry over.
             req = replace(job.template, images=images, request_id=new_request_id(), source=job.source,

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from imgedit.config.settings import Settings
-from imgedit.engine.images import save_png
+from imgedit.engine import heap
+from imgedit.engine.images import decoded, save_png
 from imgedit.protocol import EditRequest, EditResult
 
 log = logging.getLogger(__name__)
@@ -177,8 +178,9 @@ class HistoryStore:
                     (partial / f"out-{i}.png").write_bytes(pngs[i])
                 else:
                     save_png(image, partial / f"out-{i}.png")  # with the settings that made it
-            for i, image in enumerate(req.images):
-                image.save(partial / f"in-{i}.png", format="PNG", compress_level=1)
+            for i, image in enumerate(req.images):  # one decoded at a time
+                decoded(image).save(partial / f"in-{i}.png", format="PNG", compress_level=1)
+            heap.give_back()  # their pixels' pages, which this thread's arena would keep
             thumb = result.images[0].copy()
             thumb.thumbnail((THUMB_SIDE, THUMB_SIDE))
             thumb.save(partial / "thumb.png", format="PNG")

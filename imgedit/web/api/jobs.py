@@ -26,6 +26,7 @@ from starlette.datastructures import UploadFile
 
 from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
+from imgedit.engine import heap
 from imgedit.engine.images import open_image, reencoded
 from imgedit.engine.interface import Engine
 from imgedit.engine.jobs.batch import (
@@ -312,4 +313,5 @@ def check_images(sets: list[tuple[str, list[bytes]]], settings: Settings,
             checked.append(exc)
             continue
         checked.append(first)
+    heap.give_back()  # the decoded pixels are gone: their pages too (else each thread's arena keeps them)
     return checked

@@ -14,7 +14,7 @@ from starlette.datastructures import UploadFile
 
 from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
-from imgedit.engine.images import REPLY_FORMATS, image_label, open_image
+from imgedit.engine.images import REPLY_FORMATS, encoded_image, image_label
 from imgedit.engine.interface import Engine
 from imgedit.engine.masks import open_mask
 from imgedit.engine.validation import check_counts
@@ -182,7 +182,8 @@ async def read_form(request: Request, max_files: int, files_why: str):
 
 
 async def read_images(form, settings: Settings, manager: Engine) -> list:
-    """The `image`/`image[]` files, each read up to MAX_FILE_SIZE and opened within MAX_INPUT_PIXELS."""
+    """The `image`/`image[]` files, each read up to MAX_FILE_SIZE and checked within MAX_INPUT_PIXELS by its
+    header; decoded when the job has a worker (engine.images.Encoded)."""
     uploads = [v for key in IMAGE_FIELDS for v in form.getlist(key)]
     if any(not isinstance(u, UploadFile) for u in uploads):
         raise InvalidInput("'image' must be a file upload, not a text field")
@@ -194,7 +195,7 @@ async def read_images(form, settings: Settings, manager: Engine) -> list:
         if len(raw) > settings.max_file_size:
             raise InputTooLarge(f"{label} is larger than {human_size(settings.max_file_size)} "
                                 "(MAX_FILE_SIZE)")
-        images.append(await asyncio.to_thread(open_image, raw, settings.max_input_pixels, label,
+        images.append(await asyncio.to_thread(encoded_image, raw, settings.max_input_pixels, label,
                                               FAMILIES[manager.family].rgba))
     return images
 

@@ -15,7 +15,7 @@ import asyncio
 import logging
 
 import gradio as gr
-from fastapi import APIRouter
+from fastapi import APIRouter, HTTPException, Request
 from gradio.data_classes import CancelBody
 from gradio.server_messages import ProcessCompletedMessage
 
@@ -28,11 +28,27 @@ def task_name(session_hash: str, fn_index: int, event_id: str) -> str:
     return f"{session_hash}_{fn_index}<gradio-sep>{event_id}"
 
 
-def build_cancel_router(blocks: gr.Blocks) -> APIRouter:
+def logged_in(request: Request, auth_enabled: bool) -> bool:
+    """Gradio's own login check (its `access-token` cookie), which Gradio 6.31's cancel route lacks: with
+    GRADIO_AUTH set anyone could cancel anyone's job by its ids. `request.app.state.gradio_app`: the mounted
+    Gradio app (web.app); while it is unknown, a server with logins refuses."""
+    if not auth_enabled:
+        return True
+    gradio_app = getattr(request.app.state, "gradio_app", None)
+    if gradio_app is None:
+        return False
+    token = (request.cookies.get(f"access-token-{gradio_app.cookie_id}")
+             or request.cookies.get(f"access-token-unsecure-{gradio_app.cookie_id}"))
+    return gradio_app.tokens.get(token) is not None
+
+
+def build_cancel_router(blocks: gr.Blocks, auth_enabled: bool = False) -> APIRouter:
     router = APIRouter()
 
     @router.post(CANCEL_PATH, include_in_schema=False)
-    async def cancel_event(body: CancelBody) -> dict:
+    async def cancel_event(body: CancelBody, request: Request) -> dict:
+        if not logged_in(request, auth_enabled):
+            raise HTTPException(401, {"error": "Not authenticated"})
         name = task_name(body.session_hash, body.fn_index, body.event_id)
         tasks = [task for task in asyncio.all_tasks() if task.get_name() == name]
         for task in tasks:

@@ -8,7 +8,7 @@ import inspect
 import gradio as gr
 
 from imgedit.config.settings import Settings
-from imgedit.engine.images import image_label, open_image, peek_image
+from imgedit.engine.images import encoded_image, image_label, peek_image
 from imgedit.engine.masks import open_mask
 from imgedit.engine.validation import check_counts
 from imgedit.errors import InvalidInput
@@ -49,7 +49,8 @@ def decode_uploads(settings: Settings, family: str, images, decode: bool = True)
         return tuple(peek_image(p, settings.max_input_pixels, image_label(i + 1, p))
                      for i, p in enumerate(paths))
     alpha = FAMILIES[family].rgba
-    return tuple(open_image(p, settings.max_input_pixels, image_label(i + 1, p), alpha)
+    # kept compressed while the job waits; decoded once it has a worker (engine.images.Encoded)
+    return tuple(encoded_image(p, settings.max_input_pixels, image_label(i + 1, p), alpha)
                  for i, p in enumerate(paths))
 
 

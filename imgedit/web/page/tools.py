@@ -17,7 +17,7 @@ from gradio.utils import get_upload_folder
 from PIL import Image, ImageOps
 
 from imgedit.config.settings import Settings
-from imgedit.engine.images import open_image, png_bytes, read_settings
+from imgedit.engine.images import decoded, open_image, png_bytes, read_settings
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.engine.validation import MAX_PROMPT_CHARS, check_params, model_defaults, output_size
 from imgedit.errors import ImgEditError
@@ -333,5 +333,5 @@ def page_files(req: EditRequest, first: Image.Image,
     results = cached_pngs(pngs, "result")
     if not req.images:
         return results, None
-    before = compare_pair(req.images[0], first, req.mask)[0]
+    before = compare_pair(decoded(req.images[0]), first, req.mask)[0]
     return results, (cached_pngs([png_bytes(before)], "before")[0], results[0])

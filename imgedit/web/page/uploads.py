@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from gradio import route_utils
 from gradio.utils import get_upload_folder
+from starlette.requests import ClientDisconnect
 
 from imgedit.engine.images import FORMATS, image_or_zip
 from imgedit.errors import InvalidInput
@@ -214,18 +215,34 @@ class EventGuard:
         if scope["method"] == "POST" and path.rstrip("/") == "/gradio_api/upload":
             send = _images_only(send)
         started = False
+        upload = scope["method"] == "POST" and path.rstrip("/") == "/gradio_api/upload"
+        held: list[dict] = []  # an upload's 500, until we know whether it was a part without a file name
 
         async def tracked(message):
             nonlocal started
+            if upload and (held or (message["type"] == "http.response.start" and message["status"] == 500)):
+                held.append(message)
+                return
             started = started or message["type"] == "http.response.start"
             await send(message)
 
         try:
             await self.app(scope, receive, _own_errors_only(path, tracked))
-        except Exception:  # Gradio lets some refusals escape (e.g. an unknown fn_index: KeyError)
+        except ClientDisconnect:  # the client left mid-body: nobody to answer (was an ERROR and a traceback)
+            log.info("%s %s: the client left before its body was sent", scope["method"], path)
+        except Exception as exc:  # Gradio lets some refusals escape (e.g. an unknown fn_index: KeyError)
+            if isinstance(exc, TypeError) and upload and not started:
+                # a part with an empty file name is a form field to Gradio's parser, not a file: it raised
+                # TypeError("File is not an instance of GradioUploadFile"), a 500
+                log.info("%s: %s", path, exc)
+                await _answer(send, 400, path, "every part of an upload must be a file with a file name")
+                return
             log.exception("%s %s failed inside Gradio", scope["method"], path)
             if not started:
                 await _answer(send, 500, path, UNREADABLE)
+        else:
+            for message in held:
+                await send(message)
 
 
 # Names the page's pickers offer; a broken file named like an image is kept (the edit or the Batch
