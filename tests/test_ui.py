@@ -35,6 +35,11 @@ def test_edit_round_trip_returns_png_and_seed(client, image_file):
     assert Image.open(path).size == (64, 64)
     _, random_seed = client.predict(*edit_args([image_file], randomize=True), api_name="/edit")
     assert isinstance(random_seed, int) and 0 <= random_seed < 2**31
+    # #62: a seed given by keyword is the seed used (randomize_seed's API default is False); none: a random one
+    small = dict(images=[handle_file(str(image_file))], prompt="x", num_inference_steps=2, width=64, height=64)
+    assert client.predict(**small, seed=42, api_name="/edit")[1] == 42
+    drawn = {client.predict(**small, api_name="/edit")[1] for _ in range(2)}
+    assert len(drawn) == 2, drawn
 
 
 def test_the_gradio_api_contract_optional_parameters_named_results_same_names(client, image_file):

@@ -93,7 +93,8 @@ def event_fields(raw: dict) -> dict:
             fields[param.name] = _number(value, param.name, param.default)
         elif param.kind == "flag":
             fields[param.name] = _flag(value, param.name)
-    fields["seed"] = None if _flag(raw.get("randomize_seed"), "randomize_seed") else fields.get("seed") or 0
+    # a seed given is used unless "randomize" is ticked; none (the API's default) draws one
+    fields["seed"] = None if _flag(raw.get("randomize_seed"), "randomize_seed") else fields.get("seed")
     fields["width"], fields["height"] = fields.get("width") or None, fields.get("height") or None
     fields["speed"], fields["lora"], fields["lora_scale"] = parse_speed_inputs(
         raw.get("speed"), raw.get("lora"), raw.get("lora_scale"))
