@@ -8,20 +8,27 @@ processes it starts own the GPUs (imgedit/engine/workers/pool.py, imgedit/runtim
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
 import sys
 from dataclasses import replace
 
-from dotenv import load_dotenv
+SET_UP = "python3 -m venv .venv && .venv/bin/pip install -r requirements.txt"
+try:
+    from dotenv import load_dotenv
 
-from imgedit.config.parsers import DeviceMap
-from imgedit.config.settings import load_settings, writable_folder
-from imgedit.engine.workers.gpus import discover_gpus
-from imgedit.errors import ImgEditError, SettingsError
-from imgedit.planning.families import FAMILIES
-from imgedit.web.starting import StartingServer
+    from imgedit.config.parsers import DeviceMap
+    from imgedit.config.settings import load_settings, writable_folder
+    from imgedit.engine.workers.gpus import discover_gpus
+    from imgedit.errors import ImgEditError, SettingsError
+    from imgedit.planning.families import FAMILIES
+    from imgedit.web.starting import StartingServer
+except ModuleNotFoundError as missing:  # a Python outside the project's environment: one line, not a traceback
+    print(f"imgedit: the package {missing.name!r} is missing: run .venv/bin/python app.py (the README's set-up "
+          f"makes .venv: {SET_UP})", file=sys.stderr)
+    sys.exit(2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         starting = StartingServer(settings.gradio_server_name, settings.gradio_server_port,
                                   "inspecting the checkpoint and the LoRA files")
     except OSError as exc:
+        if exc.errno == errno.EADDRNOTAVAIL:  # bind() to an address no interface of this machine has
+            log.error("%s is not an address of this machine: use 127.0.0.1 (this machine only), 0.0.0.0 (every "
+                      "network) or one of its own addresses (--host or GRADIO_SERVER_NAME)",
+                      settings.gradio_server_name)
+            return 2
         log.error("port %d is in use on %s (%s): stop what serves there, or choose another port with "
                   "--port or GRADIO_SERVER_PORT", settings.gradio_server_port, settings.gradio_server_name,
                   exc.strerror or exc)
