@@ -556,24 +556,46 @@ def test_an_edit_chain_with_undo_redo_and_going_back(browser, server, photos):
     assert not page.locator("#chain-strip").is_visible()  # no chain before a result is used
     first = edit_and_use_it(start)
     expect(strip).to_have_count(2, timeout=30_000)
+    # #62: the input is named from its prompt and seed (every step's was "result-0.png")
+    expect(page.locator("#input-files")).to_contain_text("make-it-blue-seed", timeout=30_000)
+    assert "result-0" not in page.locator("#input-files").inner_text()
+    page.locator("#prompt textarea").fill("make it green")
     second = edit_and_use_it(first)
     expect(strip).to_have_count(3, timeout=30_000)
     assert len({start, first, second}) == 3
+    # #62: each thumbnail whole (they were cut to their top half) and its caption on screen: the element at the
+    # bottom of each picture and at each caption is that step's own
+    page.wait_for_timeout(500)
+    whole = page.evaluate("""() => [...document.querySelectorAll('#chain-strip img')].map(img => {
+        const cell = img.closest('button') || img.parentElement, r = img.getBoundingClientRect();
+        const caption = [...cell.querySelectorAll('*')].find(e => /start|edit/.test(e.textContent)
+            && !e.children.length);
+        const c = caption && caption.getBoundingClientRect();
+        const at = (x, y) => cell.contains(document.elementFromPoint(x, y));
+        return r.height > 20 && at(r.x + r.width / 2, r.bottom - 3) && !!c && at(c.x + c.width / 2, c.y + c.height / 2);
+    })""")
+    assert whole == [True, True, True], whole
     expect(page.locator("#chain-redo")).to_be_disabled()
     page.locator("#chain-undo").click()
     assert shown_input(other_than=second) == first
+    expect(page.locator("#prompt textarea")).to_have_value("make it green", timeout=30_000)  # what it was edited with
     expect(page.locator("#chain-redo")).to_be_enabled(timeout=30_000)
     page.locator("#chain-redo").click()
     assert shown_input(other_than=first) == second
-    strip.first.click()  # back to the start: the photo as it was uploaded
+    strip.first.click()  # back to the start: the photo as it was uploaded, and the prompt it was edited with
     assert shown_input(other_than=second) == start
+    expect(page.locator("#prompt textarea")).to_have_value("make it blue", timeout=30_000)
     expect(page.locator("#chain-undo")).to_be_disabled(timeout=30_000)
     expect(page.locator("#chain-strip")).to_contain_text("start (now)")
     ARTIFACTS.mkdir(exist_ok=True)
     page.locator("#edit-chain").last.screenshot(path=str(ARTIFACTS / "browser-chain.png"))
-    # kept per browser: a reload shows the chain again, and a step still brings its inputs back
+    # kept per browser: a reload shows the chain again with the step it marks "now" in the editor (it said
+    # "edit 2 (now)" over an empty editor), and a step still brings its inputs back
     page.reload()
     page.locator("#edit-button").wait_for(timeout=60_000)
     expect(strip).to_have_count(3, timeout=30_000)
+    expect(page.locator("#chain-strip")).to_contain_text("start (now)")
+    assert shown_input() == start
+    expect(page.locator("#prompt textarea")).to_have_value("make it blue", timeout=30_000)
     strip.nth(1).click()
-    assert shown_input() == first
+    assert shown_input(other_than=start) == first

@@ -489,13 +489,16 @@ def test_a_reloaded_edit_chain_drops_the_steps_whose_files_are_gone():
         picture().save(path)
         steps.append([str(path)])
     try:
-        value, group, strip, undo, redo = reload({"steps": steps, "at": 1})
-        assert value == {"steps": steps, "at": 1} and group["visible"] and len(strip) == 3
+        files, prompt, value, group, strip, undo, redo = reload({"steps": steps, "at": 1, "prompts": [None, "a", 3]})
+        assert value == {"steps": steps, "at": 1, "prompts": [None, "a", None]} and group["visible"] and len(strip) == 3
         assert undo["interactive"] and redo["interactive"]
+        # #62: the step marked "(now)" is in the editor again, with the prompt it was edited with
+        assert files == steps[1] and prompt == "a"
         Path(steps[1][0]).unlink()  # swept
-        value, _, strip, undo, redo = reload({"steps": [*steps, ["/etc/hosts"]], "at": 1})
-        assert value == {"steps": [steps[0], steps[2]], "at": 1} and [s[1] for s in strip] == ["start", "edit 1 (now)"]
+        files, _, value, _, strip, undo, redo = reload({"steps": [*steps, ["/etc/hosts"]], "at": 1})
+        assert value == {"steps": [steps[0], steps[2]], "at": 1, "prompts": [None, None]}
+        assert [s[1] for s in strip] == ["start", "edit 1 (now)"] and files == steps[2]
         assert undo["interactive"] and not redo["interactive"]
-        assert reload("junk")[0] == {"steps": [], "at": -1} and not reload(None)[1]["visible"]
+        assert reload("junk")[2] == {"steps": [], "at": -1, "prompts": []} and not reload(None)[3]["visible"]
     finally:
         shutil.rmtree(folder, ignore_errors=True)

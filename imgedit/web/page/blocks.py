@@ -386,7 +386,7 @@ def build_blocks(settings: Settings, manager: Engine, demo: bool = False, monito
         preview.select(tools.chosen_input, None, chosen_input, queue=False, api_visibility="private")
         first.click(tools.make_first, [files, chosen_input], files, preprocess=False, queue=False,
                     api_visibility="private")
-        wire_chain(blocks, tools, files, result, chosen, again, chain_controls)
+        wire_chain(blocks, tools, files, result, chosen, again, chain_controls, prompt)
         add.click(tools.add_result, [files, result, chosen], files, preprocess=False,
                   api_visibility="private")
         # No progress timer over the panel: it is refreshed every 2 s.

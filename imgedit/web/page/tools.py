@@ -253,9 +253,6 @@ class PageTools:
             there = False
         return gr.update(interactive=there), gr.update(interactive=there)
 
-    def use_result(self, gallery, index) -> list[str]:
-        return [self.chosen_result(gallery, index)]
-
     def add_result(self, images, gallery, index) -> list[str]:
         path = self.chosen_result(gallery, index)
         paths = self._paths(images)
@@ -313,18 +310,20 @@ def cached_pngs(pngs: list[bytes], stem: str) -> list[str]:
     for the comparison (docs/BENCHMARKS.md). The folder is named by Gradio's own hash of the bytes; a file
     that is there already (the same bytes) is only touched, never rewritten while a browser may be reading
     it."""
-    paths = []
-    for i, png in enumerate(pngs):
-        path = Path(get_upload_folder()) / hash_bytes(png) / f"{stem}-{i}.png"
-        if path.exists():
-            os.utime(path)  # Gradio's cache sweep ages files by their time
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            staging = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-            staging.write_bytes(png)
-            os.replace(staging, path)
-        paths.append(str(path.resolve()))
-    return paths
+    return [cached_png(png, f"{stem}-{i}.png") for i, png in enumerate(pngs)]
+
+
+def cached_png(png: bytes, name: str) -> str:
+    """One PNG written once into Gradio's cache under `name` (cached_pngs)."""
+    path = Path(get_upload_folder()) / hash_bytes(png) / name
+    if path.exists():
+        os.utime(path)  # Gradio's cache sweep ages files by their time
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+        staging.write_bytes(png)
+        os.replace(staging, path)
+    return str(path.resolve())
 
 
 def page_files(req: EditRequest, first: Image.Image,
