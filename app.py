@@ -25,7 +25,7 @@ try:
     from imgedit.errors import ImgEditError, SettingsError
     from imgedit.planning.families import FAMILIES
     from imgedit.web.starting import StartingServer
-except ModuleNotFoundError as missing:  # a Python outside the project's environment: one line, not a traceback
+except ModuleNotFoundError as missing:  # a Python outside the project's environment: one line, no traceback
     print(f"imgedit: the package {missing.name!r} is missing: run .venv/bin/python app.py (the README's set-up "
           f"makes .venv: {SET_UP})", file=sys.stderr)
     sys.exit(2)
@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "inspecting the checkpoint and the LoRA files")
     except OSError as exc:
         if exc.errno == errno.EADDRNOTAVAIL:  # bind() to an address no interface of this machine has
-            log.error("%s is not an address of this machine: use 127.0.0.1 (this machine only), 0.0.0.0 (every "
-                      "network) or one of its own addresses (--host or GRADIO_SERVER_NAME)",
+            log.error("%s is not an address of this machine: use 127.0.0.1 (this machine only), 0.0.0.0 "
+                      "(every network) or one of its own addresses (--host or GRADIO_SERVER_NAME)",
                       settings.gradio_server_name)
             return 2
         log.error("port %d is in use on %s (%s): stop what serves there, or choose another port with "

@@ -32,7 +32,8 @@ from imgedit.protocol import EditRequest, ItemState, JobState, WorkerState, new_
 
 log = logging.getLogger(__name__)
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".heic", ".heif",
+                  ".avif")
 KEEP_FINISHED_S = 3600.0  # finished jobs stay in memory this long; afterwards the history answers
 RETRY_BUSY_S = 1.0
 

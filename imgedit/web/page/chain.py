@@ -29,7 +29,7 @@ def build_chain_controls() -> tuple:
     """(chain value, the strip of steps, Undo, Redo): hidden until a result has been used as input."""
     chain = gr.BrowserState(EMPTY, storage_key="imgedit-edit-chain")
     with gr.Group(visible=False, elem_id="edit-chain") as group:
-        # fixed cells with room for the captions (CHAIN_CSS): at height 130 the cells were cut to their top half
+        # fixed cells with room for the captions (assets.py): at height 130 they were cut to their top half
         strip = gr.Gallery(label="Edit chain: the inputs of each step (click one to go back to it)",
                            columns=8, height="auto", allow_preview=False, interactive=False,
                            object_fit="contain", elem_id="chain-strip", buttons=[])
