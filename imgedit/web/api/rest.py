@@ -107,9 +107,9 @@ def build_router(settings: Settings, manager: Engine, metrics: Metrics, monitor:
         return await _image_reply(request, owner, *parsed)
 
     async def _image_reply(request: Request, owner: str, req: EditRequest, params: Resolved,
-                           reply: tuple[str, int]) -> Response:
+                           reply: tuple[str, int, list[str]]) -> Response:
         """Run the job through the line and answer with its images (OpenAI's shape, our extensions)."""
-        output_format, quality = reply
+        output_format, quality, notices = reply
         req = replace(req, client=owner)
         result = await _run(request, req, lambda cancel: manager.run(req, cancel=cancel, params=params))
         # The images are encoded once, off the event loop, for the reply and (PNGs) for the stored result
@@ -127,7 +127,12 @@ def build_router(settings: Settings, manager: Engine, metrics: Metrics, monitor:
         body = {"created": int(time.time()), "data": data, "output_format": output_format,
                 "size": f"{result.width}x{result.height}", "seed": result.seed,
                 "request_id": result.request_id}
-        notices = frame_notices(req.images)  # e.g. an animated GIF: its first frame was edited
+        # e.g. an animated GIF: its first frame was edited; an OpenAI field not used
+        notices = [*frame_notices(req.images), *notices]
+        asked = (req.width, req.height)
+        if req.mask is None and all(asked) and asked != (result.width, result.height):
+            notices.append(f"size {asked[0]}x{asked[1]} became {result.width}x{result.height}: the model's "
+                           "sides are multiples of 16 (Qwen-Image-2.1: 32)")
         if result.notice:  # an asked-for prompt rewrite that was not used
             notices.append(result.notice)
         if notices:

@@ -116,7 +116,7 @@ async def parse_edit(request: Request, settings: Settings,
         raise InvalidInput("response_format must be b64_json (this server does not host image URLs)")
     req = EditRequest(images=tuple(images), **request_kwargs({**form_fields(form, REST), **masking}),
                       source="rest")
-    return req, manager.resolve(req), output_format(form)
+    return req, manager.resolve(req), (*output_format(form), ignored(form))
 
 
 async def parse_generation(request: Request,
@@ -144,7 +144,18 @@ async def parse_generation(request: Request,
         raise InvalidInput("response_format must be b64_json (this server does not host image URLs)",
                            "response_format")
     req = EditRequest(images=(), **request_kwargs(form_fields(body, REST)), source="rest")
-    return req, manager.resolve(req), output_format(body)
+    return req, manager.resolve(req), (*output_format(body), ignored(body))
+
+
+# OpenAI's image fields this server takes and does not act on: the reply's `notices` name each one sent
+UNUSED_OPENAI = ("quality", "background", "style", "moderation", "input_fidelity", "partial_images")
+
+
+def ignored(form) -> list[str]:
+    """A notice for each of OpenAI's fields in the request that this server does not use (they were dropped
+    silently)."""
+    return [f"{name}={str(form.get(name))[:40]!r} was ignored: this server does not use OpenAI's {name}"
+            for name in UNUSED_OPENAI if form.get(name) not in (None, "", "auto")]
 
 
 def output_format(form) -> tuple[str, int]:

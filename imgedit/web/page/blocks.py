@@ -244,8 +244,8 @@ def build_blocks(settings: Settings, manager: Engine, demo: bool = False, monito
                     # stops, and a shared folder left another running server's examples blank (403)
                     examples_folder = tempfile.mkdtemp(prefix="imgedit-examples-", dir=upload_folder())
                     rows, labels = example_rows(examples_folder, max_inputs)
-                    gr.Examples(rows, [files, prompt], example_labels=labels,
-                                label="Examples (click one to fill the form)", elem_id="examples")
+                    examples = gr.Examples(rows, [files, prompt], example_labels=labels,
+                                           label="Examples (click one to fill the form)", elem_id="examples")
                     # Speed, LoRA, strength (imgedit.web.page.speed)
                     laid_out.update(build_speed_controls(settings))
                     canvas, masking = build_mask_controls()  # painted mask, grow, feather, strength
@@ -295,6 +295,7 @@ def build_blocks(settings: Settings, manager: Engine, demo: bool = False, monito
                     again = gr.Button("Use this result as input", elem_id="use-result", interactive=False)
                     add = gr.Button("Add it as another input", elem_id="add-result", interactive=False)
                     download = gr.DownloadButton("Download PNG", elem_id="download-result", interactive=False)
+                    reuse = gr.Button("Reuse its seed", elem_id="reuse-seed", interactive=False)
                 # "Use this result as input" builds a chain of steps with Undo and Redo (web.page.chain)
                 chain_controls = build_chain_controls()
                 compare = gr.ImageSlider(label="Before / after (drag the handle)", format="png", type="pil",
@@ -310,8 +311,20 @@ def build_blocks(settings: Settings, manager: Engine, demo: bool = False, monito
                     snippet_inputs = gr.File(
                         label="The inputs as the snippets name them (save them beside it)",
                                              file_count="multiple", interactive=False, elem_id="api-inputs")
-        with gr.Accordion("GPUs", open=True):
-            gpu_panel = gr.HTML(elem_id="gpu-panel")  # filled on every page load (below)
+        made = {**laid_out, **generic}
+        controls = {name: made[name] for name in fields}  # in `/edit`'s order
+        page_outputs = [result, status, compare, chosen, message]
+        # GPUs, Batch and History: tabs of one strip, the GPU panel's open (below the panel, with the Batch
+        # tab open, they made the page 2,700 px tall before any result)
+        history_api = None
+        with gr.Tabs(elem_id="page-tabs"):
+            with gr.Tab("GPUs", id="gpus"):
+                gpu_panel = gr.HTML(elem_id="gpu-panel")  # filled on every page load (below)
+            if jobs is not None:  # Batch and History tabs (web.page.batch_tab, web.page.history_tab)
+                build_batch_tab(settings, manager, jobs, controls)
+                history_api = build_history_tab(settings, history, controls, page_outputs, edit_page,
+                                                GPU_GROUP, cache_offered=not cache_refused,
+                                                family=manager.family)
         timer = gr.Timer(2.0)
         gr.HTML(INPUT_PREVIEW_CSS, padding=False)  # a style block: here it leaves no gap in the form
         # The `/edit` API: hidden inputs without ranges, so every value reaches the validator and our
@@ -328,9 +341,9 @@ def build_blocks(settings: Settings, manager: Engine, demo: bool = False, monito
         # then Gradio's upload check); the handlers check the paths they open or return once more.
         files.upload(tools.check_uploads, files, [files, compare, restore, stored], preprocess=False,
                      api_visibility="private")
-        made = {**laid_out, **generic}
-        controls = {name: made[name] for name in fields}  # in `/edit`'s order
-        page_outputs = [result, status, compare, chosen, message]
+        # an example's inputs fill Before/after as an upload does (they did not: no upload event)
+        examples.load_input_event.then(tools.first_input_compare, files, compare, preprocess=False,
+                                       queue=False, api_visibility="private")
         # No Gradio limit: every job goes straight to the manager's line, where UI, API and REST jobs
         # wait together in arrival order and QUEUE_MAX_SIZE is enforced once; the workers' locks keep
         # each GPU to one job (concurrency_limit=None below).
@@ -353,8 +366,10 @@ def build_blocks(settings: Settings, manager: Engine, demo: bool = False, monito
                    cancels=[event], queue=False, api_visibility="private")
         event.success(tools.download_chosen, [result, chosen], download, preprocess=False, queue=False,
                       api_visibility="private")
-        result.change(tools.result_buttons, result, [again, add], preprocess=False, queue=False,
+        result.change(tools.result_buttons, result, [again, add, reuse], preprocess=False, queue=False,
                       api_visibility="private")
+        reuse.click(tools.reuse_seed, [result, chosen], [controls["seed"], randomize], preprocess=False,
+                    queue=False, api_visibility="private")
         result.select(tools.select_result, [files, result], [chosen, compare, download], preprocess=False,
                       api_visibility="private")
         # Queued (its own default group, never behind GPU jobs): only queued events can show a toast.
@@ -362,13 +377,15 @@ def build_blocks(settings: Settings, manager: Engine, demo: bool = False, monito
         restore.click(functools.partial(tools.restore_settings, names=restored), stored,
                       [controls[name] for name in restored] + [randomize, restore], api_visibility="private")
 
-        @form_signature([*fields, "canvas"])
+        @form_signature([*fields, "canvas", "result", "chosen"])
         def api_call(*args):
-            *values, canvas, request = args
-            return tools.api_call(dict(zip(fields, values, strict=True)), canvas, request)
+            *values, canvas, gallery, index, request = args
+            form = dict(zip(fields, values, strict=True))
+            return tools.api_call(form, canvas, request, tools.result_seed(gallery, index))
 
-        copy_api.click(api_call, edit_inputs + [canvas], [snippets, *snippet_code, snippet_inputs],
-                       preprocess=False, queue=False, api_visibility="private")
+        copy_api.click(api_call, [*edit_inputs, canvas, result, chosen],
+                       [snippets, *snippet_code, snippet_inputs], preprocess=False, queue=False,
+                       api_visibility="private")
         # Any change of the inputs (upload, removal, an example, a result used as input) redraws the
         # thumbnails.
         files.change(tools.preview_inputs, files, preview, preprocess=False, queue=False,
@@ -394,11 +411,6 @@ def build_blocks(settings: Settings, manager: Engine, demo: bool = False, monito
             refresh(panel, None, [gpu_panel, banner], queue=False, api_visibility="private",
                     show_progress="hidden")
         gr.api(gpu_status, api_name="gpu_status", queue=False)
-        if jobs is not None:  # Batch and History tabs (web.page.batch_tab, web.page.history_tab)
-            with gr.Tabs():
-                build_batch_tab(settings, manager, jobs, controls)
-                history_api = build_history_tab(settings, history, controls, page_outputs, edit_page,
-                                                GPU_GROUP, cache_offered=not cache_refused,
-                                                family=manager.family)
+        if history_api is not None:
             gr.api(history_api, api_name="history", queue=False)
     return blocks
