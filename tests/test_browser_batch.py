@@ -68,7 +68,7 @@ def test_batch_in_the_page_then_history_per_browser(browser, plus_ckpt, tmp_path
         page.get_by_role("tab", name="GPUs").click()
         page.wait_for_timeout(2500)  # the panel ticks
         panel = page.locator("#gpu-panel").inner_text()
-        assert not re.search(r"step \d+/\d+|busy|not yet done", panel), panel
+        assert not re.search(r"step \d+/\d+|running|preparing|not yet done", panel), panel
         page.get_by_role("tab", name="Batch").click()
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "browser-batch.png"), full_page=True)

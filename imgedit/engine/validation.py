@@ -105,11 +105,17 @@ def output_size(width: int | None, height: int | None, last_image_size: tuple[in
     if width is None or height is None:
         if last_image_size is None:
             return width, height  # checked again once the images are decoded
+        # the side given rounded down, the other the multiple nearest the input's aspect (rounded down, a
+        # 464x320 input at width 256 was 256x160 on Qwen-Image-2.1: 192 is nearer its 176.6)
         aspect = last_image_size[0] / last_image_size[1]
-        width = width or max(MIN_SIDE, round(height * aspect))
-        height = height or max(MIN_SIDE, round(width / aspect))
+        if width is None:
+            height = max(MIN_SIDE, height // multiple * multiple)
+            width = max(MIN_SIDE, round(height * aspect / multiple) * multiple)
+        else:
+            width = max(MIN_SIDE, width // multiple * multiple)
+            height = max(MIN_SIDE, round(width / aspect / multiple) * multiple)
     width = max(MIN_SIDE, width // multiple * multiple)
-    height = max(MIN_SIDE, height // multiple * multiple)
+    height = max(MIN_SIDE, height // multiple * multiple)  # (a derived side is a multiple already)
     if width * height > settings.max_output_pixels:
         raise InvalidInput(
             f"output {width}x{height} is {width * height:,} pixels; the limit is "
