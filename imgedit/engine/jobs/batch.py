@@ -265,6 +265,23 @@ class JobService:
         job = self._jobs.get(job_id)
         return job if job is not None and job.owner == owner else None
 
+    def delete(self, owner: str, job_id: str) -> int | None:
+        """A finished job of `owner` and its stored results, gone: how many results were deleted (None: no such
+        finished job). An unfinished one is left as it is (cancel it first)."""
+        job = self.get(owner, job_id)
+        if job is not None and not job.finished:
+            return None
+        record = self.records.read(owner, job_id)
+        entries = self.history.job(owner, job_id)
+        if job is None and record is None and not entries:
+            return None
+        for entry in entries:
+            self.history.delete(owner, entry.id)
+        self.records.forget(owner, job_id)
+        self._jobs.pop(job_id, None)
+        log.info("%s deleted with its %d result(s)", job_id, len(entries))
+        return len(entries)
+
     def _persist(self, job: Job) -> None:
         try:
             self.records.write(job.id, job.owner, job.source, job.created, job.settings(),
