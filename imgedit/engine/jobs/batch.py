@@ -266,8 +266,8 @@ class JobService:
         return job if job is not None and job.owner == owner else None
 
     def delete(self, owner: str, job_id: str) -> int | None:
-        """A finished job of `owner` and its stored results, gone: how many results were deleted (None: no such
-        finished job). An unfinished one is left as it is (cancel it first)."""
+        """A finished job of `owner` and its stored results, gone: how many results were deleted (None: no
+        such finished job). An unfinished one is left as it is (cancel it first)."""
         job = self.get(owner, job_id)
         if job is not None and not job.finished:
             return None
