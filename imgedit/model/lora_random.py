@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     folder = args.checkpoint.expanduser()
     if not (folder / "transformer" / "config.json").is_file():  # a raw FileNotFoundError said nothing useful
-        print(f"lora_random: {folder} holds no checkpoint (no transformer/config.json); the demo's is written "
-              "by the first `python app.py --demo`, or `python -m imgedit.model.demo_checkpoint "
+        print(f"lora_random: {folder} holds no checkpoint (no transformer/config.json); the demo's is "
+              "written by the first `python app.py --demo`, or `python -m imgedit.model.demo_checkpoint "
               f"{args.checkpoint}`", file=sys.stderr)
         return 2
     linears = transformer_linears(folder)
