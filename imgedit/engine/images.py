@@ -237,13 +237,13 @@ def settings_text(req, params, model: str, size: tuple[int, int], rewritten: str
     `weights`."""
 
     adapters = getattr(params, "adapters", ())  # what the job really ran with, a speed preset's LoRA included
-    # A masked edit comes back the first image's size but runs at the resolved size: the PNG records the
-    # size to ask for again (restored into the form, it repeats the edit)
+    # A masked edit comes back the first image's size but runs at the resolved size: width and height are the
+    # file's own, `run_size` the size to ask for again (read_settings restores it into the form: the edit
+    # repeats). Older PNGs wrote the run's size as width and height.
     masked = getattr(req, "mask", None) is not None and getattr(params, "width", None)
-    run = (params.width, params.height) if masked else size
     text = {"prompt": req.prompt, "negative_prompt": req.negative_prompt or "", "seed": str(params.seed),
             "num_inference_steps": str(params.steps), "true_cfg_scale": f"{params.true_cfg_scale:g}",
-            "width": str(run[0]), "height": str(run[1]), "model": model,
+            "width": str(size[0]), "height": str(size[1]), "model": model,
             "lora": ",".join(name for name, _ in adapters) or "none", "software": f"imgedit {__version__}"}
     if adapters:
         text["lora_scale"] = ",".join(f"{scale:g}" for _, scale in adapters)
@@ -257,6 +257,8 @@ def settings_text(req, params, model: str, size: tuple[int, int], rewritten: str
         text["speed"] = req.speed
     if weights:  # lossy: a server without FAST_QUANTIZE makes a slightly different image from these settings
         text["weights"] = weights
+    if masked and (params.width, params.height) != tuple(size):
+        text["run_size"] = f"{params.width}x{params.height}"
     if getattr(req, "mask", None) is not None:  # which mask (its hash), and how it was applied
         text.update(mask=f"sha256:{mask_digest(req.mask)}", mask_grow=str(params.mask_grow),
                     mask_feather=str(params.mask_feather), strength=f"{params.strength:g}")
@@ -426,4 +428,7 @@ def read_settings(path: str | Path) -> dict[str, str | int | float]:
             restored[key] = kind(value)
         except ValueError:
             continue
+    run = str(chunks.get("run_size", "")).split("x")  # a masked edit's: the size it ran at repeats it
+    if len(run) == 2 and all(side.isdecimal() and len(side) <= 6 for side in run) and "width" in restored:
+        restored["width"], restored["height"] = int(run[0]), int(run[1])
     return restored
