@@ -502,3 +502,24 @@ def test_a_reloaded_edit_chain_drops_the_steps_whose_files_are_gone():
         assert reload("junk")[2] == {"steps": [], "at": -1, "prompts": []} and not reload(None)[3]["visible"]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_browser_leaving_mid_upload_is_one_info_line(live_server, caplog):
+    """#62: a browser closed mid-upload logged ERROR and an 80-line ClientDisconnect traceback."""
+    import logging
+    import socket
+
+    caplog.set_level(logging.INFO)
+    boundary = "imgedit-boundary"
+    head = ("POST /gradio_api/upload HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: 200000\r\n\r\n")
+    part = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"files\"; filename=\"a.png\"\r\n"
+            "Content-Type: image/png\r\n\r\n").encode() + b"\x89PNG\r\n\x1a\n" + bytes(4000)
+    with socket.create_connection(("127.0.0.1", live_server.port), timeout=10) as s:
+        s.sendall(head.encode() + part)
+        time.sleep(0.5)  # the server is reading the body when the browser goes
+    deadline = time.monotonic() + 15
+    while not any("left mid-upload" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, [(r.levelname, r.getMessage()[:200]) for r in caplog.records]
+        time.sleep(0.1)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text[-3000:]

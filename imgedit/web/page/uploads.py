@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from gradio import route_utils
 from gradio.utils import get_upload_folder
+from starlette.requests import ClientDisconnect
 
 from imgedit.engine.images import FORMATS, image_or_zip
 from imgedit.errors import InvalidInput
@@ -222,6 +223,8 @@ class EventGuard:
 
         try:
             await self.app(scope, receive, _own_errors_only(path, tracked))
+        except ClientDisconnect:  # a browser closed or reloaded mid-upload: nobody to answer, nothing wrong
+            log.info("%s %s: the client left mid-upload", scope["method"], path)
         except Exception:  # Gradio lets some refusals escape (e.g. an unknown fn_index: KeyError)
             log.exception("%s %s failed inside Gradio", scope["method"], path)
             if not started:
