@@ -26,8 +26,8 @@ try:
     from imgedit.planning.families import FAMILIES
     from imgedit.web.starting import StartingServer
 except ModuleNotFoundError as missing:  # a Python outside the project's environment: one line, no traceback
-    print(f"imgedit: the package {missing.name!r} is missing: run .venv/bin/python app.py (the README's set-up "
-          f"makes .venv: {SET_UP})", file=sys.stderr)
+    print(f"imgedit: the package {missing.name!r} is missing: run .venv/bin/python app.py (the README's "
+          f"set-up makes .venv: {SET_UP})", file=sys.stderr)
     sys.exit(2)
 
 

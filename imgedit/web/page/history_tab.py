@@ -249,8 +249,9 @@ def build_history_tab(settings: Settings, history: HistoryStore, controls: dict,
     def confirmed(entry_id: str | None, request: gr.Request):
         return (*delete_entry(entry_id, request), gr.update(visible=False))
 
-    confirm.click(confirmed, chosen, [*entry_view, confirm_row], queue=False, api_visibility="private").success(
-        relist, None, [listing, ids], queue=False, api_visibility="private")
+    deleted = confirm.click(confirmed, chosen, [*entry_view, confirm_row], queue=False,
+                            api_visibility="private")
+    deleted.success(relist, None, [listing, ids], queue=False, api_visibility="private")
     listing.select(lambda: gr.update(visible=False), None, confirm_row, queue=False, api_visibility="private")
     reuse.click(reuse_seed, chosen, [controls["seed"], controls["randomize_seed"]], queue=False,
                 api_visibility="private")
