@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -16,15 +17,21 @@ import sqlite3
 import sys
 from dataclasses import replace
 
-from dotenv import find_dotenv
+SET_UP = "python3 -m venv .venv && .venv/bin/pip install -r requirements.txt"
+try:
+    from dotenv import find_dotenv
 
-from imgedit.config.parsers import DeviceMap
-from imgedit.config.settings import load_env_file, load_settings, writable_folder
-from imgedit.engine.workers.gpus import discover_gpus
-from imgedit.errors import ImgEditError, SettingsError
-from imgedit.planning.families import FAMILIES
-from imgedit.web import logs
-from imgedit.web.starting import StartingServer
+    from imgedit.config.parsers import DeviceMap
+    from imgedit.config.settings import load_env_file, load_settings, writable_folder
+    from imgedit.engine.workers.gpus import discover_gpus
+    from imgedit.errors import ImgEditError, SettingsError
+    from imgedit.planning.families import FAMILIES
+    from imgedit.web import logs
+    from imgedit.web.starting import StartingServer
+except ModuleNotFoundError as missing:  # a Python outside the project's environment: one line, no traceback
+    print(f"imgedit: the package {missing.name!r} is missing: run .venv/bin/python app.py (the README's "
+          f"set-up makes .venv: {SET_UP})", file=sys.stderr)
+    sys.exit(2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         starting = StartingServer(settings.gradio_server_name, settings.gradio_server_port,
                                   "inspecting the checkpoint and the LoRA files")
     except OSError as exc:
+        if exc.errno == errno.EADDRNOTAVAIL:  # bind() to an address no interface of this machine has
+            log.error("%s is not an address of this machine: use 127.0.0.1 (this machine only), 0.0.0.0 "
+                      "(every network) or one of its own addresses (--host or GRADIO_SERVER_NAME)",
+                      settings.gradio_server_name)
+            return 2
         log.error("port %d is in use on %s (%s): stop what serves there, or choose another port with "
                   "--port or GRADIO_SERVER_PORT", settings.gradio_server_port, settings.gradio_server_name,
                   exc.strerror or exc)

@@ -128,6 +128,20 @@ def test_upload_prompt_ctrl_enter_progress_result_compare_and_add_as_input(brows
     assert page.locator("#prompt textarea").input_value() == "turn the yellow stripes blue"
     status = page.locator("#edit-status").inner_text()
     assert "Seed used:" in status and "2 image(s)" in status, status
+    # #62: with Randomize seed ticked, Copy as API call writes the seed the chosen result was made from (it wrote
+    # seed=0, randomize_seed=True and no seed over REST), and "Reuse its seed" puts it in the form in one click
+    used = int(re.search(r"Seed used: (\d+)", status).group(1))
+    page.locator("#copy-api").click()
+    page.locator("#api-gradio").get_by_text("api_name").wait_for(timeout=30_000)
+    gradio_code = page.locator("#api-gradio").inner_text()
+    assert f"seed={used}," in gradio_code and "randomize_seed=False" in gradio_code, gradio_code
+    assert f"seed={used}" in page.locator("#api-curl").inner_text()
+    assert f"'seed': {used}" in page.locator("#api-openai").inner_text()
+    page.locator("#reuse-seed").click()
+    from playwright.sync_api import expect
+
+    expect(page.get_by_label("Seed", exact=True)).to_have_value(str(used), timeout=30_000)
+    assert not page.get_by_label("Randomize seed").is_checked()
     assert page.locator("#result").get_by_text("Seed used").count() == 0
     fit = page.locator("#result img").first.evaluate("img => getComputedStyle(img).objectFit")
     assert fit == "contain", fit
@@ -186,6 +200,8 @@ def test_too_many_images_and_out_of_range_values_get_our_message(browser, server
         .observe(document.body, {subtree: true, childList: true, characterData: true}); }""")
     page.locator("#input-files input[type=file]").set_input_files([str(photos[0]), str(photos[1])] * 2)
     page.get_by_text("takes at most 3 input image(s)").first.wait_for(timeout=30_000)
+    # #62: the file left out is named (eleven files on the 2.1 page did not say which)
+    page.get_by_text("only the first 3 are kept, other.png left out").first.wait_for(timeout=30_000)
     # The thumbnails follow the file list: all four for a moment (the list's change event can come before the
     # upload check trims it, seen in CI under load), then the three kept.
     page.wait_for_function("() => document.querySelectorAll('#input-preview img').length === 3", timeout=30_000)
@@ -224,8 +240,21 @@ def test_the_result_buttons_wait_for_a_result(browser, server):
     """Download, "Use this result" and "Add it as another input" are disabled until there is a result (the
     two once only said "there is no result yet" when clicked); a result enables them (see the test above)."""
     page = open_page(browser, server, small=False)
-    for button in ("#download-result", "#use-result", "#add-result"):
+    for button in ("#download-result", "#use-result", "#add-result", "#reuse-seed"):
         assert page.locator(button).is_disabled(), button
+    # #62: GPUs, Batch and History are one strip of tabs, the GPU panel's open (Batch and History sat below
+    # the panel with the Batch tab open: the page was ~2,700 px tall before any result); no emoji (a box
+    # without an emoji font)
+    tabs = page.locator("#page-tabs [role=tab]")
+    assert tabs.all_inner_texts() == ["GPUs", "Batch", "History"], tabs.all_inner_texts()
+    assert tabs.first.get_attribute("aria-selected") == "true"
+    height = page.evaluate("document.documentElement.scrollHeight")
+    assert height < 2000, height
+    assert page.locator("#enhance-button").inner_text().strip() == "Enhance the instruction"
+    # #62: an example fills Before/after as an upload does (it filled the inputs and the prompt only)
+    page.locator("#examples").get_by_text("Room + ball").click()
+    page.locator("#compare img").first.wait_for(state="visible", timeout=30_000)
+    assert "ball" in page.locator("#prompt textarea").input_value()
     # Cancel looks (and is) inactive while nothing of this page runs; it turns active with Edit.
     assert page.locator("#cancel-button").is_disabled()
     assert "Traceback" not in page.content()
@@ -556,24 +585,46 @@ def test_an_edit_chain_with_undo_redo_and_going_back(browser, server, photos):
     assert not page.locator("#chain-strip").is_visible()  # no chain before a result is used
     first = edit_and_use_it(start)
     expect(strip).to_have_count(2, timeout=30_000)
+    # #62: the input is named from its prompt and seed (every step's was "result-0.png")
+    expect(page.locator("#input-files")).to_contain_text("make-it-blue-seed", timeout=30_000)
+    assert "result-0" not in page.locator("#input-files").inner_text()
+    page.locator("#prompt textarea").fill("make it green")
     second = edit_and_use_it(first)
     expect(strip).to_have_count(3, timeout=30_000)
     assert len({start, first, second}) == 3
+    # #62: each thumbnail whole (they were cut to their top half) and its caption on screen: the element at the
+    # bottom of each picture and at each caption is that step's own
+    page.wait_for_timeout(500)
+    whole = page.evaluate("""() => [...document.querySelectorAll('#chain-strip img')].map(img => {
+        const cell = img.closest('button') || img.parentElement, r = img.getBoundingClientRect();
+        const caption = [...cell.querySelectorAll('*')].find(e => /start|edit/.test(e.textContent)
+            && !e.children.length);
+        const c = caption && caption.getBoundingClientRect();
+        const at = (x, y) => cell.contains(document.elementFromPoint(x, y));
+        return r.height > 20 && at(r.x + r.width / 2, r.bottom - 3) && !!c && at(c.x + c.width / 2, c.y + c.height / 2);
+    })""")
+    assert whole == [True, True, True], whole
     expect(page.locator("#chain-redo")).to_be_disabled()
     page.locator("#chain-undo").click()
     assert shown_input(other_than=second) == first
+    expect(page.locator("#prompt textarea")).to_have_value("make it green", timeout=30_000)  # what it was edited with
     expect(page.locator("#chain-redo")).to_be_enabled(timeout=30_000)
     page.locator("#chain-redo").click()
     assert shown_input(other_than=first) == second
-    strip.first.click()  # back to the start: the photo as it was uploaded
+    strip.first.click()  # back to the start: the photo as it was uploaded, and the prompt it was edited with
     assert shown_input(other_than=second) == start
+    expect(page.locator("#prompt textarea")).to_have_value("make it blue", timeout=30_000)
     expect(page.locator("#chain-undo")).to_be_disabled(timeout=30_000)
     expect(page.locator("#chain-strip")).to_contain_text("start (now)")
     ARTIFACTS.mkdir(exist_ok=True)
     page.locator("#edit-chain").last.screenshot(path=str(ARTIFACTS / "browser-chain.png"))
-    # kept per browser: a reload shows the chain again, and a step still brings its inputs back
+    # kept per browser: a reload shows the chain again with the step it marks "now" in the editor (it said
+    # "edit 2 (now)" over an empty editor), and a step still brings its inputs back
     page.reload()
     page.locator("#edit-button").wait_for(timeout=60_000)
     expect(strip).to_have_count(3, timeout=30_000)
+    expect(page.locator("#chain-strip")).to_contain_text("start (now)")
+    assert shown_input() == start
+    expect(page.locator("#prompt textarea")).to_have_value("make it blue", timeout=30_000)
     strip.nth(1).click()
-    assert shown_input() == first
+    assert shown_input(other_than=start) == first

@@ -60,6 +60,16 @@ def test_batch_in_the_page_then_history_per_browser(browser, plus_ckpt, tmp_path
         assert seen["values"][-1] == [4, 4] and len(set(values)) >= 2, seen
         assert "4 of 4 image(s) finished" in page.locator("#batch-progress").inner_text()
         assert page.locator("#batch-gallery img").count() == 3
+        # #62: the zip is named from the prompt, as single downloads are (it was job_Obh1Y4DbJcwVPcOk.zip)
+        link = page.locator("#batch-zip a").first
+        name = (link.get_attribute("download") or link.get_attribute("href").rsplit("/", 1)[-1]).strip()
+        assert name == "turn-the-stripes-blue-3-results.zip", name
+        # #62: the GPU panel no longer shows a worker busy with an item once the tab says done
+        page.get_by_role("tab", name="GPUs").click()
+        page.wait_for_timeout(2500)  # the panel ticks
+        panel = page.locator("#gpu-panel").inner_text()
+        assert not re.search(r"step \d+/\d+|running|preparing|not yet done", panel), panel
+        page.get_by_role("tab", name="Batch").click()
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "browser-batch.png"), full_page=True)
 
@@ -81,6 +91,12 @@ def test_batch_in_the_page_then_history_per_browser(browser, plus_ckpt, tmp_path
         link = page.locator("#history-download a").first
         name = link.get_attribute("download") or link.get_attribute("href").rsplit("/", 1)[-1]
         assert re.fullmatch(r"turn-the-stripes-blue-seed\d+\.png", name.strip()), name
+        # #62: the entry's seed into the editor in one click
+        seed = re.search(r"seed (\d+)", page.locator("#history-details").inner_text()).group(1)
+        page.get_by_label("Seed", exact=True).fill("0")
+        page.locator("#history-reuse-seed").click()
+        expect(page.get_by_label("Seed", exact=True)).to_have_value(seed, timeout=30_000)
+        assert not page.get_by_label("Randomize seed").is_checked()
         page.locator("#history-open").click()
         expect(page.locator("#prompt textarea")).to_have_value("turn the stripes blue", timeout=30_000)
         expect(page.locator("#input-files")).to_contain_text("input-1", timeout=30_000)
@@ -94,7 +110,13 @@ def test_batch_in_the_page_then_history_per_browser(browser, plus_ckpt, tmp_path
         page.locator("#history-result img").first.wait_for(state="visible", timeout=30_000)
         assert "turn the stripes blue" in page.locator("#history-details").inner_text()
         assert len(list(stored.rglob("thumb.png"))) == 4
+        # #62: Delete asks first (it acted at once); "Keep it" keeps it
         page.locator("#history-delete").click()
+        page.locator("#history-delete-keep").click()
+        expect(page.locator("#history-confirm")).to_be_hidden(timeout=30_000)
+        assert len(list(stored.rglob("thumb.png"))) == 4
+        page.locator("#history-delete").click()
+        page.locator("#history-delete-confirm").click()
         page.locator("#history-details").get_by_text("Deleted:").wait_for(timeout=30_000)
         expect(page.locator("#history-gallery img")).to_have_count(3, timeout=30_000)
         assert len(list(stored.rglob("thumb.png"))) == 3

@@ -301,7 +301,7 @@ def test_delete_removes_ones_own_entry_and_its_files_and_never_anothers(lora_ser
     thumbs = {str(p) for p in Path(folder).rglob("thumb.png")}
     other = Client(lora_server.url, verbose=False)  # another browser: a cookie of its own
     stranger = RawGradio(lora_server.url, httpx.Client(timeout=60, cookies={COOKIE: other.cookies[COOKIE]}))
-    delete = stranger.fn_index(trigger=("history-delete", "click"))
+    delete = stranger.fn_index(trigger=("history-delete-confirm", "click"))
     refused = stranger.predict(delete, [entry["id"]])
     assert refused.json()["error"] == "choose an entry in the history first", refused.text
     assert {str(p) for p in Path(folder).rglob("thumb.png")} == thumbs  # nothing of the owner's went

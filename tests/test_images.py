@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import picture
 from PIL import ExifTags, Image
 
 from imgedit.engine.images import encoded, open_image, peek_image
@@ -59,7 +60,7 @@ def test_a_peek_reads_the_size_the_decode_will_have_and_refuses_what_it_would(tm
     big = tmp_path / "big.png"
     big.write_bytes(encode(Image.new("L", (300, 300))))
     with pytest.raises(InputTooLarge, match="big.png is 300x300 = 90,000 pixels"):
-        peek_image(big, 200 * 200, "big.png")
+        peek_image(big, 140 * 140, "big.png")  # over 4x the limit (below it: downscaled)
     cut = tmp_path / "cut.png"
     cut.write_bytes(encode(Image.effect_noise((64, 64), 50))[:300])
     assert peek_image(cut, LIMIT, "cut.png").size == (64, 64)
@@ -106,9 +107,30 @@ def test_not_an_image_and_unsupported_formats():
         open_image(encode(Image.new("RGB", (4, 4)), "PNG")[:40], LIMIT)  # truncated
 
 
-def test_pixel_limit_is_checked_from_the_header():
-    with pytest.raises(InputTooLarge, match="300x200 = 60,000 pixels; the limit is 50,000"):
-        open_image(encode(Image.new("RGB", (300, 200))), 50_000)
+def test_a_phone_photo_over_the_limit_is_downscaled_heic_and_avif_are_read_and_past_4x_it_is_refused(tmp_path):
+    """#62: a 20 MP PNG was a 400 at MAX_INPUT_PIXELS (16.7 MP), and HEIC was not read: here at a limit of
+    50,000 pixels, a 60,000-pixel input is edited at 50,000 or fewer (the aspect kept, the notice names the
+    setting), a JPEG is decoded at a reduced scale, and one over 4x the limit is refused from its header."""
+    from imgedit.engine.images import frame_notices, image_or_zip, peek_image
+    from imgedit.engine.masks import open_mask
+
+    for fmt in ("PNG", "JPEG", "HEIF", "AVIF"):
+        data = encode(picture(600, 400), fmt)  # 240,000 pixels
+        assert image_or_zip(data[:12]), fmt
+        image = open_image(data, 100_000)
+        assert image.size == (387, 258) and image.info["downscaled_from"] == (600, 400), (fmt, image.size)
+        assert 0.6 < np.asarray(image)[..., 2].mean() / np.asarray(picture(387, 258))[..., 2].mean() < 1.4
+        assert frame_notices([image]) == ["image 1 (600x400) was downscaled to 387x258 for the model "
+                                          "(MAX_INPUT_PIXELS)"]
+        (tmp_path / f"photo.{fmt}").write_bytes(data)
+        assert peek_image(tmp_path / f"photo.{fmt}", 100_000).size == (387, 258)
+    assert open_image(encode(picture(300, 200), "PNG"), 100_000).size == (300, 200)  # under it: as it is
+    mask = Image.new("L", (600, 400), 0)
+    mask.paste(255, (0, 0, 300, 400))  # painted on the photo as uploaded: fits the downscaled input
+    assert open_mask(encode(mask), (387, 258), 100_000).size == (387, 258)
+    with pytest.raises(InputTooLarge, match=r"900x600 = 540,000 pixels; the largest this server reads is 400,000 "
+                                            r"\(4 x MAX_INPUT_PIXELS"):
+        open_image(encode(Image.new("RGB", (900, 600))), 100_000)
 
 
 def test_decompression_bomb_is_refused_without_decoding():

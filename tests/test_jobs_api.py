@@ -134,6 +134,16 @@ def test_single_set_gives_a_png(server):
     result = http.get(f"{server.url}/v1/jobs/{r.json()['id']}/result", headers=A, timeout=30)
     assert result.headers["content-type"] == "image/png"
     assert Image.open(io.BytesIO(result.content)).size == (64, 64)
+    # #62: DELETE of a finished job removes it and its results (it answered with the job, still there);
+    # another token's DELETE finds nothing
+    job_id = r.json()["id"]
+    other = {"Authorization": "Bearer token-zz"}
+    assert http.delete(f"{server.url}/v1/jobs/{job_id}", headers=other, timeout=30).status_code == 404
+    deleted = http.delete(f"{server.url}/v1/jobs/{job_id}", headers=A, timeout=30)
+    assert deleted.json() == {"id": job_id, "deleted": True, "results_deleted": 1}, deleted.text
+    assert http.get(f"{server.url}/v1/jobs/{job_id}", headers=A, timeout=30).status_code == 404
+    assert http.get(f"{server.url}/v1/jobs/{job_id}/result", headers=A, timeout=30).status_code == 404
+    assert http.delete(f"{server.url}/v1/jobs/{job_id}", headers=A, timeout=30).status_code == 404
 
 
 def test_another_tokens_job_id_gives_404(server):

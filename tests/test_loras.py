@@ -416,3 +416,13 @@ def test_the_random_lora_command_prints_its_own_line_only(plus_ckpt, tmp_path):
     assert out.returncode == 0 and (tmp_path / "style.safetensors").is_file(), said
     assert "wrote " in said and "Failed to load" not in said and "Unable to import" not in said, said
     assert "_pytree" not in said and "no triton" not in said, said
+
+
+def test_the_random_lora_command_without_a_checkpoint_says_how_to_make_one(tmp_path, capsys):
+    """#62: before the demo checkpoint existed it ended in a raw FileNotFoundError."""
+    from imgedit.model.lora_random import main
+
+    assert main([str(tmp_path / "demo"), str(tmp_path / "style.safetensors")]) == 2
+    said = capsys.readouterr().err
+    assert "holds no checkpoint" in said and "python app.py --demo" in said and "demo_checkpoint" in said, said
+    assert not (tmp_path / "style.safetensors").exists()

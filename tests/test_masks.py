@@ -100,6 +100,9 @@ def test_a_masked_edit_restored_from_its_png_repeats_itself(plus_manager, tmp_pa
     (tmp_path / "result.png").write_bytes(png_bytes(first))
     stored = read_settings(tmp_path / "result.png")
     assert (stored["width"], stored["height"]) == (64, 64)  # what it ran at, as the form asks for it
+    # #62: the chunks name the file's own size (they said the run's), and the run's as run_size
+    chunks = Image.open(tmp_path / "result.png").text
+    assert (chunks["width"], chunks["height"], chunks["run_size"]) == (str(W), str(H), "64x64"), chunks
     again = plus_manager.edit(EditRequest(**{**ask, "seed": stored["seed"]}, width=stored["width"],
                                           height=stored["height"])).images[0]
     assert np.array_equal(np.asarray(again), np.asarray(first))

@@ -89,7 +89,7 @@ def test_the_edit_api_publishes_the_declared_names_and_defaults(live_server):
              for p in published["named_endpoints"]["/edit"]["parameters"]]
     assert shown == [(p.name, not p.required, None if p.required else p.edit_default) for p in parameters(EDIT)]
     assert shown[:5] == [("images", False, None), ("prompt", False, None), ("negative_prompt", True, ""),
-                         ("seed", True, 0), ("randomize_seed", True, True)]
+                         ("seed", True, None), ("randomize_seed", True, False)]
 
 
 def png(size=(64, 64), mode="RGB", color=(30, 120, 200)) -> bytes:

@@ -495,3 +495,16 @@ def test_a_decode_that_would_not_fit_under_a_cap_runs_in_tiles(ckpt21):
     plus = {name: p.default for name, p in inspect.signature(AutoencoderKLQwenImage.__init__).parameters.items()}
     assert 3.6 < decode_bytes(type("Config", (), plus), 1024, 1024, 1) / 2**30 < 4.1
     assert decode_bytes(real, 1024, 1024, 2) == 2 * decode_bytes(real, 1024, 1024, 1)
+
+
+def test_one_side_given_the_other_is_the_multiple_nearest_the_inputs_aspect():
+    """#62: a 464x320 input at width 256 became 256x160 on Qwen-Image-2.1 (its sides: multiples of 32), though
+    192 is nearer the aspect's 176.6; 2509 (multiples of 16) gives 176."""
+    from imgedit.config.settings import load_settings
+    from imgedit.engine.validation import output_size
+
+    settings = load_settings({})
+    assert output_size(256, None, (464, 320), settings, "21") == (256, 192)
+    assert output_size(256, None, (464, 320), settings, "plus") == (256, 176)
+    assert output_size(None, 256, (320, 464), settings, "21") == (192, 256)
+    assert output_size(300, 200, (464, 320), settings, "21") == (288, 192)  # both given: each rounded down

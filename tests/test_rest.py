@@ -425,6 +425,15 @@ def test_an_animated_gif_is_edited_by_its_first_frame_and_the_reply_says_so(live
     still = post_edit(live_server.url, files={"image": ("in.png", png_bytes(), "image/png")},
                       data={"prompt": "make it red", "size": "64x64", "num_inference_steps": "2", "seed": "1"})
     assert "notices" not in still.json()
+    # #62: OpenAI's fields this server does not use, and a size the model rounds, are said (both were silent)
+    changed = post_edit(live_server.url, files={"image": ("in.png", png_bytes(), "image/png")},
+                        data={"prompt": "make it red", "size": "72x70", "num_inference_steps": "2", "seed": "1",
+                              "quality": "high", "background": "transparent"})
+    assert changed.status_code == 200, changed.text
+    assert changed.json()["notices"] == [
+        "quality='high' was ignored: this server does not use OpenAI's quality",
+        "background='transparent' was ignored: this server does not use OpenAI's background",
+        "size 72x70 became 64x64: the model's sides are multiples of 16 (Qwen-Image-2.1: 32)"], changed.json()
 
 
 def test_errors_speak_the_callers_words(live_server, image_file):

@@ -113,3 +113,18 @@ def test_the_port_answers_from_the_start_and_says_what_the_server_is_doing(tmp_p
     assert page.status_code == 503 and "imgedit is starting" in page.text and "http-equiv='refresh'" in page.text
     assert rest.status_code == 503 and rest.headers["retry-after"] == "5"
     assert rest.json()["error"]["code"] == "not_ready" and "the server is starting" in rest.json()["error"]["message"]
+
+
+def test_outside_its_environment_or_on_another_machines_address_app_py_says_so_in_one_line(tmp_path):
+    """#62: `python app.py` without the project's packages (here: no site-packages) printed a traceback ending
+    in "No module named 'pynvml'"; `--host` with an address of another machine said its port was in use."""
+    bare = subprocess.run([sys.executable, "-S", "-E", "app.py", "--demo"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert bare.returncode == 2 and "Traceback" not in bare.stderr, bare.stderr[-2000:]
+    said = bare.stderr.strip()
+    assert len(said.splitlines()) == 1 and "pip install -r requirements.txt" in said and ".venv" in said, said
+    env = {**os.environ, "OUTPUT_DIR": str(tmp_path / "outputs"), "DEMO_DIR": str(tmp_path / "demo")}
+    away = subprocess.run([sys.executable, "app.py", "--demo", "--host", "10.255.255.1", "--port", str(free_port())],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert away.returncode == 2 and "in use" not in away.stderr, away.stderr[-2000:]
+    assert "10.255.255.1 is not an address of this machine" in away.stderr, away.stderr[-2000:]

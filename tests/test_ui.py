@@ -35,6 +35,11 @@ def test_edit_round_trip_returns_png_and_seed(client, image_file):
     assert Image.open(path).size == (64, 64)
     _, random_seed = client.predict(*edit_args([image_file], randomize=True), api_name="/edit")
     assert isinstance(random_seed, int) and 0 <= random_seed < 2**31
+    # #62: a seed given by keyword is the seed used (randomize_seed's API default is False); none: a random one
+    small = dict(images=[handle_file(str(image_file))], prompt="x", num_inference_steps=2, width=64, height=64)
+    assert client.predict(**small, seed=42, api_name="/edit")[1] == 42
+    drawn = {client.predict(**small, api_name="/edit")[1] for _ in range(2)}
+    assert len(drawn) == 2, drawn
 
 
 def test_the_gradio_api_contract_optional_parameters_named_results_same_names(client, image_file):
@@ -120,7 +125,7 @@ def bad_files(tmp_path_factory):
     ("no_image", "no input image"),
     ("four_images", "takes at most 3"),
     ("not_an_image", "notes.png (image 1) is not a readable image"),  # the file by its name (#46 item 9)
-    ("bomb", "16,777,216 pixels"),
+    ("bomb", "67,108,864 pixels: 4 x MAX_INPUT_PIXELS"),
     ("zero_steps", "num_inference_steps 0 is out of range"),
     ("many_steps", "num_inference_steps 10000 is out of range"),
     ("huge_size", "MAX_OUTPUT_PIXELS"),
@@ -483,13 +488,37 @@ def test_a_reloaded_edit_chain_drops_the_steps_whose_files_are_gone():
         picture().save(path)
         steps.append([str(path)])
     try:
-        value, group, strip, undo, redo = reload({"steps": steps, "at": 1})
-        assert value == {"steps": steps, "at": 1} and group["visible"] and len(strip) == 3
+        files, prompt, value, group, strip, undo, redo = reload({"steps": steps, "at": 1, "prompts": [None, "a", 3]})
+        assert value == {"steps": steps, "at": 1, "prompts": [None, "a", None]} and group["visible"] and len(strip) == 3
         assert undo["interactive"] and redo["interactive"]
+        # #62: the step marked "(now)" is in the editor again, with the prompt it was edited with
+        assert files == steps[1] and prompt == "a"
         Path(steps[1][0]).unlink()  # swept
-        value, _, strip, undo, redo = reload({"steps": [*steps, ["/etc/hosts"]], "at": 1})
-        assert value == {"steps": [steps[0], steps[2]], "at": 1} and [s[1] for s in strip] == ["start", "edit 1 (now)"]
+        files, _, value, _, strip, undo, redo = reload({"steps": [*steps, ["/etc/hosts"]], "at": 1})
+        assert value == {"steps": [steps[0], steps[2]], "at": 1, "prompts": [None, None]}
+        assert [s[1] for s in strip] == ["start", "edit 1 (now)"] and files == steps[2]
         assert undo["interactive"] and not redo["interactive"]
-        assert reload("junk")[0] == {"steps": [], "at": -1} and not reload(None)[1]["visible"]
+        assert reload("junk")[2] == {"steps": [], "at": -1, "prompts": []} and not reload(None)[3]["visible"]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_browser_leaving_mid_upload_is_one_info_line(live_server, caplog):
+    """#62: a browser closed mid-upload logged ERROR and an 80-line ClientDisconnect traceback."""
+    import logging
+    import socket
+
+    caplog.set_level(logging.INFO)
+    boundary = "imgedit-boundary"
+    head = ("POST /gradio_api/upload HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: 200000\r\n\r\n")
+    part = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"files\"; filename=\"a.png\"\r\n"
+            "Content-Type: image/png\r\n\r\n").encode() + b"\x89PNG\r\n\x1a\n" + bytes(4000)
+    with socket.create_connection(("127.0.0.1", live_server.port), timeout=10) as s:
+        s.sendall(head.encode() + part)
+        time.sleep(0.5)  # the server is reading the body when the browser goes
+    deadline = time.monotonic() + 15
+    while not any("left mid-upload" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, [(r.levelname, r.getMessage()[:200]) for r in caplog.records]
+        time.sleep(0.1)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text[-3000:]

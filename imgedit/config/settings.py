@@ -83,7 +83,8 @@ REGISTRY: tuple[Var, ...] = (
         "Default true CFG scale (1 turns CFG off) for the edit models; Qwen-Image-2.1 runs at 1 (no CFG) "
         "unless a request asks"),
     Var("MAX_INPUT_PIXELS", "16777216", _int_range(1, 178_000_000),  # Pillow refuses more anyway
-        "Largest input image in pixels (checked before decoding)"),
+        "Inputs over this many pixels are downscaled to it for the model; one over 4x it is refused "
+        "(checked before decoding)"),
     Var("MAX_OUTPUT_PIXELS", "4194304", _int_range(1, 100_000_000),
         "Largest output width*height when a size is asked for (auto is about 1 MP)"),
     Var("MAX_FILE_SIZE", "25MB", _size, "Largest upload accepted by the UI and REST"),

@@ -1,7 +1,8 @@
 """Turn uploaded files into clean RGB images, checking limits before decoding in full.
 
-Handles what users really upload: EXIF-rotated phone photos, transparent PNGs (composited on white,
-not turned black), 16-bit PNG/TIFF (scaled, not clamped), CMYK JPEGs and palette images.
+Handles what users really upload: EXIF-rotated phone photos (HEIC and AVIF too; a 24-50 MP photo is
+downscaled to MAX_INPUT_PIXELS for the model, which works near 1 MP anyway), transparent PNGs (composited on
+white, not turned black), 16-bit PNG/TIFF (scaled, not clamped), CMYK JPEGs and palette images.
 """
 
 from __future__ import annotations
@@ -15,23 +16,59 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import ExifTags, Image, ImageOps, PngImagePlugin
+from PIL import ExifTags, Image, ImageOps, PngImagePlugin, features
 
 from imgedit import __version__
 from imgedit.errors import InputTooLarge, InvalidInput
 from imgedit.protocol import as_declared, parameters
 
 FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
+try:  # iPhones' HEIC (pillow-heif, requirements.txt); AVIF where Pillow was built with it (its wheels are)
+    from pillow_heif import register_heif_opener
+
+    register_heif_opener()
+    FORMATS += ("HEIF",)
+except ImportError:
+    pass
+if features.check("avif"):
+    FORMATS += ("AVIF",)
+# An input over MAX_INPUT_PIXELS is downscaled to it; one over READ_FACTOR times that (67 MP by default: a
+# 50 MP phone photo is read) is refused from its header, as is anything over Pillow's own bomb limit.
+READ_FACTOR = 4
 
 
 # The first bytes of each format in FORMATS, and of a zip (the Batch tab takes a zip of images).
 _MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"BM", b"GIF87a", b"GIF89a", b"II*\x00", b"MM\x00*",
           b"PK\x03\x04")
+# HEIC and AVIF: an ISO media file ("ftyp" at byte 4) of one of these brands
+_HEIF_BRANDS = (b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"mif1", b"msf1", b"avif", b"avis")
 
 
 def image_or_zip(head: bytes) -> bool:
     """Whether a file's first 12 bytes start an image this app reads (FORMATS) or a zip."""
-    return head.startswith(_MAGIC) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")
+    return (head.startswith(_MAGIC) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")
+            or (head[4:8] == b"ftyp" and head[8:12] in _HEIF_BRANDS))
+
+
+def working_size(size: tuple[int, int], max_pixels: int) -> tuple[int, int]:
+    """The size an input of `size` is edited at: its own, or scaled down (aspect kept) to at most
+    `max_pixels` (MAX_INPUT_PIXELS)."""
+    width, height = size
+    if width * height <= max_pixels:
+        return width, height
+    scale = (max_pixels / (width * height)) ** 0.5
+    return max(1, int(width * scale)), max(1, int(height * scale))
+
+
+def _downscaled(image: Image.Image, max_pixels: int) -> Image.Image:
+    """`image` at its working_size; one that was larger notes its own size in info["downscaled_from"]."""
+    size = working_size(image.size, max_pixels)
+    if size == image.size:
+        return image
+    original = image.size
+    image = image.resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
+    image.info["downscaled_from"] = original
+    return image
 
 
 @contextmanager
@@ -42,7 +79,9 @@ def _reading(label: str, max_pixels: int):
     except (InvalidInput, InputTooLarge):
         raise
     except Image.DecompressionBombError:
-        raise InputTooLarge(f"{label} is too large to decode safely (limit {max_pixels:,} pixels)") from None
+        limit = _read_limit(max_pixels)
+        raise InputTooLarge(f"{label} is too large to decode safely (limit {limit:,} pixels: "
+                            f"{READ_FACTOR} x MAX_INPUT_PIXELS)") from None
     except FileNotFoundError:
         raise InvalidInput(f"{label} could not be read") from None
     except Exception:  # truncated, corrupt or exotic files: Pillow raises many kinds
@@ -61,9 +100,11 @@ def open_image(source: str | Path | bytes | Image.Image, max_pixels: int, label:
             fp = io.BytesIO(source) if isinstance(source, bytes) else source
             image = Image.open(fp, formats=FORMATS)
             _check_pixels(image.size, max_pixels, label)  # header only: nothing decoded yet
+            if image.format == "JPEG":  # a large photo decoded at 1/2, 1/4 or 1/8 of its size where enough
+                image.draft(image.mode, working_size(image.size, max_pixels))
             image.load()
         frames = getattr(image, "n_frames", 1)
-        image = to_rgb(image, alpha)
+        image = _downscaled(to_rgb(image, alpha), max_pixels)
         if frames > 1:  # an animated GIF/WebP/PNG or a multi-page TIFF: its first frame is what gets edited
             image.info["frames"] = frames
         return image
@@ -87,7 +128,7 @@ def peek_image(path: str | Path | bytes, max_pixels: int, label: str = "image") 
         width, height = image.size
         if _orientation(image) in (5, 6, 7, 8):  # exif_transpose turns these a quarter
             width, height = height, width
-        return Peeked((width, height), _frames(image))
+        return Peeked(working_size((width, height), max_pixels), _frames(image))
 
 
 def _frames(image: Image.Image) -> int:
@@ -154,19 +195,34 @@ def image_label(number: int, name: str | None = None) -> str:
 
 
 def frame_notices(images) -> list[str]:
-    """What the user should know about inputs with several frames (open_image keeps their first)."""
-    return [f"image {i} has {image.info['frames']} frames (animated or multi-page): "
-            "only its first frame was edited"
-            for i, image in enumerate(images, 1) if image.info.get("frames", 1) > 1]
+    """What the user should know about the inputs as read: several frames (open_image keeps their first), or
+    downscaled to MAX_INPUT_PIXELS."""
+    notices = []
+    for i, image in enumerate(images, 1):
+        info = getattr(image, "info", {})
+        if info.get("frames", 1) > 1:
+            notices.append(f"image {i} has {info['frames']} frames (animated or multi-page): "
+                           "only its first frame was edited")
+        if original := info.get("downscaled_from"):
+            notices.append(f"image {i} ({original[0]}x{original[1]}) was downscaled to "
+                           f"{image.size[0]}x{image.size[1]} for the model (MAX_INPUT_PIXELS)")
+    return notices
+
+
+def _read_limit(max_pixels: int) -> int:
+    """The most pixels an input may have to be read at all (it is then downscaled to `max_pixels`)."""
+    return min(READ_FACTOR * max_pixels, 2 * (Image.MAX_IMAGE_PIXELS or 89_478_485))
 
 
 def _check_pixels(size: tuple[int, int], max_pixels: int, label: str) -> None:
     width, height = size
     if width < 1 or height < 1:
         raise InvalidInput(f"{label} is empty ({width}x{height})")
-    if width * height > max_pixels:
+    if width * height > _read_limit(max_pixels):
         raise InputTooLarge(
-            f"{label} is {width}x{height} = {width * height:,} pixels; the limit is {max_pixels:,} pixels")
+            f"{label} is {width}x{height} = {width * height:,} pixels; the largest this server reads is "
+            f"{_read_limit(max_pixels):,} ({READ_FACTOR} x MAX_INPUT_PIXELS; larger inputs up to that are "
+            f"downscaled to MAX_INPUT_PIXELS, {max_pixels:,} pixels)")
 
 
 def _grey_to_8bit(image: Image.Image) -> Image.Image:
@@ -221,16 +277,16 @@ def settings_text(req, params, model: str, size: tuple[int, int], rewritten: str
     `weights`."""
 
     adapters = getattr(params, "adapters", ())  # what the job really ran with, a speed preset's LoRA included
-    # A masked edit comes back the first image's size but runs at the resolved size: the PNG records the
-    # size to ask for again (restored into the form, it repeats the edit)
+    # A masked edit comes back the first image's size but runs at the resolved size: width and height are the
+    # file's own, `run_size` the size to ask for again (read_settings restores it into the form: the edit
+    # repeats). Older PNGs wrote the run's size as width and height.
     masked = getattr(req, "mask", None) is not None and getattr(params, "width", None)
-    run = (params.width, params.height) if masked else size
     # the numbers the pipeline really got, under their declared names (a mask's settings beside a mask only)
     numbers = [p for p in parameters() if p.png and p.kind in ("whole", "number")
                and (p.beside is None or getattr(req, p.beside, None) is not None)]
     ran = {name: _as_text(value) for name, value in as_declared(params, numbers).items() if value is not None}
     text = {"prompt": req.prompt, "negative_prompt": req.negative_prompt or "", **ran,
-            "width": str(run[0]), "height": str(run[1]), "model": model,
+            "width": str(size[0]), "height": str(size[1]), "model": model,
             "lora": ",".join(name for name, _ in adapters) or "none", "software": f"imgedit {__version__}"}
     if adapters:
         text["lora_scale"] = ",".join(f"{scale:g}" for _, scale in adapters)
@@ -244,6 +300,8 @@ def settings_text(req, params, model: str, size: tuple[int, int], rewritten: str
         text["speed"] = req.speed
     if weights:  # lossy: a server without FAST_QUANTIZE makes a slightly different image from these settings
         text["weights"] = weights
+    if masked and (params.width, params.height) != tuple(size):
+        text["run_size"] = f"{params.width}x{params.height}"
     if getattr(req, "mask", None) is not None:  # which mask (its hash), and how it was applied
         text["mask"] = f"sha256:{mask_digest(req.mask)}"
     if getattr(req, "expand", None):  # an expanded canvas: how (the mask is the new area's)
@@ -420,4 +478,7 @@ def read_settings(path: str | Path) -> dict[str, str | int | float]:
             restored[key] = kind(value)
         except ValueError:
             continue
+    run = str(chunks.get("run_size", "")).split("x")  # a masked edit's: the size it ran at repeats it
+    if len(run) == 2 and all(side.isdecimal() and len(side) <= 6 for side in run) and "width" in restored:
+        restored["width"], restored["height"] = int(run[0]), int(run[1])
     return restored

@@ -26,6 +26,8 @@ def mask_from(source: Image.Image, image_size: tuple[int, int]) -> Image.Image:
     """The edit mask ("L", 255 = edit) from an uploaded mask image; refuses a mask of another size
     than the first input image, one that marks nothing, and one that marks everything."""
     source = ImageOps.exif_transpose(source)
+    if _downscaled_to(source.size, image_size):  # drawn on a photo that was downscaled for the model
+        source = source.resize(image_size, Image.Resampling.NEAREST)
     check_mask_size(source.size, image_size)
     if _has_alpha(source):
         alpha = np.asarray(source.convert("RGBA"))[:, :, 3]
@@ -42,6 +44,16 @@ def mask_from(source: Image.Image, image_size: tuple[int, int]) -> Image.Image:
     if edit.all():
         raise InvalidInput("the mask marks the whole image: leave the mask out for an ordinary edit", "mask")
     return Image.fromarray(np.where(edit, 255, 0).astype(np.uint8), mode="L")
+
+
+def _downscaled_to(mask_size: tuple[int, int], image_size: tuple[int, int]) -> bool:
+    """Whether a mask of `mask_size` fits an input that was that size before images.working_size scaled it
+    down to `image_size` (the same aspect, each side rounded down)."""
+    (mw, mh), (iw, ih) = mask_size, image_size
+    if mw <= iw or mh <= ih:
+        return False
+    scale = (iw * ih / (mw * mh)) ** 0.5
+    return abs(mw * scale - iw) <= 1.5 and abs(mh * scale - ih) <= 1.5
 
 
 def check_mask_size(mask_size: tuple[int, int], image_size: tuple[int, int]) -> None:

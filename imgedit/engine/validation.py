@@ -113,9 +113,15 @@ def output_size(width: int | None, height: int | None, last_image_size: tuple[in
     if width is None or height is None:
         if last_image_size is None:
             return width, height  # checked again once the images are decoded
+        # the side given rounded down, the other the multiple nearest the input's aspect (rounded down, a
+        # 464x320 input at width 256 was 256x160 on Qwen-Image-2.1: 192 is nearer its 176.6)
         aspect = last_image_size[0] / last_image_size[1]
-        width = width or max(MIN_SIDE, round(height * aspect))
-        height = height or max(MIN_SIDE, round(width / aspect))
+        if width is None:
+            height = max(MIN_SIDE, height // multiple * multiple)
+            width = max(MIN_SIDE, round(height * aspect / multiple) * multiple)
+        else:
+            width = max(MIN_SIDE, width // multiple * multiple)
+            height = max(MIN_SIDE, round(width / aspect / multiple) * multiple)
     rounded = max(MIN_SIDE, width // multiple * multiple), max(MIN_SIDE, height // multiple * multiple)
     # a size asked is checked as asked: 2064x2048 (over the limit) rounded down to 2048x2048 passed
     width, height = (width, height) if asked else rounded

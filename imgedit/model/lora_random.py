@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 
 import torch
@@ -80,7 +81,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="kohya-style keys as the published Lightning files, or diffusers' own")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    linears = transformer_linears(args.checkpoint.expanduser())
+    folder = args.checkpoint.expanduser()
+    if not (folder / "transformer" / "config.json").is_file():  # a raw FileNotFoundError said nothing useful
+        print(f"lora_random: {folder} holds no checkpoint (no transformer/config.json); the demo's is "
+              "written by the first `python app.py --demo`, or `python -m imgedit.model.demo_checkpoint "
+              f"{args.checkpoint}`", file=sys.stderr)
+        return 2
+    linears = transformer_linears(folder)
     path = random_lora(args.out, linears, rank=args.rank, std=args.std, seed=args.seed, style=args.style)
     log.info("wrote %s (%d layers, rank %d)", path, len(lightning_modules(linears)), args.rank)
     return 0

@@ -57,11 +57,11 @@ class EditRequest:
         label="Negative prompt")] = ""
     seed: Annotated[int | None, declared(
         "whole", "the noise the edit starts from; absent: a random one, returned with the result", png=True,
-        restore=True, api_default=0, low=0, high=2**32 - 1, always=True, unless="randomize_seed",
+        restore=True, low=0, high=2**32 - 1, always=True, unless="randomize_seed",
         history=True, label="Seed")] = None
     randomize_seed: ClassVar[Param] = Param(  # a caller's switch: the edges draw the seed where it is on
         "randomize_seed", "flag", "ignore `seed` and draw one", takes=frozenset((EDIT, BATCH)), default=False,
-        field=None, api_default=True, always=True, label="Randomize seed", same_row=True)
+        field=None, always=True, label="Randomize seed", same_row=True)
     num_inference_steps: Annotated[int | None, declared(
         "whole", "denoising steps; absent: the model's", png=True, restore=True, low=2, high="max_steps",
         always=True, status=True, history=True, resolved="steps", label="Steps ({low}-{high})")] = None

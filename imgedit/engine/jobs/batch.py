@@ -32,7 +32,8 @@ from imgedit.protocol import JOBS, EditRequest, ItemState, JobState, WorkerState
 
 log = logging.getLogger(__name__)
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".heic", ".heif",
+                  ".avif")
 KEEP_FINISHED_S = 3600.0  # finished jobs stay in memory this long; afterwards the history answers
 RETRY_BUSY_S = 1.0
 
@@ -268,6 +269,23 @@ class JobService:
     def get(self, owner: str, job_id: str) -> Job | None:
         job = self._jobs.get(job_id)
         return job if job is not None and job.owner == owner else None
+
+    def delete(self, owner: str, job_id: str) -> int | None:
+        """A finished job of `owner` and its stored results, gone: how many results were deleted (None: no
+        such finished job). An unfinished one is left as it is (cancel it first)."""
+        job = self.get(owner, job_id)
+        if job is not None and not job.finished:
+            return None
+        record = self.records.read(owner, job_id)
+        entries = self.history.job(owner, job_id)
+        if job is None and record is None and not entries:
+            return None
+        for entry in entries:
+            self.history.delete(owner, entry.id)
+        self.records.forget(owner, job_id)
+        self._jobs.pop(job_id, None)
+        log.info("%s deleted with its %d result(s)", job_id, len(entries))
+        return len(entries)
 
     def _persist(self, job: Job) -> None:
         try:

@@ -137,6 +137,10 @@ class JobRecords:
                          "state": job_state([i["state"] for i in items], bool(cancelled))})
         return jobs, len(rows) > limit
 
+    def forget(self, owner: str, job_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM jobs WHERE id = ? AND owner = ?", (job_id, owner))
+
     def forget_before(self, when: float) -> None:
         with self._lock:
             self._db.execute("DELETE FROM jobs WHERE created < ? AND finished IS NOT NULL", (when,))

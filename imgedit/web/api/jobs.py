@@ -1,6 +1,6 @@
 """The async jobs API: POST /v1/jobs (202), GET /v1/jobs (the caller's, newest first), GET /v1/jobs/{id},
 GET /v1/jobs/{id}/result (?item=N as soon as that item has finished), DELETE (state `cancelling`, then
-`cancelled`, with the items finished before still downloadable).
+`cancelled`, with the items finished before still downloadable; a finished job is deleted with its results).
 
 Same fields (speed, lora and lora_scale included: every item runs with them), API key and limits as
 /v1/images/edits. Input sets: `image` (1-3 files) is one set; each `batch` file is one set of one
@@ -216,11 +216,15 @@ def build_jobs_router(settings: Settings, manager: Engine, jobs: JobService, met
 
     @router.delete("/v1/jobs/{job_id}")
     async def cancel_job(job_id: str, owner: str = key) -> Response:
+        """An unfinished job is cancelled; a finished one is deleted with its stored results."""
         job = jobs.get(owner, job_id)
-        if job is None:
+        if job is not None and not job.finished:
+            job.cancel.set()  # waiting items leave the line; a running one stops at its next step
+            return JSONResponse(_links(job.view()))
+        deleted = await asyncio.to_thread(jobs.delete, owner, job_id)
+        if deleted is None:
             raise _not_found(job_id)
-        job.cancel.set()  # waiting items leave the line; a running one stops at its next step
-        return JSONResponse(_links(job.view()))
+        return JSONResponse({"id": job_id, "deleted": True, "results_deleted": deleted})
 
     return router
 

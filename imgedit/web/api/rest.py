@@ -112,10 +112,10 @@ def build_router(settings: Settings, manager: Engine, metrics: Metrics, monitor:
         return await _image_reply(request, owner, *parsed)
 
     async def _image_reply(request: Request, owner: str, req: EditRequest, params: Resolved,
-                           reply: tuple[str, int], answer: str) -> Response:
+                           reply: tuple[str, int, list[str]], answer: str) -> Response:
         """Run the job through the line and answer with its images, or (`answer` url) their stored results'
         URLs (OpenAI's shape, our extensions)."""
-        output_format, quality = reply
+        output_format, quality, notices = reply
         if answer == "url" and history is None:
             raise InvalidInput("response_format url needs the stored results (OUTPUT_DIR): use b64_json",
                                "response_format")
@@ -134,7 +134,7 @@ def build_router(settings: Settings, manager: Engine, metrics: Metrics, monitor:
             entry = await history.record(owner, req.request_id, 0, req, result, pngs=pngs)
             if entry is None:
                 raise InternalError(f"storing the result failed (request {req.request_id}): use b64_json")
-            items = [{"url": url} for url in image_urls(request, entry, reply)]
+            items = [{"url": url} for url in image_urls(request, entry, reply[:2])]
         else:
             if history is not None:
                 _in_background(history.record(owner, req.request_id, 0, req, result, pngs=pngs))
@@ -145,7 +145,12 @@ def build_router(settings: Settings, manager: Engine, metrics: Metrics, monitor:
         body = {"created": int(time.time()), "data": data, "output_format": output_format,
                 "size": f"{result.width}x{result.height}", "seed": result.seed,
                 "request_id": result.request_id}
-        notices = frame_notices(req.images)  # e.g. an animated GIF: its first frame was edited
+        # e.g. an animated GIF: its first frame was edited; an OpenAI field not used
+        notices = [*frame_notices(req.images), *notices]
+        asked = (req.width, req.height)
+        if req.mask is None and all(asked) and asked != (result.width, result.height):
+            notices.append(f"size {asked[0]}x{asked[1]} became {result.width}x{result.height}: the model's "
+                           "sides are multiples of 16 (Qwen-Image-2.1: 32)")
         if result.notice:  # an asked-for prompt rewrite that was not used
             notices.append(result.notice)
         if notices:

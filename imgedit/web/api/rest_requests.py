@@ -73,7 +73,7 @@ def _size(raw: str | None) -> tuple[int | None, int | None]:
 
 
 async def parse_edit(request: Request, settings: Settings,
-                     manager: Engine) -> tuple[EditRequest, Resolved, tuple[str, int], str]:
+                     manager: Engine) -> tuple[EditRequest, Resolved, tuple[str, int, list[str]], str]:
     """The edit request, its exact parameters (every check, once), the images' format and quality, and the
     reply's `response_format`."""
     form = await edit_form(request, settings, manager.family)
@@ -86,11 +86,11 @@ async def parse_edit(request: Request, settings: Settings,
     answer = response_format(form)
     req = EditRequest(images=tuple(images), **request_kwargs({**form_fields(form, REST), **masking}),
                       source="rest")
-    return req, manager.resolve(req), output_format(form), answer
+    return req, manager.resolve(req), (*output_format(form), ignored(form)), answer
 
 
 async def parse_generation(request: Request,
-                           manager: Engine) -> tuple[EditRequest, Resolved, tuple[str, int], str]:
+                           manager: Engine) -> tuple[EditRequest, Resolved, tuple[str, int, list[str]], str]:
     """A generation's JSON body as an edit request without images, its exact parameters, the images' format
     and the reply's `response_format`."""
     family = FAMILIES[manager.family]
@@ -111,7 +111,7 @@ async def parse_generation(request: Request,
                                "a generation takes a prompt", name)
     answer = response_format(body)
     req = EditRequest(images=(), **request_kwargs(form_fields(body, REST)), source="rest")
-    return req, manager.resolve(req), output_format(body), answer
+    return req, manager.resolve(req), (*output_format(body), ignored(body)), answer
 
 
 RESPONSE_FORMATS = ("b64_json", "url")
@@ -125,6 +125,17 @@ def response_format(form) -> str:
         raise InvalidInput(f"response_format must be b64_json or url, got {str(answer)[:40]!r}",
                            "response_format")
     return answer
+
+
+# OpenAI's image fields this server takes and does not act on: the reply's `notices` name each one sent
+UNUSED_OPENAI = ("quality", "background", "style", "moderation", "input_fidelity", "partial_images")
+
+
+def ignored(form) -> list[str]:
+    """A notice for each of OpenAI's fields in the request that this server does not use (they were dropped
+    silently)."""
+    return [f"{name}={str(form.get(name))[:40]!r} was ignored: this server does not use OpenAI's {name}"
+            for name in UNUSED_OPENAI if form.get(name) not in (None, "", "auto")]
 
 
 def output_format(form) -> tuple[str, int]:

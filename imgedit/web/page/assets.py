@@ -56,6 +56,9 @@ INPUT_PREVIEW_CSS = """<style>
 #input-preview .grid-container{grid-template-columns:repeat(auto-fill,120px)!important;
   grid-template-rows:none!important;grid-auto-rows:120px!important}
 #input-preview img{object-fit:contain!important}
+#chain-strip .grid-container{grid-template-columns:repeat(auto-fill,110px)!important;
+  grid-template-rows:none!important;grid-auto-rows:110px!important}
+#chain-strip img{object-fit:contain!important}
 @media (max-width: 700px) {
   #editor{flex-direction:column!important;flex-wrap:nowrap!important}
   #editor-left,#editor-right{display:contents!important}

@@ -24,6 +24,7 @@ from imgedit.engine.jobs.batch import Job, JobService, expand_uploads, results_z
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.protocol import BATCH, EditRequest, ItemState, parameters, request_kwargs
 from imgedit.web.identity import page_owner
+from imgedit.web.page.exports import download_name
 from imgedit.web.page.requests import api_signature, event_fields
 from imgedit.web.page.speed import parse_cache_input
 from imgedit.web.page.tools import refusal, user_error
@@ -141,7 +142,8 @@ def build_batch_tab(settings: Settings, manager: Engine, jobs: JobService, contr
             rows = [(i.name, i.entry, i.error) for i in job.items]
             archive = None
             if job.entries():
-                archive = folder / f"{job.id}.zip"
+                # named as single downloads are, from the prompt (it was job_<id>.zip)
+                archive = folder / f"{download_name(template.prompt, None)}-{len(job.entries())}-results.zip"
                 archive.write_bytes(await asyncio.to_thread(results_zip, rows))
             yield shown, _report(job), str(archive) if archive else None, progress_line(job)
         finally:

@@ -49,19 +49,22 @@ def build_blocks(settings: Settings, manager: Engine, demo: bool = False, monito
         # line each, refreshed with the GPU panel; empty when all is well.
         banner = gr.HTML(elem_id="server-banner", padding=False)
         editor = build_editor(settings, manager.family, demo, cache_refused)
-        build_panel(blocks, manager, monitor, jobs, banner)
+        # GPUs, Batch and History: tabs of one strip, the GPU panel's open (below the panel, with the Batch
+        # tab open, they made the page 2,700 px tall before any result)
+        with gr.Tabs(elem_id="page-tabs"):
+            with gr.Tab("GPUs", id="gpus"):
+                build_panel(blocks, manager, monitor, jobs, banner)
+            if jobs is not None:  # Batch and History tabs (web.page.batch_tab, web.page.history_tab)
+                build_tabs(settings, manager, history, jobs, editor, events, cache_refused)
         gr.HTML(INPUT_PREVIEW_CSS, padding=False)  # a style block: here it leaves no gap in the form
         build_edit_api(events)
         wire_editor(blocks, settings, manager, events, editor)
-        if jobs is not None:  # Batch and History tabs (web.page.batch_tab, web.page.history_tab)
-            build_tabs(settings, manager, history, jobs, editor, events, cache_refused)
     return blocks
 
 
 def build_panel(blocks: gr.Blocks, manager: Engine, monitor: GpuMonitor, jobs, banner: gr.HTML) -> None:
     """The GPUs panel (and the banner above the editor), refreshed every 2 s, and the `/gpu_status` API."""
-    with gr.Accordion("GPUs", open=True):
-        gpu_panel = gr.HTML(elem_id="gpu-panel")  # filled on every page load (below)
+    gpu_panel = gr.HTML(elem_id="gpu-panel")  # filled on every page load (below)
     timer = gr.Timer(2.0)
 
     def gpu_status() -> dict:
@@ -86,8 +89,7 @@ def build_tabs(settings: Settings, manager: Engine, history, jobs, editor: Edito
                cache_refused: str | None) -> None:
     """The Batch and History tabs, over the editor's controls; History's re-run is the Edit button's edit.
     The `/history` API."""
-    with gr.Tabs():
-        build_batch_tab(settings, manager, jobs, editor.controls)
-        history_api = build_history_tab(settings, history, editor.controls, editor.outputs, events.page,
-                                        GPU_GROUP, cache_offered=not cache_refused, family=manager.family)
+    build_batch_tab(settings, manager, jobs, editor.controls)
+    history_api = build_history_tab(settings, history, editor.controls, editor.outputs, events.page,
+                                    GPU_GROUP, cache_offered=not cache_refused, family=manager.family)
     gr.api(history_api, api_name="history", queue=False)

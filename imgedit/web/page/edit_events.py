@@ -182,6 +182,9 @@ def wire_editor(blocks: gr.Blocks, settings: Settings, manager: Engine, events: 
     tools, e, private = events.tools, editor, {"api_visibility": "private"}
     e.files.upload(tools.check_uploads, e.files, [e.files, e.compare, e.restore, e.stored], preprocess=False,
                    **private)
+    # an example's inputs fill Before/after as an upload does (they did not: no upload event)
+    e.examples.load_input_event.then(tools.first_input_compare, e.files, e.compare, preprocess=False,
+                                     queue=False, **private)
     # The last refusal's message goes first, then the edit (one chain: two listeners raced, and a quick
     # refusal was wiped by the clearing of the one before).
     cleared = e.run.click(lambda: ("", gr.update(interactive=True)), None, [e.message, e.stop], queue=False,
@@ -200,8 +203,10 @@ def wire_editor(blocks: gr.Blocks, settings: Settings, manager: Engine, events: 
                  cancels=[event], queue=False, **private)
     event.success(tools.download_chosen, [e.result, e.chosen], e.download, preprocess=False, queue=False,
                   **private)
-    e.result.change(tools.result_buttons, e.result, [e.again, e.add], preprocess=False, queue=False,
+    e.result.change(tools.result_buttons, e.result, [e.again, e.add, e.reuse], preprocess=False, queue=False,
                     **private)
+    e.reuse.click(tools.reuse_seed, [e.result, e.chosen], [e.controls["seed"], e.controls["randomize_seed"]],
+                  preprocess=False, queue=False, **private)
     e.result.select(tools.select_result, [e.files, e.result], [e.chosen, e.compare, e.download],
                     preprocess=False, **private)
     # Queued (its own default group, never behind GPU jobs): only queued events can show a toast.
@@ -210,12 +215,13 @@ def wire_editor(blocks: gr.Blocks, settings: Settings, manager: Engine, events: 
     e.restore.click(functools.partial(tools.restore_settings, names=restored), e.stored,
                     [e.controls[name] for name in restored] + [randomize, e.restore], **private)
 
-    def snippets(request: gr.Request, *, canvas, **form):
-        return tools.api_call(form, canvas, request)
+    def snippets(request: gr.Request, *, canvas, gallery, index, **form):
+        # the seed the chosen result was made with: a randomized edit's snippet repeats it
+        return tools.api_call(form, canvas, request, tools.result_seed(gallery, index))
 
     e.copy_api.click(snippets, None, [e.snippets, *e.snippet_code, e.snippet_inputs],
-                     inputs_kwargs={**e.controls, "canvas": e.canvas}, preprocess=False, queue=False,
-                     **private)
+                     inputs_kwargs={**e.controls, "canvas": e.canvas, "gallery": e.result, "index": e.chosen},
+                     preprocess=False, queue=False, **private)
     # Any change of the inputs (upload, removal, an example, a result used as input) redraws the thumbnails.
     e.files.change(tools.preview_inputs, e.files, e.preview, preprocess=False, queue=False, **private)
     if FAMILIES[manager.family].generates:  # no input image: the button makes one from the prompt
@@ -231,6 +237,6 @@ def wire_editor(blocks: gr.Blocks, settings: Settings, manager: Engine, events: 
     e.preview.select(tools.chosen_input, None, e.chosen_input, queue=False, **private)
     e.first.click(tools.make_first, [e.files, e.chosen_input], e.files, preprocess=False, queue=False,
                   **private)
-    wire_chain(blocks, tools, e.files, e.result, e.chosen, e.again, e.chain_controls)
+    wire_chain(blocks, tools, e.files, e.result, e.chosen, e.again, e.chain_controls, e.prompt)
     e.add.click(tools.add_result, [e.files, e.result, e.chosen], e.files, preprocess=False, **private)
     return event

@@ -51,6 +51,7 @@ class Editor:
     again: gr.Button
     add: gr.Button
     download: gr.DownloadButton
+    reuse: gr.Button
     chain_controls: tuple
     compare: gr.ImageSlider
     chosen: gr.Number
@@ -58,6 +59,7 @@ class Editor:
     snippets: gr.Group
     snippet_code: list
     snippet_inputs: gr.File
+    examples: gr.Examples
 
     @property
     def outputs(self) -> list:
@@ -115,8 +117,8 @@ def build_editor(settings: Settings, family_key: str, demo: bool, cache_refused:
                 # and a shared folder left another running server's examples blank (403)
                 examples_folder = tempfile.mkdtemp(prefix="imgedit-examples-", dir=upload_folder())
                 rows, labels = example_rows(examples_folder, max_inputs)
-                gr.Examples(rows, [files, prompt], example_labels=labels,
-                            label="Examples (click one to fill the form)", elem_id="examples")
+                examples = gr.Examples(rows, [files, prompt], example_labels=labels,
+                                       label="Examples (click one to fill the form)", elem_id="examples")
                 laid_out.update(build_speed_controls(settings))  # Speed, LoRA, strength
                 canvas, masking = build_mask_controls()  # painted mask, grow, feather, strength
                 laid_out.update(masking)
@@ -142,6 +144,7 @@ def build_editor(settings: Settings, family_key: str, demo: bool, cache_refused:
                 again = gr.Button("Use this result as input", elem_id="use-result", interactive=False)
                 add = gr.Button("Add it as another input", elem_id="add-result", interactive=False)
                 download = gr.DownloadButton("Download PNG", elem_id="download-result", interactive=False)
+                reuse = gr.Button("Reuse its seed", elem_id="reuse-seed", interactive=False)
             # "Use this result as input" builds a chain of steps with Undo and Redo (web.page.chain)
             chain_controls = build_chain_controls()
             compare = gr.ImageSlider(label="Before / after (drag the handle)", format="png", type="pil",
@@ -155,5 +158,5 @@ def build_editor(settings: Settings, family_key: str, demo: bool, cache_refused:
                                          file_count="multiple", interactive=False, elem_id="api-inputs")
     controls = {p.name: laid_out[p.name] for p in parameters(EDIT)}  # KeyError: a parameter with no control
     return Editor(controls, files, prompt, preview, chosen_input, first, counter, enhance_controls, restore,
-                  stored, run, stop, message, canvas, result, status, again, add, download, chain_controls,
-                  compare, chosen, copy_api, snippets, snippet_code, snippet_inputs)
+                  stored, run, stop, message, canvas, result, status, again, add, download, reuse,
+                  chain_controls, compare, chosen, copy_api, snippets, snippet_code, snippet_inputs, examples)

@@ -27,7 +27,8 @@ from imgedit.web.page.tools import user_error
 def build_enhance_buttons():
     """(enhance, undo, note, original, rewritten): to be built right under the prompt box."""
     with gr.Row():
-        enhance = gr.Button("✨ Enhance the instruction", size="sm", elem_id="enhance-button")
+        # no emoji: without an emoji font it rendered as a box
+        enhance = gr.Button("Enhance the instruction", size="sm", elem_id="enhance-button")
         undo = gr.Button("Back to my words", size="sm", visible=False, elem_id="enhance-undo")
     note = gr.Markdown(elem_id="enhance-note")
     # The user's words before Enhance, and the last rewrite (hidden Textboxes, not gr.State: no heartbeat).

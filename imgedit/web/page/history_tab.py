@@ -106,7 +106,13 @@ def build_history_tab(settings: Settings, history: HistoryStore, controls: dict,
         with gr.Row():
             reopen = gr.Button("Open in the editor", elem_id="history-open")
             rerun = gr.Button("Re-run with the same settings", elem_id="history-rerun")
+            reuse = gr.Button("Reuse its seed in the editor", elem_id="history-reuse-seed")
             delete = gr.Button("Delete", variant="stop", elem_id="history-delete")
+        # Delete asks first (it once removed the entry and its files at the first click)
+        with gr.Row(visible=False, elem_id="history-confirm") as confirm_row:
+            gr.Markdown("Delete this entry and its files? This cannot be undone.")
+            confirm = gr.Button("Yes, delete it", variant="stop", size="sm", elem_id="history-delete-confirm")
+            keep = gr.Button("Keep it", size="sm", elem_id="history-delete-keep")
 
     def relist(request: gr.Request):
         who = owner(request)
@@ -232,6 +238,23 @@ def build_history_tab(settings: Settings, history: HistoryStore, controls: dict,
     ).success(rerun_done, None, entry_view, queue=False, api_visibility="private").then(
         relist, None, [listing, ids], queue=False, api_visibility="private")
     rerun.click(rerun_notice, chosen, details, queue=False, api_visibility="private")
-    delete.click(delete_entry, chosen, entry_view, queue=False, api_visibility="private").success(
-        relist, None, [listing, ids], queue=False, api_visibility="private")
+    def ask(entry_id: str | None, request: gr.Request):
+        chosen_entry(entry_id, request)  # "choose an entry first" rather than a question about nothing
+        return gr.update(visible=True)
+
+    def reuse_seed(entry_id: str | None, request: gr.Request):
+        entry = chosen_entry(entry_id, request)
+        return entry.seed, False
+
+    delete.click(ask, chosen, confirm_row, queue=False, api_visibility="private")
+    keep.click(lambda: gr.update(visible=False), None, confirm_row, queue=False, api_visibility="private")
+    def confirmed(entry_id: str | None, request: gr.Request):
+        return (*delete_entry(entry_id, request), gr.update(visible=False))
+
+    deleted = confirm.click(confirmed, chosen, [*entry_view, confirm_row], queue=False,
+                            api_visibility="private")
+    deleted.success(relist, None, [listing, ids], queue=False, api_visibility="private")
+    listing.select(lambda: gr.update(visible=False), None, confirm_row, queue=False, api_visibility="private")
+    reuse.click(reuse_seed, chosen, [controls["seed"], controls["randomize_seed"]], queue=False,
+                api_visibility="private")
     return history_api

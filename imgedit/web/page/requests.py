@@ -31,8 +31,9 @@ def event_fields(raw: dict) -> dict:
     no preset and no LoRA."""
     fields = {p.name: p.parse(raw[p.name]) for p in parameters(EDIT)
               if p.request_field is not None and p.kind != "file" and p.name in raw}
+    # a seed given is used unless "randomize" is ticked; none (the API's default) draws one
     randomize = param("randomize_seed").parse(raw.get("randomize_seed"))
-    fields["seed"] = None if randomize else fields.get("seed") or 0
+    fields["seed"] = None if randomize else fields.get("seed")
     fields["width"], fields["height"] = fields.get("width") or None, fields.get("height") or None
     fields["speed"], fields["lora"], fields["lora_scale"] = parse_speed_inputs(
         raw.get("speed"), raw.get("lora"), raw.get("lora_scale"))

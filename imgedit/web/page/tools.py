@@ -105,16 +105,27 @@ class PageTools:
             except ImgEditError as exc:
                 problems.append(exc.message)
         if len(kept) > self.allowed:
+            names = ", ".join(Path(path).name for path in kept[self.allowed:])  # which ones (it did not say)
             problems.append(f"this model takes at most {self.allowed} input image(s): "
-                            f"only the first {self.allowed} are kept")
+                            f"only the first {self.allowed} are kept, {names} left out")
             kept = kept[:self.allowed]
         for problem in problems:
             gr.Warning(html.escape(problem), title="left out")
-        first = open_image(kept[0], self.settings.max_input_pixels) if kept else None
-        # as decoded (rotated, RGB), once
-        shown = cached_pngs([png_bytes(first)], "input")[0] if first else None
         stored = next((found for path in kept if (found := self.restorable(read_settings(path)))), {})
-        return kept, (shown, shown) if shown else None, gr.update(visible=bool(stored)), stored
+        return kept, self._compare_first(kept), gr.update(visible=bool(stored)), stored
+
+    def _compare_first(self, paths: list[str]):
+        """Before/after before any result: the first input on both sides, as decoded (rotated, RGB), once."""
+        first = open_image(paths[0], self.settings.max_input_pixels) if paths else None
+        shown = cached_pngs([png_bytes(first)], "input")[0] if first else None
+        return (shown, shown) if shown else None
+
+    def first_input_compare(self, images):
+        """An example's inputs in Before/after, as an upload's."""
+        try:
+            return self._compare_first(uploaded_paths(images))
+        except Exception:  # noqa: BLE001 - the slider stays as it is; the edit names any problem
+            return gr.update()
 
     def restorable(self, stored: dict) -> dict:
         """Only values a request could carry: each is checked as that request field (a seed over
@@ -151,11 +162,13 @@ class PageTools:
             values[names.index("cache")] = stored_cache_choice(stored.get("cache"), self.cache_offered)
         return (*values, False if "seed" in stored else keep, gr.update(visible=False))
 
-    def api_call(self, form: dict, canvas, request: gr.Request):
+    def api_call(self, form: dict, canvas, request: gr.Request, used_seed: int | None = None):
         """Copy as API call: the form ({declared parameter: raw value}) as gradio_client, curl and OpenAI-SDK
         code, for this server's address. Each snippet repeats the page's edit: the painted mask (mask.png,
-        offered with the inputs) and the output size the server would make (one side given: both, from the
-        last input's aspect)."""
+        offered with the inputs), the output size the server would make (one side given: both, from the
+        last input's aspect) and, with Randomize seed ticked, `used_seed`: the chosen result's."""
+        if form.get("randomize_seed") and used_seed is not None:
+            form = {**form, "seed": used_seed, "randomize_seed": False}
         try:
             paths = uploaded_paths(form.get("images"))
         except Exception:  # noqa: BLE001
@@ -244,15 +257,27 @@ class PageTools:
 
     @staticmethod
     def result_buttons(gallery) -> tuple:
-        """"Use this result" and "Add it as another input" act only when there is a result."""
+        """"Use this result", "Add it as another input" and "Reuse its seed" act only with a result."""
         try:
             there = bool(gallery_paths(gallery))
         except Exception:  # noqa: BLE001 - an unreadable value: nothing to use
             there = False
-        return gr.update(interactive=there), gr.update(interactive=there)
+        return gr.update(interactive=there), gr.update(interactive=there), gr.update(interactive=there)
 
-    def use_result(self, gallery, index) -> list[str]:
-        return [self.chosen_result(gallery, index)]
+    def result_seed(self, gallery, index) -> int | None:
+        """The seed the chosen result was made from (its PNG's), None without one."""
+        try:
+            seed = read_settings(self.chosen_result(gallery, index)).get("seed")
+        except gr.Error:
+            return None
+        return seed if isinstance(seed, int) else None
+
+    def reuse_seed(self, gallery, index) -> tuple:
+        """"Reuse its seed": the chosen result's seed into Seed, Randomize seed unticked."""
+        seed = self.result_seed(gallery, index)
+        if seed is None:
+            raise refusal("there is no result yet: run an edit first", "no result")
+        return seed, False
 
     def add_result(self, images, gallery, index) -> list[str]:
         path = self.chosen_result(gallery, index)
@@ -311,18 +336,20 @@ def cached_pngs(pngs: list[bytes], stem: str) -> list[str]:
     for the comparison (docs/BENCHMARKS.md). The folder is named by Gradio's own hash of the bytes; a file
     that is there already (the same bytes) is only touched, never rewritten while a browser may be reading
     it."""
-    paths = []
-    for i, png in enumerate(pngs):
-        path = Path(get_upload_folder()) / hash_bytes(png) / f"{stem}-{i}.png"
-        if path.exists():
-            os.utime(path)  # Gradio's cache sweep ages files by their time
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            staging = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-            staging.write_bytes(png)
-            os.replace(staging, path)
-        paths.append(str(path.resolve()))
-    return paths
+    return [cached_png(png, f"{stem}-{i}.png") for i, png in enumerate(pngs)]
+
+
+def cached_png(png: bytes, name: str) -> str:
+    """One PNG written once into Gradio's cache under `name` (cached_pngs)."""
+    path = Path(get_upload_folder()) / hash_bytes(png) / name
+    if path.exists():
+        os.utime(path)  # Gradio's cache sweep ages files by their time
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+        staging.write_bytes(png)
+        os.replace(staging, path)
+    return str(path.resolve())
 
 
 def page_files(req: EditRequest, first: Image.Image,

@@ -247,7 +247,8 @@ class EventGuard:
 
 # Names the page's pickers offer; a broken file named like an image is kept (the edit or the Batch
 # item then says which one is not readable) and expires with Gradio's cache (delete_cache).
-UPLOAD_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".zip")
+UPLOAD_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".heic", ".heif",
+                   ".avif", ".zip")
 
 
 def _images_only(send):
