@@ -29,9 +29,9 @@ EDIT_REST = {"prompt": "make it red", "size": "64x64", "num_inference_steps": "2
 
 
 def edit_data(files, steps=2, seed=1, width=64, height=64) -> list:
-    # every /edit input; the mask ones, enhance_prompt and cache last (none)
+    # every /edit input; the mask ones, enhance_prompt, cache and expand last (none)
     return [files, "make it red", "", seed, False, steps, 4.0, 1, width, height, "quality", "none", 1.0,
-            None, None, None, None, None, None]
+            None, None, None, None, None, None, None]
 
 
 def png(w: int, h: int, color=(10, 200, 90)) -> bytes:
@@ -328,7 +328,7 @@ def test_the_upload_route_refuses_what_is_no_image_by_content_and_by_name(live_s
 
 @pytest.mark.parametrize("method, path, status", [
     ("GET", "/v1/images/edits", 405), ("PUT", "/v1/images/edits", 405), ("DELETE", "/v1/images/edits", 405),
-    ("GET", "/v1/models", 404), ("POST", "/v1/chat/completions", 404), ("GET", "/v1", 404),
+    ("POST", "/v1/chat/completions", 404), ("GET", "/v1", 404),
     ("POST", "/v1/images/variations", 404), ("GET", "/v1/images/edits/x/../../..", 404),
     ("GET", "/v1/images/generations", 405),
 ])

@@ -55,7 +55,9 @@ def build_blocks(settings: Settings, manager: Engine, demo: bool = False, monito
             with gr.Tab("GPUs", id="gpus"):
                 build_panel(blocks, manager, monitor, jobs, banner)
             if jobs is not None:  # Batch and History tabs (web.page.batch_tab, web.page.history_tab)
-                build_tabs(settings, manager, history, jobs, editor, events, cache_refused)
+                history_api = build_tabs(settings, manager, history, jobs, editor, events, cache_refused)
+        if jobs is not None:
+            gr.api(history_api, api_name="history", queue=False)
         gr.HTML(INPUT_PREVIEW_CSS, padding=False)  # a style block: here it leaves no gap in the form
         build_edit_api(events)
         wire_editor(blocks, settings, manager, events, editor)
@@ -86,10 +88,10 @@ def build_panel(blocks: gr.Blocks, manager: Engine, monitor: GpuMonitor, jobs, b
 
 
 def build_tabs(settings: Settings, manager: Engine, history, jobs, editor: Editor, events: EditEvents,
-               cache_refused: str | None) -> None:
+               cache_refused: str | None):
     """The Batch and History tabs, over the editor's controls; History's re-run is the Edit button's edit.
-    The `/history` API."""
+    Returns the `/history` API's function."""
     build_batch_tab(settings, manager, jobs, editor.controls)
     history_api = build_history_tab(settings, history, editor.controls, editor.outputs, events.page,
                                     GPU_GROUP, cache_offered=not cache_refused, family=manager.family)
-    gr.api(history_api, api_name="history", queue=False)
+    return history_api
