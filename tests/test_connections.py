@@ -212,6 +212,32 @@ def test_two_addresses_trickling_bodies_neither_fill_the_server_nor_keep_their_c
                 s.close()
 
 
+def test_a_live_slow_upload_is_cut_with_a_408_before_its_file_could_be_swept(trickle_app):
+    """A gradio upload trickling 1 byte every 0.4 s (200 bytes every 20 s in the report) kept its connection
+    while its temp file went untouched long enough for the partial-upload sweep, and its client got 200 with a
+    path to nothing. Now a body under BODY_MIN_RATE once BODY_READ_TIMEOUT is over is answered 408 naming the
+    setting, never 200."""
+    from imgedit.web.connections import guarded_protocol
+
+    with LiveServer(trickle_app, free_port(), http=guarded_protocol(10, 20, 20)) as server:
+        sock = trickle(server.port, "127.0.0.1", b"/gradio_api/upload")
+        try:
+            sock.sendall(b'Content-Disposition: form-data; name="files"; filename="a.png"\r\n\r\n')
+            started, said = time.monotonic(), None
+            while said is None and time.monotonic() - started < 12:
+                try:
+                    sock.sendall(b"a")
+                except OSError:
+                    said = answer(sock, 0.1) or RESET
+                    break
+                said = answer(sock, 0.0)
+                time.sleep(0.4)
+        finally:
+            sock.close()
+    assert said is not None and said.startswith(b"HTTP/1.1 408") and b"BODY_MIN_RATE" in said, said
+    assert time.monotonic() - started < 10
+
+
 @pytest.fixture(scope="module")
 def keyed_app(plus_ckpt):
     from imgedit.web.app import build_app
