@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -43,6 +44,14 @@ log = logging.getLogger(__name__)
 def main(spec: WorkerSpec, inbox, outbox, visible_devices: str | None, cache_dir: str | None,
          log_level: str = "INFO") -> None:
     prepare_process(visible_devices, cache_dir, capped=bool(spec.memory_caps))
+    # The server stops its workers (Stop, then terminate, then kill; a rank whose server is gone exits on its
+    # own: _watch_parent). Ctrl-C in a terminal, timeout(1) or systemd signal the whole process group: a rank
+    # dying of that would end a job the server's drain lets finish, and it left its semaphores to
+    # multiprocessing's resource tracker ("1 leaked semaphore" at the stop, tests/test_workers.py). A Ray
+    # actor runs this in a thread: Ray owns its signals.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     inbox, outbox = Channel(inbox), Channel(outbox)
     logging.basicConfig(level=log_level,
                         format=f"%(asctime)s %(levelname)s {spec.name}.{spec.rank}: %(message)s")
