@@ -8,7 +8,7 @@ input at 1024x1024, 2 steps, CFG off, through `manager.edit` and through `POST /
 own server on a local port) in each reply format, interleaved: a round is a manager edit, then one REST edit per
 format; medians of N rounds after one warm-up each. `over_manager_s` is the median of each REST edit's wall less
 its round's manager edit. The server-side encode of each format is timed apart on a result image
-(`imgedit.engine.images.encoded`), with the bytes it makes. A random model's result is noise-like, the hardest
+(`imgedit.engine.outputs.encoded`), with the bytes it makes. A random model's result is noise-like, the hardest
 case for PNG; a photo compresses better and writes faster.
 
     python benchmarks/bench_reply.py --page      # the page's share: no model, no server
@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import reference_image, rest_edit, served, write_results  # noqa: E402
 
 from imgedit.config.settings import load_settings  # noqa: E402
-from imgedit.engine.images import encoded  # noqa: E402
 from imgedit.engine.manager import PipelineManager  # noqa: E402
+from imgedit.engine.outputs import encoded  # noqa: E402
 from imgedit.model.demo_checkpoint import build_checkpoint  # noqa: E402
 from imgedit.protocol import EditRequest  # noqa: E402
 
@@ -57,7 +57,7 @@ def page() -> dict:
     import numpy as np
     from PIL import Image
 
-    from imgedit.engine.images import png_bytes
+    from imgedit.engine.outputs import png_bytes
     from imgedit.web.page.tools import compare_pair, page_files
 
     rng = np.random.default_rng(0)

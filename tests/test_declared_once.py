@@ -76,7 +76,7 @@ def note_of(data: bytes) -> str | None:
 def test_gradio_edit_publishes_and_takes_the_declared_field(server, tmp_path):
     from gradio_client import Client, handle_file
 
-    from imgedit.engine.images import read_settings
+    from imgedit.engine.outputs import read_settings
 
     client = Client(server.url, verbose=False)
     published = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/edit"]["parameters"]
@@ -128,7 +128,7 @@ def test_the_page_has_a_control_for_it_and_restores_it(server, manager):
     assert len(controls) == 1 and controls[0]["type"] == "textbox", controls
     assert controls[0]["props"]["label"] == "Note" and NOTE.help in controls[0]["props"]["info"]
 
-    from imgedit.engine.images import restorable
+    from imgedit.engine.outputs import restorable
     from imgedit.web.page.tools import PageTools
 
     assert restorable()["note"] is str
@@ -209,8 +209,8 @@ def test_a_name_the_worker_side_gives_otherwise_is_mapped_by_the_declaration_alo
     written."""
     from types import SimpleNamespace
 
-    from imgedit.engine.images import settings_text
     from imgedit.engine.jobs.batch import job_settings
+    from imgedit.engine.outputs import settings_text
     from imgedit.protocol import Resolved
 
     threshold = Param("threshold", "number", "a test-only threshold", png=True, status=True,

@@ -14,7 +14,8 @@ import pytest
 from conftest import picture
 from PIL import ExifTags, Image
 
-from imgedit.engine.images import encoded, open_image, peek_image
+from imgedit.engine.images import open_image, peek_image
+from imgedit.engine.outputs import encoded
 from imgedit.errors import InputTooLarge, InvalidInput
 
 LIMIT = 4096 * 4096
@@ -162,7 +163,7 @@ def test_big_endian_16_bit_and_float_tiffs_are_scaled():
 
 def test_settings_chunks_round_trip_and_junk_is_left_out(tmp_path):
     """PNG text chunks: what stamp/save_png write, read_settings gives back typed; junk is dropped."""
-    from imgedit.engine.images import read_settings, save_png, stamp
+    from imgedit.engine.outputs import read_settings, save_png, stamp
 
     image = Image.new("RGB", (8, 8))
     stamp([image], {"prompt": "说 hello", "seed": "12", "num_inference_steps": "many", "true_cfg_scale": "4.5",
@@ -183,7 +184,7 @@ def test_restore_offers_only_what_a_request_could_carry_and_skips_bulky_chunks(t
     from PIL import PngImagePlugin
 
     from imgedit.config.settings import load_settings
-    from imgedit.engine.images import read_settings, save_png, stamp
+    from imgedit.engine.outputs import read_settings, save_png, stamp
     from imgedit.web.page.tools import PageTools
 
     ours = {"software": "imgedit 0.1.0", "prompt": "<b>make it red</b>", "seed": str(2**64 + 5),

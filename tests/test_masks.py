@@ -91,7 +91,7 @@ def test_only_the_masked_area_changes_and_the_png_says_which_mask(plus_manager):
 def test_a_masked_edit_restored_from_its_png_repeats_itself(plus_manager, tmp_path):
     """#46 item 7: the PNG of a masked edit recorded the output size (the first image's) as width and height, and
     restoring it ran the model at that size: another edit. It records the size the edit ran at."""
-    from imgedit.engine.images import png_bytes, read_settings
+    from imgedit.engine.outputs import png_bytes, read_settings
 
     mask = mask_from(white_left_half(), (W, H))
     ask = dict(images=(photo(),), prompt="make it red", mask=mask, num_inference_steps=2, seed=5)

@@ -67,7 +67,7 @@ def test_every_declared_field_is_a_request_field_and_each_name_is_one_parameter(
 
 
 def test_each_png_records_every_parameter_declared_png():
-    from imgedit.engine.images import settings_text
+    from imgedit.engine.outputs import settings_text
 
     mask = Image.new("L", (64, 64), 255)
     req = EditRequest(images=(Image.new("RGB", (64, 64)),), prompt="p", negative_prompt="n", speed="quality",

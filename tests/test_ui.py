@@ -314,7 +314,7 @@ def test_every_returned_png_carries_its_settings(live_server, client, image_file
     import io
 
     from imgedit import __version__
-    from imgedit.engine.images import read_settings
+    from imgedit.engine.outputs import read_settings
 
     gallery, _ = client.predict(*edit_args([image_file], seed=11, steps=3, prompt="make it ünicode red"),
                                 api_name="/edit")

@@ -22,9 +22,10 @@ from dataclasses import replace
 from imgedit.config.settings import Settings
 from imgedit.engine import heap
 from imgedit.engine.canvas import expanded
-from imgedit.engine.images import Encoded, decoded, stamp_result
+from imgedit.engine.images import Encoded, decoded
 from imgedit.engine.interface import Engine, StepCallback, WaitCallback
 from imgedit.engine.line import Line
+from imgedit.engine.outputs import stamp_result
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.engine.shutdown import NOT_STARTED, STOPPED
 from imgedit.engine.validation import check_params, model_defaults, resolve, resolve_enhance

@@ -16,7 +16,8 @@ import numpy as np
 from PIL import Image, ImageOps
 
 # mask_digest: re-exported
-from imgedit.engine.images import FORMATS, _check_pixels, mask_digest  # noqa: F401
+from imgedit.engine.images import FORMATS, _check_pixels  # noqa: F401
+from imgedit.engine.outputs import mask_digest  # noqa: F401
 from imgedit.errors import InputTooLarge, InvalidInput
 
 DEFAULT_FEATHER = 8  # mask_feather's (its bounds and mask_grow's: imgedit.protocol.PARAMETERS)

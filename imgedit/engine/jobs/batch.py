@@ -22,10 +22,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import PurePosixPath
 
 from imgedit.config.settings import Settings
-from imgedit.engine.images import SUFFIXES, encoded_image, mask_digest, reencoded
+from imgedit.engine.images import encoded_image
 from imgedit.engine.interface import Engine
 from imgedit.engine.jobs.history import HistoryEntry, HistoryStore
 from imgedit.engine.jobs.records import JobRecords, job_state
+from imgedit.engine.outputs import SUFFIXES, mask_digest, reencoded
 from imgedit.errors import Cancelled, ImgEditError, InputTooLarge, InvalidInput, QueueFull
 from imgedit.planning.families import FAMILIES
 from imgedit.protocol import JOBS, EditRequest, ItemState, JobState, WorkerState, new_request_id, parameters
@@ -186,7 +187,7 @@ def clean_name(name: str, index: int) -> str:
 def results_zip(items: list[tuple[str, HistoryEntry | None, str | None]], output_format: str = "png",
                 quality: int = 100) -> bytes:
     """A zip of every stored output, named after its item, plus errors.txt for items without one; the stored
-    PNGs as they are, or each made a JPEG or WebP (`images.encoded`, the settings in its EXIF)."""
+    PNGs as they are, or each made a JPEG or WebP (`outputs.encoded`, the settings in its EXIF)."""
     buffer = io.BytesIO()
     errors = []
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:  # the images are compressed already

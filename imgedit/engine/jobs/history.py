@@ -22,7 +22,8 @@ from pathlib import Path
 
 from imgedit.config.settings import Settings
 from imgedit.engine import heap
-from imgedit.engine.images import decoded, save_png
+from imgedit.engine.images import decoded
+from imgedit.engine.outputs import save_png
 from imgedit.protocol import EditRequest, EditResult
 
 log = logging.getLogger(__name__)

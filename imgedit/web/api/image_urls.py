@@ -12,8 +12,8 @@ from urllib.parse import urlencode
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from imgedit.engine.images import reencoded
 from imgedit.engine.jobs.history import HistoryEntry, HistoryStore
+from imgedit.engine.outputs import reencoded
 from imgedit.web.api.errors import ApiError
 from imgedit.web.api.rest_requests import output_format
 

@@ -27,7 +27,7 @@ from starlette.datastructures import UploadFile
 from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
 from imgedit.engine import heap
-from imgedit.engine.images import open_image, reencoded
+from imgedit.engine.images import open_image
 from imgedit.engine.interface import Engine
 from imgedit.engine.jobs.batch import (
     Job,
@@ -39,6 +39,7 @@ from imgedit.engine.jobs.batch import (
     results_zip,
 )
 from imgedit.engine.jobs.history import HistoryEntry
+from imgedit.engine.outputs import reencoded
 from imgedit.engine.validation import check_aspect, check_counts
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.planning.families import FAMILIES

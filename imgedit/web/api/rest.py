@@ -27,9 +27,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from imgedit.config.settings import Settings
-from imgedit.engine.images import encoded, frame_notices
+from imgedit.engine.images import frame_notices
 from imgedit.engine.interface import Engine
 from imgedit.engine.jobs.history import HistoryStore
+from imgedit.engine.outputs import encoded
 from imgedit.engine.workers.gpus import GpuMonitor
 from imgedit.errors import ImgEditError, InvalidInput
 from imgedit.protocol import EditRequest, EditResult, Resolved, WorkerState

@@ -14,9 +14,10 @@ from starlette.datastructures import UploadFile
 
 from imgedit.config.parsers import human_size
 from imgedit.config.settings import Settings
-from imgedit.engine.images import REPLY_FORMATS, encoded_image, image_label
+from imgedit.engine.images import encoded_image, image_label
 from imgedit.engine.interface import Engine
 from imgedit.engine.masks import open_mask
+from imgedit.engine.outputs import REPLY_FORMATS
 from imgedit.engine.validation import check_counts
 from imgedit.errors import InputTooLarge, InvalidInput
 from imgedit.planning.families import FAMILIES

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from imgedit.engine.images import read_settings
+from imgedit.engine.outputs import read_settings
 from imgedit.web.page.exports import download_name
 from imgedit.web.page.tools import cached_png, refusal, user_error
 from imgedit.web.page.uploads import uploaded_paths

@@ -19,8 +19,9 @@ from dataclasses import replace
 import gradio as gr
 
 from imgedit.config.settings import Settings
-from imgedit.engine.images import frame_notices, png_bytes
+from imgedit.engine.images import frame_notices
 from imgedit.engine.interface import Engine
+from imgedit.engine.outputs import png_bytes
 from imgedit.errors import ImgEditError
 from imgedit.planning.families import FAMILIES
 from imgedit.protocol import EDIT, parameters

@@ -15,7 +15,7 @@ import unicodedata
 import zipfile
 from pathlib import Path
 
-from imgedit.engine.images import read_settings
+from imgedit.engine.outputs import read_settings
 
 EXPORT_KEEP_S = 120.0  # Gradio has copied a returned file into its own cache long before this
 _EXPORTS = Path(tempfile.gettempdir()) / f"imgedit-exports-{os.getpid()}"

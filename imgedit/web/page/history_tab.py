@@ -15,8 +15,8 @@ import gradio as gr
 from PIL import Image
 
 from imgedit.config.settings import Settings
-from imgedit.engine.images import read_settings
 from imgedit.engine.jobs.history import HistoryEntry, HistoryStore
+from imgedit.engine.outputs import read_settings
 from imgedit.engine.validation import lora_adapters, speed_preset
 from imgedit.errors import ImgEditError
 from imgedit.planning.families import FAMILIES

@@ -17,7 +17,8 @@ from gradio.utils import get_upload_folder
 from PIL import Image, ImageOps
 
 from imgedit.config.settings import Settings
-from imgedit.engine.images import decoded, open_image, png_bytes, read_settings
+from imgedit.engine.images import decoded, open_image
+from imgedit.engine.outputs import png_bytes, read_settings
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.engine.validation import MAX_PROMPT_CHARS, check_params, model_defaults, output_size
 from imgedit.errors import ImgEditError
