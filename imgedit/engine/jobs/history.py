@@ -17,7 +17,8 @@ import shutil
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass, field, fields
+import typing
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from imgedit.config.settings import Settings
@@ -30,46 +31,6 @@ log = logging.getLogger(__name__)
 
 DB_NAME = "history.sqlite3"
 THUMB_SIDE = 256
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS results (
-    id TEXT PRIMARY KEY,
-    job_id TEXT NOT NULL,
-    item INTEGER NOT NULL,
-    owner TEXT NOT NULL,
-    created REAL NOT NULL,
-    source TEXT NOT NULL,
-    name TEXT NOT NULL,
-    prompt TEXT NOT NULL,
-    negative_prompt TEXT NOT NULL,
-    seed INTEGER NOT NULL,
-    steps INTEGER NOT NULL,
-    true_cfg_scale REAL,
-    num_images INTEGER NOT NULL,
-    width INTEGER,
-    height INTEGER,
-    out_width INTEGER NOT NULL,
-    out_height INTEGER NOT NULL,
-    outputs INTEGER NOT NULL,
-    inputs INTEGER NOT NULL,
-    folder TEXT NOT NULL,
-    bytes INTEGER NOT NULL,
-    speed TEXT,
-    lora TEXT,
-    lora_scale REAL,
-    original_prompt TEXT,
-    weights TEXT,
-    options TEXT
-);
-CREATE INDEX IF NOT EXISTS results_owner ON results (owner, created);
-CREATE INDEX IF NOT EXISTS results_job ON results (job_id, item);
-CREATE INDEX IF NOT EXISTS results_created ON results (created);
-"""
-# Columns added after the first release, with their types: a database written by an older version gets
-# them at start-up (its rows read back as None: quality, no LoRA, which is what made them).
-_ADDED_COLUMNS = {"speed": "TEXT", "lora": "TEXT", "lora_scale": "REAL", "original_prompt": "TEXT",
-                  "weights": "TEXT", "options": "TEXT"}
-
-
 @dataclass(frozen=True)
 class HistoryEntry:
     """One stored item: the settings that made it (enough to re-run it) and where its files are."""
@@ -122,6 +83,28 @@ class HistoryEntry:
 # The table's columns: HistoryEntry's fields, by name (folder: relative to the store; options: JSON)
 COLUMNS = tuple(f.name for f in fields(HistoryEntry))
 _COLUMNS = ", ".join(COLUMNS)
+_SQL_TYPES = {str: "TEXT", int: "INTEGER", float: "REAL", Path: "TEXT", dict: "TEXT"}
+
+
+def _column_types() -> dict[str, str]:
+    """Each column's SQLite type, from HistoryEntry's annotations: `X | None` may be NULL, and so may a field
+    with a default (added after the first release: an older version's rows hold NULL there)."""
+    hints = typing.get_type_hints(HistoryEntry)
+    types = {}
+    for f in fields(HistoryEntry):
+        args = typing.get_args(hints[f.name])
+        base = next(a for a in args if a is not type(None)) if args else hints[f.name]
+        required = not args and f.default is MISSING and f.default_factory is MISSING
+        types[f.name] = _SQL_TYPES[typing.get_origin(base) or base] + (" NOT NULL" if required else "")
+    return types
+
+
+COLUMN_TYPES = _column_types()
+_SCHEMA = (f"CREATE TABLE IF NOT EXISTS results ({', '.join(f'{c} {t}' for c, t in COLUMN_TYPES.items())},"
+           " PRIMARY KEY (id));\n"
+           "CREATE INDEX IF NOT EXISTS results_owner ON results (owner, created);\n"
+           "CREATE INDEX IF NOT EXISTS results_job ON results (job_id, item);\n"
+           "CREATE INDEX IF NOT EXISTS results_created ON results (created);\n")
 
 
 class HistoryStore:
@@ -148,10 +131,10 @@ class HistoryStore:
     def _add_missing_columns(self) -> None:
         """CREATE TABLE IF NOT EXISTS leaves an older version's table as it was: add what it lacks."""
         have = {row[1] for row in self._db.execute("PRAGMA table_info(results)")}
-        for name, kind in _ADDED_COLUMNS.items():
-            if name not in have:
+        for name, kind in COLUMN_TYPES.items():
+            if name not in have:  # a field added after that version: never NOT NULL (its rows have none)
                 try:
-                    self._db.execute(f"ALTER TABLE results ADD COLUMN {name} {kind}")
+                    self._db.execute(f"ALTER TABLE results ADD COLUMN {name} {kind.removesuffix(' NOT NULL')}")
                 except sqlite3.OperationalError as exc:  # another process opening the same folder added it
                     if "duplicate column" not in str(exc):
                         raise
