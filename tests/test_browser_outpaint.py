@@ -19,18 +19,20 @@ from PIL import Image
 pytestmark = pytest.mark.browser
 
 
-def previews_while_denoising(page, minimum: int, timeout_ms: int = 60_000) -> set[str]:
-    """The live preview's distinct pictures, read while the progress says "denoising", until `minimum`."""
+def previews_while_running(page, minimum: int, timeout_ms: int = 60_000) -> set[str]:
+    """The live preview's distinct pictures, each read while the progress bar shows the steps, until
+    `minimum`."""
     seen: set[str] = set()
     for _ in range(timeout_ms // 100):
-        shown = page.evaluate("() => [document.querySelector('#live-preview img')?.src,"
-                              " document.body.innerText.includes('denoising')]")
-        if shown[0] and shown[1]:
-            seen.add(shown[0])
+        src, stepping = page.evaluate(
+            "() => [document.querySelector('#live-preview img')?.src,"
+            " /denoising|decoding the result/.test(document.querySelector('#result').innerText)]")
+        if src and stepping:
+            seen.add(src)
         if len(seen) >= minimum:
             return seen
         page.wait_for_timeout(100)
-    raise AssertionError(f"{len(seen)} live preview(s) seen while denoising, wanted {minimum}")
+    raise AssertionError(f"{len(seen)} live preview(s) seen while the steps ran, wanted {minimum}")
 
 
 def test_live_preview_and_expanding_the_canvas_in_one_page(browser, live_server, server_manager, tmp_path):
@@ -40,7 +42,10 @@ def test_live_preview_and_expanding_the_canvas_in_one_page(browser, live_server,
     original = picture(80, 60)
     original.save(photo)
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    threads: list[threading.Thread] = []  # a REST edit beside the page's, and a look at the workers meanwhile
+    ended = threading.Event()
     try:
+        print("T", __import__("time").monotonic(), "open", flush=True)
         open_app(page, live_server.url)
         page.get_by_text("Advanced").click()
         for label, value in (("Width (0 = auto)", "64"), ("Steps (", "6")):
@@ -50,15 +55,20 @@ def test_live_preview_and_expanding_the_canvas_in_one_page(browser, live_server,
         page.locator("#compare img").first.wait_for(state="visible", timeout=30_000)  # the upload check is done
 
         # Cancel: the preview goes with the run. 0.3 s per forward ([slow]: tests/faults.py), two a step (CFG).
+        print("T", __import__("time").monotonic(), '# Cancel: the preview goes wit', flush=True)
         page.locator("#prompt textarea").fill("[slow] continue the scene")
         page.locator("#edit-button").click()
-        previews_while_denoising(page, 1)
+        previews_while_running(page, 1)
+        print("T", __import__("time").monotonic(), "seen", flush=True)
         page.locator("#cancel-button").click()
         page.locator("#edit-status").get_by_text("Cancelled").wait_for(timeout=30_000)
+        print("T", __import__("time").monotonic(), "cancelled", flush=True)
         expect(page.locator("#live-preview")).to_be_hidden(timeout=10_000)
+        print("T", __import__("time").monotonic(), "hidden", flush=True)
         wait_for(lambda: all(w.state == "idle" for w in server_manager.workers), 30, "cancel left a worker busy")
 
         # Expand: an aspect preset, a side typed in pixels, then a side preset (a quarter of the input's width).
+        print("T", __import__("time").monotonic(), '# Expand: an aspect preset, a ', flush=True)
         page.locator("#expand-accordion").get_by_text("Expand the canvas").click()
         text = page.locator("#param-expand textarea")
         page.locator("#expand-to-16-9").click()
@@ -78,9 +88,35 @@ def test_live_preview_and_expanding_the_canvas_in_one_page(browser, live_server,
         page.locator("#expand-px-left input").fill("33")
         expect(text).to_have_value(expand, timeout=10_000)
 
-        # The expanded edit, watched: several previews while it denoises, then the result in their place.
+        # Copy as API call says the same; its curl snippet, sent as written, runs beside the page's edit (two
+        # workers): the page's job, watched, shows its previews; the REST one, unwatched, has none.
+        page.locator("#copy-api").click()
+        page.locator("#api-curl").get_by_text("expand=").wait_for(timeout=30_000)
+        assert f"expand={expand!r}" in page.locator("#api-gradio").inner_text()
+        assert f"'expand': '{expand}'" in page.locator("#api-openai").inner_text()
+        curl = page.locator("#api-curl").inner_text()
+        words = shlex.split(curl.split("| python3")[0].replace("\\\n", " "), comments=True)
+        fields = dict(words[i + 1].split("=", 1) for i, word in enumerate(words) if word == "-F")
+        assert fields.pop("image") == "@input-1.png" and fields["expand"] == expand, fields
+        previews: dict[str, bool] = {}  # job -> whether its worker ever held a preview for it
+        replies = []
+
+        def rest_edit() -> None:
+            replies.append(http.post(f"{live_server.url}/v1/images/edits", data=fields, timeout=120,
+                                     files={"image": ("input-1.png", photo.read_bytes(), "image/png")}))
+
+        def look() -> None:
+            while not ended.wait(0.05):
+                for w in server_manager.workers:
+                    if job := w.job_id:
+                        previews[job] = previews.get(job, False) or w.preview is not None
+
+        threads += [threading.Thread(target=rest_edit), threading.Thread(target=look)]
+        for thread in threads:
+            thread.start()
+        # The expanded edit, watched: several previews while it runs, then the result in their place.
         page.locator("#edit-button").click()
-        assert len(previews_while_denoising(page, 2)) >= 2
+        assert len(previews_while_running(page, 2)) >= 2
         page.locator("#result img").first.wait_for(state="visible", timeout=120_000)
         expect(page.locator("#live-preview")).to_be_hidden(timeout=10_000)
         assert "Seed used" in page.locator("#edit-status").inner_text()
@@ -89,34 +125,14 @@ def test_live_preview_and_expanding_the_canvas_in_one_page(browser, live_server,
         pixels = np.asarray(got.convert("RGB"))
         assert (pixels[16:76, 33:113] == np.asarray(original)).all()  # the input's pixels, where they were
         assert np.abs(pixels[:16].astype(int) - 128).mean() > 1  # the new area is the model's, not grey
-
-        # Copy as API call repeats it: the curl snippet, sent as it is written, makes the same pixels.
-        page.locator("#copy-api").click()
-        page.locator("#api-curl").get_by_text("expand=").wait_for(timeout=30_000)
-        assert f"expand={expand!r}" in page.locator("#api-gradio").inner_text()
-        assert f"'expand': '{expand}'" in page.locator("#api-openai").inner_text()
-        curl = page.locator("#api-curl").inner_text()
+        threads[0].join()
     finally:
+        ended.set()
         page.context.close()
-    words = shlex.split(curl.split("| python3")[0].replace("\\\n", " "), comments=True)
-    fields = dict(words[i + 1].split("=", 1) for i, word in enumerate(words) if word == "-F")
-    assert fields.pop("image") == "@input-1.png" and fields["expand"] == expand, fields
-    seen = []
-    stop = threading.Event()
-
-    def look() -> None:  # a REST edit nobody watches: no worker holds a preview while it runs
-        while not stop.wait(0.05):
-            seen.extend(w.preview for w in server_manager.workers if w.job_id)
-
-    watcher = threading.Thread(target=look)
-    watcher.start()
-    try:
-        r = http.post(f"{live_server.url}/v1/images/edits", data=fields, timeout=120,
-                      files={"image": ("input-1.png", photo.read_bytes(), "image/png")})
-    finally:
-        stop.set()
-        watcher.join()
+        for thread in threads:
+            thread.join()
+    [r] = replies
     assert r.status_code == 200, r.text
     again = Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"])))
-    assert np.array_equal(np.asarray(again.convert("RGB")), pixels)
-    assert seen and not any(seen)
+    assert np.array_equal(np.asarray(again.convert("RGB")), pixels)  # the snippet repeats the page's edit
+    assert sorted(previews.values()) == [False, True], previews

@@ -2,9 +2,9 @@
 side by a quarter, the canvas to a common aspect) or by pixels per side, with a picture of the padded canvas
 before the edit (the new area hatched) and its size checked as the edit will check it.
 
-Every control writes one value, the declared `expand` text as REST takes it (`left=64,right=64`): the edit, Copy
-as API call, the Batch tab, Restore and History read that one. Sizes are the first input's as the edit sees it
-(turned by its EXIF orientation, scaled to MAX_INPUT_PIXELS: imgedit.engine.images.peek_image).
+Every control writes one value, the declared `expand` text as REST takes it (`left=64,right=64`): the edit,
+Copy as API call, the Batch tab, Restore and History read that one. Sizes are the first input's as the edit
+sees it (turned by its EXIF orientation, scaled to MAX_INPUT_PIXELS: imgedit.engine.images.peek_image).
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def build_expand_controls() -> ExpandControls:
             numbers = [gr.Number(0, label=f"{side.capitalize()} (px)", precision=0, min_width=80,
                                  elem_id=f"expand-px-{side}") for side in SIDES]
         text = gr.Textbox("", label="expand (as the API takes it)", elem_id="param-expand",
-                          info="pixels for every side (256) or sides by name (left=256,right=256; top, bottom, "
-                               "x, y)")
+                          info="pixels for every side (256) or sides by name (left=256,right=256; top, "
+                               "bottom, x, y)")
         picture = gr.Image(None, type="pil", format="png", interactive=False, label="The padded canvas",
                            elem_id="expand-canvas", height=260, buttons=[], visible=False)
         note = gr.Markdown(elem_id="expand-note")
@@ -91,8 +91,8 @@ def to_aspect(size: tuple[int, int], aspect: float) -> tuple[int, int, int, int]
 
 
 def canvas_picture(path: str, size: tuple[int, int], sides) -> Image.Image:
-    """The padded canvas, small: the input where it will be, the new area hatched in the mask's colour over the
-    grey the model is given."""
+    """The padded canvas, small: the input where it will be, the new area hatched in the mask's colour over
+    the grey the model is given."""
     left, top, _, _ = sides
     canvas = expanded_size(size, sides)
     scale = min(1.0, PICTURE_SIDE / max(canvas))
@@ -160,9 +160,9 @@ class ExpandEvents:
             return (*boxes, gr.update(value=None, visible=False), NO_INPUT)
         path, size = first
         canvas = expanded_size(size, sides)
-        said = (f"Canvas **{canvas[0]}x{canvas[1]}** (the first input {size[0]}x{size[1]}, padded "
-                f"{', '.join(f'{n} {v}' for n, v in zip(SIDES, sides, strict=True) if v)} px): the model fills "
-                "the hatched area.")
+        padded = ", ".join(f"{name} {value}" for name, value in zip(SIDES, sides, strict=True) if value)
+        said = (f"Canvas **{canvas[0]}x{canvas[1]}** (the first input {size[0]}x{size[1]}, padded {padded} "
+                "px): the model fills the hatched area.")
         try:
             check_expanded_size(canvas, self.settings, self.family)
         except ImgEditError as exc:
@@ -180,7 +180,8 @@ def wire_expand(controls: ExpandControls, files, settings: Settings, family: str
     events, c = ExpandEvents(settings, family), controls
     private = {"api_visibility": "private", "queue": False, "preprocess": False}
     for button, side in c.grow.items():
-        button.click(functools.partial(events.preset, side=side), [files, c.text], [c.text, c.note], **private)
+        button.click(functools.partial(events.preset, side=side), [files, c.text], [c.text, c.note],
+                     **private)
     for button, aspect in c.aspects.items():
         button.click(functools.partial(events.preset, aspect=aspect), [files, c.text], [c.text, c.note],
                      **private)

@@ -197,8 +197,8 @@ class PageTools:
 
     def _snippet_size(self, width, height, paths: list[str], expand=None):
         """The form's width and height as the server resolves them when one side is given (the other from the
-        last input's aspect; an expanded edit's from its padded first input), so that REST's `size` (both sides
-        or auto) makes what the page makes."""
+        last input's aspect; an expanded edit's from its padded first input), so that REST's `size` (both
+        sides or auto) makes what the page makes."""
         try:
             width, height = int(float(width or 0)), int(float(height or 0))
             if bool(width) == bool(height):
