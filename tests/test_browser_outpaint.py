@@ -45,7 +45,6 @@ def test_live_preview_and_expanding_the_canvas_in_one_page(browser, live_server,
     threads: list[threading.Thread] = []  # a REST edit beside the page's, and a look at the workers meanwhile
     ended = threading.Event()
     try:
-        print("T", __import__("time").monotonic(), "open", flush=True)
         open_app(page, live_server.url)
         page.get_by_text("Advanced").click()
         for label, value in (("Width (0 = auto)", "64"), ("Steps (", "6")):
@@ -55,20 +54,15 @@ def test_live_preview_and_expanding_the_canvas_in_one_page(browser, live_server,
         page.locator("#compare img").first.wait_for(state="visible", timeout=30_000)  # the upload check is done
 
         # Cancel: the preview goes with the run. 0.3 s per forward ([slow]: tests/faults.py), two a step (CFG).
-        print("T", __import__("time").monotonic(), '# Cancel: the preview goes wit', flush=True)
         page.locator("#prompt textarea").fill("[slow] continue the scene")
         page.locator("#edit-button").click()
         previews_while_running(page, 1)
-        print("T", __import__("time").monotonic(), "seen", flush=True)
         page.locator("#cancel-button").click()
         page.locator("#edit-status").get_by_text("Cancelled").wait_for(timeout=30_000)
-        print("T", __import__("time").monotonic(), "cancelled", flush=True)
         expect(page.locator("#live-preview")).to_be_hidden(timeout=10_000)
-        print("T", __import__("time").monotonic(), "hidden", flush=True)
         wait_for(lambda: all(w.state == "idle" for w in server_manager.workers), 30, "cancel left a worker busy")
 
         # Expand: an aspect preset, a side typed in pixels, then a side preset (a quarter of the input's width).
-        print("T", __import__("time").monotonic(), '# Expand: an aspect preset, a ', flush=True)
         page.locator("#expand-accordion").get_by_text("Expand the canvas").click()
         text = page.locator("#param-expand textarea")
         page.locator("#expand-to-16-9").click()
