@@ -113,7 +113,7 @@ def test_live_preview_and_expanding_the_canvas_in_one_page(browser, live_server,
         assert len(previews_while_running(page, 2)) >= 2
         page.locator("#result img").first.wait_for(state="visible", timeout=120_000)
         expect(page.locator("#live-preview")).to_be_hidden(timeout=10_000)
-        assert "Seed used" in page.locator("#edit-status").inner_text()
+        assert "The canvas was expanded" in page.locator("#edit-status").inner_text()
         got = Image.open(io.BytesIO(http.get(page.locator("#result img").first.get_attribute("src")).content))
         assert got.size == (127, 76) and got.info["expand"] == expand
         pixels = np.asarray(got.convert("RGB"))

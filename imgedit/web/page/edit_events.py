@@ -171,6 +171,8 @@ class EditEvents:
                 f"(to repeat it, untick *Randomize seed* under Advanced and enter this seed).{each}")
         if req.mask is not None:
             done += " Only the painted area of the first image changed; the result has its size."
+        if req.expand:
+            done += f" The canvas was expanded ({req.expand}); the first image's own pixels are unchanged."
         if cached := result.images[0].info.get("cache"):
             done += f" Step cache: {cached} (lossy)."
         if result.weights:
