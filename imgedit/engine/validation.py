@@ -207,11 +207,17 @@ def _expanded_first(req: EditRequest, settings: Settings, family: str,
     if not req.images:  # a job's template: its images come later
         return None
     size = expanded_size(req.images[0].size, expand_sides(req))
+    check_expanded_size(size, settings, family)
+    return size
+
+
+def check_expanded_size(size: tuple[int, int], settings: Settings, family: str) -> None:
+    """A padded first image's size checked as an input's: MAX_INPUT_PIXELS and the family's aspect (the page's
+    Expand box says it before the edit)."""
     if size[0] * size[1] > settings.max_input_pixels:
         raise InvalidInput(f"the expanded image would be {size[0]}x{size[1]}, over "
                            f"{settings.max_input_pixels:,} pixels (MAX_INPUT_PIXELS): expand less", "expand")
     check_aspect(size, family, "the expanded image")
-    return size
 
 
 CACHES = ("none", "first-block", "taylorseer")

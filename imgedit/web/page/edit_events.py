@@ -30,6 +30,8 @@ from imgedit.web.page.chain import wire_chain
 from imgedit.web.page.controls import api_component
 from imgedit.web.page.editor import Editor
 from imgedit.web.page.enhance_controls import wire_enhance
+from imgedit.web.page.expand import wire_expand
+from imgedit.web.page.live_preview import Watch, hidden
 from imgedit.web.page.mask_controls import follow_first_input, painted_mask
 from imgedit.web.page.progress import EditProgress
 from imgedit.web.page.requests import build_request, edit_fields, edit_signature
@@ -37,6 +39,7 @@ from imgedit.web.page.tools import PageTools, cached_pngs, page_files, user_erro
 
 log = logging.getLogger(__name__)
 GPU_GROUP = "gpu"
+PREVIEW_POLL_S = 0.25  # how often the page's edit looks for a new live preview (and at its end)
 EDIT_API_DOC = (  # the API's description, as gradio_client shows it
     "Edit the images as the prompt says; returns the result images and the seed used. With `mask` (an\n"
     "image the first image's size: white, or fully transparent, marks where to edit) only that area\n"
@@ -69,9 +72,10 @@ class EditEvents:
             verdicts[0] = gr.validate(False, "these inputs could not be read")
         return verdicts
 
-    async def run(self, values: tuple, request: gr.Request | None, progress: gr.Progress):
+    async def run(self, values: tuple, request: gr.Request | None, progress: gr.Progress,
+                  watch: Watch | None = None):
         """One edit from `/edit`'s values in order: (the request, the result, its PNGs), recorded in
-        History."""
+        History. `watch`: the page shows this edit's live preview (the worker makes one only then)."""
         manager = self.manager
         source = "ui" if request is not None and request.headers.get("referer") else "api"
         try:  # decoding up to three large images: off the event loop
@@ -83,8 +87,10 @@ class EditEvents:
         owner = page_owner(request, self.settings.auth is not None)
         # The line's share is per login or browser; a client without cookies (gradio_client) per session.
         session = f"session:{request.session_hash}" if request is not None else None
-        req = replace(req, client=owner or session)
+        req = replace(req, client=owner or session, watch=watch is not None)
         track = EditProgress(req.request_id)
+        if watch is not None:
+            watch.follow(req.request_id, track)
         running = manager.run(req, on_step=track.on_step, on_wait=track.on_wait, params=params)
         job = asyncio.ensure_future(running)
         try:
@@ -120,25 +126,37 @@ class EditEvents:
         return edit
 
     async def page(self, request: gr.Request, progress=gr.Progress(), **form):
-        """The Edit button (`form`: {declared parameter: its control's value}): result, a status line with the
-        seed used, the comparison, the chosen result, and the message beside Edit. A refused edit leaves the
-        rest as it was and says why beside Edit until the next run (as a toast it vanished after a few seconds
-        and left a bare "Error" badge on the result)."""
+        """The Edit button (`form`: {declared parameter: its control's value}): while the edit runs, its live
+        preview as it comes (web.page.live_preview); then the result, a status line with the seed used, the
+        comparison, the chosen result, and the message beside Edit, the preview hidden. A refused edit leaves
+        the rest as it was and says why beside Edit until the next run (as a toast it vanished after a few
+        seconds and left a bare "Error" badge on the result)."""
         keep = gr.update()
+        watch = Watch(self.manager)
         try:
             if not form["mask"]:  # "": nothing painted; the mask's settings go with it
                 form.update({p.name: None for p in parameters(EDIT)
                              if p.name == "mask" or p.beside == "mask"})
             form["cache"] = self.tools.page_cache(form["cache"], form["speed"])
-            req, result, pngs = await self.run(tuple(form[name] for name in self.fields), request, progress)
+            values = tuple(form[name] for name in self.fields)
+            edit = asyncio.ensure_future(self.run(values, request, progress, watch))
+            try:
+                while not edit.done():
+                    await asyncio.wait({edit}, timeout=PREVIEW_POLL_S)
+                    if (shown := watch.fresh()) is not None:
+                        yield keep, keep, keep, keep, keep, shown
+            finally:  # Cancel (this task cancelled) or the page gone (the generator closed): the job stops
+                edit.cancel()  # nothing once it has finished
+            req, result, pngs = edit.result()
         except gr.Error as exc:
-            return keep, keep, keep, keep, f"**{exc.title or 'Not edited'}:** {exc.message}"
+            yield keep, keep, keep, keep, f"**{exc.title or 'Not edited'}:** {exc.message}", hidden()
+            return
         try:
-            return await self.show(req, result, pngs)
+            yield (*await self.show(req, result, pngs), hidden())
         except Exception:  # the job ran; its files could not be shown: say so beside Edit, not a silent page
             log.exception("%s: the result could not be shown", req.request_id)
             said = f"the result of {req.request_id} could not be shown (an internal error: see the log)"
-            return keep, keep, keep, keep, f"**Not shown:** {said}"
+            yield keep, keep, keep, keep, f"**Not shown:** {said}", hidden()
 
     async def show(self, req, result, pngs):
         """The page's outputs for a finished job: the gallery, the status line, the comparison, the chosen
@@ -153,6 +171,8 @@ class EditEvents:
                 f"(to repeat it, untick *Randomize seed* under Advanced and enter this seed).{each}")
         if req.mask is not None:
             done += " Only the painted area of the first image changed; the result has its size."
+        if req.expand:
+            done += f" The canvas was expanded ({req.expand}); the first image's own pixels are unchanged."
         if cached := result.images[0].info.get("cache"):
             done += f" Step cache: {cached} (lossy)."
         if result.weights:
@@ -200,8 +220,8 @@ def wire_editor(blocks: gr.Blocks, settings: Settings, manager: Engine, events: 
                         concurrency_limit=None, preprocess=False, show_progress_on=[e.result], **private)
     idle = gr.update(interactive=False)
     event.then(lambda: idle, None, e.stop, queue=False, **private)  # done, refused or failed
-    e.stop.click(lambda: ("Cancelled: nothing was kept from that run.", idle), None, [e.status, e.stop],
-                 cancels=[event], queue=False, **private)
+    e.stop.click(lambda: ("Cancelled: nothing was kept from that run.", idle, hidden()), None,
+                 [e.status, e.stop, e.live], cancels=[event], queue=False, **private)
     event.success(tools.download_chosen, [e.result, e.chosen], e.download, preprocess=False, queue=False,
                   **private)
     e.result.change(tools.result_buttons, e.result, [e.again, e.add, e.reuse], preprocess=False, queue=False,
@@ -229,6 +249,7 @@ def wire_editor(blocks: gr.Blocks, settings: Settings, manager: Engine, events: 
         e.files.change(lambda paths: gr.update(value="Edit" if paths else "Generate"), e.files, e.run,
                        preprocess=False, queue=False, **private)
     follow_first_input(e.files, e.canvas)
+    wire_expand(e.expand, e.files, settings, manager.family)
     wire_enhance(settings, manager, e.files, e.prompt, e.enhance_controls, GPU_GROUP)
     # typing sends one count at a time: keystrokes while one is on its way collapse into the last
     e.prompt.change(tools.prompt_count, e.prompt, e.counter, queue=False, preprocess=False,

@@ -18,6 +18,8 @@ from imgedit.web.page.chain import build_chain_controls
 from imgedit.web.page.controls import build_advanced, page_control
 from imgedit.web.page.enhance_controls import build_enhance_buttons
 from imgedit.web.page.examples import example_rows
+from imgedit.web.page.expand import ExpandControls, build_expand_controls
+from imgedit.web.page.live_preview import build_live_preview
 from imgedit.web.page.mask_controls import build_mask_controls
 from imgedit.web.page.sizes import size_presets, wire_size_presets
 from imgedit.web.page.speed import build_cache_control, build_speed_controls
@@ -47,6 +49,7 @@ class Editor:
     message: gr.Markdown
     canvas: gr.components.Component
     result: gr.Gallery
+    live: gr.HTML
     status: gr.Markdown
     again: gr.Button
     add: gr.Button
@@ -60,12 +63,13 @@ class Editor:
     snippet_code: list
     snippet_inputs: gr.File
     examples: gr.Examples
+    expand: ExpandControls
 
     @property
     def outputs(self) -> list:
         """What an edit shows: the gallery, the status line, the comparison, the chosen result, the
-        message."""
-        return [self.result, self.status, self.compare, self.chosen, self.message]
+        message, and the live preview while it runs."""
+        return [self.result, self.status, self.compare, self.chosen, self.message, self.live]
 
 
 def starting_values(settings: Settings, family: str, demo: bool) -> dict:
@@ -122,6 +126,8 @@ def build_editor(settings: Settings, family_key: str, demo: bool, cache_refused:
                 laid_out.update(build_speed_controls(settings))  # Speed, LoRA, strength
                 canvas, masking = build_mask_controls()  # painted mask, grow, feather, strength
                 laid_out.update(masking)
+                expand = build_expand_controls()  # pad the canvas: presets, pixels per side, a picture
+                laid_out["expand"] = expand.text
                 size_preset = size_presets(max_inputs)  # the output's shape by name
                 with gr.Accordion("Advanced", open=False, elem_id="advanced"):
                     # the declaration's labelled parameters (the bounds the checks hold to)
@@ -138,6 +144,7 @@ def build_editor(settings: Settings, family_key: str, demo: bool, cache_refused:
         with gr.Column(elem_id="editor-right"):
             result = gr.Gallery(label="Result", format="png", columns=2, elem_id="result", interactive=False,
                                 object_fit="contain", height="auto", buttons=["download", "fullscreen"])
+            live = build_live_preview()  # while an edit runs: its intermediate image (web.page.live_preview)
             status = gr.Markdown("Results appear here.", elem_id="edit-status")
             with gr.Row():
                 # Enabled once there is a result (they only said "there is no result yet" before).
@@ -158,5 +165,6 @@ def build_editor(settings: Settings, family_key: str, demo: bool, cache_refused:
                                          file_count="multiple", interactive=False, elem_id="api-inputs")
     controls = {p.name: laid_out[p.name] for p in parameters(EDIT)}  # KeyError: a parameter with no control
     return Editor(controls, files, prompt, preview, chosen_input, first, counter, enhance_controls, restore,
-                  stored, run, stop, message, canvas, result, status, again, add, download, reuse,
-                  chain_controls, compare, chosen, copy_api, snippets, snippet_code, snippet_inputs, examples)
+                  stored, run, stop, message, canvas, result, live, status, again, add, download, reuse,
+                  chain_controls, compare, chosen, copy_api, snippets, snippet_code, snippet_inputs, examples,
+                  expand)

@@ -9,6 +9,7 @@ import html
 import logging
 import os
 import secrets
+from dataclasses import replace
 from pathlib import Path
 
 import gradio as gr
@@ -17,7 +18,8 @@ from gradio.utils import get_upload_folder
 from PIL import Image, ImageOps
 
 from imgedit.config.settings import Settings
-from imgedit.engine.images import decoded, open_image
+from imgedit.engine.canvas import expanded, expanded_size, parse_expand
+from imgedit.engine.images import decoded, open_image, peek_image
 from imgedit.engine.outputs import png_bytes, read_settings
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.engine.validation import MAX_PROMPT_CHARS, check_params, model_defaults, output_size
@@ -181,7 +183,7 @@ class PageTools:
         mask = painted_mask(canvas) if canvas is not None else ""
         if mask:
             inputs.append(export_copy([Path(mask)], Path(MASK_FILE).stem))
-        width, height = self._snippet_size(form.get("width"), form.get("height"), paths)
+        width, height = self._snippet_size(form.get("width"), form.get("height"), paths, form.get("expand"))
         form = {**form, "width": width, "height": height,
                 "cache": self._snippet_cache(form.get("cache"), form.get("speed"))}
         # what the model does where the form leaves it to the model (the declaration's default: None)
@@ -193,9 +195,10 @@ class PageTools:
         return (gr.update(visible=True), gradio_snippet(url, values, self.settings.auth is not None),
                 curl_snippet(url, values), openai_snippet(url, values), inputs or None)
 
-    def _snippet_size(self, width, height, paths: list[str]):
+    def _snippet_size(self, width, height, paths: list[str], expand=None):
         """The form's width and height as the server resolves them when one side is given (the other from the
-        last input's aspect), so that REST's `size` (both sides or auto) makes what the page makes."""
+        last input's aspect; an expanded edit's from its padded first input), so that REST's `size` (both
+        sides or auto) makes what the page makes."""
         try:
             width, height = int(float(width or 0)), int(float(height or 0))
             if bool(width) == bool(height):
@@ -205,6 +208,9 @@ class PageTools:
                 if FAMILIES[self.family].generates:
                     return output_size(width, height, (1, 1), self.settings, self.family)
                 return width, height
+            if (sides := parse_expand(expand)) is not None:  # validation.resolve: the padded first image
+                first = peek_image(paths[0], self.settings.max_input_pixels).size
+                return output_size(width, height, expanded_size(first, sides), self.settings, self.family)
             with Image.open(paths[-1]) as last:  # the header only
                 return output_size(width, height, last.size, self.settings, self.family)
         except Exception:  # noqa: BLE001 - junk or an unreadable file: the snippet repeats the form as it is
@@ -361,5 +367,6 @@ def page_files(req: EditRequest, first: Image.Image,
     results = cached_pngs(pngs, "result")
     if not req.images:
         return results, None
-    before = compare_pair(decoded(req.images[0]), first, req.mask)[0]
+    padded = expanded(replace(req, images=(decoded(req.images[0]),)))  # an expanded edit's canvas and mask
+    before = compare_pair(padded.images[0], first, padded.mask)[0]
     return results, (cached_pngs([png_bytes(before)], "before")[0], results[0])
