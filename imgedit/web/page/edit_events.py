@@ -30,7 +30,7 @@ from imgedit.web.page.chain import wire_chain
 from imgedit.web.page.controls import api_component
 from imgedit.web.page.editor import Editor
 from imgedit.web.page.enhance_controls import wire_enhance
-from imgedit.web.page.mask_controls import follow_first_input, painted_mask
+from imgedit.web.page.mask_controls import follow_first_input, painted_mask, wire_select
 from imgedit.web.page.progress import EditProgress
 from imgedit.web.page.requests import build_request, edit_fields, edit_signature
 from imgedit.web.page.tools import PageTools, cached_pngs, page_files, user_error
@@ -229,6 +229,7 @@ def wire_editor(blocks: gr.Blocks, settings: Settings, manager: Engine, events: 
         e.files.change(lambda paths: gr.update(value="Edit" if paths else "Generate"), e.files, e.run,
                        preprocess=False, queue=False, **private)
     follow_first_input(e.files, e.canvas)
+    wire_select(settings, manager, e.files, e.canvas, e.select_controls, GPU_GROUP)
     wire_enhance(settings, manager, e.files, e.prompt, e.enhance_controls, GPU_GROUP)
     # typing sends one count at a time: keystrokes while one is on its way collapse into the last
     e.prompt.change(tools.prompt_count, e.prompt, e.counter, queue=False, preprocess=False,

@@ -60,6 +60,7 @@ class Editor:
     snippet_code: list
     snippet_inputs: gr.File
     examples: gr.Examples
+    select_controls: tuple = ()  # Select by words: (words, button, note) (web.page.mask_controls)
 
     @property
     def outputs(self) -> list:
@@ -120,7 +121,8 @@ def build_editor(settings: Settings, family_key: str, demo: bool, cache_refused:
                 examples = gr.Examples(rows, [files, prompt], example_labels=labels,
                                        label="Examples (click one to fill the form)", elem_id="examples")
                 laid_out.update(build_speed_controls(settings))  # Speed, LoRA, strength
-                canvas, masking = build_mask_controls()  # painted mask, grow, feather, strength
+                # painted mask, grow, feather, strength; Select by words
+                canvas, masking, select_controls = build_mask_controls()
                 laid_out.update(masking)
                 size_preset = size_presets(max_inputs)  # the output's shape by name
                 with gr.Accordion("Advanced", open=False, elem_id="advanced"):
@@ -159,4 +161,5 @@ def build_editor(settings: Settings, family_key: str, demo: bool, cache_refused:
     controls = {p.name: laid_out[p.name] for p in parameters(EDIT)}  # KeyError: a parameter with no control
     return Editor(controls, files, prompt, preview, chosen_input, first, counter, enhance_controls, restore,
                   stored, run, stop, message, canvas, result, status, again, add, download, reuse,
-                  chain_controls, compare, chosen, copy_api, snippets, snippet_code, snippet_inputs, examples)
+                  chain_controls, compare, chosen, copy_api, snippets, snippet_code, snippet_inputs, examples,
+                  select_controls)
