@@ -91,19 +91,23 @@ def test_each_encoder_answers_in_its_own_coordinates():
 
 # ---- the manager: the real pipeline's refusal, a scripted answer's mask and edit -----------------------------
 def test_random_weights_outline_nothing_and_say_so_and_a_scripted_box_is_the_edits_mask(server_manager):
-    manager = server_manager
-    done = sum(w.jobs_done for w in manager.workers)
+    manager, records = server_manager, []
+    manager.listeners.append(records.append)
     with pytest.raises(InvalidInput) as refused:
-        manager.outline(EditRequest(images=(photo(),), mask_prompt="the red car"))
+        manager.outline(EditRequest(images=(photo(),), prompt="", mask_prompt="the red car"))
     assert refused.value.field == "mask_prompt"
     assert refused.value.message.startswith('mask_prompt "the red car": the model found nothing it could outline')
     request = dict(images=(photo(),), prompt="paint it blue", num_inference_steps=2, seed=5)
     with pytest.raises(InvalidInput) as refused_edit:  # inside the edit's own job: no image is made
         manager.edit(EditRequest(**request, mask_prompt="  the red   car "))
     assert refused_edit.value.field == "mask_prompt" and '"the red car"' in refused_edit.value.message
-    assert sum(w.jobs_done for w in manager.workers) == done + 2 and all(w.state.serving for w in manager.workers)
+    # both ran on a worker (the real generate call, 256 tokens of nonsense) and cost nothing else
+    assert [(r.task, r.outcome, r.worker is not None) for r in records] == [
+        ("outline", "invalid_input", True), ("edit", "invalid_input", True)]
+    assert all(w.state.serving and w.restarts == 0 for w in manager.workers)
+    manager.listeners.remove(records.append)
 
-    proposed = manager.outline(EditRequest(images=(photo(),), mask_prompt=SCRIPTED))
+    proposed = manager.outline(EditRequest(images=(photo(),), prompt="", mask_prompt=SCRIPTED))
     assert proposed.boxes == (EXPECTED,) and proposed.images == [] and proposed.mask.size == (W, H)
     edited = manager.edit(EditRequest(**request, mask_prompt=SCRIPTED))
     assert edited.boxes == (EXPECTED,) and edited.images[0].size == (W, H)
@@ -129,7 +133,7 @@ def test_bad_mask_prompts_are_refused_before_anything_waits(server_manager):
             manager.resolve(EditRequest(images=(image,), prompt="x", **fields))
         assert refused.value.field == "mask_prompt" and said in refused.value.message, refused.value.message
     with pytest.raises(InvalidInput, match="mask_prompt is required"):
-        manager.outline(EditRequest(images=(image,), mask_prompt="   "))
+        manager.outline(EditRequest(images=(image,), prompt="", mask_prompt="   "))
     # a blank phrase in an edit is no phrase: an ordinary edit
     assert manager.resolve(EditRequest(images=(image,), prompt="x", mask_prompt=" ")).outline_tokens == 0
 
@@ -145,8 +149,8 @@ def test_rest_and_gradio_select_by_words_or_say_plainly_that_nothing_was_found(l
     assert refused.value.status_code == 400 and error["param"] == "mask_prompt"
     assert "found nothing it could outline" in error["message"] and "draw the mask" in error["message"]
     with pytest.raises(openai.BadRequestError) as both:
-        client.images.edit(image=image, prompt="x", mask=("m.png", png(Image.new("L", (W, H), 255)), "image/png"),
-                           extra_body={"mask_prompt": "the sky"})
+        client.images.edit(image=image, prompt="x", mask=("m.png", png(boxes_mask([(0, 0, 9, 9)], (W, H))),
+                                                          "image/png"), extra_body={"mask_prompt": "the sky"})
     assert both.value.body["param"] == "mask_prompt" and "mask and mask_prompt" in both.value.body["message"]
     # the SDK's edit, selected by words: the reply names the boxes; the picture outside them is the input's
     edited = client.images.edit(image=image, prompt="paint it blue",

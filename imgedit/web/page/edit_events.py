@@ -30,9 +30,10 @@ from imgedit.web.page.chain import wire_chain
 from imgedit.web.page.controls import api_component
 from imgedit.web.page.editor import Editor
 from imgedit.web.page.enhance_controls import wire_enhance
-from imgedit.web.page.mask_controls import follow_first_input, painted_mask, wire_select
+from imgedit.web.page.mask_controls import follow_first_input, painted_mask
 from imgedit.web.page.progress import EditProgress
 from imgedit.web.page.requests import build_request, edit_fields, edit_signature
+from imgedit.web.page.select_controls import wire_select
 from imgedit.web.page.tools import PageTools, cached_pngs, page_files, user_error
 
 log = logging.getLogger(__name__)
