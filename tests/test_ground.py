@@ -97,7 +97,7 @@ def test_random_weights_outline_nothing_and_say_so_and_a_scripted_box_is_the_edi
         manager.outline(EditRequest(images=(photo(),), prompt="", mask_prompt="the red car"))
     assert refused.value.field == "mask_prompt"
     assert refused.value.message.startswith('mask_prompt "the red car": the model found nothing it could outline')
-    request = dict(images=(photo(),), prompt="paint it blue", num_inference_steps=2, seed=5)
+    request = dict(images=(photo(),), prompt="paint it blue", num_inference_steps=2, seed=5, width=W, height=H)
     with pytest.raises(InvalidInput) as refused_edit:  # inside the edit's own job: no image is made
         manager.edit(EditRequest(**request, mask_prompt="  the red   car "))
     assert refused_edit.value.field == "mask_prompt" and '"the red car"' in refused_edit.value.message
@@ -154,7 +154,7 @@ def test_rest_and_gradio_select_by_words_or_say_plainly_that_nothing_was_found(l
     assert both.value.body["param"] == "mask_prompt" and "mask and mask_prompt" in both.value.body["message"]
     # the SDK's edit, selected by words: the reply names the boxes; the picture outside them is the input's
     edited = client.images.edit(image=image, prompt="paint it blue",
-                                extra_body={"mask_prompt": SCRIPTED, "num_inference_steps": 2, "seed": 3})
+                                size=f"{W}x{H}", extra_body={"mask_prompt": SCRIPTED, "num_inference_steps": 2})
     assert edited.model_extra["mask_boxes"] == [list(EXPECTED)]
     result = np.asarray(Image.open(io.BytesIO(base64.b64decode(edited.data[0].b64_json))).convert("RGB"))
     outside = np.asarray(boxes_mask([EXPECTED], (W, H))) == 0
@@ -173,9 +173,8 @@ def test_rest_and_gradio_select_by_words_or_say_plainly_that_nothing_was_found(l
     absent = httpx.post(f"{live_server.url}/v1/masks", files=files, timeout=30)
     assert absent.status_code == 400 and "mask_prompt is required" in absent.json()["error"]["message"]
 
-    # /v1/jobs: each item outlined in its own job; one found nothing and fails alone, by its words
-    job = httpx.post(f"{live_server.url}/v1/jobs", files=[("batch", ("a.png", png(photo()), "image/png")),
-                                                          ("batch", ("b.png", png(photo()), "image/png"))],
+    # /v1/jobs: each item is outlined in its own job; one that found nothing fails, saying so
+    job = httpx.post(f"{live_server.url}/v1/jobs", files=[("image", ("a.png", png(photo()), "image/png"))],
                      data={"prompt": "blue", "mask_prompt": "the red car", "num_inference_steps": "2"}, timeout=60)
     assert job.status_code == 202, job.text
     view = wait_job(live_server.url, job.json()["id"])
