@@ -52,7 +52,8 @@ from imgedit.runtime.messages import Done, Job
 log = logging.getLogger(__name__)
 
 # a worker's failure as the error it was (InvalidInput: a mask_prompt outlined nothing, naming the parameter)
-ERRORS = {cls.kind: cls for cls in (Cancelled, OutOfGpuMemory, WorkerFailed, NotReady, QueueFull, InvalidInput)}
+ERRORS = {cls.kind: cls
+          for cls in (Cancelled, OutOfGpuMemory, WorkerFailed, NotReady, QueueFull, InvalidInput)}
 # Sizes warmed at start-up: the default square and a portrait one (the blocks compile dynamic from the
 # first; the second checks that no guard specialised a length: imgedit.runtime.warmup).
 WARMUP_SIZES = ((1024, 1024), (832, 1248))
@@ -296,8 +297,8 @@ class PipelineManager(Engine):
 
     def outline(self, req: EditRequest, on_wait: WaitCallback | None = None,
                 cancel: threading.Event | None = None) -> EditResult:
-        """mask_prompt's outline alone (imgedit.runtime.grounding), through the same line as edits: the result's
-        `mask` and `boxes`, no image; InvalidInput (mask_prompt) when the model found nothing to outline."""
+        """mask_prompt's outline alone (imgedit.runtime.grounding), through the same line as edits: the
+        result's `mask` and `boxes`, no image; InvalidInput (mask_prompt) when the model found nothing."""
         return self._through_line(req, "outline", None, None, on_wait, cancel)[0]
 
     def _through_line(self, req: EditRequest, task: str, params: Resolved | None,
@@ -324,8 +325,8 @@ class PipelineManager(Engine):
                 if self.load_error or (self.workers and not any(not w.state.ended for w in self.workers)):
                     raise NotReady("the model failed to load; see /health and the server log")
                 raise NotReady("the model is still loading; try again shortly")
-            resolver = {"enhance": self.resolve_enhance, "outline": self.resolve_outline}.get(task, self.resolve)
-            params = params or resolver(req)
+            by_task = {"enhance": self.resolve_enhance, "outline": self.resolve_outline}
+            params = params or by_task.get(task, self.resolve)(req)
             steps = params.steps
             waited = time.perf_counter()
             worker = self.line.acquire(cancel, on_wait, req.client)

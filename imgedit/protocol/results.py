@@ -27,8 +27,8 @@ class EditResult:
     weights: str | None = None
     # seconds of each phase in the worker (imgedit.runtime.budget): prepare, first_step, later_steps, finish
     timings: dict = field(default_factory=dict)
-    # mask_prompt's outline (imgedit.runtime.grounding): the mask it made ("L", the first image's size) and its
-    # boxes (x1, y1, x2, y2 in the first image's pixels); an outline alone returns only these
+    # mask_prompt's outline (imgedit.runtime.grounding): the mask it made ("L", the first image's size) and
+    # its boxes (x1, y1, x2, y2 in the first image's pixels); an outline alone returns only these
     mask: Image.Image | None = None
     boxes: tuple[tuple[int, int, int, int], ...] = ()
 

@@ -1,7 +1,8 @@
-"""Select what to edit by words (`mask_prompt`): the pipeline's own text encoder (Qwen2.5-VL, or Qwen-Image-2.1's
-Qwen3-VL) is asked, in its chat format, to box every "<phrase>" in the first image; the boxes it answers
-(imgedit.model.boxes) become the edit's mask. Runs in the worker, on the weights already loaded, with the
-rewrite's generate call (imgedit.runtime.enhance.generate: greedy, a token limit, cancel at any token).
+"""Select what to edit by words (`mask_prompt`): the pipeline's own text encoder (Qwen2.5-VL, or
+Qwen-Image-2.1's Qwen3-VL) is asked, in its chat format, to box every "<phrase>" in the first image; the boxes
+it answers (imgedit.model.boxes) become the edit's mask. Runs in the worker, on the weights already loaded,
+with the rewrite's generate call (imgedit.runtime.enhance.generate: greedy, a token limit, cancel at any
+token).
 
 No usable box (the demo's random weights never write one) is an InvalidInput naming `mask_prompt`: the
 caller is told plainly and nothing else happens (no image is made, the worker serves on).

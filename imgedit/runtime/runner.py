@@ -151,12 +151,13 @@ class Runner:
             raise self._failure(exc, call) from None
         if out_of_memory:
             raise self._out_of_memory(job, call, out_of_memory)
-        params, req, found = job.params, job.request, call.outlined
+        params, req = job.params, job.request
+        outlined = call.outlined.outline if call.outlined else None  # mask_prompt's mask and boxes
         return EditResult(images, params.seed, params.steps, images[0].width, images[0].height,
                           time.perf_counter() - started, self.name, self.devices, req.request_id,
                           prompt=prompt if params.enhance_tokens and notice is None else None, notice=notice,
-                          weights=call.weights, timings=call.timings,
-                          mask=found.outline.mask if found else None, boxes=found.outline.boxes if found else ())
+                          weights=call.weights, timings=call.timings, mask=outlined and outlined.mask,
+                          boxes=outlined.boxes if outlined else ())
 
     def _new_call(self, job: Job) -> Call:
         if self.adapters is None and (job.params.adapters or job.params.scheduler != "default"):
@@ -251,8 +252,8 @@ class Runner:
 
     def _first_rank(self, job: Job, together, what: str, doing: str, work):
         """What the text encoder writes for a job (a rewrite, an outline): `work()` on the first rank, whose
-        answer, or refusal (cancel, out of memory, failure, nothing found), the group's other ranks take: every
-        rank must go on with the same words and mask, and all of them stop together. Raises _Refused."""
+        answer, or refusal (cancel, out of memory, failure, nothing found), the group's other ranks take:
+        every rank must go on with the same words and mask, and all of them stop together. Raises _Refused."""
         req = job.request
         box: list = [None]
         out_of_memory = False
@@ -311,8 +312,8 @@ class Runner:
 
 
 class Outlining:
-    """mask_prompt's per-job part: the job's mask outlined by the text encoder (Runner.outline) before the masked
-    edit's part (imgedit.runtime.masking) takes the job's mask; installed just before it."""
+    """mask_prompt's per-job part: the job's mask outlined by the text encoder (Runner.outline) before the
+    masked edit's part (imgedit.runtime.masking) takes the job's mask; installed just before it."""
 
     def __init__(self, runner: Runner):
         self.runner = runner

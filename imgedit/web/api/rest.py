@@ -200,12 +200,14 @@ def build_router(settings: Settings, manager: Engine, metrics: Metrics, monitor:
                 raise InvalidInput("no input image: send the image to select in as 'image'", "image")
             phrase = param("mask_prompt").parse(form.get("mask_prompt"))
             # checked by the manager before the job waits (resolve_outline), as a rewrite is
-            return EditRequest(images=tuple(images), prompt="", mask_prompt=phrase, source="rest", client=owner)
+            return EditRequest(images=tuple(images), prompt="", mask_prompt=phrase, source="rest",
+                               client=owner)
 
         req = await rejected(metrics, "/v1/masks", parse(), "outline")
         result = await _run(request, req, lambda cancel: manager.run_outline(req, cancel=cancel))
         mask = await asyncio.to_thread(encoded, result.mask, "png", 100)
-        return JSONResponse({"created": int(time.time()), "data": [{"b64_json": base64.b64encode(mask).decode()}],
+        return JSONResponse({"created": int(time.time()),
+                             "data": [{"b64_json": base64.b64encode(mask).decode()}],
                              "boxes": [list(box) for box in result.boxes],
                              "size": f"{result.width}x{result.height}", "request_id": req.request_id})
 

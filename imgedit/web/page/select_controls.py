@@ -1,5 +1,5 @@
-"""Select by words on the page and in the gradio API: the model's own text encoder outlines a phrase ("the sky",
-"the red car") in the first input (imgedit.runtime.grounding, a job in the same line as edits) and the
+"""Select by words on the page and in the gradio API: the model's own text encoder outlines a phrase ("the
+sky", "the red car") in the first input (imgedit.runtime.grounding, a job in the same line as edits) and the
 proposal becomes the mask canvas's brush layer, for the user to adjust before Edit.
 
 - Page: "Select" (or Enter) beside the words: the canvas shows the proposal as brush strokes; nothing found
@@ -28,7 +28,8 @@ from imgedit.web.page.tools import cached_png, user_error
 from imgedit.web.page.uploads import upload_folder, uploaded_paths
 
 
-def wire_select(settings: Settings, manager: Engine, files, canvas, controls: tuple, concurrency_id: str) -> None:
+def wire_select(settings: Settings, manager: Engine, files, canvas, controls: tuple,
+                concurrency_id: str) -> None:
     """Select: the words' outline (a job in the same line as edits) as the canvas's brush layer, for the user
     to adjust; nothing found (or any refusal): the note says why and the canvas stays as it was. And the
     gradio API's `/select_mask`."""
@@ -38,7 +39,8 @@ def wire_select(settings: Settings, manager: Engine, files, canvas, controls: tu
         source = "ui" if request is not None and request.headers.get("referer") else "api"
         try:
             decoded = await asyncio.to_thread(decode_uploads, settings, manager.family, images)
-            req = EditRequest(images=decoded, prompt="", mask_prompt=param("mask_prompt").parse(phrase), source=source)
+            phrase = param("mask_prompt").parse(phrase)
+            req = EditRequest(images=decoded, prompt="", mask_prompt=phrase, source=source)
         except Exception as exc:
             raise user_error(exc) from None
         owner = page_owner(request, settings.auth is not None)
@@ -55,8 +57,8 @@ def wire_select(settings: Settings, manager: Engine, files, canvas, controls: tu
             return gr.skip(), f"**Nothing selected:** {exc.message}"
         background = uploaded_paths(images)[0]
         layer = await asyncio.to_thread(_brush_layer, result.mask)
-        said = (f"Selected {len(result.boxes)} area(s) in {result.seconds:.1f} s: adjust them with the brush and "
-                "the eraser, then Edit.")
+        said = (f"Selected {len(result.boxes)} area(s) in {result.seconds:.1f} s: adjust them with the brush "
+                "and the eraser, then Edit.")
         return {"background": background, "layers": [layer], "composite": background}, said
 
     async def select_mask(images, mask_prompt, request: gr.Request = None) -> str:
@@ -78,8 +80,8 @@ def wire_select(settings: Settings, manager: Engine, files, canvas, controls: tu
 
 
 def _brush_layer(mask: Image.Image) -> str:
-    """A proposed mask as the canvas's brush layer: the brush's colour where the mask marks, clear elsewhere (a
-    file in the upload cache, as the strokes the canvas sends)."""
+    """A proposed mask as the canvas's brush layer: the brush's colour where the mask marks, clear elsewhere
+    (a file in the upload cache, as the strokes the canvas sends)."""
     layer = Image.new("RGBA", mask.size, MASK_COLOUR)
     layer.putalpha(mask.point(lambda v: 255 if v >= 128 else 0))
     folder = os.path.join(upload_folder(), "imgedit-masks")
