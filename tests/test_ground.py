@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import base64
 import io
+from dataclasses import replace
 
 import httpx
 import numpy as np
 import openai
 import pytest
-from conftest import picture, wait_job
+from conftest import cpu_plan, make_manager, picture, wait_job
 from gradio_client import Client, handle_file
 from PIL import Image
 
 from imgedit.errors import InvalidInput
 from imgedit.model.boxes import boxes_mask, frame, outline, read_boxes
+from imgedit.planning.memory import MemoryMode
 from imgedit.protocol import EditRequest
 
 W, H = 64, 64
@@ -136,6 +138,23 @@ def test_bad_mask_prompts_are_refused_before_anything_waits(server_manager):
         manager.outline(EditRequest(images=(image,), prompt="", mask_prompt="   "))
     # a blank phrase in an edit is no phrase: an ordinary edit
     assert manager.resolve(EditRequest(images=(image,), prompt="x", mask_prompt=" ")).outline_tokens == 0
+
+
+def test_where_rewrites_are_refused_mask_prompt_is_too_with_the_same_reason(plus_ckpt):
+    """A worker whose text encoder is streamed from the CPU (MAX_MEMORY leaving it no room) writes no words:
+    `can_run` refuses an outline as it refuses a rewrite, for an edit and for an outline alone (planned, not
+    started: the refusal comes before the line)."""
+    plan = cpu_plan(1)
+    plan = replace(plan, workers=tuple(replace(w, memory=MemoryMode(offload_text_encoder=True))
+                                       for w in plan.workers))
+    manager = make_manager(plus_ckpt, plan=plan, load=False).prepare()
+    for check in (manager.resolve, manager.resolve_outline, manager.check):
+        with pytest.raises(InvalidInput) as refused:
+            check(EditRequest(images=(photo(),), prompt="x", mask_prompt="the sky"))
+        assert refused.value.field == "mask_prompt"
+        assert refused.value.message.startswith("mask_prompt is not available on this server: the text encoder "
+                                                "is kept on the CPU and streamed"), refused.value.message
+    assert manager.resolve(EditRequest(images=(photo(),), prompt="x")).outline_tokens == 0  # an edit still runs
 
 
 # ---- REST: the openai SDK, /v1/masks, /v1/jobs; gradio_client ------------------------------------------------
