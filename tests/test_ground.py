@@ -103,7 +103,7 @@ def test_random_weights_outline_nothing_and_say_so_and_a_scripted_box_is_the_edi
     with pytest.raises(InvalidInput) as refused_edit:  # inside the edit's own job: no image is made
         manager.edit(EditRequest(**request, mask_prompt="  the red   car "))
     assert refused_edit.value.field == "mask_prompt" and '"the red car"' in refused_edit.value.message
-    # both ran on a worker (the real generate call, 256 tokens of nonsense) and cost nothing else
+    # both ran on a worker (the real generate call: nonsense, given up with no box begun) and cost nothing else
     assert [(r.task, r.outcome, r.worker is not None) for r in records] == [
         ("outline", "invalid_input", True), ("edit", "invalid_input", True)]
     assert all(w.state.serving and w.restarts == 0 for w in manager.workers)

@@ -165,10 +165,10 @@ class Said:
 
 
 def generate(pipe, text: str, pictures: list[Image.Image], max_new_tokens: int, cancel: threading.Event,
-             what: str) -> Said:
+             what: str, stop=None) -> Said:
     """`pipe.text_encoder` answers `text` (its chat format, a picture placeholder for each of `pictures`),
-    greedily, up to `max_new_tokens`; the prompt rewrite's and the outline's one generate call. Raises
-    Cancelled (`what` names the work in its message)."""
+    greedily, up to `max_new_tokens` (or until `stop`, a further stopping criterion, says so); the prompt
+    rewrite's and the outline's one generate call. Raises Cancelled (`what` names the work in its message)."""
     encoder = pipe.text_encoder
     tokenizer = pipe.processor.tokenizer
     ends = (tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id)
@@ -188,7 +188,7 @@ def generate(pipe, text: str, pictures: list[Image.Image], max_new_tokens: int, 
             **inputs, max_new_tokens=max_new_tokens, do_sample=False,
             temperature=None, top_p=None, top_k=None,
             eos_token_id=end, pad_token_id=tokenizer.pad_token_id or end[0],
-            stopping_criteria=StoppingCriteriaList([_Stop(cancel)]),
+            stopping_criteria=StoppingCriteriaList([_Stop(cancel), *([stop] if stop else [])]),
             **({"past_key_values": cache} if cache else {}))
     new = output[0, inputs["input_ids"].shape[1]:].tolist()
     del output, inputs  # with them the KV cache of the call: nothing is kept for later
