@@ -43,7 +43,9 @@ EDIT_API_DOC = (  # the API's description, as gradio_client shows it
     "image the first image's size: white, or fully transparent, marks where to edit) only that area\n"
     "changes and the result is the first image's size. With `enhance_prompt` the model's text encoder\n"
     "rewrites the prompt first (each PNG then carries the prompt used and the original_prompt). `cache`\n"
-    "(none, first-block, taylorseer; default: the server's CACHE) speeds up a quality edit, lossily.")
+    "(none, first-block, taylorseer; default: the server's CACHE) speeds up a quality edit, lossily.\n"
+    "`mask_prompt` (words: 'the red car') has the model outline the mask itself; refused when it finds\n"
+    "nothing (`/select_mask` returns the proposed mask alone).")
 
 
 class EditEvents:
