@@ -191,6 +191,9 @@ def test_rest_and_gradio_select_by_words_or_say_plainly_that_nothing_was_found(l
     assert nothing.status_code == 400 and nothing.json()["error"]["param"] == "mask_prompt", nothing.text
     absent = httpx.post(f"{live_server.url}/v1/masks", files=files, timeout=30)
     assert absent.status_code == 400 and "mask_prompt is required" in absent.json()["error"]["message"]
+    counted = httpx.get(f"{live_server.url}/metrics", timeout=30).text  # outlines alone apart from edits
+    assert 'imgedit_mask_outlines_total{outcome="invalid_input",source="rest"}' in counted
+    assert 'imgedit_mask_outlines_total{outcome="ok",source="rest"}' in counted
 
     # /v1/jobs: each item is outlined in its own job; one that found nothing fails, saying so
     job = httpx.post(f"{live_server.url}/v1/jobs", files=[("image", ("a.png", png(photo()), "image/png"))],
