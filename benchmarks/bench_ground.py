@@ -15,9 +15,10 @@ waits for /health, then times, each --repeats times (the first apart: the encode
 Random weights never write a box, so each request is expected to be refused (400, param mask_prompt, "found
 nothing it could outline"), the outline given up after runtime.grounding.BOX_WITHIN (48) tokens without a box
 begun: what is timed is what a user waits for "nothing found" (a trained model writes its boxes to its
-answer's end, at most engine.validation.OUTLINE_MAX_TOKENS, 256). A 200 is recorded with its boxes. The worker's own account of each outline (tokens and
-seconds, from its log line "outline of ...") gives ms a token. Exit status 1 when the server did not get
-ready or a request was neither refused as expected nor answered.
+answer's end, at most engine.validation.OUTLINE_MAX_TOKENS, 256). A 200 is recorded with its boxes. The
+worker's own account of each outline (tokens and seconds, from its log line "outline of ...") gives ms a
+token. Exit status 1 when the server did not get ready or a request was neither refused as expected nor
+answered.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import httpx  # noqa: E402
 from acceptance import (  # noqa: E402  (its imports put the repository on the path)
     Server,
     free_port,
@@ -41,8 +43,6 @@ from acceptance import (  # noqa: E402  (its imports put the repository on the p
     process_env,
     wait_ready,
 )
-
-import httpx  # noqa: E402
 
 CHECKPOINTS = {"plus": "/tmp/qwen-image-edit-real-random", "21": "/tmp/qwen-image-2.1-real-random"}
 PHRASE = "the red car"

@@ -5,10 +5,10 @@ random-weight Qwen2.5-VL-7B text encoder built directly on the GPU (no checkpoin
 
 Random weights write no box: every call is a refusal, given up after grounding.BOX_WITHIN (48) tokens without
 a box begun (what a user waits for "nothing found"); with --full after the outline's token limit
-(engine.validation.OUTLINE_MAX_TOKENS, 256: as long as a trained model's longest answer). Timed: the first call (on the GPU:
-the static cache's decoding step compiled, as a compiled worker's start-up warm-up does for rewrites), then
---repeats calls with the compiled step, then --repeats eager (a COMPILE=off worker's). The app-level
-measurement, through app.py's REST, is benchmarks/bench_ground.py.
+(engine.validation.OUTLINE_MAX_TOKENS, 256: as long as a trained model's longest answer). Timed: the first
+call (on the GPU: the static cache's decoding step compiled, as a compiled worker's start-up warm-up does for
+rewrites), then --repeats calls with the compiled step, then --repeats eager (a COMPILE=off worker's). The
+app-level measurement, through app.py's REST, is benchmarks/bench_ground.py.
 """
 
 from __future__ import annotations
