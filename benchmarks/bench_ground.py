@@ -13,7 +13,7 @@ waits for /health, then times, each --repeats times (the first apart: the encode
     POST /v1/images/edits       an edit with mask_prompt (the outline inside the edit's job)
 
 Random weights never write a box, so each request is expected to be refused (400, param mask_prompt, "found
-nothing it could outline"), the outline given up after runtime.grounding.BOX_WITHIN (48) tokens without a box
+nothing it could outline"), the outline given up after model.boxes.BOX_WITHIN (48) tokens without a box
 begun: what is timed is what a user waits for "nothing found" (a trained model writes its boxes to its
 answer's end, at most engine.validation.OUTLINE_MAX_TOKENS, 256). A 200 is recorded with its boxes. The
 worker's own account of each outline (tokens and seconds, from its log line "outline of ...") gives ms a

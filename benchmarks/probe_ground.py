@@ -3,7 +3,7 @@ random-weight Qwen2.5-VL-7B text encoder built directly on the GPU (no checkpoin
 
     python benchmarks/probe_ground.py [--size 1024] [--repeats 3] [--full] [--tiny]
 
-Random weights write no box: every call is a refusal, given up after grounding.BOX_WITHIN (48) tokens without
+Random weights write no box: every call is a refusal, given up after boxes.BOX_WITHIN (48) tokens without
 a box begun (what a user waits for "nothing found"); with --full after the outline's token limit
 (engine.validation.OUTLINE_MAX_TOKENS, 256: as long as a trained model's longest answer). Timed: the first
 call (on the GPU: the static cache's decoding step compiled, as a compiled worker's start-up warm-up does for
@@ -38,12 +38,13 @@ def main() -> None:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from imgedit.errors import InvalidInput
+    from imgedit.model import boxes
     from imgedit.model.demo_checkpoint import _processor, build_tokenizer, text_encoder_config
     from imgedit.runtime import enhance, grounding
 
     if args.full:
-        grounding.BOX_WITHIN = 10**9  # never given up early
-    tokens = 256 if args.full else grounding.BOX_WITHIN
+        boxes.BOX_WITHIN = 10**9  # never given up early
+    tokens = 256 if args.full else boxes.BOX_WITHIN
     device = "cpu" if args.tiny else "cuda"
     torch.set_default_dtype(torch.float32 if args.tiny else torch.bfloat16)
     t0 = time.perf_counter()

@@ -91,6 +91,26 @@ def test_each_encoder_answers_in_its_own_coordinates():
         [255, 255, 255, 0], [0, 255, 255, 0], [0, 0, 0, 0]]
 
 
+def test_an_answer_with_no_box_begun_is_given_up_at_its_48th_token_and_one_with_a_box_runs_on():
+    import torch  # the criterion's input, as generate() gives it
+
+    from imgedit.model.boxes import BOX_WITHIN, NoBoxBegun
+    from imgedit.model.demo_checkpoint import build_tokenizer
+
+    tokenizer = build_tokenizer()
+
+    def stops(answer: str) -> list[bool]:
+        """The criterion's verdict after each new token of `answer` (as generate() asks, prompt first)."""
+        ids, criterion = tokenizer.encode("the prompt " * 5 + answer), NoBoxBegun(tokenizer)
+        start = len(tokenizer.encode("the prompt " * 5))
+        return [bool(criterion(torch.tensor([ids[:n]]), None)[0]) for n in range(start + 1, len(ids) + 1)]
+
+    nonsense = stops("the sky is blue and " * 30)
+    assert len(nonsense) > BOX_WITHIN and not any(nonsense[:BOX_WITHIN - 1]) and all(nonsense[BOX_WITHIN - 1:])
+    boxed = stops('```json\n[{"bbox_2d": [1, 2, 3, 4], "label": "sky"}, ' + '{"bbox_2d": [5, 6, 7, 8]}, ' * 10)
+    assert len(boxed) > BOX_WITHIN and not any(boxed)
+
+
 # ---- the manager: the real pipeline's refusal, a scripted answer's mask and edit -----------------------------
 def test_random_weights_outline_nothing_and_say_so_and_a_scripted_box_is_the_edits_mask(server_manager):
     manager, records = server_manager, []

@@ -32,6 +32,31 @@ _NUMBER = r"\s*(-?\d+(?:\.\d+)?)\s*"
 _BOX = re.compile(r"""["']?bbox_2d["']?\s*:\s*\[""" + ",".join([_NUMBER] * 4) + r"\]")
 
 
+# Both encoders begin a grounding answer with its JSON (```json [{"bbox_2d": ...: about ten tokens); an answer
+# that has begun no box by this many tokens will not hold one, and is given up (random weights write nonsense
+# to the token limit: the demo's refusal came after 256 tokens, 6-11 s on a CPU, instead of this many).
+BOX_WITHIN = 48
+
+
+class NoBoxBegun:
+    """A generate() stopping criterion: stop once BOX_WITHIN new tokens have been written without a box begun
+    (`bbox` nowhere in them). Decodes once, at that token; a trained model's answer has begun its boxes by
+    then and runs on to its own end. (The answer to generate() is a tensor made from its own input's: no torch
+    import here.)"""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.start: int | None = None
+        self.give_up = False
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self.start is None:  # the first call comes after the first new token
+            self.start = input_ids.shape[1] - 1
+        if input_ids.shape[1] - self.start == BOX_WITHIN:
+            self.give_up = "bbox" not in self.tokenizer.decode(input_ids[0, self.start:].tolist())
+        return input_ids.new_full((input_ids.shape[0],), int(self.give_up)).bool()
+
+
 @dataclass(frozen=True)
 class Outline:
     """The boxes found, in the image's own pixels (x1, y1, x2, y2; half-open), and their union as a mask."""

@@ -15,7 +15,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import torch
 from PIL import Image
 
 from imgedit.errors import InvalidInput
@@ -27,10 +26,6 @@ log = logging.getLogger(__name__)
 # The picture the encoder boxes in: more pixels than a rewrite's (384²) so that small things can be found,
 # at most the image's own (a small image is not blown up); ~1,340 vision tokens at 1024² on Qwen2.5-VL.
 OUTLINE_AREA = 1024 * 1024
-# Both encoders begin a grounding answer with its JSON (```json [{"bbox_2d": ...: about ten tokens); an answer
-# that has begun no box by this many tokens will not hold one, and is given up (random weights write nonsense
-# to the token limit: the demo's refusal came after 256 tokens, 6-11 s on a CPU, instead of this many).
-BOX_WITHIN = 48
 _CHAT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
          "<|vision_start|><|image_pad|><|vision_end|>{question}<|im_end|>\n<|im_start|>assistant\n")
 
@@ -51,7 +46,7 @@ def outline(pipe, image: Image.Image, phrase: str, max_new_tokens: int, cancel: 
     area = min(OUTLINE_AREA, image.width * image.height)
     said = enhance.generate(pipe, _CHAT.format(question=boxes.question(phrase)),
                             [enhance.view(image, cell, area)], max_new_tokens, cancel, "outline",
-                            stop=_NoBoxBegun(pipe.processor.tokenizer))
+                            stop=boxes.NoBoxBegun(pipe.processor.tokenizer))
     model_type = str(getattr(pipe.text_encoder.config, "model_type", ""))
     found = boxes.outline(said.text, boxes.frame(model_type, said.seen[0]), image.size)
     seconds = time.perf_counter() - started
@@ -61,20 +56,3 @@ def outline(pipe, image: Image.Image, phrase: str, max_new_tokens: int, cancel: 
         raise InvalidInput(boxes.nothing_found(phrase), "mask_prompt")
     return Found(found, said.text, len(said.token_ids), seconds)
 
-
-class _NoBoxBegun:
-    """A generate() stopping criterion: stop once BOX_WITHIN new tokens have been written without a box begun
-    (`bbox` nowhere in them). Decodes once, at that token; a trained model's answer has begun its boxes by
-    then and runs on to its own end."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.start: int | None = None
-        self.give_up = False
-
-    def __call__(self, input_ids, scores, **kwargs):
-        if self.start is None:  # the first call comes after the first new token
-            self.start = input_ids.shape[1] - 1
-        if input_ids.shape[1] - self.start == BOX_WITHIN:
-            self.give_up = "bbox" not in self.tokenizer.decode(input_ids[0, self.start:].tolist())
-        return torch.full((input_ids.shape[0],), self.give_up, dtype=torch.bool, device=input_ids.device)
