@@ -4,7 +4,7 @@
         [--env KEY=VALUE ...] [--out /tmp/bench-ground] [--json FILE]
     python benchmarks/bench_ground.py --tiny          # CPU smoke run on the tiny checkpoint (64x64)
 
-Starts `python app.py` (benchmarks/acceptance.py's Server: its own session, its log to OUT/server.log) on the
+Starts `python app.py` (benchmarks/acceptance.py's Server: its own process group, its log to OUT/server.log) on the
 real-size random-weight checkpoint of --kind (built at --ckpt when missing: /tmp/qwen-image-edit-real-random or
 /tmp/qwen-image-2.1-real-random; --tiny: a tiny one under OUT), DEVICE_MAP=cuda:0 unless --env says otherwise,
 waits for /health, then times, each --repeats times (the first apart: the encoder's first vision call):

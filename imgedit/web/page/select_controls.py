@@ -44,9 +44,10 @@ def wire_select(settings: Settings, manager: Engine, files, canvas, controls: tu
         except Exception as exc:
             raise user_error(exc) from None
         owner = page_owner(request, settings.auth is not None)
-        session = f"session:{request.session_hash}" if request is not None else None
+        # the line's share: per login or browser, else per Gradio connection (as a rewrite's)
+        connection = f"session:{request.session_hash}" if request is not None else None
         try:
-            return await manager.run_outline(replace(req, client=owner or session))
+            return await manager.run_outline(replace(req, client=owner or connection))
         except Exception as exc:  # asyncio.CancelledError is not an Exception: it goes on
             raise user_error(exc) from None
 
