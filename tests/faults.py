@@ -12,7 +12,8 @@ lowest seam (the transformer's forward), acts on markers in it:
 Prompt rewrites (imgedit.runtime.enhance) read markers in the instruction they rewrite, at the text encoder's
 output: [rewrite:TEXT] makes the model answer TEXT and end its answer; [rewrite-empty] makes it end at once;
 [rewrite-slow] sleeps 0.2 s per generated token; [rewrite-bug] and [rewrite-oom] fail the rewrite's first
-forward. Without a marker the random model writes nonsense until
+forward. Outlines (imgedit.runtime.grounding) read [answer:TEXT:answer] in mask_prompt the same way: the model
+answers TEXT (JSON boxes, brackets and all). Without a marker the random model writes nonsense until
 the token limit.
 IMGEDIT_TEST_GPU_HEADROOM_GIB caps the worker's GPU memory at its weights plus that many GiB.
 Every forward of the main modules (text encoder, transformer, FAST_QUANTIZE's copies, TURBO_MODEL_DIR's
@@ -107,6 +108,7 @@ def install(pipe, spec) -> None:
 
 def script_rewrites(pipe) -> None:
     """The [rewrite:...] markers: the text encoder's next-token logits, one-hot on the scripted answer."""
+    from imgedit.model.boxes import question
     from imgedit.runtime.enhance import GENERATION, INSTRUCTION
 
     tokenizer = pipe.processor.tokenizer
@@ -130,6 +132,9 @@ def script_rewrites(pipe) -> None:
             elif "[rewrite-empty]" in text:
                 script["ids"] = [end]
             script["slow"] = "[rewrite-slow]" in text
+        elif all(part in text for part in question("\0").split("\0")):  # an outline's question
+            if found := re.search(r"\[answer:(.*?):answer\]", text, re.S):
+                script["ids"] = tokenizer.encode(found.group(1), add_special_tokens=False) + [end]
         return None
 
     def after(module, args, kwargs, output):

@@ -274,7 +274,7 @@ def test_sixteen_waiting_ten_reference_requests_cost_their_bytes_and_memory_come
         for k in range(5):
             files = [("files", (f"{i}.png", raw, "image/png")) for i, raw in enumerate(refs(10))]
             paths = [file_data(p) for p in gradio.http.post(f"{url}/gradio_api/upload", files=files).json()]
-            data = [paths, "make it green", "", k, False, 2, 1.0, 1, 64, 64, "quality", "none", 1.0, *[None] * 7]
+            data = [paths, "make it green", "", k, False, 2, 1.0, 1, 64, 64, "quality", "none", 1.0, *[None] * 8]
             r = gradio.join(edit, data)
             assert r.status_code == 200, r.text
             events.append(r.json()["event_id"])

@@ -30,7 +30,7 @@ WHERE = {EDIT: "page, gradio `/edit`", REST: "`/v1/images/edits`", JOBS: "`/v1/j
 VALID = {"prompt": "make it red", "negative_prompt": "blurry", "seed": "7", "num_inference_steps": "2",
          "true_cfg_scale": "3.5", "n": "1", "size": "64x64", "speed": "quality", "lora": "none", "lora_scale": "1",
          "mask_grow": "2", "mask_feather": "3", "strength": "0.9", "enhance_prompt": "false", "cache": "none",
-         "expand": "0"}
+         "expand": "0", "mask_prompt": ""}
 # a bad value of each kind (nan: #47 item 7's siblings: every number field of both routes names itself)
 INVALID = {"whole": "1.5x", "number": "nan", "flag": "perhaps", "size": "big", "text": None}
 
@@ -71,7 +71,7 @@ def test_each_png_records_every_parameter_declared_png():
 
     mask = Image.new("L", (64, 64), 255)
     req = EditRequest(images=(Image.new("RGB", (64, 64)),), prompt="p", negative_prompt="n", speed="quality",
-                      mask=mask, lora="x", lora_scale=0.5, cache="first-block", expand="8")
+                      mask=mask, lora="x", lora_scale=0.5, cache="first-block", expand="8", mask_prompt="a door")
     params = Resolved(steps=2, true_cfg_scale=4.0, negative_prompt="n", seed=1, num_images=1, width=64, height=64,
                       adapters=(("x", 0.5),), mask_grow=1, mask_feather=2, strength=0.5, cache="first-block",
                       cache_threshold=0.1)

@@ -29,9 +29,9 @@ EDIT_REST = {"prompt": "make it red", "size": "64x64", "num_inference_steps": "2
 
 
 def edit_data(files, steps=2, seed=1, width=64, height=64) -> list:
-    # every /edit input; the mask ones, enhance_prompt, cache and expand last (none)
+    # every /edit input; the mask ones, enhance_prompt, cache, expand and mask_prompt last (none)
     return [files, "make it red", "", seed, False, steps, 4.0, 1, width, height, "quality", "none", 1.0,
-            None, None, None, None, None, None, None]
+            None, None, None, None, None, None, None, None]
 
 
 def png(w: int, h: int, color=(10, 200, 90)) -> bytes:

@@ -46,7 +46,8 @@ def test_the_gradio_api_contract_optional_parameters_named_results_same_names(cl
     """view_api once marked negative_prompt, num_inference_steps and true_cfg_scale required (so a call with
     images and prompt alone failed), left the results unnamed and named /batch's steps and CFG otherwise."""
     info = client.view_api(return_format="dict", print_info=False)
-    assert set(info["named_endpoints"]) == {"/edit", "/gpu_status", "/batch", "/history", "/enhance_prompt"}
+    assert set(info["named_endpoints"]) == {"/edit", "/gpu_status", "/batch", "/history", "/enhance_prompt",
+                                            "/select_mask"}
     assert not info["unnamed_endpoints"]
     edit = info["named_endpoints"]["/edit"]
     names = [p["parameter_name"] for p in edit["parameters"]]
@@ -54,7 +55,8 @@ def test_the_gradio_api_contract_optional_parameters_named_results_same_names(cl
     assert all(p["parameter_has_default"] for p in edit["parameters"][2:]), edit["parameters"]
     assert [r["label"] for r in edit["returns"]] == ["images", "seed"]
     # /batch takes /edit's parameters but the mask ones (a mask belongs to one image) and enhance_prompt
-    assert names[13:] == ["mask", "mask_grow", "mask_feather", "strength", "enhance_prompt", "cache", "expand"]
+    assert names[13:] == ["mask", "mask_grow", "mask_feather", "strength", "enhance_prompt", "cache", "expand",
+                          "mask_prompt"]
     enhance = info["named_endpoints"]["/enhance_prompt"]
     assert [p["parameter_name"] for p in enhance["parameters"]] == ["images", "prompt"]
     assert [r["label"] for r in enhance["returns"]] == ["prompt"]
@@ -292,7 +294,7 @@ def test_edit_api_takes_the_documented_keyword_names_and_explains_out_of_range_v
     assert [p["parameter_name"] for p in params] == [p.name for p in parameters(EDIT)] == [
         "images", "prompt", "negative_prompt", "seed", "randomize_seed", "num_inference_steps", "true_cfg_scale",
         "num_images", "width", "height", "speed", "lora", "lora_scale", "mask", "mask_grow", "mask_feather",
-        "strength", "enhance_prompt", "cache", "expand"]
+        "strength", "enhance_prompt", "cache", "expand", "mask_prompt"]
     call = dict(images=[handle_file(str(image_file))], prompt="make it red", negative_prompt="", seed=3,
                 randomize_seed=False, num_inference_steps=2, true_cfg_scale=4.0, num_images=1, width=64, height=64)
     gallery, seed = client.predict(**call, api_name="/edit")

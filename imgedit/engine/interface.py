@@ -61,6 +61,11 @@ class Engine(ABC):
                           cancel: threading.Event | None = None) -> EditResult:
         """A prompt rewrite alone, through the same line."""
 
+    @abstractmethod
+    async def run_outline(self, req: EditRequest, on_wait: WaitCallback | None = None,
+                          cancel: threading.Event | None = None) -> EditResult:
+        """mask_prompt's outline alone (its `mask` and `boxes`), through the same line."""
+
     def preview(self, request_id: str) -> bytes | None:
         """A watched job's newest live preview while it runs (a small JPEG; EditRequest.watch), else None."""
         return None

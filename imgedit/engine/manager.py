@@ -28,7 +28,7 @@ from imgedit.engine.line import Line
 from imgedit.engine.outputs import stamp_result
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.engine.shutdown import NOT_STARTED, STOPPED
-from imgedit.engine.validation import check_params, model_defaults, resolve, resolve_enhance
+from imgedit.engine.validation import check_params, model_defaults, resolve, resolve_enhance, resolve_outline
 from imgedit.engine.workers import startup
 from imgedit.engine.workers.pool import WorkerHandle, wait_result
 from imgedit.errors import (
@@ -51,7 +51,9 @@ from imgedit.runtime.messages import Done, Job
 
 log = logging.getLogger(__name__)
 
-ERRORS = {cls.kind: cls for cls in (Cancelled, OutOfGpuMemory, WorkerFailed, NotReady, QueueFull)}
+# a worker's failure as the error it was (InvalidInput: a mask_prompt outlined nothing, naming the parameter)
+ERRORS = {cls.kind: cls
+          for cls in (Cancelled, OutOfGpuMemory, WorkerFailed, NotReady, QueueFull, InvalidInput)}
 # Sizes warmed at start-up: the default square and a portrait one (the blocks compile dynamic from the
 # first; the second checks that no guard specialised a length: imgedit.runtime.warmup).
 WARMUP_SIZES = ((1024, 1024), (832, 1248))
@@ -114,6 +116,9 @@ class PipelineManager(Engine):
             if (refusal := modes.enhance_refusal(self._plans)) is not None:
                 return InvalidInput(f"prompt rewriting is not available on this server: {refusal}",
                                     None if params.task == "enhance" else "enhance_prompt")
+        if params.outline_tokens:  # the text encoder writes the boxes, as it writes a rewrite
+            if (refusal := modes.enhance_refusal(self._plans)) is not None:
+                return InvalidInput(f"mask_prompt is not available on this server: {refusal}", "mask_prompt")
         return None
 
     @property
@@ -225,6 +230,12 @@ class PipelineManager(Engine):
         cancel = cancel or threading.Event()
         return await self._in_thread(cancel, self.enhance, req, on_wait, cancel)
 
+    async def run_outline(self, req: EditRequest, on_wait: WaitCallback | None = None,
+                          cancel: threading.Event | None = None) -> EditResult:
+        """`outline` for async edges, as `run` is `edit`'s."""
+        cancel = cancel or threading.Event()
+        return await self._in_thread(cancel, self.outline, req, on_wait, cancel)
+
     async def _in_thread(self, cancel: threading.Event, call, *args) -> EditResult:
         with self._executor_lock:
             if self._executor is None:
@@ -258,6 +269,10 @@ class PipelineManager(Engine):
         return self._runnable(resolve_enhance(req, self.settings, self.family, len(req.images),
                                               self.prompt_tokens))
 
+    def resolve_outline(self, req: EditRequest) -> Resolved:
+        """mask_prompt's outline alone (the images and the phrase), or InvalidInput naming the field."""
+        return self._runnable(resolve_outline(req, self.family, len(req.images)))
+
     def _runnable(self, params: Resolved) -> Resolved:
         if (refusal := self.can_run(params)) is not None:
             raise refusal
@@ -269,7 +284,9 @@ class PipelineManager(Engine):
         request as `resolve` made it at the edge (resolved here when absent). Each result image carries its
         settings: this is the one place every edge's results pass."""
         result, params = self._through_line(req, "edit", params, on_step, on_wait, cancel)
-        stamp_result(result, req, params, self.settings.model_name)
+        # a mask_prompt's outline is recorded as the mask it made (its hash, how it was applied)
+        stamp_result(result, req if result.mask is None else replace(req, mask=result.mask), params,
+                     self.settings.model_name)
         return result
 
     def enhance(self, req: EditRequest, on_wait: WaitCallback | None = None,
@@ -277,6 +294,12 @@ class PipelineManager(Engine):
         """A prompt rewrite alone (imgedit.runtime.enhance), through the same line as edits: the result's
         `prompt` is the rewrite, or None with a `notice` when the user's prompt is kept."""
         return self._through_line(req, "enhance", None, None, on_wait, cancel)[0]
+
+    def outline(self, req: EditRequest, on_wait: WaitCallback | None = None,
+                cancel: threading.Event | None = None) -> EditResult:
+        """mask_prompt's outline alone (imgedit.runtime.grounding), through the same line as edits: the
+        result's `mask` and `boxes`, no image; InvalidInput (mask_prompt) when the model found nothing."""
+        return self._through_line(req, "outline", None, None, on_wait, cancel)[0]
 
     def _through_line(self, req: EditRequest, task: str, params: Resolved | None,
                       on_step: StepCallback | None, on_wait: WaitCallback | None,
@@ -302,7 +325,8 @@ class PipelineManager(Engine):
                 if self.load_error or (self.workers and not any(not w.state.ended for w in self.workers)):
                     raise NotReady("the model failed to load; see /health and the server log")
                 raise NotReady("the model is still loading; try again shortly")
-            params = params or (self.resolve_enhance(req) if task == "enhance" else self.resolve(req))
+            by_task = {"enhance": self.resolve_enhance, "outline": self.resolve_outline}
+            params = params or by_task.get(task, self.resolve)(req)
             steps = params.steps
             waited = time.perf_counter()
             worker = self.line.acquire(cancel, on_wait, req.client)
@@ -315,7 +339,7 @@ class PipelineManager(Engine):
             events = worker.submit(Job(expanded(job_req) if task == "edit" else job_req, params, self.family))
             answer = wait_result(worker, events, cancel, on_step)
             if not isinstance(answer, Done):
-                raise ERRORS.get(answer.kind, ImgEditError)(answer.message)
+                raise ERRORS.get(answer.kind, ImgEditError)(answer.message, answer.field)
             outcome = "ok"
             timings.update(answer.result.timings)
             return answer.result, params

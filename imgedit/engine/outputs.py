@@ -66,6 +66,8 @@ def settings_text(req, params, model: str, size: tuple[int, int], rewritten: str
         text["run_size"] = f"{params.width}x{params.height}"
     if getattr(req, "mask", None) is not None:  # which mask (its hash), and how it was applied
         text["mask"] = f"sha256:{mask_digest(req.mask)}"
+    if getattr(req, "mask_prompt", None):  # the words the mask was outlined from (its hash is above)
+        text["mask_prompt"] = req.mask_prompt
     if getattr(req, "expand", None):  # an expanded canvas: how (the mask is the new area's)
         text.setdefault("expand", req.expand)
     for name, value in getattr(req, "options", {}).items():  # declared parameters of their own (protocol)

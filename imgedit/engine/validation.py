@@ -49,6 +49,14 @@ CONTROL_TOKEN = re.compile(r"<\|(?:im_start|im_end|endoftext|vision_start|vision
                            r"quad_end)\|>")
 
 
+# mask_prompt (imgedit.runtime.grounding): a phrase, and the most new tokens its outline may write (a box is
+# ~20 tokens of JSON: a dozen boxes fit; the demo's random weights write nonsense up to this limit)
+MAX_MASK_PROMPT_CHARS = 200
+OUTLINE_MAX_TOKENS = 256
+BOTH_MASKS = ("mask and mask_prompt both choose where to edit: send one (mask_prompt outlines the mask for "
+              "you; or draw it and send it as mask)")
+
+
 def check_counts(n_images: int, family: str) -> None:
     """A family that generates takes no image too (text to image)."""
     fam = FAMILIES[family]
@@ -173,10 +181,12 @@ def resolve(req: EditRequest, settings: Settings, family: str,
     seed = req.seed if req.seed is not None else random.randint(0, 2**31 - 1)
     check_range("seed", seed, settings)
     grow, feather, strength = mask_fields(req)
+    outlined = mask_phrase(req, n_images) is not None
     first = _expanded_first(req, settings, family, n_images) if expand_sides(req) is not None else None
-    if req.mask is not None and req.images:
+    if (req.mask is not None or outlined) and req.images:
         first = req.images[0].size
-        check_mask_size(req.mask.size, first)
+        if req.mask is not None:
+            check_mask_size(req.mask.size, first)
     if first is not None:
         # A masked edit (an expanded canvas is one) follows the first image (the one it changes), not the last
         # as the pipelines do.
@@ -193,7 +203,8 @@ def resolve(req: EditRequest, settings: Settings, family: str,
         num_images=int(req.num_images), width=width, height=height, adapters=adapters,
         scheduler=preset_scheduler(preset), mask_grow=grow, mask_feather=feather,
         strength=strength, enhance_tokens=settings.enhance_max_tokens if req.enhance_prompt else 0,
-        cache=step_cache(req, settings, preset, family), cache_threshold=settings.cache_threshold)
+        outline_tokens=OUTLINE_MAX_TOKENS if outlined else 0, cache=step_cache(req, settings, preset, family),
+        cache_threshold=settings.cache_threshold)
 
 
 def _expanded_first(req: EditRequest, settings: Settings, family: str,
@@ -245,6 +256,41 @@ def resolve_enhance(req: EditRequest, settings: Settings, family: str, n_images:
     _check_inputs(req, family, n_images, tokens)
     return Resolved(steps=0, true_cfg_scale=1.0, negative_prompt="", seed=0, num_images=1, width=None,
                     height=None, task="enhance", enhance_tokens=settings.enhance_max_tokens)
+
+
+def resolve_outline(req: EditRequest, family: str, n_images: int | None) -> Resolved:
+    """mask_prompt's outline alone (the mask it proposes, no edit): the images and the phrase."""
+    if n_images is not None:
+        check_counts(n_images, family)
+    for i, image in enumerate(req.images):
+        check_aspect(image.size, family, f"image {i + 1}")
+    if mask_phrase(req, n_images) is None:
+        raise InvalidInput("mask_prompt is required: say what to select, e.g. 'the sky'", "mask_prompt")
+    return Resolved(steps=0, true_cfg_scale=1.0, negative_prompt="", seed=0, num_images=1, width=None,
+                    height=None, task="outline", outline_tokens=OUTLINE_MAX_TOKENS)
+
+
+def mask_phrase(req: EditRequest, n_images: int | None) -> str | None:
+    """mask_prompt as the worker asks for it (whitespace folded), None when absent or blank; refused with a
+    mask (both choose the area), with expand (it makes its own mask), without an input image, too long, or
+    with the text encoder's control tokens."""
+    phrase = " ".join((req.mask_prompt or "").split())
+    if not phrase:
+        return None
+    if req.mask is not None:
+        raise InvalidInput(BOTH_MASKS, "mask_prompt")
+    if expand_sides(req) is not None:
+        raise InvalidInput("expand makes its own mask (the new area): leave mask_prompt out", "mask_prompt")
+    if n_images == 0:
+        raise InvalidInput("mask_prompt outlines something in the first image: send the image to edit",
+                           "mask_prompt")
+    if len(phrase) > MAX_MASK_PROMPT_CHARS:
+        raise InvalidInput(f"mask_prompt is {len(phrase)} characters; at most {MAX_MASK_PROMPT_CHARS}: name "
+                           "the thing to select in a few words", "mask_prompt")
+    if found := CONTROL_TOKEN.search(phrase):
+        raise InvalidInput(f"mask_prompt contains {found.group(0)}, a control token of the model's text "
+                           "encoder: leave it out", "mask_prompt")
+    return phrase
 
 
 def _check_inputs(req: EditRequest, family: str, n_images: int | None, tokens: PromptTokens | None) -> None:

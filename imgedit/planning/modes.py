@@ -33,14 +33,16 @@ def cache_refusal(settings: Settings, plans: Sequence[WorkerPlan]) -> str | None
 
 
 def enhance_refusal(plans: Sequence[WorkerPlan]) -> str | None:
-    """Why these workers cannot rewrite prompts, or None."""
+    """Why these workers cannot have their text encoder write words (rewrite prompts, outline mask_prompt),
+    or None."""
     if any(p.memory is not None and p.memory.offload_text_encoder for p in plans):
         # measured on an H200 under MAX_MEMORY=22GiB (2026-11-27): the stream's prefetch order, traced on
         # prompt encoding, misses the rotary embedding on generate()'s decoding steps (no vision tower):
         # a device error
         return ("the text encoder is kept on the CPU and streamed to the GPU for each prompt "
-                "(MAX_MEMORY leaves no room for it), and every word of a rewrite would stream all of its "
-                "weights again; edit without it, or give the server a GPU with room for the text encoder")
+                "(MAX_MEMORY leaves no room for it), and every word it writes (a rewrite, mask_prompt's "
+                "outline) would stream all of its weights again; edit without it, or give the server a GPU "
+                "with room for the text encoder")
     return None
 
 

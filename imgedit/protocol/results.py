@@ -27,6 +27,10 @@ class EditResult:
     weights: str | None = None
     # seconds of each phase in the worker (imgedit.runtime.budget): prepare, first_step, later_steps, finish
     timings: dict = field(default_factory=dict)
+    # mask_prompt's outline (imgedit.runtime.grounding): the mask it made ("L", the first image's size) and
+    # its boxes (x1, y1, x2, y2 in the first image's pixels); an outline alone returns only these
+    mask: Image.Image | None = None
+    boxes: tuple[tuple[int, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,7 @@ class JobRecord:
     seconds: float
     steps: int
     worker: str | None
-    task: str = "edit"  # edit | enhance (a prompt rewrite alone)
+    task: str = "edit"  # edit | enhance (a prompt rewrite alone) | outline (a mask_prompt's mask alone)
     # seconds of each phase: the queue, and the worker's (EditResult.timings); /metrics sums them
     timings: dict = field(default_factory=dict)
 
@@ -127,8 +131,10 @@ class Resolved:
     mask_grow: int = 0
     mask_feather: int = 0
     strength: float = 1.0
-    task: str = "edit"  # edit | enhance (rewrite the prompt only: no image is made)
+    # edit | enhance (rewrite the prompt only: no image is made) | outline (mask_prompt's mask only)
+    task: str = "edit"
     enhance_tokens: int = 0  # > 0: rewrite the prompt first, with at most this many new tokens
+    outline_tokens: int = 0  # > 0: outline mask_prompt as the mask first, with at most this many new tokens
     cache: str = "none"  # none | first-block | taylorseer (imgedit.runtime.step_cache)
     cache_threshold: float = 0.0  # first-block's threshold
 

@@ -62,11 +62,11 @@ class _Stop:
                           dtype=torch.bool, device=input_ids.device)
 
 
-def view(image: Image.Image, cell: int = 28) -> Image.Image:
-    """The image at about VIEW_AREA pixels, sides a multiple of `cell` (the vision encoder's merged patch: 28
+def view(image: Image.Image, cell: int = 28, area: int = VIEW_AREA) -> Image.Image:
+    """The image at about `area` pixels, sides a multiple of `cell` (the vision encoder's merged patch: 28
     for Qwen2.5-VL, 32 for Qwen3-VL), a transparent one over white (as the 2.1 pipeline shows its text
     encoder)."""
-    scale = math.sqrt(VIEW_AREA / (image.width * image.height))
+    scale = math.sqrt(area / (image.width * image.height))
     width = max(cell, round(image.width * scale / cell) * cell)
     height = max(cell, round(image.height * scale / cell) * cell)
     if image.mode == "RGBA":
@@ -76,7 +76,7 @@ def view(image: Image.Image, cell: int = 28) -> Image.Image:
     return image.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
 
 
-def _cell(processor) -> int:
+def merged_cell(processor) -> int:
     """The pixels one merged vision token covers: patch size x merge size of the processor's image half."""
     images = processor.image_processor
     return int(getattr(images, "patch_size", 14) or 14) * int(getattr(images, "merge_size", 2) or 2)
@@ -140,39 +140,63 @@ def rewrite(pipe, images, prompt: str, max_new_tokens: int, cancel: threading.Ev
         text = _CHAT.format(system=INSTRUCTION, user=f"{pictures}Instruction: {prompt}")
     else:  # text to image: a prompt for a picture, not an edit
         text = _CHAT.format(system=GENERATION, user=f"Prompt: {prompt}")
+    cell = merged_cell(pipe.processor)
+    said = generate(pipe, text, [view(i, cell) for i in images], max_new_tokens, cancel, "rewrite")
+    new, answer = said.token_ids, _clean(said.text)
+    seconds = time.perf_counter() - started
+    if not said.finished:
+        notice = f"the rewrite was cut at the {max_new_tokens}-token limit: the original instruction was kept"
+        return Rewrite(prompt, prompt, notice, len(new), seconds, answer, new)
+    if not answer:
+        return Rewrite(prompt, prompt, "the rewrite came back empty: the original instruction was kept",
+                       len(new), seconds, answer, new)
+    return Rewrite(answer, prompt, None, len(new), seconds, answer, new)
+
+
+@dataclass(frozen=True)
+class Said:
+    """What the text encoder wrote: its new tokens, whether it ended its answer, the answer as text, and the
+    size (width, height) its processor gave each picture (the pixels its vision tower saw)."""
+
+    token_ids: tuple[int, ...]
+    finished: bool
+    text: str
+    seen: tuple[tuple[int, int], ...]
+
+
+def generate(pipe, text: str, pictures: list[Image.Image], max_new_tokens: int, cancel: threading.Event,
+             what: str, stop=None) -> Said:
+    """`pipe.text_encoder` answers `text` (its chat format, a picture placeholder for each of `pictures`),
+    greedily, up to `max_new_tokens` (or until `stop`, a further stopping criterion, says so); the prompt
+    rewrite's and the outline's one generate call. Raises Cancelled (`what` names the work in its message)."""
     encoder = pipe.text_encoder
     tokenizer = pipe.processor.tokenizer
     ends = (tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id)
     end = [t for t in ends if t is not None]
     with on_its_own_gpu(encoder) as device, torch.inference_mode():
-        cell = _cell(pipe.processor)
-        inputs = pipe.processor(text=[text], images=[view(i, cell) for i in images] or None, padding=True,
+        inputs = pipe.processor(text=[text], images=pictures or None, padding=True,
                                 return_tensors="pt").to(device or internals.execution_device(pipe))
         if "pixel_values" in inputs:
             inputs["pixel_values"] = inputs["pixel_values"].to(encoder.dtype)
+            patch = int(getattr(pipe.processor.image_processor, "patch_size", 14) or 14)
+            seen = tuple((int(w) * patch, int(h) * patch) for _, h, w in inputs["image_grid_thw"].tolist())
         else:  # text to image: the decoding steps get the arguments they get with pictures (a None),
             inputs["image_grid_thw"] = None  # so one compiled step serves both (one missing compiled again)
+            seen = ()
         cache = static_cache(encoder, inputs["input_ids"].shape[1] + max_new_tokens)
         output = encoder.generate(
             **inputs, max_new_tokens=max_new_tokens, do_sample=False,
             temperature=None, top_p=None, top_k=None,
             eos_token_id=end, pad_token_id=tokenizer.pad_token_id or end[0],
-            stopping_criteria=StoppingCriteriaList([_Stop(cancel)]),
+            stopping_criteria=StoppingCriteriaList([_Stop(cancel), *([stop] if stop else [])]),
             **({"past_key_values": cache} if cache else {}))
     new = output[0, inputs["input_ids"].shape[1]:].tolist()
     del output, inputs  # with them the KV cache of the call: nothing is kept for later
     if cancel.is_set():
-        raise Cancelled(f"cancelled after {len(new)} token(s) of the rewrite")
+        raise Cancelled(f"cancelled after {len(new)} token(s) of the {what}")
     finished = bool(new) and new[-1] in end
-    answer = _clean(tokenizer.decode([t for t in new if t not in end], skip_special_tokens=True))
-    seconds = time.perf_counter() - started
-    if not finished:
-        notice = f"the rewrite was cut at the {max_new_tokens}-token limit: the original instruction was kept"
-        return Rewrite(prompt, prompt, notice, len(new), seconds, answer, tuple(new))
-    if not answer:
-        return Rewrite(prompt, prompt, "the rewrite came back empty: the original instruction was kept",
-                       len(new), seconds, answer, tuple(new))
-    return Rewrite(answer, prompt, None, len(new), seconds, answer, tuple(new))
+    answer = tokenizer.decode([t for t in new if t not in end], skip_special_tokens=True)
+    return Said(tuple(new), finished, answer, seen)
 
 
 def _clean(text: str) -> str:

@@ -44,6 +44,7 @@ from imgedit.runtime.group import ParallelGroup
 from imgedit.runtime.masking import Masking
 from imgedit.runtime.prefix_cache import PrefixCache
 from imgedit.runtime.preview import LivePreview
+from imgedit.runtime.runner import Outlining
 from imgedit.runtime.step_cache import StepCache
 from imgedit.runtime.weights import weights_per_gpu
 
@@ -200,11 +201,13 @@ class StepCaches(Feature):
 
 
 class Masks(Feature):
-    """Masked edits: the latents outside the mask put back at every step, the result laid over the input."""
+    """Masked edits: the latents outside the mask put back at every step, the result laid over the input; a
+    mask_prompt's mask outlined first."""
 
     name, optional = "masks", False
 
     def install(self, build: Build) -> None:
+        build.runner.add(Outlining(build.runner))  # mask_prompt's mask first (imgedit.runtime.grounding)
         build.runner.add(Masking(build.pipe))
 
 

@@ -180,3 +180,4 @@ class Failed:
     message: str
     rank: int = 0
     fatal: bool = False
+    field: str | None = None  # the request parameter at fault (an InvalidInput's), when there is one

@@ -15,8 +15,8 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from contextlib import AbstractContextManager, ExitStack
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from imgedit.errors import Cancelled, ImgEditError, OutOfGpuMemory, WorkerFailed
 from imgedit.planning.families import FAMILIES, Family
 from imgedit.protocol import EditResult
-from imgedit.runtime import enhance
+from imgedit.runtime import enhance, grounding
 from imgedit.runtime.adapters import Adapters
 from imgedit.runtime.group import ParallelGroup, agree_to_stop
 from imgedit.runtime.messages import Job
@@ -77,6 +77,8 @@ class Call:
     weights: str | None = None  # FAST_QUANTIZE's copy, when the job runs on one
     reached: int = 0  # the steps done
     timings: dict = field(default_factory=dict)  # seconds per phase (imgedit.runtime.budget)
+    cancel: threading.Event = field(default_factory=threading.Event)  # the job's cancel flag
+    outlined: grounding.Found | None = None  # mask_prompt's outline, once Outlining made it
 
 
 class JobFeature(Protocol):
@@ -115,7 +117,7 @@ class Runner:
     def takes_part(self, job: Job) -> bool:
         """With CFG off a CFG pair has no branches to split: its first rank (or half) runs the job, or both
         ranks split the sequence (PAIR_ULYSSES). A prompt rewrite alone runs on the first rank."""
-        if job.params.task == "enhance":
+        if job.params.task in ("enhance", "outline"):
             return self.rank == 0
         return self.group is None or self.group.takes_part(cfg_on(job), may_split(job))
 
@@ -124,7 +126,10 @@ class Runner:
         started = time.perf_counter()
         if job.params.task == "enhance":
             return self._enhance_only(job, cancel, started)
+        if job.params.task == "outline":
+            return self._outline_only(job, cancel, started)
         call = self._new_call(job)
+        call.cancel = cancel
         out_of_memory = None
         try:
             with ExitStack() as stack:
@@ -147,10 +152,12 @@ class Runner:
         if out_of_memory:
             raise self._out_of_memory(job, call, out_of_memory)
         params, req = job.params, job.request
+        outlined = call.outlined.outline if call.outlined else None  # mask_prompt's mask and boxes
         return EditResult(images, params.seed, params.steps, images[0].width, images[0].height,
                           time.perf_counter() - started, self.name, self.devices, req.request_id,
                           prompt=prompt if params.enhance_tokens and notice is None else None, notice=notice,
-                          weights=call.weights, timings=call.timings)
+                          weights=call.weights, timings=call.timings, mask=outlined and outlined.mask,
+                          boxes=outlined.boxes if outlined else ())
 
     def _new_call(self, job: Job) -> Call:
         if self.adapters is None and (job.params.adapters or job.params.scheduler != "default"):
@@ -228,30 +235,45 @@ class Runner:
         return FatalError(error) if call.together is not None else error
 
     def _rewrite(self, job: Job, cancel: threading.Event, together):
-        """The prompt rewrite (imgedit.runtime.enhance). In a group the first rank writes it and the others
-        take its words, or its refusal (cancel, out of memory, failure): every rank must encode the same
-        prompt, and all of them stop together. Raises _Refused."""
+        """The prompt rewrite (imgedit.runtime.enhance), written by the first rank. Raises _Refused."""
+        req = job.request
+        return self._first_rank(job, together, "prompt rewrite", "rewriting the prompt",
+                                lambda: enhance.rewrite(self.pipe, req.images, req.prompt,
+                                                        job.params.enhance_tokens, cancel))
+
+    def outline(self, job: Job, cancel: threading.Event, together) -> grounding.Found:
+        """mask_prompt's outline (imgedit.runtime.grounding) of the first image, drawn by the first rank.
+        Raises _Refused (an answer without a usable box is an InvalidInput naming mask_prompt)."""
+        req = job.request
+        phrase = " ".join((req.mask_prompt or "").split())
+        return self._first_rank(job, together, "outline of mask_prompt", "outlining mask_prompt",
+                                lambda: grounding.outline(self.pipe, req.images[0], phrase,
+                                                          job.params.outline_tokens, cancel))
+
+    def _first_rank(self, job: Job, together, what: str, doing: str, work):
+        """What the text encoder writes for a job (a rewrite, an outline): `work()` on the first rank, whose
+        answer, or refusal (cancel, out of memory, failure, nothing found), the group's other ranks take:
+        every rank must go on with the same words and mask, and all of them stop together. Raises _Refused."""
         req = job.request
         box: list = [None]
         out_of_memory = False
         if together is None or self.rank == 0:
             try:
-                box[0] = enhance.rewrite(self.pipe, req.images, req.prompt, job.params.enhance_tokens, cancel)
+                box[0] = work()
             except torch.OutOfMemoryError:
                 out_of_memory = True  # cleaned up below, once the traceback no longer pins generate's tensors
-            except ImgEditError as exc:  # Cancelled
+            except ImgEditError as exc:  # Cancelled; an outline that found nothing
                 box[0] = exc
             except Exception as exc:
                 if is_device_fault(exc):
                     raise FatalError(WorkerFailed(f"{self.name} hit a GPU fault ({type(exc).__name__}); its "
                                                   "process is being restarted")) from None
-                log.exception("%s: prompt rewrite failed", req.request_id)
-                box[0] = ImgEditError("the prompt rewrite failed with an internal error "
-                                      f"(request {req.request_id})")
+                log.exception("%s: %s failed", req.request_id, what)
+                box[0] = ImgEditError(f"the {what} failed with an internal error (request {req.request_id})")
             if out_of_memory:
                 self.cleanup(force=True)
                 box[0] = OutOfGpuMemory(f"out of GPU memory on {', '.join(self.devices)} "
-                                        "while rewriting the prompt: try fewer or smaller input images")
+                                        f"while {doing}: try fewer or smaller input images")
         if together is not None:
             dist.broadcast_object_list(box, src=0, group=together)
         if isinstance(box[0], ImgEditError):
@@ -269,6 +291,16 @@ class Runner:
                           self.name, self.devices, req.request_id,
                           prompt=None if rewritten.notice else rewritten.prompt, notice=rewritten.notice)
 
+    def _outline_only(self, job: Job, cancel: threading.Event, started: float) -> EditResult:
+        """An outline job: mask_prompt's mask and boxes, no image."""
+        try:
+            found = self.outline(job, cancel, None)
+        except _Refused as refused:
+            raise refused.error from None
+        mask = found.outline.mask
+        return EditResult([], 0, 0, mask.width, mask.height, time.perf_counter() - started, self.name,
+                          self.devices, job.request_id, mask=mask, boxes=found.outline.boxes)
+
     def cleanup(self, force: bool = False) -> None:
         """Drop what the job left behind (the seed guides' AUTO_CLEANUP); always after an OOM."""
         if not (self.auto_cleanup or force):
@@ -277,6 +309,22 @@ class Runner:
             gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+class Outlining:
+    """mask_prompt's per-job part: the job's mask outlined by the text encoder (Runner.outline) before the
+    masked edit's part (imgedit.runtime.masking) takes the job's mask; installed just before it."""
+
+    def __init__(self, runner: Runner):
+        self.runner = runner
+
+    @contextmanager
+    def job(self, call: Call):
+        job = call.job
+        if job.params.outline_tokens and job.request.mask is None:
+            call.outlined = self.runner.outline(job, call.cancel, call.together)
+            call.job = replace(job, request=replace(job.request, mask=call.outlined.outline.mask))
+        yield
 
 
 def cfg_on(job: Job) -> bool:

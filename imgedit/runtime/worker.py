@@ -210,7 +210,7 @@ def _run(spec: WorkerSpec, runner, job: Job, cancel: threading.Event, outbox: Ch
         os._exit(1)
     except ImgEditError as exc:  # Cancelled too
         if spec.rank == 0:
-            outbox.put(Failed(job.request_id, exc.kind, exc.message, spec.rank))
+            outbox.put(Failed(job.request_id, exc.kind, exc.message, spec.rank, field=exc.field))
     except BaseException:  # noqa: BLE001 - a bug of ours: report it, and start afresh
         log.exception("%s: unexpected failure", job.request_id)
         outbox.put(Failed(job.request_id, "internal",

@@ -61,6 +61,10 @@ class Metrics:
                                 "Prompt rewrites alone (Enhance, /v1/prompts/enhance) by source and outcome; "
                                 "edits with enhance_prompt count as edits",
                                 ["source", "outcome"], registry=self.registry)
+        self.outlines = Counter("imgedit_mask_outlines",
+                                "mask_prompt outlines alone (Select, /select_mask, /v1/masks) by source and "
+                                "outcome; edits with mask_prompt count as edits",
+                                ["source", "outcome"], registry=self.registry)
         # where a request's time goes (imgedit.runtime.budget, the line, REST's upload and reply): one
         # series a phase, so that sum/count per phase is its mean and the buckets its spread
         self.phases = Histogram("imgedit_request_phase_seconds",
@@ -73,8 +77,8 @@ class Metrics:
         manager.listeners.append(self.record)
 
     def record(self, job: JobRecord) -> None:
-        if job.task == "enhance":
-            self.rewrites.labels(job.source, job.outcome).inc()
+        if job.task != "edit":
+            self._counter(job.task).labels(job.source, job.outcome).inc()
             return
         self.requests.labels(job.source, job.outcome).inc()
         if job.outcome in ("ok", "cancelled", "out_of_memory", "worker_failed"):
@@ -90,7 +94,11 @@ class Metrics:
 
     def record_rejected(self, source: str, outcome: str, task: str = "edit") -> None:
         """A request refused before it reached the manager (bad input at the edge)."""
-        (self.rewrites if task == "enhance" else self.requests).labels(source, outcome).inc()
+        self._counter(task).labels(source, outcome).inc()
+
+    def _counter(self, task: str) -> Counter:
+        """The counter of a task's requests: edits, prompt rewrites alone, outlines alone."""
+        return {"enhance": self.rewrites, "outline": self.outlines}.get(task, self.requests)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -40,7 +40,7 @@ from imgedit.engine.jobs.batch import (
 )
 from imgedit.engine.jobs.history import HistoryEntry
 from imgedit.engine.outputs import reencoded
-from imgedit.engine.validation import check_aspect, check_counts
+from imgedit.engine.validation import BOTH_MASKS, check_aspect, check_counts
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.planning.families import FAMILIES
 from imgedit.protocol import JOBS, EditRequest, ItemState, JobState, as_declared, parameters, request_kwargs
@@ -288,6 +288,8 @@ async def _parse(request: Request, settings: Settings,
     if all(isinstance(c, ImgEditError) for c in checked):
         raise checked[0]
     firsts = [c for c in checked if not isinstance(c, ImgEditError)]
+    if form.getlist("mask") and (template.mask_prompt or "").strip():  # each item would fail: refused now
+        raise InvalidInput(BOTH_MASKS, "mask_prompt")
     if form.getlist("mask"):  # one mask for every item: each item's first image must have its size
         masking = await mask_fields(form, settings, firsts[0])
         for (name, _), size in zip(sets, checked, strict=True):

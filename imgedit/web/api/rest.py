@@ -9,6 +9,9 @@ OpenAI's `mask` is taken (imgedit.engine.masks), with `mask_grow`, `mask_feather
 to the same manager line and workers as the UI. Errors come back in OpenAI's shape:
 {"error": {"message", "type", "param", "code"}}.
 
+`/v1/masks` outlines `mask_prompt` in an image and returns the mask alone (for a caller to adjust before its
+edit); `mask_prompt` on `/v1/images/edits` does the same inside the edit's job.
+
 `/v1/images/generations` is OpenAI's text to image (a JSON body: `prompt`, `n`, `size`, `response_format`,
 `output_format`, `output_compression`, and the same extensions) for a model that makes images from a prompt
 alone (Qwen-Image-2.1); the edit-only models answer it with a 400 that says so.
@@ -33,7 +36,7 @@ from imgedit.engine.jobs.history import HistoryStore
 from imgedit.engine.outputs import encoded
 from imgedit.engine.workers.gpus import GpuMonitor
 from imgedit.errors import ImgEditError, InvalidInput
-from imgedit.protocol import EditRequest, EditResult, Resolved, WorkerState
+from imgedit.protocol import EditRequest, EditResult, Resolved, WorkerState, param
 from imgedit.web.api.errors import ApiError, openai_error, rejected
 from imgedit.web.api.image_urls import build_image_urls_router, image_urls
 from imgedit.web.api.rest_requests import edit_form, parse_edit, parse_generation, read_images
@@ -46,7 +49,8 @@ log = logging.getLogger(__name__)
 
 # every /v1 route and its methods, for the 404/405 fallback
 V1_ROUTES = {"/v1/images/edits": ("POST",), "/v1/images/generations": ("POST",),
-             "/v1/prompts/enhance": ("POST",), "/v1/status": ("GET",), "/v1/models": ("GET",)}
+             "/v1/prompts/enhance": ("POST",), "/v1/masks": ("POST",), "/v1/status": ("GET",),
+             "/v1/models": ("GET",)}
 HTTP_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
@@ -158,6 +162,8 @@ def build_router(settings: Settings, manager: Engine, metrics: Metrics, monitor:
             body["notices"] = notices
         if result.weights:  # FAST_QUANTIZE: the lossy copy this fast edit ran on
             body["weights"] = result.weights
+        if result.boxes:  # mask_prompt: what the model outlined (the first image's pixels)
+            body["mask_boxes"] = [list(box) for box in result.boxes]
         return JSONResponse(body)
 
     @router.post("/v1/prompts/enhance")
@@ -180,6 +186,30 @@ def build_router(settings: Settings, manager: Engine, metrics: Metrics, monitor:
         if result.notice:
             body["notice"] = result.notice
         return JSONResponse(body)
+
+    @router.post("/v1/masks")
+    async def masks(request: Request, owner: str = key) -> Response:
+        """mask_prompt's outline alone: the model's text encoder boxes `mask_prompt` in the first `image`;
+        the mask (a black-and-white PNG the first image's size, white = edit: send it back, adjusted or not,
+        as /v1/images/edits' `mask`) and the boxes. A 400 naming mask_prompt when it found nothing."""
+
+        async def parse() -> EditRequest:
+            form = await edit_form(request, settings, manager.family)
+            images = await read_images(form, settings, manager)
+            if not images:
+                raise InvalidInput("no input image: send the image to select in as 'image'", "image")
+            phrase = param("mask_prompt").parse(form.get("mask_prompt"))
+            # checked by the manager before the job waits (resolve_outline), as a rewrite is
+            return EditRequest(images=tuple(images), prompt="", mask_prompt=phrase, source="rest",
+                               client=owner)
+
+        req = await rejected(metrics, "/v1/masks", parse(), "outline")
+        result = await _run(request, req, lambda cancel: manager.run_outline(req, cancel=cancel))
+        mask = await asyncio.to_thread(encoded, result.mask, "png", 100)
+        return JSONResponse({"created": int(time.time()),
+                             "data": [{"b64_json": base64.b64encode(mask).decode()}],
+                             "boxes": [list(box) for box in result.boxes],
+                             "size": f"{result.width}x{result.height}", "request_id": req.request_id})
 
     @router.get("/v1/models")
     def list_models(owner: str = key) -> JSONResponse:

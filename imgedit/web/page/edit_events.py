@@ -35,6 +35,7 @@ from imgedit.web.page.live_preview import Watch, hidden
 from imgedit.web.page.mask_controls import follow_first_input, painted_mask
 from imgedit.web.page.progress import EditProgress
 from imgedit.web.page.requests import build_request, edit_fields, edit_signature
+from imgedit.web.page.select_controls import wire_select
 from imgedit.web.page.tools import PageTools, cached_pngs, page_files, user_error
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,9 @@ EDIT_API_DOC = (  # the API's description, as gradio_client shows it
     "image the first image's size: white, or fully transparent, marks where to edit) only that area\n"
     "changes and the result is the first image's size. With `enhance_prompt` the model's text encoder\n"
     "rewrites the prompt first (each PNG then carries the prompt used and the original_prompt). `cache`\n"
-    "(none, first-block, taylorseer; default: the server's CACHE) speeds up a quality edit, lossily.")
+    "(none, first-block, taylorseer; default: the server's CACHE) speeds up a quality edit, lossily.\n"
+    "`mask_prompt` (words: 'the red car') has the model outline the mask itself; refused when it finds\n"
+    "nothing (`/select_mask` returns the proposed mask alone).")
 
 
 class EditEvents:
@@ -250,6 +253,7 @@ def wire_editor(blocks: gr.Blocks, settings: Settings, manager: Engine, events: 
                        preprocess=False, queue=False, **private)
     follow_first_input(e.files, e.canvas)
     wire_expand(e.expand, e.files, settings, manager.family)
+    wire_select(settings, manager, e.files, e.canvas, e.select_controls, GPU_GROUP)
     wire_enhance(settings, manager, e.files, e.prompt, e.enhance_controls, GPU_GROUP)
     # typing sends one count at a time: keystrokes while one is on its way collapse into the last
     e.prompt.change(tools.prompt_count, e.prompt, e.counter, queue=False, preprocess=False,

@@ -64,6 +64,7 @@ class Editor:
     snippet_inputs: gr.File
     examples: gr.Examples
     expand: ExpandControls
+    select_controls: tuple = ()  # Select by words: (words, button, note) (web.page.mask_controls)
 
     @property
     def outputs(self) -> list:
@@ -124,7 +125,8 @@ def build_editor(settings: Settings, family_key: str, demo: bool, cache_refused:
                 examples = gr.Examples(rows, [files, prompt], example_labels=labels,
                                        label="Examples (click one to fill the form)", elem_id="examples")
                 laid_out.update(build_speed_controls(settings))  # Speed, LoRA, strength
-                canvas, masking = build_mask_controls()  # painted mask, grow, feather, strength
+                # painted mask, grow, feather, strength; Select by words
+                canvas, masking, select_controls = build_mask_controls()
                 laid_out.update(masking)
                 expand = build_expand_controls()  # pad the canvas: presets, pixels per side, a picture
                 laid_out["expand"] = expand.text
@@ -167,4 +169,4 @@ def build_editor(settings: Settings, family_key: str, demo: bool, cache_refused:
     return Editor(controls, files, prompt, preview, chosen_input, first, counter, enhance_controls, restore,
                   stored, run, stop, message, canvas, result, live, status, again, add, download, reuse,
                   chain_controls, compare, chosen, copy_api, snippets, snippet_code, snippet_inputs, examples,
-                  expand)
+                  expand, select_controls)

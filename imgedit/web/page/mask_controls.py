@@ -1,9 +1,11 @@
 """The page's mask: paint over the first input where the edit may change it (Gradio's ImageEditor with a
-brush and an eraser), with the soft edge, grow and strength beside it.
+brush and an eraser), with the soft edge, grow and strength beside it; or select it by words first ("the
+sky": the model's own text encoder outlines it, imgedit.runtime.grounding) and adjust the proposal with the
+brush and the eraser.
 
 The painted strokes become a black-and-white mask file in the upload cache (white = edit), the same
 kind of file the gradio API and REST take, so the edit goes through the same checks
-(imgedit.engine.masks). Nothing painted: an ordinary edit.
+(imgedit.engine.masks). Nothing painted: an ordinary edit. Select's events: imgedit.web.page.select_controls.
 """
 
 from __future__ import annotations
@@ -23,10 +25,16 @@ from imgedit.web.page.uploads import upload_folder, uploaded_paths
 MASK_COLOUR = "#ff2d6f"
 
 
-def build_mask_controls() -> tuple[gr.ImageEditor, dict[str, gr.components.Component]]:
-    """The canvas, and the mask parameters' controls by their declared names (imgedit.protocol.PARAMETERS):
-    `mask` holds the mask file of the last run, painted on the canvas."""
+def build_mask_controls() -> tuple[gr.ImageEditor, dict[str, gr.components.Component], tuple]:
+    """The canvas, the mask parameters' controls by their declared names (imgedit.protocol.PARAMETERS): `mask`
+    holds the mask file of the last run, painted on the canvas; and Select's (words, button, note)."""
     with gr.Accordion("Mask: edit only where you paint", open=False, elem_id="mask-accordion"):
+        with gr.Row(equal_height=True):
+            words = gr.Textbox(label="Select by words", placeholder="e.g. the sky, the red car", scale=4,
+                               max_length=200, elem_id="mask-words",
+                               info="the model outlines it in the first input; adjust it with the brush")
+            select = gr.Button("Select", size="sm", scale=1, elem_id="mask-select")
+        note = gr.Markdown(elem_id="mask-select-note")
         canvas = gr.ImageEditor(
             label="Paint over the first input where it may change (the eraser takes paint away)", type="pil",
             image_mode="RGBA", sources=(), transforms=(), layers=False, elem_id="mask-canvas", height=360,
@@ -42,7 +50,10 @@ def build_mask_controls() -> tuple[gr.ImageEditor, dict[str, gr.components.Compo
             strength = gr.Slider(0.05, param("strength").high, value=1.0, step=0.05,
                                  label="Strength (1 = repaint)", elem_id="mask-strength")
     painted = gr.Textbox(visible=False)  # a path in the upload cache, or ""
-    return canvas, {"mask": painted, "mask_grow": grow, "mask_feather": feather, "strength": strength}
+    # Select puts its mask on the canvas, to adjust: the Edit button never sends the words
+    words_sent = gr.Textbox(visible=False)
+    return canvas, {"mask": painted, "mask_grow": grow, "mask_feather": feather, "strength": strength,
+                    "mask_prompt": words_sent}, (words, select, note)
 
 
 def follow_first_input(files, canvas) -> None:
@@ -108,3 +119,4 @@ def painted_mask(value) -> str:
     path = os.path.join(folder, f"{uuid.uuid4().hex}.png")
     Image.fromarray(np.where(painted, 255, 0).astype(np.uint8), mode="L").save(path)
     return path
+
