@@ -100,8 +100,8 @@ def _column_types() -> dict[str, str]:
 
 
 COLUMN_TYPES = _column_types()
-_SCHEMA = (f"CREATE TABLE IF NOT EXISTS results ({', '.join(f'{c} {t}' for c, t in COLUMN_TYPES.items())},"
-           " PRIMARY KEY (id));\n"
+_COLUMN_LIST = ", ".join(f"{column} {kind}" for column, kind in COLUMN_TYPES.items())
+_SCHEMA = (f"CREATE TABLE IF NOT EXISTS results ({_COLUMN_LIST}, PRIMARY KEY (id));\n"
            "CREATE INDEX IF NOT EXISTS results_owner ON results (owner, created);\n"
            "CREATE INDEX IF NOT EXISTS results_job ON results (job_id, item);\n"
            "CREATE INDEX IF NOT EXISTS results_created ON results (created);\n")
