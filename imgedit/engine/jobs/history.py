@@ -134,7 +134,8 @@ class HistoryStore:
         for name, kind in COLUMN_TYPES.items():
             if name not in have:  # a field added after that version: never NOT NULL (its rows have none)
                 try:
-                    self._db.execute(f"ALTER TABLE results ADD COLUMN {name} {kind.removesuffix(' NOT NULL')}")
+                    nullable = kind.removesuffix(" NOT NULL")
+                    self._db.execute(f"ALTER TABLE results ADD COLUMN {name} {nullable}")
                 except sqlite3.OperationalError as exc:  # another process opening the same folder added it
                     if "duplicate column" not in str(exc):
                         raise
