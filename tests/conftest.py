@@ -122,17 +122,22 @@ COMPONENTS = ("transformer", "text_encoder", "vae")
 # so a module's shared server and worker pool start once; the two Ray modules share one group, so one
 # Ray cluster at a time exists on this machine. xdist's own reorder (most tests first) is off in
 # pyproject.toml (--no-loadscope-reorder); the order is this one:
-# - the longest groups first (their seconds in a full run on the 2-core machine), so that no long group
-#   starts last; then the rest in file order;
-# - the Ray group in the middle (ORDER's "ray"). First, beside two test processes building their pools, a
-#   fresh-clone CI run waited over 90 s for a killed actor to come back (the restart imports torch afresh;
-#   test_ray now waits up to 240 s). Last, it ran ~110 s mostly alone with a core idle (the whole run is
-#   CPU-bound before that): in the middle the other test processes use that core.
+# - the longest groups first, by their seconds in a full run on the loaded 2-core machine (ray ~360 with
+#   its two modules, test_loras ~170, test_shutdown ~160, test_browser ~155, ... test_settings ~25); then
+#   the rest, a few seconds each, in file order. Longest first, the run ends on short groups: the groups
+#   left out of this list once included test_warmup and test_servers (~110 s each), which then started
+#   last, 13-14 minutes into a 16-minute run, and ran on after the other test processes were done;
+# - the Ray group fourth, taken by the first test process to finish its first group. First, beside two
+#   test processes building their pools, a fresh-clone CI run waited over 90 s for a killed actor to
+#   come back (the restart imports torch afresh; test_ray now waits up to 240 s). Last, it ran ~110 s
+#   mostly alone with a core idle.
 XDIST_GROUPS = {"test_ray": "ray", "test_ray_local": "ray"}
-ORDER = ("test_browser", "test_shutdown", "test_security", "test_loras", "test_manager", "test_workers",
-         "test_adversarial", "test_ui", "test_parallel_groups", "test_rest", "ray", "test_readme", "test_history",
-         "test_browser_panel", "test_browser_batch", "test_architecture", "test_jobs_api", "test_masks",
-         "test_step_cache", "test_batch_cfg")
+ORDER = ("test_loras", "test_shutdown", "test_browser", "ray", "test_workers", "test_warmup", "test_manager",
+         "test_security", "test_memory", "test_fallbacks", "test_fast_weights", "test_jobs_api", "test_qwen21",
+         "test_servers", "test_parallel_groups", "test_quant", "test_fusion", "test_enhance", "test_split_compile",
+         "test_ui", "test_step_cache", "test_readme", "test_adversarial", "test_rest", "test_history",
+         "test_batch_cfg", "test_architecture", "test_browser_batch", "test_masks", "test_connections",
+         "test_encode_cache", "test_deploy", "test_browser_panel", "test_settings")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks

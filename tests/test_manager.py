@@ -279,11 +279,11 @@ def test_other_errors_are_reported_without_internals(plus_manager):
 
 
 def test_not_ready_before_loading(plus_ckpt):
-    from imgedit.config.settings import load_settings
-    from imgedit.engine.manager import PipelineManager
     from imgedit.errors import NotReady
 
-    manager = PipelineManager(load_settings({"QWEN_MODEL_DIR": str(plus_ckpt), "DEVICE_MAP": "cpu"}))
+    # planned from the settings, as app.py plans; its worker forked from the test's forkserver (a spawned one
+    # imports torch afresh, as every app.py start in the suite does) and closed with the module
+    manager = make_manager(plus_ckpt, plan="planner", load=False)
     with pytest.raises(NotReady, match="still loading"):
         manager.edit(request())
     manager.load()

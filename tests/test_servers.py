@@ -36,14 +36,56 @@ def example_files(cache: str) -> set[str]:
     return {str(p) for p in Path(cache).glob("imgedit-examples*/*.png")}
 
 
-def test_stopping_one_server_or_failing_on_a_busy_port_leaves_the_others_examples(tmp_path):
+def watch_the_start(server: subprocess.Popen, url: str) -> tuple[list[str], list[httpx.Response]]:
+    """Poll /health from the process's first moment until it is ready: what the starting server said it was
+    doing, and its page and a REST call while it did so. The port, once it answered, never closes."""
+    details, answered, pages = [], False, []
+    deadline = time.monotonic() + 240
+    with httpx.Client(timeout=5) as http:
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            assert server.poll() is None, server.stderr.read()[-3000:]
+            try:
+                health = http.get(f"{url}/health")
+            except httpx.TransportError as exc:
+                assert not answered, f"the port closed after it had answered: {exc!r}"
+                continue
+            answered = True
+            body = health.json()
+            if health.status_code == 200:
+                return details, pages
+            assert health.status_code == 503 and body["status"] == "loading", (health.status_code, body)
+            if "detail" in body and "workers" in body and not body["workers"]:  # the starting server's
+                details.append(body["detail"])
+                if not pages:
+                    pages.append(http.get(url))
+                    pages.append(http.post(f"{url}/v1/images/edits", data={"prompt": "x"}))
+    raise AssertionError(f"not ready; seen: {details}")
+
+
+def test_the_port_answers_from_the_start_and_one_servers_stop_or_a_busy_port_leaves_the_others_examples(tmp_path):
+    """While app.py builds the demo checkpoint and starts its workers (before the app exists) the port is already
+    open: /health says "loading" with what it does, the page is a notice that reloads itself, REST says 503
+    with Retry-After; the app then serves on the same socket, which is never closed in between (#44 item 4).
+    A second server sharing the upload cache draws its own examples, and neither its stop nor a start refused on
+    the first one's port takes the first one's examples (#46 items 1, 8, 13). One first server serves both
+    halves: each app.py start imports torch in a worker of its own."""
     cache = tempfile.mkdtemp(prefix="gradio-shared-")  # both servers' upload cache, as /tmp/gradio is by default
     env = {**os.environ, "GRADIO_TEMP_DIR": cache,
            "DEMO_DIR": str(tmp_path / "demo"), "OUTPUT_DIR": str(tmp_path / "outputs"), "LOG_LEVEL": "WARNING"}
     first_port, second_port = free_port(), free_port()
     first = start(first_port, env)
     try:
-        ready(first, first_port)
+        details, pages = watch_the_start(first, f"http://127.0.0.1:{first_port}")
+        assert details, "the starting server was never seen"
+        assert any(d.startswith(("building the demo checkpoint (", "inspecting the checkpoint")) for d in details), \
+            details
+        assert all(d.endswith(" s)") for d in details), details
+        page, rest = pages
+        assert page.status_code == 503 and "imgedit is starting" in page.text and "http-equiv='refresh'" in page.text
+        assert rest.status_code == 503 and rest.headers["retry-after"] == "5"
+        error = rest.json()["error"]
+        assert error["code"] == "not_ready" and "the server is starting" in error["message"], error
         examples = example_files(cache)
         assert len(examples) >= 4, examples
         second = start(second_port, env)
@@ -58,9 +100,12 @@ def test_stopping_one_server_or_failing_on_a_busy_port_leaves_the_others_example
         for path in examples:  # the first server's examples are all still there, and served
             assert os.path.isfile(path), path
             assert httpx.get(f"http://127.0.0.1:{first_port}/gradio_api/file={path}", timeout=30).status_code == 200
-    finally:
         first.send_signal(signal.SIGTERM)
-        first.wait(60)
+        assert first.wait(60) == 0
+    finally:
+        if first.poll() is None:
+            first.send_signal(signal.SIGTERM)
+            first.wait(60)
 
 
 def test_help_offers_host_and_port_and_names_their_variables():
@@ -68,51 +113,6 @@ def test_help_offers_host_and_port_and_names_their_variables():
     assert out.returncode == 0
     assert "--host" in out.stdout and "GRADIO_SERVER_NAME" in out.stdout
     assert "--port" in out.stdout and "GRADIO_SERVER_PORT" in out.stdout
-
-
-def test_the_port_answers_from_the_start_and_says_what_the_server_is_doing(tmp_path):
-    """While app.py inspects the checkpoint and starts its workers (before the app exists) the port is already
-    open: /health says "loading" with what it does, the page is a notice that reloads itself, REST says 503
-    with Retry-After; the app then serves on the same socket, which is never closed in between (#44 item 4)."""
-    env = {**os.environ, "DEMO_DIR": str(tmp_path / "demo"), "OUTPUT_DIR": str(tmp_path / "outputs"),
-           "LOG_LEVEL": "WARNING"}
-    port = free_port()
-    server = start(port, env)
-    url = f"http://127.0.0.1:{port}"
-    details, answered, pages = [], False, []
-    try:
-        deadline = time.monotonic() + 240
-        with httpx.Client(timeout=5) as http:
-            while time.monotonic() < deadline:
-                time.sleep(0.05)
-                assert server.poll() is None, server.stderr.read()[-3000:]
-                try:
-                    health = http.get(f"{url}/health")
-                except httpx.TransportError as exc:
-                    assert not answered, f"the port closed after it had answered: {exc!r}"
-                    continue
-                answered = True
-                body = health.json()
-                if health.status_code == 200:
-                    break
-                assert health.status_code == 503 and body["status"] == "loading", (health.status_code, body)
-                if "detail" in body and "workers" in body and not body["workers"]:  # the starting server's
-                    details.append(body["detail"])
-                    if not pages:
-                        pages.append(http.get(url))
-                        pages.append(http.post(f"{url}/v1/images/edits", data={"prompt": "x"}))
-            else:
-                raise AssertionError(f"not ready; seen: {details}")
-    finally:
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(60) == 0
-    assert details, "the starting server was never seen"
-    assert any(d.startswith(("building the demo checkpoint (", "inspecting the checkpoint")) for d in details), details
-    assert all(d.endswith(" s)") for d in details), details
-    page, rest = pages
-    assert page.status_code == 503 and "imgedit is starting" in page.text and "http-equiv='refresh'" in page.text
-    assert rest.status_code == 503 and rest.headers["retry-after"] == "5"
-    assert rest.json()["error"]["code"] == "not_ready" and "the server is starting" in rest.json()["error"]["message"]
 
 
 def test_outside_its_environment_or_on_another_machines_address_app_py_says_so_in_one_line(tmp_path):

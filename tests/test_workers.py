@@ -163,8 +163,10 @@ def test_server_process_holds_no_cuda_or_distributed_state(pair, plus_manager):
 
     assert not torch.cuda.is_initialized()
     assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    # The whole server side (web, engine, planning, config) imports no torch: its entry modules, in one fresh
+    # interpreter (each one a second or more of imports).
     code = ("import sys, imgedit.engine.manager, imgedit.engine.workers.pool, imgedit.web.app, "
-            "imgedit.engine.workers.gpus; "
+            "imgedit.engine.workers.gpus, imgedit.engine.workers.ray_pool, imgedit.engine.workers.inspection; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr[-2000:]
@@ -175,8 +177,9 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
-def test_stopping_the_server_leaves_no_worker_process(plus_ckpt, how):
+def test_stopping_the_server_leaves_no_worker_process(plus_ckpt):
+    """A SIGTERM to the server's whole process group. (A SIGKILL of the server alone, mid-job: test_shutdown's
+    kill -9 test, whose server's workers must follow it out as well; one app.py start there serves both.)"""
     port = free_port()
     env = {**os.environ, "QWEN_MODEL_DIR": str(plus_ckpt), "DEVICE_MAP": "cpu", "GRADIO_SERVER_PORT": str(port),
            "GRADIO_SERVER_NAME": "127.0.0.1", "LOG_LEVEL": "WARNING"}
@@ -186,8 +189,9 @@ def test_stopping_the_server_leaves_no_worker_process(plus_ckpt, how):
                               stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         def healthy():
-            try:
-                return http.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+            try:  # a poll that gives up mid-answer leaves the starting server a BrokenPipe traceback in this
+                # test's stderr (seen once with the Ray cluster starting beside it): it waits for the answer
+                return http.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
             except httpx.HTTPError:
                 return False
 
@@ -202,20 +206,16 @@ def test_stopping_the_server_leaves_no_worker_process(plus_ckpt, how):
                          files={"image": ("a.png", png.getvalue(), "image/png")},
                          data={"prompt": "x", "size": "64x64", "num_inference_steps": "2"})
         assert edit.status_code == 200, edit.text  # the workers have run a job: theirs to clean up
-        if how == "SIGTERM":
-            os.killpg(server.pid, signal.SIGTERM)
-        else:
-            server.send_signal(signal.SIGKILL)
+        os.killpg(server.pid, signal.SIGTERM)
         server.wait(30)
-        wait_for(lambda: not any(alive(p) for p in pids), 10)  # SIGKILL: the workers see their parent go
+        wait_for(lambda: not any(alive(p) for p in pids), 10)
     finally:
         if server.poll() is None:
             server.kill()
             server.wait(10)
-    if how == "SIGTERM":
-        said = server.stderr.read()
-        assert server.returncode == 0, said[-3000:]
-        assert "leaked" not in said and "Traceback" not in said, said[-3000:]
+    said = server.stderr.read()
+    assert server.returncode == 0, said[-3000:]
+    assert "leaked" not in said and "Traceback" not in said, said[-3000:]
 
 
 def test_health_stays_ready_while_one_of_two_workers_restarts(plus_ckpt):
