@@ -18,6 +18,7 @@ from __future__ import annotations
 import html
 import json
 import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -37,8 +38,7 @@ class StartingServer:
             server_state = outer
 
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        server_class = type("_Http", (ThreadingHTTPServer,),
-                            {"address_family": family, "daemon_threads": True})
+        server_class = type("_Http", (_QuietHttp,), {"address_family": family})
         self._http = server_class((host, port), Handler)
         self._thread = threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.1},
                                         name="imgedit-starting", daemon=True)
@@ -60,6 +60,16 @@ class StartingServer:
     def close(self) -> None:
         """Stop answering and close the port (the server did not start, or has stopped). Idempotent."""
         self.handover().close()
+
+
+class _QuietHttp(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that left before its answer (BrokenPipe, reset) is not an error: socketserver would print
+        its traceback to stderr. Anything else is printed as before."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):
