@@ -389,6 +389,42 @@ class Requests:
                   "inputs": len(files) - mask}
         return self._post(record, "/v1/images/edits", may_refuse, data=data, files=files)
 
+    def rest_job_watched(self, name: str, fields: dict) -> dict:
+        """POST /v1/jobs with preview=true, its status polled every 0.25 s as the page watches an edit, then its
+        result: the live preview's cost through app.py (this job's later_steps against an unwatched edit's)."""
+        data = {"prompt": PROMPT, "size": f"{self.args.size}x{self.args.size}", "seed": "1", "preview": "true",
+                **fields}
+        record = {"name": name, "api": "rest /v1/jobs preview=true", "fields": data, "expected_images": 1,
+                  "inputs": 1}
+        before = self.phase_sums()
+        t0 = time.perf_counter()
+        try:
+            answer = self.http.post(f"{self.url}/v1/jobs", data=data,
+                                    files=[("image", ("input-1.png", self.picture, "image/png"))])
+            if answer.status_code != 202:
+                return self._failed(record, t0, f"HTTP {answer.status_code}: {answer.text[:300]}")
+            job_url = f"{self.url}/v1/jobs/{answer.json()['id']}"
+            previews: set[str] = set()
+            while True:
+                status = self.http.get(job_url).json()
+                if status.get("preview"):
+                    previews.add(status["preview"])
+                if status.get("state") not in ("queued", "running"):
+                    break
+                time.sleep(0.25)
+            result = self.http.get(f"{job_url}/result")
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            return self._failed(record, t0, f"{type(exc).__name__}: {exc}")
+        record.update(status=result.status_code, seconds=round(time.perf_counter() - t0, 3), previews=len(previews))
+        after = self.phase_sums()
+        record["phases"] = {name: round(after[name] - before.get(name, 0.0), 3) for name in after
+                            if after[name] - before.get(name, 0.0) > 0}
+        if result.status_code != 200 or status.get("state") != "succeeded":
+            return self._failed(record, t0, f"job {status.get('state')}, result HTTP {result.status_code}")
+        if not previews:
+            return self._failed(record, t0, "no live preview reached the job's status")
+        return self._judge(record, [Image.open(io.BytesIO(result.content))])
+
     def rest_generation(self, name: str, fields: dict) -> dict:
         """POST /v1/images/generations as the openai SDK sends it (JSON, extensions in the body)."""
         body = {"prompt": PROMPT, "size": f"{self.args.size}x{self.args.size}", "n": 1,
@@ -536,6 +572,7 @@ def run_requests(requests: Requests, health: dict, steps: int, other_steps: int,
     quality = {"num_inference_steps": str(steps)}
     add(requests.rest_edit("edit-first", quality))
     add(requests.rest_edit("edit-steady", quality))
+    add(requests.rest_job_watched("edit-watched", quality))  # the same edit with its live preview watched
     offered = lightning_names(health)
     for speed, lightning in (("fastest", 4), ("fast", 8)):
         for run in ("first", "steady"):
@@ -595,6 +632,8 @@ def describe(record: dict) -> str:
         text += f"  HTTP {record['status']}"
     if "images" in record:
         text += f"  {record['images']} image(s) {','.join(record['sizes'])} finite={record['finite']}"
+    if record.get("previews"):
+        text += f"  {record['previews']} preview(s)"
     if record.get("ms_per_token"):
         text += f"  {record['tokens']} tokens, {record['ms_per_token']} ms/token"
     if record.get("error"):

@@ -148,8 +148,11 @@ def test_a_flood_from_several_addresses_leaves_room_for_everyone_else(flood_serv
         # closed at the reserve's 3 s deadline (408): its headers never end
         # (or closed with no answer read: on a loaded machine the kernel may drop it, as RESET says)
         assert all(a in (RESET, b"") or a.startswith((b"HTTP/1.1 503", b"HTTP/1.1 408")) for a in refused), refused
-        # the eviction's own words where an answer was read (on a loaded machine every one may be dropped)
-        assert any(b"this one waited longest" in a for a in refused) or all(a in (RESET, b"") for a in refused)
+        # the evicted are the first three addresses' (without eviction: none, the last 20 refused); which ones
+        # were let go is certain, their answer is not (a close over the unread request may reset it first)
+        evicted = [a for a in answers[:90] if a is not None]
+        assert len(evicted) >= 10, (len(evicted), [a[:60] for a in refused])
+        assert all(b"this one waited longest" in a or a in (RESET, b"") for a in evicted), evicted
         for k in range(3):  # newcomers (the test's own address and two more) are served while the flood holds
             said = health_answered(port, f"127.0.0.{1 + 8 * (k > 0) + k}")
             assert said.startswith(b"HTTP/1.1 200") and b'"status"' in said, said[:200]

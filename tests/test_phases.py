@@ -59,8 +59,9 @@ def test_the_phases_run_in_order_and_each_is_shown_and_reported(built):
     assert report.features == ["single-frame VAE", "encode cache", "LoRAs", "step cache", "masks",
                                "live preview", "time budget"], report.features
     assert report.pixels == "cpu" and report.encode_cache == 4 and report.fallbacks == []
-    assert [type(p).__name__ for p in runner.parts] == ["Adapters", "StepCache", "Masking", "LivePreview",
-                                                        "TimeBudget"]
+    # the masks feature's two parts: mask_prompt's outline, then the mask itself
+    assert [type(p).__name__ for p in runner.parts] == ["Adapters", "StepCache", "Outlining", "Masking",
+                                                        "LivePreview", "TimeBudget"]
 
 
 def test_a_feature_that_fails_to_build_falls_back_and_the_worker_serves(plus_ckpt, built, monkeypatch):
