@@ -52,8 +52,9 @@ new MutationObserver(() => {
 # Fixed-size thumbnail cells: one input would otherwise fill the column's width. On a narrow screen (the
 # columns stack below about 2 x 320 px) the result column comes right after the Edit button and its message,
 # before Examples, Speed, LoRA, Mask and Advanced (#editor-more): the columns give their children to the row.
-# There the Edit button scrolls to the result; the browser's scroll anchoring would then keep a later element in
-# place as the live preview appears under the result, pushing the result's top off the screen: it is off there.
+# There the Edit button scrolls to the result; the browser's scroll anchoring would then keep a later
+# element in place as the live preview appears under the result, pushing the result's top off the screen:
+# it is off there.
 INPUT_PREVIEW_CSS = """<style>
 #input-preview .grid-container{grid-template-columns:repeat(auto-fill,120px)!important;
   grid-template-rows:none!important;grid-auto-rows:120px!important}
