@@ -21,18 +21,21 @@ pytestmark = pytest.mark.browser
 
 def previews_while_running(page, minimum: int, timeout_ms: int = 60_000) -> set[str]:
     """The live preview's distinct pictures, each read while the progress bar shows the steps, until
-    `minimum`."""
-    seen: set[str] = set()
-    for _ in range(timeout_ms // 100):
-        src, stepping = page.evaluate(
-            "() => [document.querySelector('#live-preview img')?.src,"
-            " /denoising|decoding the result/.test(document.querySelector('#result').innerText)]")
-        if src and stepping:
-            seen.add(src)
-        if len(seen) >= minimum:
-            return seen
-        page.wait_for_timeout(100)
-    raise AssertionError(f"{len(seen)} live preview(s) seen while the steps ran, wanted {minimum}")
+    `minimum`. Read in the browser every 50 ms (a test process slowed by a loaded machine misses none)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    page.evaluate("() => { window.previewsSeen = new Set(); }")
+    try:
+        page.wait_for_function("""(minimum) => {
+            const src = document.querySelector('#live-preview img')?.src;
+            const stepping = /denoising|decoding the result/.test(document.querySelector('#result').innerText);
+            if (src && stepping) window.previewsSeen.add(src);
+            return window.previewsSeen.size >= minimum; }""", arg=minimum, polling=50, timeout=timeout_ms)
+    except PlaywrightTimeout:
+        pass
+    seen = set(page.evaluate("() => [...window.previewsSeen]"))
+    assert len(seen) >= minimum, f"{len(seen)} live preview(s) seen while the steps ran, wanted {minimum}"
+    return seen
 
 
 def test_live_preview_and_expanding_the_canvas_in_one_page(browser, live_server, server_manager, tmp_path):
