@@ -124,10 +124,9 @@ class Runner:
     def run(self, job: Job, cancel: threading.Event, on_step: StepCallback | None = None) -> EditResult:
         """Run one job. Raises Cancelled, OutOfGpuMemory, ImgEditError, or FatalError."""
         started = time.perf_counter()
-        if job.params.task == "enhance":
-            return self._enhance_only(job, cancel, started)
-        if job.params.task == "outline":
-            return self._outline_only(job, cancel, started)
+        alone = {"enhance": self._enhance_only, "outline": self._outline_only}.get(job.params.task)
+        if alone is not None:  # a rewrite or a mask_prompt outline, without an image
+            return alone(job, cancel, started)
         call = self._new_call(job)
         call.cancel = cancel
         out_of_memory = None
@@ -151,10 +150,13 @@ class Runner:
             raise self._failure(exc, call) from None
         if out_of_memory:
             raise self._out_of_memory(job, call, out_of_memory)
-        params, req = job.params, job.request
+        return self._result(call, images, prompt, notice, time.perf_counter() - started)
+
+    def _result(self, call: Call, images: list, prompt: str, notice: str | None, seconds: float) -> EditResult:
+        params, req = call.job.params, call.job.request
         outlined = call.outlined.outline if call.outlined else None  # mask_prompt's mask and boxes
-        return EditResult(images, params.seed, params.steps, images[0].width, images[0].height,
-                          time.perf_counter() - started, self.name, self.devices, req.request_id,
+        return EditResult(images, params.seed, params.steps, images[0].width, images[0].height, seconds,
+                          self.name, self.devices, req.request_id,
                           prompt=prompt if params.enhance_tokens and notice is None else None, notice=notice,
                           weights=call.weights, timings=call.timings, mask=outlined and outlined.mask,
                           boxes=outlined.boxes if outlined else ())
