@@ -152,7 +152,8 @@ class Runner:
             raise self._out_of_memory(job, call, out_of_memory)
         return self._result(call, images, prompt, notice, time.perf_counter() - started)
 
-    def _result(self, call: Call, images: list, prompt: str, notice: str | None, seconds: float) -> EditResult:
+    def _result(self, call: Call, images: list, prompt: str, notice: str | None,
+                seconds: float) -> EditResult:
         params, req = call.job.params, call.job.request
         outlined = call.outlined.outline if call.outlined else None  # mask_prompt's mask and boxes
         return EditResult(images, params.seed, params.steps, images[0].width, images[0].height, seconds,
