@@ -68,3 +68,14 @@ def build_advanced(settings: Settings, values: dict) -> dict:
             for p in row:
                 made[p.name] = page_control(p, settings, values.get(p.name, p.edit_default))
     return made
+
+
+def hidden_api_route(fn, output, api_name: str, concurrency_id: str) -> None:
+    """A gradio API route with no control on the page: `fn(images, text)` -> `output()`'s component. Its
+    inputs are hidden and have no ranges, so every value reaches our checks (and our messages)."""
+    with gr.Row(visible=False):
+        inputs = [gr.File(file_count="multiple"), gr.Textbox()]
+        answer = output()
+        button = gr.Button()
+    button.click(fn, inputs, answer, api_name=api_name, preprocess=False, concurrency_id=concurrency_id,
+                 concurrency_limit=None)

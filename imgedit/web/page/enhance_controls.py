@@ -20,6 +20,7 @@ import gradio as gr
 from imgedit.config.settings import Settings
 from imgedit.engine.interface import Engine
 from imgedit.web.identity import page_owner
+from imgedit.web.page.controls import hidden_api_route
 from imgedit.web.page.requests import build_enhance_request
 from imgedit.web.page.tools import user_error
 
@@ -84,9 +85,4 @@ def wire_enhance(settings: Settings, manager: Engine, files, prompt, controls, c
                   api_visibility="private")
     undo.click(lambda words: (words, gr.update(visible=False), "", ""), original,
                [prompt, undo, note, rewritten], queue=False, api_visibility="private")
-    with gr.Row(visible=False):  # the API's inputs: hidden, without ranges (our checks say what is wrong)
-        api_inputs = [gr.File(file_count="multiple"), gr.Textbox()]
-        api_output = gr.Textbox(label="prompt")
-        button = gr.Button()
-    button.click(enhance_prompt, api_inputs, api_output, api_name="enhance_prompt", preprocess=False,
-                 concurrency_id=concurrency_id, concurrency_limit=None)
+    hidden_api_route(enhance_prompt, lambda: gr.Textbox(label="prompt"), "enhance_prompt", concurrency_id)

@@ -22,6 +22,7 @@ from imgedit.engine.interface import Engine
 from imgedit.engine.outputs import png_bytes
 from imgedit.protocol import EditRequest, param
 from imgedit.web.identity import page_owner
+from imgedit.web.page.controls import hidden_api_route
 from imgedit.web.page.mask_controls import MASK_COLOUR
 from imgedit.web.page.requests import decode_uploads
 from imgedit.web.page.tools import cached_png, user_error
@@ -68,16 +69,10 @@ def wire_select(settings: Settings, manager: Engine, files, canvas, controls: tu
         result = await outline(images, mask_prompt, request)
         return await asyncio.to_thread(cached_png, png_bytes(result.mask), "mask.png")
 
-    select.click(select_page, [files, words], [canvas, note], preprocess=False, concurrency_id=concurrency_id,
-                 concurrency_limit=None, show_progress_on=[canvas], api_visibility="private")
-    words.submit(select_page, [files, words], [canvas, note], preprocess=False, concurrency_id=concurrency_id,
-                 concurrency_limit=None, show_progress_on=[canvas], api_visibility="private")
-    with gr.Row(visible=False):  # the API's inputs: hidden, without ranges (our checks say what is wrong)
-        api_inputs = [gr.File(file_count="multiple"), gr.Textbox()]
-        api_output = gr.File(label="mask")
-        button = gr.Button()
-    button.click(select_mask, api_inputs, api_output, api_name="select_mask", preprocess=False,
-                 concurrency_id=concurrency_id, concurrency_limit=None)
+    gr.on([select.click, words.submit], select_page, [files, words], [canvas, note], preprocess=False,
+          concurrency_id=concurrency_id, concurrency_limit=None, show_progress_on=[canvas],
+          api_visibility="private")
+    hidden_api_route(select_mask, lambda: gr.File(label="mask"), "select_mask", concurrency_id)
 
 
 def _brush_layer(mask: Image.Image) -> str:
