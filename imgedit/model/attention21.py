@@ -18,6 +18,8 @@ call per prefix segment, then the target) — `tests/test_attention21.py` compar
   GiBs. With `chunk` set, Q, K and V are computed `chunk` tokens at a time into their bf16 tensors, and
   `chunked_feed_forward` does the same for the block's SwiGLU (a diffusers ModelHook). Each token's result
   is its own row's arithmetic: the same up to the matmul's choice of kernel for a shorter matrix.
+- **A group's split** (`SPLIT_ATTR`, imgedit.runtime.split21): on a rank that holds the prefix and a share of
+  the target's rows, the keys and values are gathered from every rank's share before the attention.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Att
 from imgedit.model import internals
 
 FEED_FORWARD_HOOK = "imgedit_chunked_feed_forward"
+# On every attention module of a transformer split over a group (imgedit.runtime.split21): the split, whose
+# `on` says this forward is split and whose `gather(tensor, prefix)` makes this rank's keys or values whole.
+SPLIT_ATTR = "imgedit_split21"
 # Tokens at a time under a cap: 8,192 x 12,288 bf16 is 192 MiB for each of the feed-forward's two hidden
 # layers (45,000 tokens at once: 1.05 GiB each), and Q/K's float32 norm and rotation 128 MiB a tensor.
 CHUNK = 8192
@@ -68,6 +73,10 @@ class Attention21(QwenImage21AttnProcessor):
         key_valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
         query, key, value = self.project(attn, hidden_states, rotary_emb)
+        split = getattr(attn, SPLIT_ATTR, None)
+        if split is not None and split.on:  # this rank holds the prefix and a share of the target's rows
+            prefix = segments[-1][1] if segments else 0
+            key, value = split.gather(key, prefix), split.gather(value, prefix)
         if layer_cache is not None:
             if kv_cache_mode == "extract" and cache_write_slice is not None:
                 # a copy: at batch 1 the prefix slice is contiguous, and a view would pin the whole K/V

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.fx.experimental._config  # noqa: F401 - no_duck_shapes patches it
 from diffusers.hooks import context_parallel
 
@@ -77,6 +78,8 @@ MEMBERS = (
            "Module.compile undone (a compile that failed its warm-up falls back to eager)"),
     Member("torch", TORCH, "torch.fx.experimental._config", "use_duck_shape",
            "2.1's compiled steps: equal sizes not unified into one symbol (compile21)"),
+    Member("torch", TORCH, "torch.distributed._functional_collectives", "all_gather_tensor",
+           "2.1's split (split21): keys, values and output gathered inside a compiled block (traceable)"),
     Member("torch", TORCH, "torch._dynamo.config", "recompile_limit",
            "room for every compiled variant a worker warms up (LoRAs, copies, Ulysses states)"),
 )
@@ -200,6 +203,16 @@ def drop_compiled_call(module: torch.nn.Module) -> bool:
 def no_duck_shapes():
     """A context in which dynamo gives every dimension a symbol of its own, even two of equal size."""
     return torch.fx.experimental._config.patch(use_duck_shape=False)
+
+
+_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+def all_gather(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Every rank's `tensor` of `group`, concatenated on `dim` in rank order; dynamo traces it (a compiled
+    block keeps its exchange in the graph), where torch.distributed.all_gather_into_tensor breaks the graph.
+    torch 2.13 names it all_gather_single (all_gather_tensor warns there); torch 2.11 all_gather_tensor."""
+    return _GATHER(tensor, dim, group)
 
 
 def raise_recompile_limit(limit: int) -> None:

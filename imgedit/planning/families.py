@@ -41,6 +41,10 @@ class Family:
     # vs bf16 with it kept, BENCHMARKS); in Qwen-Image-2.1's single-stream blocks img_mlp
     # is every token's MLP, most of the weights: keeping it would save little
     quantize_skip: tuple[str, ...] = ("img_mlp",)
+    # How a group of GPUs (DEVICE_MAP=ulysses) splits one forward: "ulysses", diffusers' context parallelism
+    # (the sequence, then the heads around each attention); "target", the target image's tokens split and
+    # the keys and values gathered (imgedit.runtime.split21: 2.1's transformer has no context-parallel plan)
+    split: str = "ulysses"
     # modes not built for this family, with why (a setting or request asking for one is refused with it)
     not_built: dict[str, str] = field(default_factory=dict)
 
@@ -65,7 +69,6 @@ class Family:
 _21_NOT_BUILT = {
     "cfg-parallel": "Qwen-Image-2.1 runs without CFG by default and its cached condition keys are per "
                     "branch; CFG-parallel pairs are not built for it yet",
-    "ulysses": "Ulysses groups are not built for Qwen-Image-2.1's single-stream transformer yet",
     "cache": "Qwen-Image-2.1 already caches the text and condition keys after the first step; "
              "the step caches are not built for its transformer",
     "lightning": "there is no Lightning LoRA for Qwen-Image-2.1",
@@ -82,7 +85,7 @@ FAMILIES = {
     "21": Family("21", "QwenImage21Pipeline", "Qwen-Image-2.1",
                  max_images=10, min_images=0, default_steps=40, default_cfg=1.0,
                  vl_area=None, side_multiple=32, images_as_list=True, rgba=True,
-                 output_resolution=1024, quantize_skip=(), not_built=_21_NOT_BUILT),
+                 output_resolution=1024, quantize_skip=(), not_built=_21_NOT_BUILT, split="target"),
 }
 BY_PIPELINE = {f.pipeline_class: f for f in FAMILIES.values()}
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 from imgedit.config.parsers import GIB, DeviceMap
 from imgedit.errors import PlacementError
-from imgedit.planning.families import not_built
+from imgedit.planning.families import FAMILIES, not_built
 from imgedit.planning.manual_map import manual_plan
 from imgedit.planning.plan import (
     ANCHOR,
@@ -142,7 +142,7 @@ def plan_placement(
                 f"({total / GIB:.1f} GiB); {len(budget)} GPU(s) visible, the smallest can take "
                 f"{smallest / GIB:.1f} GiB; use DEVICE_MAP=balanced (or replicas with one GPU)")
         if mode == "ulysses" or size > 2:
-            return _groups(components, budget, name, mode, size)
+            return _groups(components, budget, name, mode, size, family)
         return _pairs(components, budget, "cfg-parallel")
     if mode == "auto":
         pairs = not_built(family, "cfg-parallel") is None
@@ -199,7 +199,7 @@ def _pairs(components: Sequence[ComponentSpec], budget: Mapping[int, int], mode:
 
 
 def _groups(components: Sequence[ComponentSpec], budget: Mapping[int, int], mode: str, kind: str,
-            size: int) -> Plan:
+            size: int, family: str = "plus") -> Plan:
     """Groups of `size` GPUs, a full pipeline on each. `cfg`: the two halves run the two CFG branches
     and each half splits every forward's sequence over its GPUs (Ulysses); `ulysses`: all GPUs of the
     group split every forward (CFG off runs on all of them too). GPUs left over form CFG pairs, then
@@ -221,6 +221,8 @@ def _groups(components: Sequence[ComponentSpec], budget: Mapping[int, int], mode
     if kind == "cfg-parallel":
         what = ("2 halves running the two CFG branches, each half splitting the sequence "
                 f"(Ulysses-{size // 2})")
+    elif FAMILIES[family].split == "target":
+        what = f"each forward's target image split over its {size} GPUs (keys and values gathered)"
     else:
         what = f"every forward split over its {size} GPUs (Ulysses-{size})"
     reason = f"{whole // size} group(s) of {size} GPUs, {what}"

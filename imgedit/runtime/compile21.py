@@ -30,8 +30,13 @@ import torch.fx.experimental._config  # noqa: F401 - torch private config, see n
 from diffusers.hooks import HookRegistry, ModelHook
 
 from imgedit.model import internals
+from imgedit.runtime import split21
 
 HOOK_NAME = "imgedit_compile21_decode"
+# Hooks that change a block's inputs before it runs (imgedit.runtime.split21's first block takes this rank's
+# rows): the compiled routing calls the block class's forward itself, past any hook under it, so these stay
+# above it (compile_21 lifts them and registers them again over its hook).
+OUTSIDE = frozenset({split21.HOOK})
 # diffusers 0.42.1: the keyword the transformer passes each block (QwenImage21Transformer2DModel.forward)
 CACHED_MODE = "cached"
 
@@ -98,7 +103,8 @@ def _block_class(transformer):
     return type(blocks[0])
 
 
-def compile_21(transformer: torch.nn.Module, mode: str = "default", fullgraph: bool = True) -> int:
+def compile_21(transformer: torch.nn.Module, mode: str = "default", fullgraph: bool = True,
+               backend: str = "inductor") -> int:
     """Compile the cached steps of every block of a QwenImage21Transformer2DModel, dynamic in the prefix and
     target lengths from the first compile. Returns how many blocks run compiled.
 
@@ -107,10 +113,12 @@ def compile_21(transformer: torch.nn.Module, mode: str = "default", fullgraph: b
       weights.keep_block_hooks): the routing goes inside the hook, in place of `_old_forward`, so the hook
       still moves the inputs to the block's GPU first (its pre_forward is torch.compiler.disable'd: it must
       stay outside the graph);
+    - a block whose hooks change its inputs first (OUTSIDE): the routing goes under them;
     - a block under any other diffusers hook (group offloading streams its weights in hooks): stays eager, as
       offload.compile_transformer keeps streamed blocks eager (the compiled call would skip the onloading)."""
     cls = _block_class(transformer)
-    options: dict = {"fullgraph": fullgraph, "dynamic": True} | ({"mode": mode} if mode != "default" else {})
+    options: dict = {"fullgraph": fullgraph, "dynamic": True, "backend": backend} \
+        | ({"mode": mode} if mode != "default" else {})
     # the class's function, not a bound method: one code object, so one cache entry for all blocks (the
     # blocks' weights are graph inputs, torch>=2.5 inline_inbuilt_nn_modules)
     compiled = torch.compile(cls.forward, **options)
@@ -132,13 +140,32 @@ def compile_21(transformer: torch.nn.Module, mode: str = "default", fullgraph: b
             internals.replace_hooked_forward(block, routed)
             done += 1
             continue
+        outside = _lift_outside(registry)
         if registry is not None and registry.hooks:  # group offloading or another diffusers hook
+            _put_back(registry, outside)
             continue
-        HookRegistry.check_if_exists_or_initialize(block).register_hook(_DecodeCompiledHook(compiled, owned),
-                                                                       HOOK_NAME)
+        registry = HookRegistry.check_if_exists_or_initialize(block)
+        registry.register_hook(_DecodeCompiledHook(compiled, owned), HOOK_NAME)
+        _put_back(registry, outside)
         done += 1
     HookRegistry.check_if_exists_or_initialize(transformer).invalidate_child_registries_cache()
     return done
+
+
+def _lift_outside(registry) -> list:
+    """Remove the hooks that must run before a compiled block (OUTSIDE) from its registry: (name, hook) in
+    the order registered. Put back over the compiled routing, they still see every call first."""
+    if registry is None:
+        return []
+    lifted = [(name, hook) for name, hook in registry.hooks.items() if name in OUTSIDE]
+    for name, _ in lifted:
+        registry.remove_hook(name, recurse=False)
+    return lifted
+
+
+def _put_back(registry, lifted: list) -> None:
+    for name, hook in lifted:
+        registry.register_hook(hook, name)
 
 
 def uncompile_21(transformer: torch.nn.Module) -> None:

@@ -31,6 +31,7 @@ from imgedit.runtime import (
     pixels,
     shared_prompt,
     single_frame,
+    split21,
     turbo,
     warmup,
 )
@@ -137,8 +138,13 @@ class Parallel(Feature):
 
     def install(self, build: Build) -> None:
         spec, runner = build.spec, build.runner
+        family = FAMILIES[spec.checkpoint.family]
+        mode = "cfg-parallel" if spec.parallel == "cfg" else spec.parallel
+        if (why := family.not_built.get(mode)) is not None:  # the planner refuses it first: only a bug
+            raise ImgEditError(f"a {mode} group is not built for {family.model}: {why}")
         group = ParallelGroup(build.pipe.transformer, spec.parallel, spec.rank, spec.world, spec.ulysses,
-                              build.cuda, build.cpu_group, spec.pair_ulysses, build.adapters.copies)
+                              build.cuda, build.cpu_group, spec.pair_ulysses, build.adapters.copies,
+                              family.split)
         runner.add(group)
         if group.splits_cfg_off:  # a split job's prompt: encoded on rank 0, sent to rank 1
             shared_prompt.install(build.pipe, spec.rank, lambda: group.switch.on, group.cpu_group)
@@ -175,6 +181,22 @@ class Turbo(Feature):
         build.report.turbo = build.spec.turbo.describe
         if build.cuda:  # the panel's "our weights": the Turbo's too
             build.report.weights_mib = weights_per_gpu()
+
+
+class SplitTarget(Feature):
+    """DEVICE_MAP=ulysses on Qwen-Image-2.1: the group's ranks split each forward's target image and gather
+    its keys and values (imgedit.runtime.split21), on every transformer the worker serves with (the Turbo's
+    too, so after it). The plan needs it: not optional."""
+
+    name, optional, only = "2.1 target split", False, frozenset({"21"})
+
+    def applies(self, build: Build) -> bool:
+        return build.spec.parallel == "ulysses"
+
+    def install(self, build: Build) -> None:
+        split = split21.TargetSplit(build.spec.rank, build.spec.world)
+        for transformer in build.transformers:
+            split.install(transformer)
 
 
 class BatchCfg(Feature):
@@ -322,8 +344,8 @@ class _Reported(Exception):
 
 FEATURES: tuple[Feature, ...] = (
     SingleFrameVae(), EncodeCache(), PixelsOnGpu(), Metadata21(),
-    Parallel(), Loras(), Turbo(), BatchCfg(), StepCaches(), DecodeTiling(), PrefixCacheRoom(), Masks(),
-    Previews(), Attention21(), AttentionKernel(), Timings(),
+    Parallel(), Loras(), Turbo(), SplitTarget(), BatchCfg(), StepCaches(), DecodeTiling(), PrefixCacheRoom(),
+    Masks(), Previews(), Attention21(), AttentionKernel(), Timings(),
     Compile(), RewriteWarmup(),
 )
 EVERY = frozenset(f.name for f in FEATURES)
@@ -332,10 +354,13 @@ FOR = {f.name: f.only for f in FEATURES if f.only is not None}
 # as the features they are here.
 NOT_BUILT_AS = {"batch_cfg": "batched CFG", "cache": "step cache", "compile": "compile",
                 "cfg-parallel": "parallel group", "ulysses": "parallel group"}
-# Which family has which feature: every one but those its `not_built` names (Qwen-Image-2.1: no CFG batch, as
-# it runs without CFG; no step caches, as its steps after the first already skip the prefix; ...).
+# Which family has which feature: every one but those its `not_built` names (Qwen-Image-2.1: no CFG batch,
+# as it runs without CFG; no step caches, as its steps after the first already skip the prefix; ...). A
+# feature that serves several modes (the parallel group: CFG pairs and Ulysses groups) is missing only where
+# none of them is built; the one it serves there refuses the others (Parallel).
 FAMILY_FEATURES: dict[str, frozenset[str]] = {
-    key: EVERY - {NOT_BUILT_AS[mode] for mode in family.not_built if mode in NOT_BUILT_AS}
+    key: EVERY - {feature for feature in set(NOT_BUILT_AS.values())
+                  if all(mode in family.not_built for mode, f in NOT_BUILT_AS.items() if f == feature)}
     - {name for name, families in FOR.items() if key not in families}
     for key, family in FAMILIES.items()
 }

@@ -7,7 +7,8 @@ agree with on cancel, and the transformer wrapped for its role.
 - cfg, Ulysses u > 1 (a group of 2u): the halves run the two branches; inside a half the u ranks
   split every forward's sequence (runtime.ulysses) and then exchange with the other half's rank at
   the same place. With CFG off only the first half runs the job.
-- ulysses (a group of u): every rank takes part in every job, both CFG forwards split u ways.
+- ulysses (a group of u): every rank takes part in every job, both CFG forwards split u ways (Qwen-Image-2.1:
+  its target image's tokens split u ways, imgedit.runtime.split21, installed by features.SplitTarget).
 
 All process groups are made here, on every rank in the same order (torch.distributed.new_group is
 collective), right after loading. FAST_QUANTIZE's copies (imgedit.runtime.fast_weights) run CFG-off jobs only
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 class ParallelGroup:
     def __init__(self, transformer, parallel: str, rank: int, world: int, ulysses: int, cuda: bool, cpu_group,
-                 pair_ulysses: bool = False, copies: tuple = ()):
+                 pair_ulysses: bool = False, copies: tuple = (), split: str = "ulysses"):
         cfg = 2 if parallel == "cfg" else 1
         if cfg * ulysses != world:
             raise ValueError(f"a {parallel} group of {world} ranks cannot split {cfg} x Ulysses-{ulysses}")
@@ -43,14 +44,16 @@ class ParallelGroup:
         self.switch = None  # a CFG pair's Ulysses-2 for CFG-off jobs (PAIR_ULYSSES)
         self._copies: list = []  # the UlyssesSwitch of each FAST_QUANTIZE copy, set as the above
         degree = split_degree(cfg, ulysses, pair_ulysses)
-        check_heads(transformer.config.num_attention_heads, degree, ulysses)
+        if split == "ulysses":  # "target": the family splits its own forwards (features.SplitTarget)
+            check_heads(transformer.config.num_attention_heads, degree, ulysses)
         device_type = "cuda" if cuda else "cpu"
         # the process groups are made in this order on every rank (torch.distributed.new_group is collective)
         if degree == 2 and ulysses == 1:  # before the pair's override: that stays the outermost forward
             self.switch = UlyssesSwitch(transformer, rank, device_type)
         if ulysses > 1:
             self.first_half_cpu = self._halves(cfg, cuda)
-            enable_ulysses(transformer, self.layout, device_type)
+            if split == "ulysses":
+                enable_ulysses(transformer, self.layout, device_type)
         if cfg == 2:
             self.cfg_pair = self._cfg_pair(transformer, ulysses)
         if copies and (cfg != 2 or ulysses != 1):  # planning.modes.fast_refusal refuses these first
