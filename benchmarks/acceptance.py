@@ -104,13 +104,15 @@ ROWS: dict[str, dict[str, str]] = {
     "21-one": {"DEVICE_MAP": "cuda:0"},
     "21-pair": {"DEVICE_MAP": "auto", "CUDA_VISIBLE_DEVICES": "0,1"},
     "21-16gb": {"MAX_MEMORY": "14.5GiB", "CUDA_VISIBLE_DEVICES": "0"},
+    # Qwen-Image-2.1's latency mode on 2 GPUs: each forward's target image split over both (split21)
+    "21-split": {"DEVICE_MAP": "ulysses", "CUDA_VISIBLE_DEVICES": "0,1"},
     # Qwen-Image-2.1 with its Turbo (TURBO_MODEL_DIR: the real-size random Turbo checkpoint at --ckpt21turbo)
     "21-turbo": {"DEVICE_MAP": "cuda:0"},
     # Qwen-Image-Edit-2511 (FAMILY_2511, its own checkpoint): the edit rows' requests, beside 2.1's rows
     "2511-one": {"DEVICE_MAP": "cuda:0"},
     "2511-16gb": {"MAX_MEMORY": "14.5GiB", "CUDA_VISIBLE_DEVICES": "0"},
 }
-FAMILY_21 = ("21-one", "21-pair", "21-16gb", "21-turbo")
+FAMILY_21 = ("21-one", "21-pair", "21-16gb", "21-turbo", "21-split")
 TURBO_ROWS = ("21-turbo",)
 FAMILY_2511 = ("2511-one", "2511-16gb")
 # --tiny: the same row names on the CPU (the harness itself is what is tested there). Rows that need GPUs
@@ -129,6 +131,7 @@ CPU_ROWS: dict[str, dict[str, str]] = {
     "21-pair": {"DEVICE_MAP": "auto"},
     "21-16gb": {"DEVICE_MAP": "cpu"},
     "21-turbo": {"DEVICE_MAP": "cpu"},
+    "21-split": {"DEVICE_MAP": "cpu"},
     "2511-one": {"DEVICE_MAP": "cpu"},
     "2511-16gb": {"DEVICE_MAP": "cpu"},
 }
@@ -365,9 +368,9 @@ def wait_ready(server: Server, timeout: float) -> dict:
 class Requests:
     """The row's requests against one running server, each one a record."""
 
-    def __init__(self, server: Server, args, picture: bytes, mask: bytes, picture_path: Path):
+    def __init__(self, server: Server, args, picture: bytes, mask: bytes, picture_path: Path, row: str = ""):
         self.url = server.url
-        self.args = args
+        self.args, self.row = args, row
         self.picture, self.mask, self.picture_path = picture, mask, picture_path
         self.expected = (args.size, args.size)
         self.http = httpx.Client(timeout=args.request_timeout)
@@ -522,6 +525,10 @@ class Requests:
     def _judge(self, record: dict, images: list[Image.Image]) -> dict:
         """Count, size and finiteness of the returned images decide the outcome."""
         checks = [check_image(image, self.expected) for image in images]
+        if self.args.save_images and images:  # to compare two rows' images of the same seed (PSNR)
+            folder = Path(self.args.save_images)
+            folder.mkdir(parents=True, exist_ok=True)
+            images[0].save(folder / f"{self.row}-{record['name']}.png")
         record.update(images=len(images), sizes=[size for _, _, size in checks],
                       size_ok=all(ok for ok, _, _ in checks), finite=all(finite for _, finite, _ in checks))
         problems = []
@@ -689,7 +696,7 @@ def run_row(row: dict, args, common: dict[str, str], pictures: tuple[bytes, byte
             print(f"    NOT READY: {ready.get('error')}\n{_indent(ready.get('log_tail') or '')}", flush=True)
             return
         print(f"    ready in {ready['ready_s']} s", flush=True)
-        requests = Requests(server, args, *pictures)
+        requests = Requests(server, args, *pictures, row=name)
         try:
             run = run_requests_21 if name in FAMILY_21 else run_requests
             run(requests, ready["health"], args.steps, args.other_steps, row["requests"])
@@ -717,7 +724,7 @@ def restart(row: dict, settings: dict[str, str], args, pictures: tuple[bytes, by
             print(f"    NOT READY after restart: {ready.get('error')}", flush=True)
             return
         print(f"    ready again in {ready['ready_s']} s", flush=True)
-        requests = Requests(server, args, *pictures)
+        requests = Requests(server, args, *pictures, row=f"{row['name']}-restart")
         try:
             record = requests.rest_edit("restart-edit", {"num_inference_steps": str(args.steps)})
         finally:
@@ -889,6 +896,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--request-timeout", type=float, default=900.0)
     parser.add_argument("--out", default="/tmp/acceptance", help="logs, LoRAs, compile caches, acceptance.md")
     parser.add_argument("--json", default="", help="write the whole run here as JSON")
+    parser.add_argument("--save-images", default="", help="save each request's first image here as "
+                        "ROW-REQUEST.png (rows of one seed compare by PSNR: benchmarks/psnr.py)")
     args = parser.parse_args(argv)
     args.steps = args.steps or (2 if args.tiny else 40)
     args.other_steps = args.other_steps or args.steps
