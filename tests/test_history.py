@@ -62,6 +62,7 @@ def test_history_is_per_browser_and_survives_a_restart(plus_ckpt, image_file, tm
         assert again.predict(api_name="/history") == mine
         view = http.get(f"{server.url}/v1/jobs/{job['id']}", headers=A, timeout=30).json()
         assert view["state"] == "succeeded" and view["restored"] and view["items"][0]["seed"] == 7
+        assert view["items"][0]["num_inference_steps"] == 2 and "total_steps" not in view["items"][0], view
         after = http.get(f"{server.url}/v1/jobs/{job['id']}/result", headers=A, timeout=30)
         assert after.headers["content-type"] == "image/png" and after.content == before
         other = http.get(f"{server.url}/v1/jobs/{job['id']}", headers={"Authorization": "Bearer b"}, timeout=30)

@@ -76,7 +76,7 @@ def _restored_view(job_id: str, entries: list[HistoryEntry]) -> dict:
     """A REST edit (/v1/images/edits), stored as a one-item job, or a job from before job records."""
     first = entries[0]
     items = [{"index": e.item, "name": e.name, "state": ItemState.SUCCEEDED, "seed": e.seed, "step": e.steps,
-              "total_steps": e.steps, "error": None, "outputs": e.outputs,
+              "num_inference_steps": e.steps, "error": None, "outputs": e.outputs,
               "revised_prompt": e.prompt if e.original_prompt else None, "weights": e.weights}
              for e in entries]
     # as it was asked for (the store keeps no mask)
