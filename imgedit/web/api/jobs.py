@@ -43,7 +43,7 @@ from imgedit.engine.outputs import reencoded
 from imgedit.engine.validation import BOTH_MASKS, check_aspect, check_counts
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.planning.families import FAMILIES
-from imgedit.protocol import JOBS, EditRequest, ItemState, JobState, as_declared, parameters, request_kwargs
+from imgedit.protocol import JOBS, EditRequest, ItemState, JobState, request_kwargs
 from imgedit.web.api.errors import ApiError, rejected
 from imgedit.web.api.rest_requests import (
     IMAGE_FIELDS,
@@ -80,10 +80,9 @@ def _restored_view(job_id: str, entries: list[HistoryEntry]) -> dict:
               "revised_prompt": e.prompt if e.original_prompt else None, "weights": e.weights}
              for e in entries]
     # as it was asked for (the store keeps no mask)
-    shown = as_declared(first, [p for p in parameters(JOBS) if p.status])
     rewritten = first.original_prompt is not None
     asked = EditRequest(images=(), **request_kwargs(
-        {**shown, "prompt": first.original_prompt or first.prompt, "enhance_prompt": rewritten}))
+        {**first.kept(), "prompt": first.original_prompt or first.prompt, "enhance_prompt": rewritten}))
     view = job_view(job_id, JobState.SUCCEEDED, first.created, None, job_settings(asked), items)
     return {**view, "restored": True}
 
