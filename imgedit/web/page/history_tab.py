@@ -20,7 +20,7 @@ from imgedit.engine.outputs import read_settings
 from imgedit.engine.validation import lora_adapters, speed_preset
 from imgedit.errors import ImgEditError
 from imgedit.planning.families import FAMILIES
-from imgedit.protocol import EditRequest, param
+from imgedit.protocol import EditRequest, param, request_kwargs
 from imgedit.web.identity import page_owner
 from imgedit.web.page.exports import download_name, export_copy
 from imgedit.web.page.speed import NO_LORA, stored_cache_choice
@@ -43,8 +43,7 @@ def _describe(entry: HistoryEntry) -> dict:
 def check_still_offered(entry: HistoryEntry, settings) -> None:
     """Raise the usual InvalidInput ("unknown LoRA ...", "speed fast needs a Lightning ...") when the
     speed preset or LoRA this entry was made with is no longer configured."""
-    req = EditRequest(images=(), prompt=entry.prompt, speed=entry.speed, lora=entry.lora,
-                      lora_scale=entry.lora_scale)
+    req = EditRequest(images=(), **request_kwargs(entry.kept()))
     lora_adapters(req, settings, speed_preset(req, settings))
 
 
