@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 from dataclasses import replace
 
 import httpx
@@ -198,6 +199,14 @@ def test_rest_and_gradio_select_by_words_or_say_plainly_that_nothing_was_found(l
     result = np.asarray(Image.open(io.BytesIO(base64.b64decode(edited.data[0].b64_json))).convert("RGB"))
     outside = np.asarray(boxes_mask([EXPECTED], (W, H))) == 0
     assert np.array_equal(result[outside], np.asarray(photo())[outside])
+    # stored with its words: the edit's status (a REST edit's, read back from the history) names them
+    status_url = f"{live_server.url}/v1/jobs/{edited.model_extra['request_id']}"
+    deadline = time.monotonic() + 60
+    while (view := httpx.get(status_url, headers={"Authorization": "Bearer unused"}, timeout=30)).status_code == 404 \
+            and time.monotonic() < deadline:  # stored in the background (b64_json does not wait for it)
+        time.sleep(0.1)
+    view = view.json()
+    assert (view["mask_prompt"], view["items"][0]["num_inference_steps"], view["restored"]) == (SCRIPTED, 2, True)
 
     # the proposal alone: a mask to adjust and send back as `mask`
     files = {"image": image}

@@ -20,6 +20,8 @@ from imgedit.web.identity import COOKIE
 from imgedit.web.page.requests import edit_fields
 
 FIELDS = {"prompt": "make it red", "size": "64x64", "num_inference_steps": "2", "seed": "7"}
+# select-by-words with the tiny model's answer scripted (tests/faults.py): one box, the edit's mask
+SCRIPTED = 'the door [answer:[{"bbox_2d": [7, 14, 28, 42], "label": "the door"}]:answer]'
 A = {"Authorization": "Bearer token-a"}
 
 
@@ -62,6 +64,7 @@ def test_history_is_per_browser_and_survives_a_restart(plus_ckpt, image_file, tm
         assert again.predict(api_name="/history") == mine
         view = http.get(f"{server.url}/v1/jobs/{job['id']}", headers=A, timeout=30).json()
         assert view["state"] == "succeeded" and view["restored"] and view["items"][0]["seed"] == 7
+        assert view["items"][0]["num_inference_steps"] == 2 and "total_steps" not in view["items"][0], view
         after = http.get(f"{server.url}/v1/jobs/{job['id']}/result", headers=A, timeout=30)
         assert after.headers["content-type"] == "image/png" and after.content == before
         other = http.get(f"{server.url}/v1/jobs/{job['id']}", headers={"Authorization": "Bearer b"}, timeout=30)
@@ -253,6 +256,8 @@ def test_rerun_repeats_the_speed_and_lora_and_a_retired_lora_is_a_clear_error(lo
     assert [form[name] for name in edit_fields()[1:13]] == ["make it blue", "", 12, False, 4, 4.0, 1, 64, 64,
                                                            "fastest", "style", 0.5]
     assert (form["cache"], form["mask"], form["enhance_prompt"]) == ("none", None, False)
+    # made without words to select by or padding: those boxes are emptied, not left as the form has them
+    assert (form["mask_prompt"], form["expand"]) == ("", "")
     # the mask's grow, feather and strength stay as the form has them (the page sends its values; here none)
     values = [None if isinstance(v, dict) and v.get("__type__") == "update" else v for v in values]
     assert raw.join(rerun, values).status_code == 200
@@ -261,6 +266,21 @@ def test_rerun_repeats_the_speed_and_lora_and_a_retired_lora_is_a_clear_error(lo
     rerun_path = done["output"]["data"][0][0]["image"]["path"]
     assert np.array_equal(np.asarray(Image.open(rerun_path).convert("RGB")), original)
     assert "Seed used: 12" in done["output"]["data"][1] and "4 steps" in done["output"]["data"][1]
+    # An edit selected by words (mask_prompt) keeps its words: /history lists them, the re-run outlines them
+    # again and gives the same pixels (without them it would edit the whole picture).
+    masked, _ = browser.predict(*edit_args([image_file], seed=13), "quality", "none", 1.0, mask_prompt=SCRIPTED,
+                                api_name="/edit")
+    masked = np.asarray(Image.open(masked[0]["image"]).convert("RGB"))
+    newest = browser.predict(api_name="/history")[0]
+    assert (newest["seed"], newest["mask_prompt"]) == (13, SCRIPTED), newest
+    filled = dict(zip(edit_fields(), raw.predict(fill, [newest["id"]]).json()["data"], strict=True))
+    assert (filled["mask_prompt"], filled["mask"], filled["seed"]) == (SCRIPTED, None, 13), filled
+    sent = [None if isinstance(v, dict) and v.get("__type__") == "update" else v for v in filled.values()]
+    assert raw.join(rerun, sent).status_code == 200
+    done = [m for m in raw.messages() if m.get("msg") == "process_completed"][0]
+    assert done["success"], done
+    again = np.asarray(Image.open(done["output"]["data"][0][0]["image"]["path"]).convert("RGB"))
+    assert np.array_equal(again, masked) and not np.array_equal(masked, original)
     # The page's Batch tab takes the page's Speed / LoRA / strength too: the same edit as one item.
     batch, report, _ = browser.predict(*edit_args([image_file], seed=12), "fastest", "style", 0.5, api_name="/batch")
     item = Image.open(batch[0]["image"])

@@ -146,6 +146,20 @@ def test_single_set_gives_a_png(server):
     assert http.delete(f"{server.url}/v1/jobs/{job_id}", headers=A, timeout=30).status_code == 404
 
 
+def test_a_job_recorded_with_total_steps_reads_back_with_the_request_fields_name(tmp_path):
+    """Items recorded before the step count took the request field's name (`total_steps`) read back as
+    `num_inference_steps`, in a job's status and in the list."""
+    from imgedit.engine.jobs.records import JobRecords
+
+    records = JobRecords(tmp_path)
+    old = {"index": 0, "name": "a.png", "state": "succeeded", "seed": 3, "step": 2, "total_steps": 2, "error": None}
+    records.write("job_old", "token:a", "rest", time.time(), {"prompt": "p"}, [old], finished=time.time())
+    [read] = records.read("token:a", "job_old")["items"]
+    [listed] = records.newest("token:a", 10)[0][0]["items"]
+    assert read == listed == {**{k: v for k, v in old.items() if k != "total_steps"}, "num_inference_steps": 2}
+    records.close()
+
+
 def test_another_tokens_job_id_gives_404(server):
     r = http.post(f"{server.url}/v1/jobs", files=[("image", ("a.png", png(), "image/png"))], data=FIELDS,
                    headers=A, timeout=60)
@@ -170,9 +184,15 @@ def test_result_before_the_end_is_409_and_delete_cancels(server):
                    headers=A, timeout=60)
     job_id = r.json()["id"]
     deadline = time.time() + 120
-    while http.get(f"{server.url}/v1/jobs/{job_id}", headers=A).json()["items"][0]["step"] < 1:
+    while not (busy := [w for w in http.get(f"{server.url}/health").json()["workers"] if w["step"] >= 1]):
         assert time.time() < deadline
         time.sleep(0.1)
+    # /health names the running job's step count as the request does (it was `total_steps`)
+    assert busy[0]["num_inference_steps"] == 40 and "total_steps" not in busy[0], busy
+    while (running := http.get(f"{server.url}/v1/jobs/{job_id}", headers=A).json())["items"][0]["step"] < 1:
+        assert time.time() < deadline
+        time.sleep(0.1)
+    assert running["items"][0]["num_inference_steps"] == 40 and "total_steps" not in running["items"][0]
     early = http.get(f"{server.url}/v1/jobs/{job_id}/result", headers=A, timeout=30)
     assert early.status_code == 409 and early.json()["error"]["code"] == "not_finished"
     assert early.json()["error"]["type"] == "invalid_request_error"  # the caller's to wait for, as every 4xx
@@ -360,7 +380,7 @@ def test_speed_and_lora_reach_every_item_of_a_job(server):
     assert r.status_code == 202, r.text
     assert (r.json()["speed"], r.json()["lora"], r.json()["lora_scale"]) == ("fastest", "style", 0.5)
     view = wait_finished(server.url, r.json()["id"])
-    assert view["state"] == "succeeded" and [i["total_steps"] for i in view["items"]] == [4, 4], view
+    assert view["state"] == "succeeded" and [i["num_inference_steps"] for i in view["items"]] == [4, 4], view
     archive = zipfile.ZipFile(io.BytesIO(http.get(f"{server.url}/v1/jobs/{view['id']}/result", headers=A,
                                                    timeout=30).content))
     chunks = [Image.open(archive.open(name)).text for name in archive.namelist()]
@@ -375,7 +395,7 @@ def test_speed_and_lora_reach_every_item_of_a_job(server):
     lora_only = http.post(f"{server.url}/v1/jobs", files=files[:1], data={**FIELDS, "lora": "style"}, headers=A,
                            timeout=60)
     view = wait_finished(server.url, lora_only.json()["id"])
-    assert view["state"] == "succeeded" and view["items"][0]["total_steps"] == 2  # quality: the asked-for steps
+    assert view["state"] == "succeeded" and view["items"][0]["num_inference_steps"] == 2  # quality: the asked-for steps
     png_text = Image.open(io.BytesIO(http.get(f"{server.url}/v1/jobs/{view['id']}/result", headers=A,
                                                timeout=30).content)).text
     assert (png_text["lora"], png_text["lora_scale"], "speed" in png_text) == ("style", "1", False)

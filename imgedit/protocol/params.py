@@ -70,7 +70,8 @@ class Param:
     unless: str | None = None
     openai: bool = False
     # Where else it shows: `status`: in a job's status (GET /v1/jobs/<id>, by its REST name); `history`: a
-    # History entry keeps it (the store's column of that name, or of its `resolved` name).
+    # History entry keeps it and a re-run gives it back (the store's column of that name, or of its `resolved`
+    # name; without a column, the entry's `options`).
     status: bool = False
     history: bool = False
     # The page's control under Advanced (imgedit.web.page.controls): `label` (`{low}` and `{high}` filled from

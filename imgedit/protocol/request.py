@@ -116,13 +116,13 @@ class EditRequest:
     expand: Annotated[str | None, declared(
         "text", "pad the first image and let the model fill the new area (outpainting): pixels for every "
         "side (256) or sides by name (left=256,right=256; top, bottom, x, y); the original is kept exactly",
-        png=True, restore=True)] = None
+        png=True, restore=True, history=True)] = None
     # select what to edit by words (imgedit.runtime.grounding): the worker's text encoder boxes the phrase in
     # the first image and the boxes are the mask (last in /edit's order: gradio_client's positions stay)
     mask_prompt: Annotated[str | None, declared(
         "text", "what to edit, in words ('the sky', 'the red car'): the model's own vision-language encoder "
         "outlines it in the first image as the mask (boxes); a 400 when it finds nothing. Not with mask",
-        takes=SINGLE, png=True, status=True)] = None
+        takes=SINGLE, png=True, status=True, history=True)] = None
     # not parameters: who and what the request is
     request_id: str = field(default_factory=new_request_id)
     source: str = "ui"  # ui | api | rest: for logs and metrics

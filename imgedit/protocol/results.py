@@ -56,7 +56,7 @@ class WorkerStatus:
     state: WorkerState
     job_id: str | None
     step: int
-    total_steps: int
+    num_inference_steps: int  # the running job's steps (the request field's name; 0 when idle)
     jobs_done: int
     error: str | None
     parallel: str = "none"  # none | cfg | ulysses

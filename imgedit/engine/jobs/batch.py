@@ -48,7 +48,7 @@ class Item:
     error: str | None = None
     seed: int | None = None
     step: int = 0
-    total_steps: int = 0
+    num_inference_steps: int = 0  # the steps it runs (a speed preset's where one is chosen)
     position: int | None = None  # jobs ahead in line, while waiting there
     entry: HistoryEntry | None = None
     notice: str | None = None  # why an asked-for prompt rewrite was not used (the prompt as sent ran)
@@ -56,7 +56,7 @@ class Item:
 
     def view(self) -> dict:
         return {"index": self.index, "name": self.name, "state": self.state, "seed": self.seed,
-                "step": self.step, "total_steps": self.total_steps, "error": self.error,
+                "step": self.step, "num_inference_steps": self.num_inference_steps, "error": self.error,
                 "outputs": self.entry.outputs if self.entry else 0,
                 # enhance_prompt: each item's own rewrite (its images differ), None where the user's
                 # prompt ran
@@ -341,8 +341,9 @@ class JobService:
             def on_wait(ahead: int) -> None:
                 item.position = ahead
 
-            def on_step(step: int, total: int) -> None:
-                item.state, item.position, item.step, item.total_steps = ItemState.RUNNING, None, step, total
+            def on_step(step: int, steps: int) -> None:
+                item.state, item.position = ItemState.RUNNING, None
+                item.step, item.num_inference_steps = step, steps
 
             while True:
                 try:

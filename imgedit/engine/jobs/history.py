@@ -25,7 +25,7 @@ from imgedit.config.settings import Settings
 from imgedit.engine import heap
 from imgedit.engine.images import decoded
 from imgedit.engine.outputs import save_png
-from imgedit.protocol import EditRequest, EditResult
+from imgedit.protocol import EditRequest, EditResult, Param, as_declared, parameters
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +63,18 @@ class HistoryEntry:
     original_prompt: str | None = None
     # FAST_QUANTIZE's lossy copy the edit ran on (fp8 | int8); None = the model's own
     weights: str | None = None
-    # the declared parameters without a column of their own (EditRequest.options), as asked for: JSON in
-    # the store
+    # the declared parameters without a column of their own, as asked for: those declared `history` (expand,
+    # mask_prompt) and those without an EditRequest attribute (EditRequest.options); JSON in the store
     options: dict = field(default_factory=dict)
+
+    def kept(self) -> dict:
+        """{declared parameter: value} as this entry keeps them (enough to re-run it): each one declared
+        `history`, from its column (by its name or its `resolved` one), else from `options`, else its default
+        (the edit did not ask for it); then the rest of `options`."""
+        declared = [p for p in parameters() if p.history]
+        columns = as_declared(self, declared)
+        return {**{p.name: columns.get(p.name, self.options.get(p.name, p.default)) for p in declared},
+                **self.options}
 
     @property
     def output_paths(self) -> list[Path]:
@@ -186,7 +195,7 @@ class HistoryStore:
             folder=folder, bytes=size, speed=req.speed or None,
             lora=None if req.lora in (None, "", "none") else req.lora, lora_scale=req.lora_scale,
             original_prompt=req.prompt if result.prompt else None, weights=result.weights,
-            options={**req.options, **({"expand": req.expand} if req.expand else {})})  # a re-run pads again
+            options=_options_of(req))
         stored = {**vars(entry), "folder": str(folder.relative_to(self.root)),
                   "options": json.dumps(entry.options) if entry.options else None}
         row = tuple(stored[column] for column in COLUMNS)
@@ -271,6 +280,20 @@ class HistoryStore:
             self._db.executemany("DELETE FROM results WHERE id = ?", [(e.id,) for e in entries])
         for entry in entries:
             shutil.rmtree(entry.folder, ignore_errors=True)
+
+
+def _in_options(p: Param) -> bool:
+    """A declared `history` parameter without a column (by its name or its `resolved` one): kept in
+    `options`."""
+    return p.history and p.name not in COLUMNS and p.worker_name not in COLUMNS
+
+
+def _options_of(req: EditRequest) -> dict:
+    """What the entry's `options` keep of a request: the declared parameters without a column that it asked
+    for (a re-run pads again, outlines the same words again)."""
+    asked = {p.name: req.value(p.name) for p in parameters()
+             if _in_options(p) and req.value(p.name) not in (None, "", p.default)}
+    return {**req.options, **asked}
 
 
 def _options(stored: str | None) -> dict:

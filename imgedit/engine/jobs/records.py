@@ -57,6 +57,16 @@ def job_state(states: list[str], cancelled: bool) -> JobState:
     return JobState.SUCCEEDED if ok == len(states) else (JobState.FAILED if ok == 0 else JobState.PARTIAL)
 
 
+def _items(raw: str) -> list[dict]:
+    """A record's items as written; one written before an item's step count took the request field's name
+    (`total_steps`) reads back with that name."""
+    items = json.loads(raw)
+    for item in items:
+        if "total_steps" in item:
+            item["num_inference_steps"] = item.pop("total_steps")
+    return items
+
+
 def _start_time(pid: int) -> str | None:
     """When process `pid` started (clock ticks since boot), or None if there is none: with the pid
     it names one process, even after the pid is reused."""
@@ -109,7 +119,7 @@ class JobRecords:
                                    "WHERE id = ? AND owner = ?", (job_id, owner)).fetchone()
         if row is None:
             return None
-        items = json.loads(row[4])
+        items = _items(row[4])
         return {"created": row[0], "finished": row[1], "cancelled": bool(row[2]),
                 "settings": json.loads(row[3]), "items": items,
                 "state": job_state([i["state"] for i in items], bool(row[2]))}
@@ -131,7 +141,7 @@ class JobRecords:
                                     (*args, limit + 1)).fetchall()
         jobs = []
         for job_id, created, finished, cancelled, settings, raw in rows[:limit]:
-            items = json.loads(raw)
+            items = _items(raw)
             jobs.append({"id": job_id, "created": created, "finished": finished,
                          "settings": json.loads(settings), "items": items,
                          "state": job_state([i["state"] for i in items], bool(cancelled))})

@@ -156,7 +156,7 @@ class WorkerHandle:
         self.error: str | None = None
         self.job_id: str | None = None
         self.job_client: str | None = None
-        self.step = self.total_steps = 0
+        self.step = self.num_inference_steps = 0
         self.preview: bytes | None = None  # the running job's newest live preview (a watched job's), a JPEG
         self.jobs_done = 0
         self.restarts = 0
@@ -235,7 +235,7 @@ class WorkerHandle:
     def submit(self, job: Job) -> queue.Queue:
         events: queue.Queue = queue.Queue()
         self._events = events
-        self.job_id, self.step, self.total_steps = job.request_id, 0, job.params.steps
+        self.job_id, self.step, self.num_inference_steps = job.request_id, 0, job.params.steps
         self.preview = None
         self.job_client = job.request.client  # who asked: /v1/status shows the job's id to them alone
         try:
@@ -252,7 +252,7 @@ class WorkerHandle:
     def finish(self) -> None:
         self._events = None
         self.job_id = self.job_client = None
-        self.step = self.total_steps = 0
+        self.step = self.num_inference_steps = 0
         self.preview = None
 
     # ---- the pump: messages and deaths, as the transport reports them ----
@@ -367,7 +367,7 @@ class WorkerHandle:
         if self.plan.parallel != "none":
             placement = {n: ", ".join(self.plan.rank_devices) for n in self.plan.components}
         return WorkerStatus(self.name, self.plan.devices, placement, self.state, self.job_id, self.step,
-                            self.total_steps, self.jobs_done, self.error, parallel=self.plan.parallel,
+                            self.num_inference_steps, self.jobs_done, self.error, parallel=self.plan.parallel,
                             ranks=self.plan.ranks, pids=self.pids, restarts=self.restarts,
                             detail=self.detail, weights_mib=dict(self.weights_mib),
                             job_client=self.job_client, node=self.transport.node, **self._loaded())

@@ -30,6 +30,7 @@ from imgedit.engine import heap
 from imgedit.engine.images import open_image
 from imgedit.engine.interface import Engine
 from imgedit.engine.jobs.batch import (
+    Item,
     Job,
     JobService,
     clean_name,
@@ -43,7 +44,7 @@ from imgedit.engine.outputs import reencoded
 from imgedit.engine.validation import BOTH_MASKS, check_aspect, check_counts
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.planning.families import FAMILIES
-from imgedit.protocol import JOBS, EditRequest, ItemState, JobState, as_declared, parameters, request_kwargs
+from imgedit.protocol import JOBS, EditRequest, ItemState, JobState, request_kwargs
 from imgedit.web.api.errors import ApiError, rejected
 from imgedit.web.api.rest_requests import (
     IMAGE_FIELDS,
@@ -75,15 +76,13 @@ def _links(view: dict) -> dict:
 def _restored_view(job_id: str, entries: list[HistoryEntry]) -> dict:
     """A REST edit (/v1/images/edits), stored as a one-item job, or a job from before job records."""
     first = entries[0]
-    items = [{"index": e.item, "name": e.name, "state": ItemState.SUCCEEDED, "seed": e.seed, "step": e.steps,
-              "total_steps": e.steps, "error": None, "outputs": e.outputs,
-              "revised_prompt": e.prompt if e.original_prompt else None, "weights": e.weights}
-             for e in entries]
+    # each item as a job in memory shows it (Item.view: one place lists an item's status)
+    items = [Item(e.item, e.name, None, ItemState.SUCCEEDED, seed=e.seed, step=e.steps,
+                  num_inference_steps=e.steps, entry=e).view() for e in entries]
     # as it was asked for (the store keeps no mask)
-    shown = as_declared(first, [p for p in parameters(JOBS) if p.status])
     rewritten = first.original_prompt is not None
     asked = EditRequest(images=(), **request_kwargs(
-        {**shown, "prompt": first.original_prompt or first.prompt, "enhance_prompt": rewritten}))
+        {**first.kept(), "prompt": first.original_prompt or first.prompt, "enhance_prompt": rewritten}))
     view = job_view(job_id, JobState.SUCCEEDED, first.created, None, job_settings(asked), items)
     return {**view, "restored": True}
 

@@ -20,7 +20,7 @@ from imgedit.engine.outputs import read_settings
 from imgedit.engine.validation import lora_adapters, speed_preset
 from imgedit.errors import ImgEditError
 from imgedit.planning.families import FAMILIES
-from imgedit.protocol import EditRequest, as_declared, parameters
+from imgedit.protocol import EditRequest, param, request_kwargs
 from imgedit.web.identity import page_owner
 from imgedit.web.page.exports import download_name, export_copy
 from imgedit.web.page.speed import NO_LORA, stored_cache_choice
@@ -35,21 +35,15 @@ def _when(created: float) -> str:
 
 def _describe(entry: HistoryEntry) -> dict:
     """`/history`'s view of an entry: the declared parameters it keeps, by their names; its output size."""
-    return {"id": entry.id, "created": entry.created, **stored_parameters(entry),
+    return {"id": entry.id, "created": entry.created, **entry.kept(),
             "width": entry.out_width, "height": entry.out_height, "source": entry.source, "name": entry.name,
-            "speed": entry.speed or "quality", "original_prompt": entry.original_prompt, **entry.options}
-
-
-def stored_parameters(entry: HistoryEntry) -> dict:
-    """{declared parameter: value} for those a History entry keeps (declared `history`), as it ran."""
-    return as_declared(entry, [p for p in parameters() if p.history])
+            "speed": entry.speed or "quality", "original_prompt": entry.original_prompt}
 
 
 def check_still_offered(entry: HistoryEntry, settings) -> None:
     """Raise the usual InvalidInput ("unknown LoRA ...", "speed fast needs a Lightning ...") when the
     speed preset or LoRA this entry was made with is no longer configured."""
-    req = EditRequest(images=(), prompt=entry.prompt, speed=entry.speed, lora=entry.lora,
-                      lora_scale=entry.lora_scale)
+    req = EditRequest(images=(), **request_kwargs(entry.kept()))
     lora_adapters(req, settings, speed_preset(req, settings))
 
 
@@ -182,14 +176,16 @@ def build_history_tab(settings: Settings, history: HistoryStore, controls: dict,
         if cfg is None:
             cfg = FAMILIES[family].cfg(settings.default_true_cfg)
         made_with = read_settings(entry.output_paths[0]).get("cache") if entry.output_paths else None
-        stored = dict(stored_parameters(entry), images=inputs, randomize_seed=False,
+        stored = dict(entry.kept(), images=inputs, randomize_seed=False,
                       true_cfg_scale=cfg, width=entry.width or 0, height=entry.height or 0,
                       speed=speed[0], lora=speed[1], lora_scale=speed[2],
                       cache=stored_cache_choice(made_with, cache_offered),
                       # the store keeps no mask: the edit was unmasked or is not
-                      mask=None, enhance_prompt=False,
-                      **entry.options)  # declared parameters without a column of their own
-        return tuple(stored.get(name, gr.update()) for name in controls)
+                      mask=None, enhance_prompt=False)
+        # one the edit did not ask for empties its text box (words or padding left in the form do not re-run)
+        return tuple(gr.update() if name not in stored else
+                     "" if stored[name] is None and param(name).kind == "text" else stored[name]
+                     for name in controls)
 
     def chosen_entry(entry_id: str | None, request: gr.Request) -> HistoryEntry:
         entry = history.get(owner(request), entry_id) if entry_id and owner(request) else None

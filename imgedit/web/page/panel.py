@@ -103,7 +103,7 @@ def _runs(gpu: dict, workers: list[dict]) -> str:
             continue
         name = escape(w["name"])
         if w["state"] == "busy" and w.get("job_id"):
-            total = max(1, int(w.get("total_steps") or 0))
+            total = max(1, int(w.get("num_inference_steps") or 0))
             step = min(int(w.get("step") or 0), total)
             progress = (f'<span class="gp-progress"><span style="width:{100 * step / total:.1f}%">'
                         '</span></span>')
@@ -224,7 +224,7 @@ def _worker_line(w: dict) -> str:
     busy = w["state"] == "busy" and w.get("job_id")
     step = ""
     if busy:
-        doing = f'step {int(w["step"])}/{int(w["total_steps"])}' if w.get("step") else "preparing"
+        doing = f'step {int(w["step"])}/{int(w["num_inference_steps"])}' if w.get("step") else "preparing"
         step = f' — {escape(w["job_id"])} {doing}'
     node = f' (Ray node {escape(w["node"][:8])})' if w.get("node") else ""
     why = ""
