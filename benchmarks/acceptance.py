@@ -382,6 +382,8 @@ class Requests:
                   may_refuse: str | None = None, pictures: list[bytes] | None = None) -> dict:
         """POST /v1/images/edits as the openai SDK sends it (multipart, extensions as form fields). `pictures`:
         the input images (default: the one input picture)."""
+        if self.args.only and name not in self.args.only:
+            return {"name": name, "outcome": "skipped"}
         data = {"prompt": PROMPT, "size": f"{self.args.size}x{self.args.size}", "n": str(n),
                 "response_format": "b64_json", "seed": "1", **fields}
         files = [("image", (f"input-{k + 1}.png", picture, "image/png"))
@@ -395,6 +397,8 @@ class Requests:
     def rest_job_watched(self, name: str, fields: dict) -> dict:
         """POST /v1/jobs with preview=true, its status polled every 0.25 s as the page watches an edit, then its
         result: the live preview's cost through app.py (this job's later_steps against an unwatched edit's)."""
+        if self.args.only and name not in self.args.only:
+            return {"name": name, "outcome": "skipped"}
         data = {"prompt": PROMPT, "size": f"{self.args.size}x{self.args.size}", "seed": "1", "preview": "true",
                 **fields}
         record = {"name": name, "api": "rest /v1/jobs preview=true", "fields": data, "expected_images": 1,
@@ -430,6 +434,8 @@ class Requests:
 
     def rest_generation(self, name: str, fields: dict) -> dict:
         """POST /v1/images/generations as the openai SDK sends it (JSON, extensions in the body)."""
+        if self.args.only and name not in self.args.only:
+            return {"name": name, "outcome": "skipped"}
         body = {"prompt": PROMPT, "size": f"{self.args.size}x{self.args.size}", "n": 1,
                 "response_format": "b64_json", "seed": 1, **fields}
         record = {"name": name, "api": "rest /v1/images/generations", "fields": body, "expected_images": 1}
@@ -471,6 +477,8 @@ class Requests:
     def gradio_edit(self, name: str, generate: bool = False, cfg: float = 4.0) -> dict:
         """The same quality edit through gradio_client's /edit, as the page's "Copy as API call" does;
         `generate`: without an input image (a model that makes one from the prompt)."""
+        if self.args.only and name not in self.args.only:
+            return {"name": name, "outcome": "skipped"}
         from gradio_client import Client, handle_file
 
         record = {"name": name, "api": "gradio_client /edit", "expected_images": 1,
@@ -499,6 +507,8 @@ class Requests:
 
     def enhance(self, name: str) -> dict:
         """POST /v1/prompts/enhance: seconds, and ms per token written when the reply says how many."""
+        if self.args.only and name not in self.args.only:
+            return {"name": name, "outcome": "skipped"}
         record = {"name": name, "api": "rest /v1/prompts/enhance", "expected_images": 0}
         t0 = time.perf_counter()
         try:
@@ -573,6 +583,8 @@ def run_requests(requests: Requests, health: dict, steps: int, other_steps: int,
     """Every request of a row, in order, each added to `records` and printed as it finishes."""
 
     def add(record: dict) -> None:
+        if record["outcome"] == "skipped":  # --only
+            return
         records.append(record)
         print(f"    {describe(record)}", flush=True)
 
@@ -604,6 +616,8 @@ def run_requests_21(requests: Requests, health: dict, steps: int, other_steps: i
     """A Qwen-Image-2.1 row's requests (text to image, 3 and 10 references, RGBA, its LoRA, a mask)."""
 
     def add(record: dict) -> None:
+        if record["outcome"] == "skipped":  # --only
+            return
         records.append(record)
         print(f"    {describe(record)}", flush=True)
 
@@ -896,6 +910,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--request-timeout", type=float, default=900.0)
     parser.add_argument("--out", default="/tmp/acceptance", help="logs, LoRAs, compile caches, acceptance.md")
     parser.add_argument("--json", default="", help="write the whole run here as JSON")
+    parser.add_argument("--only", default="", help="comma-separated request names (t2i-steady,refs1,...): the "
+                        "row makes only these (a shorter GPU run); default: every request")
     parser.add_argument("--save-images", default="", help="save each request's first image here as "
                         "ROW-REQUEST.png (rows of one seed compare by PSNR: benchmarks/psnr.py)")
     args = parser.parse_args(argv)
@@ -908,6 +924,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown row(s) {', '.join(unknown)}; rows: {', '.join(ROWS)}")
     args.row_names = [r for r in args.rows.split(",") if r]
+    args.only = {name for name in args.only.split(",") if name}
     pairs = {}
     for pair in args.env:
         key, sep, value = pair.partition("=")
