@@ -191,7 +191,7 @@ class SplitTarget(Feature):
     name, optional, only = "2.1 target split", False, frozenset({"21"})
 
     def applies(self, build: Build) -> bool:
-        return build.spec.parallel == "ulysses"
+        return build.spec.parallel == "ulysses" and FAMILIES[build.spec.checkpoint.family].split == "target"
 
     def install(self, build: Build) -> None:
         split = split21.TargetSplit(build.spec.rank, build.spec.world)
