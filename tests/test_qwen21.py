@@ -170,6 +170,7 @@ def test_auto_gives_each_gpu_a_replica_as_the_family_has_no_pairs(ckpt21):
     assert [(w.plan.parallel, w.plan.devices) for w in manager.workers] == [("none", ("cuda:0",)),
                                                                             ("none", ("cuda:1",))]
     assert "no CFG-parallel pairs for this model" in manager.plan.reason
+    assert "DEVICE_MAP=ulysses splits each image over 2 GPUs instead" in manager.plan.reason
 
 
 def test_a_lora_for_the_family_loads_and_changes_the_image(ckpt21, tmp_path):

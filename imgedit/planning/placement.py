@@ -151,10 +151,12 @@ def plan_placement(
         if _fits_every_gpu(total, budget):
             if len(budget) >= 2 and not pairs:
                 why = not_built(family, "cfg-parallel")
+                latency = ("; DEVICE_MAP=ulysses splits each image over 2 GPUs instead"
+                           if not_built(family, "ulysses") is None else "")
                 return _replicas(components, budget, "auto",
                                  f"a full copy ({total / GIB:.1f} GiB) fits every GPU, "
                                  f"so one pipeline on each of {len(budget)} "
-                                 f"(no CFG-parallel pairs for this model: {why})")
+                                 f"(no CFG-parallel pairs for this model: {why}{latency})")
             return _replicas(components, budget, "auto",
                              f"a full copy ({total / GIB:.1f} GiB) fits the GPU, so one pipeline on it")
         plan = _balanced(components, budget, activation_reserve)
