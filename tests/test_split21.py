@@ -145,3 +145,19 @@ def test_each_rank_runs_its_share_of_the_target_and_the_compiled_steps_trace_the
         assert seen[rank]["uncached"] < 1e-4, seen[rank]
         blocks, every = seen[rank]["compiled blocks"]
         assert blocks == every, seen[rank]  # block 0 too: its split hook stays above the compiled routing
+
+
+def test_a_target_the_degree_does_not_divide_runs_whole_and_rows_are_the_prefix_then_a_share():
+    import torch
+
+    from imgedit.runtime.split21 import TargetSplit
+
+    group = object()  # never used: nothing is gathered in this test
+    split = TargetSplit(rank=1, degree=8, group=group)
+    split.plan([(1, 66, 66)], 100 + 66 * 66, "cpu")  # 4,356 target tokens: not a multiple of 8
+    assert not split.on and split.geometry is None
+    split.plan([(1, 4, 4), (1, 64, 64)], 116 + 4096, "cpu")  # a reference's 16 tokens in a 116-token prefix
+    assert split.on and (split.geometry.prefix, split.geometry.target, split.geometry.share) == (116, 4096, 512)
+    rows = split.geometry.rows
+    assert torch.equal(rows, torch.cat([torch.arange(116), torch.arange(116 + 512, 116 + 1024)]))
+    assert split.rows_of(torch.arange(116 + 4096) * 10, 0).tolist() == (rows * 10).tolist()
