@@ -63,6 +63,28 @@ def test_the_group_gives_the_one_process_image_and_says_how_it_splits(one, split
     assert split2.status().workers[0].state == "idle"
 
 
+def test_a_masked_edit_and_a_rewritten_prompt_on_the_group_are_the_one_process_images(one, split2):
+    """A mask's blend runs on the whole latents every rank holds alike; a rewrite (its answer scripted at the
+    encoder's output, tests/faults.py) is written once and the group's ranks edit with the same words."""
+    from PIL import Image
+
+    mask = Image.new("L", (80, 60), 0)
+    mask.paste(255, (16, 8, 64, 48))
+    scripted = "a red barn at dusk, watercolour"
+    asks = [dict(images=(picture(),), prompt="make it red", mask=mask, mask_feather=2, width=80, height=64),
+            dict(images=(picture(),), prompt=f"barn [rewrite:{scripted}]", enhance_prompt=True)]
+    for fields in asks:
+        request = EditRequest(**{**FAST, **fields})
+        alone, grouped = one.edit(request), split2.edit(request)
+        assert np.abs(pixels(alone) - pixels(grouped)).max() <= 2, fields["prompt"]
+        assert grouped.prompt == alone.prompt
+    assert grouped.prompt == scripted
+    outside = np.asarray(mask) == 0
+    masked = split2.edit(EditRequest(**{**FAST, **asks[0]}))
+    kept = pixels(masked)[..., :3][outside]  # 2.1 answers RGBA: the input's pixels, opaque, outside the mask
+    assert (kept == np.asarray(picture(), dtype=np.int16)[outside]).all()
+
+
 def test_the_planner_makes_2_1_groups_and_says_what_they_split():
     components = [ComponentSpec("transformer", 14 * GIB, (GIB,) * 14), ComponentSpec("vae", GIB),
                   ComponentSpec("text_encoder", 16 * GIB)]
