@@ -164,10 +164,17 @@ def test_the_parameter_table_lists_it_and_the_request_carries_it_to_the_worker(d
 @pydantic_dataclass(frozen=True, config=ConfigDict(arbitrary_types_allowed=True))
 class WithCount(EditRequest):
     count: Annotated[int | None, declare("whole", "a test-only count", png=True, low=0, high=9,
-                                         unit="notes")] = None
+                                         unit="notes", history=True)] = None
 
 
-def test_a_field_added_to_the_request_type_is_a_declared_parameter_and_nothing_else_is_written():
+def test_a_field_added_to_the_request_type_is_a_declared_parameter_and_nothing_else_is_written(monkeypatch,
+                                                                                              tmp_path):
+    """... and, read as the declaration, its PNG settings record it and a History entry keeps it (by name,
+    without a column) for the re-run."""
+    from imgedit.engine.jobs.history import HistoryStore
+    from imgedit.engine.outputs import settings_text
+    from imgedit.protocol import EditResult, Resolved
+
     found = protocol.declaration(WithCount)
     assert [p.name for p in found] == [p.name for p in protocol.declaration(EditRequest)] + ["count"]
     count = found[-1]
@@ -177,6 +184,17 @@ def test_a_field_added_to_the_request_type_is_a_declared_parameter_and_nothing_e
     with pytest.raises(InvalidInput, match="count must be a whole number, got 'many'") as refused:
         WithCount(images=(), prompt="x", count="many")
     assert refused.value.field == "count"
+
+    monkeypatch.setattr(protocol.request, "PARAMETERS", found)
+    req = WithCount(images=(), prompt="x", count=3)
+    ran = Resolved(steps=2, true_cfg_scale=1.0, negative_prompt=" ", seed=1, num_images=1, width=64, height=64)
+    assert settings_text(req, ran, "model", (64, 64))["count"] == "3"
+    made = EditResult(images=[Image.new("RGB", (64, 64))], seed=1, steps=2, width=64, height=64, seconds=0.1,
+                      worker="w", devices=(), request_id=req.request_id)
+    store = HistoryStore(tmp_path)
+    entry = store.save("o", "job", 0, req, made)
+    assert entry.kept()["count"] == 3 and store.get("o", entry.id).kept()["count"] == 3
+    store.close()
 
 
 def test_one_parser_reads_every_edge_alike():

@@ -93,6 +93,27 @@ def test_save_writes_pngs_inputs_and_a_thumbnail(tmp_path, result):
     assert not list(tmp_path.glob("*/.partial-*"))
 
 
+def test_the_columns_keep_what_the_declaration_says_as_asked_or_as_it_ran(tmp_path, result):
+    """Each parameter column is filled from the declaration: as asked for (CFG and size left to the model stay
+    None, no LoRA's word is None), or where declared `kept_as_ran` as the edit ran (the rewritten prompt, the
+    seed drawn, the model's steps, the images made)."""
+    from dataclasses import replace
+
+    from imgedit.engine.jobs.history import COLUMNS
+    from imgedit.protocol import parameters
+
+    req, res = result
+    asked = replace(req, seed=None, num_inference_steps=None, speed="", lora="none", lora_scale=0.5)
+    entry = HistoryStore(tmp_path).save("o", "job", 0, asked, replace(res, prompt="p, rewritten"))
+    assert (entry.prompt, entry.original_prompt, entry.seed, entry.steps, entry.num_images) == (
+        "p, rewritten", "p", 5, 2, 1)
+    assert (entry.true_cfg_scale, entry.width, entry.speed, entry.lora, entry.lora_scale) == (None, 64, None, None, 0.5)
+    kept_as_ran = {p.name for p in parameters() if p.kept_as_ran}
+    assert kept_as_ran == {"prompt", "seed", "num_inference_steps", "num_images"}
+    with_column = {p.name for p in parameters() if p.history and {p.name, p.worker_name} & set(COLUMNS)}
+    assert len(with_column) == 11 and entry.kept().keys() >= with_column
+
+
 def test_pruned_by_age_and_by_size(tmp_path, result):
     req, res = result
     store = HistoryStore(tmp_path, retention_hours=1)

@@ -79,6 +79,24 @@ def test_each_png_records_every_parameter_declared_png():
     assert {p.name for p in PARAMETERS if p.png} <= set(written), written
 
 
+def test_a_png_records_the_loras_and_step_cache_the_job_ran_with_not_the_words_asked():
+    """The declared text parameters are written as asked for (`speed`, `expand`, ...), but a job's LoRAs and step
+    cache as it ran them (Resolved): a Lightning job that asked for cache none ran none and says nothing of a
+    cache; a speed preset's LoRA is named; a quality job left to the server's CACHE records the one it ran."""
+    from imgedit.engine.outputs import settings_text
+
+    ran = {"true_cfg_scale": 1.0, "negative_prompt": " ", "seed": 1, "num_images": 1, "width": 64, "height": 64}
+    fast = EditRequest(images=(), prompt="p", speed="fast", cache="none", lora="none", lora_scale=0.5)
+    lightning = Resolved(steps=8, **ran, adapters=(("Lightning-8steps", 1.0),), scheduler="lightning")
+    written = settings_text(fast, lightning, "model", (64, 64))
+    assert "cache" not in written and (written["speed"], written["lora"], written["lora_scale"]) == (
+        "fast", "Lightning-8steps", "1"), written
+    quality = Resolved(steps=2, **ran, cache="first-block", cache_threshold=0.08)
+    written = settings_text(EditRequest(images=(), prompt="p", lora_scale=0.5), quality, "model", (64, 64))
+    assert (written["cache"], written["lora"], "lora_scale" in written, "speed" in written) == (
+        "first-block:0.08", "none", False, False), written
+
+
 def test_the_edit_api_publishes_the_declared_names_and_defaults(live_server):
     """Gradio reads `/edit`'s parameters from the function's signature, which edit_signature makes from the
     declaration: names, order, which are required and each default, as gradio_client sees them."""

@@ -32,48 +32,54 @@ MAX_CHUNK = 4000  # validation.MAX_PROMPT_CHARS: a longer value is not one of ou
 
 def settings_text(req, params, model: str, size: tuple[int, int], rewritten: str | None = None,
                   weights: str | None = None) -> dict[str, str]:
-    """What produced an image, as text: the request's prompts, the parameters the pipeline really got
-    (`validation.Resolved`), the output size (a masked edit's: the size it ran at), the model, the LoRA.
-    `rewritten`: the enhanced prompt the edit used; then `prompt` is that one and `original_prompt` the
-    user's. `weights`: the lossy copy of the transformer a fast job ran on (FAST_QUANTIZE), recorded as
-    `weights`."""
+    """What produced an image, as text: each parameter declared `png` (`declared_text`), the output size (a
+    masked edit's: the size it ran at), the model, the LoRAs and step cache the job ran with. `rewritten`: the
+    enhanced prompt the edit used; then `prompt` is that one and `original_prompt` the user's. `weights`: the
+    lossy copy of the transformer a fast job ran on (FAST_QUANTIZE), recorded as `weights`."""
 
-    adapters = getattr(params, "adapters", ())  # what the job really ran with, a speed preset's LoRA included
-    # A masked edit comes back the first image's size but runs at the resolved size: width and height are the
-    # file's own, `run_size` the size to ask for again (read_settings restores it into the form: the edit
-    # repeats). Older PNGs wrote the run's size as width and height.
-    masked = getattr(req, "mask", None) is not None and getattr(params, "width", None)
-    # the numbers the pipeline really got, under their declared names (a mask's settings beside a mask only)
-    numbers = [p for p in parameters() if p.png and p.kind in ("whole", "number")
-               and (p.beside is None or getattr(req, p.beside, None) is not None)]
-    ran = {name: _as_text(value) for name, value in as_declared(params, numbers).items() if value is not None}
-    text = {"prompt": req.prompt, "negative_prompt": req.negative_prompt or "", **ran,
-            "width": str(size[0]), "height": str(size[1]), "model": model,
-            "lora": ",".join(name for name, _ in adapters) or "none", "software": f"imgedit {__version__}"}
+    text = {**declared_text(req, params), "width": str(size[0]), "height": str(size[1]), "model": model,
+            "software": f"imgedit {__version__}"}
+    # As the job ran, where that is not what the request says: the LoRAs (a speed preset's Lightning LoRA
+    # included; "none" for none) and the step cache (a Lightning or Turbo job runs none, whatever it asked
+    # for: the asked one is dropped; lossy, so the PNG says which one made it).
+    adapters = getattr(params, "adapters", ())
+    text.pop("lora_scale", None)
+    text["lora"] = ",".join(name for name, _ in adapters) or "none"
     if adapters:
         text["lora_scale"] = ",".join(f"{scale:g}" for _, scale in adapters)
-    if rewritten is not None:
-        text.update(prompt=rewritten, original_prompt=req.prompt)
-    if getattr(params, "cache", "none") != "none":  # lossy: the PNG says which step cache made it
+    text.pop("cache", None)
+    if getattr(params, "cache", "none") != "none":
         text["cache"] = params.cache
         if params.cache == "first-block":
             text["cache"] = f"first-block:{params.cache_threshold:g}"
-    if getattr(req, "speed", None):
-        text["speed"] = req.speed
+    if rewritten is not None:
+        text.update(prompt=rewritten, original_prompt=req.prompt)
     if weights:  # lossy: a server without FAST_QUANTIZE makes a slightly different image from these settings
         text["weights"] = weights
+    # A masked edit comes back the first image's size but runs at the resolved size: width and height are the
+    # file's own, `run_size` the size to ask for again (read_settings restores it into the form: the edit
+    # repeats). Older PNGs wrote the run's size as width and height.
+    masked = req.mask is not None and getattr(params, "width", None)
     if masked and (params.width, params.height) != tuple(size):
         text["run_size"] = f"{params.width}x{params.height}"
-    if getattr(req, "mask", None) is not None:  # which mask (its hash), and how it was applied
+    if req.mask is not None:  # which mask (its hash; how it was applied: its settings, declared beside it)
         text["mask"] = f"sha256:{mask_digest(req.mask)}"
-    if getattr(req, "mask_prompt", None):  # the words the mask was outlined from (its hash is above)
-        text["mask_prompt"] = req.mask_prompt
-    if getattr(req, "expand", None):  # an expanded canvas: how (the mask is the new area's)
-        text.setdefault("expand", req.expand)
-    for name, value in getattr(req, "options", {}).items():  # declared parameters of their own (protocol)
-        # the value the pipeline got (above) is the one that made the image
-        if value is not None and name not in ran and any(p.name == name and p.png for p in parameters()):
-            text[name] = _as_text(value)
+    return text
+
+
+def declared_text(req, params) -> dict[str, str]:
+    """The parameters declared `png` but files, by their names: a number as the pipeline got it (`params`, a
+    `Resolved`, by its declared or `resolved` name), anything else as asked for (`req`, an EditRequest:
+    its attribute or its `options`); written where set (not None, not empty; one declared `always`
+    whatever it is), one declared `beside` another (a mask's settings) only with it."""
+    shown = [p for p in parameters() if p.png and p.kind != "file"
+             and (p.beside is None or req.value(p.beside) is not None)]
+    ran = as_declared(params, [p for p in shown if p.kind in ("whole", "number")])
+    text = {}
+    for p in shown:
+        value = ran[p.name] if p.name in ran else req.value(p.name)
+        if p.always or value not in (None, ""):
+            text[p.name] = "" if value is None else _as_text(value)
     return text
 
 

@@ -64,16 +64,21 @@ class Param:
     # repeats the edit), else only when set (not empty, not its default); `beside`: written only beside that
     # parameter (a LoRA's strength beside the LoRA, the mask's settings beside the mask); `unless`: left out
     # of a REST call where that switch is on (the seed where randomize_seed is ticked); `openai`: one of
-    # OpenAI's own arguments (an SDK keyword), not an extension sent through `extra_body`.
+    # OpenAI's own arguments (an SDK keyword), not an extension sent through `extra_body`. A PNG's settings
+    # (imgedit.engine.outputs.declared_text) follow `always` and `beside` too.
     always: bool = False
     beside: str | None = None
     unless: str | None = None
     openai: bool = False
     # Where else it shows: `status`: in a job's status (GET /v1/jobs/<id>, by its REST name); `history`: a
     # History entry keeps it and a re-run gives it back (the store's column of that name, or of its `resolved`
-    # name; without a column, the entry's `options`).
+    # name; without a column, the entry's `options`), as asked for, or with `kept_as_ran` as the edit ran (the
+    # result's value where it has one: the rewritten prompt, the seed drawn, the model's steps), an empty text
+    # or its `none_word` (lora's "none": the word a caller may send for no value) as its default.
     status: bool = False
     history: bool = False
+    kept_as_ran: bool = False
+    none_word: str = ""
     # The page's control under Advanced (imgedit.web.page.controls): `label` (`{low}` and `{high}` filled from
     # the bounds), a slider moving by `slider` (else a number box or the kind's own), `same_row`: beside the
     # parameter before it. A parameter without a label laid out nowhere else gets a control named by its name

@@ -51,27 +51,29 @@ class EditRequest:
         "(none: an image from the prompt alone)", rest="image", takes=SINGLE, required=True, openai=True)]
     prompt: Annotated[str, declared(
         "text", "what to change, in words (up to 4,000 characters and 1,024 tokens)", default="",
-        required=True, png=True, restore=True, always=True, openai=True, status=True, history=True)]
+        required=True, png=True, restore=True, always=True, openai=True, status=True, history=True,
+        kept_as_ran=True)]
     negative_prompt: Annotated[str, declared(
         "text", "what to avoid (true CFG)", png=True, restore=True, always=True, history=True,
         label="Negative prompt")] = ""
     seed: Annotated[int | None, declared(
         "whole", "the noise the edit starts from; absent: a random one, returned with the result", png=True,
         restore=True, low=0, high=2**32 - 1, always=True, unless="randomize_seed",
-        history=True, label="Seed")] = None
+        history=True, kept_as_ran=True, label="Seed")] = None
     randomize_seed: ClassVar[Param] = Param(  # a caller's switch: the edges draw the seed where it is on
         "randomize_seed", "flag", "ignore `seed` and draw one", takes=frozenset((EDIT, BATCH)), default=False,
         field=None, always=True, label="Randomize seed", same_row=True)
     num_inference_steps: Annotated[int | None, declared(
         "whole", "denoising steps; absent: the model's", png=True, restore=True, low=2, high="max_steps",
-        always=True, status=True, history=True, resolved="steps", label="Steps ({low}-{high})")] = None
+        always=True, status=True, history=True, kept_as_ran=True, resolved="steps",
+        label="Steps ({low}-{high})")] = None
     true_cfg_scale: Annotated[Number | None, declared(
         "number", "how strongly the prompt is followed (1 turns CFG off); absent: DEFAULT_TRUE_CFG "
         "(Qwen-Image-2.1: 1)", png=True, restore=True, low=1, high=20, why="1 turns CFG off",
         always=True, history=True, label="True CFG scale", slider=0.5)] = None
     num_images: Annotated[int, declared(
         "whole", "images per prompt", rest="n", low=1, high="max_images_per_prompt", always=True,
-        openai=True, status=True, history=True, label="Images per prompt", slider=1)] = 1
+        openai=True, status=True, history=True, kept_as_ran=True, label="Images per prompt", slider=1)] = 1
     width: Annotated[int | None, declared(
         "whole", "output width; 0 or absent: from the last input's aspect, about 1 megapixel",
         takes=frozenset((EDIT, BATCH)), png=True, restore=True, api_default=0, always=True, low=0,
@@ -88,7 +90,7 @@ class EditRequest:
         api_default="quality", status=True, history=True)] = None
     lora: Annotated[str | None, declared(  # None or "none" = no LoRA
         "text", "a configured LoRA's name, or none", png=True, api_default="none", status=True,
-        history=True)] = None
+        history=True, none_word="none")] = None
     lora_scale: Annotated[Number | None, declared(  # None = 1
         "number", "that LoRA's strength; absent: 1", png=True, api_default=1.0, low=0, high=2,
         beside="lora", status=True, history=True)] = None

@@ -32,6 +32,11 @@ class EditResult:
     mask: Image.Image | None = None
     boxes: tuple[tuple[int, int, int, int], ...] = ()
 
+    @property
+    def num_images(self) -> int:
+        """The images made (the request's `num_images` as the edit ran: History keeps this one)."""
+        return len(self.images)
+
 
 @dataclass(frozen=True)
 class JobRecord:

@@ -187,13 +187,9 @@ class HistoryStore:
             raise
         entry = HistoryEntry(
             id=entry_id, job_id=job_id, item=item, owner=owner, created=created, source=req.source,
-            name=name or f"item {item + 1}", prompt=result.prompt or req.prompt,
-            negative_prompt=req.negative_prompt or "", seed=result.seed, steps=result.steps,
-            true_cfg_scale=req.true_cfg_scale, num_images=len(result.images), width=req.width,
-            height=req.height, out_width=result.width, out_height=result.height, outputs=len(result.images),
-            inputs=len(req.images),
-            folder=folder, bytes=size, speed=req.speed or None,
-            lora=None if req.lora in (None, "", "none") else req.lora, lora_scale=req.lora_scale,
+            name=name or f"item {item + 1}", **_columns_of(req, result),
+            out_width=result.width, out_height=result.height, outputs=len(result.images),
+            inputs=len(req.images), folder=folder, bytes=size,
             original_prompt=req.prompt if result.prompt else None, weights=result.weights,
             options=_options_of(req))
         stored = {**vars(entry), "folder": str(folder.relative_to(self.root)),
@@ -286,6 +282,22 @@ def _in_options(p: Param) -> bool:
     """A declared `history` parameter without a column (by its name or its `resolved` one): kept in
     `options`."""
     return p.history and p.name not in COLUMNS and p.worker_name not in COLUMNS
+
+
+def _columns_of(req: EditRequest, result: EditResult) -> dict:
+    """The entry's parameter columns: each declared `history` parameter with a column (by its name or its
+    `resolved` one), as asked for, or where declared `kept_as_ran` as the edit ran (the result's value where
+    it has one: the rewritten prompt, the seed drawn, the steps and images made); an empty text, or the
+    parameter's `none_word`, is kept as its default (no LoRA: None)."""
+    kept = [p for p in parameters() if p.history and not _in_options(p)]
+    ran = as_declared(result, [p for p in kept if p.kept_as_ran])
+    columns = {}
+    for p in kept:
+        value = req.value(p.name) if ran.get(p.name) is None else ran[p.name]
+        if p.kind == "text" and value in ("", p.none_word):
+            value = p.default
+        columns[p.name if p.name in COLUMNS else p.worker_name] = value
+    return columns
 
 
 def _options_of(req: EditRequest) -> dict:

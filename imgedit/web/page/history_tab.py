@@ -23,7 +23,7 @@ from imgedit.planning.families import FAMILIES
 from imgedit.protocol import EditRequest, param, request_kwargs
 from imgedit.web.identity import page_owner
 from imgedit.web.page.exports import download_name, export_copy
-from imgedit.web.page.speed import NO_LORA, stored_cache_choice
+from imgedit.web.page.speed import NO_LORA, SPEED_FIELDS, stored_cache_choice
 from imgedit.web.page.tools import refusal, user_error
 
 NO_OWNER = "History needs cookies (or sign-in): this browser sent none, so nothing is kept for it."
@@ -47,10 +47,19 @@ def check_still_offered(entry: HistoryEntry, settings) -> None:
     lora_adapters(req, settings, speed_preset(req, settings))
 
 
+def form_value(name: str, value):
+    """A kept value as the page's control for that parameter shows it: one the edit left out (None) as the
+    parameter's `/edit` default where it has one (0 = an automatic side, quality, no LoRA, strength 1), an
+    empty box for other text."""
+    if value is not None:
+        return value
+    declared = param(name)
+    return "" if declared.edit_default is None and declared.kind == "text" else declared.edit_default
+
+
 def speed_values(entry: HistoryEntry) -> tuple[str, str, float]:
     """The Speed / LoRA / strength controls' values that repeat this entry."""
-    return (entry.speed or "quality", entry.lora or NO_LORA,
-            1.0 if entry.lora_scale is None else entry.lora_scale)
+    return tuple(form_value(name, getattr(entry, name)) for name in SPEED_FIELDS)
 
 
 # Fixed-size cells (one or two entries once stretched into full-width cropped banners), whole pictures,
@@ -170,22 +179,23 @@ def build_history_tab(settings: Settings, history: HistoryStore, controls: dict,
         return "", f"Deleted: *{html.escape(entry.prompt[:80])}* (seed {entry.seed}).", [], None
 
     def values(entry: HistoryEntry, speed: tuple) -> tuple:
+        """The form's controls that repeat this entry (`speed`: the speed controls' values): every declared
+        parameter it keeps, by name, as its control shows it (form_value: words or padding left in the form
+        do not re-run); the form's own values for those it does not keep."""
         inputs = [export_copy([p], f"input-{k + 1}") for k, p in enumerate(entry.input_paths)]
         # a request that left CFG out ran at the model's own (Qwen-Image-2.1: off)
         cfg = entry.true_cfg_scale
         if cfg is None:
             cfg = FAMILIES[family].cfg(settings.default_true_cfg)
         made_with = read_settings(entry.output_paths[0]).get("cache") if entry.output_paths else None
-        stored = dict(entry.kept(), images=inputs, randomize_seed=False,
-                      true_cfg_scale=cfg, width=entry.width or 0, height=entry.height or 0,
-                      speed=speed[0], lora=speed[1], lora_scale=speed[2],
+        stored = dict(entry.kept(), **dict(zip(SPEED_FIELDS, speed, strict=True)), images=inputs,
+                      randomize_seed=False, true_cfg_scale=cfg,
+                      # the store keeps no step cache column: the one the result's PNG records
                       cache=stored_cache_choice(made_with, cache_offered),
-                      # the store keeps no mask: the edit was unmasked or is not
+                      # the store keeps no mask: the edit was unmasked or is not; the prompt kept is the one
+                      # the edit used (a rewrite's), rewritten again by nothing
                       mask=None, enhance_prompt=False)
-        # one the edit did not ask for empties its text box (words or padding left in the form do not re-run)
-        return tuple(gr.update() if name not in stored else
-                     "" if stored[name] is None and param(name).kind == "text" else stored[name]
-                     for name in controls)
+        return tuple(form_value(name, stored[name]) if name in stored else gr.update() for name in controls)
 
     def chosen_entry(entry_id: str | None, request: gr.Request) -> HistoryEntry:
         entry = history.get(owner(request), entry_id) if entry_id and owner(request) else None
@@ -202,7 +212,7 @@ def build_history_tab(settings: Settings, history: HistoryStore, controls: dict,
             check_still_offered(entry, settings)
         except ImgEditError as exc:
             gr.Warning(f"{html.escape(exc.message)}; the editor uses quality and no LoRA instead")
-            speed = ("quality", NO_LORA, 1.0)
+            speed = tuple(form_value(name, None) for name in SPEED_FIELDS)  # quality, no LoRA, strength 1
         return values(entry, speed)
 
     def fill_for_rerun(entry_id: str | None, request: gr.Request):
