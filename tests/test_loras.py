@@ -49,18 +49,22 @@ def linears(plus_ckpt):
 # What `python -m imgedit.model.lora_random` said when lora_dir ran it, by folder (checked by a test below;
 # test_fast_weights and test_fusion import lora_dir too, so the fixture keeps its name and its value)
 LORA_COMMAND: dict[Path, subprocess.CompletedProcess] = {}
+COMMAND_DEFAULTS = dict(rank=4, std=0.2)  # the command's own (imgedit.model.lora_random.main)
 
 
 @pytest.fixture(scope="module")
-def lora_dir(tmp_path_factory, linears, plus_ckpt):
+def lora_dir(request, tmp_path_factory, linears, plus_ckpt):
     folder = tmp_path_factory.mktemp("loras")
     random_lora(folder / "Tiny-Edit-Lightning-4steps-V1.0-bf16.safetensors", linears, rank=4, std=STD, seed=1)
-    # This one through the command line the README gives for the demo (its defaults: rank 4, std 0.2).
-    command = subprocess.run([sys.executable, "-m", "imgedit.model.lora_random", str(plus_ckpt),
-                              str(folder / "Tiny-Edit-Lightning-8steps-V1.0-bf16.safetensors"), "--seed", "2"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert command.returncode == 0, command.stdout + command.stderr
-    LORA_COMMAND[folder] = command
+    eight = folder / "Tiny-Edit-Lightning-8steps-V1.0-bf16.safetensors"
+    if request.module.__name__ == "test_loras":
+        # This one through the command line the README gives for the demo (its defaults: rank 4, std 0.2).
+        command = subprocess.run([sys.executable, "-m", "imgedit.model.lora_random", str(plus_ckpt), str(eight),
+                                  "--seed", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert command.returncode == 0, command.stdout + command.stderr
+        LORA_COMMAND[folder] = command
+    else:  # test_fast_weights, test_fusion: the same file (checked below), without a process that imports torch
+        random_lora(eight, linears, seed=2, **COMMAND_DEFAULTS)
     random_lora(folder / "style.safetensors", linears, rank=4, std=STD, seed=3, style="diffusers")
     return folder
 
@@ -415,15 +419,19 @@ def test_lightning_job_on_a_cfg_pair_runs_on_rank_zero_only(plus_ckpt, lora_dir)
     pair.close()
 
 
-def test_the_random_lora_command_prints_its_own_line_only(lora_dir):
+def test_the_random_lora_command_prints_its_own_line_only(lora_dir, linears, tmp_path):
     """#46 item 12: the README's `python -m imgedit.model.lora_random ...` printed torchao's "Failed to load ..." and
     diffusers' "Unable to import `torchao` Tensor objects": library notes at import, no news to the user. (The run
-    is lora_dir's own, which wrote the 8-step LoRA: the command imports torch, a start of seconds.)"""
+    is lora_dir's own, which wrote the 8-step LoRA: the command imports torch, a start of seconds.) Its file is
+    random_lora's with the command's defaults, which test_fast_weights' and test_fusion's lora_dir write instead."""
     out = LORA_COMMAND[lora_dir]
     said = out.stdout + out.stderr
     assert out.returncode == 0 and (lora_dir / f"{EIGHT}.safetensors").is_file(), said
     assert "wrote " in said and "Failed to load" not in said and "Unable to import" not in said, said
     assert "_pytree" not in said and "no triton" not in said, said
+    by_hand = load_file(str(random_lora(tmp_path / "eight.safetensors", linears, seed=2, **COMMAND_DEFAULTS)))
+    written = load_file(str(lora_dir / f"{EIGHT}.safetensors"))
+    assert by_hand.keys() == written.keys() and all(torch.equal(by_hand[k], written[k]) for k in written)
 
 
 def test_the_random_lora_command_without_a_checkpoint_says_how_to_make_one(tmp_path, capsys):
