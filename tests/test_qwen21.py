@@ -486,6 +486,7 @@ def test_a_decode_that_would_not_fit_under_a_cap_runs_in_tiles(ckpt21):
     tiled_image = run(0)
     again = run(1 << 40)
     assert decodes == [False, True, False], decodes
+    assert (pipe.vae.tile_sample_min_width, pipe.vae.tile_sample_stride_width) == (256, 192)  # room 0: the least
     assert (again == whole_image).all() and not (tiled_image == whole_image).all()
     assert tiled_image.shape == whole_image.shape == (320, 320, 4)  # RGBA
 
@@ -496,6 +497,11 @@ def test_a_decode_that_would_not_fit_under_a_cap_runs_in_tiles(ckpt21):
     plus = {name: p.default for name, p in inspect.signature(AutoencoderKLQwenImage.__init__).parameters.items()}
     assert 3.6 < decode_bytes(type("Config", (), plus), 1024, 1024, 1) / 2**30 < 4.1
     assert decode_bytes(real, 1024, 1024, 2) == 2 * decode_bytes(real, 1024, 1024, 1)
+    # the tiles: the largest that fits what is left; diffusers' 256 pixels where none does
+    room = DecodeRoom(type("Vae", (), {"config": real})(), None)
+    fits = [int(decode_bytes(real, side, side, 1) * 1.2) + 1 + (3 << 28) for side in (1024, 768, 384)]
+    assert [room.tile_side(b, 1) for b in (*fits, 0)] == [1024, 768, 384, 256]
+    assert room.tile_side(fits[1], 2) == 512  # two images decoded together: smaller tiles
 
 
 def test_one_side_given_the_other_is_the_multiple_nearest_the_inputs_aspect():
