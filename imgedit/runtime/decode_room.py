@@ -19,8 +19,8 @@ the worker logs it. Uncapped workers decode whole.
 
 The tiles are the largest of TILE_SIDES that fits what is left (each tile's decode estimated as a whole decode
 of its size), overlapping by diffusers' 64 pixels: on the GPU machine's 16 GB plan for 2.1 with QUANTIZE=fp8
-(6 GiB left) diffusers' default 256-pixel tiles made a 1024² decode 0.84 s against 0.15 s whole (36 tiles, each
-seam blended a pixel row at a time); 768-pixel tiles fit there (4 tiles).
+(6 GiB left) diffusers' default 256-pixel tiles made a 1024² decode 0.84 s against 0.15 s whole (36 tiles,
+each seam blended a pixel row at a time); 768-pixel tiles fit there (4 tiles).
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ class DecodeRoom:
             side = self.tile_side(room, images)
             self.vae.enable_tiling(side, side, side - OVERLAP, side - OVERLAP)
             if not self.logged:
-                log.info("VAE decode in %d-pixel tiles for this job: %d image(s) at %dx%d need ~%.1f GiB whole, "
-                         "%.1f GiB left under the cap", side, images, width, height, need / 2**30,
+                log.info("VAE decode in %d-pixel tiles for this job: %d image(s) at %dx%d need ~%.1f GiB "
+                         "whole, %.1f GiB left under the cap", side, images, width, height, need / 2**30,
                          max(room, 0) / 2**30)
                 self.logged = True
         elif self.vae.use_tiling:
