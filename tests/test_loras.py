@@ -136,17 +136,30 @@ def test_speed_and_lora_fields_are_checked_in_one_place(lora_dir):
 
 # ---- the start-up check ----
 
-@pytest.mark.parametrize("file, says", [
-    ("garbage.safetensors", "cannot be read as a LoRA file"),
-    ("flux-like.safetensors", "single_transformer_blocks.0.attn.add_k_proj is not a layer of this model's"),
-    ("wider-model.safetensors", "lora_A has shape"),
-])
-def test_a_bad_lora_stops_start_up_naming_the_file(plus_ckpt, bad_loras, file, says):
-    manager = make_manager(plus_ckpt, load=False, LORAS=f"bad={bad_loras / file}")
+BAD = {"garbage.safetensors": "cannot be read as a LoRA file",
+       "flux-like.safetensors": "single_transformer_blocks.0.attn.add_k_proj is not a layer of this model's",
+       "wider-model.safetensors": "lora_A has shape"}
+
+
+def test_bad_loras_stop_start_up_naming_every_file_at_once(plus_ckpt, bad_loras, lora_dir):
+    """Three bad files and a good one: one start-up check names each bad file, its LoRA and why, in one message
+    (a user fixing them learns of every one at once); no worker process is started. One bad file alone is
+    named as before."""
+    named = {f"bad{k}": bad_loras / file for k, file in enumerate(BAD)}
+    loras = ",".join([f"{name}={path}" for name, path in named.items()] + [f"good={lora_dir / 'style.safetensors'}"])
+    manager = make_manager(plus_ckpt, load=False, LORA_DIR="", LORAS=loras)
     with pytest.raises(LoraError) as caught:
         manager.prepare()
-    assert file in caught.value.message and "LoRA 'bad'" in caught.value.message and says in caught.value.message
-    assert manager.workers == [] and manager.load_error == caught.value.message  # no process was started
+    message = caught.value.message
+    assert message.startswith("3 LoRA files cannot be used: "), message
+    for (name, path), says in zip(named.items(), BAD.values(), strict=True):
+        part = next(p for p in message.split("; LoRA ") if f"{name}' ({path})" in p)
+        assert says in part, (name, part)
+    assert "'good'" not in message
+    assert manager.workers == [] and manager.load_error == message  # no process was started
+    alone = make_manager(plus_ckpt, load=False, LORA_DIR="", LORAS=f"bad={bad_loras / 'wider-model.safetensors'}")
+    with pytest.raises(LoraError, match=r"^LoRA 'bad' \(.*wider-model.safetensors\) does not fit .*lora_A has shape"):
+        alone.prepare()
 
 
 def test_a_checked_lora_file_is_checked_again_only_when_it_changes(plus_ckpt, linears, tmp_path, monkeypatch):

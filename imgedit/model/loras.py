@@ -110,28 +110,34 @@ def check_state_dict(state_dict: dict, linears: dict[str, tuple[int, int]]) -> t
 
 
 def check_all(configured: tuple[LoraEntry, ...], checkpoint_folder: Path) -> tuple[LoraFile, ...]:
-    """Fetch and check every configured LoRA; the first bad one stops start-up with a LoraError naming it."""
+    """Fetch and check every configured LoRA; bad ones stop start-up with one LoraError naming each of them
+    (all at once: a user fixing several files learns of every one in one start)."""
     if not configured:
         return ()
     paths = {entry: local_file(entry) for entry in configured}
-    for entry, path in paths.items():
-        if (why := unreadable(path)) is not None:
-            raise LoraError(f"LoRA {entry.name!r} ({path}) cannot be read as a LoRA file: {why[:200]}")
-    linears = transformer_linears(checkpoint_folder)
+    unread = {entry: why for entry, path in paths.items() if (why := unreadable(path)) is not None}
+    bad = [f"LoRA {entry.name!r} ({paths[entry]}) cannot be read as a LoRA file: {why[:200]}"
+           for entry, why in unread.items()]
+    readable = [entry for entry in configured if entry not in unread]
+    linears = transformer_linears(checkpoint_folder) if readable else {}  # torch: only for a readable file
     files = []
-    for entry in configured:
+    for entry in readable:
         path = paths[entry]
         try:
             state_dict = read_state_dict(path)
         except Exception as exc:  # not safetensors, truncated, unknown key scheme
-            raise LoraError(f"LoRA {entry.name!r} ({path}) cannot be read as a LoRA file: "
-                            f"{type(exc).__name__}: {str(exc)[:200]}") from None
+            bad.append(f"LoRA {entry.name!r} ({path}) cannot be read as a LoRA file: "
+                       f"{type(exc).__name__}: {str(exc)[:200]}")
+            continue
         rank, layers, problems = check_state_dict(state_dict, linears)
         if problems:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-            raise LoraError(f"LoRA {entry.name!r} ({path}) does not fit this model's transformer "
-                            f"(a LoRA for another model?): {'; '.join(problems[:3])}{more}")
+            bad.append(f"LoRA {entry.name!r} ({path}) does not fit this model's transformer "
+                       f"(a LoRA for another model?): {'; '.join(problems[:3])}{more}")
+            continue
         files.append(LoraFile(entry.name, str(path), entry.steps, rank, layers))
         kind = f"Lightning {entry.steps}-step" if entry.steps else "LoRA"
         log.info("LoRA %s: %s, rank %d, %d layers (%s)", entry.name, kind, rank, layers, path)
+    if bad:
+        raise LoraError(bad[0] if len(bad) == 1 else f"{len(bad)} LoRA files cannot be used: " + "; ".join(bad))
     return tuple(files)
