@@ -170,6 +170,12 @@ def edit_ckpt(tmp_path_factory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "edit", kind="edit", seed=0)
 
 
+@pytest.fixture(scope="session")
+def ckpt21(tmp_path_factory) -> Path:
+    """The tiny Qwen-Image-2.1 checkpoint (read only: each module makes its own managers of it)."""
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "q21", kind="21", seed=0)
+
+
 def cpu_plan(workers: int) -> Plan:
     return Plan("replicas", tuple(WorkerPlan(f"worker-{i}", {c: Placement("cpu") for c in COMPONENTS})
                                   for i in range(workers)), f"{workers} CPU worker(s) for tests")

@@ -21,11 +21,6 @@ STEPS = {"num_inference_steps": "2", "seed": "3"}
 
 
 @pytest.fixture(scope="module")
-def ckpt21(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "q21", kind="21", seed=0)
-
-
-@pytest.fixture(scope="module")
 def manager21(ckpt21):
     return make_manager(ckpt21)
 

@@ -10,17 +10,11 @@ import numpy as np
 import pytest
 from conftest import group_plan, make_manager, picture
 
-from imgedit.model.demo_checkpoint import build_checkpoint
 from imgedit.planning.placement import GIB, plan_placement
 from imgedit.planning.plan import ComponentSpec, GpuSpec
 from imgedit.protocol import EditRequest
 
 FAST = dict(num_inference_steps=3, width=64, height=64, seed=11)
-
-
-@pytest.fixture(scope="module")
-def ckpt21(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "q21", kind="21", seed=0)
 
 
 @pytest.fixture(scope="module")

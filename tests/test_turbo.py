@@ -27,11 +27,6 @@ SIZE = 64
 
 
 @pytest.fixture(scope="module")
-def ckpt21(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "q21", kind="21", seed=0)
-
-
-@pytest.fixture(scope="module")
 def turbo_dir(tmp_path_factory):
     return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "q21-turbo", kind="21turbo", seed=0)
 
