@@ -138,6 +138,8 @@ def check_all(configured: tuple[LoraEntry, ...], checkpoint_folder: Path) -> tup
         files.append(LoraFile(entry.name, str(path), entry.steps, rank, layers))
         kind = f"Lightning {entry.steps}-step" if entry.steps else "LoRA"
         log.info("LoRA %s: %s, rank %d, %d layers (%s)", entry.name, kind, rank, layers, path)
+    if len(bad) == 1:
+        raise LoraError(bad[0])
     if bad:
-        raise LoraError(bad[0] if len(bad) == 1 else f"{len(bad)} LoRA files cannot be used: " + "; ".join(bad))
+        raise LoraError(f"{len(bad)} LoRA files cannot be used: " + "; ".join(bad))
     return tuple(files)
