@@ -304,8 +304,9 @@ def test_sixteen_waiting_ten_reference_requests_cost_their_bytes_and_memory_come
                   timeout=120)
     assert r.status_code == 200, r.text
     # (its inputs are decoded once more for the History, after the answer, in the background: in one full run on
-    # the 2-core machine the server still held 222 MiB above idle 20 s after it)
-    wait_for(lambda: rss(proc.pid) - idle < 100 * MIB, 60, f"the server holds {(rss(proc.pid) - idle) / MIB:.0f} "
+    # the 2-core machine the server still held 222 MiB above idle 20 s after it, in another 194 MiB 60 s after;
+    # alone it comes back in seconds: the deadline is the loaded machine's)
+    wait_for(lambda: rss(proc.pid) - idle < 100 * MIB, 150, f"the server holds {(rss(proc.pid) - idle) / MIB:.0f} "
              "MiB above idle after the jobs")
     after = rss(proc.pid) - idle
     print(json.dumps({"idle_mib": idle // MIB, "waiting_mib": held // MIB, "after_mib": after // MIB}))
