@@ -104,8 +104,7 @@ class TargetSplit:
 
     # ---- installing ---------------------------------------------------------------------------------------
     def install(self, transformer: torch.nn.Module) -> None:
-        if internals.hook_registry(transformer.pos_embed) is not None \
-                and internals.hook_registry(transformer.pos_embed).get_hook(HOOK) is not None:
+        if is_split(transformer):
             return
         blocks = transformer.transformer_blocks
         if not all(isinstance(b.attn.processor, attention21.Attention21) for b in blocks):
@@ -123,7 +122,6 @@ class TargetSplit:
                 return image_ids, target_mask
             return self.rows_of(image_ids, 0), self.rows_of(target_mask, 0)
 
-        build_token_metadata.imgedit_unsplit = original
         transformer.build_token_metadata = build_token_metadata
         HookRegistry.check_if_exists_or_initialize(transformer).invalidate_child_registries_cache()
 
