@@ -199,8 +199,8 @@ def test_a_folder_that_is_not_the_turbo_is_refused_at_start_up(ckpt21, turbo_dir
         manager.prepare()
 
 
-@pytest.mark.parametrize("env", [{"MAX_MEMORY": "40GiB"}, {"QUANTIZE": "int8"}, {"OFFLOAD": "text_encoder"}])
-def test_memory_modes_are_refused_with_the_turbo(ckpt21, turbo_dir, env):
+@pytest.mark.parametrize("env", [{"MAX_MEMORY": "40GiB"}, {"OFFLOAD": "text_encoder"}])
+def test_capped_or_streamed_memory_modes_are_refused_with_the_turbo(ckpt21, turbo_dir, env):
     from imgedit.planning.plan import GpuSpec
 
     manager = make_manager(ckpt21, plan="planner", load=False, DEVICE_MAP="auto", TURBO_MODEL_DIR=str(turbo_dir),
@@ -208,6 +208,19 @@ def test_memory_modes_are_refused_with_the_turbo(ckpt21, turbo_dir, env):
     manager._gpus = [GpuSpec(0, "H100", 80 * 2**30, 79 * 2**30)]
     with pytest.raises(PlacementError, match=f"TURBO_MODEL_DIR keeps a second transformer .* {next(iter(env))}"):
         manager.prepare()
+
+
+def test_quantize_applies_to_the_turbo_transformer_too(ckpt21, turbo_dir, manager):
+    """QUANTIZE=int8 (the CPU's; fp8 on GPUs of capability 8.9+): the Turbo's Linear weights are quantized as the
+    model's are, so its image moves off the bf16 Turbo's, a little; /health says how it is held."""
+    quantized = make_manager(ckpt21, plan="planner", TURBO_MODEL_DIR=str(turbo_dir), QUANTIZE="int8")
+    assert quantized.workers[0].report.turbo == "Qwen-Image-2.1-Turbo, 8 steps (q21-turbo), int8 (QUANTIZE)"
+    fast, ran = forwards(quantized, request("fastest"))
+    assert ran == {"transformer": 0, "turbo_transformer": 8}
+    exact = pixels(manager.edit(request("fastest"))).astype(int)
+    difference = np.abs(pixels(fast).astype(int) - exact)
+    assert difference.max() > 0 and difference.mean() < 8, difference.mean()
+    quantized.close()
 
 
 def test_the_planner_counts_the_turbo_transformer(tmp_path):
@@ -232,6 +245,12 @@ def test_the_planner_counts_the_turbo_transformer(tmp_path):
     plan = two.prepare().plan
     assert sum(plan.bytes_per_device.values()) > 43 * GIB  # both transformers, the text encoder, the VAE
     assert plan.bytes_per_device["cuda:0"] > 2 * 14e9 and plan.workers[0].memory is None
+    fp8 = make_manager(real, plan="planner", load=False, DEVICE_MAP="balanced", TURBO_MODEL_DIR=str(turbo),
+                       QUANTIZE="fp8")
+    fp8._gpus = [GpuSpec(0, "L40S", 48 * GIB, 47 * GIB, capability=(8, 9))]  # both fit one card in fp8
+    plan = fp8.prepare().plan
+    assert len(plan.workers) == 1 and plan.workers[0].memory.mode_of("transformer") == "fp8"
+    assert 2 * 7e9 < sum(plan.bytes_per_device.values()) < 47 * GIB
 
 
 def test_the_demo_checkpoints_turbo_kind(ckpt21, turbo_dir, tmp_path):

@@ -116,8 +116,8 @@ REGISTRY: tuple[Var, ...] = (
     Var("TURBO_MODEL_DIR", "", _optional_str,
         "Qwen-Image-2.1 only: a local Qwen-Image-2.1-Turbo folder (the 8-step distilled checkpoint, Qwen "
         "Research License); speed=fast and fastest then run its transformer and schedule (8 steps, CFG off), "
-        "a second transformer of the model's size on the same GPU(s); not with MAX_MEMORY, QUANTIZE or "
-        "OFFLOAD"),
+        "a second transformer of the model's size on the same GPU(s), quantized as the model's with "
+        "QUANTIZE; not with MAX_MEMORY or OFFLOAD"),
     Var("FUSE_LORA", "auto", _choice("auto", "off"),
         "auto: a job with exactly one LoRA (e.g. speed=fastest) runs it fused into the weights, no per-step "
         "cost instead of +9 %, when an exact copy of the weights it adapts (25 GiB for a Lightning LoRA) "

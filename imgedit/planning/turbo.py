@@ -5,7 +5,8 @@ Torch-free: the server checks the folder at start-up and reads its step count fo
 its transformer and scheduler (imgedit.runtime.turbo). The Turbo transformer is a second transformer of the
 model's shape, kept beside the quality one on the same device(s): the planner counts it as the transformer
 twice (`with_turbo`), so a split balances both and a plan that cannot hold both is refused with the planner's
-reason. Memory modes (MAX_MEMORY, QUANTIZE, OFFLOAD) are not planned for it: they are refused with it.
+reason. QUANTIZE applies to both transformers alike (the worker loads the Turbo's as it loads the model's);
+the memory modes that stream or cap (MAX_MEMORY, OFFLOAD) are not planned for it: they are refused with it.
 """
 
 from __future__ import annotations
@@ -108,18 +109,18 @@ def check_turbo(source: str, served: Checkpoint) -> TurboCheckpoint:
     return turbo
 
 
-def memory_refusal(max_memory, quantize, offload) -> str | None:
-    """Why TURBO_MODEL_DIR cannot run with these memory settings, or None. `quantize`/`offload` None: auto
-    (planned without either, and refused by the planner's message when the model does not fit)."""
-    asked = [name for name, on in (("MAX_MEMORY", bool(max_memory)), ("QUANTIZE", bool(quantize)),
-                                   ("OFFLOAD", bool(offload))) if on]
+def memory_refusal(max_memory, offload) -> str | None:
+    """Why TURBO_MODEL_DIR cannot run with these memory settings, or None. `offload` None: auto (planned
+    without streaming, and refused by the planner's message when the model does not fit). QUANTIZE is not
+    refused: the Turbo transformer is quantized as the model's is."""
+    asked = [name for name, on in (("MAX_MEMORY", bool(max_memory)), ("OFFLOAD", bool(offload))) if on]
     if not asked:
         return None
     settings = "/".join(asked)
     return (f"{SETTING} keeps a second transformer of the model's size (about 14 GB in bf16 for "
-            f"Qwen-Image-2.1) on the worker's GPU(s), and the plans of {settings} are not built to hold, "
-            f"quantize or stream it: unset {settings} (a GPU that holds both transformers, the text encoder "
-            f"and the VAE: about 50 GB) or unset {SETTING}")
+            f"Qwen-Image-2.1, 7 GB with QUANTIZE=fp8) on the worker's GPU(s), and the plans of {settings} "
+            f"are not built to cap or stream it: unset {settings} (a GPU that holds both transformers, the "
+            f"text encoder and the VAE: about 50 GB, or 36 GB with QUANTIZE=fp8) or unset {SETTING}")
 
 
 def with_turbo(sizes: list) -> list:

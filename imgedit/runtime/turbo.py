@@ -53,6 +53,13 @@ class Turbo:
             pipe.transformer, pipe.scheduler = transformer, scheduler
 
 
+def weights_of(worker: WorkerPlan) -> str:
+    """What the Turbo transformer's Linear weights are held in: QUANTIZE's mode for the transformer, as the
+    model's (loader.load_model quantizes both alike), or the model's dtype."""
+    mode = worker.memory.mode_of("transformer") if worker.memory is not None else "none"
+    return "the model's dtype" if mode == "none" else f"{mode} (QUANTIZE)"
+
+
 def load(turbo: TurboCheckpoint, pipe, worker: WorkerPlan, dtype: torch.dtype, memoize: bool) -> Turbo:
     """The Turbo transformer onto the devices the plan gives the model's transformer (the planner counted it
     there: imgedit.planning.turbo.with_turbo), its scheduler and sigmas. `memoize`: the model's transformer
@@ -70,7 +77,7 @@ def load(turbo: TurboCheckpoint, pipe, worker: WorkerPlan, dtype: torch.dtype, m
                            f"model's {type(pipe.transformer).__name__}")
     if memoize:
         compile21.memoize_21_metadata(transformer)
-    log.info("Turbo transformer loaded from %s on %s in %.1fs (%d steps: %s)", turbo.folder.name,
-             worker.components["transformer"].describe(), time.perf_counter() - started, turbo.steps,
-             ", ".join(f"{s:g}" for s in turbo.sigmas))
+    log.info("Turbo transformer loaded from %s on %s in %.1fs (%s; %d steps: %s)", turbo.folder.name,
+             worker.components["transformer"].describe(), time.perf_counter() - started, weights_of(worker),
+             turbo.steps, ", ".join(f"{s:g}" for s in turbo.sigmas))
     return Turbo(pipe, transformer, scheduler, turbo.sigmas)

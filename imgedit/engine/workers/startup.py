@@ -59,8 +59,8 @@ def plan_workers(settings: Settings, checkpoint: Checkpoint, plan: Plan | None,
     or this machine's GPUs (`gpus`: discovered when None)."""
     s = settings
     fast = check_turbo(s, checkpoint)  # TURBO_MODEL_DIR: refused before anything is inspected or planned
-    if fast is not None:  # planned without quantized or streamed weights (memory_refusal refused those)
-        s = replace(s, quantize=(), offload=())
+    if fast is not None:  # never streamed (memory_refusal refused it); QUANTIZE=auto plans none
+        s = replace(s, quantize=s.quantize or (), offload=())
     if s.workers == "ray":
         if s.quantize or s.offload:
             raise PlacementError("QUANTIZE and OFFLOAD work with WORKERS=local only for now; "
@@ -97,7 +97,7 @@ def check_turbo(settings: Settings, checkpoint: Checkpoint) -> turbo.TurboCheckp
     if not settings.turbo_model_dir:
         return None
     fast = turbo.check_turbo(settings.turbo_model_dir, checkpoint)
-    refused = turbo.memory_refusal(settings.max_memory, settings.quantize, settings.offload)
+    refused = turbo.memory_refusal(settings.max_memory, settings.offload)
     if refused is not None:
         raise PlacementError(refused)
     log.info("speed=fast/fastest: %s on the same GPU(s) as the model", fast.describe)
