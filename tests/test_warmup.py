@@ -115,9 +115,17 @@ def test_a_compiled_qwen_image_21_worker_compiles_nothing_after_its_warm_up(tmp_
     other sizes and two images per prompt compile nothing (its blocks compiled whole recompiled for every new
     prompt length and image count). With TURBO_MODEL_DIR the Turbo's blocks run the same compiled steps (one
     block function for both transformers) and speed=fastest compiles nothing either (one worker with the Turbo
-    runs both: the suite stays under its 10 minutes)."""
+    runs both: the suite stays under its 10 minutes). A LoRA that runs unfused (FUSE_LORA=off here; a quantized
+    transformer's too) is a variant of its own, warmed up too: a LoRA job at any strength compiles nothing."""
+    from imgedit.model.lora_random import random_lora
+    from imgedit.model.loras import transformer_linears
+
     ckpt = build_checkpoint(tmp_path / "q21", kind="21", seed=0)
-    extra = {"TURBO_MODEL_DIR": str(build_checkpoint(tmp_path / "q21turbo", kind="21turbo", seed=0))}
+    (tmp_path / "loras").mkdir()
+    random_lora(tmp_path / "loras" / "style21.safetensors", transformer_linears(ckpt), rank=4, std=0.02,
+                style="diffusers")
+    extra = {"TURBO_MODEL_DIR": str(build_checkpoint(tmp_path / "q21turbo", kind="21turbo", seed=0)),
+             "LORA_DIR": str(tmp_path / "loras"), "FUSE_LORA": "off"}
     with compile_log() as compiled:
         settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cpu", "COMPILE": "on",
                                   "WORKER_START": "forkserver", "OUTPUT_DIR": str(tmp_path / "out"), **extra})
@@ -143,5 +151,8 @@ def test_a_compiled_qwen_image_21_worker_compiles_nothing_after_its_warm_up(tmp_
             result = manager.edit(EditRequest(images=images, prompt=prompt + " now", seed=1, width=width,
                                               height=height, speed="fastest", num_images=n))
             assert len(result.images) == n and result.steps == 8
+        styled = manager.edit(EditRequest(images=(picture(96, 64),), prompt="paint it", seed=1, width=320,
+                                          height=320, num_inference_steps=2, lora="style21", lora_scale=0.5))
+        assert styled.images[0].size == (320, 320)
         after = compiled()
         assert after == at_ready, f"compiled after the warm-up: {after[len(at_ready):]}"

@@ -167,15 +167,23 @@ def warm_up_21(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
     compile: prefix and target lengths are symbolic from it), then no reference, another prompt length and the
     second size (compiles nothing), then two images per prompt (a batch above 1 is a graph of its own); with
     TURBO_MODEL_DIR, a Turbo job at the first size (its blocks run the same compiled code, its weights are
-    graph inputs: nothing compiles again, its kernels load)."""
+    graph inputs: nothing compiles again, its kernels load; with LoRAs loaded, its two-images run too: the
+    types of its layers differ from the model's); with LoRAs that run unfused, one LoRA job
+    (`unfused_adapters`)."""
     sizes = spec.warmup_sizes or ((1024, 1024),)
     runs = compile21.warmup_requests(max_images_per_prompt=2, sizes=sizes)
     if spec.turbo is not None:  # TURBO_MODEL_DIR: its blocks compiled too, warmed at the first size
-        runs.append(dict(runs[0], num_inference_steps=spec.turbo.steps, scheduler="turbo"))
+        turbo = dict(num_inference_steps=spec.turbo.steps, scheduler="turbo")
+        # with LoRAs loaded the model's Linear layers are peft's and the Turbo's are not: dynamo guards on the
+        # type, so the Turbo's blocks are variants of their own, the batch of two as well
+        batch = [run for run in runs[1:] if run["num_images_per_prompt"] > 1][:1] if spec.loras else []
+        runs += [dict(run, **turbo) for run in (runs[0], *batch)]
+    if adapters := unfused_adapters(runner.adapters):  # peft's LoRA layers on: a compiled variant of its own
+        runs.append(dict(runs[0], adapters=adapters))
     seconds = []
     for k, run in enumerate(runs, 1):
         width, height = run["width"], run["height"]
-        what = "Turbo, " if run.get("scheduler") == "turbo" else ""
+        what = "Turbo, " if run.get("scheduler") == "turbo" else "LoRA, " if run.get("adapters") else ""
         say(f"compiling: warm-up {k} of {len(runs)} ({what}{run['images']} reference(s) at {width}x{height})")
         started = time.perf_counter()
         images = tuple(Image.new("RGB", (width, height), (120, 130, 140)) for _ in range(run["images"]))
@@ -183,7 +191,8 @@ def warm_up_21(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
         req = EditRequest(images=images, prompt=prompt, request_id=f"warmup-21-{k}", source="warmup")
         job = Job(req, Resolved(steps=run["num_inference_steps"], negative_prompt=" ", seed=0,
                                 num_images=run["num_images_per_prompt"], width=width, height=height,
-                                true_cfg_scale=1.0, scheduler=run.get("scheduler", "default")),
+                                true_cfg_scale=1.0, scheduler=run.get("scheduler", "default"),
+                                adapters=run.get("adapters", ())),
                   spec.checkpoint.family)
         runner.run(job, threading.Event())
         seconds.append(round(time.perf_counter() - started, 2))
@@ -191,6 +200,20 @@ def warm_up_21(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
 
 
 WARMUP_PROMPT = "warm up"
+
+
+def unfused_adapters(adapters) -> tuple[tuple[str, float], ...]:
+    """An adapter set whose job runs peft's LoRA layers (unfused), for the warm-up: the first LoRA where FUSE_LORA
+    cannot fuse it (off, a quantized transformer, no room), else the first two (a job of two LoRAs never
+    fuses); () with no LoRA, or one that every job fuses. Measured on the GPU (2026-11-29, QUANTIZE=fp8, one
+    H200): the first LoRA job after a warm-up without one compiled its variant, 10.6 s of steps against 0.94."""
+    if adapters is None or not adapters.files:
+        return ()
+    names = list(adapters.files)
+    fusion = adapters.fusion
+    if fusion is None or not fusion.can_fuse(adapters.adapter_names[names[0]]):
+        return ((names[0], 1.0),)
+    return tuple((name, 1.0) for name in names[:2]) if len(names) > 1 else ()
 
 
 def warmup_prompts(tokenizer, multiple: int) -> list[str]:
