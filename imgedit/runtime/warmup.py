@@ -206,8 +206,8 @@ def unfused_adapters(adapters) -> tuple[tuple[str, float], ...]:
     """An adapter set whose job runs peft's LoRA layers (unfused), for the warm-up: the first LoRA where
     FUSE_LORA cannot fuse it (off, a quantized transformer, no room), else the first two (a job of two LoRAs
     never fuses); () with no LoRA, or one that every job fuses. Measured on one H200 (2026-11-29,
-    Qwen-Image-2.1 with QUANTIZE=fp8): the first LoRA job after a warm-up without one compiled its variant, 10.6 s of steps
-    where the next takes 0.74."""
+    Qwen-Image-2.1 with QUANTIZE=fp8): the first LoRA job after a warm-up without one compiled its variant,
+    10.6 s of steps where the next takes 0.74."""
     if adapters is None or not adapters.files:
         return ()
     names = list(adapters.files)
