@@ -38,8 +38,11 @@ RUN if id -u ubuntu >/dev/null 2>&1; then userdel --remove ubuntu; fi \
 COPY app.py ./
 COPY imgedit/ ./imgedit/
 
+# The compiler's cache and the checkpoint's measured sizes (and checked LoRA files) on the model volume: a
+# recreated container (compose down/up, a new image) plans and compiles from them instead of again.
 ENV HF_HOME=/models/hf \
     COMPILE_CACHE_DIR=/models/compile \
+    IMGEDIT_SIZES_CACHE=/models/imgedit-sizes \
     GRADIO_SERVER_NAME=0.0.0.0 \
     GRADIO_SERVER_PORT=7860 \
     CUDA_DEVICE_ORDER=PCI_BUS_ID

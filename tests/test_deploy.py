@@ -195,6 +195,8 @@ def test_dockerfile_essentials():
     assert any(str(PORT) in args.split() for args in by_kind["EXPOSE"])
     env = " ".join(by_kind["ENV"])
     assert "HF_HOME=/models/hf" in env and "GRADIO_SERVER_NAME=0.0.0.0" in env
+    # what a start measures or compiles is kept on the model volume, so a recreated container reuses it
+    assert "COMPILE_CACHE_DIR=/models/compile" in env and "IMGEDIT_SIZES_CACHE=/models/imgedit-sizes" in env
     assert any("/models" in args for args in by_kind["VOLUME"])
     assert any("-r requirements.txt" in args for args in by_kind["RUN"])
 
