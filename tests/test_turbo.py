@@ -224,8 +224,9 @@ def test_quantize_applies_to_the_turbo_transformer_too(ckpt21, turbo_dir, manage
 
 
 def test_the_planner_counts_the_turbo_transformer(tmp_path):
-    """Real sizes (7.1 B transformer, 8.8 B text encoder): one 48 GB card holds 2.1 alone, not with its Turbo,
-    and the refusal says so; two of them hold both, both transformers on the first."""
+    """Real sizes (7.1 B transformer, 8.8 B text encoder): one 48 GB card holds 2.1 alone, not with its Turbo in
+    bf16, and the refusal says so; QUANTIZE=auto then puts both transformers in fp8 on it (lossless first: it
+    is lossy), as QUANTIZE=fp8 does; two of them hold both in bf16, both transformers on the first."""
     from imgedit.config.parsers import GIB
     from imgedit.planning.plan import GpuSpec
 
@@ -236,7 +237,8 @@ def test_the_planner_counts_the_turbo_transformer(tmp_path):
                          OFFLOAD="none")
     alone._gpus = one
     assert sum(alone.prepare().plan.bytes_per_device.values()) < 33 * GIB
-    both = make_manager(real, plan="planner", load=False, DEVICE_MAP="balanced", TURBO_MODEL_DIR=str(turbo))
+    both = make_manager(real, plan="planner", load=False, DEVICE_MAP="balanced", TURBO_MODEL_DIR=str(turbo),
+                        QUANTIZE="none")
     both._gpus = one
     with pytest.raises(PlacementError, match="counting TURBO_MODEL_DIR's second transformer"):
         both.prepare()
@@ -245,12 +247,13 @@ def test_the_planner_counts_the_turbo_transformer(tmp_path):
     plan = two.prepare().plan
     assert sum(plan.bytes_per_device.values()) > 43 * GIB  # both transformers, the text encoder, the VAE
     assert plan.bytes_per_device["cuda:0"] > 2 * 14e9 and plan.workers[0].memory is None
-    fp8 = make_manager(real, plan="planner", load=False, DEVICE_MAP="balanced", TURBO_MODEL_DIR=str(turbo),
-                       QUANTIZE="fp8")
-    fp8._gpus = [GpuSpec(0, "L40S", 48 * GIB, 47 * GIB, capability=(8, 9))]  # both fit one card in fp8
-    plan = fp8.prepare().plan
-    assert len(plan.workers) == 1 and plan.workers[0].memory.mode_of("transformer") == "fp8"
-    assert 2 * 7e9 < sum(plan.bytes_per_device.values()) < 47 * GIB
+    for quantize in ("auto", "fp8"):  # both fit one card in fp8
+        fp8 = make_manager(real, plan="planner", load=False, DEVICE_MAP="balanced", TURBO_MODEL_DIR=str(turbo),
+                           QUANTIZE=quantize)
+        fp8._gpus = [GpuSpec(0, "L40S", 48 * GIB, 47 * GIB, capability=(8, 9))]
+        plan = fp8.prepare().plan
+        assert len(plan.workers) == 1 and plan.workers[0].memory.mode_of("transformer") == "fp8", quantize
+        assert 2 * 7e9 < sum(plan.bytes_per_device.values()) < 47 * GIB
 
 
 def test_the_demo_checkpoints_turbo_kind(ckpt21, turbo_dir, tmp_path):

@@ -116,14 +116,16 @@ def test_a_compiled_qwen_image_21_worker_compiles_nothing_after_its_warm_up(tmp_
     prompt length and image count). With TURBO_MODEL_DIR the Turbo's blocks run the same compiled steps (one
     block function for both transformers) and speed=fastest compiles nothing either (one worker with the Turbo
     runs both: the suite stays under its 10 minutes). A LoRA that runs unfused (FUSE_LORA=off here; a quantized
-    transformer's too) is a variant of its own, warmed up too: a LoRA job at any strength compiles nothing."""
+    transformer's too) is a variant of its own per LoRA and per batch of one or more, warmed up too: a LoRA job
+    of either LoRA, at any strength and with two images, compiles nothing."""
     from imgedit.model.lora_random import random_lora
     from imgedit.model.loras import transformer_linears
 
     ckpt = build_checkpoint(tmp_path / "q21", kind="21", seed=0)
     (tmp_path / "loras").mkdir()
-    random_lora(tmp_path / "loras" / "style21.safetensors", transformer_linears(ckpt), rank=4, std=0.02,
-                style="diffusers")
+    for k, name in enumerate(("style21", "other21")):
+        random_lora(tmp_path / "loras" / f"{name}.safetensors", transformer_linears(ckpt), rank=4, std=0.02,
+                    style="diffusers", seed=k)
     extra = {"TURBO_MODEL_DIR": str(build_checkpoint(tmp_path / "q21turbo", kind="21turbo", seed=0)),
              "LORA_DIR": str(tmp_path / "loras"), "FUSE_LORA": "off"}
     with compile_log() as compiled:
@@ -151,8 +153,29 @@ def test_a_compiled_qwen_image_21_worker_compiles_nothing_after_its_warm_up(tmp_
             result = manager.edit(EditRequest(images=images, prompt=prompt + " now", seed=1, width=width,
                                               height=height, speed="fastest", num_images=n))
             assert len(result.images) == n and result.steps == 8
-        styled = manager.edit(EditRequest(images=(picture(96, 64),), prompt="paint it", seed=1, width=320,
-                                          height=320, num_inference_steps=2, lora="style21", lora_scale=0.5))
-        assert styled.images[0].size == (320, 320)
+        for lora, scale, n in (("style21", 0.5, 2), ("other21", 1.0, 1)):
+            styled = manager.edit(EditRequest(images=(picture(96, 64),), prompt="paint it", seed=1, width=320,
+                                              height=320, num_inference_steps=2, lora=lora, lora_scale=scale,
+                                              num_images=n))
+            assert len(styled.images) == n and styled.images[0].size == (320, 320)
         after = compiled()
         assert after == at_ready, f"compiled after the warm-up: {after[len(at_ready):]}"
+
+
+def test_the_2_1_warm_up_runs_each_lora_that_runs_unfused():
+    """warmup.unfused_adapters: every LoRA alone where nothing fuses (FUSE_LORA off, a quantized transformer);
+    where FUSE_LORA fuses, only those it cannot fuse (a 2.1 job has one LoRA at most: a fused one runs the no-LoRA
+    variant); none without LoRAs."""
+    from types import SimpleNamespace
+
+    from imgedit.runtime.warmup import unfused_adapters
+
+    names = {"style": "lora_0", "other": "lora_1"}
+    assert unfused_adapters(None) == []
+    assert unfused_adapters(SimpleNamespace(adapter_names={}, fusion=None)) == []
+    assert unfused_adapters(SimpleNamespace(adapter_names=names, fusion=None)) == [(("style", 1.0),),
+                                                                                   (("other", 1.0),)]
+    fuses_style = SimpleNamespace(can_fuse=lambda internal: internal == "lora_0")
+    assert unfused_adapters(SimpleNamespace(adapter_names=names, fusion=fuses_style)) == [(("other", 1.0),)]
+    fuses_all = SimpleNamespace(can_fuse=lambda internal: True)
+    assert unfused_adapters(SimpleNamespace(adapter_names=names, fusion=fuses_all)) == []

@@ -120,7 +120,7 @@ def memory_refusal(max_memory, offload) -> str | None:
     return (f"{SETTING} keeps a second transformer of the model's size (about 14 GB in bf16 for "
             f"Qwen-Image-2.1, 7 GB with QUANTIZE=fp8) on the worker's GPU(s), and the plans of {settings} "
             f"are not built to cap or stream it: unset {settings} (a GPU that holds both transformers, the "
-            f"text encoder and the VAE: about 50 GB, or 36 GB with QUANTIZE=fp8) or unset {SETTING}")
+            f"text encoder and the VAE: about 50 GB, or about 36 GB with QUANTIZE=fp8) or unset {SETTING}")
 
 
 def with_turbo(sizes: list) -> list:

@@ -168,18 +168,20 @@ def warm_up_21(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
     second size (compiles nothing), then two images per prompt (a batch above 1 is a graph of its own); with
     TURBO_MODEL_DIR, a Turbo job at the first size (its blocks run the same compiled code, its weights are
     graph inputs: nothing compiles again, its kernels load; with LoRAs loaded, its two-images run too: the
-    types of its layers differ from the model's); with LoRAs that run unfused, one LoRA job
+    types of its layers differ from the model's); each LoRA that runs unfused, alone and with two images
     (`unfused_adapters`)."""
     sizes = spec.warmup_sizes or ((1024, 1024),)
     runs = compile21.warmup_requests(max_images_per_prompt=2, sizes=sizes)
+    # a batch above one image is a variant of its own (dynamo specialises a batch of 1): each variant below
+    # is warmed with one image and with two
+    shapes = (runs[0], *[run for run in runs[1:] if run["num_images_per_prompt"] > 1][:1])
     if spec.turbo is not None:  # TURBO_MODEL_DIR: its blocks compiled too, warmed at the first size
         turbo = dict(num_inference_steps=spec.turbo.steps, scheduler="turbo")
         # with LoRAs loaded the model's Linear layers are peft's and the Turbo's are not: dynamo guards on the
         # type, so the Turbo's blocks are variants of their own, the batch of two as well
-        batch = [run for run in runs[1:] if run["num_images_per_prompt"] > 1][:1] if spec.loras else []
-        runs += [dict(run, **turbo) for run in (runs[0], *batch)]
-    if adapters := unfused_adapters(runner.adapters):  # peft's LoRA layers on: a compiled variant of its own
-        runs.append(dict(runs[0], adapters=adapters))
+        runs += [dict(run, **turbo) for run in (shapes if spec.loras else shapes[:1])]
+    # peft's LoRA layers on, with one adapter active: a variant per adapter (dynamo guards on its name)
+    runs += [dict(run, adapters=adapters) for adapters in unfused_adapters(runner.adapters) for run in shapes]
     seconds = []
     for k, run in enumerate(runs, 1):
         width, height = run["width"], run["height"]
@@ -202,19 +204,17 @@ def warm_up_21(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
 WARMUP_PROMPT = "warm up"
 
 
-def unfused_adapters(adapters) -> tuple[tuple[str, float], ...]:
-    """An adapter set whose job runs peft's LoRA layers (unfused), for the warm-up: the first LoRA where
-    FUSE_LORA cannot fuse it (off, a quantized transformer, no room), else the first two (a job of two LoRAs
-    never fuses); () with no LoRA, or one that every job fuses. Measured on one H200 (2026-11-29,
-    Qwen-Image-2.1 with QUANTIZE=fp8): the first LoRA job after a warm-up without one compiled its variant,
-    10.6 s of steps where the next takes 0.74."""
-    if adapters is None or not adapters.files:
-        return ()
-    names = list(adapters.files)
+def unfused_adapters(adapters) -> list[tuple[tuple[str, float], ...]]:
+    """The adapter sets whose jobs run peft's LoRA layers (unfused), for Qwen-Image-2.1's warm-up: each LoRA
+    that FUSE_LORA cannot fuse (off, a quantized transformer, no room, a layer it does not fuse), alone (a 2.1
+    job has at most one: there is no Lightning LoRA for it, and its Turbo takes none). A LoRA that is fused
+    runs the no-LoRA variant. Measured on one H200 (2026-11-29, Qwen-Image-2.1 with QUANTIZE=fp8): the first
+    LoRA job after a warm-up without one compiled its variant, 10.6 s of steps where the next takes 0.74."""
+    if adapters is None:
+        return []
     fusion = adapters.fusion
-    if fusion is None or not fusion.can_fuse(adapters.adapter_names[names[0]]):
-        return ((names[0], 1.0),)
-    return tuple((name, 1.0) for name in names[:2]) if len(names) > 1 else ()
+    return [((name, 1.0),) for name, internal in adapters.adapter_names.items()
+            if fusion is None or not fusion.can_fuse(internal)]
 
 
 def warmup_prompts(tokenizer, multiple: int) -> list[str]:

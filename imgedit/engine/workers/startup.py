@@ -59,8 +59,8 @@ def plan_workers(settings: Settings, checkpoint: Checkpoint, plan: Plan | None,
     or this machine's GPUs (`gpus`: discovered when None)."""
     s = settings
     fast = check_turbo(s, checkpoint)  # TURBO_MODEL_DIR: refused before anything is inspected or planned
-    if fast is not None:  # never streamed (memory_refusal refused it); QUANTIZE=auto plans none
-        s = replace(s, quantize=s.quantize or (), offload=())
+    if fast is not None:  # never streamed (memory_refusal refused it); QUANTIZE=auto: lossless first, as ever
+        s = replace(s, offload=())
     if s.workers == "ray":
         if s.quantize or s.offload:
             raise PlacementError("QUANTIZE and OFFLOAD work with WORKERS=local only for now; "
