@@ -178,8 +178,8 @@ class Turbo(Feature):
         build.runner.add(part)
         build.turbo = part
         build.pipe.imgedit_turbo_transformer = part.transformer  # for hooks that watch every transformer
-        held = turbo.weights_of(build.plan)
-        build.report.turbo = build.spec.turbo.describe + ("" if held.startswith("the model") else f", {held}")
+        mode = turbo.quantized_as(build.plan)
+        build.report.turbo = build.spec.turbo.describe + ("" if mode == "none" else f", {mode} (QUANTIZE)")
         if build.cuda:  # the panel's "our weights": the Turbo's too
             build.report.weights_mib = weights_per_gpu()
 

@@ -53,11 +53,10 @@ class Turbo:
             pipe.transformer, pipe.scheduler = transformer, scheduler
 
 
-def weights_of(worker: WorkerPlan) -> str:
-    """What the Turbo transformer's Linear weights are held in: QUANTIZE's mode for the transformer, as the
-    model's (loader.load_model quantizes both alike), or the model's dtype."""
-    mode = worker.memory.mode_of("transformer") if worker.memory is not None else "none"
-    return "the model's dtype" if mode == "none" else f"{mode} (QUANTIZE)"
+def quantized_as(worker: WorkerPlan) -> str:
+    """QUANTIZE's mode for the Turbo transformer's Linear weights: the model's transformer's
+    (loader.load_model quantizes both alike), "none" when they stay in the model's dtype."""
+    return worker.memory.mode_of("transformer") if worker.memory is not None else "none"
 
 
 def load(turbo: TurboCheckpoint, pipe, worker: WorkerPlan, dtype: torch.dtype, memoize: bool) -> Turbo:
@@ -77,7 +76,9 @@ def load(turbo: TurboCheckpoint, pipe, worker: WorkerPlan, dtype: torch.dtype, m
                            f"model's {type(pipe.transformer).__name__}")
     if memoize:
         compile21.memoize_21_metadata(transformer)
+    mode = quantized_as(worker)
     log.info("Turbo transformer loaded from %s on %s in %.1fs (%s; %d steps: %s)", turbo.folder.name,
-             worker.components["transformer"].describe(), time.perf_counter() - started, weights_of(worker),
-             turbo.steps, ", ".join(f"{s:g}" for s in turbo.sigmas))
+             worker.components["transformer"].describe(), time.perf_counter() - started,
+             "the model's dtype" if mode == "none" else f"{mode} (QUANTIZE)", turbo.steps,
+             ", ".join(f"{s:g}" for s in turbo.sigmas))
     return Turbo(pipe, transformer, scheduler, turbo.sigmas)

@@ -180,7 +180,8 @@ def warm_up_21(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
         # with LoRAs loaded the model's Linear layers are peft's and the Turbo's are not: dynamo guards on the
         # type, so the Turbo's blocks are variants of their own, the batch of two as well
         runs += [dict(run, **turbo) for run in (shapes if spec.loras else shapes[:1])]
-    # peft's LoRA layers on, with one adapter active: a variant per adapter (dynamo guards on its name)
+    # peft's LoRA layers on, with one adapter active: a variant of its own (per adapter where dynamo's guards
+    # tell the adapters apart), so each one is warmed
     runs += [dict(run, adapters=adapters) for adapters in unfused_adapters(runner.adapters) for run in shapes]
     seconds = []
     for k, run in enumerate(runs, 1):
