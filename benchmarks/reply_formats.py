@@ -26,7 +26,7 @@ from PIL import Image
 SETTINGS = {"QWEN_MODEL_DIR": "/tmp/qwen-image-2.1-real-random",
             "TURBO_MODEL_DIR": "/tmp/qwen-image-2.1-turbo-real-random",
             "QUANTIZE": "fp8", "DEVICE_MAP": "cuda:0", "COMPILE_CACHE_DIR": "/tmp/acc-tfp8/compile-cache/21-turbo",
-            "OUTPUT_DIR": "/tmp/jpeg-out"}
+            "OUTPUT_DIR": "/tmp/reply-formats-out"}
 FORMATS = ("png", "jpeg", "webp", "png", "jpeg", "webp", "jpeg", "jpeg")
 
 
@@ -34,7 +34,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=7991)
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE over the defaults above")
-    parser.add_argument("--log", default="/tmp/res/jpeg-server.log", help="the server's log")
+    parser.add_argument("--log", default="/tmp/reply-formats-server.log", help="the server's log")
     args = parser.parse_args()
     env = {**os.environ, **SETTINGS, "GRADIO_SERVER_PORT": str(args.port),
            **dict(item.split("=", 1) for item in args.env)}
