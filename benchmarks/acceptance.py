@@ -438,7 +438,7 @@ class Requests:
             return {"name": name, "outcome": "skipped"}
         body = {"prompt": PROMPT, "size": f"{self.args.size}x{self.args.size}", "n": 1,
                 "response_format": "b64_json", "seed": 1, **fields}
-        record = {"name": name, "api": "rest /v1/images/generations", "fields": body, "expected_images": 1}
+        record = {"name": name, "api": "rest /v1/images/generations", "fields": body, "expected_images": body["n"]}
         return self._post(record, "/v1/images/generations", None, json=body)
 
     def phase_sums(self) -> dict[str, float]:
@@ -634,6 +634,8 @@ def run_requests_21(requests: Requests, health: dict, steps: int, other_steps: i
     add(requests.rest_edit("refs10", other, pictures=references))
     add(requests.rest_edit("rgba", other, pictures=[input_picture(size, alpha=True)]))
     add(requests.rest_edit("lora-0.5", {**other, "lora": LORA_21, "lora_scale": "0.5"}))
+    # two images a prompt with the LoRA: a graph of its own, which the warm-up must have compiled
+    add(requests.rest_edit("lora-0.5-n2", {**other, "lora": LORA_21, "lora_scale": "0.5"}, n=2))
     add(requests.rest_edit("mask", other, mask=True))
     add(requests.gradio_edit("gradio-t2i", generate=True, cfg=1.0))
     add(requests.enhance("rewrite"))
@@ -642,6 +644,7 @@ def run_requests_21(requests: Requests, health: dict, steps: int, other_steps: i
             for run in ("first", "steady"):
                 add(requests.rest_generation(f"turbo-t2i-{speed}-{run}", {"speed": speed}))
         add(requests.rest_edit("turbo-edit-fastest", {"speed": "fastest"}))
+        add(requests.rest_generation("turbo-t2i-fastest-n2", {"speed": "fastest", "n": 2}))
         add(requests.rest_edit("turbo-refs3-fastest", {"speed": "fastest"}, pictures=references[:3]))
 
 
