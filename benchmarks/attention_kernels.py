@@ -1,10 +1,12 @@
-"""Qwen-Image-2.1's attention shapes on each kernel the card has: PyTorch's SDPA flash (FlashAttention-2), cuDNN,
-memory-efficient, and FlashAttention-4 (the `flash-attn-4` package's CuTe kernels, which PyTorch puts behind its
-flash SDPA op with `torch.nn.attention.activate_flash_attention_impl("FA4")`).
+"""Qwen-Image-2.1's attention shapes on each kernel the card has: PyTorch's default choice, SDPA flash (FA2), cuDNN,
+memory-efficient, and FlashAttention-4 (the `flash-attn-4` package's CuTe kernels, called as `flash_attn_func` on
+(batch, tokens, heads, dim) tensors: PyTorch 2.11's `activate_flash_attention_impl("FA4")` expects an older
+`_flash_attn_fwd` that returned two values, and 4.0.0b36's returns more).
 
 Shapes (32 heads of 128, bf16, one image at 1024² = 4096 target tokens): the cached later steps attend 4096
 queries to the prompt, the references and the target (k = 4096 * (1 + refs) + prompt); the first step (prefill)
-attends every token to every token it may see (timed as q = k, an upper bound). Per kernel and shape: the mean of
+attends every token to every token it may see (timed as q = k, an upper bound). The tensors are laid out as
+diffusers hands them to SDPA: made (batch, tokens, heads, dim) and transposed. Per kernel and shape: the mean of
 the timed calls, TFLOP/s, and the largest difference from the FA2 output (every output must be finite).
 
     python3 benchmarks/attention_kernels.py --refs 0,1,5,10 --json /tmp/attn.json
@@ -42,15 +44,28 @@ def main(argv=None) -> int:
 
     import torch
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, activate_flash_attention_impl, restore_flash_attention_impl, sdpa_kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    kernels = {"fa2": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-               "efficient": SDPBackend.EFFICIENT_ATTENTION, "fa4": SDPBackend.FLASH_ATTENTION}
+    def sdpa(backend):
+        def attend(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v)
+        return attend
+
+    def native(q, k, v):  # what ATTENTION=native runs: PyTorch's own choice
+        return F.scaled_dot_product_attention(q, k, v)
+
+    kernels = {"fa2": sdpa(SDPBackend.FLASH_ATTENTION), "native": native, "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+               "efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION)}
     try:
-        import flash_attn.cute.interface  # noqa: F401
+        from flash_attn.cute import flash_attn_func
+
+        def fa4(q, k, v):
+            out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+        kernels["fa4"] = fa4
     except ImportError as exc:
         print(f"fa4: not installed ({exc})")
-        kernels.pop("fa4")
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     shapes = []
     for refs in (int(r) for r in args.refs.split(",")):
@@ -61,24 +76,19 @@ def main(argv=None) -> int:
     rows = []
     gen = torch.Generator("cuda").manual_seed(0)
     for name, nq, nk in shapes:
-        q = torch.randn(1, HEADS, nq, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
-        k = torch.randn(1, HEADS, nk, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
-        v = torch.randn(1, HEADS, nk, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+        q = torch.randn(1, nq, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)
+        k = torch.randn(1, nk, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)
+        v = torch.randn(1, nk, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)
         flops = 4 * HEADS * nq * nk * HEAD_DIM
         reference = None
-        for kernel, backend in kernels.items():
-            if kernel == "fa4":
-                activate_flash_attention_impl("FA4")
+        for kernel, attend in kernels.items():
             try:
-                with sdpa_kernel(backend):
-                    out = F.scaled_dot_product_attention(q, k, v)
-                    seconds = timed(F.scaled_dot_product_attention, args.repeat, q, k, v)
-            except RuntimeError as exc:
-                print(f"{name} {kernel}: refused ({str(exc).splitlines()[0][:160]})", flush=True)
+                out = attend(q, k, v)
+                seconds = timed(attend, args.repeat, q, k, v)
+            except Exception as exc:  # a kernel that refuses this shape (or fails to build) is a row, not the end
+                print(f"{name} {kernel}: refused ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})",
+                      flush=True)
                 continue
-            finally:
-                if kernel == "fa4":
-                    restore_flash_attention_impl()
             finite = bool(torch.isfinite(out).all())
             reference = out if reference is None else reference
             row = dict(shape=name, q=nq, k=nk, kernel=kernel, ms=round(seconds * 1e3, 3),

@@ -13,6 +13,8 @@ import html
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
@@ -30,6 +32,15 @@ from imgedit.web.page.speed import parse_cache_input
 from imgedit.web.page.tools import refusal, user_error
 
 BATCH_GROUP = "batch"  # unlimited in Gradio: the manager's line and JOBS_MAX_PENDING bound batches
+
+
+@dataclass(frozen=True)
+class PanelRefresh:
+    """The GPU panel's and the banner's values now (`values()`) and their components (web.page.blocks). A
+    batch sets them in its last update: left to the panel's 2 s tick, the panel still showed the worker busy
+    ("a job preparing", "batch items not yet done: 3") when the tab already said done."""
+    values: Callable[[], tuple[str, str]]
+    outputs: tuple[gr.HTML, gr.HTML]
 
 
 def _report(job: Job) -> str:
@@ -72,7 +83,8 @@ BATCH_CSS = """<style>
 </style>"""
 
 
-def build_batch_tab(settings: Settings, manager: Engine, jobs: JobService, controls: dict) -> None:
+def build_batch_tab(settings: Settings, manager: Engine, jobs: JobService, controls: dict,
+                    panel: PanelRefresh) -> None:
     """Inside a `gr.Tabs`: the Batch tab. `controls` are the Edit tab's ({declared parameter: its control}):
     every item runs with the ones the declaration gives the batch (protocol.PARAMETERS' "batch": the advanced
     settings, Speed, LoRA, strength and Step cache; the tab has its own files and prompt), as a single edit
@@ -102,15 +114,17 @@ def build_batch_tab(settings: Settings, manager: Engine, jobs: JobService, contr
         """Run one prompt over every uploaded image; yields (gallery, report, zip) as items finish."""
         async with contextlib.aclosing(updates(*args)) as values:
             # closed with this one (a cancel stops the job)
-            async for shown, report_text, archive, _ in values:
+            async for shown, report_text, archive, _, _ in values:
                 yield shown, report_text, archive
 
     @functools.wraps(run_batch)  # the same parameters (names, defaults, the request) as the API's
     async def run_batch_in_page(*args):
-        """The page's: the API's three values and the progress line."""
+        """The page's: the API's three values, the progress line, and with the last update the GPU panel and
+        the banner (the worker is back in the line by then)."""
         async with contextlib.aclosing(updates(*args)) as values:
-            async for update in values:
-                yield update
+            async for *update, finished in values:
+                shown = await asyncio.to_thread(panel.values) if finished else (gr.skip(), gr.skip())
+                yield *update, *shown
 
     async def updates(files, *args):
         *values, request = args
@@ -137,7 +151,7 @@ def build_batch_tab(settings: Settings, manager: Engine, jobs: JobService, contr
                 shown = await asyncio.to_thread(_export, job, folder)
                 if job.finished:
                     break
-                yield shown, _report(job), None, progress_line(job)
+                yield shown, _report(job), None, progress_line(job), False
                 await job.wait_change(1.0)
             rows = [(i.name, i.entry, i.error) for i in job.items]
             archive = None
@@ -145,7 +159,7 @@ def build_batch_tab(settings: Settings, manager: Engine, jobs: JobService, contr
                 # named as single downloads are, from the prompt (it was job_<id>.zip)
                 archive = folder / f"{download_name(template.prompt, None)}-{len(job.entries())}-results.zip"
                 archive.write_bytes(await asyncio.to_thread(results_zip, rows))
-            yield shown, _report(job), str(archive) if archive else None, progress_line(job)
+            yield shown, _report(job), str(archive) if archive else None, progress_line(job), True
         finally:
             job.cancel.set()  # a no-op once finished; stops the rest when the user cancelled
             shutil.rmtree(folder, ignore_errors=True)
@@ -154,7 +168,7 @@ def build_batch_tab(settings: Settings, manager: Engine, jobs: JobService, contr
     inputs = [files, *(prompt if name == "prompt" else controls[name] for name in names)]
     active, idle = gr.update(interactive=True), gr.update(interactive=False)  # Cancel only while a batch runs
     started = run.click(lambda: active, None, stop, queue=False, api_visibility="private")
-    event = started.then(run_batch_in_page, inputs, [gallery, report, download, line],
+    event = started.then(run_batch_in_page, inputs, [gallery, report, download, line, *panel.outputs],
                          api_visibility="private", concurrency_id=BATCH_GROUP, concurrency_limit=None,
                          show_progress="hidden")
     event.then(lambda: idle, None, stop, queue=False, api_visibility="private")

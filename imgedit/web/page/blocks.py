@@ -16,7 +16,7 @@ from imgedit.engine.interface import Engine
 from imgedit.engine.workers.gpus import GpuMonitor
 from imgedit.planning.families import FAMILIES
 from imgedit.web.page.assets import INPUT_PREVIEW_CSS
-from imgedit.web.page.batch_tab import build_batch_tab
+from imgedit.web.page.batch_tab import PanelRefresh, build_batch_tab
 from imgedit.web.page.edit_events import GPU_GROUP, EditEvents, build_edit_api, wire_editor
 from imgedit.web.page.editor import Editor, build_editor
 from imgedit.web.page.history_tab import build_history_tab
@@ -53,9 +53,10 @@ def build_blocks(settings: Settings, manager: Engine, demo: bool = False, monito
         # tab open, they made the page 2,700 px tall before any result)
         with gr.Tabs(elem_id="page-tabs"):
             with gr.Tab("GPUs", id="gpus"):
-                build_panel(blocks, manager, monitor, jobs, banner)
+                panel = build_panel(blocks, manager, monitor, jobs, banner)
             if jobs is not None:  # Batch and History tabs (web.page.batch_tab, web.page.history_tab)
-                history_api = build_tabs(settings, manager, history, jobs, editor, events, cache_refused)
+                history_api = build_tabs(settings, manager, history, jobs, editor, events, cache_refused,
+                                         panel)
         if jobs is not None:
             gr.api(history_api, api_name="history", queue=False)
         gr.HTML(INPUT_PREVIEW_CSS, padding=False)  # a style block: here it leaves no gap in the form
@@ -64,8 +65,10 @@ def build_blocks(settings: Settings, manager: Engine, demo: bool = False, monito
     return blocks
 
 
-def build_panel(blocks: gr.Blocks, manager: Engine, monitor: GpuMonitor, jobs, banner: gr.HTML) -> None:
-    """The GPUs panel (and the banner above the editor), refreshed every 2 s, and the `/gpu_status` API."""
+def build_panel(blocks: gr.Blocks, manager: Engine, monitor: GpuMonitor, jobs,
+                banner: gr.HTML) -> PanelRefresh:
+    """The GPUs panel (and the banner above the editor), refreshed every 2 s, and the `/gpu_status` API.
+    Returns what an event that ends a job shows them with in its last update (PanelRefresh)."""
     gpu_panel = gr.HTML(elem_id="gpu-panel")  # filled on every page load (below)
     timer = gr.Timer(2.0)
 
@@ -85,13 +88,14 @@ def build_panel(blocks: gr.Blocks, manager: Engine, monitor: GpuMonitor, jobs, b
         refresh(panel, None, [gpu_panel, banner], queue=False, api_visibility="private",
                 show_progress="hidden")
     gr.api(gpu_status, api_name="gpu_status", queue=False)
+    return PanelRefresh(panel, (gpu_panel, banner))
 
 
 def build_tabs(settings: Settings, manager: Engine, history, jobs, editor: Editor, events: EditEvents,
-               cache_refused: str | None):
+               cache_refused: str | None, panel: PanelRefresh):
     """The Batch and History tabs, over the editor's controls; History's re-run is the Edit button's edit.
     Returns the `/history` API's function."""
-    build_batch_tab(settings, manager, jobs, editor.controls)
+    build_batch_tab(settings, manager, jobs, editor.controls, panel)
     history_api = build_history_tab(settings, history, editor.controls, editor.outputs, events.page,
                                     GPU_GROUP, cache_offered=not cache_refused, family=manager.family)
     return history_api
