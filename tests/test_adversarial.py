@@ -28,6 +28,7 @@ FRAMEWORK_TEXT = ("Traceback", 'File "', "validation error", "Input should", "py
                   "KeyError", "TypeError", "ValueError", "AttributeError", "NoneType", "object has no attribute",
                   "Field required", "not found in", "Exception", "internal error")
 FIELDS = {"prompt": "make it red", "size": "64x64", "num_inference_steps": "2", "seed": "1"}
+API_DOC = ROOT / "docs" / "api.md"
 
 
 def png(w: int = 64, h: int = 48) -> bytes:
@@ -230,7 +231,11 @@ def test_api_key_and_login_hold(keyed):
                       timeout=30).status_code in (401, 403)
     with pytest.raises(Exception, match="(?i)login|auth|credentials"):
         Client(server.url, verbose=False)
-    c = Client(server.url, auth=("ann", "pw-1"), verbose=False)
+    # #62 item 9: docs/api.md shows the login call; run as the docs write it, with one GRADIO_AUTH pair
+    shown = re.search(r'`(Client\("http://localhost:7860/", auth=\(user, password\)\))`', API_DOC.read_text())
+    assert shown, "docs/api.md no longer shows gradio_client's login"
+    c = eval(shown.group(1).replace('"http://localhost:7860/"', "url"),  # noqa: S307 (the docs' own line)
+             {"Client": Client, "url": server.url, "user": "ann", "password": "pw-1"})
     assert c.predict(api_name="/gpu_status")["workers"]
 
 
