@@ -197,7 +197,7 @@ def test_junk_over_rest_is_an_openai_error(live_server, server_manager):
 @pytest.fixture(scope="module")
 def keyed(plus_ckpt):
     manager = make_manager(plus_ckpt, API_KEY="s3cret-key", API_KEYS="ci:ci-key-0001,alice:alice-key-01",
-                           GRADIO_AUTH="ann:pw-1,bob:pw-2")
+                           GRADIO_AUTH="ann:pw-1,bob:pw-2,alice:pw-3")
     with start_server(manager) as server:
         yield server, manager
 
@@ -289,6 +289,14 @@ def test_owned_keys_and_logins_each_see_their_own_and_open_views_show_no_ids(key
     ann, bob = (Client(server.url, auth=login, verbose=False) for login in (("ann", "pw-1"), ("bob", "pw-2")))
     ann.predict([handle_file(str(image_file))], "x", "", 3, False, 2, 4.0, 1, 64, 64, api_name="/edit")
     assert len(ann.predict(api_name="/history")) == 1 and bob.predict(api_name="/history") == []
+    # #62: alice's page History shows what her key made over REST beside her page edits (API_KEYS and GRADIO_AUTH
+    # both name her); ci's key (no login of that name) stays apart.
+    alice = Client(server.url, auth=("alice", "pw-3"), verbose=False)
+    wait_for(lambda: any("[slow]" in e["prompt"] for e in alice.predict(api_name="/history")), 30)
+    alice.predict([handle_file(str(image_file))], "y", "", 4, False, 2, 4.0, 1, 64, 64, api_name="/edit")
+    listed = alice.predict(api_name="/history")
+    assert sorted((e["prompt"], e["source"]) for e in listed) == [("[slow] make it red", "rest"), ("y", "api")], listed
+    assert not any(e["prompt"] == "make it red" for who in (alice, ann, bob) for e in who.predict(api_name="/history"))
 
 
 def test_concurrent_clients_of_every_kind_with_junk_between(live_server, server_manager, image_file, uploaded):

@@ -93,6 +93,26 @@ def test_save_writes_pngs_inputs_and_a_thumbnail(tmp_path, result):
     assert not list(tmp_path.glob("*/.partial-*"))
 
 
+def test_a_key_named_as_a_login_takes_over_what_an_older_version_stored_under_the_key(tmp_path, result):
+    """#62: a key of API_KEYS named as a GRADIO_AUTH user owns as that user (one History for page and scripts);
+    what was stored under the key before (`key:<name>`) moves to the user at start-up, results and jobs."""
+    from types import SimpleNamespace
+
+    from imgedit.engine.jobs.records import JobRecords
+    from imgedit.web.identity import merge_login_keys, user_owner
+
+    req, res = result
+    store, records = HistoryStore(tmp_path), JobRecords(tmp_path)
+    kept = store.save("key:alice", "job-1", 0, req, res, "a.png")
+    apart = store.save("key:ci", "job-2", 0, req, res, "b.png")
+    records.write("job-1", "key:alice", "rest", time.time(), {}, [])
+    settings = SimpleNamespace(gradio_auth=(("alice", "pw"), ("bob", "pw")), api_keys=(("alice", "k1"), ("ci", "k2")))
+    merge_login_keys(settings, store, records)
+    assert [e.id for e in store.list(user_owner("alice"))] == [kept.id] and store.list("key:alice") == []
+    assert records.read(user_owner("alice"), "job-1") is not None and records.read("key:alice", "job-1") is None
+    assert [e.id for e in store.list("key:ci")] == [apart.id]  # no login of that name: the key's own
+
+
 def test_the_columns_keep_what_the_declaration_says_as_asked_or_as_it_ran(tmp_path, result):
     """Each parameter column is filled from the declaration: as asked for (CFG and size left to the model stay
     None, no LoRA's word is None), or where declared `kept_as_ran` as the edit ran (the rewritten prompt, the

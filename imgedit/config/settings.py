@@ -204,7 +204,8 @@ REGISTRY: tuple[Var, ...] = (
         "When set, /metrics and /v1/* need 'Authorization: "
         "Bearer <key>'; every holder shares one set of jobs"),
     Var("API_KEYS", "", parse_api_keys,
-        "Keys with owners, name:key,name2:key2 or @file (one per line): each key sees only its own jobs"),
+        "Keys with owners, name:key,name2:key2 or @file (one per line): each key sees only its own jobs; "
+        "a key named as a GRADIO_AUTH user shares that user's History"),
     Var("GRADIO_AUTH", "", parse_logins,
         "Logins for the page, user:password,user2:password2 "
         "or @file (one per line); each user has a History"),

@@ -25,7 +25,7 @@ from imgedit.engine.workers.gpus import GpuMonitor
 from imgedit.web.api import errors as api_errors
 from imgedit.web.api.jobs import build_jobs_router
 from imgedit.web.api.rest import build_router
-from imgedit.web.identity import BrowserCookie
+from imgedit.web.identity import BrowserCookie, merge_login_keys
 from imgedit.web.metrics import Metrics
 from imgedit.web.page.assets import page_head
 from imgedit.web.page.blocks import GPU_GROUP, build_blocks
@@ -57,9 +57,10 @@ class Application:
     @classmethod
     def build(cls, settings: Settings, engine: Engine, monitor: GpuMonitor | None = None) -> Application:
         history = HistoryStore.from_settings(settings)
+        jobs = JobService(settings, engine, history)
+        merge_login_keys(settings, history, jobs.records)  # a key named as a login owns as that user
         return cls(settings=settings, engine=engine, monitor=monitor or GpuMonitor(), history=history,
-                   jobs=JobService(settings, engine, history),
-                   shutdown=Shutdown(engine, settings.shutdown_grace_s))
+                   jobs=jobs, shutdown=Shutdown(engine, settings.shutdown_grace_s))
 
 
 def build_app(settings: Settings, engine: Engine, demo: bool | None = None,

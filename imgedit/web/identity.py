@@ -3,15 +3,18 @@
 Browsers get a random `imgedit_browser` cookie (HttpOnly, set by `BrowserCookie` on the first
 response), so history is per browser without a login; with GRADIO_AUTH it is per user instead.
 REST callers are told apart by their key: with API_KEYS each named key is its own owner
-(`key:<name>`); with the one shared API_KEY every holder is one owner; with neither, any bearer
-token is accepted and names its owner (no token at all: the shared anonymous owner). Owners are
-hashed (or named) before they are stored, so the database never holds a cookie or a key.
+(`key:<name>`), except that a key named as a GRADIO_AUTH user is that user (one person, one History:
+the page shows what their scripts made); with the one shared API_KEY every holder is one owner; with
+neither, any bearer token is accepted and names its owner (no token at all: the shared anonymous
+owner). Owners are hashed (or named) before they are stored, so the database never holds a cookie or
+a key.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import re
 import secrets
 from collections.abc import Awaitable, Callable
@@ -21,6 +24,8 @@ from fastapi import Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from imgedit.web.api.errors import ApiError
+
+log = logging.getLogger(__name__)
 
 COOKIE = "imgedit_browser"
 _VALID = re.compile(r"[A-Za-z0-9_-]{32}")
@@ -42,6 +47,17 @@ def _cookie(header: str | None) -> str | None:
     return morsel.value if morsel is not None and _VALID.fullmatch(morsel.value) else None
 
 
+def user_owner(name: str) -> str:
+    """A GRADIO_AUTH user's owner, and that of a key of API_KEYS named as the user."""
+    return "user:" + _digest(name)
+
+
+def login_keys(settings) -> tuple[str, ...]:
+    """The names of API_KEYS that are also GRADIO_AUTH users: their holders own as those users."""
+    users = {user for user, _ in settings.gradio_auth}
+    return tuple(name for name, _ in settings.api_keys if name in users)
+
+
 def page_owner(request, auth_enabled: bool) -> str | None:
     """The owner of a page (or gradio API) call: the user with GRADIO_AUTH, else the browser cookie.
     None when neither is known (a client that drops cookies): such calls keep no history."""
@@ -49,7 +65,7 @@ def page_owner(request, auth_enabled: bool) -> str | None:
         return None
     username = getattr(request, "username", None)
     if auth_enabled and username:
-        return "user:" + _digest(username)
+        return user_owner(username)
     value = _cookie(request.headers.get("cookie"))
     return "browser:" + _digest(value) if value else None
 
@@ -59,13 +75,15 @@ def bearer(request) -> str:
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
-def rest_owner(request, api_key: str | None = None, api_keys: tuple[tuple[str, str], ...] = ()) -> str | None:
+def rest_owner(request, api_key: str | None = None, api_keys: tuple[tuple[str, str], ...] = (),
+               users: tuple[str, ...] = ()) -> str | None:
     """The owner of a REST call, or None when it may not be served (keys are set and it has none of
-    them). Every configured key is compared, in constant time, whichever matches."""
+    them). Every configured key is compared, in constant time, whichever matches. `users`: the names of
+    API_KEYS that own as the GRADIO_AUTH user of that name (login_keys)."""
     token = bearer(request).encode()
     named = [name for name, key in api_keys if hmac.compare_digest(token, key.encode())]
     if named:
-        return "key:" + named[0]
+        return user_owner(named[0]) if named[0] in users else "key:" + named[0]
     if api_key:
         return "token:" + _digest(token.decode()) if hmac.compare_digest(token, api_key.encode()) else None
     return None if api_keys else "token:" + _digest(token.decode())
@@ -74,17 +92,27 @@ def rest_owner(request, api_key: str | None = None, api_keys: tuple[tuple[str, s
 UNAUTHORIZED = "missing or wrong API key (Authorization: Bearer <key>)"
 
 
-def key_holder(api_key: str | None,
-               api_keys: tuple[tuple[str, str], ...]) -> Callable[[Request], Awaitable[str]]:
-    """The REST routes' key check, as a FastAPI dependency (`Depends(key_holder(...))`): the caller's owner,
-    or a 401 in OpenAI's shape when keys are set and it sent none of them."""
+def merge_login_keys(settings, *stores) -> None:
+    """What an older version stored under a key now owned by its user (`key:<name>`, login_keys) moves to
+    that user, so that neither the page nor the key loses it. Each store has `merge_owner(old, new)`."""
+    for name in login_keys(settings):
+        for store in stores:
+            if moved := store.merge_owner("key:" + name, user_owner(name)):
+                log.info("%d stored %s of key %r now belong to the login %r (API_KEYS and GRADIO_AUTH "
+                         "name them both)", moved, store.rows, name, name)
+
+
+def key_holder(settings) -> Callable[[Request], Awaitable[str]]:
+    """The REST routes' key check, as a FastAPI dependency (`Depends(key_holder(settings))`): the caller's
+    owner, or a 401 in OpenAI's shape when keys are set (API_KEY, API_KEYS) and it sent none of them."""
+    api_key, api_keys, users = settings.api_key, settings.api_keys, login_keys(settings)
 
     # declared for the OpenAPI schema (/docs: its Authorize button); the header is read by rest_owner
     scheme = HTTPBearer(auto_error=False,
                         description="API_KEY, or your key of API_KEYS (any text when unset)")
 
     async def owner(request: Request, _: HTTPAuthorizationCredentials | None = Security(scheme)) -> str:
-        if (found := rest_owner(request, api_key, api_keys)) is None:
+        if (found := rest_owner(request, api_key, api_keys, users)) is None:
             raise ApiError(401, UNAUTHORIZED, "invalid_api_key")
         return found
 

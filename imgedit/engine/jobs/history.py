@@ -210,6 +210,13 @@ class HistoryStore:
             log.exception("%s: storing the result failed", job_id)
             return None
 
+    rows = "results"  # what merge_owner moves, in its log line
+
+    def merge_owner(self, old: str, new: str) -> int:
+        """Every result of `old` now `new`'s (web.identity.merge_login_keys); how many moved."""
+        with self._lock:
+            return self._db.execute("UPDATE results SET owner = ? WHERE owner = ?", (new, old)).rowcount
+
     # ---- reading (always by owner) ----
     def list(self, owner: str, limit: int = 200) -> list[HistoryEntry]:
         return self._select("WHERE owner = ? ORDER BY created DESC, item LIMIT ?", (owner, limit))

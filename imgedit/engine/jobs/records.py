@@ -111,6 +111,13 @@ class JobRecords:
         with self._lock:
             self._db.execute("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
 
+    rows = "jobs"  # what merge_owner moves, in its log line
+
+    def merge_owner(self, old: str, new: str) -> int:
+        """Every job of `old` now `new`'s (web.identity.merge_login_keys); how many moved."""
+        with self._lock:
+            return self._db.execute("UPDATE jobs SET owner = ? WHERE owner = ?", (new, old)).rowcount
+
     def read(self, owner: str, job_id: str) -> dict | None:
         """The job as last written, for its owner only: created, finished, cancelled, settings, items,
         state."""

@@ -113,7 +113,7 @@ def build_jobs_router(settings: Settings, manager: Engine, jobs: JobService, met
     # workers.
     reencoding = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reencode")
     # the key check, once: every route below takes its owner from it (a 401 before the route runs)
-    key = Depends(key_holder(settings.api_key, settings.api_keys))
+    key = Depends(key_holder(settings))
 
     @router.post("/v1/jobs")
     async def create_job(request: Request, owner: str = key) -> Response:

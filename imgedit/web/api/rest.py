@@ -65,7 +65,7 @@ def build_router(settings: Settings, manager: Engine, metrics: Metrics, monitor:
     router = APIRouter()
     started = int(time.time())  # a model's `created`: when this server came up
     # the key check, once: every route below takes its owner from it (a 401 before the route runs)
-    key = Depends(key_holder(settings.api_key, settings.api_keys))
+    key = Depends(key_holder(settings))
 
     @router.get("/health")
     def health() -> JSONResponse:
