@@ -159,8 +159,8 @@ REGISTRY: tuple[Var, ...] = (
         "per-block compile: each block's replay overwrites the last one's output"),
     Var("ATTENTION", "native", _choice("native", "flash", "cudnn", "efficient"),
         "The transformer's attention kernel (diffusers' set_attention_backend): "
-        "native (PyTorch picks) | flash | cudnn | efficient (PyTorch's own "
-        "kernels, nothing downloaded); cudnn and efficient need CUDA GPUs"),
+        "native (PyTorch picks: cuDNN's on an H100/H200, the fastest there) | flash | cudnn | "
+        "efficient (PyTorch's own kernels, nothing downloaded); cudnn and efficient need CUDA GPUs"),
     Var("ENCODE_CACHE", "8", _int_range(0, 256),
         "Input encodings each worker keeps: the same image edited again is not VAE-encoded again, the same "
         "prompt with the same images not text-encoded again (exact: the stored results); 0 = off"),
