@@ -17,6 +17,7 @@ import hmac
 import logging
 import re
 import secrets
+import sqlite3
 from collections.abc import Awaitable, Callable
 from http.cookies import SimpleCookie
 
@@ -96,10 +97,17 @@ def merge_login_keys(settings, *stores) -> None:
     """What an older version stored under a key now owned by its user (`key:<name>`, login_keys) moves to
     that user, so that neither the page nor the key loses it. Each store has `merge_owner(old, new)`."""
     for name in login_keys(settings):
+        log.info("API_KEYS' key %r and GRADIO_AUTH's login %r are one owner: one History, one set of jobs "
+                 "(name them apart to keep them apart)", name, name)
         for store in stores:
-            if moved := store.merge_owner("key:" + name, user_owner(name)):
-                log.info("%d stored %s of key %r now belong to the login %r (API_KEYS and GRADIO_AUTH "
-                         "name them both)", moved, store.rows, name, name)
+            try:
+                moved = store.merge_owner("key:" + name, user_owner(name))
+            except sqlite3.Error as exc:  # e.g. another server holding the database: served as they are
+                log.warning("could not move the %s stored under key %r to its login: %s",
+                            store.rows, name, exc)
+                continue
+            if moved:
+                log.info("%d stored %s of key %r now belong to the login %r", moved, store.rows, name, name)
 
 
 def key_holder(settings) -> Callable[[Request], Awaitable[str]]:

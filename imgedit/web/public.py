@@ -41,7 +41,7 @@ def full_snapshot(monitor: GpuMonitor, status: ManagerStatus, caller: str | None
     """For key holders (`/v1/status`): the checkpoint, LoRA files, and the id of a running job when the caller
     asked for it (another owner's shows as "a job"). The worker processes' ids only for the operator: the
     holder of API_KEY, or anyone on a server without keys (imgedit.web.identity: owners "token:..."), never
-    for the owners API_KEYS names ("key:...")."""
+    for the owners API_KEYS names ("key:...", or "user:..." for a key named as a login)."""
     workers = tuple(replace(w, job_id=w.job_id if w.job_client == caller else (RUNNING if w.job_id else None),
                             job_client=None) for w in status.workers)
     data = snapshot(monitor, replace(status, workers=workers))

@@ -224,7 +224,8 @@ class JobService:
         return FAMILIES[self.manager.family].rgba
 
     def pending_items(self, owner: str | None = None) -> int:
-        return sum(not i.state.finished for j in self._jobs.values() for i in j.items
+        # a copy: the panel's thread reads while the event loop adds and drops jobs
+        return sum(not i.state.finished for j in list(self._jobs.values()) for i in j.items
                    if owner is None or j.owner == owner)
 
     def client_items(self) -> int:

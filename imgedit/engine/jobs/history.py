@@ -127,7 +127,8 @@ class HistoryStore:
         for leftover in self.root.glob("*/.partial-*"):  # a crash while writing: never indexed
             shutil.rmtree(leftover, ignore_errors=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.root / DB_NAME, check_same_thread=False, isolation_level=None)
+        self._db = sqlite3.connect(self.root / DB_NAME, check_same_thread=False, isolation_level=None,
+                                   timeout=30)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(_SCHEMA)
         self._add_missing_columns()

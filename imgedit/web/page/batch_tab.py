@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import functools
 import html
+import logging
 import shutil
 import tempfile
 import time
@@ -31,6 +32,7 @@ from imgedit.web.page.requests import api_signature, event_fields
 from imgedit.web.page.speed import parse_cache_input
 from imgedit.web.page.tools import refusal, user_error
 
+log = logging.getLogger(__name__)
 BATCH_GROUP = "batch"  # unlimited in Gradio: the manager's line and JOBS_MAX_PENDING bound batches
 
 
@@ -123,7 +125,12 @@ def build_batch_tab(settings: Settings, manager: Engine, jobs: JobService, contr
         the banner (the worker is back in the line by then)."""
         async with contextlib.aclosing(updates(*args)) as values:
             async for *update, finished in values:
-                shown = await asyncio.to_thread(panel.values) if finished else (gr.skip(), gr.skip())
+                shown = (gr.skip(), gr.skip())
+                if finished:
+                    try:
+                        shown = await asyncio.to_thread(panel.values)
+                    except Exception:  # e.g. NVML: the next tick shows the panel; the batch ends
+                        log.exception("the GPU panel could not be refreshed after a batch")
                 yield *update, *shown
 
     async def updates(files, *args):

@@ -92,9 +92,9 @@ def build_history_tab(settings: Settings, history: HistoryStore, controls: dict,
 
     with gr.Tab("History", id="history") as tab:
         gr.HTML(HISTORY_CSS, padding=False)
-        gr.Markdown("Your past edits in this browser (per user when the page asks for a sign-in), "
-                    "newest first. Old results are deleted after a while (OUTPUT_RETENTION_HOURS, "
-                    "OUTPUT_MAX_GB).")
+        gr.Markdown("Your past edits in this browser (per user when the page asks for a sign-in, with what "
+                    "that user's API key made), newest first. Old results are deleted after a while "
+                    "(OUTPUT_RETENTION_HOURS, OUTPUT_MAX_GB).")
         refresh = gr.Button("Refresh", elem_id="history-refresh")
         listing = gr.Gallery(label="Past edits", columns=6, height=280, allow_preview=False,
                              interactive=False, elem_id="history-gallery")
@@ -153,9 +153,11 @@ def build_history_tab(settings: Settings, history: HistoryStore, controls: dict,
         return opened(entry)
 
     def rerun_done(request: gr.Request):
-        """The re-run's result where the user clicked: the newest entry is the one the re-run just stored."""
+        """The re-run's result where the user clicked: the newest entry the page stored is the one the re-run
+        just stored (a script of the same owner, over REST with a key named as the login, may store one
+        meanwhile: web.identity)."""
         who = owner(request)
-        newest = history.list(who, limit=1) if who else []
+        newest = [e for e in history.list(who, limit=50) if e.source == "ui"][:1] if who else []
         if not newest:
             raise refusal("the re-run finished, but its result was not stored (see the editor above)")
         return opened(newest[0], "Re-run done (also in the editor above):  \n")
