@@ -95,19 +95,21 @@ def test_save_writes_pngs_inputs_and_a_thumbnail(tmp_path, result):
 
 def test_a_key_named_as_a_login_takes_over_what_an_older_version_stored_under_the_key(tmp_path, result):
     """#62: a key of API_KEYS named as a GRADIO_AUTH user owns as that user (one History for page and scripts);
-    what was stored under the key before (`key:<name>`) moves to the user at start-up, results and jobs."""
-    from types import SimpleNamespace
-
+    what was stored under the key before (`key:<name>`) moves to the user when the server's parts are built
+    (web.app.Application, as `python app.py` builds them), results and jobs."""
+    from imgedit.config.settings import load_settings
     from imgedit.engine.jobs.records import JobRecords
-    from imgedit.web.identity import merge_login_keys, user_owner
+    from imgedit.web.app import Application
+    from imgedit.web.identity import user_owner
 
     req, res = result
     store, records = HistoryStore(tmp_path), JobRecords(tmp_path)
     kept = store.save("key:alice", "job-1", 0, req, res, "a.png")
     apart = store.save("key:ci", "job-2", 0, req, res, "b.png")
     records.write("job-1", "key:alice", "rest", time.time(), {}, [])
-    settings = SimpleNamespace(gradio_auth=(("alice", "pw"), ("bob", "pw")), api_keys=(("alice", "k1"), ("ci", "k2")))
-    merge_login_keys(settings, store, records)
+    settings = load_settings({"OUTPUT_DIR": str(tmp_path), "GRADIO_AUTH": "alice:pw-1,bob:pw-2",
+                              "API_KEYS": "alice:alice-key-01,ci:ci-key-0001"})
+    Application.build(settings, engine=None)  # no worker is needed to open the stores
     assert [e.id for e in store.list(user_owner("alice"))] == [kept.id] and store.list("key:alice") == []
     assert records.read(user_owner("alice"), "job-1") is not None and records.read("key:alice", "job-1") is None
     assert [e.id for e in store.list("key:ci")] == [apart.id]  # no login of that name: the key's own
