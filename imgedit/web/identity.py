@@ -24,6 +24,7 @@ from http.cookies import SimpleCookie
 from fastapi import Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from imgedit.config.settings import Settings
 from imgedit.web.api.errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def user_owner(name: str) -> str:
     return "user:" + _digest(name)
 
 
-def login_keys(settings) -> tuple[str, ...]:
+def login_keys(settings: Settings) -> tuple[str, ...]:
     """The names of API_KEYS that are also GRADIO_AUTH users: their holders own as those users."""
     users = {user for user, _ in settings.gradio_auth}
     return tuple(name for name, _ in settings.api_keys if name in users)
@@ -93,7 +94,7 @@ def rest_owner(request, api_key: str | None = None, api_keys: tuple[tuple[str, s
 UNAUTHORIZED = "missing or wrong API key (Authorization: Bearer <key>)"
 
 
-def merge_login_keys(settings, *stores) -> None:
+def merge_login_keys(settings: Settings, *stores) -> None:
     """What an older version stored under a key now owned by its user (`key:<name>`, login_keys) moves to
     that user, so that neither the page nor the key loses it. Each store has `merge_owner(old, new)`."""
     for name in login_keys(settings):
@@ -110,7 +111,7 @@ def merge_login_keys(settings, *stores) -> None:
                 log.info("%d stored %s of key %r now belong to the login %r", moved, store.rows, name, name)
 
 
-def key_holder(settings) -> Callable[[Request], Awaitable[str]]:
+def key_holder(settings: Settings) -> Callable[[Request], Awaitable[str]]:
     """The REST routes' key check, as a FastAPI dependency (`Depends(key_holder(settings))`): the caller's
     owner, or a 401 in OpenAI's shape when keys are set (API_KEY, API_KEYS) and it sent none of them."""
     api_key, api_keys, users = settings.api_key, settings.api_keys, login_keys(settings)
