@@ -282,7 +282,7 @@ def test_cancel_says_cancelled_and_the_worker_stops(browser, server, manager, ph
     while not all(w.state == "idle" for w in manager.workers):  # the pipeline stops within a step
         assert time.time() < deadline, "cancel did not stop the worker"
         time.sleep(0.05)
-    assert all(w.step < 60 for w in manager.workers)
+    assert all(w.progress.step < 60 for w in manager.workers)
 
 
 def test_phone_view_shows_the_progress_after_edit(browser, server, photos):

@@ -22,7 +22,9 @@ import base64
 import functools
 import io
 import pickle
+import re
 import time
+from pathlib import Path
 from typing import Annotated
 
 import httpx
@@ -33,6 +35,7 @@ from pydantic import ConfigDict
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from raw_gradio import RawGradio
 
+import imgedit
 from imgedit import protocol
 from imgedit.errors import InvalidInput
 from imgedit.protocol import EVERYWHERE, EditRequest, Param
@@ -243,3 +246,20 @@ def test_a_name_the_worker_side_gives_otherwise_is_mapped_by_the_declaration_alo
     assert protocol.as_declared(SimpleNamespace(steps=5, prompt="x")) == {"prompt": "x", "num_inference_steps": 5}
     shown = job_settings(req)  # as asked for, by the REST names
     assert (shown["num_inference_steps"], shown["n"], shown["threshold"]) == (9, 1, 1)
+
+
+def test_the_step_count_is_named_by_the_declaration_its_resolver_and_the_worker_only():
+    """One value, one name, written in few places: the request's step count (`num_inference_steps`; a job's items
+    once said `total_steps`) is named by the declaration (the request field, and the progress the workers and
+    jobs report under it: protocol.Progress), by the resolver that range-checks it, and by the worker code that
+    hands it to the pipeline. The line, the jobs, the panel, the page and REST read it through those."""
+    root = Path(imgedit.__file__).parent
+    naming = sorted(path.relative_to(root).as_posix() for path in root.rglob("*.py")
+                    if re.search(r"num_inference_steps|total_steps", path.read_text()))
+    assert naming == ["engine/validation.py", "protocol/request.py", "protocol/results.py", "runtime/compile21.py",
+                      "runtime/runner.py", "runtime/warmup.py"], naming
+    done = protocol.Progress(3, 40)
+    assert done.view() == {"step": 3, "num_inference_steps": 40} and protocol.Progress.read(done.view()) == done
+    assert (done.text(), protocol.Progress(0, 40).text(), protocol.Progress().fraction) == ("step 3/40", "preparing", 0)
+    old = {"index": 0, "step": 2, "total_steps": 2}  # an item stored before the count took the field's name
+    assert protocol.Progress.upgraded(old) == {"index": 0, "step": 2, "num_inference_steps": 2}

@@ -396,7 +396,7 @@ def test_a_client_that_goes_away_stops_its_gpu_work(plus_ckpt, image_file):
         while manager.workers[0].state == "busy":
             assert time.time() < deadline, "the abandoned job kept running"
             time.sleep(0.1)
-        assert manager.workers[0].jobs_done == 0 and manager.workers[0].step < 60
+        assert manager.workers[0].jobs_done == 0 and manager.workers[0].progress.step < 60
 
 
 def test_the_reply_and_the_stored_result_are_the_same_png(live_server, server_manager, image_file):

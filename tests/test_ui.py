@@ -86,7 +86,7 @@ def test_concurrent_submits_complete_without_overlap_also_after_a_cancel(client,
     try:
         long_job = client.submit(*edit_args([image_file], steps=40), api_name="/edit")
         deadline = time.time() + 60
-        while not any(w.state == "busy" and w.step >= 1 for w in server_manager.workers):
+        while not any(w.state == "busy" and w.progress.step >= 1 for w in server_manager.workers):
             assert time.time() < deadline, "the long job never started"
             time.sleep(0.05)
         long_job.cancel()
@@ -95,7 +95,7 @@ def test_concurrent_submits_complete_without_overlap_also_after_a_cancel(client,
         while any(w.state == "busy" for w in server_manager.workers):
             assert time.time() < deadline, "cancel did not stop the pipeline"
             time.sleep(0.05)
-        assert all(w.step < 40 for w in server_manager.workers)
+        assert all(w.progress.step < 40 for w in server_manager.workers)
         jobs = [client.submit(*edit_args([image_file], seed=i), api_name="/edit") for i in range(4)]
         seeds = sorted(job.result(timeout=300)[1] for job in jobs)
     finally:

@@ -78,7 +78,7 @@ REGISTRY: tuple[Var, ...] = (
     Var("DEFAULT_STEPS", "0", _int_range(0, 1000),
         "Default denoising steps; 0 = per model (Edit 50, Plus 40, Qwen-Image-2.1 40)"),
     Var("MAX_STEPS", "100", _int_range(2, 1000),  # one step makes a blank image: every request was refused
-        "Largest num_inference_steps a request may ask for"),
+        "Most denoising steps a request may ask for"),
     Var("DEFAULT_TRUE_CFG", "4.0", _float_range(1.0, 20.0),
         "Default true CFG scale (1 turns CFG off) for the edit models; Qwen-Image-2.1 runs at 1 (no CFG) "
         "unless a request asks"),

@@ -41,7 +41,7 @@ MAX_PROMPT_CHARS = 4000
 VAE_AREA = 1024 * 1024
 # One step of the checkpoints' FlowMatch scheduler (shift_terminal 0.02) stretches its single sigma to 0/0:
 # a NaN latent, a black image (diffusers 0.42.1, checked on the CPU). Two steps are the fewest that work: the
-# declared low bound of num_inference_steps (imgedit.protocol.PARAMETERS).
+# step count's declared low bound (imgedit.protocol.EditRequest).
 ONE_STEP = "one step makes a blank image: the model's scheduler needs two"
 VL_MAX_ASPECT = 200
 CONTROL_TOKEN = re.compile(r"<\|(?:im_start|im_end|endoftext|vision_start|vision_end|vision_pad|image_pad|"

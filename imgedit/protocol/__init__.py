@@ -22,15 +22,16 @@ from imgedit.protocol.request import (
     EditRequest,
     Picture,
     as_declared,
+    as_ran,
     new_request_id,
     param,
     parameters,
     request_kwargs,
 )
-from imgedit.protocol.results import EditResult, JobRecord, ManagerStatus, Resolved, WorkerStatus
+from imgedit.protocol.results import EditResult, JobRecord, ManagerStatus, Progress, Resolved, WorkerStatus
 from imgedit.protocol.states import ItemState, JobState, WorkerState
 
 __all__ = ["BATCH", "EDIT", "EVERYWHERE", "JOBS", "PARAMETERS", "REST", "SINGLE", "EditRequest", "EditResult",
-           "ItemState", "JobRecord", "JobState", "ManagerStatus", "Number", "Param", "Picture", "Resolved",
-           "WorkerState", "WorkerStatus", "as_declared", "declaration", "declared", "new_request_id", "param",
-           "parameters", "request_kwargs"]
+           "ItemState", "JobRecord", "JobState", "ManagerStatus", "Number", "Param", "Picture", "Progress",
+           "Resolved", "WorkerState", "WorkerStatus", "as_declared", "as_ran", "declaration", "declared",
+           "new_request_id", "param", "parameters", "request_kwargs"]

@@ -188,6 +188,13 @@ def as_declared(source, params: typing.Iterable[Param] | None = None) -> dict:
     return found
 
 
+def as_ran(values: typing.Mapping) -> dict:
+    """as_declared's reverse: {the name the worker side gives a parameter: value} of a view keyed by declared
+    names (/health's model defaults); what is not a declared parameter is left out."""
+    declared_here = {p.name: p for p in PARAMETERS}
+    return {declared_here[name].worker_name: value for name, value in values.items() if name in declared_here}
+
+
 def request_kwargs(values: dict) -> dict:
     """{EditRequest field or declared parameter name: value} as EditRequest's keyword arguments: a name that
     is not one of its attributes goes into `options`."""

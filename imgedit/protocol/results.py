@@ -3,6 +3,7 @@ result (`EditResult`), the manager's record of a job, and the status the manager
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from PIL import Image
@@ -54,14 +55,48 @@ class JobRecord:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """How far a running job is: `step` of its `steps` (0 of 0 before its first step and when idle). Shown
+    under the request field's name, as the job asked for it: `view()` is the one place that names it for
+    /health's workers and /v1/jobs' items, `read()` reads it back, `text()` is how the page and the logs
+    say it."""
+
+    step: int = 0
+    steps: int = 0
+
+    def view(self) -> dict[str, int]:
+        return {"step": self.step, "num_inference_steps": self.steps}
+
+    @classmethod
+    def read(cls, view: Mapping) -> Progress:
+        """From a view (a worker's status as /health gives it, a job's item as stored); an item stored before
+        the count took the request field's name carries it as `total_steps`."""
+        steps = view.get("num_inference_steps", view.get("total_steps"))
+        return cls(int(view.get("step") or 0), int(steps or 0))
+
+    @classmethod
+    def upgraded(cls, view: dict) -> dict:
+        """A stored view with today's keys (`total_steps` read back under the request field's name)."""
+        return {**{k: v for k, v in view.items() if k != "total_steps"}, **cls.read(view).view()}
+
+    @property
+    def fraction(self) -> float:
+        return min(self.step, self.steps) / max(1, self.steps)
+
+    def text(self, before: str = "preparing") -> str:
+        """"step 3/40", or `before` until the first step."""
+        return f"step {min(self.step, self.steps)}/{self.steps}" if self.step else before
+
+
+@dataclass(frozen=True)
 class WorkerStatus:
     name: str
     devices: tuple[str, ...]
     placement: dict[str, str]
     state: WorkerState
     job_id: str | None
-    step: int
-    num_inference_steps: int  # the running job's steps (the request field's name; 0 when idle)
+    step: int  # the running job's Progress (0 of 0 when idle): its view's two keys
+    num_inference_steps: int
     jobs_done: int
     error: str | None
     parallel: str = "none"  # none | cfg | ulysses
@@ -90,6 +125,10 @@ class WorkerStatus:
 
     def __post_init__(self):
         object.__setattr__(self, "state", WorkerState(self.state))  # "busy" given as text is the member
+
+    @property
+    def progress(self) -> Progress:
+        return Progress(self.step, self.num_inference_steps)
 
 
 @dataclass(frozen=True)

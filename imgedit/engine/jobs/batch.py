@@ -29,7 +29,16 @@ from imgedit.engine.jobs.records import JobRecords, job_state
 from imgedit.engine.outputs import SUFFIXES, mask_digest, reencoded
 from imgedit.errors import Cancelled, ImgEditError, InputTooLarge, InvalidInput, QueueFull
 from imgedit.planning.families import FAMILIES
-from imgedit.protocol import JOBS, EditRequest, ItemState, JobState, WorkerState, new_request_id, parameters
+from imgedit.protocol import (
+    JOBS,
+    EditRequest,
+    ItemState,
+    JobState,
+    Progress,
+    WorkerState,
+    new_request_id,
+    parameters,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +56,7 @@ class Item:
     state: ItemState = ItemState.QUEUED
     error: str | None = None
     seed: int | None = None
-    step: int = 0
-    num_inference_steps: int = 0  # the steps it runs (a speed preset's where one is chosen)
+    progress: Progress = Progress()  # of the steps it runs (a speed preset's where one is chosen)
     position: int | None = None  # jobs ahead in line, while waiting there
     entry: HistoryEntry | None = None
     notice: str | None = None  # why an asked-for prompt rewrite was not used (the prompt as sent ran)
@@ -56,7 +64,7 @@ class Item:
 
     def view(self) -> dict:
         return {"index": self.index, "name": self.name, "state": self.state, "seed": self.seed,
-                "step": self.step, "num_inference_steps": self.num_inference_steps, "error": self.error,
+                **self.progress.view(), "error": self.error,
                 "outputs": self.entry.outputs if self.entry else 0,
                 # enhance_prompt: each item's own rewrite (its images differ), None where the user's
                 # prompt ran
@@ -344,7 +352,7 @@ class JobService:
 
             def on_step(step: int, steps: int) -> None:
                 item.state, item.position = ItemState.RUNNING, None
-                item.step, item.num_inference_steps = step, steps
+                item.progress = Progress(step, steps)
 
             while True:
                 try:

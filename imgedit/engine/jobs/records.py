@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from imgedit.protocol import ItemState, JobState
+from imgedit.protocol import ItemState, JobState, Progress
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +58,8 @@ def job_state(states: list[str], cancelled: bool) -> JobState:
 
 
 def _items(raw: str) -> list[dict]:
-    """A record's items as written; one written before an item's step count took the request field's name
-    (`total_steps`) reads back with that name."""
-    items = json.loads(raw)
-    for item in items:
-        if "total_steps" in item:
-            item["num_inference_steps"] = item.pop("total_steps")
-    return items
+    """A record's items as written, an older record's with today's keys (Progress.upgraded)."""
+    return [Progress.upgraded(item) for item in json.loads(raw)]
 
 
 def _start_time(pid: int) -> str | None:

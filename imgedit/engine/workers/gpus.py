@@ -257,7 +257,7 @@ def _annotate(readings: list[GpuReading], status: ManagerStatus) -> None:
             for device in worker.devices:
                 if device in by_device:
                     by_device[device].running.append(
-                        f"{worker.name}: {worker.job_id} step {worker.step}/{worker.num_inference_steps}")
+                        f"{worker.name}: {worker.job_id} {worker.progress.text()}")
     _split_memory(by_device, status)
 
 

@@ -25,7 +25,7 @@ from typing import Protocol
 
 from imgedit.errors import WorkerFailed
 from imgedit.planning.plan import Placement, WorkerPlan
-from imgedit.protocol import WorkerState, WorkerStatus
+from imgedit.protocol import Progress, WorkerState, WorkerStatus
 from imgedit.runtime.messages import (
     Cancel,
     Done,
@@ -156,7 +156,7 @@ class WorkerHandle:
         self.error: str | None = None
         self.job_id: str | None = None
         self.job_client: str | None = None
-        self.step = self.num_inference_steps = 0
+        self.progress = Progress()  # the running job's
         self.preview: bytes | None = None  # the running job's newest live preview (a watched job's), a JPEG
         self.jobs_done = 0
         self.restarts = 0
@@ -235,7 +235,7 @@ class WorkerHandle:
     def submit(self, job: Job) -> queue.Queue:
         events: queue.Queue = queue.Queue()
         self._events = events
-        self.job_id, self.step, self.num_inference_steps = job.request_id, 0, job.params.steps
+        self.job_id, self.progress = job.request_id, Progress(0, job.params.steps)
         self.preview = None
         self.job_client = job.request.client  # who asked: /v1/status shows the job's id to them alone
         try:
@@ -252,7 +252,7 @@ class WorkerHandle:
     def finish(self) -> None:
         self._events = None
         self.job_id = self.job_client = None
-        self.step = self.num_inference_steps = 0
+        self.progress = Progress()
         self.preview = None
 
     # ---- the pump: messages and deaths, as the transport reports them ----
@@ -300,7 +300,7 @@ class WorkerHandle:
             self.on_change()
         elif isinstance(message, Step):
             if message.request_id == self.job_id:
-                self.step = message.step
+                self.progress = Progress(message.step, self.progress.steps)
                 self.preview = message.preview or self.preview
             if events is not None:
                 events.put(message)
@@ -366,10 +366,10 @@ class WorkerHandle:
         placement = {n: p.describe() for n, p in self.plan.components.items()}
         if self.plan.parallel != "none":
             placement = {n: ", ".join(self.plan.rank_devices) for n in self.plan.components}
-        return WorkerStatus(self.name, self.plan.devices, placement, self.state, self.job_id, self.step,
-                            self.num_inference_steps, self.jobs_done, self.error, parallel=self.plan.parallel,
-                            ranks=self.plan.ranks, pids=self.pids, restarts=self.restarts,
-                            detail=self.detail, weights_mib=dict(self.weights_mib),
+        return WorkerStatus(self.name, self.plan.devices, placement, self.state, self.job_id,
+                            **self.progress.view(), jobs_done=self.jobs_done, error=self.error,
+                            parallel=self.plan.parallel, ranks=self.plan.ranks, pids=self.pids,
+                            restarts=self.restarts, detail=self.detail, weights_mib=dict(self.weights_mib),
                             job_client=self.job_client, node=self.transport.node, **self._loaded())
 
     def _loaded(self) -> dict:

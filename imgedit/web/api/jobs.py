@@ -44,7 +44,7 @@ from imgedit.engine.outputs import reencoded
 from imgedit.engine.validation import BOTH_MASKS, check_aspect, check_counts
 from imgedit.errors import ImgEditError, InputTooLarge, InvalidInput
 from imgedit.planning.families import FAMILIES
-from imgedit.protocol import JOBS, EditRequest, ItemState, JobState, request_kwargs
+from imgedit.protocol import JOBS, EditRequest, ItemState, JobState, Progress, request_kwargs
 from imgedit.web.api.errors import ApiError, rejected
 from imgedit.web.api.rest_requests import (
     IMAGE_FIELDS,
@@ -77,8 +77,8 @@ def _restored_view(job_id: str, entries: list[HistoryEntry]) -> dict:
     """A REST edit (/v1/images/edits), stored as a one-item job, or a job from before job records."""
     first = entries[0]
     # each item as a job in memory shows it (Item.view: one place lists an item's status)
-    items = [Item(e.item, e.name, None, ItemState.SUCCEEDED, seed=e.seed, step=e.steps,
-                  num_inference_steps=e.steps, entry=e).view() for e in entries]
+    items = [Item(e.item, e.name, None, ItemState.SUCCEEDED, seed=e.seed,
+                  progress=Progress(e.steps, e.steps), entry=e).view() for e in entries]
     # as it was asked for (the store keeps no mask)
     rewritten = first.original_prompt is not None
     asked = EditRequest(images=(), **request_kwargs(

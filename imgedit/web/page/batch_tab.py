@@ -52,7 +52,7 @@ def _report(job: Job) -> str:
              + (f", {len(failed)} failed" if failed else "")]
     running = [i for i in job.items if i.state is ItemState.RUNNING]
     if running:
-        steps = ", ".join(f"{html.escape(i.name)} (step {i.step}/{i.num_inference_steps})" for i in running)
+        steps = ", ".join(f"{html.escape(i.name)} ({i.progress.text()})" for i in running)
         lines.append(f"running: {steps}")
     elif job.position is not None:
         lines.append(f"in line: {job.position} job(s) ahead")
@@ -70,8 +70,8 @@ def progress_line(job: Job) -> str:
     elapsed = int((job.finished_at if job.finished and job.finished_at else time.time()) - job.created)
     parts = [f"{finished} of {total} image(s) finished"]
     running = [i for i in job.items if i.state is ItemState.RUNNING]
-    if running and (steps := running[0].num_inference_steps):
-        parts.append(f"{html.escape(running[0].name)}: step {running[0].step}/{steps}")
+    if running and running[0].progress.steps:
+        parts.append(f"{html.escape(running[0].name)}: {running[0].progress.text()}")
     elif not job.finished and job.position is not None:
         parts.append(f"in line: {job.position} job(s) ahead")
     parts.append(f"{elapsed // 60}:{elapsed % 60:02d}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from html import escape
 
 from imgedit.planning.families import FAMILIES
+from imgedit.protocol import Progress, as_ran
 
 GIB_PER_MIB = 1 / 1024
 # (key in a GPU's reading, label, colour); the bar and the plot use the same colours.
@@ -103,11 +104,10 @@ def _runs(gpu: dict, workers: list[dict]) -> str:
             continue
         name = escape(w["name"])
         if w["state"] == "busy" and w.get("job_id"):
-            total = max(1, int(w.get("num_inference_steps") or 0))
-            step = min(int(w.get("step") or 0), total)
-            progress = (f'<span class="gp-progress"><span style="width:{100 * step / total:.1f}%">'
+            done = Progress.read(w)
+            progress = (f'<span class="gp-progress"><span style="width:{100 * done.fraction:.1f}%">'
                         '</span></span>')
-            doing = f"step {step}/{total}" if step else "preparing (encoding the prompt and images)"
+            doing = done.text(before="preparing (encoding the prompt and images)")
             lines.append(f'<div class="gp-run gp-busy">{name}: running {escape(w["job_id"])} — {doing}'
                          f'{progress}</div>')
         else:
@@ -224,8 +224,7 @@ def _worker_line(w: dict) -> str:
     busy = w["state"] == "busy" and w.get("job_id")
     step = ""
     if busy:
-        doing = f'step {int(w["step"])}/{int(w["num_inference_steps"])}' if w.get("step") else "preparing"
-        step = f' — {escape(w["job_id"])} {doing}'
+        step = f' — {escape(w["job_id"])} {Progress.read(w).text()}'
     node = f' (Ray node {escape(w["node"][:8])})' if w.get("node") else ""
     why = ""
     if w["state"] in ("failed", "restarting"):
@@ -294,8 +293,9 @@ def defaults_line(family: str | None, defaults: dict | None) -> str:
     """The model's defaults as the panel says them: "model: Qwen-Image-2.1 — 40 steps, CFG off, ..."."""
     if not defaults or family not in FAMILIES:
         return ""
-    cfg = defaults["true_cfg_scale"]
-    parts = [f'{defaults["num_inference_steps"]} steps', "CFG off" if cfg <= 1 else f"CFG {cfg:g}",
+    ran = as_ran(defaults)  # the names the pipeline gets them by
+    cfg = ran["true_cfg_scale"]
+    parts = [f'{ran["steps"]} steps', "CFG off" if cfg <= 1 else f"CFG {cfg:g}",
              f'up to {defaults["max_images"]} input image(s)']
     if defaults.get("text_to_image"):
         parts.append("text to image without one")
