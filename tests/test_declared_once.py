@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Annotated
 
+import gradio as gr
 import httpx
 import pytest
 from conftest import make_manager, start_server
@@ -37,11 +38,14 @@ from raw_gradio import RawGradio
 
 import imgedit
 from imgedit import protocol
+from imgedit.config.settings import load_settings
 from imgedit.errors import InvalidInput
 from imgedit.protocol import EVERYWHERE, EditRequest, Param
 from imgedit.protocol import declared as declare
 from imgedit.web.identity import COOKIE
+from imgedit.web.page.mask_controls import build_mask_controls
 from imgedit.web.page.requests import edit_fields
+from imgedit.web.page.speed import SPEED_FIELDS, build_speed_controls
 
 NOTE = Param("note", "text", "a test-only note, kept with the result", takes=EVERYWHERE, default="", png=True,
              restore=True, status=True)
@@ -263,3 +267,15 @@ def test_the_step_count_is_named_by_the_declaration_its_resolver_and_the_worker_
     assert (done.text(), protocol.Progress(0, 40).text(), protocol.Progress().fraction) == ("step 3/40", "preparing", 0)
     old = {"index": 0, "step": 2, "total_steps": 2}  # an item stored before the count took the field's name
     assert protocol.Progress.upgraded(old) == {"index": 0, "step": 2, "num_inference_steps": 2}
+
+
+def test_the_pages_own_control_groups_are_declared_not_listed():
+    """The Speed/LoRA controls and the mask's are laid out by their own builders, not under Advanced: which
+    parameters each group holds is declared (Param.group), and each builder makes a control for exactly those;
+    History's fallback for a speed or LoRA no longer offered resets that declared group."""
+    assert protocol.group("speed") == SPEED_FIELDS == ("speed", "lora", "lora_scale")
+    assert protocol.group("mask") == ("mask", "mask_grow", "mask_feather", "strength", "mask_prompt")
+    with gr.Blocks():
+        speed = build_speed_controls(load_settings({}))
+        _, mask, _ = build_mask_controls()
+    assert tuple(speed) == protocol.group("speed") and set(mask) == set(protocol.group("mask"))

@@ -23,6 +23,7 @@ from imgedit.protocol.request import (
     Picture,
     as_declared,
     as_ran,
+    group,
     new_request_id,
     param,
     parameters,
@@ -31,7 +32,7 @@ from imgedit.protocol.request import (
 from imgedit.protocol.results import EditResult, JobRecord, ManagerStatus, Progress, Resolved, WorkerStatus
 from imgedit.protocol.states import ItemState, JobState, WorkerState
 
-__all__ = ["BATCH", "EDIT", "EVERYWHERE", "JOBS", "PARAMETERS", "REST", "SINGLE", "EditRequest", "EditResult",
-           "ItemState", "JobRecord", "JobState", "ManagerStatus", "Number", "Param", "Picture", "Progress",
-           "Resolved", "WorkerState", "WorkerStatus", "as_declared", "as_ran", "declaration", "declared",
-           "new_request_id", "param", "parameters", "request_kwargs"]
+__all__ = ["BATCH", "EDIT", "EVERYWHERE", "JOBS", "PARAMETERS", "REST", "SINGLE", "EditRequest",
+           "EditResult", "ItemState", "JobRecord", "JobState", "ManagerStatus", "Number", "Param",
+           "Picture", "Progress", "Resolved", "WorkerState", "WorkerStatus", "as_declared", "as_ran",
+           "declaration", "declared", "group", "new_request_id", "param", "parameters", "request_kwargs"]

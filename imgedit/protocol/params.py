@@ -86,6 +86,10 @@ class Param:
     label: str = ""
     slider: float | None = None
     same_row: bool = False
+    # `group`: the page lays it out with its group's own controls, not under Advanced: "speed" (the Speed
+    # preset, the LoRA and its strength: a History entry whose speed or LoRA is no longer offered opens with
+    # the group's defaults), "mask" (the mask canvas, its sliders and Select by words).
+    group: str = ""
     # The name the worker side gives the value the pipeline gets (Resolved's and EditResult's attribute, read
     # by imgedit.runtime) where it is not the parameter's own: the one place the two names meet.
     resolved: str = ""

@@ -87,26 +87,27 @@ class EditRequest:
         takes=frozenset((REST, JOBS)), field=None, openai=True)
     speed: Annotated[str | None, declared(  # None = quality
         "text", "quality, fast (Lightning 8 steps) or fastest (4 steps), where offered", png=True,
-        api_default="quality", status=True, history=True)] = None
+        api_default="quality", status=True, history=True, group="speed")] = None
     lora: Annotated[str | None, declared(  # None or "none" = no LoRA
         "text", "a configured LoRA's name, or none", png=True, api_default="none", status=True,
-        history=True, none_word="none")] = None
+        history=True, none_word="none", group="speed")] = None
     lora_scale: Annotated[Number | None, declared(  # None = 1
         "number", "that LoRA's strength; absent: 1", png=True, api_default=1.0, low=0, high=2,
-        beside="lora", status=True, history=True)] = None
+        beside="lora", status=True, history=True, group="speed")] = None
     # Masked editing (imgedit.engine.masks): "L", the first image's size, 255 = may change; None = whole image
     mask: Annotated[Image.Image | None, declared(
         "file", "where to edit: white (or OpenAI's transparent) = edit; the first image's size (one mask for "
-        "every item of a job)", takes=SINGLE, png=True, openai=True, status=True)] = None
+        "every item of a job)", takes=SINGLE, png=True, openai=True, status=True, group="mask")] = None
     mask_grow: Annotated[int | None, declared(
         "whole", "pixels the mask is grown by; absent: 0", takes=SINGLE, png=True, low=0, high=256,
-        unit="pixels", beside="mask")] = None
+        unit="pixels", beside="mask", group="mask")] = None
     mask_feather: Annotated[int | None, declared(  # None = masks.DEFAULT_FEATHER
         "whole", "pixels of soft edge inside the mask; absent: 8", takes=SINGLE, png=True, low=0, high=256,
-        unit="pixels", beside="mask")] = None
+        unit="pixels", beside="mask", group="mask")] = None
     strength: Annotated[Number | None, declared(
         "number", "how far the masked area may move from the input; absent: 1", takes=SINGLE, png=True, low=0,
-        high=1, low_open=True, why="1 = repaint the masked area from scratch", beside="mask")] = None
+        high=1, low_open=True, why="1 = repaint the masked area from scratch", beside="mask",
+        group="mask")] = None
     # rewrite the prompt with the model's text encoder first (imgedit.runtime.enhance)
     enhance_prompt: Annotated[bool, declared(
         "flag", "rewrite the prompt with the model's own text encoder first", takes=SINGLE,
@@ -124,7 +125,7 @@ class EditRequest:
     mask_prompt: Annotated[str | None, declared(
         "text", "what to edit, in words ('the sky', 'the red car'): the model's own vision-language encoder "
         "outlines it in the first image as the mask (boxes); a 400 when it finds nothing. Not with mask",
-        takes=SINGLE, png=True, status=True, history=True)] = None
+        takes=SINGLE, png=True, status=True, history=True, group="mask")] = None
     # not parameters: who and what the request is
     request_id: str = field(default_factory=new_request_id)
     source: str = "ui"  # ui | api | rest: for logs and metrics
@@ -186,6 +187,11 @@ def as_declared(source, params: typing.Iterable[Param] | None = None) -> dict:
                 found[p.name] = getattr(source, attribute)
                 break
     return found
+
+
+def group(name: str) -> tuple[str, ...]:
+    """The parameters of one of the page's control groups (Param.group), in the declaration's order."""
+    return tuple(p.name for p in PARAMETERS if p.group == name)
 
 
 def as_ran(values: typing.Mapping) -> dict:

@@ -9,14 +9,28 @@ every step's end (a step hook) and the job's end. On a GPU the marks are CUDA ev
 read once the result is on the CPU: the marks never make the CPU wait for the GPU, so the job runs as fast as
 without them. The phases (seconds) go back with the result (`EditResult.timings`); the server adds its own
 (the queue, the upload, the reply) and sums them in /metrics (`imgedit_request_phase_seconds`).
+
+On a GPU a job that made PyTorch's allocator free its cache to find room (it waits for the whole GPU to do so:
+copies and compute stop overlapping) says so in the log: a memory cap with too little room shows there.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
 
 import torch
+
+log = logging.getLogger(__name__)
+
+
+def _waits(cuda: bool) -> tuple[int, int]:
+    """(failed allocations retried after freeing the cache, the allocator's syncs of the whole GPU) so far."""
+    if not cuda:
+        return 0, 0
+    stats = torch.cuda.memory_stats()
+    return int(stats.get("num_alloc_retries", 0)), int(stats.get("num_sync_all_streams", 0))
 
 
 class _Clock:
@@ -71,11 +85,16 @@ class TimeBudget:
     @contextmanager
     def job(self, call):
         self.clock = clock = _Clock(self.cuda and torch.cuda.is_available())
+        waits = _waits(clock.cuda)
         clock.mark("start")
         call.step_hooks.append(lambda step, tensors: clock.step())
         try:
             yield
             clock.mark("end")
             call.timings.update(clock.phases())
+            retries, syncs = (now - before for now, before in zip(_waits(clock.cuda), waits, strict=True))
+            if retries or syncs:
+                log.info("the GPU allocator freed its cache to find room in this job: %d allocation(s) "
+                         "retried, %d wait(s) for the whole GPU", retries, syncs)
         finally:
             self.clock = None

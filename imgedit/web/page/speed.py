@@ -18,12 +18,12 @@ from imgedit.engine.validation import CACHES
 from imgedit.errors import InvalidInput
 from imgedit.planning.modes import fast_steps
 from imgedit.planning.turbo import open_turbo
-from imgedit.protocol import param
+from imgedit.protocol import group, param
 
 SPEEDS_SHOWN = {"quality": ("Quality", "the model's steps, CFG on"), "fast": ("Fast", "Lightning, 8 steps"),
                 "fastest": ("Fastest", "Lightning, 4 steps")}  # the label, then what it runs
 NO_LORA = "none"
-SPEED_FIELDS = ("speed", "lora", "lora_scale")  # the parameters of the controls build_speed_controls makes
+SPEED_FIELDS = group("speed")  # the parameters of the controls build_speed_controls makes (declared)
 SERVER_CACHE = "default"  # the Step cache choice that leaves the request's `cache` out: the server's CACHE
 CACHE_LABELS = {"none": "None (the exact image)",
                 "first-block": "First-block (skips the other blocks while the first one changes little)",
@@ -86,7 +86,7 @@ def build_speed_controls(settings: Settings) -> dict[str, gr.components.Componen
         lora = gr.Dropdown(lora_choices(settings), value=NO_LORA, label="LoRA", elem_id="lora")
         scale = gr.Slider(*param("lora_scale").bounds(), value=1.0, step=0.05, label="LoRA strength",
                           elem_id="lora-scale")
-    return dict(zip(SPEED_FIELDS, (speed, lora, scale), strict=True))
+    return {"speed": speed, "lora": lora, "lora_scale": scale}
 
 
 def build_cache_control(settings: Settings, refusal: str | None) -> gr.Dropdown:
