@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from imgedit.errors import ImgEditError, InvalidInput
+from imgedit.protocol import PARAMETERS
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -21,8 +22,9 @@ T = TypeVar("T")
 # an error's kind (imgedit.errors) -> the HTTP status REST answers it with
 STATUS = {"invalid_input": 400, "too_large": 413, "busy": 429, "cancelled": 499, "out_of_memory": 507,
           "worker_failed": 503, "not_ready": 503, "shutting_down": 503}
-# The request's fields as REST callers name them (OpenAI's words), where the shared checks use ours.
-REST_NAMES = {"num_images": "n", "images": "image"}
+# The request's fields as REST callers name them (OpenAI's words: the declared `rest`), where the shared
+# checks use ours.
+REST_NAMES = {p.name: p.rest for p in PARAMETERS if p.rest}
 
 
 def error_type(status: int) -> str:
