@@ -252,7 +252,8 @@ def keyed_app(plus_ckpt):
 
 def test_with_nothing_to_let_go_health_and_key_holders_get_reserved_places(keyed_app):
     """A server of 20 full of moving uploads (none can be closed for room): /health and a request with the API
-    key are still served from the reserve; a request without the key is refused, naming the reserve."""
+    key are still served from the reserve; a request without the key (or with it but not as a Bearer token, as
+    REST reads it) is refused, naming the reserve."""
     from imgedit.web.connections import guarded_protocol
 
     with LiveServer(keyed_app, free_port(), http=guarded_protocol(10, 20, 10, 0, ("k-63",))) as server:
@@ -264,6 +265,9 @@ def test_with_nothing_to_let_go_health_and_key_holders_get_reserved_places(keyed
             assert said.startswith(b"HTTP/1.1 ") and b'"status"' in said, said[:200]
             keyed = health_answered(port, head=b"GET /v1/status HTTP/1.1\r\nAuthorization: Bearer k-63")
             assert keyed.startswith(b"HTTP/1.1 200"), keyed[:200]
+            # the key without its scheme is no key to the REST routes, so none to the reserve either
+            bare = health_answered(port, head=b"GET /v1/status HTTP/1.1\r\nAuthorization: k-63")
+            assert bare.startswith(b"HTTP/1.1 503") and b"reserved places" in bare, bare[:200]
             anonymous = health_answered(port, head=b"GET /v1/models HTTP/1.1")
             assert anonymous.startswith(b"HTTP/1.1 503") and b"reserved places" in anonymous, anonymous[:200]
         finally:

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from uvicorn.config import HTTP_PROTOCOLS
 from uvicorn.importer import import_from_string
 
+from imgedit.web.identity import bearer_token
+
 log = logging.getLogger(__name__)
 
 RESERVE = 16  # places beyond MAX_CONNECTIONS for /health and key holders
@@ -228,15 +230,16 @@ def guarded_protocol(header_timeout: float, max_connections: int, max_per_client
 
 
 def _key_check(keys: tuple[str, ...]) -> Callable[[bytes], bool]:
+    """Whether a request's head carries one of the keys, read as the REST routes read it
+    (identity.bearer_token)."""
     wanted = [key.encode() for key in keys if key]
 
     def key_ok(head: bytes) -> bool:
         for line in head.split(b"\r\n")[1:]:
             name, _, value = line.partition(b":")
             if name.strip().lower() == b"authorization":
-                token = value.strip()
-                token = token[7:].strip() if token[:7].lower() == b"bearer " else token
-                return any(hmac.compare_digest(token, key) for key in wanted)
+                token = bearer_token(value.decode("latin-1")).encode("latin-1")
+                return bool(token) and any(hmac.compare_digest(token, key) for key in wanted)
         return False
 
     return key_ok

@@ -72,9 +72,15 @@ def page_owner(request, auth_enabled: bool) -> str | None:
     return "browser:" + _digest(value) if value else None
 
 
-def bearer(request) -> str:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+def bearer_token(authorization: str) -> str:
+    """The key an Authorization header's value carries ("Bearer <key>"); "" for none or another scheme. The
+    REST routes' check and the connection guard's (imgedit.web.connections) read keys alike."""
+    scheme, _, token = authorization.strip().partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def bearer(request) -> str:
+    return bearer_token(request.headers.get("authorization", ""))
 
 
 def rest_owner(request, api_key: str | None = None, api_keys: tuple[tuple[str, str], ...] = (),
