@@ -5,12 +5,14 @@ memory every step (imgedit.runtime.offload.stream: diffusers' group offloading, 
 group fetched on its own CUDA stream while the current one computes; the streamed blocks spread among the
 resident ones, imgedit.planning.plan.MemoryMode.streamed). A capped step measured 0.274 s against 0.118 s
 uncapped: the difference is the copy time at 55 GB/s, so either the copies do not overlap the compute or the
-copy rate is lower than that on the machine. This probe tells the two apart on a model of the same shape:
+copy rate is lower than that on the machine. This probe tells the two apart on blocks of 2.1's size (MLPs only:
+its compute is lighter than 2.1's block, which also attends):
 
 1. the copy rate: one block's weights, pinned, to the GPU (GB/s), and one pinned 1 GiB tensor;
 2. a forward with every block resident (the compute alone);
 3. the same forward with the plan's streaming (`stream()` itself, the worker's code);
-4. the overlap: (compute + copies - streamed) / min(compute, copies): 1 = the copies are hidden, 0 = serial.
+4. the overlap: (compute + copies - streamed) / min(compute, copies): 1 = the copies are hidden, 0 = serial
+   (the plan streams block 0, whose copy nothing can hide: even a perfect overlap reads about 0.1 below 1).
 
 Each block is two MLPs (width -> width*mult -> width), bf16, at 2.1's block size by default (0.42 GiB), run on
 `--tokens` tokens; activations must stay finite (random weights, N(0, 0.02)).
@@ -59,15 +61,15 @@ class Stack(torch.nn.Module):
         return x
 
 
-def timed(device: str, call, repeats: int) -> float:
+def timed(cuda: bool, call, repeats: int) -> float:
     """Seconds per call, after one warm-up call (the prefetch order is traced on the first forward)."""
     call()
-    if device == "cuda":
+    if cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(repeats):
         out = call()
-    if device == "cuda":
+    if cuda:
         torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "non-finite activations"
     return (time.perf_counter() - start) / repeats
@@ -75,14 +77,14 @@ def timed(device: str, call, repeats: int) -> float:
 
 def copy_rates(device: str, block: torch.nn.Module, repeats: int) -> dict[str, float]:
     """GB/s of a pinned block's tensors (one copy each, as group offloading makes them) and of one 1 GiB tensor."""
-    if device != "cuda":
+    if torch.device(device).type != "cuda":
         return {}
     tensors = [p.detach().pin_memory() for p in block.parameters()]
     big = torch.empty(2**30, dtype=torch.uint8).pin_memory()
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     rates = {}
     for name, parts, size in (("block", tensors, nbytes), ("one_gib", [big], big.numel())):
-        seconds = timed(device, lambda parts=parts: torch.stack(
+        seconds = timed(True, lambda parts=parts: torch.stack(
             [t.to(device, non_blocking=True).view(-1)[:1].float() for t in parts]), repeats)
         rates[name] = size / seconds / 1e9
     return rates
@@ -99,7 +101,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default="")
     args = parser.parse_args()
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    cuda = torch.device(args.device).type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)
     with torch.device(args.device):  # built and drawn on the GPU: seconds, not minutes of CPU
         model = Stack(args.blocks, args.width, args.mult).to(dtype)
@@ -118,17 +121,17 @@ def main() -> int:
         with torch.inference_mode():
             return model(x)
 
-    resident = timed(args.device, forward, args.repeats)
+    resident = timed(cuda, forward, args.repeats)
     model.to("cpu")
     memory = MemoryMode(resident_blocks=args.resident)
     stream(model, args.device, memory)  # the worker's own call: pins the streamed blocks, hooks them
-    streamed = timed(args.device, forward, args.repeats)
+    streamed = timed(cuda, forward, args.repeats)
 
     count = len(memory.streamed(args.blocks))
     copies = count * block_bytes / (rates["block"] * 1e9) if rates else 0.0
     overlap = (resident + copies - streamed) / min(resident, copies) if copies else None
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "command": " ".join(sys.argv),
-              "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "device": torch.cuda.get_device_name() if cuda else "cpu",
               "torch": torch.__version__, "blocks": args.blocks, "streamed_blocks": count,
               "block_gib": block_bytes / 2**30, "copy_gb_per_s": rates, "resident_s": resident,
               "streamed_s": streamed, "copies_s": copies, "overlap": overlap}

@@ -379,3 +379,22 @@ def test_gradio_state_of_api_callers_goes_and_a_pages_stays(trickle_app):
                 assert "a-page" in holder.session_data
         finally:
             gradio.close()
+
+
+def test_the_guard_and_the_rest_routes_read_a_key_alike():
+    """Whether a connection holds a key (for the reserved places) is decided as the REST routes decide it, header
+    bytes as sent: ASCII or not, Bearer or not, spaced or not."""
+    from starlette.requests import Request
+
+    from imgedit.web.connections import _key_check
+    from imgedit.web.identity import rest_owner
+
+    keys = ("k-63", "clé-secret", "secret-voilà")
+    guard = _key_check(keys)
+    for value in (b"Bearer k-63", b"bearer   k-63 ", b"k-63", b"Basic k-63", b"Bearer k-64", b"Bearer ",
+                  "Bearer clé-secret".encode("latin-1"), "Bearer clé-secret".encode(),
+                  "Bearer secret-voilà".encode("latin-1"), "Bearer secret-voilà".encode()):
+        rest = rest_owner(Request({"type": "http", "headers": [(b"authorization", value)]}), None,
+                          tuple((f"n{i}", k) for i, k in enumerate(keys))) is not None
+        assert guard(b"GET /v1/status HTTP/1.1\r\nAuthorization: " + value + b"\r\n") == rest, value
+    assert guard(b"GET /v1/status HTTP/1.1\r\nAuthorization: Bearer k-63\r\n")  # a case that holds

@@ -29,8 +29,9 @@ def _waits(cuda: bool) -> tuple[int, int]:
     """(failed allocations retried after freeing the cache, the allocator's syncs of the whole GPU) so far."""
     if not cuda:
         return 0, 0
-    stats = torch.cuda.memory_stats()
-    return int(stats.get("num_alloc_retries", 0)), int(stats.get("num_sync_all_streams", 0))
+    stats = [torch.cuda.memory_stats(d) for d in range(torch.cuda.device_count())]  # a split spans several
+    return (sum(int(s.get("num_alloc_retries", 0)) for s in stats),
+            sum(int(s.get("num_sync_all_streams", 0)) for s in stats))
 
 
 class _Clock:
@@ -94,7 +95,7 @@ class TimeBudget:
             call.timings.update(clock.phases())
             retries, syncs = (now - before for now, before in zip(_waits(clock.cuda), waits, strict=True))
             if retries or syncs:
-                log.info("the GPU allocator freed its cache to find room in this job: %d allocation(s) "
-                         "retried, %d wait(s) for the whole GPU", retries, syncs)
+                log.info("%s: the GPU allocator freed its cache to find room: %d allocation(s) retried, %d "
+                         "wait(s) for the whole GPU", call.job.request_id, retries, syncs)
         finally:
             self.clock = None

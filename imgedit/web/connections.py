@@ -238,7 +238,9 @@ def _key_check(keys: tuple[str, ...]) -> Callable[[bytes], bool]:
         for line in head.split(b"\r\n")[1:]:
             name, _, value = line.partition(b":")
             if name.strip().lower() == b"authorization":
-                token = bearer_token(value.decode("latin-1")).encode("latin-1")
+                # as the REST routes compare it: the header read as latin-1 (as Starlette reads it), the key
+                # and the token compared as UTF-8
+                token = bearer_token(value.decode("latin-1")).encode()
                 return bool(token) and any(hmac.compare_digest(token, key) for key in wanted)
         return False
 

@@ -164,10 +164,11 @@ class JobRecords:
         for job_id, process, raw in rows:
             if process == self._process or not _gone(process):
                 continue
-            items = json.loads(raw)
+            items = [Progress.upgraded(item) for item in json.loads(raw)]
             for item in items:
-                if not ItemState(item["state"]).finished:
-                    item.update(state=ItemState.FAILED, error=STOPPED, step=0)
+                if not ItemState(item["state"]).finished:  # none of its steps runs on: back to step 0
+                    stopped = Progress(0, Progress.read(item).steps)
+                    item.update(state=ItemState.FAILED, error=STOPPED, **stopped.view())
             with self._lock:
                 self._db.execute("UPDATE jobs SET items = ?, finished = ? WHERE id = ?",
                                  (json.dumps(items), time.time(), job_id))
