@@ -29,7 +29,11 @@ def _waits(cuda: bool) -> tuple[int, int]:
     """(failed allocations retried after freeing the cache, the allocator's syncs of the whole GPU) so far."""
     if not cuda:
         return 0, 0
-    stats = [torch.cuda.memory_stats(d) for d in range(torch.cuda.device_count())]  # a split spans several
+    try:  # a log line's numbers: never a job's failure. Every visible GPU: a split spans several.
+        stats = [torch.cuda.memory_stats(d) for d in range(torch.cuda.device_count())]
+    except RuntimeError as exc:
+        log.debug("allocator statistics unread: %s", exc)
+        return 0, 0
     return (sum(int(s.get("num_alloc_retries", 0)) for s in stats),
             sum(int(s.get("num_sync_all_streams", 0)) for s in stats))
 
