@@ -57,10 +57,9 @@ class JobRecord:
 @dataclass(frozen=True)
 class Progress:
     """How far a running job is: `step` of its `steps` (0 of N before its first step; 0 of 0 while queued or
-    idle). Shown
-    under the request field's name, as the job asked for it: `view()` is the one place that names it for
-    /health's workers and /v1/jobs' items, `read()` reads it back, `text()` is how the page and the logs
-    say it."""
+    idle). Shown under the request field's name, as the job asked for it: `view()` is the one place that names
+    it for /health's workers and /v1/jobs' items, `read()` reads it back, `text()` is how the page and the
+    logs say it."""
 
     step: int = 0
     steps: int = 0
