@@ -125,3 +125,19 @@ def test_no_other_module_reaches_into_a_librarys_private_member():
 def test_the_scan_sees_a_reach_into_a_private_member():
     tree = ast.parse("def f(pipe):\n    x = pipe._execution_device\n    return hasattr(pipe, '_hf_hook')\n")
     assert [name for _, name in private_names(tree)] == ["_execution_device", "_hf_hook"]
+
+
+def test_the_gather_compiles_into_one_graph_on_any_dim():
+    # the 2-GPU split's compiled blocks gather keys and values on dim 1: the library's own concatenation for a
+    # dim other than 0 is skipped by dynamo, and the block fell back to eager on the GPU machine
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        gather = torch.compile(lambda t: internals.all_gather(t, 1, group, 1) * 2, fullgraph=True, backend="eager")
+        tensor = torch.arange(24.0).reshape(2, 3, 4)
+        assert torch.equal(gather(tensor), tensor * 2)
+        assert torch.equal(internals.all_gather(tensor, 2, group, 1), tensor)
+    finally:
+        dist.destroy_process_group()

@@ -208,11 +208,15 @@ def no_duck_shapes():
 _GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 
-def all_gather(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Every rank's `tensor` of `group`, concatenated on `dim` in rank order; dynamo traces it (a compiled
-    block keeps its exchange in the graph), where torch.distributed.all_gather_into_tensor breaks the graph.
-    torch 2.13 names it all_gather_single (all_gather_tensor warns there); torch 2.11 all_gather_tensor."""
-    return _GATHER(tensor, dim, group)
+def all_gather(tensor: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
+    """Every rank's `tensor` of `group` (`size` ranks), concatenated on `dim` in rank order; dynamo traces it
+    (a compiled block keeps its exchange in the graph), where torch.distributed.all_gather_into_tensor breaks
+    the graph. torch 2.13 names it all_gather_single (all_gather_tensor warns there); torch 2.11
+    all_gather_tensor. Both gather on dim 0 here and the chunks are concatenated on `dim` below: for any other
+    dim the library concatenates in torch._utils._maybe_view_chunk_cat, which dynamo skips, so the compiled
+    block failed and fell back to eager (the 2-GPU split's run on 2026-11-29)."""
+    gathered = _GATHER(tensor.contiguous(), 0, group)
+    return gathered if dim == 0 else torch.cat(gathered.chunk(size, 0), dim)
 
 
 def raise_recompile_limit(limit: int) -> None:

@@ -99,7 +99,7 @@ class TargetSplit:
     def gather(self, tensor: torch.Tensor, prefix: int) -> torch.Tensor:
         """(B, prefix + T/n, ...) on each rank → (B, prefix + T, ...): the target rows of every rank, in
         order, after this rank's prefix rows."""
-        target = internals.all_gather(tensor[:, prefix:].contiguous(), 1, self.group)
+        target = internals.all_gather(tensor[:, prefix:], 1, self.group, self.degree)
         return target if prefix == 0 else torch.cat([tensor[:, :prefix], target], dim=1)
 
     # ---- installing ---------------------------------------------------------------------------------------
