@@ -133,3 +133,28 @@ def test_prompt_encoding_is_lean_and_gives_the_same_embeddings(family, request):
         probe.remove()
     assert seen[0] == (1, 1, False) and seen[1][0] > 10 and seen[1][1] > 2, seen  # lean, then every token's
     assert torch.equal(hooked, full)
+
+
+def test_the_lean_hidden_state_comes_back_where_a_device_hook_returns_the_output(plus_pipe):
+    """An encoder on another GPU than the latents (the balanced placement) carries accelerate's hook inside its
+    forward, which moves the output back to the caller's device before torch's forward hooks run. The kept
+    hidden state must follow the logits there: on 2x H200 it stayed on the encoder's GPU and every edit failed
+    in the pipeline's `_extract_masked_hidden`. The CPU stand-in for "the caller's GPU" is the meta device."""
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+    from accelerate.utils import send_to_device
+
+    class BackToTheCaller(ModelHook):
+        def post_forward(self, module, output):
+            return send_to_device(output, torch.device("meta"))
+
+    pipe = plus_pipe.pipe
+    inputs = pipe.processor(text=["<|vision_start|><|image_pad|><|vision_end|> hi"], images=[picture(64, 64)],
+                            return_tensors="pt")
+    add_hook_to_module(pipe.text_encoder, BackToTheCaller())
+    try:
+        with torch.no_grad():
+            out = pipe.text_encoder(**inputs, output_hidden_states=True)
+    finally:
+        remove_hook_from_module(pipe.text_encoder)
+    assert out.logits.shape[1] == 1 and len(out.hidden_states) == 1  # the lean call
+    assert out.logits.device.type == "meta" and out.hidden_states[-1].device.type == "meta"

@@ -90,7 +90,12 @@ def install_no_logits(text_encoder: torch.nn.Module):
 
     def give(module, args, kwargs, output):
         if kept and kwargs.get("output_hidden_states") is False and kept[-1] is not None:
-            output.hidden_states = (kept.pop(),)
+            state = kept.pop()
+            # where the caller gets the rest: an encoder on another GPU than the latents (the balanced
+            # placement) has accelerate's hook inside its forward, which moved the logits back before this
+            # hook runs; its last state stayed on the encoder's GPU and the pipeline's mask did not (2x H200,
+            # 2026-11-29: every 2509 edit failed in _extract_masked_hidden)
+            output.hidden_states = (state.to(output.logits.device),)
         return output
 
     handle = text_encoder.register_forward_pre_hook(lean, with_kwargs=True)
