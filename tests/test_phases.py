@@ -151,3 +151,32 @@ def test_per_job_features_are_entered_in_order_and_left_however_the_job_ends(plu
     finally:
         del runner.parts[:2]
     assert torch.is_grad_enabled() is False  # the place phase turned autograd off for the worker
+
+
+def test_the_prefix_cache_room_is_read_on_the_transformers_gpus_as_this_process_numbers_them(monkeypatch):
+    """Under MAX_MEMORY the 2.1 prefix cache's room is measured on the GPUs the transformer's blocks sit on, in
+    this process's numbering (the plan's). A second replica is the server's cuda:1 and this process's cuda:0:
+    measured at the server's index, every job asked the driver about a GPU the process cannot see."""
+    from types import SimpleNamespace
+
+    gib = 1024**3
+    free = {0: 10 * gib, 1: 7 * gib}  # this process's GPUs: cuda:0 and cuda:1 only
+    asked: list[int] = []
+
+    def gpu_room(index, caps):  # the seam that calls the driver (torch.cuda.mem_get_info)
+        asked.append(index)
+        return free[index]
+
+    monkeypatch.setattr(features, "gpu_room", gpu_room)
+    blocks = Placement("cuda:0", ("cuda:0", "cuda:0", "cuda:1", "cuda:1"))
+    parts: list = []
+    build = SimpleNamespace(
+        plan=WorkerPlan("worker-1", {"transformer": blocks, "text_encoder": Placement("cuda:1"),
+                                     "vae": Placement("cuda:0")}),
+        spec=SimpleNamespace(memory_caps=(12 * gib, 12 * gib), activation_reserve=gib),
+        pipe=SimpleNamespace(transformer=SimpleNamespace(config={})),
+        runner=SimpleNamespace(devices=("cuda:2", "cuda:3"), add=parts.append),  # the server's names
+        report=SimpleNamespace(under_cap=[]))
+    features.PrefixCacheRoom().install(build)
+    assert parts[0].room() == 6 * gib  # the tighter of the two, less the reserve
+    assert sorted(asked) == [0, 1]

@@ -177,3 +177,28 @@ def test_the_2_1_warm_up_runs_each_lora_that_runs_unfused():
     assert unfused_adapters(SimpleNamespace(adapter_names=names, fusion=fuses_style)) == [(("other", 1.0),)]
     fuses_all = SimpleNamespace(can_fuse=lambda internal: True)
     assert unfused_adapters(SimpleNamespace(adapter_names=names, fusion=fuses_all)) == []
+
+
+def test_the_recompile_limit_counts_every_gpu_a_split_transformers_blocks_sit_on(plus_ckpt):
+    """The blocks share one compiled code object whose guards hold each tensor's device: a transformer split
+    over two GPUs compiles every variant twice, and dynamo's limit must leave room for all of them."""
+    from dataclasses import replace
+
+    from imgedit.planning.checkpoint import open_checkpoint
+    from imgedit.planning.plan import Placement, WorkerPlan
+    from imgedit.runtime.messages import WorkerSpec
+    from imgedit.runtime.warmup import recompile_limit
+
+    def spec(transformer: Placement, loras=()) -> WorkerSpec:
+        plan = WorkerPlan("worker-0", {"transformer": transformer, "text_encoder": Placement("cuda:0"),
+                                       "vae": Placement("cuda:0")})
+        made = WorkerSpec(name="worker-0", rank=0, world=1, parallel="none", plan=plan,
+                          checkpoint=open_checkpoint(str(plus_ckpt)), dtype="bfloat16", compile=True)
+        return replace(made, loras=loras)
+
+    whole, split = Placement("cuda:0"), Placement("cuda:0", ("cuda:0", "cuda:1"))
+    assert recompile_limit(spec(whole), 1, False) is None  # dynamo's default
+    assert recompile_limit(spec(split), 1, False) == 2 * 8
+    two = ("four", "eight")  # stand-ins: only their number counts
+    assert recompile_limit(spec(split, two), 2, False) == 2 * (8 + 2 * 2 + 2 * 1)
+    assert recompile_limit(spec(whole, two), 2, False) == 8 + 2 * 2 + 2 * 1

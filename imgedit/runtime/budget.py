@@ -39,8 +39,11 @@ def _waits(cuda: bool) -> tuple[int, int]:
 
 
 class _Clock:
-    def __init__(self, cuda: bool):
+    def __init__(self, cuda: bool, device: str | None = None):
         self.cuda = cuda
+        # the latents' GPU, not the process's current one (cuda:0): `balanced` may put the transformer on
+        # cuda:1, where events on cuda:0's idle stream would complete at once and time nothing
+        self.device = torch.device(device) if cuda and device is not None else None
         self.marks: dict[str, object] = {}
         self.steps: list[object] = []
 
@@ -48,7 +51,7 @@ class _Clock:
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def mark(self, name: str) -> None:
@@ -64,7 +67,7 @@ class _Clock:
 
     def phases(self) -> dict[str, float]:
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
         start, end = self.marks["start"], self.marks["end"]
         first = self.marks.get("first_call")
         if first is None or not self.steps:  # no denoising step ran (a rewrite alone)
@@ -77,8 +80,8 @@ class _Clock:
 
 
 class TimeBudget:
-    def __init__(self, transformers, cuda: bool):
-        self.cuda = cuda
+    def __init__(self, transformers, cuda: bool, device: str | None = None):
+        self.cuda, self.device = cuda, device
         self.clock: _Clock | None = None
         for transformer in transformers:
             transformer.register_forward_pre_hook(self._called)
@@ -89,7 +92,7 @@ class TimeBudget:
 
     @contextmanager
     def job(self, call):
-        self.clock = clock = _Clock(self.cuda and torch.cuda.is_available())
+        self.clock = clock = _Clock(self.cuda and torch.cuda.is_available(), self.device)
         waits = _waits(clock.cuda)
         clock.mark("start")
         call.step_hooks.append(lambda step, tensors: clock.step())

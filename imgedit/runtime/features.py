@@ -77,7 +77,7 @@ class Timings(Feature):
     name = "time budget"
 
     def install(self, build: Build) -> None:
-        build.runner.add(TimeBudget(build.transformers, build.cuda))
+        build.runner.add(TimeBudget(build.transformers, build.cuda, build.plan.execution_device))
 
 
 class SingleFrameVae(Feature):
@@ -271,9 +271,13 @@ class PrefixCacheRoom(Feature):
         return build.capped and "use_kv_cache" in inspect.signature(build.pipe.__call__).parameters
 
     def install(self, build: Build) -> None:
-        index = torch.device(build.runner.devices[0]).index or 0
+        # the GPUs of the transformer's blocks as this process numbers them (the plan's; the runner's devices
+        # are the server's names, for messages: a second replica's cuda:1 is this process's cuda:0)
+        blocks = {torch.device(d) for d in build.plan.components["transformer"].devices}
+        indices = sorted(d.index or 0 for d in blocks if d.type == "cuda")
         caps, reserve = build.spec.memory_caps, build.spec.activation_reserve
-        build.runner.add(PrefixCache(build.pipe.transformer, lambda: gpu_room(index, caps) - reserve))
+        build.runner.add(PrefixCache(build.pipe.transformer,
+                                     lambda: min(gpu_room(i, caps) for i in indices) - reserve))
         build.report.under_cap.append("prefix cache off for a job it would not fit")
 
 

@@ -143,7 +143,7 @@ class LivePreview:
             host = torch.empty(rgb.shape, dtype=rgb.dtype, pin_memory=True)
             host.copy_(rgb, non_blocking=True)
             done = torch.cuda.Event()
-            done.record()
+            done.record(torch.cuda.current_stream(rgb.device))  # the copy's GPU, not the current one (cuda:0)
             rgb = host
         self._pending = (rgb, done, grid(tokens.shape[0], aspect))
 

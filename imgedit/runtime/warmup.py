@@ -30,12 +30,8 @@ def compile_and_warm_up(spec: WorkerSpec, runner, transformers: tuple, report: S
     started = time.perf_counter()
     group = runner.group
     split = group is not None and (group.splits_cfg_off or group.layout.ulysses > 1)
-    if spec.loras or split:
-        # each adapter set is one more compiled variant of the block (guards on peft's state), each of them
-        # up to four times where text is split (a pair's Ulysses on with and without the padding mask, and
-        # off; a batch of one specialised apart from n > 1); a fast copy's quantized blocks are variants of
-        # the same block code too
-        limit = (8 + 2 * len(spec.loras) + 2 * (len(transformers) - 1)) * (4 if split else 1)
+    limit = recompile_limit(spec, len(transformers), split)
+    if limit is not None:
         internals.raise_recompile_limit(limit)
     failure: BaseException | None = None
     qwen21 = spec.checkpoint.family == "21"
@@ -61,6 +57,18 @@ def compile_and_warm_up(spec: WorkerSpec, runner, transformers: tuple, report: S
     reason = cause(failure)
     log.warning("compile failed → eager: %s", reason)
     report.fallbacks.append(f"compile failed → eager: {reason}")
+
+
+def recompile_limit(spec: WorkerSpec, transformers: int, split: bool) -> int | None:
+    """Room for every compiled variant of a block (None: dynamo's default suffices). Each adapter set is one
+    more variant (guards on peft's state), each of them up to four times where text is split (a pair's Ulysses
+    on with and without the padding mask, and off; a batch of one specialised apart from n > 1); a fast copy's
+    quantized blocks are variants of the same block code too; and every variant counts once per GPU a split
+    transformer's blocks sit on (the blocks share one code object, and its guards hold each tensor's device)."""
+    gpus = len(spec.plan.components["transformer"].devices)
+    if not (spec.loras or split or gpus > 1):
+        return None
+    return (8 + 2 * len(spec.loras) + 2 * (transformers - 1)) * (4 if split else 1) * gpus
 
 
 def warm_up_rewrite(pipe, fallbacks: list[str], compiled: bool) -> float:
