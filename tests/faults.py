@@ -164,6 +164,18 @@ def break_compile(pipe, spec) -> None:
                        AlignDevicesHook(execution_device=spec.plan.execution_device))
 
 
+def break_encode(pipe, spec) -> None:
+    """install(), and every prompt encode failing as the default balanced placement's did on 2x H200 (the text
+    encoder's last hidden state left on its own GPU): a fault outside compile, so the compile warm-up fails on
+    it and so does every job, compiled or not."""
+    install(pipe, spec)
+
+    def mismatch(module, args, kwargs):
+        raise RuntimeError("indices should be either on cpu or on the same device as the indexed tensor (cuda:1)")
+
+    pipe.text_encoder.register_forward_pre_hook(mismatch, with_kwargs=True)
+
+
 def leave_garbage(pipe, spec) -> None:
     """install(), and a tensor in a reference cycle old enough that only a full collection frees it, as loading
     can leave one; IMGEDIT_TEST_GARBAGE gets "freed <pid>" when it goes."""

@@ -18,6 +18,7 @@ from imgedit.config.settings import load_settings
 from imgedit.engine.manager import PipelineManager
 from imgedit.engine.workers.gpus import GpuMonitor
 from imgedit.engine.workers.pool import WorkerHandle
+from imgedit.errors import WorkerFailed
 from imgedit.model.lora_random import random_lora
 from imgedit.model.loras import transformer_linears
 from imgedit.planning.checkpoint import MODEL_COMPONENTS
@@ -30,15 +31,15 @@ from imgedit.web.page.panel import banner_html, panel_html
 from imgedit.web.public import open_snapshot
 
 
-def compiling_manager(ckpt, plan, hook: str = "faults:break_compile") -> PipelineManager:
-    """COMPILE=on CPU workers; by default their compile fails at warm-up exactly as it did on the GPUs
-    (faults.break_compile)."""
+def compiling_manager(ckpt, plan, hook: str = "faults:break_compile", load: bool = True) -> PipelineManager:
+    """COMPILE=on CPU workers, loaded unless `load` is false; by default their compile fails at warm-up exactly
+    as it did on the GPUs (faults.break_compile)."""
     settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cpu", "COMPILE": "on",
                               "WORKER_START": "forkserver", "OUTPUT_DIR": tempfile.mkdtemp(prefix="imgedit-out-"),
                               "GRADIO_SERVER_PORT": str(free_port())})
     manager = PipelineManager(settings, plan=plan, worker_hook=hook, warmup_sizes=((64, 64),))
     _MANAGERS.append(manager)  # closed with the module
-    return manager.load()
+    return manager.load() if load else manager
 
 
 @pytest.mark.parametrize("plan", [cpu_plan(1), cfg_plan(1)], ids=["one-process", "pair"])
@@ -56,6 +57,21 @@ def test_a_compile_that_fails_at_warm_up_serves_eager_and_says_so(plus_ckpt, pla
     data = open_snapshot(GpuMonitor(), manager.status())
     assert "compile failed → eager: Unsupported" in banner_html(data)
     assert "compile failed → eager: Unsupported" in panel_html(data)
+
+
+def test_a_warm_up_failure_that_is_not_compiles_fails_the_worker_with_its_cause(plus_ckpt):
+    """A warm-up that fails outside compile (the prompt encode, as the default placement's did on 2x H200) was
+    taken for a compile failure: the worker fell back to eager, /health said ok, and every edit answered 500.
+    After the fallback the first warm-up job runs once more without compile; failing again, the worker fails
+    to load and says why, in the user's words, no traceback."""
+    manager = compiling_manager(plus_ckpt, cpu_plan(1), hook="faults:break_encode", load=False)
+    with pytest.raises(WorkerFailed) as failed:
+        manager.load()
+    (worker,) = manager.status().workers
+    assert worker.state == WorkerState.FAILED, worker
+    assert "cannot edit, with or without compile: RuntimeError: indices should be either on cpu" in worker.error
+    assert "Traceback" not in worker.error and "\n" not in worker.error
+    assert "cannot edit, with or without compile" in str(failed.value)
 
 
 def test_a_transformer_split_over_devices_compiles_inside_its_block_hooks(plus_ckpt):

@@ -385,6 +385,8 @@ def install(build: Build, phase: str) -> None:
             feature.install(build)
         except _Reported:
             continue
+        except warmup.Unservable:  # not an optimisation's failure: the worker itself cannot edit
+            raise
         except Exception as exc:
             if not feature.optional:
                 raise

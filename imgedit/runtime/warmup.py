@@ -12,6 +12,7 @@ import traceback
 import torch
 from PIL import Image
 
+from imgedit.errors import ImgEditError
 from imgedit.model import internals
 from imgedit.planning.families import BY_PIPELINE
 from imgedit.protocol import EditRequest, Resolved
@@ -57,6 +58,38 @@ def compile_and_warm_up(spec: WorkerSpec, runner, transformers: tuple, report: S
     reason = cause(failure)
     log.warning("compile failed → eager: %s", reason)
     report.fallbacks.append(f"compile failed → eager: {reason}")
+    if spec.world == 1:  # a group's ranks run a job in step (their collectives): their vote above covers them
+        check_eager(runner, spec)
+
+
+class Unservable(ImgEditError):
+    """The worker's edits fail without any optimisation too: it fails to load, saying why, rather than serve
+    an internal error to every job."""
+
+
+def check_eager(runner, spec: WorkerSpec) -> None:
+    """After compile's fallback, the first warm-up job once more, eager. A failure that compile did not cause
+    (on 2x H200 the default placement's prompt encode failed on a device mismatch) otherwise read as "compile
+    failed → eager", and the worker then answered every edit with an internal error while /health said ok."""
+    say, job = "warm-up job without compile", first_job(runner, spec)
+    if job is None:
+        return
+    try:
+        runner.run(job, threading.Event())
+    except Exception as exc:  # noqa: BLE001 - becomes the worker's load failure, with its cause
+        log.error("%s failed too:\n%s", say, traceback.format_exc())
+        raise Unservable(f"this worker cannot edit, with or without compile: {cause(exc)}") from exc
+    runner.cleanup(force=True)
+    log.info("%s: ok (the compile failure was compile's own)", say)
+
+
+def first_job(runner, spec: WorkerSpec) -> Job | None:
+    """The first job the family's warm-up runs (None: it runs none)."""
+    if spec.checkpoint.family == "21":
+        sizes = spec.warmup_sizes or ((1024, 1024),)
+        return _job_21(spec, 1, compile21.warmup_requests(max_images_per_prompt=2, sizes=sizes)[0])
+    runs = warmup_runs(runner, spec)
+    return _warmup_jobs(runner, spec, *runs[0])[0] if runs else None
 
 
 def recompile_limit(spec: WorkerSpec, transformers: int, split: bool) -> int | None:
@@ -197,17 +230,22 @@ def warm_up_21(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
         what = "Turbo, " if run.get("scheduler") == "turbo" else "LoRA, " if run.get("adapters") else ""
         say(f"compiling: warm-up {k} of {len(runs)} ({what}{run['images']} reference(s) at {width}x{height})")
         started = time.perf_counter()
-        images = tuple(Image.new("RGB", (width, height), (120, 130, 140)) for _ in range(run["images"]))
-        prompt = " ".join([WARMUP_PROMPT] * max(1, run["words"] // 2))
-        req = EditRequest(images=images, prompt=prompt, request_id=f"warmup-21-{k}", source="warmup")
-        job = Job(req, Resolved(steps=run["num_inference_steps"], negative_prompt=" ", seed=0,
-                                num_images=run["num_images_per_prompt"], width=width, height=height,
-                                true_cfg_scale=1.0, scheduler=run.get("scheduler", "default"),
-                                adapters=run.get("adapters", ())),
-                  spec.checkpoint.family)
-        runner.run(job, threading.Event())
+        runner.run(_job_21(spec, k, run), threading.Event())
         seconds.append(round(time.perf_counter() - started, 2))
     return seconds
+
+
+def _job_21(spec: WorkerSpec, k: int, run: dict) -> Job:
+    """Warm-up run `k` of Qwen-Image-2.1 (compile21.warmup_requests' shape) as a job."""
+    width, height = run["width"], run["height"]
+    images = tuple(Image.new("RGB", (width, height), (120, 130, 140)) for _ in range(run["images"]))
+    prompt = " ".join([WARMUP_PROMPT] * max(1, run["words"] // 2))
+    req = EditRequest(images=images, prompt=prompt, request_id=f"warmup-21-{k}", source="warmup")
+    return Job(req, Resolved(steps=run["num_inference_steps"], negative_prompt=" ", seed=0,
+                             num_images=run["num_images_per_prompt"], width=width, height=height,
+                             true_cfg_scale=1.0, scheduler=run.get("scheduler", "default"),
+                             adapters=run.get("adapters", ())),
+               spec.checkpoint.family)
 
 
 WARMUP_PROMPT = "warm up"
