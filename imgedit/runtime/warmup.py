@@ -97,7 +97,8 @@ def recompile_limit(spec: WorkerSpec, transformers: int, split: bool) -> int | N
     more variant (guards on peft's state), each of them up to four times where text is split (a pair's Ulysses
     on with and without the padding mask, and off; a batch of one specialised apart from n > 1); a fast copy's
     quantized blocks are variants of the same block code too; and every variant counts once per GPU a split
-    transformer's blocks sit on (the blocks share one code object, and its guards hold each tensor's device)."""
+    transformer's blocks sit on (the blocks share one code object, and its guards hold each tensor's
+    device)."""
     gpus = len(spec.plan.components["transformer"].devices)
     if not (spec.loras or split or gpus > 1):
         return None
