@@ -95,7 +95,8 @@ def install_no_logits(text_encoder: torch.nn.Module):
             # placement) has accelerate's hook inside its forward, which moved the logits back before this
             # hook runs; its last state stayed on the encoder's GPU and the pipeline's mask did not (2x H200,
             # 2026-11-29: every 2509 edit failed in _extract_masked_hidden)
-            output.hidden_states = (state.to(output.logits.device),)
+            logits = getattr(output, "logits", None)
+            output.hidden_states = (state.to(logits.device) if logits is not None else state,)
         return output
 
     handle = text_encoder.register_forward_pre_hook(lean, with_kwargs=True)

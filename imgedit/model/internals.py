@@ -213,8 +213,8 @@ def all_gather(tensor: torch.Tensor, dim: int, group, size: int) -> torch.Tensor
     (a compiled block keeps its exchange in the graph), where torch.distributed.all_gather_into_tensor breaks
     the graph. torch 2.13 names it all_gather_single (all_gather_tensor warns there); torch 2.11
     all_gather_tensor. Both gather on dim 0 here and the chunks are concatenated on `dim` below: for any other
-    dim the library concatenates in torch._utils._maybe_view_chunk_cat, which dynamo skips, so the compiled
-    block failed and fell back to eager (the 2-GPU split's run on 2026-11-29)."""
+    dim the library concatenates in torch._utils._maybe_view_chunk_cat, which torch 2.11's dynamo skips (2.13
+    traces it), so the compiled block failed and fell back to eager (the 2-GPU split's run on 2026-11-29)."""
     gathered = _GATHER(tensor.contiguous(), 0, group)
     return gathered if dim == 0 else torch.cat(gathered.chunk(size, 0), dim)
 

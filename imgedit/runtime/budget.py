@@ -5,10 +5,11 @@ work).
 
 A per-job part of the runner (imgedit.runtime.runner.Call): it marks the job's start, the first call of any of
 the worker's transformers (a forward pre-hook on each, installed once: Turbo's and the fast copies' included),
-every step's end (a step hook) and the job's end. On a GPU the marks are CUDA events on the current stream,
-read once the result is on the CPU: the marks never make the CPU wait for the GPU, so the job runs as fast as
-without them. The phases (seconds) go back with the result (`EditResult.timings`); the server adds its own
-(the queue, the upload, the reply) and sums them in /metrics (`imgedit_request_phase_seconds`).
+every step's end (a step hook) and the job's end. On a GPU the marks are CUDA events on the stream of the
+latents' GPU, read once the result is on the CPU: the marks never make the CPU wait for the GPU, so the job
+runs as fast as without them. The phases (seconds) go back with the result (`EditResult.timings`); the
+server adds its own (the queue, the upload, the reply) and sums them in /metrics
+(`imgedit_request_phase_seconds`).
 
 On a GPU a job that made PyTorch's allocator free its cache to find room (it waits for the whole GPU to do so:
 copies and compute stop overlapping) says so in the log: a memory cap with too little room shows there.
@@ -81,7 +82,8 @@ class _Clock:
 
 class TimeBudget:
     def __init__(self, transformers, cuda: bool, device: str | None = None):
-        self.cuda, self.device = cuda, device
+        self.cuda = cuda
+        self.device = device
         self.clock: _Clock | None = None
         for transformer in transformers:
             transformer.register_forward_pre_hook(self._called)
