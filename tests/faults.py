@@ -176,6 +176,22 @@ def break_encode(pipe, spec) -> None:
     pipe.text_encoder.register_forward_pre_hook(mismatch, with_kwargs=True)
 
 
+def oom_at_warm_up(pipe, spec) -> None:
+    """install(), and every warm-up job (its prompt: runtime.warmup.WARMUP_PROMPT) out of GPU memory, as on a
+    capped card whose warm-up size does not fit: compiled or not, while smaller user jobs run."""
+    from imgedit.runtime.warmup import WARMUP_PROMPT
+
+    install(pipe, spec)
+    encode = pipe.encode_prompt
+
+    def encode_prompt(*args, **kwargs):
+        if kwargs.get("prompt") == WARMUP_PROMPT:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return encode(*args, **kwargs)
+
+    pipe.encode_prompt = encode_prompt
+
+
 def leave_garbage(pipe, spec) -> None:
     """install(), and a tensor in a reference cycle old enough that only a full collection frees it, as loading
     can leave one; IMGEDIT_TEST_GARBAGE gets "freed <pid>" when it goes."""

@@ -74,6 +74,18 @@ def test_a_warm_up_failure_that_is_not_compiles_fails_the_worker_with_its_cause(
     assert "cannot edit, with or without compile" in str(failed.value)
 
 
+def test_a_warm_up_out_of_memory_without_compile_too_leaves_the_worker_serving(plus_ckpt):
+    """Out of GPU memory at the warm-up's size, compiled and eager alike, is the card's size, not a broken
+    worker: it serves (eager, saying why) the jobs that fit."""
+    manager = compiling_manager(plus_ckpt, cpu_plan(1), hook="faults:oom_at_warm_up")
+    with start_server(manager) as server:
+        worker = httpx.get(f"{server.url}/health", timeout=10).json()["workers"][0]
+        assert worker["state"] == "idle" and worker["compiled"] is False, worker
+        (fallback,) = worker["fallbacks"]
+        assert fallback.startswith("compile failed → eager: OutOfGpuMemory"), fallback
+        assert_edits(server)
+
+
 def test_a_transformer_split_over_devices_compiles_inside_its_block_hooks(plus_ckpt):
     """A transformer split over GPUs has an accelerate device hook on every block (and, from dispatch_model, on
     every submodule with weights inside it: the loader drops those), whose pre_forward fullgraph compiling
