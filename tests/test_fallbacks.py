@@ -23,7 +23,7 @@ from imgedit.model.lora_random import random_lora
 from imgedit.model.loras import transformer_linears
 from imgedit.planning.checkpoint import MODEL_COMPONENTS
 from imgedit.planning.plan import Placement, WorkerPlan
-from imgedit.protocol import WorkerState
+from imgedit.protocol import EditRequest, WorkerState
 from imgedit.runtime import loader
 from imgedit.runtime.adapters import Adapters
 from imgedit.runtime.messages import Loading
@@ -78,12 +78,13 @@ def test_a_warm_up_out_of_memory_without_compile_too_leaves_the_worker_serving(p
     """Out of GPU memory at the warm-up's size, compiled and eager alike, is the card's size, not a broken
     worker: it serves (eager, saying why) the jobs that fit."""
     manager = compiling_manager(plus_ckpt, cpu_plan(1), hook="faults:oom_at_warm_up")
-    with start_server(manager) as server:
-        worker = httpx.get(f"{server.url}/health", timeout=10).json()["workers"][0]
-        assert worker["state"] == "idle" and worker["compiled"] is False, worker
-        (fallback,) = worker["fallbacks"]
-        assert fallback.startswith("compile failed → eager: OutOfGpuMemory"), fallback
-        assert_edits(server)
+    (worker,) = manager.status().workers
+    assert worker.state == WorkerState.IDLE and worker.compiled is False, worker
+    (fallback,) = worker.fallbacks
+    assert fallback.startswith("compile failed → eager: OutOfGpuMemory"), fallback
+    result = manager.edit(EditRequest(images=(Image.new("RGB", (64, 64), "red"),), prompt="make it blue",
+                                      num_inference_steps=2, width=64, height=64, source="test"))
+    assert result.images[0].size == (64, 64)
 
 
 def test_a_transformer_split_over_devices_compiles_inside_its_block_hooks(plus_ckpt):
