@@ -83,7 +83,7 @@ def requests(args) -> list[dict]:
     return out
 
 
-def call(pipe, args, req: dict, times: list | None = None):
+def call(pipe, args, req: dict, times: list | None = None, callback=None):
     import numpy as np
     import torch
     from PIL import Image
@@ -99,7 +99,7 @@ def call(pipe, args, req: dict, times: list | None = None):
         if args.device == "cuda":
             torch.cuda.synchronize()
         stamps.append(time.perf_counter())
-        return {}
+        return callback(pipe_, step, t, kwargs) if callback else {}
 
     extra = {"true_cfg_scale": 4.0, "negative_prompt": " "} if req.get("cfg") else {}
     n = req.get("num_images_per_prompt", 1)

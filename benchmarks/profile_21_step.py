@@ -1,0 +1,158 @@
+"""Where a compiled Qwen-Image-2.1 denoising step spends its time: torch.profiler over the cached steps
+(the steps after the prefill, compiled as the workers compile them: imgedit.runtime.compile21 with
+imgedit.model.attention21's processor), on one real-size random-weight transformer.
+
+Per run: the step's wall time without the profiler (mean of the later steps), then one profiled call whose
+trace covers only the later steps (started and stopped in the step callback). Printed: the GPU time per step by
+kind of kernel (GEMM, attention, inductor's fused Triton kernels, copies, the rest), the GPU's idle share of the
+step, the GEMMs' achieved TFLOP/s (FLOPs counted by the profiler on aten::mm/addmm), and the top kernels.
+Every image must be finite.
+
+    python3 benchmarks/profile_21_step.py --device cuda --size real --steps 12 --json /tmp/prof21.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from probe_21_compile import call, load  # noqa: E402
+
+KINDS = (  # first match wins; names as cuBLAS, cuDNN, flash and inductor give their kernels
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "matmul")),
+    ("triton", ("triton_",)),
+    ("copy", ("memcpy", "memset", "copy_", "copy")),
+)
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, needles in KINDS:
+        if any(n in low for n in needles):
+            return kind
+    return "other"
+
+
+def device_us(evt) -> float:
+    for attr in ("self_device_time_total", "self_cuda_time_total"):
+        value = getattr(evt, attr, None)
+        if value is not None:
+            return float(value)
+    return 0.0
+
+
+def profiled_call(pipe, args, req):
+    """One call, the profiler running from the end of step 1 to the end of the last step."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = args.device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof = profile(activities=activities, with_flops=True, record_shapes=True)
+    marks = {}
+
+    def step_end(pipe_, step, t, kwargs):
+        if cuda:
+            torch.cuda.synchronize()
+        if step == 1:
+            prof.start()
+            marks["start"] = time.perf_counter()
+        elif step == args.steps - 1:
+            if cuda:
+                torch.cuda.synchronize()
+            marks["end"] = time.perf_counter()
+            prof.stop()
+        return {}
+
+    out = call(pipe, args, req, callback=step_end)
+    return prof, out, marks["end"] - marks["start"]
+
+
+def summarise(prof, steps: int, wall_s: float) -> dict:
+    from torch.autograd import DeviceType
+
+    kernels, by_kind = {}, {}
+    flops = 0.0
+    for evt in prof.key_averages():
+        if getattr(evt, "device_type", None) == DeviceType.CUDA:
+            us = device_us(evt)
+            kernels[evt.key] = kernels.get(evt.key, 0.0) + us
+            by_kind[kind_of(evt.key)] = by_kind.get(kind_of(evt.key), 0.0) + us
+        elif evt.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm") and evt.flops:
+            flops += float(evt.flops)
+    busy = sum(by_kind.values()) / 1e6
+    per_step = {k: round(v / 1e6 / steps * 1e3, 2) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}
+    gemm_s = by_kind.get("gemm", 0.0) / 1e6
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    return dict(profiled_steps=steps, wall_ms_per_step=round(wall_s / steps * 1e3, 2),
+                busy_ms_per_step=round(busy / steps * 1e3, 2), idle_share=round(1 - busy / wall_s, 3),
+                ms_per_step_by_kind=per_step,
+                gemm_tflops=round(flops / gemm_s / 1e12, 1) if gemm_s and flops else None,
+                gemm_tflop_per_step=round(flops / steps / 1e12, 2),
+                top_kernels=[dict(name=k[:140], kind=kind_of(k), ms_per_step=round(v / 1e3 / steps, 3))
+                             for k, v in top])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--size", choices=("tiny", "real"), default="tiny")
+    parser.add_argument("--checkpoint")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--refs", default="0,1", help="reference counts to profile, e.g. 0,1,5")
+    parser.add_argument("--eager", action="store_true", help="profile the eager steps (no compile21)")
+    parser.add_argument("--trace", help="a folder for one Chrome trace per reference count")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    real = args.size == "real"
+    args.output_resolution = 1024 if real else 384
+    args.cond_side = 1024 if real else 96
+    side = 1024 if real else 64
+
+    import numpy as np
+    import torch
+
+    from imgedit.model import attention21
+    from imgedit.runtime import compile21
+
+    pipe = load(args)
+    attention21.install(pipe.transformer)
+    if not args.eager:
+        compile21.memoize_21_metadata(pipe.transformer)
+        compile21.compile_21(pipe.transformer)
+    rows = []
+    for k in (int(k) for k in args.refs.split(",")):
+        req = dict(words=12, images=k, width=side, height=side, seed=7 + k)
+        for _ in range(2):
+            call(pipe, args, req)  # the warm-up: compiles this shape
+        times = []
+        out = call(pipe, args, req, times)
+        assert np.isfinite(out).all(), f"{k} references: a non-finite image"
+        prof, out, wall = profiled_call(pipe, args, req)
+        assert np.isfinite(out).all(), f"{k} references, profiled: a non-finite image"
+        row = dict(refs=k, step_s_unprofiled=round(times[0][1], 4), **summarise(prof, args.steps - 2, wall))
+        if args.trace:
+            Path(args.trace).mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(Path(args.trace) / f"step21-refs{k}.json"))
+        rows.append(row)
+        print(json.dumps({key: v for key, v in row.items() if key != "top_kernels"}), flush=True)
+        for kernel in row["top_kernels"][:12]:
+            print(f"  {kernel['ms_per_step']:8.3f} ms  {kernel['kind']:9s} {kernel['name']}", flush=True)
+    summary = dict(device=args.device, size=args.size, steps=args.steps, compiled=not args.eager,
+                   torch=torch.__version__, gpu=torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+                   rows=rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
