@@ -102,6 +102,7 @@ def call(pipe, args, req: dict, times: list | None = None, callback=None):
         return callback(pipe_, step, t, kwargs) if callback else {}
 
     extra = {"true_cfg_scale": 4.0, "negative_prompt": " "} if req.get("cfg") else {}
+    extra.update(req.get("pipe_kwargs", {}))
     n = req.get("num_images_per_prompt", 1)
     if args.device == "cuda":
         torch.cuda.synchronize()

@@ -8,7 +8,13 @@ kind of kernel (GEMM, attention, inductor's fused Triton kernels, copies, the re
 step, the GEMMs' achieved TFLOP/s (FLOPs counted by the profiler on aten::mm/addmm), and the top kernels.
 Every image must be finite.
 
+--resident N streams the other blocks from pinned CPU memory as a capped plan does (imgedit.runtime.offload.stream,
+the worker's code; streamed blocks run eager, so use it with --eager as the 16 GB row runs), and the summary adds
+the host-to-device copies' time and how much of it ran while a kernel computed (overlap 1 = hidden, 0 = serial).
+--no-kv-cache calls the pipeline with use_kv_cache=False, as a capped worker does (imgedit.runtime.prefix_cache).
+
     python3 benchmarks/profile_21_step.py --device cuda --size real --steps 12 --json /tmp/prof21.json
+    python3 benchmarks/profile_21_step.py --device cuda --size real --eager --resident 13 --no-kv-cache --refs 0
 """
 
 from __future__ import annotations
@@ -76,13 +82,53 @@ def profiled_call(pipe, args, req):
     return prof, out, marks["end"] - marks["start"]
 
 
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def overlap_of(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the intersection of two sorted, disjoint interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def copies(prof) -> dict:
+    """Host-to-device copies against the kernels, from the trace's device events (microseconds)."""
+    from torch.autograd import DeviceType
+
+    copy, compute = [], []
+    for evt in prof.events():
+        if getattr(evt, "device_type", None) != DeviceType.CUDA or evt.name.startswith("## "):
+            continue
+        span = (evt.time_range.start, evt.time_range.end)
+        (copy if "memcpy htod" in evt.name.lower() else compute).append(span)
+    copy, compute = union(copy), union(compute)
+    copy_us = sum(b - a for a, b in copy)
+    compute_us = sum(b - a for a, b in compute)
+    hidden = overlap_of(copy, compute)
+    return dict(copy_us=copy_us, compute_us=compute_us, hidden_us=hidden,
+                overlap=round(hidden / min(copy_us, compute_us), 3) if copy_us and compute_us else None)
+
+
 def summarise(prof, steps: int, wall_s: float) -> dict:
     from torch.autograd import DeviceType
 
     kernels, by_kind = {}, {}
     flops = 0.0
     for evt in prof.key_averages():
-        if getattr(evt, "device_type", None) == DeviceType.CUDA:
+        if getattr(evt, "device_type", None) == DeviceType.CUDA and not evt.key.startswith("## "):
             us = device_us(evt)
             kernels[evt.key] = kernels.get(evt.key, 0.0) + us
             by_kind[kind_of(evt.key)] = by_kind.get(kind_of(evt.key), 0.0) + us
@@ -92,7 +138,11 @@ def summarise(prof, steps: int, wall_s: float) -> dict:
     per_step = {k: round(v / 1e6 / steps * 1e3, 2) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}
     gemm_s = by_kind.get("gemm", 0.0) / 1e6
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
-    return dict(profiled_steps=steps, wall_ms_per_step=round(wall_s / steps * 1e3, 2),
+    spans = copies(prof)
+    return dict(copy_ms_per_step=round(spans["copy_us"] / 1e3 / steps, 2),
+                compute_ms_per_step=round(spans["compute_us"] / 1e3 / steps, 2),
+                copy_hidden_ms_per_step=round(spans["hidden_us"] / 1e3 / steps, 2), copy_overlap=spans["overlap"],
+                profiled_steps=steps, wall_ms_per_step=round(wall_s / steps * 1e3, 2),
                 busy_ms_per_step=round(busy / steps * 1e3, 2), idle_share=round(1 - busy / wall_s, 3),
                 ms_per_step_by_kind=per_step,
                 gemm_tflops=round(flops / gemm_s / 1e12, 1) if gemm_s and flops else None,
@@ -109,6 +159,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--refs", default="0,1", help="reference counts to profile, e.g. 0,1,5")
     parser.add_argument("--eager", action="store_true", help="profile the eager steps (no compile21)")
+    parser.add_argument("--resident", type=int, help="blocks kept on the GPU; the others streamed (a capped plan)")
+    parser.add_argument("--no-kv-cache", action="store_true", help="use_kv_cache=False, as a capped worker calls")
     parser.add_argument("--trace", help="a folder for one Chrome trace per reference count")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
@@ -124,13 +176,19 @@ def main(argv=None) -> int:
     from imgedit.runtime import compile21
 
     pipe = load(args)
-    attention21.install(pipe.transformer)
+    attention21.install(pipe.transformer, attention21.CHUNK if args.resident is not None else None)
+    if args.resident is not None:
+        from imgedit.planning.plan import MemoryMode
+        from imgedit.runtime.offload import stream
+
+        stream(pipe.transformer, args.device, MemoryMode(resident_blocks=args.resident))
     if not args.eager:
         compile21.memoize_21_metadata(pipe.transformer)
         compile21.compile_21(pipe.transformer)
     rows = []
     for k in (int(k) for k in args.refs.split(",")):
-        req = dict(words=12, images=k, width=side, height=side, seed=7 + k)
+        req = dict(words=12, images=k, width=side, height=side, seed=7 + k,
+                   pipe_kwargs={"use_kv_cache": False} if args.no_kv_cache else {})
         for _ in range(2):
             call(pipe, args, req)  # the warm-up: compiles this shape
         times = []
@@ -147,6 +205,7 @@ def main(argv=None) -> int:
         for kernel in row["top_kernels"][:12]:
             print(f"  {kernel['ms_per_step']:8.3f} ms  {kernel['kind']:9s} {kernel['name']}", flush=True)
     summary = dict(device=args.device, size=args.size, steps=args.steps, compiled=not args.eager,
+                   resident=args.resident, use_kv_cache=not args.no_kv_cache,
                    torch=torch.__version__, gpu=torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
                    rows=rows)
     if args.json:
