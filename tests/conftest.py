@@ -286,6 +286,22 @@ if f"-{_TEST_PROCESS}-" not in os.environ.get("IMGEDIT_TEST_PROBE", ""):
 PROBE_FILE = Path(os.environ["IMGEDIT_TEST_PROBE"])
 
 
+class Blocks(torch.nn.Module):
+    """Layers outside a block list and three blocks (a transformer's shape, for offload.stream())."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.out = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
 class ConcurrencyProbe:
     """Counts forwards in flight per worker over its pipeline's main modules (text encoder,
     transformer, VAE encoder and decoder), as the worker processes log them (tests/faults.py), and
