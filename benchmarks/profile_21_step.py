@@ -29,10 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from probe_21_compile import call, load  # noqa: E402
 
-KINDS = (  # first match wins; names as cuBLAS, cuDNN, flash and inductor give their kernels
+KINDS = (  # first match wins; names as cuBLAS, cuDNN, flash and inductor give their kernels (inductor names a
+    # fused kernel after the ops it fused: "triton_..._scaled_dot_product_..." is the Q/K norm and RoPE before it)
+    ("triton", ("triton_",)),
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "matmul")),
-    ("triton", ("triton_",)),
     ("copy", ("memcpy", "memset", "copy_", "copy")),
 )
 
