@@ -5,7 +5,8 @@ imgedit.model.attention21's processor), on one real-size random-weight transform
 Per run: the step's wall time without the profiler (mean of the later steps), then one profiled call whose
 trace covers only the later steps (started and stopped in the step callback). Printed: the GPU time per step by
 kind of kernel (GEMM, attention, inductor's fused Triton kernels, copies, the rest), the GPU's idle share of the
-step, the GEMMs' achieved TFLOP/s (FLOPs counted by the profiler on aten::mm/addmm), and the top kernels.
+step (no device work on any stream), the GEMMs' achieved TFLOP/s (FLOPs counted by the profiler on
+aten::mm/addmm), and the top kernels.
 Every image must be finite.
 
 --resident N streams the other blocks from pinned CPU memory as a capped plan does (imgedit.runtime.offload.stream,
@@ -105,21 +106,28 @@ def overlap_of(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> fl
     return total
 
 
-def copies(prof) -> dict:
-    """Host-to-device copies against the kernels, from the trace's device events (microseconds)."""
+def spans(prof) -> dict:
+    """From the trace's device events (microseconds): the host-to-device copies, the kernels that compute (every
+    other copy and memset excluded), how much of the first ran during the second, and the union of all device
+    work (the GPU's busy time, streams overlapping counted once)."""
     from torch.autograd import DeviceType
 
-    copy, compute = [], []
+    upload, compute, every = [], [], []
     for evt in prof.events():
         if getattr(evt, "device_type", None) != DeviceType.CUDA or evt.name.startswith("## "):
             continue
         span = (evt.time_range.start, evt.time_range.end)
-        (copy if "memcpy htod" in evt.name.lower() else compute).append(span)
-    copy, compute = union(copy), union(compute)
-    copy_us = sum(b - a for a, b in copy)
+        every.append(span)
+        name = evt.name.lower()
+        if "memcpy htod" in name:
+            upload.append(span)
+        elif "memcpy" not in name and "memset" not in name:
+            compute.append(span)
+    upload, compute, every = union(upload), union(compute), union(every)
+    copy_us = sum(b - a for a, b in upload)
     compute_us = sum(b - a for a, b in compute)
-    hidden = overlap_of(copy, compute)
-    return dict(copy_us=copy_us, compute_us=compute_us, hidden_us=hidden,
+    hidden = overlap_of(upload, compute)
+    return dict(copy_us=copy_us, compute_us=compute_us, hidden_us=hidden, busy_us=sum(b - a for a, b in every),
                 overlap=round(hidden / min(copy_us, compute_us), 3) if copy_us and compute_us else None)
 
 
@@ -135,14 +143,14 @@ def summarise(prof, steps: int, wall_s: float) -> dict:
             by_kind[kind_of(evt.key)] = by_kind.get(kind_of(evt.key), 0.0) + us
         elif evt.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm") and evt.flops:
             flops += float(evt.flops)
-    busy = sum(by_kind.values()) / 1e6
+    found = spans(prof)
+    busy = found["busy_us"] / 1e6
     per_step = {k: round(v / 1e6 / steps * 1e3, 2) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}
     gemm_s = by_kind.get("gemm", 0.0) / 1e6
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
-    spans = copies(prof)
-    return dict(copy_ms_per_step=round(spans["copy_us"] / 1e3 / steps, 2),
-                compute_ms_per_step=round(spans["compute_us"] / 1e3 / steps, 2),
-                copy_hidden_ms_per_step=round(spans["hidden_us"] / 1e3 / steps, 2), copy_overlap=spans["overlap"],
+    return dict(copy_ms_per_step=round(found["copy_us"] / 1e3 / steps, 2),
+                compute_ms_per_step=round(found["compute_us"] / 1e3 / steps, 2),
+                copy_hidden_ms_per_step=round(found["hidden_us"] / 1e3 / steps, 2), copy_overlap=found["overlap"],
                 profiled_steps=steps, wall_ms_per_step=round(wall_s / steps * 1e3, 2),
                 busy_ms_per_step=round(busy / steps * 1e3, 2), idle_share=round(1 - busy / wall_s, 3),
                 ms_per_step_by_kind=per_step,
