@@ -104,6 +104,8 @@ def main(argv=None) -> int:
         "inductor": torch.compile(lambda x: seven(x, w), mode="max-autotune-no-cudagraphs", dynamic=False),
     }
     names = args.ways.split(",") + (["tunableop"] if args.tunableop else [])
+    if not cuda:  # cuBLASLt and TunableOp are CUDA's
+        names = [n for n in names if n not in ("cublaslt", "tunableop")]
     rows = []
     for m in (int(r) for r in args.rows.split(",")):
         x = (torch.randn(m, args.width, generator=torch.Generator().manual_seed(m)) * 0.5).to(args.device, dtype)
