@@ -68,6 +68,22 @@ def load(args):
     return pipe
 
 
+def model_arguments(parser, steps: int = 12) -> None:
+    """The options the one-transformer 2.1 probes share (probe_21_kernels.py, profile_21_step.py)."""
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--size", choices=("tiny", "real"), default="tiny")
+    parser.add_argument("--checkpoint")
+    parser.add_argument("--steps", type=int, default=steps)
+
+
+def square_side(args) -> int:
+    """Sets the 1024² (real) or tiny output and condition sizes on `args`; returns the request's side."""
+    real = args.size == "real"
+    args.output_resolution = 1024 if real else 384
+    args.cond_side = 1024 if real else 96
+    return 1024 if real else 64
+
+
 def requests(args) -> list[dict]:
     """A seeded mix; the first ones cover the extremes (no reference, ten)."""
     rng = random.Random(args.seed)

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from probe_21_compile import call, load, psnr  # noqa: E402
+from probe_21_compile import call, load, model_arguments, psnr, square_side  # noqa: E402
 
 VARIANTS = ("diffusers", "real-rope", "diffusers+cudnn", "real-rope+cudnn")
 
@@ -42,19 +42,13 @@ def use(pipe, variant: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--size", choices=("tiny", "real"), default="tiny")
-    parser.add_argument("--checkpoint")
-    parser.add_argument("--steps", type=int, default=12)
+    model_arguments(parser)
     parser.add_argument("--repeat", type=int, default=3, help="timed calls per variant and request")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--refs", default="0,1", help="reference counts to time, e.g. 0,1,5")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    real = args.size == "real"
-    args.output_resolution = 1024 if real else 384
-    args.cond_side = 1024 if real else 96
-    side = 1024 if real else 64
+    side = square_side(args)
 
     import numpy as np
     import torch

@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from probe_21_compile import call, load  # noqa: E402
+from probe_21_compile import call, load, model_arguments, square_side  # noqa: E402
 
 KINDS = (  # first match wins; names as cuBLAS, cuDNN, flash and inductor give their kernels (inductor names a
     # fused kernel after the ops it fused: "triton_..._scaled_dot_product_..." is the Q/K norm and RoPE before it)
@@ -162,10 +162,7 @@ def summarise(prof, steps: int, wall_s: float) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--size", choices=("tiny", "real"), default="tiny")
-    parser.add_argument("--checkpoint")
-    parser.add_argument("--steps", type=int, default=12)
+    model_arguments(parser)
     parser.add_argument("--refs", default="0,1", help="reference counts to profile, e.g. 0,1,5")
     parser.add_argument("--eager", action="store_true", help="profile the eager steps (no compile21)")
     parser.add_argument("--resident", type=int, help="blocks kept on the GPU; the others streamed (a capped plan)")
@@ -173,10 +170,7 @@ def main(argv=None) -> int:
     parser.add_argument("--trace", help="a folder for one Chrome trace per reference count")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    real = args.size == "real"
-    args.output_resolution = 1024 if real else 384
-    args.cond_side = 1024 if real else 96
-    side = 1024 if real else 64
+    side = square_side(args)
 
     import numpy as np
     import torch
