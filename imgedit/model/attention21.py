@@ -19,7 +19,9 @@ call per prefix segment, then the target) — `tests/test_attention21.py` compar
   `chunked_feed_forward` does the same for the block's SwiGLU (a diffusers ModelHook). Each token's result
   is its own row's arithmetic: the same up to the matmul's choice of kernel for a shorter matrix.
 - **A group's split** (`SPLIT_ATTR`, imgedit.runtime.split21): on a rank that holds the prefix and a share of
-  the target's rows, the keys and values are gathered from every rank's share before the attention.
+  the target's rows, the keys and values are gathered from every rank's share before the attention. Each
+  gather starts as soon as its tensor is ready (V after its projection, K after its norm and rotation) and
+  is waited for after Q's projection, norm and rotation, so the exchange runs beside that work.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from imgedit.model import internals
 
 FEED_FORWARD_HOOK = "imgedit_chunked_feed_forward"
 # On every attention module of a transformer split over a group (imgedit.runtime.split21): the split, whose
-# `on` says this forward is split and whose `gather(tensor, prefix)` makes this rank's keys or values whole.
+# `on` says this forward is split and whose `start(tensor, prefix)` then `finish(...)` make this rank's keys
+# or values whole (`gather` both at once).
 SPLIT_ATTR = "imgedit_split21"
 # Tokens at a time under a cap: 8,192 x 12,288 bf16 is 192 MiB for each of the feed-forward's two hidden
 # layers (45,000 tokens at once: 1.05 GiB each), and Q/K's float32 norm and rotation 128 MiB a tensor.
@@ -72,11 +75,12 @@ class Attention21(QwenImage21AttnProcessor):
         segments: list[tuple[int, int, bool]] | None = None,
         key_valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        query, key, value = self.project(attn, hidden_states, rotary_emb)
         split = getattr(attn, SPLIT_ATTR, None)
         if split is not None and split.on:  # this rank holds the prefix and a share of the target's rows
-            prefix = segments[-1][1] if segments else 0
-            key, value = split.gather(key, prefix), split.gather(value, prefix)
+            exchange = (split, segments[-1][1] if segments else 0)
+        else:
+            exchange = None
+        query, key, value = self.project(attn, hidden_states, rotary_emb, exchange)
         if layer_cache is not None:
             if kv_cache_mode == "extract" and cache_write_slice is not None:
                 # a copy: at batch 1 the prefix slice is contiguous, and a view would pin the whole K/V
@@ -95,11 +99,12 @@ class Attention21(QwenImage21AttnProcessor):
         out = out[:, :rows].flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
 
-    def project(self, attn, hidden_states: torch.Tensor, rotary_emb: torch.Tensor | None):
-        """Q, K, V (B, S, H, D): projected, Q and K normed and rotated; `chunk` rows at a time if set."""
+    def project(self, attn, hidden_states: torch.Tensor, rotary_emb: torch.Tensor | None, exchange=None):
+        """Q, K, V (B, S, H, D): projected, Q and K normed and rotated; `chunk` rows at a time if set. With
+        `exchange` (a split and its prefix length), K and V come back gathered over the split's ranks."""
         rows = hidden_states.shape[1]
         if not self.chunk or rows <= self.chunk:
-            return self._project(attn, hidden_states, rotary_emb)
+            return self._project(attn, hidden_states, rotary_emb, exchange)
         out = None
         for start in range(0, rows, self.chunk):
             end = min(start + self.chunk, rows)
@@ -109,19 +114,32 @@ class Attention21(QwenImage21AttnProcessor):
                 out = [p.new_empty(p.shape[0], rows, *p.shape[2:]) for p in parts]
             for whole, part in zip(out, parts, strict=True):
                 whole[:, start:end] = part
-        return tuple(out)
+        query, key, value = out
+        if exchange is not None:
+            split, prefix = exchange
+            key, value = split.gather(key, prefix), split.gather(value, prefix)
+        return query, key, value
 
     @staticmethod
-    def _project(attn, hidden_states: torch.Tensor, rotary_emb: torch.Tensor | None):
+    def _project(attn, hidden_states: torch.Tensor, rotary_emb: torch.Tensor | None, exchange=None):
         # by head_dim: a tensor-parallel rank holds a share of the heads
         head_dim = attn.inner_dim // attn.heads
-        query = attn.to_q(hidden_states).unflatten(-1, (-1, head_dim))
         key = attn.to_k(hidden_states).unflatten(-1, (-1, head_dim))
         value = attn.to_v(hidden_states).unflatten(-1, (-1, head_dim))
-        query = attn.norm_q(query).to(value.dtype)
-        key = attn.norm_k(key).to(value.dtype)
+        dtype = value.dtype
+        if exchange is not None:  # V travels while K is normed and rotated and Q is computed, then K while Q
+            split, prefix = exchange
+            value = split.start(value, prefix)
+        key = attn.norm_k(key).to(dtype)
         if rotary_emb is not None:
-            query, key = rotate(query, rotary_emb), rotate(key, rotary_emb)
+            key = rotate(key, rotary_emb)
+        if exchange is not None:
+            key = split.start(key, prefix)
+        query = attn.norm_q(attn.to_q(hidden_states).unflatten(-1, (-1, head_dim))).to(dtype)
+        if rotary_emb is not None:
+            query = rotate(query, rotary_emb)
+        if exchange is not None:
+            key, value = split.finish(key), split.finish(value)
         return query, key, value
 
     def _prefill(self, query, key, value, segments, key_valid):

@@ -80,6 +80,12 @@ MEMBERS = (
            "2.1's compiled steps: equal sizes not unified into one symbol (compile21)"),
     Member("torch", TORCH, "torch.distributed._functional_collectives", "all_gather_tensor",
            "2.1's split (split21): keys, values and output gathered inside a compiled block (traceable)"),
+    Member("torch", TORCH, "torch._inductor", "list_mode_options",
+           "a compile mode's inductor options, merged with the split's overlap options (compile21)"),
+    Member("torch", TORCH, "torch._inductor.comms", "sink_waits",
+           "2.1's split: a compiled block waits for a gather where it uses it, not where it starts (compile21)"),
+    Member("torch", TORCH, "torch._inductor.comms", "raise_comms",
+           "2.1's split: a compiled block starts a gather as soon as its input is computed (compile21)"),
     Member("torch", TORCH, "torch._dynamo.config", "recompile_limit",
            "room for every compiled variant a worker warms up (LoRAs, copies, Ulysses states)"),
 )
@@ -211,12 +217,47 @@ _GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 def all_gather(tensor: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
     """Every rank's `tensor` of `group` (`size` ranks), concatenated on `dim` in rank order; dynamo traces it
     (a compiled block keeps its exchange in the graph), where torch.distributed.all_gather_into_tensor breaks
-    the graph. torch 2.13 names it all_gather_single (all_gather_tensor warns there); torch 2.11
-    all_gather_tensor. Both gather on dim 0 here and the chunks are concatenated on `dim` below: for any other
-    dim the library concatenates in torch._utils._maybe_view_chunk_cat, which torch 2.11's dynamo skips (2.13
-    traces it), so the compiled block failed and fell back to eager (the 2-GPU split's run on 2026-11-29)."""
-    gathered = _GATHER(tensor.contiguous(), 0, group)
-    return gathered if dim == 0 else torch.cat(gathered.chunk(size, 0), dim)
+    the graph."""
+    return all_gather_finish(all_gather_start(tensor, group), dim, size)
+
+
+def all_gather_start(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Begin gathering every rank's `tensor` on dim 0: the collective runs on its own stream and the result
+    waits at its first use (eager: an AsyncCollectiveTensor; compiled: a wait node), so kernels issued
+    between this and `all_gather_finish` run beside it. torch 2.13 names it all_gather_single
+    (all_gather_tensor warns there); torch 2.11 all_gather_tensor."""
+    return _GATHER(tensor.contiguous(), 0, group)
+
+
+def all_gather_finish(gathered: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """The (size·B, ...) result of `all_gather_start` as the ranks' tensors concatenated on `dim`. Not
+    the library's concatenation for a dim other than 0 (torch._utils._maybe_view_chunk_cat), which torch
+    2.11's dynamo skips (2.13 traces it): the compiled block failed and fell back to eager (the 2-GPU split's
+    run on 2026-11-29). A reshape instead of a cat: at batch 1 on dim 1 the ranks' rows already lie in
+    order, so it is a view and copies nothing."""
+    if dim == 0:
+        return gathered
+    return gathered.unflatten(0, (size, -1)).movedim(0, dim).flatten(dim, dim + 1)
+
+
+def mode_options(mode: str) -> dict:
+    """The inductor options a torch.compile `mode` stands for ("default": none)."""
+    import torch._inductor
+
+    return dict(torch._inductor.list_mode_options(mode))
+
+
+def overlap_options() -> dict:
+    """Inductor options under which a compiled graph's collectives run beside its other kernels: by default
+    inductor waits for each collective right after starting it. Its reordering passes (torch._inductor.comms,
+    named in the config): each collective starts as early as its input allows and is waited for just before
+    its first use. Empty if this torch lacks them (the graph then compiles as before)."""
+    import torch._inductor.comms as comms
+
+    passes = [name for name in ("sink_waits", "raise_comms") if callable(getattr(comms, name, None))]
+    if not passes:
+        return {}
+    return {"reorder_for_compute_comm_overlap": True, "reorder_for_compute_comm_overlap_passes": passes}
 
 
 def raise_recompile_limit(limit: int) -> None:

@@ -99,8 +99,17 @@ class TargetSplit:
     def gather(self, tensor: torch.Tensor, prefix: int) -> torch.Tensor:
         """(B, prefix + T/n, ...) on each rank → (B, prefix + T, ...): the target rows of every rank, in
         order, after this rank's prefix rows."""
-        target = internals.all_gather(tensor[:, prefix:], 1, self.group, self.degree)
-        return target if prefix == 0 else torch.cat([tensor[:, :prefix], target], dim=1)
+        return self.finish(self.start(tensor, prefix))
+
+    def start(self, tensor: torch.Tensor, prefix: int):
+        """`gather` begun: the kernels the caller issues before `finish` run beside the exchange (the
+        attention projects the queries while the keys and values travel)."""
+        return tensor[:, :prefix], internals.all_gather_start(tensor[:, prefix:], self.group)
+
+    def finish(self, started) -> torch.Tensor:
+        head, gathered = started
+        target = internals.all_gather_finish(gathered, 1, self.degree)
+        return target if head.shape[1] == 0 else torch.cat([head, target], dim=1)
 
     # ---- installing ---------------------------------------------------------------------------------------
     def install(self, transformer: torch.nn.Module) -> None:
