@@ -83,7 +83,7 @@ MEMBERS = (
     Member("torch", TORCH, "torch._inductor", "list_mode_options",
            "a compile mode's inductor options, merged with the split's overlap options (compile21)"),
     Member("torch", TORCH, "torch._inductor.comms", "sink_waits",
-           "2.1's split: a compiled block waits for a gather where it uses it, not where it starts (compile21)"),
+           "2.1's split: a compiled block waits for a gather at its use, not at its start (compile21)"),
     Member("torch", TORCH, "torch._inductor.comms", "raise_comms",
            "2.1's split: a compiled block starts a gather as soon as its input is computed (compile21)"),
     Member("torch", TORCH, "torch._dynamo.config", "recompile_limit",
