@@ -292,11 +292,13 @@ class Blocks(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = torch.nn.Linear(8, 8)
-        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
-        self.out = torch.nn.Linear(8, 8)
+        self.modulation = torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Linear(8, 8))  # as 2.1's: not a block list
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 16) if i == 0 else torch.nn.Linear(16, 16)
+                                          for i in range(3))
+        self.out = torch.nn.Linear(16, 8)
 
     def forward(self, x):
-        x = self.embed(x)
+        x = self.embed(x) + self.modulation(x)
         for block in self.blocks:
             x = block(x)
         return self.out(x)

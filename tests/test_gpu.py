@@ -399,6 +399,7 @@ def test_streamed_blocks_leave_the_models_own_layers_on_the_gpu():
         out = model(torch.ones(2, 8, device="cuda"))
         assert out.device.type == "cuda" and torch.isfinite(out).all()
         assert model.embed.weight.device.type == "cuda" and model.out.bias.device.type == "cuda"
+        assert model.modulation[1].weight.device.type == "cuda"  # a Sequential beside the blocks: not streamed
         assert [model.blocks[i].weight.device.type for i in MemoryMode(resident_blocks=1).streamed(3)] == ["cpu"] * 2
 
 

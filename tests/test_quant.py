@@ -370,6 +370,9 @@ def test_streamed_blocks_leave_the_models_own_layers_on_the_gpu_between_forwards
     assert offloads_to(model) == torch.device("cpu:0")  # the model's own layers stay
     assert [offloads_to(model.blocks[i]) for i in MemoryMode(resident_blocks=1).streamed(3)] == \
         [torch.device("cpu")] * 2  # the streamed blocks go back
+    # a Sequential beside the blocks (2.1's shared modulation) is not streamed as blocks of its own
+    assert all(HookRegistry.check_if_exists_or_initialize(m).get_hook(_GROUP_OFFLOADING) is None
+               for m in model.modulation)
 
 
 def test_a_masked_edit_on_streamed_blocks_is_the_resident_image(plus_ckpt, plus_manager):

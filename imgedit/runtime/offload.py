@@ -195,14 +195,25 @@ def stream(model: torch.nn.Module, device: str, memory: MemoryMode | None) -> No
     # diffusers groups every block of a top-level block list: show it only the streamed ones while it
     # sets up its hooks, then put the whole list back. The prefetch order it traces on the first
     # forward follows the hooked blocks; the resident ones carry no hook and never leave the GPU.
+    # It streams any other top-level ModuleList or Sequential as blocks too (2.1's shared modulation, an
+    # nn.Sequential of 134 MB, copied every forward): it sees those empty and they stay on the GPU, where the
+    # plan counts them (the transformer's head).
+    others = {name: child for name, child in model.named_children()
+              if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) and child is not blocks}
     setattr(owner, attr, torch.nn.ModuleList([b for i, b in enumerate(blocks) if i in streamed]))
+    for name in others:
+        setattr(model, name, torch.nn.ModuleList())
     try:
         apply_group_offloading(model, offload_type="block_level", num_blocks_per_group=1, **options)
     finally:
         setattr(owner, attr, blocks)
+        for name, child in others.items():
+            setattr(model, name, child)
     for i, block in enumerate(blocks):
         if i not in streamed:
             block.to(device)
+    for child in others.values():
+        child.to(device)
     _keep_head_resident(model, device)
 
 
@@ -213,8 +224,7 @@ def _keep_head_resident(model: torch.nn.Module, device: str) -> None:
     2.1's 16 GB plan 87 ms + 18 ms of a 0.31 s step (torch.profiler, benchmarks/profile_21_step.py
     --resident 13). The plan already counts them resident (planning.memory: the transformer's head).
     diffusers 0.42.1: that group is the top-level module's group-offloading hook's; its offload_device is
-    where offload_() sends it, so the GPU makes both moves no-ops. (2.1's shared modulation is an
-    nn.Sequential, which diffusers streams as blocks of their own: 134 MB a step on the copy stream.)"""
+    where offload_() sends it, so the GPU makes both moves no-ops."""
     hook = HookRegistry.check_if_exists_or_initialize(model).get_hook(_GROUP_OFFLOADING)
     if hook is None:  # nothing outside the blocks
         return
