@@ -146,41 +146,6 @@ def test_the_gather_compiles_into_one_graph_on_any_dim(monkeypatch):
         dist.destroy_process_group()
 
 
-def test_under_the_overlap_options_a_compiled_gather_is_waited_for_where_it_is_used():
-    # the 2-GPU split's blocks: by default inductor waits for each gather right after starting it, so the
-    # exchange of keys and values ran alone; under overlap_options the queries' projection runs before the wait
-    import torch.distributed as dist
-    from torch._inductor.utils import run_and_get_code
-
-    assert internals.overlap_options()["reorder_for_compute_comm_overlap_passes"] == ["sink_waits", "raise_comms"]
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        group = dist.group.WORLD
-
-        def block(x, wk, wv, wq):  # the order of attention21's projections, with norms as its own
-            key, value = x @ wk, x @ wv
-            value = internals.all_gather_start(value, group)
-            key = internals.all_gather_start(torch.nn.functional.rms_norm(key, (16,)) * 2, group)
-            query = torch.nn.functional.rms_norm(x @ wq, (16,)) * 3
-            key, value = internals.all_gather_finish(key, 1, 1), internals.all_gather_finish(value, 1, 1)
-            return query * key + value
-
-        x, *weights = torch.randn(1, 8, 16), torch.randn(16, 16), torch.randn(16, 16), torch.randn(16, 16)
-        orders: dict = {}
-        for name, options in (("default", {}), ("overlap", internals.overlap_options())):
-            torch._dynamo.reset()
-            compiled = torch.compile(block, fullgraph=True, options=options)
-            result, (code, *_) = run_and_get_code(compiled, x, *weights)
-            assert torch.allclose(result, block(x, *weights))
-            body = code[code.index("def call("):]
-            between = body[body.index("all_gather_into_tensor.default("):body.index("wait_tensor.default(")]
-            orders[name] = "extern_kernels.mm" in between  # a GEMM runs while the gather travels
-        assert orders == {"default": False, "overlap": True}
-    finally:
-        dist.destroy_process_group()
-        torch._dynamo.reset()
-
-
 @pytest.mark.parametrize("dim", [0, 1, 2])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_a_gathered_tensor_is_the_ranks_tensors_concatenated_in_rank_order(dim, batch):

@@ -21,7 +21,8 @@ call per prefix segment, then the target) — `tests/test_attention21.py` compar
 - **A group's split** (`SPLIT_ATTR`, imgedit.runtime.split21): on a rank that holds the prefix and a share of
   the target's rows, the keys and values are gathered from every rank's share before the attention. Each
   gather starts as soon as its tensor is ready (V after its projection, K after its norm and rotation) and
-  is waited for after Q's projection, norm and rotation, so the exchange runs beside that work.
+  is waited for after Q's projection, norm and rotation, so in an eager block the exchange runs beside that
+  work (a compiled block waits where the gather starts: imgedit.model.internals.all_gather_start).
 """
 
 from __future__ import annotations

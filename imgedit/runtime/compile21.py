@@ -119,10 +119,6 @@ def compile_21(transformer: torch.nn.Module, mode: str = "default", fullgraph: b
     cls = _block_class(transformer)
     options: dict = {"fullgraph": fullgraph, "dynamic": True, "backend": backend} \
         | ({"mode": mode} if mode != "default" else {})
-    if backend == "inductor" and split21.is_split(transformer):  # its gathers run beside the projections
-        # torch.compile takes a mode or options, not both: the mode's own options, then the overlap's
-        options.pop("mode", None)
-        options["options"] = internals.mode_options(mode) | internals.overlap_options()
     # the class's function, not a bound method: one code object, so one cache entry for all blocks (the
     # blocks' weights are graph inputs, torch>=2.5 inline_inbuilt_nn_modules)
     compiled = torch.compile(cls.forward, **options)
