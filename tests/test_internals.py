@@ -146,7 +146,7 @@ def test_the_gather_compiles_into_one_graph_on_any_dim(monkeypatch):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("dim", [0, 1, 2])
+@pytest.mark.parametrize("dim", [0, 1, 2, -1, -2])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_a_gathered_tensor_is_the_ranks_tensors_concatenated_in_rank_order(dim, batch):
     # what all_gather_start hands back: the ranks' tensors stacked on dim 0 (3 ranks here)

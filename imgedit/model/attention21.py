@@ -22,7 +22,8 @@ call per prefix segment, then the target) — `tests/test_attention21.py` compar
   the target's rows, the keys and values are gathered from every rank's share before the attention. Each
   gather starts as soon as its tensor is ready (V after its projection, K after its norm and rotation) and
   is waited for after Q's projection, norm and rotation, so in an eager block the exchange runs beside that
-  work (a compiled block waits where the gather starts: imgedit.model.internals.all_gather_start).
+  work (a compiled block waits where the gather starts: imgedit.model.internals.all_gather_start; under a cap,
+  `chunk`'s projections gather once at the end).
 """
 
 from __future__ import annotations

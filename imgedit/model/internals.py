@@ -220,7 +220,7 @@ def all_gather_start(tensor: torch.Tensor, group) -> torch.Tensor:
     result (an AsyncCollectiveTensor) waits at its first use, so kernels issued before `all_gather_finish`
     run beside it. Compiled, inductor by default waits right after the start; its reordering passes
     (`reorder_for_compute_comm_overlap`, sink_waits + raise_comms) move the wait to the use, but did not
-    change a split 2.1 step on 2x H200 (65.9 ms against 66.2, 2026-11-29 at 202e4ae) and are not used.
+    change a split 2.1 step on 2x H200 (66.0 ms against 66.1, 2026-11-29 at 4eb5783) and are not used.
     torch 2.13 names it all_gather_single (all_gather_tensor warns there); torch 2.11 all_gather_tensor."""
     return _GATHER(tensor.contiguous(), 0, group)
 
@@ -231,6 +231,7 @@ def all_gather_finish(gathered: torch.Tensor, dim: int, size: int) -> torch.Tens
     2.11's dynamo skips (2.13 traces it): the compiled block failed and fell back to eager (the 2-GPU split's
     run on 2026-11-29). A reshape instead of a cat: at batch 1 on dim 1 the ranks' rows already lie in
     order, so it is a view and copies nothing."""
+    dim %= gathered.dim()  # a negative dim counts from the end, as torch.cat's does
     if dim == 0:
         return gathered
     return gathered.unflatten(0, (size, -1)).movedim(0, dim).flatten(dim, dim + 1)
