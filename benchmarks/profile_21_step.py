@@ -13,9 +13,13 @@ Every image must be finite.
 the worker's code; streamed blocks run eager, so use it with --eager as the 16 GB row runs), and the summary adds
 the host-to-device copies' time and how much of it ran while a kernel computed (overlap 1 = hidden, 0 = serial).
 --no-kv-cache calls the pipeline with use_kv_cache=False, as a capped worker does (imgedit.runtime.prefix_cache).
+--split N runs N processes, one per GPU, each with the target split over them as `DEVICE_MAP=ulysses` runs 2.1
+(imgedit.runtime.split21, NCCL; gloo on the CPU); rank 0 profiles, and the summary adds the exchanges' kernels
+(NCCL) and how much of their time ran while another kernel computed.
 
     python3 benchmarks/profile_21_step.py --device cuda --size real --steps 12 --json /tmp/prof21.json
     python3 benchmarks/profile_21_step.py --device cuda --size real --eager --resident 13 --no-kv-cache --refs 0
+    python3 benchmarks/profile_21_step.py --device cuda --size real --split 2 --refs 0,1   # 2 GPUs
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from probe_21_compile import call, load, model_arguments, square_side  # noqa: E
 
 KINDS = (  # first match wins; names as cuBLAS, cuDNN, flash and inductor give their kernels (inductor names a
     # fused kernel after the ops it fused: "triton_..._scaled_dot_product_..." is the Q/K norm and RoPE before it)
+    ("nccl", ("nccl",)),
     ("triton", ("triton_",)),
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "matmul")),
@@ -112,7 +117,7 @@ def spans(prof) -> dict:
     work (the GPU's busy time, streams overlapping counted once)."""
     from torch.autograd import DeviceType
 
-    upload, compute, every = [], [], []
+    upload, compute, comm, every = [], [], [], []
     for evt in prof.events():
         if getattr(evt, "device_type", None) != DeviceType.CUDA or evt.name.startswith("## "):
             continue
@@ -121,14 +126,17 @@ def spans(prof) -> dict:
         name = evt.name.lower()
         if "memcpy htod" in name:
             upload.append(span)
+        elif "nccl" in name:
+            comm.append(span)
         elif "memcpy" not in name and "memset" not in name:
             compute.append(span)
-    upload, compute, every = union(upload), union(compute), union(every)
+    upload, compute, comm, every = union(upload), union(compute), union(comm), union(every)
     copy_us = sum(b - a for a, b in upload)
     compute_us = sum(b - a for a, b in compute)
     hidden = overlap_of(upload, compute)
     return dict(copy_us=copy_us, compute_us=compute_us, hidden_us=hidden, busy_us=sum(b - a for a, b in every),
-                overlap=round(hidden / min(copy_us, compute_us), 3) if copy_us and compute_us else None)
+                overlap=round(hidden / min(copy_us, compute_us), 3) if copy_us and compute_us else None,
+                comm_us=sum(b - a for a, b in comm), comm_hidden_us=overlap_of(comm, compute))
 
 
 def summarise(prof, steps: int, wall_s: float) -> dict:
@@ -151,6 +159,8 @@ def summarise(prof, steps: int, wall_s: float) -> dict:
     return dict(copy_ms_per_step=round(found["copy_us"] / 1e3 / steps, 2),
                 compute_ms_per_step=round(found["compute_us"] / 1e3 / steps, 2),
                 copy_hidden_ms_per_step=round(found["hidden_us"] / 1e3 / steps, 2), copy_overlap=found["overlap"],
+                nccl_ms_per_step=round(found["comm_us"] / 1e3 / steps, 2),
+                nccl_hidden_ms_per_step=round(found["comm_hidden_us"] / 1e3 / steps, 2),
                 profiled_steps=steps, wall_ms_per_step=round(wall_s / steps * 1e3, 2),
                 busy_ms_per_step=round(busy / steps * 1e3, 2), idle_share=round(1 - busy / wall_s, 3),
                 ms_per_step_by_kind=per_step,
@@ -167,9 +177,27 @@ def main(argv=None) -> int:
     parser.add_argument("--eager", action="store_true", help="profile the eager steps (no compile21)")
     parser.add_argument("--resident", type=int, help="blocks kept on the GPU; the others streamed (a capped plan)")
     parser.add_argument("--no-kv-cache", action="store_true", help="use_kv_cache=False, as a capped worker calls")
+    parser.add_argument("--split", type=int, default=1, help="processes (GPUs) splitting the target, as ulysses")
     parser.add_argument("--trace", help="a folder for one Chrome trace per reference count")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    if args.split > 1:
+        import socket
+
+        import torch.multiprocessing as mp
+
+        with socket.socket() as sock:  # a free port for the group's rendezvous
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.spawn(run, args=(args, port), nprocs=args.split)
+        return 0
+    run(0, args)
+    return 0
+
+
+def run(rank: int, args, port: int | None = None) -> None:
+    """One process: rank 0 profiles and writes the summary; with --split every rank runs the same calls (the
+    exchanges need them all) with its share of the target."""
     side = square_side(args)
 
     import numpy as np
@@ -178,15 +206,27 @@ def main(argv=None) -> int:
     from imgedit.model import attention21
     from imgedit.runtime import compile21
 
+    if port is not None:
+        import torch.distributed as dist
+
+        from imgedit.runtime.split21 import TargetSplit
+
+        if args.device == "cuda":
+            torch.cuda.set_device(rank)  # "cuda" below is this rank's GPU
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
+                                init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.split)
     pipe = load(args)
     attention21.install(pipe.transformer, attention21.CHUNK if args.resident is not None else None)
+    if not args.eager:  # before the split, as a worker's features install them (Metadata21, SplitTarget)
+        compile21.memoize_21_metadata(pipe.transformer)
+    if port is not None:
+        TargetSplit(rank, args.split).install(pipe.transformer)
     if args.resident is not None:
         from imgedit.planning.plan import MemoryMode
         from imgedit.runtime.offload import stream
 
         stream(pipe.transformer, args.device, MemoryMode(resident_blocks=args.resident))
     if not args.eager:
-        compile21.memoize_21_metadata(pipe.transformer)
         compile21.compile_21(pipe.transformer)
     rows = []
     for k in (int(k) for k in args.refs.split(",")):
@@ -197,6 +237,9 @@ def main(argv=None) -> int:
         times = []
         out = call(pipe, args, req, times)
         assert np.isfinite(out).all(), f"{k} references: a non-finite image"
+        if rank:
+            call(pipe, args, req)  # beside rank 0's profiled call
+            continue
         prof, out, wall = profiled_call(pipe, args, req)
         assert np.isfinite(out).all(), f"{k} references, profiled: a non-finite image"
         row = dict(refs=k, step_s_unprofiled=round(times[0][1], 4), **summarise(prof, args.steps - 2, wall))
@@ -207,13 +250,16 @@ def main(argv=None) -> int:
         print(json.dumps({key: v for key, v in row.items() if key != "top_kernels"}), flush=True)
         for kernel in row["top_kernels"][:12]:
             print(f"  {kernel['ms_per_step']:8.3f} ms  {kernel['kind']:9s} {kernel['name']}", flush=True)
+    if port is not None:
+        torch.distributed.destroy_process_group()
+    if rank:
+        return
     summary = dict(device=args.device, size=args.size, steps=args.steps, compiled=not args.eager,
-                   resident=args.resident, use_kv_cache=not args.no_kv_cache,
+                   resident=args.resident, use_kv_cache=not args.no_kv_cache, split=args.split,
                    torch=torch.__version__, gpu=torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
                    rows=rows)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
-    return 0
 
 
 if __name__ == "__main__":
