@@ -82,8 +82,7 @@ class _Clock:
 
 class TimeBudget:
     def __init__(self, transformers, cuda: bool, device: str | None = None):
-        self.cuda = cuda
-        self.device = device
+        self.cuda, self.device = cuda, device
         self.clock: _Clock | None = None
         for transformer in transformers:
             transformer.register_forward_pre_hook(self._called)
