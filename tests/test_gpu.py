@@ -404,6 +404,48 @@ def test_streamed_blocks_leave_the_models_own_layers_on_the_gpu():
 
 
 @pytest.mark.gpu
+def test_a_prefix_cache_in_cpu_memory_gives_the_device_caches_image_on_the_gpu(tmp_path, monkeypatch):
+    """The 16 GB plan's prefix cache in pinned CPU memory: written on a copy stream in the first step, each
+    block's read back one block ahead in the later ones. On the GPU, with true CFG's two caches: the image is
+    the one the cache on the device gives (the same keys and values), and finite."""
+    import torch
+    from PIL import Image
+
+    from imgedit.config.settings import load_settings
+    from imgedit.engine.validation import resolve
+    from imgedit.planning.plan import Placement, WorkerPlan
+    from imgedit.runtime import loader, prefix_cache
+    from imgedit.runtime.messages import Job
+    from imgedit.runtime.prefix_cache import PrefixCache, cache_bytes, prefix_tokens
+    from imgedit.runtime.runner import Runner
+
+    monkeypatch.setattr(prefix_cache, "IN_FLIGHT", 1)  # the tiny transformer has 2 blocks (a real one 32)
+    ckpt = build_checkpoint(tmp_path / "q21", kind="21")
+    plan = WorkerPlan("gpu", {c: Placement("cuda:0") for c in ("transformer", "text_encoder", "vae")})
+    pipe = loader.load_pipeline(loader.open_checkpoint(str(ckpt)), plan, torch.bfloat16)
+    runner = Runner(pipe, "gpu", ("cuda:0",))
+    rng = np.random.RandomState(0)
+    images = tuple(Image.fromarray(rng.randint(0, 256, (64, 64, 3), np.uint8)) for _ in range(2))
+    req = EditRequest(images=images, prompt="blend them", seed=5, num_inference_steps=4, width=64, height=64,
+                      negative_prompt="blurry", true_cfg_scale=4.0)
+    params = resolve(req, load_settings({"QWEN_MODEL_DIR": str(ckpt)}), "21", images[-1].size, 2)
+
+    def run(cache) -> np.ndarray:
+        runner.parts = [cache] if cache is not None else []
+        return np.asarray(runner.run(Job(req, params, "21"), threading.Event()).images[0], dtype=np.int16)
+
+    on_device = run(None)
+    config = pipe.transformer.config
+    cap = 2 * cache_bytes(config, prefix_tokens(2, 320)) // config.num_layers  # one block's worth, not all
+    host = PrefixCache(pipe.transformer, lambda: cap, [pipe.transformer], host_room=lambda: 1 << 40)
+    assert host.place(2, 320, 2)[0] == "host"
+    for _ in range(2):  # the second job reuses the pinned buffer
+        on_host = run(host)
+        assert np.array_equal(on_host, on_device)
+    assert host.pool.buffer.is_pinned() and host.pool.wanted > 0
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("compile_mode", ["off", "on"])
 def test_a_24gb_card_runs_quantized_and_streamed_under_its_cap(real_ckpt, compile_mode):
     """MAX_MEMORY=22GiB emulates an RTX 4090: the planner keeps the weights in bf16 (streaming

@@ -173,7 +173,7 @@ def test_the_prefix_cache_room_is_read_on_the_transformers_gpus_as_this_process_
     build = SimpleNamespace(
         plan=WorkerPlan("worker-1", {"transformer": blocks, "text_encoder": Placement("cuda:1"),
                                      "vae": Placement("cuda:0")}),
-        spec=SimpleNamespace(memory_caps=(12 * gib, 12 * gib), activation_reserve=gib),
+        spec=SimpleNamespace(memory_caps=(12 * gib, 12 * gib), activation_reserve=gib, compile=True),
         pipe=SimpleNamespace(transformer=SimpleNamespace(config={})),
         runner=SimpleNamespace(devices=("cuda:2", "cuda:3"), add=parts.append),  # the server's names
         report=SimpleNamespace(under_cap=[]))

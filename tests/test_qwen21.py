@@ -202,7 +202,7 @@ def test_the_real_size_checkpoint_is_the_published_model_and_a_16gb_card_gets_a_
     billions = {c["name"]: (sum(c["head"].values()) + sum(sum(b.values()) for b in c["blocks"])) / 1e9
                 for c in layer_sizes(real)}
     assert round(billions["transformer"], 1) == 7.1 and round(billions["text_encoder"], 1) == 8.8
-    monkeypatch.setattr(startup_module, "host_memory", lambda: 120 * 2**30)
+    monkeypatch.setattr(startup_module, "available_host_memory", lambda: 120 * 2**30)
     manager = make_manager(real, plan="planner", load=False, DEVICE_MAP="auto", MAX_MEMORY="14.5GiB")
     manager._gpus = [GpuSpec(0, "H100", 80 * 2**30, 79 * 2**30)]
     manager.prepare()
@@ -436,6 +436,68 @@ def test_the_prefix_cache_goes_off_for_a_job_it_would_not_fit_under_a_cap(ckpt21
     real = type("Config", (), config)
     assert cache_bytes(real, 1) == 512 * 1024
     assert 7.5 < cache_bytes(real, prefix_tokens(3, 1024)) / 1024**3 < 8
+
+
+def test_a_prefix_cache_too_big_for_the_cap_lives_in_cpu_memory_and_gives_the_gpu_caches_image(ckpt21, caplog,
+                                                                                              monkeypatch):
+    """On the 16 GB plan a five-reference edit ran every later step through the prefix again (1.3 s a step) for
+    want of room for its cache. Where the cap holds three blocks' worth and the CPU has room, the cache lives in
+    CPU memory instead: the first step writes every block's keys and values there, a later step reads them back
+    one block ahead (a hook hands the transformer this cache in place of the pipeline's). The steps stay cached
+    and the image is the one the cache on the device gives, with true CFG's two caches too; with no CPU room
+    the job runs uncached, as before."""
+    import threading
+
+    from conftest import LocalPipeline
+
+    from imgedit.config.settings import load_settings
+    from imgedit.engine.validation import resolve
+    from imgedit.protocol import EditRequest
+    from imgedit.runtime import prefix_cache
+    from imgedit.runtime.messages import Job
+    from imgedit.runtime.prefix_cache import PrefixCache, cache_bytes, prefix_tokens
+    from imgedit.runtime.runner import Runner
+
+    # the tiny transformer has 2 blocks: room for one block's cache at a time (3 on a real one) is less than all
+    monkeypatch.setattr(prefix_cache, "IN_FLIGHT", 1)
+    pipe = LocalPipeline(ckpt21).pipe
+    seen: list[tuple] = []  # each forward's kv_cache_mode at its first block, and the kind of block cache it got
+    pipe.transformer.transformer_blocks[0].register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append((kwargs["kv_cache_mode"], type(kwargs["layer_cache"]).__name__)),
+        with_kwargs=True)
+    settings = load_settings({"QWEN_MODEL_DIR": str(ckpt21)})
+    runner = Runner(pipe, "local", ("cpu",))
+    images = (noise((64, 64), 1), noise((64, 64), 2))
+
+    def run(cache, **ask) -> np.ndarray:
+        runner.parts = [cache] if cache is not None else []
+        seen.clear()
+        req = EditRequest(images=images, prompt="blend them", seed=5, num_inference_steps=3, width=64, height=64,
+                          **ask)
+        params = resolve(req, settings, "21", req.images[-1].size, len(req.images))
+        return np.asarray(runner.run(Job(req, params, "21"), threading.Event()).images[0], dtype=np.int16)
+
+    one = cache_bytes(pipe.transformer.config, prefix_tokens(2, 320))  # 64² inputs run at 2.1's least, 320²
+    layers = pipe.transformer.config.num_layers
+    for ask, copies in (({}, 1), ({"negative_prompt": "blurry", "true_cfg_scale": 4.0}, 2)):
+        on_device = run(None, **ask)
+        device_modes = list(seen)
+        cap = copies * one // layers  # one block's worth of this job's cache, not the whole
+        host = PrefixCache(pipe.transformer, lambda cap=cap: cap, [pipe.transformer], host_room=lambda: 1 << 40)
+        assert host.place(2, 320, copies)[0] == "host"
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            on_host = run(host, **ask)
+        assert "prefix KV cache in CPU memory for this job" in caplog.text
+        assert [mode for mode, _ in seen] == [mode for mode, _ in device_modes]  # still cached after step 1
+        assert {kind for mode, kind in seen} == {"_HostLayer"}, seen
+        assert {kind for mode, kind in device_modes} == {"QwenImage21KVLayerCache"}, device_modes
+        assert np.array_equal(on_host, on_device)  # the same keys and values, so the same image
+        assert host.pool.wanted >= copies * one // 2  # every block's keys and values went to the CPU
+
+        no_room = PrefixCache(pipe.transformer, lambda cap=cap: cap, [pipe.transformer], host_room=lambda: 0)
+        run(no_room, **ask)
+        assert {mode for mode, _ in seen} == {None}  # no room on the CPU either: every step runs the prefix
 
 
 def test_a_decode_that_would_not_fit_under_a_cap_runs_in_tiles(ckpt21):

@@ -28,6 +28,20 @@ FP8_CAPABILITY = (8, 9)  # Ada / Hopper and newer: the float8 tensor-core matmul
 BYTES_PER_WEIGHT = {"fp8": 1.0 + 1 / 256, "int8": 1.0 + 1 / 256, "nf4": 0.5 + 1 / 64 + 4 / (64 * 256)}
 
 
+def available_host_memory() -> int | None:
+    """Bytes of CPU memory available now (Linux's MemAvailable): for the planner's streamed weights and a
+    worker's prefix cache in CPU memory; None when unknown. Read here (a few lines) rather than through
+    psutil, which the server does not need."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 # ---- sizes ----
 
 @dataclass(frozen=True)

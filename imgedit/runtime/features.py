@@ -263,7 +263,8 @@ class DecodeTiling(Feature):
 
 
 class PrefixCacheRoom(Feature):
-    """Under MAX_MEMORY: Qwen-Image-2.1's prefix KV cache off for a job it would not fit."""
+    """Under MAX_MEMORY: Qwen-Image-2.1's prefix KV cache in CPU memory, or off, for a job it would not fit on
+    the GPU."""
 
     name = "prefix cache under the cap"
 
@@ -276,9 +277,12 @@ class PrefixCacheRoom(Feature):
         blocks = {torch.device(d) for d in build.plan.components["transformer"].devices}
         indices = sorted(d.index or 0 for d in blocks if d.type == "cuda")
         caps, reserve = build.spec.memory_caps, build.spec.activation_reserve
+        # a compiled block would trace the CPU cache's copies: compiled workers keep it on the GPU or off
+        hooked = () if build.spec.compile else build.transformers
         build.runner.add(PrefixCache(build.pipe.transformer,
-                                     lambda: min(gpu_room(i, caps) for i in indices) - reserve))
-        build.report.under_cap.append("prefix cache off for a job it would not fit")
+                                     lambda: min(gpu_room(i, caps) for i in indices) - reserve, hooked))
+        build.report.under_cap.append("prefix cache in CPU memory, or off, for a job it would not fit"
+                                      if hooked else "prefix cache off for a job it would not fit")
 
 
 class Attention21(Feature):

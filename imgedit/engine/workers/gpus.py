@@ -72,19 +72,6 @@ def visible_handles(nvml) -> dict[int, object]:
     return handles
 
 
-def host_memory() -> int | None:
-    """Bytes of CPU memory available now (Linux's MemAvailable), for the planner's streamed weights; None
-    when unknown. Read here (a few lines) rather than through psutil, which the server does not need."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def host_threads() -> tuple[int, str | None]:
     """The CPUs this process may run on (its affinity, and a container's CPU quota where it has one), and
     OMP_NUM_THREADS as set (planning.modes.worker_threads)."""

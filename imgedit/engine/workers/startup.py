@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from imgedit.config.settings import Settings
 from imgedit.engine.workers import ray_pool
-from imgedit.engine.workers.gpus import discover_gpus, host_memory, host_threads
+from imgedit.engine.workers.gpus import discover_gpus, host_threads
 from imgedit.engine.workers.inspection import inspect_checkpoint
 from imgedit.engine.workers.pool import WorkerHandle
 from imgedit.engine.workers.processes import ProcessTransport
@@ -20,7 +20,7 @@ from imgedit.errors import PlacementError, WorkerFailed
 from imgedit.planning import modes, turbo
 from imgedit.planning.checkpoint import Checkpoint
 from imgedit.planning.families import FAMILIES, not_built
-from imgedit.planning.memory import bytes_item, plan_memory
+from imgedit.planning.memory import available_host_memory, bytes_item, plan_memory
 from imgedit.planning.plan import GpuSpec, Plan, WorkerPlan
 from imgedit.runtime.messages import WorkerSpec
 
@@ -83,7 +83,8 @@ def plan_workers(settings: Settings, checkpoint: Checkpoint, plan: Plan | None,
         else:
             gpus = discover_gpus() if gpus is None else list(gpus)
             try:
-                plan = plan_memory(sizes, gpus, s, item, host_memory() if gpus else None, checkpoint.family)
+                host = available_host_memory() if gpus else None
+                plan = plan_memory(sizes, gpus, s, item, host, checkpoint.family)
             except PlacementError as exc:
                 if fast is None:
                     raise
