@@ -442,7 +442,7 @@ def test_a_prefix_cache_in_cpu_memory_gives_the_device_caches_image_on_the_gpu(t
     for _ in range(2):  # the second job reuses the pinned buffer
         on_host = run(host)
         assert np.array_equal(on_host, on_device)
-    assert host.pool.buffer.is_pinned() and host.pool.wanted > 0
+    assert host.pool.buffer.is_pinned() and host.pool.wanted > 0 and host.misses == 2  # one a job: the first read
 
 
 @pytest.mark.gpu

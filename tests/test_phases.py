@@ -173,10 +173,10 @@ def test_the_prefix_cache_room_is_read_on_the_transformers_gpus_as_this_process_
     build = SimpleNamespace(
         plan=WorkerPlan("worker-1", {"transformer": blocks, "text_encoder": Placement("cuda:1"),
                                      "vae": Placement("cuda:0")}),
-        spec=SimpleNamespace(memory_caps=(12 * gib, 12 * gib), activation_reserve=gib, compile=True),
+        spec=SimpleNamespace(memory_caps=(12 * gib, 12 * gib), activation_reserve=gib),
         pipe=SimpleNamespace(transformer=SimpleNamespace(config={})),
         runner=SimpleNamespace(devices=("cuda:2", "cuda:3"), add=parts.append),  # the server's names
-        report=SimpleNamespace(under_cap=[]))
+        transformers=(torch.nn.Linear(1, 1),), report=SimpleNamespace(under_cap=[], compiled=False))
     features.PrefixCacheRoom().install(build)
     assert parts[0].room() == 6 * gib  # the tighter of the two, less the reserve
     assert sorted(asked) == [0, 1]

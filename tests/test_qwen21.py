@@ -444,8 +444,8 @@ def test_a_prefix_cache_too_big_for_the_cap_lives_in_cpu_memory_and_gives_the_gp
     want of room for its cache. Where the cap holds three blocks' worth and the CPU has room, the cache lives in
     CPU memory instead: the first step writes every block's keys and values there, a later step reads them back
     one block ahead (a hook hands the transformer this cache in place of the pipeline's). The steps stay cached
-    and the image is the one the cache on the device gives, with true CFG's two caches too; with no CPU room
-    the job runs uncached, as before."""
+    and the image is the one the cache on the device gives, with true CFG's two caches too; with no CPU room,
+    or on a worker that runs compiled, the job runs uncached, as before."""
     import threading
 
     from conftest import LocalPipeline
@@ -494,10 +494,14 @@ def test_a_prefix_cache_too_big_for_the_cap_lives_in_cpu_memory_and_gives_the_gp
         assert {kind for mode, kind in device_modes} == {"QwenImage21KVLayerCache"}, device_modes
         assert np.array_equal(on_host, on_device)  # the same keys and values, so the same image
         assert host.pool.wanted >= copies * one // 2  # every block's keys and values went to the CPU
+        assert host.misses == 1  # only the first read waited: every other block's copy was started ahead
 
         no_room = PrefixCache(pipe.transformer, lambda cap=cap: cap, [pipe.transformer], host_room=lambda: 0)
         run(no_room, **ask)
         assert {mode for mode, _ in seen} == {None}  # no room on the CPU either: every step runs the prefix
+        compiled = PrefixCache(pipe.transformer, lambda cap=cap: cap, [pipe.transformer], lambda: True,
+                               host_room=lambda: 1 << 40)
+        assert compiled.place(2, 320, copies)[0] == "off"
 
 
 def test_a_decode_that_would_not_fit_under_a_cap_runs_in_tiles(ckpt21):

@@ -278,11 +278,11 @@ class PrefixCacheRoom(Feature):
         indices = sorted(d.index or 0 for d in blocks if d.type == "cuda")
         caps, reserve = build.spec.memory_caps, build.spec.activation_reserve
         # a compiled block would trace the CPU cache's copies: compiled workers keep it on the GPU or off
-        hooked = () if build.spec.compile else build.transformers
+        report = build.report
         build.runner.add(PrefixCache(build.pipe.transformer,
-                                     lambda: min(gpu_room(i, caps) for i in indices) - reserve, hooked))
-        build.report.under_cap.append("prefix cache in CPU memory, or off, for a job it would not fit"
-                                      if hooked else "prefix cache off for a job it would not fit")
+                                     lambda: min(gpu_room(i, caps) for i in indices) - reserve,
+                                     build.transformers, lambda: report.compiled))
+        report.under_cap.append("prefix cache in CPU memory (eager) or off for a job it would not fit")
 
 
 class Attention21(Feature):

@@ -16,8 +16,9 @@ A worker whose GPU has a cap (MAX_MEMORY) asks, per job, where the cache fits:
   room (less HOST_RESERVE): the first step writes each block's keys and values to the CPU, and in a later step
   each block's come back to the GPU one block ahead on a copy stream, beside the compute and the streamed
   weights. On the 16 GB plan a five-reference edit ran its later steps at 1.3 s each without the cache
-  (every step ran the 20,000 reference tokens through the streamed blocks again; 2026-11-29, 2× H200 host):
-  the CPU cache moves ~10.7 GB a step over PCIe instead (about 0.2 s at the 55 GB/s measured);
+  (every step ran the ~25,600 prefix tokens through the streamed blocks again; 2026-11-29, 2× H200 host):
+  the CPU cache moves their ~12.5 GiB a step over PCIe instead, beside ~8 GiB of streamed weights (together
+  ~0.4 s at the 55 GB/s measured; not yet measured through the app);
 - **nowhere** otherwise: every step runs the prefix again (slower, the same result up to rounding, as the
   pipeline's docstring says).
 
@@ -26,7 +27,9 @@ default. The CPU cache is written here (diffusers 0.42.1 keeps its prefix cache 
 it on, and has no offloaded cache for this pipeline): a diffusers ModelHook on the transformer hands each
 forward, in place of the pipeline's QwenImage21KVCache, one with the same `get_layer(i).store/get` that the
 attention processors call (diffusers' and imgedit.model.attention21's alike). Compiled workers keep the
-choice of GPU or nowhere: a compiled block would trace the copies.
+choice of GPU or nowhere: a compiled block would trace the copies. The CPU memory is a plain allocation
+page-locked with cudaHostRegister (torch.cuda.cudart()), exactly its size and unlocked when it is replaced:
+torch's pinned allocator rounds each block up to a power of two and keeps freed blocks locked.
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ VISION_FACTOR = 32  # Qwen3-VL: 16-pixel patches, 2x2 merged
 TEXT_TOKENS = 512  # the prompt and the chat template, an upper estimate
 HOOK = "imgedit_prefix_on_host"
 ALIGN = 512  # bytes: each tensor's start in the pinned buffer
-IN_FLIGHT = 3  # blocks' keys and values on the GPU at once in a later step: in use, fetched ahead, joined
+# blocks' keys and values on the GPU at once in a later step: in use, the previous (freed once the compute
+# stream passes it), fetched ahead, joined with the target's
+IN_FLIGHT = 4
 
 
 def prefix_tokens(images: int, side: int) -> int:
@@ -66,14 +71,18 @@ class PrefixCache:
     """Decides where a job's prefix cache lives. `room()` gives the bytes a job may still take on the GPU
     (None: uncapped, the pipeline's default); the worker passes its cap minus its weights and
     ACTIVATION_RESERVE. `transformers`: those to hook for the CPU cache (none: it is never chosen);
-    `host_room()`: the CPU memory available (default: MemAvailable)."""
+    `compiled()`: whether they run compiled now (then it is not chosen); `host_room()`: the CPU memory
+    available (default: MemAvailable)."""
 
-    def __init__(self, transformer, room, transformers=(), host_room=available_host_memory):
+    def __init__(self, transformer, room, transformers=(), compiled=lambda: False,
+                 host_room=available_host_memory):
         self.config = transformer.config
-        self.room, self.host_room = room, host_room
+        self.room, self.host_room, self.compiled = room, host_room, compiled
         self.pool = PinnedPool()
+        self.streams: dict = {}  # one copy stream per GPU, kept: its memory blocks are reused job after job
         self.hooks = [_install(t) for t in transformers]
         self.need = 0  # the last job's estimate, bytes
+        self.misses = 0  # blocks read before their copy was started ahead (one a job: the first)
 
     @contextmanager
     def job(self, call):
@@ -85,7 +94,7 @@ class PrefixCache:
             yield
             return
         self.pool.reserve(self.need)
-        prefix = HostPrefix(self.pool)
+        prefix = HostPrefix(self.pool, self.streams, call.job.params.steps)
         for hook in self.hooks:
             hook.prefix = prefix
         try:
@@ -94,6 +103,7 @@ class PrefixCache:
             for hook in self.hooks:
                 hook.prefix = None
             prefix.close()
+            self.misses += prefix.misses
 
     def place(self, images: int, side: int, copies: int = 1) -> tuple[str, dict]:
         """("gpu" | "host" | "off", the pipeline arguments) for a job of `images` condition images at
@@ -107,23 +117,26 @@ class PrefixCache:
             return "gpu", {}
         what = f"{images} condition image(s) at {side}x{side} need ~{need / 1024**3:.1f} GiB"
         left = f"{max(room, 0) / 1024**3:.1f} GiB left under the cap"
-        host = self.host_room() if self.hooks else None
-        if host is not None and need <= host + self.pool.size - HOST_RESERVE \
+        compiled = self.compiled()
+        host = self.host_room() if self.hooks and not compiled else None
+        # the pool's buffer is unlocked and freed before a larger one is made
+        if host is not None and (need <= self.pool.size or need <= host + self.pool.size - HOST_RESERVE) \
                 and IN_FLIGHT * need // self.config.num_layers <= room:
             log.info("prefix KV cache in CPU memory for this job: %s, %s; each block's comes back to the GPU "
                      "one block ahead", what, left)
             return "host", {}
         log.info("prefix KV cache off for this job: %s, %s%s", what, left,
-                 "" if self.hooks else " (a compiled worker keeps no cache in CPU memory)")
+                 " (a compiled worker keeps no cache in CPU memory)" if compiled else "")
         return "off", {"use_kv_cache": False}
 
 
 class PinnedPool:
-    """One pinned CPU buffer that jobs' caches take slices of, kept for the worker's life (page-locking GiBs
+    """One page-locked CPU buffer that jobs' caches take slices of, kept for the worker's life (locking GiBs
     takes seconds) and grown to the largest job's need."""
 
     def __init__(self):
         self.buffer: torch.Tensor | None = None
+        self.locked = False
         self.used = 0
         self.wanted = 0
 
@@ -133,27 +146,35 @@ class PinnedPool:
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
         """An uninitialised CPU tensor of `like`'s shape and dtype: from the buffer while it lasts, then one
-        of its own (the next `reserve` grows the buffer to cover it)."""
+        of its own in pageable memory (its copies wait for the CPU; the next `reserve` grows the buffer)."""
         size = like.numel() * like.element_size()
         start = -(-self.used // ALIGN) * ALIGN
         self.used = start + size
         self.wanted = max(self.wanted, self.used)
         if self.buffer is None or self.used > self.size:
-            return torch.empty(like.shape, dtype=like.dtype, pin_memory=_pinnable())
+            return torch.empty(like.shape, dtype=like.dtype)
         return self.buffer[start:start + size].view(like.dtype).view(like.shape)
 
     def reserve(self, size: int) -> None:
         """Before a job: a buffer of at least `size` bytes (and of the largest need seen), every slice
         free."""
         size = max(size, self.wanted)
-        if size > self.size:
-            self.buffer = None  # the old pages go before the new ones are locked
-            self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=_pinnable())
         self.used = 0
+        if size <= self.size:
+            return
+        self.release()
+        self.buffer = torch.empty(size, dtype=torch.uint8)
+        if torch.cuda.is_available():
+            error = int(torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), size, 0))
+            self.locked = error == 0
+            if not self.locked:
+                log.warning("could not lock %.1f GiB of CPU memory for the prefix cache (cudaError %d): its "
+                            "copies wait for the CPU", size / 1024**3, error)
 
-
-def _pinnable() -> bool:
-    return torch.cuda.is_available()
+    def release(self) -> None:
+        if self.locked:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+        self.buffer, self.locked = None, False
 
 
 class HostPrefix:
@@ -161,13 +182,15 @@ class HostPrefix:
     CFG's second branch has its own), in the order the first step wrote them, which is the order later steps
     read them in. Reading one starts the copy of the next to the GPU."""
 
-    def __init__(self, pool: PinnedPool):
-        self.pool = pool
+    def __init__(self, pool: PinnedPool, streams: dict, steps: int):
+        self.pool, self.streams = pool, streams
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []  # on the CPU, in the order written
         self.position: dict[tuple[int, int], int] = {}  # (the pipeline's cache, block) -> index in layers
         self.ahead: dict[int, tuple] = {}  # index -> (keys, values, event): on their way to the GPU
         self.device: torch.device | None = None
         self.stream = None
+        self.cached_steps = steps - 1  # the steps that read the cache (the first writes it)
+        self.misses = 0
 
     def cache(self, kv_cache) -> _HostCache:
         return _HostCache(self, id(kv_cache))
@@ -191,6 +214,8 @@ class HostPrefix:
 
     def get(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         index = self.position[key]
+        if index not in self.ahead:
+            self.misses += 1
         k, v, event = self.ahead.pop(index, None) or self._fetch(index)
         if event is not None:
             current = torch.cuda.current_stream(self.device)
@@ -198,6 +223,10 @@ class HostPrefix:
             k.record_stream(current)  # used here: not reused by the copy stream before this stream is done
             v.record_stream(current)
         following = (index + 1) % len(self.layers)
+        if following == 0:  # a step's last block: the next step's first, unless this was the last step
+            self.cached_steps -= 1
+            if self.cached_steps <= 0:
+                return k, v
         if following != index and following not in self.ahead:
             self.ahead[following] = self._fetch(following)
         return k, v
@@ -214,14 +243,18 @@ class HostPrefix:
         return k, v, event
 
     def _stream(self):
+        """The worker's copy stream on this GPU: of high priority, a pool apart from the default-priority
+        streams diffusers' group offloading takes its own from."""
         if self.stream is None:
-            self.stream = torch.cuda.Stream(self.device)
+            if self.device not in self.streams:
+                self.streams[self.device] = torch.cuda.Stream(self.device, priority=-1)
+            self.stream = self.streams[self.device]
         return self.stream
 
     def close(self) -> None:
         """The job is over: its tensors go, the pool's slices are free for the next job."""
         if self.stream is not None:
-            self.stream.synchronize()  # no copy still reads or writes the pool
+            self.stream.synchronize()  # no copy still reads or writes the pool (the next job reuses it)
         self.layers.clear()
         self.ahead.clear()
 
