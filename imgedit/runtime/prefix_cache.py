@@ -35,6 +35,7 @@ torch's pinned allocator rounds each block up to a power of two and keeps freed 
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import contextmanager
 
 import torch
@@ -163,6 +164,7 @@ class PinnedPool:
         if size <= self.size:
             return
         self.release()
+        started = time.perf_counter()
         self.buffer = torch.empty(size, dtype=torch.uint8)
         if torch.cuda.is_available():
             error = int(torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), size, 0))
@@ -170,6 +172,8 @@ class PinnedPool:
             if not self.locked:
                 log.warning("could not lock %.1f GiB of CPU memory for the prefix cache (cudaError %d): its "
                             "copies wait for the CPU", size / 1024**3, error)
+        log.info("prefix cache: %.1f GiB of CPU memory %s in %.1fs (kept for the next jobs)", size / 1024**3,
+                 "locked" if self.locked else "taken", time.perf_counter() - started)
 
     def release(self) -> None:
         if self.locked:
