@@ -504,6 +504,25 @@ def test_a_prefix_cache_too_big_for_the_cap_lives_in_cpu_memory_and_gives_the_gp
         assert compiled.place(2, 320, copies)[0] == "off"
 
 
+def test_the_prefix_caches_cpu_buffer_hands_out_aligned_slices_and_grows_to_the_largest_job():
+    import torch
+
+    from imgedit.runtime.prefix_cache import ALIGN, PinnedPool
+
+    pool = PinnedPool()
+    pool.reserve(4096)
+    a, b = pool.take(torch.empty(3, 5, dtype=torch.bfloat16)), pool.take(torch.empty(100, dtype=torch.bfloat16))
+    assert (a.shape, a.dtype, b.shape) == ((3, 5), torch.bfloat16, (100,))
+    assert a.data_ptr() == pool.buffer.data_ptr() and b.data_ptr() == pool.buffer.data_ptr() + ALIGN  # aligned
+    a.fill_(1)
+    b.fill_(2)
+    assert a.sum() == 15 and b.sum() == 200  # slices of their own
+    big = pool.take(torch.empty(4096, dtype=torch.bfloat16))  # past the buffer: a tensor of its own
+    assert big.numel() == 4096 and not (pool.buffer.data_ptr() <= big.data_ptr() < pool.buffer.data_ptr() + 4096)
+    pool.reserve(100)  # the next job: the buffer grows to the largest need seen
+    assert pool.size == 2 * ALIGN + 8192 and pool.used == 0
+
+
 def test_a_decode_that_would_not_fit_under_a_cap_runs_in_tiles(ckpt21):
     """On the GPU machine's 16 GB plan for 2.1 most jobs ran out of memory in the VAE's decode (~5.8 GiB a
     megapixel at real size against ~7 GiB the cap left). A capped worker tiles a job's decode where it would not
