@@ -5,7 +5,8 @@ imgedit.model.attention21's processor), on one real-size random-weight transform
 Per run: the step's wall time without the profiler (mean of the later steps), then one profiled call whose
 trace covers only the later steps (started and stopped in the step callback). Printed: the GPU time per step by
 kind of kernel (GEMM, attention, inductor's fused Triton kernels, copies, the rest), the GPU's idle share of the
-step (no device work on any stream), the GEMMs' achieved TFLOP/s (FLOPs counted by the profiler on
+step (no device work on any stream) and its idle stretches named by the kernel that ended each, the CPU ops that
+wait for the GPU (syncs per step), the GEMMs' achieved TFLOP/s (FLOPs counted by the profiler on
 aten::mm/addmm), and the top kernels.
 Every image must be finite.
 
@@ -73,9 +74,9 @@ def profiled_call(pipe, args, req):
     marks = {}
 
     def step_end(pipe_, step, t, kwargs):
-        if cuda:
-            torch.cuda.synchronize()
         if step == 1:
+            if cuda:  # only at the trace's ends: a wait every step would add idle GPU time of its own
+                torch.cuda.synchronize()
             prof.start()
             marks["start"] = time.perf_counter()
         elif step == args.steps - 1:
@@ -130,13 +131,45 @@ def spans(prof) -> dict:
             comm.append(span)
         elif "memcpy" not in name and "memset" not in name:
             compute.append(span)
+    gaps = idle_gaps(prof)
     upload, compute, comm, every = union(upload), union(compute), union(comm), union(every)
     copy_us = sum(b - a for a, b in upload)
     compute_us = sum(b - a for a, b in compute)
     hidden = overlap_of(upload, compute)
     return dict(copy_us=copy_us, compute_us=compute_us, hidden_us=hidden, busy_us=sum(b - a for a, b in every),
                 overlap=round(hidden / min(copy_us, compute_us), 3) if copy_us and compute_us else None,
-                comm_us=sum(b - a for a, b in comm), comm_hidden_us=overlap_of(comm, compute))
+                comm_us=sum(b - a for a, b in comm), comm_hidden_us=overlap_of(comm, compute), gaps=gaps)
+
+
+GAP_US = 10  # shorter idle stretches are the GPU's own scheduling
+SYNCS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::repeat_interleave", "cudaStreamSynchronize",
+         "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync")
+
+
+def idle_gaps(prof) -> dict:
+    """Where the GPU waited for the CPU: every stretch of GPU time (microseconds) with no device work on any
+    stream, over GAP_US, named by the kernel that ended it (the first launched after the CPU caught up or a
+    device-to-host wait returned); and the CPU ops that wait for the GPU or launch small copies (SYNCS: count
+    and CPU time)."""
+    from torch.autograd import DeviceType
+
+    device = sorted((evt.time_range.start, evt.time_range.end, evt.name) for evt in prof.events()
+                    if getattr(evt, "device_type", None) == DeviceType.CUDA and not evt.name.startswith("## ")
+                    and not evt.name.startswith("nccl:"))
+    by_next: dict[str, list[float]] = {}
+    reach = None
+    for start, end, name in device:
+        if reach is not None and start - reach > GAP_US:
+            by_next.setdefault(name[:100], []).append(start - reach)
+        reach = end if reach is None else max(reach, end)
+    syncs: dict[str, list[float]] = {}
+    for evt in prof.events():
+        if getattr(evt, "device_type", None) != DeviceType.CUDA and evt.name in SYNCS:
+            syncs.setdefault(evt.name, []).append(evt.time_range.end - evt.time_range.start)
+    top = sorted(by_next.items(), key=lambda kv: -sum(kv[1]))[:12]
+    return dict(total_us=sum(sum(v) for v in by_next.values()), count=sum(len(v) for v in by_next.values()),
+                before=[dict(kernel=k, count=len(v), us=round(sum(v), 1)) for k, v in top],
+                syncs={k: dict(count=len(v), us=round(sum(v), 1)) for k, v in sorted(syncs.items())})
 
 
 def summarise(prof, steps: int, wall_s: float) -> dict:
@@ -145,7 +178,8 @@ def summarise(prof, steps: int, wall_s: float) -> dict:
     kernels, by_kind = {}, {}
     flops = 0.0
     for evt in prof.key_averages():
-        if getattr(evt, "device_type", None) == DeviceType.CUDA and not evt.key.startswith("## "):
+        # "nccl:<collective>" is c10d's annotation on the device around the NCCL kernel it launched: counted once
+        if getattr(evt, "device_type", None) == DeviceType.CUDA and not evt.key.startswith(("## ", "nccl:")):
             us = device_us(evt)
             kernels[evt.key] = kernels.get(evt.key, 0.0) + us
             by_kind[kind_of(evt.key)] = by_kind.get(kind_of(evt.key), 0.0) + us
@@ -167,7 +201,13 @@ def summarise(prof, steps: int, wall_s: float) -> dict:
                 gemm_tflops=round(flops / gemm_s / 1e12, 1) if gemm_s and flops else None,
                 gemm_tflop_per_step=round(flops / steps / 1e12, 2),
                 top_kernels=[dict(name=k[:140], kind=kind_of(k), ms_per_step=round(v / 1e3 / steps, 3))
-                             for k, v in top])
+                             for k, v in top],
+                idle_ms_per_step=round(found["gaps"]["total_us"] / 1e3 / steps, 2),
+                idle_gaps_per_step=round(found["gaps"]["count"] / steps, 1),
+                idle_before=[dict(kernel=g["kernel"], count_per_step=round(g["count"] / steps, 1),
+                                  ms_per_step=round(g["us"] / 1e3 / steps, 3)) for g in found["gaps"]["before"]],
+                syncs_per_step={k: dict(count=round(v["count"] / steps, 1), cpu_ms=round(v["us"] / 1e3 / steps, 3))
+                                for k, v in found["gaps"]["syncs"].items()})
 
 
 def main(argv=None) -> int:
@@ -247,7 +287,11 @@ def run(rank: int, args, port: int | None = None) -> None:
             Path(args.trace).mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(Path(args.trace) / f"step21-refs{k}.json"))
         rows.append(row)
-        print(json.dumps({key: v for key, v in row.items() if key != "top_kernels"}), flush=True)
+        print(json.dumps({key: v for key, v in row.items() if key not in ("top_kernels", "idle_before")}),
+              flush=True)
+        for gap in row["idle_before"][:8]:
+            print(f"  idle {gap['ms_per_step']:7.3f} ms ({gap['count_per_step']} a step) before {gap['kernel']}",
+                  flush=True)
         for kernel in row["top_kernels"][:12]:
             print(f"  {kernel['ms_per_step']:8.3f} ms  {kernel['kind']:9s} {kernel['name']}", flush=True)
     if port is not None:
