@@ -87,7 +87,7 @@ def one(args) -> dict:
         encoder.generation_config.compile_config = CompileConfig(backend="cudagraphs", mode=None)
     else:  # transformers' default: inductor, mode="reduce-overhead"
         encoder.generation_config.compile_config = CompileConfig()
-    if args.device == "cpu":
+    if args.device == "cpu" and args.one != "eager":
         encoder.generation_config.compile_config._compile_all_devices = True
     static = enhance.decodes_compiled(encoder)  # the compiled decoding step with the static cache
     picture = Image.new("RGB", (1024, 1024), (120, 130, 140))
