@@ -12,7 +12,9 @@ init), through imgedit's own rewrite (imgedit.runtime.enhance.rewrite):
 - --repeats rewrites of --tokens tokens with one 1024x1024 picture (a random encoder never ends its answer, so
   each writes exactly --tokens): ms a token;
 - the same rewrite decoded eagerly (generate()'s dynamic cache) in the same process: how many of the first
-  tokens agree, and the text encoder's logits on the prompt finite (asserted).
+  tokens agree, and the text encoder's logits on the prompt finite (asserted);
+- the GPU memory: the weights', and the peak over the warm-up and the rewrites (a backend that copies the
+  weights into its graphs' memory shows there), with torch's cudagraph counters (inputs copied, graphs skipped).
 
 Backends: `inductor` (the default: reduce-overhead), `cudagraphs` (dynamo's graph replayed as CUDA graphs,
 no inductor code generation), `eager` (no static cache, no compile).
@@ -90,6 +92,10 @@ def one(args) -> dict:
     if args.device == "cpu" and args.one != "eager":
         encoder.generation_config.compile_config._compile_all_devices = True
     static = enhance.decodes_compiled(encoder)  # the compiled decoding step with the static cache
+    cuda = args.device == "cuda"
+    weights_gib = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     picture = Image.new("RGB", (1024, 1024), (120, 130, 140))
     cancel = threading.Event()
 
@@ -110,6 +116,10 @@ def one(args) -> dict:
     runs = [rewrite([picture], args.tokens) for _ in range(args.repeats)]
     tokens = runs[-1][0].token_ids
     ms = sorted(seconds * 1e3 / max(len(result.token_ids), 1) for result, seconds in runs)
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    from torch._dynamo.utils import counters  # what the CUDA graphs copied or skipped (torch's own counters)
+
+    graphs = {key: value for key, value in counters["inductor"].items() if "cudagraph" in key}
     enhance.no_static_cache(encoder)
     eager, _ = rewrite([picture], args.tokens)
     same = next((i for i, (a, b) in enumerate(zip(tokens, eager.token_ids, strict=False)) if a != b),
@@ -122,6 +132,7 @@ def one(args) -> dict:
     return dict(backend=args.one, kind=args.kind, size=args.size, device=args.device,
                 static_cache=static,
                 warmup_s=round(warm, 2), ms_per_token=[round(m, 2) for m in ms], tokens=len(tokens),
+                weights_gib=round(weights_gib, 2), peak_gib=round(peak_gib, 2), cudagraph_counters=graphs,
                 agree_with_eager=same, finite=finite, torch=torch.__version__,
                 gpu=torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu")
 
@@ -162,7 +173,8 @@ def main(argv=None) -> int:
         row = json.loads(found[0])
         rows.append(row)
         print(f"{backend:10s} warm-up {row['warmup_s']:7.2f} s   {row['ms_per_token']} ms a token   "
-              f"{row['agree_with_eager']} of {row['tokens']} tokens as eager", flush=True)
+              f"{row['agree_with_eager']} of {row['tokens']} tokens as eager   GPU memory {row['weights_gib']} GiB "
+              f"weights, {row['peak_gib']} GiB peak   {row['cudagraph_counters']}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(rows=rows), indent=1))
     return 0 if all("failed" not in row for row in rows) else 1
