@@ -112,9 +112,10 @@ def call(pipe, args, req: dict, times: list | None = None, callback=None):
     stamps = []
 
     def step_end(pipe_, step, t, kwargs):
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        stamps.append(time.perf_counter())
+        if times is not None:  # step times: each step's end waited for (else the GPU runs ahead, as in a worker)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            stamps.append(time.perf_counter())
         return callback(pipe_, step, t, kwargs) if callback else {}
 
     extra = {"true_cfg_scale": 4.0, "negative_prompt": " "} if req.get("cfg") else {}

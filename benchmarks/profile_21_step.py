@@ -75,7 +75,8 @@ def profiled_call(pipe, args, req):
 
     def step_end(pipe_, step, t, kwargs):
         if step == 1:
-            if cuda:  # only at the trace's ends: a wait every step would add idle GPU time of its own
+            if cuda:  # only at the trace's ends: a wait every step would add idle GPU time of its own (call()
+                # waits only when it times the steps)
                 torch.cuda.synchronize()
             prof.start()
             marks["start"] = time.perf_counter()
