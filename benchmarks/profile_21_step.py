@@ -21,6 +21,11 @@ the host-to-device copies' time and how much of it ran while a kernel computed (
     python3 benchmarks/profile_21_step.py --device cuda --size real --steps 12 --json /tmp/prof21.json
     python3 benchmarks/profile_21_step.py --device cuda --size real --eager --resident 13 --no-kv-cache --refs 0
     python3 benchmarks/profile_21_step.py --device cuda --size real --split 2 --refs 0,1   # 2 GPUs
+    python3 benchmarks/profile_21_step.py --device cuda --size real --split 2 --refs 0 --graphs
+
+--graphs then times the cached step's 60 blocks captured as one CUDA graph against the same blocks launched
+one by one (graph_probe): the idle time CUDA graphs would take off a step, and whether the capture works with
+the split's gathers inside.
 """
 
 from __future__ import annotations
@@ -89,6 +94,85 @@ def profiled_call(pipe, args, req):
 
     out = call(pipe, args, req, callback=step_end)
     return prof, out, marks["end"] - marks["start"]
+
+
+def graph_probe(pipe, args, req, reps: int = 20) -> dict:
+    """The later steps' blocks captured as one CUDA graph, against the same blocks launched one by one: what
+    CUDA graphs would take off a cached step (the GPU's idle time between the blocks' kernels; with --split
+    the gathers are inside the graph, every rank capturing in step). One request runs first, and its last
+    cached step's inputs (block 0's keyword arguments and the prefix cache) are kept as the static inputs."""
+    import time
+
+    import torch
+
+    transformer = pipe.transformer
+    blocks = transformer.transformer_blocks
+    seen: dict = {}
+
+    def grab_cache(module, args_, kwargs):
+        if kwargs.get("kv_cache_mode") == "cached":
+            seen["kv_cache"] = kwargs["kv_cache"]
+
+    def grab_block(module, args_, kwargs):
+        if kwargs.get("kv_cache_mode") == "cached":
+            seen["block"] = dict(kwargs)
+
+    hooks = [transformer.register_forward_pre_hook(grab_cache, with_kwargs=True),
+             blocks[0].register_forward_pre_hook(grab_block, with_kwargs=True)]
+    try:
+        call(pipe, args, req)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    kwargs, cache = seen["block"], seen["kv_cache"]
+    static = kwargs["hidden_states"].clone()
+
+    def blocks_forward():
+        hidden = static
+        for i, block in enumerate(blocks):
+            hidden = block(**{**kwargs, "hidden_states": hidden, "layer_cache": cache.get_layer(i)})
+        return hidden
+
+    cuda = args.device == "cuda"
+
+    def timed(fn):
+        if not cuda:
+            started = time.perf_counter()
+            for _ in range(reps):
+                out = fn()
+            return (time.perf_counter() - started) * 1e3 / reps, out
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            out = fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps, out
+
+    with torch.inference_mode():
+        launched_ms, launched = timed(blocks_forward)
+        launched = launched.clone()
+        assert torch.isfinite(launched).all(), "the blocks' output is not finite"
+        if not cuda:  # the inputs' replay checked; nothing to capture
+            return dict(launched_ms=round(launched_ms, 3), error="no CUDA graphs on the CPU")
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # a warm-up on a side stream before capturing, as torch's notes ask
+            blocks_forward()
+        torch.cuda.current_stream().wait_stream(side)
+        try:
+            with torch.cuda.graph(graph):
+                captured = blocks_forward()
+        except Exception as exc:  # noqa: BLE001 - what failed to capture is the finding
+            return dict(launched_ms=round(launched_ms, 3), error=f"{type(exc).__name__}: {exc}"[:400])
+        replay_ms, _ = timed(graph.replay)
+        finite = bool(torch.isfinite(captured).all())
+        same = bool(torch.equal(captured, launched))
+        assert finite, "the captured blocks' output is not finite"
+    return dict(launched_ms=round(launched_ms, 3), replay_ms=round(replay_ms, 3),
+                saved_ms=round(launched_ms - replay_ms, 3), same_as_launched=same, finite=finite, reps=reps)
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -220,6 +304,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-kv-cache", action="store_true", help="use_kv_cache=False, as a capped worker calls")
     parser.add_argument("--split", type=int, default=1, help="processes (GPUs) splitting the target, as ulysses")
     parser.add_argument("--trace", help="a folder for one Chrome trace per reference count")
+    parser.add_argument("--graphs", action="store_true", help="after the profiles (first reference count): "
+                        "the cached step's blocks as one CUDA graph against launched one by one (GPU only)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     if args.split > 1:
@@ -295,6 +381,12 @@ def run(rank: int, args, port: int | None = None) -> None:
                   flush=True)
         for kernel in row["top_kernels"][:12]:
             print(f"  {kernel['ms_per_step']:8.3f} ms  {kernel['kind']:9s} {kernel['name']}", flush=True)
+    graphs = None
+    if args.graphs:  # every rank: the gathers inside the graph need them all
+        k = int(args.refs.split(",")[0])
+        graphs = graph_probe(pipe, args, dict(words=12, images=k, width=side, height=side, seed=7 + k))
+        if not rank:
+            print("graphs " + json.dumps(graphs), flush=True)
     if port is not None:
         torch.distributed.destroy_process_group()
     if rank:
@@ -302,7 +394,7 @@ def run(rank: int, args, port: int | None = None) -> None:
     summary = dict(device=args.device, size=args.size, steps=args.steps, compiled=not args.eager,
                    resident=args.resident, use_kv_cache=not args.no_kv_cache, split=args.split,
                    torch=torch.__version__, gpu=torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-                   rows=rows)
+                   rows=rows, graphs=graphs)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
 
