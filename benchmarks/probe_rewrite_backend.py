@@ -17,7 +17,8 @@ init), through imgedit's own rewrite (imgedit.runtime.enhance.rewrite):
   weights into its graphs' memory shows there), with torch's cudagraph counters (inputs copied, graphs skipped).
 
 Backends: `inductor` (the default: reduce-overhead), `cudagraphs` (dynamo's graph replayed as CUDA graphs,
-no inductor code generation), `eager` (no static cache, no compile).
+no inductor code generation), `regional` (the decoder layer compiled once for all layers, for the decoding
+steps: a 36th of the code to compile), `eager` (no static cache, no compile).
 
     python benchmarks/probe_rewrite_backend.py --device cuda --kind 21 --json $OUT/rewrite-backends.json
     python benchmarks/probe_rewrite_backend.py --backends eager,cudagraphs   # CPU smoke run, tiny checkpoint
@@ -37,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-BACKENDS = ("inductor", "cudagraphs", "eager")
+BACKENDS = ("inductor", "cudagraphs", "regional", "eager")
 PROCESSOR = {"21": "Qwen3VLProcessor", "plus": "Qwen2VLProcessor"}
 
 
@@ -70,6 +71,25 @@ def encoder_pipe(args):
     return SimpleNamespace(text_encoder=encoder, processor=processor, _execution_device=torch.device(args.device))
 
 
+def regional(encoder) -> None:
+    """The `regional` backend: generate() compiles nothing (disable_compile); instead the decoder layer's
+    forward is compiled once (inductor, reduce-overhead: one graph for every layer, the weights its inputs, as
+    diffusers' compile_repeated_blocks does for a transformer's blocks) and runs for the decoding steps (one
+    token); the prefill runs the layers as they are."""
+    import torch
+
+    encoder.generation_config.disable_compile = True
+    layers = encoder.model.language_model.layers
+    plain = type(layers[0]).forward
+    compiled = torch.compile(plain, mode="reduce-overhead", dynamic=False)
+    for layer in layers:
+        def forward(hidden_states, *rest, _layer=layer, **kwargs):
+            run = compiled if hidden_states.shape[1] == 1 else plain
+            return run(_layer, hidden_states, *rest, **kwargs)
+
+        layer.forward = forward
+
+
 def one(args) -> dict:
     """One backend in this process: warm-up seconds, ms a token, agreement with eager decoding."""
     import torch
@@ -87,6 +107,9 @@ def one(args) -> dict:
         enhance.no_static_cache(encoder)
     elif args.one == "cudagraphs":
         encoder.generation_config.compile_config = CompileConfig(backend="cudagraphs", mode=None)
+    elif args.one == "regional":
+        encoder.generation_config.compile_config = CompileConfig()  # unused: generate() compiles nothing
+        regional(encoder)
     else:  # transformers' default: inductor, mode="reduce-overhead"
         encoder.generation_config.compile_config = CompileConfig()
     if args.device == "cpu" and args.one != "eager":
@@ -121,6 +144,8 @@ def one(args) -> dict:
 
     graphs = {key: value for key, value in counters["inductor"].items() if "cudagraph" in key}
     enhance.no_static_cache(encoder)
+    for layer in encoder.model.language_model.layers:  # `regional`'s wrappers off: the reference is eager
+        layer.__dict__.pop("forward", None)
     eager, _ = rewrite([picture], args.tokens)
     same = next((i for i, (a, b) in enumerate(zip(tokens, eager.token_ids, strict=False)) if a != b),
                 min(len(tokens), len(eager.token_ids)))
