@@ -1,0 +1,150 @@
+"""How a capped plan's streamed weights get into page-locked CPU memory, measured per way of pinning them.
+
+diffusers' group offloading pins each streamed weight with `Tensor.pin_memory()`, through torch's caching host
+allocator: each block rounded up to a power of two, one `cudaHostAlloc` each. At the 16 GB plan's start that
+took 13.0 s for 2.1's 7.8 GiB of streamed blocks and 26.4 s for its 16.3 GiB text encoder (2× H200 host,
+2026-11-29). Each way runs in a fresh process on the weights of --component (the real model's shapes, from
+its config, filled in CPU memory as loaded weights are):
+
+- `default`: `pin_memory()` per weight, torch's allocator as it is;
+- `torch-register`: the same calls with torch's own allocator options (`PYTORCH_ALLOC_CONF`):
+  `pinned_use_cuda_host_register:True,pinned_num_register_threads:8,pinned_max_round_threshold_mb:1`
+  (malloc and cudaHostRegister on 8 threads, no rounding above 1 MB);
+- `one-buffer`: every weight copied into one buffer locked once at its exact size
+  (imgedit.runtime.pinned.copy_into_one, where this tree has it).
+
+Reported per way: seconds to pin everything, the bytes locked (torch's host_memory_stats, or the buffer), the
+process's resident memory after, and a host-to-device copy of everything (GB/s: pinned memory copies at PCIe
+speed, pageable memory at a fraction of it). Every pinned tensor must say `is_pinned()` and hold its values.
+
+    python benchmarks/probe_pinning.py --component text_encoder --json $OUT/pinning.json    # a GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+WAYS = {
+    "default": None,
+    "torch-register": "pinned_use_cuda_host_register:True,pinned_num_register_threads:8,"
+                      "pinned_max_round_threshold_mb:1",
+    "one-buffer": None,
+}
+
+
+def weights(args) -> list:
+    """CPU tensors of the component's parameter shapes (bf16), filled so their pages are resident."""
+    import torch
+
+    from imgedit.model.components import from_config
+    from imgedit.model.demo_checkpoint import build_checkpoint
+
+    folder = Path(args.checkpoint or f"/tmp/probe-pinning-{args.kind}")
+    if not (folder / "model_index.json").is_file():
+        build_checkpoint(folder, kind=args.kind, seed=0, size="real")
+    with torch.device("meta"):
+        model = from_config(args.component, folder)
+    out, total = [], 0
+    for p in model.parameters():
+        if args.gib and total >= args.gib * 2**30:
+            break
+        out.append(torch.full(p.shape, 0.5, dtype=torch.bfloat16))
+        total += out[-1].numel() * 2
+    return out
+
+
+def resident_gib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def one(args) -> dict:
+    import torch
+
+    tensors = weights(args)
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    rss_before = resident_gib()
+    torch.cuda.init()
+    started = time.perf_counter()
+    if args.one == "one-buffer":
+        from imgedit.runtime import pinned  # not in every tree: the way is skipped then
+
+        held: list = [None] * len(tensors)
+
+        def place(i, copy):
+            held[i] = copy
+
+        pinned.copy_into_one(tensors, place)
+        tensors = held
+        locked = size
+    else:
+        tensors = [t.pin_memory() for t in tensors]
+        locked = int(torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0))
+    seconds = time.perf_counter() - started
+    assert all(t.is_pinned() for t in tensors), f"{args.one}: a tensor is not pinned"
+    assert all(float(t[(0,) * t.dim()]) == 0.5 for t in tensors), f"{args.one}: a value changed"
+    torch.cuda.synchronize()
+    copy_started = time.perf_counter()
+    on_gpu = [t.to("cuda", non_blocking=True) for t in tensors]
+    torch.cuda.synchronize()
+    copy_seconds = time.perf_counter() - copy_started
+    assert torch.isfinite(on_gpu[0]).all()
+    return dict(way=args.one, component=args.component, kind=args.kind, tensors=len(tensors),
+                gib=round(size / 2**30, 2), seconds=round(seconds, 2), locked_gib=round(locked / 2**30, 2),
+                resident_gib_before=round(rss_before, 2), resident_gib_after=round(resident_gib(), 2),
+                copy_gb_per_s=round(size / copy_seconds / 1e9, 1), torch=torch.__version__,
+                alloc_conf=os.environ.get("PYTORCH_ALLOC_CONF", ""), gpu=torch.cuda.get_device_name(0))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kind", default="21", help="the checkpoint family whose shapes are used")
+    parser.add_argument("--component", default="text_encoder", choices=("text_encoder", "transformer"))
+    parser.add_argument("--gib", type=float, default=None, help="only the first GiB of the weights")
+    parser.add_argument("--checkpoint")
+    parser.add_argument("--ways", default=",".join(WAYS))
+    parser.add_argument("--json")
+    parser.add_argument("--one", choices=sorted(WAYS), help=argparse.SUPPRESS)  # a child process: one way
+    args = parser.parse_args(argv)
+    if args.one:
+        print("RESULT " + json.dumps(one(args)), flush=True)
+        return 0
+    rows = []
+    for way in args.ways.split(","):
+        env = dict(os.environ)
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        env.pop("PYTORCH_ALLOC_CONF", None)
+        if WAYS[way]:
+            env["PYTORCH_ALLOC_CONF"] = WAYS[way]
+        command = [sys.executable, __file__, "--one", way, "--kind", args.kind, "--component", args.component]
+        command += ["--gib", str(args.gib)] if args.gib else []
+        command += ["--checkpoint", args.checkpoint] if args.checkpoint else []
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        found = [line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        if done.returncode or not found:
+            print(f"{way}: failed (rc {done.returncode})\n{done.stderr[-2000:]}", flush=True)
+            rows.append(dict(way=way, failed=done.stderr[-1500:]))
+            continue
+        row = json.loads(found[0])
+        rows.append(row)
+        print(f"{way:15s} {row['gib']:6.2f} GiB in {row['tensors']} tensors: pinned in {row['seconds']:6.2f} s, "
+              f"{row['locked_gib']:6.2f} GiB locked, RSS {row['resident_gib_before']} -> "
+              f"{row['resident_gib_after']} GiB, copy {row['copy_gb_per_s']} GB/s", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(rows=rows), indent=1))
+    return 0 if all("failed" not in row for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
