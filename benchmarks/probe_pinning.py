@@ -8,8 +8,10 @@ its config, filled in CPU memory as loaded weights are):
 
 - `default`: `pin_memory()` per weight, torch's allocator as it is;
 - `torch-register`: the same calls with torch's own allocator options (`PYTORCH_ALLOC_CONF`):
-  `pinned_use_cuda_host_register:True,pinned_num_register_threads:8,pinned_max_round_threshold_mb:1`
-  (malloc and cudaHostRegister on 8 threads, no rounding above 1 MB);
+  `pinned_use_cuda_host_register:True,pinned_num_register_threads:8,pinned_max_round_threshold_mb:1,
+  pinned_max_cached_size_mb:1` (malloc and cudaHostRegister on 8 threads, no rounding above 1 MB, and no
+  caching above it: an unrounded block that is cached can be handed to a larger request, a heap overflow that
+  pytorch/pytorch#192722 fixed in August 2026). A torch that lacks an option refuses it: the row says so;
 - `one-buffer`: every weight copied into one buffer locked once at its exact size
   (imgedit.runtime.pinned.copy_into_one, where this tree has it).
 
@@ -35,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 WAYS = {
     "default": None,
     "torch-register": "pinned_use_cuda_host_register:True,pinned_num_register_threads:8,"
-                      "pinned_max_round_threshold_mb:1",
+                      "pinned_max_round_threshold_mb:1,pinned_max_cached_size_mb:1",
     "one-buffer": None,
 }
 
