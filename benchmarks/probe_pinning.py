@@ -25,14 +25,15 @@ speed, pageable memory at a fraction of it). Every pinned tensor must say `is_pi
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fresh  # noqa: E402
 
 WAYS = {
     "default": None,
@@ -120,7 +121,7 @@ def main(argv=None) -> int:
     parser.add_argument("--one", choices=sorted(WAYS), help=argparse.SUPPRESS)  # a child process: one way
     args = parser.parse_args(argv)
     if args.one:
-        print("RESULT " + json.dumps(one(args)), flush=True)
+        fresh.report(one(args))
         return 0
     rows = []
     for way in args.ways.split(","):
@@ -132,20 +133,14 @@ def main(argv=None) -> int:
         command = [sys.executable, __file__, "--one", way, "--kind", args.kind, "--component", args.component]
         command += ["--gib", str(args.gib)] if args.gib else []
         command += ["--checkpoint", args.checkpoint] if args.checkpoint else []
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
-        found = [line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-        if done.returncode or not found:
-            print(f"{way}: failed (rc {done.returncode})\n{done.stderr[-2000:]}", flush=True)
-            rows.append(dict(way=way, failed=done.stderr[-1500:]))
-            continue
-        row = json.loads(found[0])
+        row = fresh.run(command, env, "way", way)
         rows.append(row)
-        print(f"{way:15s} {row['gib']:6.2f} GiB in {row['tensors']} tensors: pinned in {row['seconds']:6.2f} s, "
-              f"{row['locked_gib']:6.2f} GiB locked, RSS {row['resident_gib_before']} -> "
-              f"{row['resident_gib_after']} GiB, copy {row['copy_gb_per_s']} GB/s", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(rows=rows), indent=1))
-    return 0 if all("failed" not in row for row in rows) else 1
+        if "failed" not in row:
+            print(f"{way:15s} {row['gib']:6.2f} GiB in {row['tensors']} tensors: pinned in "
+                  f"{row['seconds']:6.2f} s, {row['locked_gib']:6.2f} GiB locked, RSS "
+                  f"{row['resident_gib_before']} -> {row['resident_gib_after']} GiB, copy "
+                  f"{row['copy_gb_per_s']} GB/s", flush=True)
+    return fresh.finish(rows, args.json)
 
 
 if __name__ == "__main__":

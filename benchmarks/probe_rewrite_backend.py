@@ -27,9 +27,7 @@ steps: a 36th of the code to compile), `eager` (no static cache, no compile).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,6 +35,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fresh  # noqa: E402
 
 BACKENDS = ("inductor", "cudagraphs", "regional", "eager")
 PROCESSOR = {"21": "Qwen3VLProcessor", "plus": "Qwen2VLProcessor"}
@@ -178,7 +179,7 @@ def main(argv=None) -> int:
     if args.device == "cpu" and args.size == "tiny":
         args.tokens = min(args.tokens, 16)
     if args.one:
-        print("RESULT " + json.dumps(one(args)), flush=True)
+        fresh.report(one(args))
         return 0
     rows = []
     for backend in args.backends.split(","):
@@ -189,20 +190,14 @@ def main(argv=None) -> int:
                        "--size", args.size, "--tokens", str(args.tokens), "--repeats", str(args.repeats)]
             if args.checkpoint:
                 command += ["--checkpoint", args.checkpoint]
-            done = subprocess.run(command, env=env, capture_output=True, text=True)
-        found = [line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-        if done.returncode or not found:
-            print(f"{backend}: failed (rc {done.returncode})\n{done.stderr[-3000:]}", flush=True)
-            rows.append(dict(backend=backend, failed=done.stderr[-2000:]))
-            continue
-        row = json.loads(found[0])
+            row = fresh.run(command, env, "backend", backend)
         rows.append(row)
-        print(f"{backend:10s} warm-up {row['warmup_s']:7.2f} s   {row['ms_per_token']} ms a token   "
-              f"{row['agree_with_eager']} of {row['tokens']} tokens as eager   GPU memory {row['weights_gib']} GiB "
-              f"weights, {row['peak_gib']} GiB peak   {row['cudagraph_counters']}", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(rows=rows), indent=1))
-    return 0 if all("failed" not in row for row in rows) else 1
+        if "failed" not in row:
+            print(f"{backend:10s} warm-up {row['warmup_s']:7.2f} s   {row['ms_per_token']} ms a token   "
+                  f"{row['agree_with_eager']} of {row['tokens']} tokens as eager   GPU memory "
+                  f"{row['weights_gib']} GiB weights, {row['peak_gib']} GiB peak   {row['cudagraph_counters']}",
+                  flush=True)
+    return fresh.finish(rows, args.json)
 
 
 if __name__ == "__main__":
