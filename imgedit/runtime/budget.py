@@ -82,7 +82,8 @@ class _Clock:
 
 class TimeBudget:
     def __init__(self, transformers, cuda: bool, device: str | None = None):
-        self.cuda, self.device = cuda, device
+        self.cuda = cuda
+        self.device = device
         self.clock: _Clock | None = None
         for transformer in transformers:
             transformer.register_forward_pre_hook(self._called)

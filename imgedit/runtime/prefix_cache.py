@@ -12,13 +12,13 @@ A worker whose GPU has a cap (MAX_MEMORY) asks, per job, where the cache fits:
 
 - **on the GPU** (the pipeline's default) where the cap leaves room for it after the weights and
   ACTIVATION_RESERVE;
-- **in pinned CPU memory** (`host`) where it does not but the cap holds three blocks' worth and the CPU has
-  room (less HOST_RESERVE): the first step writes each block's keys and values to the CPU, and in a later step
-  each block's come back to the GPU one block ahead on a copy stream, beside the compute and the streamed
+- **in pinned CPU memory** (`host`) where it does not but the cap holds IN_FLIGHT blocks' worth and the CPU
+  has room (less HOST_RESERVE): the first step writes each block's keys and values to the CPU, and in a later
+  step each block's come back to the GPU one block ahead on a copy stream, beside the compute and the streamed
   weights. On the 16 GB plan a five-reference edit ran its later steps at 1.3 s each without the cache
   (every step ran the ~25,600 prefix tokens through the streamed blocks again; 2026-11-29, 2× H200 host):
-  the CPU cache moves their ~12.5 GiB a step over PCIe instead, beside ~8 GiB of streamed weights (together
-  ~0.4 s at the 55 GB/s measured; not yet measured through the app);
+  the CPU cache moves their ~12.5 GiB a step over PCIe instead, beside ~8 GiB of streamed weights: 0.358 s a
+  later step through the app (23.55 s a request against 55.37 s; ten references 0.553 s, at `66d409a`);
 - **nowhere** otherwise: every step runs the prefix again (slower, the same result up to rounding, as the
   pipeline's docstring says).
 
