@@ -6,6 +6,7 @@ left however it ends."""
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -33,12 +34,16 @@ def spec_for(ckpt, **kw) -> WorkerSpec:
                       checkpoint=open_checkpoint(str(ckpt)), dtype="float32", compile=False, **kw)
 
 
-def edit(runner, ckpt, family="plus", cancel=None, **kw) -> np.ndarray:
+def job_for(ckpt, family="plus", **kw) -> Job:
     settings = load_settings({"QWEN_MODEL_DIR": str(ckpt)})
     req = EditRequest(**{**dict(images=(picture(),), prompt="make it red", seed=3, num_inference_steps=2,
                                 width=64, height=64), **kw})
     params = resolve(req, settings, family, req.images[-1].size, len(req.images))
-    result = runner.run(Job(req, params, family), cancel or threading.Event())
+    return Job(req, params, family)
+
+
+def edit(runner, ckpt, family="plus", cancel=None, **kw) -> np.ndarray:
+    result = runner.run(job_for(ckpt, family, **kw), cancel or threading.Event())
     return np.asarray(result.images[0], dtype=np.int16)
 
 
@@ -60,8 +65,9 @@ def test_the_phases_run_in_order_and_each_is_shown_and_reported(built):
                                "live preview", "time budget"], report.features
     assert report.pixels == "cpu" and report.encode_cache == 4 and report.fallbacks == []
     # the masks feature's two parts: mask_prompt's outline, then the mask itself
-    assert [type(p).__name__ for p in runner.parts] == ["Adapters", "StepCache", "Outlining", "Masking",
-                                                        "LivePreview", "TimeBudget"]
+    # the time budget outermost: the other parts' own work counts in the job's time
+    assert [type(p).__name__ for p in runner.parts] == ["TimeBudget", "Adapters", "StepCache", "Outlining",
+                                                        "Masking", "LivePreview"]
 
 
 def test_a_feature_that_fails_to_build_falls_back_and_the_worker_serves(plus_ckpt, built, monkeypatch):
@@ -151,6 +157,31 @@ def test_per_job_features_are_entered_in_order_and_left_however_the_job_ends(plu
     finally:
         del runner.parts[:2]
     assert torch.is_grad_enabled() is False  # the place phase turned autograd off for the worker
+
+
+class Slow:
+    """A per-job part whose own work before the pipeline call takes `seconds` (as a prefix cache's locking of
+    CPU memory does)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    @contextmanager
+    def job(self, call):
+        time.sleep(self.seconds)
+        yield
+
+
+def test_a_parts_own_work_before_the_pipeline_counts_in_the_jobs_prepare_time(plus_ckpt, built):
+    runner = built[0]
+    runner.run(job_for(plus_ckpt), threading.Event())  # the prompt and the picture in the encode cache
+    alone = runner.run(job_for(plus_ckpt), threading.Event()).timings["prepare"]
+    runner.parts.insert(1, Slow(1.0))  # after the time budget, which the worker installs outermost
+    try:
+        slowed = runner.run(job_for(plus_ckpt), threading.Event()).timings["prepare"]
+    finally:
+        del runner.parts[1]
+    assert slowed - alone >= 0.8, (alone, slowed)
 
 
 def test_the_prefix_cache_room_is_read_on_the_transformers_gpus_as_this_process_numbers_them(monkeypatch):

@@ -497,11 +497,17 @@ def test_a_prefix_cache_too_big_for_the_cap_lives_in_cpu_memory_and_gives_the_gp
         assert host.misses == 1  # only the first read waited: every other block's copy was started ahead
 
         no_room = PrefixCache(pipe.transformer, lambda cap=cap: cap, [pipe.transformer], host_room=lambda: 0)
-        run(no_room, **ask)
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            run(no_room, **ask)
         assert {mode for mode, _ in seen} == {None}  # no room on the CPU either: every step runs the prefix
+        assert "not in CPU memory: CPU memory available 0.0 GiB" in caplog.text  # the log says why
         compiled = PrefixCache(pipe.transformer, lambda cap=cap: cap, [pipe.transformer], lambda: True,
                                host_room=lambda: 1 << 40)
-        assert compiled.place(2, 320, copies)[0] == "off"
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            assert compiled.place(2, 320, copies)[0] == "off"
+        assert "a compiled worker keeps no cache in CPU memory" in caplog.text
 
 
 def test_the_prefix_caches_cpu_buffer_hands_out_aligned_slices_and_grows_to_the_largest_job():

@@ -77,7 +77,8 @@ class Timings(Feature):
     name = "time budget"
 
     def install(self, build: Build) -> None:
-        build.runner.add(TimeBudget(build.transformers, build.cuda, build.plan.execution_device))
+        # outermost: the other parts' own work in a job (a prefix cache locking CPU memory) is the job's time
+        build.runner.add(TimeBudget(build.transformers, build.cuda, build.plan.execution_device), outermost=True)
 
 
 class SingleFrameVae(Feature):

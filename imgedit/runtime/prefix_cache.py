@@ -118,17 +118,32 @@ class PrefixCache:
             return "gpu", {}
         what = f"{images} condition image(s) at {side}x{side} need ~{need / 1024**3:.1f} GiB"
         left = f"{max(room, 0) / 1024**3:.1f} GiB left under the cap"
-        compiled = self.compiled()
-        host = self.host_room() if self.hooks and not compiled else None
-        # the pool's buffer is unlocked and freed before a larger one is made
-        if host is not None and (need <= self.pool.size or need <= host + self.pool.size - HOST_RESERVE) \
-                and IN_FLIGHT * need // self.config.num_layers <= room:
+        why_not = self._why_not_host(need, room)
+        if why_not is None:
             log.info("prefix KV cache in CPU memory for this job: %s, %s; each block's comes back to the GPU "
                      "one block ahead", what, left)
             return "host", {}
-        log.info("prefix KV cache off for this job: %s, %s%s", what, left,
-                 " (a compiled worker keeps no cache in CPU memory)" if compiled else "")
+        log.info("prefix KV cache off for this job: %s, %s; not in CPU memory: %s", what, left, why_not)
         return "off", {"use_kv_cache": False}
+
+    def _why_not_host(self, need: int, room: int) -> str | None:
+        """Why a job's cache of `need` bytes cannot live in CPU memory (None: it can)."""
+        if not self.hooks:
+            return "not set up on this worker"
+        if self.compiled():
+            return "a compiled worker keeps no cache in CPU memory"
+        in_flight = IN_FLIGHT * need // self.config.num_layers
+        if in_flight > room:
+            return f"its {IN_FLIGHT} blocks in flight need {in_flight / 1024**3:.1f} GiB on the GPU"
+        if need <= self.pool.size:
+            return None
+        host = self.host_room()
+        # the pool's buffer is unlocked and freed before a larger one is made
+        if host is None or need > host + self.pool.size - HOST_RESERVE:
+            free = "unknown" if host is None else f"{host / 1024**3:.1f} GiB"
+            return (f"CPU memory available {free}, of which {HOST_RESERVE / 1024**3:.0f} GiB is kept for the "
+                    f"processes (set aside now: {self.pool.size / 1024**3:.1f} GiB)")
+        return None
 
 
 class PinnedPool:

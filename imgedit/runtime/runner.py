@@ -97,8 +97,13 @@ class Runner:
         self.auto_cleanup = auto_cleanup
         self.parts: list[JobFeature] = list(parts)  # entered in this order for every job, left in reverse
 
-    def add(self, part: JobFeature) -> None:
-        self.parts.append(part)
+    def add(self, part: JobFeature, outermost: bool = False) -> None:
+        """`outermost`: entered before every part added so far (the time budget, whose clock then counts
+        their own work, such as a prefix cache locking CPU memory)."""
+        if outermost:
+            self.parts.insert(0, part)
+        else:
+            self.parts.append(part)
 
     def part(self, kind: type):
         """The installed per-job feature of this type, or None."""
