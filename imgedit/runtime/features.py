@@ -78,7 +78,8 @@ class Timings(Feature):
 
     def install(self, build: Build) -> None:
         # outermost: the other parts' own work in a job (a prefix cache locking CPU memory) is the job's time
-        build.runner.add(TimeBudget(build.transformers, build.cuda, build.plan.execution_device), outermost=True)
+        budget = TimeBudget(build.transformers, build.cuda, build.plan.execution_device)
+        build.runner.add(budget, outermost=True)
 
 
 class SingleFrameVae(Feature):
