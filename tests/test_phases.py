@@ -161,14 +161,17 @@ def test_per_job_features_are_entered_in_order_and_left_however_the_job_ends(plu
 
 class Slow:
     """A per-job part whose own work before the pipeline call takes `seconds` (as a prefix cache's locking of
-    CPU memory does)."""
+    CPU memory does), or whose step hook does at the job's last step (`at_step`)."""
 
-    def __init__(self, seconds: float):
-        self.seconds = seconds
+    def __init__(self, seconds: float, at_step: int | None = None):
+        self.seconds, self.at_step = seconds, at_step
 
     @contextmanager
     def job(self, call):
-        time.sleep(self.seconds)
+        if self.at_step is None:
+            time.sleep(self.seconds)
+        else:
+            call.step_hooks.append(lambda step, tensors: time.sleep(self.seconds) if step == self.at_step else None)
         yield
 
 
@@ -182,6 +185,18 @@ def test_a_parts_own_work_before_the_pipeline_counts_in_the_jobs_prepare_time(pl
     finally:
         del runner.parts[1]
     assert slowed - alone >= 0.8, (alone, slowed)
+
+
+def test_a_step_hooks_work_counts_in_its_step_not_in_the_finish(plus_ckpt, built):
+    """The time budget marks a step's end after every step hook (Call.step_marks), although it is entered
+    first: a hook's work at the last step (a mask's blend, a preview) is that step's time."""
+    runner = built[0]
+    runner.parts.insert(1, Slow(1.0, at_step=1))  # the last of the job's two steps
+    try:
+        timings = runner.run(job_for(plus_ckpt), threading.Event()).timings
+    finally:
+        del runner.parts[1]
+    assert timings["later_steps"] >= 0.9 and timings["finish"] < 0.9, timings
 
 
 def test_the_prefix_cache_room_is_read_on_the_transformers_gpus_as_this_process_numbers_them(monkeypatch):

@@ -495,6 +495,8 @@ def test_a_prefix_cache_too_big_for_the_cap_lives_in_cpu_memory_and_gives_the_gp
         assert np.array_equal(on_host, on_device)  # the same keys and values, so the same image
         assert host.pool.wanted >= copies * one // 2  # every block's keys and values went to the CPU
         assert host.misses == 1  # only the first read waited: every other block's copy was started ahead
+        host.host_room = lambda: None  # CPU memory unknown now: the buffer it holds is big enough already
+        assert host.place(2, 320, copies)[0] == "host"
 
         no_room = PrefixCache(pipe.transformer, lambda cap=cap: cap, [pipe.transformer], host_room=lambda: 0)
         caplog.clear()

@@ -3,13 +3,14 @@ asked, its encoding, the inputs' VAE encoding, the latents), the first denoising
 the prefix cache there), the later steps, and the end (the VAE decode, the pictures, the features' finishing
 work).
 
-A per-job part of the runner (imgedit.runtime.runner.Call): it marks the job's start, the first call of any of
-the worker's transformers (a forward pre-hook on each, installed once: Turbo's and the fast copies' included),
-every step's end (a step hook) and the job's end. On a GPU the marks are CUDA events on the stream of the
-latents' GPU, read once the result is on the CPU: the marks never make the CPU wait for the GPU, so the job
-runs as fast as without them. The phases (seconds) go back with the result (`EditResult.timings`); the
-server adds its own (the queue, the upload, the reply) and sums them in /metrics
-(`imgedit_request_phase_seconds`).
+A per-job part of the runner (imgedit.runtime.runner.Call), entered before the others (their own work in a job,
+such as a prefix cache locking CPU memory, is the job's time): it marks the job's start, the first call of any
+of the worker's transformers (a forward pre-hook on each, installed once: Turbo's and the fast copies'
+included), every step's end (after the step hooks: `Call.step_marks`) and the job's end. On a GPU the marks
+are CUDA events on the stream of the latents' GPU, read once the result is on the CPU: the marks never make
+the CPU wait for the GPU, so the job runs as fast as without them. The phases (seconds) go back with the
+result (`EditResult.timings`); the server adds its own (the queue, the upload, the reply) and sums them in
+/metrics (`imgedit_request_phase_seconds`).
 
 On a GPU a job that made PyTorch's allocator free its cache to find room (it waits for the whole GPU to do so:
 copies and compute stop overlapping) says so in the log: a memory cap with too little room shows there.
@@ -97,7 +98,7 @@ class TimeBudget:
         self.clock = clock = _Clock(self.cuda and torch.cuda.is_available(), self.device)
         waits = _waits(clock.cuda)
         clock.mark("start")
-        call.step_hooks.append(lambda step, tensors: clock.step())
+        call.step_marks.append(clock.step)  # after the step hooks: a step's own work (a mask's blend) is its
         try:
             yield
             clock.mark("end")

@@ -135,7 +135,7 @@ class PrefixCache:
         in_flight = IN_FLIGHT * need // self.config.num_layers
         if in_flight > room:
             return f"its {IN_FLIGHT} blocks in flight need {in_flight / 1024**3:.1f} GiB on the GPU"
-        if need <= self.pool.size:
+        if need <= self.pool.size:  # the buffer held from an earlier job fits it: no more CPU memory needed
             return None
         host = self.host_room()
         # the pool's buffer is unlocked and freed before a larger one is made

@@ -71,6 +71,8 @@ class Call:
     kwargs: dict = field(default_factory=dict)  # pipeline arguments past the request's own
     # at each step's end, in order: (step, the callback's tensors) -> tensors to hand back
     step_hooks: list[Callable[[int, dict], dict | None]] = field(default_factory=list)
+    # at each step's end, after every step hook: what only records the moment (the time budget's clock)
+    step_marks: list[Callable[[], None]] = field(default_factory=list)
     tensor_inputs: list[str] = field(default_factory=list)  # what the step hooks read (callback tensors)
     finish: list[Callable[[list], list]] = field(default_factory=list)  # on the result's images, in order
     together: object = None  # the CPU group whose ranks run this job together (agree on cancel every step)
@@ -200,6 +202,8 @@ class Runner:
             out: dict = {}
             for hook in call.step_hooks:
                 out.update(hook(step, {**tensors, **out}) or {})
+            for mark in call.step_marks:
+                mark()
             return out
 
         family = FAMILIES[job.family]
