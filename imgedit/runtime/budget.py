@@ -4,8 +4,8 @@ the prefix cache there), the later steps, and the end (the VAE decode, the pictu
 work).
 
 A per-job part of the runner (imgedit.runtime.runner.Call), entered before the others (their own work in a
-job, such as a prefix cache locking CPU memory, is the job's time): it marks the job's start, the first call of
-any of the worker's transformers (a forward pre-hook on each, installed once: Turbo's and the fast copies'
+job, such as a prefix cache locking CPU memory, is the job's time): it marks the job's start, the first call
+of any of the worker's transformers (a forward pre-hook on each, installed once: Turbo's and the fast copies'
 included), every step's end (after the step hooks: `Call.step_marks`) and the job's end. On a GPU the marks
 are CUDA events on the stream of the latents' GPU, read once the result is on the CPU: the marks never make
 the CPU wait for the GPU, so the job runs as fast as without them. The phases (seconds) go back with the
