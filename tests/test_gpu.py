@@ -386,7 +386,8 @@ def test_out_of_memory_on_a_real_oversize_request_then_recovery(real_ckpt):
 @pytest.mark.gpu
 def test_streamed_blocks_leave_the_models_own_layers_on_the_gpu():
     """The layers outside the block list stay on the GPU between forwards (diffusers would copy them to
-    pageable CPU memory after each: 0.1 s a step on 2.1's 16 GB plan); the streamed blocks go back."""
+    pageable CPU memory after each: 0.1 s a step on 2.1's 16 GB plan); the streamed blocks go back, to
+    page-locked copies in one buffer, and the model computes what it computed unstreamed."""
     import torch
     from conftest import Blocks
 
@@ -394,10 +395,18 @@ def test_streamed_blocks_leave_the_models_own_layers_on_the_gpu():
     from imgedit.runtime.offload import stream
 
     model = Blocks()
+    reference = Blocks().cuda()
+    reference.load_state_dict(model.state_dict())
     stream(model, "cuda", MemoryMode(resident_blocks=1))
+    streamed = [model.blocks[i].weight for i in MemoryMode(resident_blocks=1).streamed(3)]
+    # the streamed weights' CPU copies: page-locked, in one buffer (imgedit.runtime.pinned), not one block each
+    assert all(w.is_pinned() for w in streamed)
+    starts = sorted(w.data_ptr() for w in streamed)
+    assert starts[-1] - starts[0] < 4096, starts  # neighbours in one buffer (each 1 KiB, 512-byte aligned)
     for _ in range(2):
         out = model(torch.ones(2, 8, device="cuda"))
         assert out.device.type == "cuda" and torch.isfinite(out).all()
+        assert torch.equal(out, reference(torch.ones(2, 8, device="cuda")))  # the same weights streamed
         assert model.embed.weight.device.type == "cuda" and model.out.bias.device.type == "cuda"
         assert model.modulation[1].weight.device.type == "cuda"  # a Sequential beside the blocks: not streamed
         assert [model.blocks[i].weight.device.type for i in MemoryMode(resident_blocks=1).streamed(3)] == ["cpu"] * 2

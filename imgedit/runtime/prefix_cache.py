@@ -42,6 +42,8 @@ import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
 from imgedit.planning.memory import HOST_RESERVE, available_host_memory
+from imgedit.runtime import pinned
+from imgedit.runtime.pinned import ALIGN
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,6 @@ VAE_FACTOR = 16  # Qwen-Image-2.1's VAE: 16x, patch size 1
 VISION_FACTOR = 32  # Qwen3-VL: 16-pixel patches, 2x2 merged
 TEXT_TOKENS = 512  # the prompt and the chat template, an upper estimate
 HOOK = "imgedit_prefix_on_host"
-ALIGN = 512  # bytes: each tensor's start in the pinned buffer
 # blocks' keys and values on the GPU at once in a later step: in use, the previous (freed once the compute
 # stream passes it), fetched ahead, joined with the target's
 IN_FLIGHT = 4
@@ -181,18 +182,13 @@ class PinnedPool:
         self.release()
         started = time.perf_counter()
         self.buffer = torch.empty(size, dtype=torch.uint8)
-        if torch.cuda.is_available():
-            error = int(torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), size, 0))
-            self.locked = error == 0
-            if not self.locked:
-                log.warning("could not lock %.1f GiB of CPU memory for the prefix cache (cudaError %d): its "
-                            "copies wait for the CPU", size / 1024**3, error)
+        self.locked = pinned.lock(self.buffer)
         log.info("prefix cache: %.1f GiB of CPU memory %s in %.1fs (kept for the next jobs)", size / 1024**3,
                  "locked" if self.locked else "taken", time.perf_counter() - started)
 
     def release(self) -> None:
         if self.locked:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            pinned.unlock(self.buffer)
         self.buffer, self.locked = None, False
 
 
