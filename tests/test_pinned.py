@@ -14,7 +14,8 @@ def test_pinned_copies_are_the_tensors_values_in_one_aligned_buffer_and_the_orig
 
     locked = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(pinned, "lock", lambda buffer: locked.append(buffer) or False)
+    monkeypatch.setattr(pinned, "lock", lambda buffer: locked.append(buffer) or True)
+    monkeypatch.setattr(pinned, "_KEPT", [])
     tensors = [torch.arange(6, dtype=torch.bfloat16).view(2, 3), torch.tensor([True, False]),
                torch.full((5,), 7.0), torch.tensor(3, dtype=torch.int64)]
     expected = [t.clone() for t in tensors]
@@ -27,8 +28,47 @@ def test_pinned_copies_are_the_tensors_values_in_one_aligned_buffer_and_the_orig
     pinned.copy_into_one(tensors, place)
     assert [i for i, _ in placed] == [0, 1, 2, 3] and len(locked) == 1
     buffer = locked[0]
+    assert pinned._KEPT == [buffer]  # kept locked for the process's life: its slices are the weights
     starts, size = pinned.offsets(expected)
     assert buffer.numel() == size and all(start % pinned.ALIGN == 0 for start in starts)
     for (_, copy), want, start in zip(placed, expected, starts, strict=True):
         assert copy.dtype == want.dtype and copy.shape == want.shape and torch.equal(copy, want)
         assert copy.data_ptr() == buffer.data_ptr() + start  # a slice of the one buffer
+
+
+def test_streamed_groups_plain_weights_move_into_the_buffer_and_quantized_ones_stay(monkeypatch):
+    """offload._pin_once over diffusers' groups (one group here, as group offloading leaves it: each weight
+    offloaded to its CPU tensor in `cpu_param_dict`): the plain weights' CPU tensors become slices of one
+    buffer, and the weights point at them; a torchao-quantized weight (which diffusers pins itself) and a group
+    kept on the GPU are left as they are. The registration is recorded (no GPU here)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from imgedit.runtime import offload, pinned
+    from imgedit.runtime.offload import quantize_module
+
+    locked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(pinned, "lock", lambda buffer: locked.append(buffer) or True)
+    monkeypatch.setattr(pinned, "_KEPT", [])
+    plain = torch.nn.Linear(64, 64).to(torch.bfloat16)
+    quantized = torch.nn.Linear(64, 64).to(torch.bfloat16)
+    quantize_module(quantized, "int8", ())
+    tensors = [plain.weight, plain.bias, quantized.weight]
+    values = [t.detach().clone() for t in tensors[:2]]
+    group = SimpleNamespace(offload_device=torch.device("cpu"), cpu_param_dict={t: t.data for t in tensors})
+    on_gpu = SimpleNamespace(offload_device=torch.device("cuda"), cpu_param_dict={plain.weight: torch.ones(1)})
+    monkeypatch.setattr(offload, "_offload_groups", lambda model: [group, on_gpu])
+    int8 = group.cpu_param_dict[quantized.weight]
+
+    offload._pin_once(torch.nn.Module())
+
+    assert len(locked) == 1
+    buffer = locked[0]
+    for weight, value in zip(tensors[:2], values, strict=True):
+        copy = group.cpu_param_dict[weight]
+        assert buffer.data_ptr() <= copy.data_ptr() < buffer.data_ptr() + buffer.numel()  # in the buffer
+        assert weight.data_ptr() == copy.data_ptr() and torch.equal(weight.data, value)  # the weight uses it
+    assert group.cpu_param_dict[quantized.weight] is int8  # diffusers' own, untouched
+    assert torch.equal(on_gpu.cpu_param_dict[plain.weight], torch.ones(1))  # a resident group: not pinned

@@ -4,13 +4,15 @@ tensors, for the weights a capped plan streams (imgedit.runtime.offload) and 2.1
 
 Why not `Tensor.pin_memory()`, which diffusers' group offloading calls once per weight: torch's pinned
 allocator rounds each block up to a power of two (a 1.2 GiB embedding takes 2 GiB of locked memory) and keeps
-freed blocks locked, and locking one tensor at a time is slow: 13.0 s for 2.1's 7.8 GiB of streamed blocks and
-26.4 s for its 16.3 GiB text encoder at the 16 GB plan's start (2× H200 host, 2026-11-29). One registration of
+freed blocks locked, and it locks one tensor at a time: setting up the streaming (the copies to CPU memory and
+their pinning) took 13.0 s for 2.1's 7.8 GiB of streamed blocks and 26.4 s for its 16.3 GiB text encoder at the
+16 GB plan's start (2× H200 host, 2026-11-29). One registration of
 the whole (CUDA's own call, through torch.cuda.cudart()) locks 12.8 GiB in 5.4 s on the same host, and locks
 exactly what is asked. The copies' tensors report `is_pinned()` (CUDA sees registered memory as host memory),
 so copies from them to a GPU run asynchronously like any pinned tensor's.
 
-Written here, not taken from a library: neither torch nor diffusers offers a registered buffer to slice.
+Written here, not taken from a library: neither torch nor diffusers offers a registered buffer to slice
+(torch.distributed registers its checkpoint staging buffers the same way).
 """
 
 from __future__ import annotations
@@ -25,16 +27,18 @@ ALIGN = 512  # bytes: each tensor's start in a buffer
 _KEPT: list[torch.Tensor] = []  # the weights' buffers: locked for the process's life (views of them are weights)
 
 
+PORTABLE = 1  # cudaHostRegisterPortable: pinned for every GPU's context (a balanced worker streams to two)
+
+
 def lock(buffer: torch.Tensor) -> bool:
-    """Page-lock a contiguous CPU tensor's memory (False: no CUDA, or CUDA refused; the memory stays pageable
-    and copies from it wait for the CPU)."""
+    """Page-lock a contiguous CPU tensor's memory, as torch.distributed's checkpoint staging does
+    (torch.cuda._pin_memory_utils). False: no CUDA, or CUDA refused (the caller says what it does instead)."""
     if not torch.cuda.is_available():
         return False
     size = buffer.numel() * buffer.element_size()
-    error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), size, 0))
+    error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), size, PORTABLE))
     if error:
-        log.warning("could not lock %.1f GiB of CPU memory (cudaError %d): copies from it wait for the CPU",
-                    size / 1024**3, error)
+        log.warning("could not lock %.1f GiB of CPU memory in one piece (cudaError %d)", size / 1024**3, error)
     return error == 0
 
 
@@ -53,13 +57,24 @@ def offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
 
 
 def copy_into_one(tensors: list[torch.Tensor], place) -> None:
-    """Copy CPU `tensors` (same shapes, dtypes and values) into one buffer, calling `place(i, copy)` after each
-    copy and dropping `tensors[i]` (the caller lets go of its own there: the CPU never holds much more than one
-    copy of the whole), then page-lock the buffer for the process's life. Without CUDA nothing is copied."""
+    """Copy CPU `tensors` (same shapes, dtypes and values) into one page-locked buffer, kept for the process's
+    life, calling `place(i, copy)` after each copy and dropping `tensors[i]` (the caller lets go of its own
+    there: the CPU never holds much more than one copy of the whole). Where CUDA refuses to lock the buffer,
+    each tensor is pinned on its own instead (`pin_memory()`, as diffusers does). Without CUDA nothing is
+    copied."""
     if not tensors or not torch.cuda.is_available():
         return
     starts, size = offsets(tensors)
     buffer = torch.empty(size, dtype=torch.uint8)
+    if not lock(buffer):
+        del buffer
+        log.warning("pinning %d tensors one by one instead", len(tensors))
+        for i in range(len(tensors)):
+            copy = tensors[i].pin_memory()
+            tensors[i] = None
+            place(i, copy)
+        return
+    _KEPT.append(buffer)
     for i, start in enumerate(starts):
         tensor = tensors[i]
         size_i = tensor.numel() * tensor.element_size()
@@ -67,5 +82,3 @@ def copy_into_one(tensors: list[torch.Tensor], place) -> None:
         copy.copy_(tensor)
         tensors[i] = tensor = None
         place(i, copy)
-    if lock(buffer):
-        _KEPT.append(buffer)

@@ -183,6 +183,8 @@ class PinnedPool:
         started = time.perf_counter()
         self.buffer = torch.empty(size, dtype=torch.uint8)
         self.locked = pinned.lock(self.buffer)
+        if torch.cuda.is_available() and not self.locked:
+            log.warning("the prefix cache's copies wait for the CPU (its memory is not page-locked)")
         log.info("prefix cache: %.1f GiB of CPU memory %s in %.1fs (kept for the next jobs)", size / 1024**3,
                  "locked" if self.locked else "taken", time.perf_counter() - started)
 
