@@ -186,7 +186,8 @@ def stream(model: torch.nn.Module, device: str, memory: MemoryMode | None) -> No
     # weights as they are instead of pinning each one (_pin_once locks them all in one buffer); not for
     # quantized weights (torchao tensors: diffusers pins them itself, once, as before)
     plain = all(type(p.data) is torch.Tensor for p in model.parameters())
-    options = dict(onload_device=device, use_stream=cuda, record_stream=cuda, low_cpu_mem_usage=cuda and plain)
+    options = dict(onload_device=device, use_stream=cuda, record_stream=cuda,
+                   low_cpu_mem_usage=cuda and plain)
     if memory is None:
         apply_group_offloading(model, offload_type="leaf_level", **options)
         _pin_once(model)
@@ -228,7 +229,8 @@ def _pin_once(model: torch.nn.Module) -> None:
     LoRAs load) stays where it is. diffusers 0.42.1: each group-offloading hook's `group.cpu_param_dict` maps
     a parameter or buffer to the CPU tensor its onload copies from, and offload sets `.data` back to it."""
     found = [(group, tensor, cpu) for group in _offload_groups(model) if group.offload_device.type == "cpu"
-             for tensor, cpu in group.cpu_param_dict.items() if type(cpu) is torch.Tensor and not cpu.is_pinned()]
+             for tensor, cpu in group.cpu_param_dict.items()
+             if type(cpu) is torch.Tensor and not cpu.is_pinned()]
     if not found:
         return
     size = sum(cpu.numel() * cpu.element_size() for _, _, cpu in found)

@@ -1,12 +1,12 @@
-"""Page-locked ("pinned") CPU memory at its exact size: one buffer locked with cudaHostRegister and sliced into
-tensors, for the weights a capped plan streams (imgedit.runtime.offload) and 2.1's prefix cache in CPU memory
-(imgedit.runtime.prefix_cache).
+"""Page-locked ("pinned") CPU memory at its exact size: one buffer locked with cudaHostRegister and sliced
+into tensors, for the weights a capped plan streams (imgedit.runtime.offload) and 2.1's prefix cache in CPU
+memory (imgedit.runtime.prefix_cache).
 
 Why not `Tensor.pin_memory()`, which diffusers' group offloading calls once per weight: torch's pinned
-allocator rounds each block up to a power of two (a 1.2 GiB embedding takes 2 GiB of locked memory) and keeps
-freed blocks locked, and it locks one tensor at a time: setting up the streaming (the copies to CPU memory and
-their pinning) took 13.0 s for 2.1's 7.8 GiB of streamed blocks and 26.4 s for its 16.3 GiB text encoder at the
-16 GB plan's start (2× H200 host, 2026-11-29). One registration of
+allocator rounds each block up to a power of two (a 1.2 GiB embedding takes 2 GiB of locked memory) and
+keeps freed blocks locked, and it locks one tensor at a time: setting up the streaming (the copies to CPU
+memory and their pinning) took 13.0 s for 2.1's 7.8 GiB of streamed blocks and 26.4 s for its 16.3 GiB text
+encoder at the 16 GB plan's start (2× H200 host, 2026-11-29). One registration of
 the whole (CUDA's own call, through torch.cuda.cudart()) locks 12.8 GiB in 5.4 s on the same host, and locks
 exactly what is asked. The copies' tensors report `is_pinned()` (CUDA sees registered memory as host memory),
 so copies from them to a GPU run asynchronously like any pinned tensor's.
@@ -24,7 +24,8 @@ import torch
 log = logging.getLogger(__name__)
 
 ALIGN = 512  # bytes: each tensor's start in a buffer
-_KEPT: list[torch.Tensor] = []  # the weights' buffers: locked for the process's life (views of them are weights)
+# the weights' buffers: locked for the process's life (views of them are the weights)
+_KEPT: list[torch.Tensor] = []
 
 
 PORTABLE = 1  # cudaHostRegisterPortable: pinned for every GPU's context (a balanced worker streams to two)
@@ -38,7 +39,8 @@ def lock(buffer: torch.Tensor) -> bool:
     size = buffer.numel() * buffer.element_size()
     error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), size, PORTABLE))
     if error:
-        log.warning("could not lock %.1f GiB of CPU memory in one piece (cudaError %d)", size / 1024**3, error)
+        log.warning("could not lock %.1f GiB of CPU memory in one piece (cudaError %d)", size / 1024**3,
+                    error)
     return error == 0
 
 
