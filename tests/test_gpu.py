@@ -413,6 +413,23 @@ def test_streamed_blocks_leave_the_models_own_layers_on_the_gpu():
 
 
 @pytest.mark.gpu
+def test_a_refused_lock_of_cpu_memory_leaves_no_error_for_the_next_kernel():
+    """imgedit.runtime.pinned.lock on memory CUDA refuses (registered already: a real cudaErrorHostMemory-
+    AlreadyRegistered) says False, and torch's next kernel launch does not report that error as its own."""
+    import torch
+
+    from imgedit.runtime import pinned
+
+    buffer = torch.empty(1 << 20, dtype=torch.uint8)
+    assert pinned.lock(buffer)
+    try:
+        assert not pinned.lock(buffer)
+        assert (torch.ones(4, device="cuda") * 2).sum().item() == 8  # the launch checks cudaGetLastError
+    finally:
+        pinned.unlock(buffer)
+
+
+@pytest.mark.gpu
 def test_a_prefix_cache_in_cpu_memory_gives_the_device_caches_image_on_the_gpu(tmp_path, monkeypatch):
     """The 16 GB plan's prefix cache in pinned CPU memory: written on a copy stream in the first step, each
     block's read back one block ahead in the later ones. On the GPU, with true CFG's two caches: the image is

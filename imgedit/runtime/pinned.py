@@ -39,9 +39,25 @@ def lock(buffer: torch.Tensor) -> bool:
     size = buffer.numel() * buffer.element_size()
     error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), size, PORTABLE))
     if error:
+        _clear_cuda_error()
         log.warning("could not lock %.1f GiB of CPU memory in one piece (cudaError %d)", size / 1024**3,
                     error)
     return error == 0
+
+
+def _clear_cuda_error() -> None:
+    """A failed CUDA runtime call stays the thread's last error, which torch's next kernel-launch check
+    (cudaGetLastError) would report as that kernel's failure; torch's binding of cudaHostRegister leaves it
+    set (C10_CUDA_ERROR_HANDLED is the bare call). Read and so clear it through the runtime library torch
+    loaded (found by its soname)."""
+    import ctypes  # only on this failure path
+
+    name = f"libcudart.so.{(torch.version.cuda or '').split('.')[0]}"
+    try:
+        ctypes.CDLL(name).cudaGetLastError()
+    except (OSError, AttributeError) as exc:
+        log.warning("could not clear CUDA's last error through %s (%s): the next kernel may report the "
+                    "failed lock", name, exc)
 
 
 def unlock(buffer: torch.Tensor) -> None:
