@@ -12,9 +12,10 @@ exactly what is asked. The copies' tensors report `is_pinned()` (CUDA sees regis
 so copies from them to a GPU run asynchronously like any pinned tensor's.
 
 Written here, not taken from a library: neither torch nor diffusers offers a registered buffer to slice
-(torch.distributed registers its checkpoint staging buffers the same way, and SGLang its host caches). torch's
-allocator options (`pinned_use_cuda_host_register`, `pinned_max_round_threshold_mb`) are the alternative, where
-the installed torch has them: benchmarks/probe_pinning.py measures both ways before this is merged.
+(torch.distributed registers its checkpoint staging buffers the same way, and SGLang its host caches).
+torch's allocator options (`pinned_use_cuda_host_register`, `pinned_max_round_threshold_mb`) are the
+alternative, where the installed torch has them: benchmarks/probe_pinning.py measures both ways before this
+is merged.
 """
 
 from __future__ import annotations
