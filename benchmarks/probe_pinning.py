@@ -8,10 +8,12 @@ its config, filled in CPU memory as loaded weights are):
 
 - `default`: `pin_memory()` per weight, torch's allocator as it is;
 - `torch-register`: the same calls with torch's own allocator options (`PYTORCH_ALLOC_CONF`):
-  `pinned_use_cuda_host_register:True,pinned_num_register_threads:8,pinned_max_round_threshold_mb:1,
-  pinned_max_cached_size_mb:1` (malloc and cudaHostRegister on 8 threads, no rounding above 1 MB, and no
-  caching above it: an unrounded block that is cached can be handed to a larger request, a heap overflow that
-  pytorch/pytorch#192722 fixed in August 2026). A torch that lacks an option refuses it: the row says so;
+  `pinned_use_cuda_host_register:True,pinned_num_register_threads:8` (malloc and cudaHostRegister on 8
+  threads; torch 2.11 knows both);
+- `torch-register-exact`: those and `pinned_max_round_threshold_mb:1,pinned_max_cached_size_mb:1` (no
+  rounding above 1 MB, and no caching above it: an unrounded block that is cached can be handed to a larger
+  request, a heap overflow that pytorch/pytorch#192722 fixed in August 2026). torch 2.11 refuses the first
+  ("Unrecognized key ... in CUDA allocator config", 2× H200, 2026-11-29): the row says so;
 - `one-buffer`: every weight copied into one buffer locked once at its exact size
   (imgedit.runtime.pinned.copy_into_one, where this tree has it).
 
@@ -37,8 +39,9 @@ import fresh  # noqa: E402
 
 WAYS = {
     "default": None,
-    "torch-register": "pinned_use_cuda_host_register:True,pinned_num_register_threads:8,"
-                      "pinned_max_round_threshold_mb:1,pinned_max_cached_size_mb:1",
+    "torch-register": "pinned_use_cuda_host_register:True,pinned_num_register_threads:8",
+    "torch-register-exact": "pinned_use_cuda_host_register:True,pinned_num_register_threads:8,"
+                            "pinned_max_round_threshold_mb:1,pinned_max_cached_size_mb:1",
     "one-buffer": None,
 }
 
@@ -93,7 +96,10 @@ def one(args) -> dict:
         locked = size
     else:
         tensors = [t.pin_memory() for t in tensors]
-        locked = int(torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0))
+        stats = torch.cuda.host_memory_stats()  # torch 2.13 names it allocated_bytes.current; 2.11 read 0 for
+        # allocated_bytes.all.current (2026-11-29), so the first of the names this torch has
+        names = ("allocated_bytes.current", "allocated_bytes.all.current", "reserved_bytes.current")
+        locked = int(next((stats[name] for name in names if name in stats), 0))
     seconds = time.perf_counter() - started
     assert all(t.is_pinned() for t in tensors), f"{args.one}: a tensor is not pinned"
     assert all(float(t[(0,) * t.dim()]) == 0.5 for t in tensors), f"{args.one}: a value changed"

@@ -18,7 +18,7 @@ init), through imgedit's own rewrite (imgedit.runtime.enhance.rewrite):
 
 Backends: `inductor` (the default: reduce-overhead), `cudagraphs` (dynamo's graph replayed as CUDA graphs,
 no inductor code generation), `regional` (the decoder layer compiled once for all layers, for the decoding
-steps: a 36th of the code to compile), `eager` (no static cache, no compile).
+steps: a 36th of the code to compile; no CUDA graphs), `eager` (no static cache, no compile).
 
     python benchmarks/probe_rewrite_backend.py --device cuda --kind 21 --json $OUT/rewrite-backends.json
     python benchmarks/probe_rewrite_backend.py --backends eager,cudagraphs   # CPU smoke run, tiny checkpoint
@@ -74,15 +74,18 @@ def encoder_pipe(args):
 
 def regional(encoder) -> None:
     """The `regional` backend: generate() compiles nothing (disable_compile); instead the decoder layer's
-    forward is compiled once (inductor, reduce-overhead: one graph for every layer, the weights its inputs, as
+    forward is compiled once (inductor's default mode: one graph for every layer, the weights its inputs, as
     diffusers' compile_repeated_blocks does for a transformer's blocks) and runs for the decoding steps (one
-    token); the prefill runs the layers as they are."""
+    token); the prefill runs the layers as they are. Not reduce-overhead: its CUDA graph trees replay one graph
+    for each layer in turn, so a layer's output is overwritten by the next layer's run ("accessing tensor output
+    of CUDAGraphs that has been overwritten by a subsequent run", 2× H200, 2026-11-29); without graphs the
+    kernels launch one by one, which this row measures."""
     import torch
 
     encoder.generation_config.disable_compile = True
     layers = encoder.model.language_model.layers
     plain = type(layers[0]).forward
-    compiled = torch.compile(plain, mode="reduce-overhead", dynamic=False)
+    compiled = torch.compile(plain, dynamic=False)
     for layer in layers:
         def forward(hidden_states, *rest, _layer=layer, **kwargs):
             run = compiled if hidden_states.shape[1] == 1 else plain
