@@ -15,7 +15,9 @@ its config, filled in CPU memory as loaded weights are):
   request, a heap overflow that pytorch/pytorch#192722 fixed in August 2026). torch 2.11 refuses the first
   ("Unrecognized key ... in CUDA allocator config", 2× H200, 2026-11-29): the row says so;
 - `one-buffer`: every weight copied into one buffer locked once at its exact size
-  (imgedit.runtime.pinned.copy_into_one, where this tree has it).
+  (imgedit.runtime.pinned.copy_into_one, where this tree has it: the lock first, then the copies);
+- `copy-then-lock`: the same buffer, the copies first and then the lock (the pages already filled);
+- `huge-pages`: `copy-then-lock` in 2 MiB pages (MADV_HUGEPAGE).
 
 Reported per way: seconds to pin everything, the bytes locked (torch's host_memory_stats, or the buffer), the
 process's resident memory after, and a host-to-device copy of everything (GB/s: pinned memory copies at PCIe
@@ -43,6 +45,8 @@ WAYS = {
     "torch-register-exact": "pinned_use_cuda_host_register:True,pinned_num_register_threads:8,"
                             "pinned_max_round_threshold_mb:1,pinned_max_cached_size_mb:1",
     "one-buffer": None,
+    "copy-then-lock": None,
+    "huge-pages": None,
 }
 
 
@@ -75,6 +79,35 @@ def resident_gib() -> float:
     return float("nan")
 
 
+def copy_then_lock(tensors: list, huge: bool) -> tuple[list, int]:
+    """The `copy-then-lock` and `huge-pages` ways: one buffer, the copies first (torch fills its pages on its
+    CPU threads), then one lock of the filled pages (imgedit.runtime.pinned.lock); `huge`: the buffer an
+    anonymous mapping that asks Linux for 2 MiB pages (MADV_HUGEPAGE). Tried on the CPU with mlock standing in
+    for the lock (2026-11-29), neither order nor huge pages was clearly faster, and that machine's counters
+    showed no huge page given: only the GPU host's lock can say."""
+    import mmap
+
+    import torch
+
+    from imgedit.runtime import pinned
+
+    starts, size = pinned.offsets(tensors)
+    if huge:
+        mapping = mmap.mmap(-1, size)
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+        buffer = torch.frombuffer(mapping, dtype=torch.uint8, count=size)
+    else:
+        buffer = torch.empty(size, dtype=torch.uint8)
+    copies = []
+    for i, start in enumerate(starts):
+        tensor = tensors[i]
+        copy = buffer[start:start + tensor.numel() * tensor.element_size()].view(tensor.dtype)
+        copies.append(copy.view(tensor.shape).copy_(tensor))
+        tensors[i] = None
+    assert pinned.lock(buffer), "CUDA refused to lock the buffer"
+    return copies, size
+
+
 def one(args) -> dict:
     import torch
 
@@ -94,6 +127,8 @@ def one(args) -> dict:
         pinned.copy_into_one(tensors, place)
         tensors = held
         locked = size
+    elif args.one in ("copy-then-lock", "huge-pages"):
+        tensors, locked = copy_then_lock(tensors, huge=args.one == "huge-pages")
     else:
         tensors = [t.pin_memory() for t in tensors]
         stats = torch.cuda.host_memory_stats()  # torch 2.13 names it allocated_bytes.current; 2.11 read 0 for
