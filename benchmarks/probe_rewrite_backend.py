@@ -18,7 +18,8 @@ init), through imgedit's own rewrite (imgedit.runtime.enhance.rewrite):
 
 Backends: `inductor` (the default: reduce-overhead), `cudagraphs` (dynamo's graph replayed as CUDA graphs,
 no inductor code generation), `regional` (the decoder layer compiled once for all layers, for the decoding
-steps: a 36th of the code to compile; no CUDA graphs), `eager` (no static cache, no compile).
+steps: a 36th of the code to compile; no CUDA graphs), `graphs` (no compile: the eager decoding step captured
+as CUDA graphs, GraphedDecode), `eager` (no static cache, no compile).
 
     python benchmarks/probe_rewrite_backend.py --device cuda --kind 21 --json $OUT/rewrite-backends.json
     python benchmarks/probe_rewrite_backend.py --backends eager,cudagraphs   # CPU smoke run, tiny checkpoint
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fresh  # noqa: E402
 
-BACKENDS = ("inductor", "cudagraphs", "regional", "eager")
+BACKENDS = ("inductor", "cudagraphs", "regional", "graphs", "eager")
 PROCESSOR = {"21": "Qwen3VLProcessor", "plus": "Qwen2VLProcessor"}
 
 
@@ -103,6 +104,73 @@ def regional(encoder) -> None:
         layer.forward = forward
 
 
+class GraphedDecode:
+    """The `graphs` backend: generate()'s decoding step (one token) run eagerly, as CUDA graphs. transformers
+    5.17's StaticCache keeps its write position on the GPU (StaticLayer.cumulative_length, advanced in place),
+    and the step's mask comes in at the cache's full length, so a step has the same shapes and no CPU sync from
+    the first token to the last: its kernels can be captured once and replayed (what vLLM and SGLang do for
+    their decode), with no compile. Installed as the encoder's `get_compiled_call`, which generate() calls for
+    its decoding steps when the cache is static.
+
+    Per layout of the inputs (which are present, their shapes, the cache object): the first call runs eagerly
+    (it loads the kernels and cuBLAS's workspace), the second is captured and replayed, later ones copy their
+    tensors into the captured ones and replay. The cache must be the same object for every rewrite (reset
+    between them: `kept_cache`), else each rewrite captures again. `mm_token_type_ids` grows by a token a step
+    and the step does not read it (its position_ids come in), so it is left out of the copies and the layout.
+    Without CUDA the step just runs eagerly (a CPU smoke run checks the plumbing and the kept cache)."""
+
+    UNREAD = ("mm_token_type_ids",)
+
+    def __init__(self, model):
+        self.model, self.graphs, self.seen, self.captures = model, {}, set(), 0
+
+    def __call__(self, **kwargs):
+        import torch
+
+        if kwargs["input_ids"].device.type != "cuda":
+            return self.model(**kwargs)
+        key = tuple((name, tuple(value.shape), value.dtype) if torch.is_tensor(value) else (name, id(value))
+                    for name, value in sorted(kwargs.items()) if name not in self.UNREAD)
+        if key in self.graphs:
+            inputs, graph, output = self.graphs[key]
+            for name, tensor in inputs.items():
+                tensor.copy_(kwargs[name])
+            graph.replay()
+            return output
+        if key not in self.seen:  # the first call: eager, as a warm-up that also does this step's work
+            self.seen.add(key)
+            return self.model(**kwargs)
+        inputs = {name: value.clone() for name, value in kwargs.items()
+                  if torch.is_tensor(value) and name not in self.UNREAD}
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            output = self.model(**{**kwargs, **inputs})
+        self.graphs[key] = (inputs, graph, output)
+        self.captures += 1
+        graph.replay()  # capturing ran nothing: this step's work
+        return output
+
+
+def kept_cache():
+    """enhance.static_cache, one StaticCache per length kept and reset for each rewrite (the graphs' cache)."""
+    from imgedit.runtime import enhance
+
+    made = enhance.static_cache
+    kept = {}
+
+    def static_cache(encoder, needed):
+        cache = made(encoder, needed)
+        if cache is None:
+            return None
+        if cache.max_cache_len in kept:
+            cache = kept[cache.max_cache_len]
+            cache.reset()
+        kept[cache.max_cache_len] = cache
+        return cache
+
+    enhance.static_cache = static_cache
+
+
 def one(args) -> dict:
     """One backend in this process: warm-up seconds, ms a token, agreement with eager decoding."""
     import torch
@@ -116,10 +184,16 @@ def one(args) -> dict:
     if args.device == "cpu":  # the static-cache path on the CPU, as the tests run it (a smoke run)
         enhance.STATIC_DEVICES = (*enhance.STATIC_DEVICES, "cpu")
     # set on the encoder before its first rewrite: whatever imgedit's own choice is, this backend runs
+    graphed = None
     if args.one == "eager":
         enhance.no_static_cache(encoder)
     elif args.one == "cudagraphs":
         encoder.generation_config.compile_config = CompileConfig(backend="cudagraphs", mode=None)
+    elif args.one == "graphs":
+        encoder.generation_config.compile_config = CompileConfig()  # generate() asks for it; none is made
+        graphed = GraphedDecode(encoder)
+        encoder.get_compiled_call = lambda config: graphed
+        kept_cache()
     elif args.one == "regional":
         encoder.generation_config.compile_config = CompileConfig()  # unused: generate() compiles nothing
         regional(encoder)
@@ -172,7 +246,7 @@ def one(args) -> dict:
                 static_cache=static,
                 warmup_s=round(warm, 2), ms_per_token=[round(m, 2) for m in ms], tokens=len(tokens),
                 weights_gib=round(weights_gib, 2), peak_gib=round(peak_gib, 2), cudagraph_counters=graphs,
-                compiled_graphs=compiles,
+                compiled_graphs=compiles, captured_graphs=graphed.captures if graphed else None,
                 agree_with_eager=same, finite=finite, torch=torch.__version__,
                 gpu=torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu")
 
