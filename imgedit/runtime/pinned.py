@@ -13,8 +13,9 @@ so copies from them to a GPU run asynchronously like any pinned tensor's.
 
 Written here, not taken from a library: neither torch nor diffusers offers a registered buffer to slice
 (torch.distributed registers its checkpoint staging buffers the same way, and SGLang its host caches).
-Measured by benchmarks/probe_pinning.py on 2.1's text encoder (16.33 GiB, 750 tensors; 2× H200, 2026-11-29):
-`pin_memory()` per tensor 16.7 s and 5.9 GiB of host memory beyond the weights, this buffer 11.2 s and 0.2 GiB.
+Measured by benchmarks/probe_pinning.py on 2.1's text encoder (16.33 GiB, 750 tensors; 2× H200,
+2026-11-29): `pin_memory()` per tensor 16.7 s and 5.9 GiB of host memory beyond the weights, this buffer
+11.2 s and 0.2 GiB.
 torch's allocator options are the alternative where the installed torch has them (2.11 lacks
 `pinned_max_round_threshold_mb`, without which each block is still rounded up).
 """
