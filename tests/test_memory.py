@@ -310,3 +310,44 @@ def test_sixteen_waiting_ten_reference_requests_cost_their_bytes_and_memory_come
              "MiB above idle after the jobs")
     after = rss(proc.pid) - idle
     print(json.dumps({"idle_mib": idle // MIB, "waiting_mib": held // MIB, "after_mib": after // MIB}))
+
+
+def test_a_give_back_asked_for_during_a_trim_is_not_lost_and_the_timer_keeps_trimming(monkeypatch):
+    """imgedit.engine.heap: a call while another thread's trim runs returns at once, and that thread trims once
+    more after its own (memory freed after it began goes back too); the server's timer trims every `every`
+    seconds until stopped. glibc's malloc_trim is replaced by a recorder (the lowest seam: the C call)."""
+    import threading
+
+    from imgedit.engine import heap
+
+    calls, first_started, release = [], threading.Event(), threading.Event()
+
+    def trim(pad):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:
+            first_started.set()
+            release.wait(5)
+        return 1
+
+    monkeypatch.setattr(heap, "_trim", trim)
+    first = threading.Thread(target=heap.give_back, name="first")
+    first.start()
+    assert first_started.wait(5)
+    started = time.perf_counter()
+    heap.give_back()  # a trim is running: returns at once, leaving it to the running thread
+    assert time.perf_counter() - started < 1 and calls == ["first"]
+    release.set()
+    first.join(5)
+    assert calls == ["first", "first"]  # trimmed again, after the call that came during its first trim
+    heap.give_back()
+    assert calls == ["first", "first", "MainThread"]
+
+    calls.clear()
+    stop = heap.keep_giving_back(0.05)
+    wait_for(lambda: len(calls) >= 3, 5, "the timer did not trim")
+    assert set(calls) == {"heap-give-back"}
+    stop.set()
+    time.sleep(0.2)
+    count = len(calls)
+    time.sleep(0.3)
+    assert len(calls) == count  # stopped

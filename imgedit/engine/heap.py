@@ -15,7 +15,8 @@ import threading
 
 log = logging.getLogger(__name__)
 
-_lock = threading.Lock()  # one trim at a time: jobs ending together need one
+_lock = threading.Lock()  # one trim at a time
+_asked = threading.Event()  # a trim asked for since the running one began
 _trim = None
 try:
     _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -26,10 +27,31 @@ except (OSError, AttributeError):  # not glibc (musl, macOS): their allocators r
 
 
 def give_back() -> None:
-    """Return the pages freed memory no longer needs (milliseconds; a no-op without glibc)."""
-    if _trim is None or not _lock.acquire(blocking=False):
+    """Return the pages freed memory no longer needs (milliseconds; a no-op without glibc). A call while a
+    trim runs has that thread trim once more after it (what was freed after it began is then returned too)
+    rather than wait."""
+    if _trim is None:
         return
-    try:
-        _trim(0)
-    finally:
-        _lock.release()
+    _asked.set()
+    while _asked.is_set() and _lock.acquire(blocking=False):
+        try:
+            while _asked.is_set():
+                _asked.clear()
+                _trim(0)
+        finally:
+            _lock.release()
+
+
+def keep_giving_back(every: float) -> threading.Event:
+    """Also give memory back every `every` seconds, in a thread of its own, until the returned event is set:
+    what is freed after a job's own call (a History entry's inputs decoded in the background, a reply's bytes
+    dropped once sent) would otherwise stay in its thread's arena until the next job (228 MiB above idle 150 s
+    after the jobs, in one full test run on the 2-core machine, 2026-11-29)."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(every):
+            give_back()
+
+    threading.Thread(target=run, name="heap-give-back", daemon=True).start()
+    return stop

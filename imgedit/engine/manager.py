@@ -57,6 +57,8 @@ ERRORS = {cls.kind: cls
 # Sizes warmed at start-up: the default square and a portrait one (the blocks compile dynamic from the
 # first; the second checks that no guard specialised a length: imgedit.runtime.warmup).
 WARMUP_SIZES = ((1024, 1024), (832, 1248))
+# freed memory given back at least this often, besides after each job (imgedit.engine.heap)
+HEAP_EVERY_S = 10.0
 
 
 class PipelineManager(Engine):
@@ -75,6 +77,7 @@ class PipelineManager(Engine):
         self.listeners: list[Callable[[JobRecord], None]] = []
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._started = False
+        self._giving_back: threading.Event | None = None  # stops heap.keep_giving_back's thread
         self._nodes: dict[str, str] = {}  # WORKERS=ray: each planned worker's Ray node id
         # imgedit.config.loras.LoraFile: the LoRAs every worker loads, checked in prepare()
         self.loras: tuple = ()
@@ -171,6 +174,7 @@ class PipelineManager(Engine):
         self.prepare()
         if not self._started:
             self._started = True
+            self._giving_back = heap.keep_giving_back(HEAP_EVERY_S)
             for worker in self.workers:
                 worker.start()
         return self
@@ -198,6 +202,8 @@ class PipelineManager(Engine):
         self.line.changed()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._giving_back is not None:
+            self._giving_back.set()
 
     # ---- the SIGTERM drain (imgedit.engine.shutdown), through the line that knows every job in flight ----
     def stop_accepting(self, message: str = NOT_STARTED) -> None:
