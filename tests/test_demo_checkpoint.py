@@ -69,3 +69,18 @@ def test_a_2511_checkpoint_is_2509s_with_zero_cond_t_and_edits(tmp_path):
                                                  num_inference_steps=2, width=64, height=64))
     pixels = np.asarray(result.images[0], dtype=np.float64)
     assert result.images[0].size == (64, 64) and np.isfinite(pixels).all() and pixels.std() > 0
+
+
+def test_a_2_1_checkpoint_built_first_leaves_a_later_edit_checkpoints_processor_its_own_sizes(tmp_path):
+    """Building a Qwen-Image-2.1 checkpoint, then an edit model's, in one process: each processor keeps its own
+    image sizes. (transformers 5.17's Qwen2VLImageProcessorPil(min_pixels=...) wrote them into its class's
+    default `size`: the edit checkpoint got 2.1's 256² minimum, and its tiny encoder saw a 64² input at 280²,
+    which broke tests/test_ground.py after tests/test_warmup.py in one process.)"""
+    def sizes(ckpt):
+        config = json.loads((ckpt / "processor" / "processor_config.json").read_text())["image_processor"]
+        return config["size"]
+
+    q21 = build_checkpoint(tmp_path / "q21", kind="21", seed=0)
+    plus = build_checkpoint(tmp_path / "plus", kind="plus", seed=0)
+    assert sizes(q21) == {"shortest_edge": 256 * 256, "longest_edge": 4096 * 4096}
+    assert sizes(plus) == {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}  # Qwen2-VL's own

@@ -148,7 +148,8 @@ def _configs_21(size: str) -> dict:
         return {"image_processor": dict(
             patch_size=published["patch_size"], merge_size=published["merge_size"],
             temporal_patch_size=published["temporal_patch_size"],
-            min_pixels=published["size"]["shortest_edge"], max_pixels=published["size"]["longest_edge"],
+            size=dict(shortest_edge=published["size"]["shortest_edge"],
+                      longest_edge=published["size"]["longest_edge"]),
             image_mean=published["image_mean"], image_std=published["image_std"])}
     z_dim = 8
     return {
@@ -170,9 +171,11 @@ def _configs_21(size: str) -> dict:
                            "deepstack_visual_indexes": [0]},
         ),
         # as published (processor/preprocessor_config.json: size 256² to 4096²): every input is resized to
-        # output_resolution² before the processor, which lets it through unresized
-        "image_processor": dict(patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=256 * 256,
-                                max_pixels=4096 * 4096),
+        # output_resolution² before the processor, which lets it through unresized. `size`, not min_pixels /
+        # max_pixels: transformers 5.17's Qwen2VLImageProcessorPil writes those into its class's own `size`
+        # dict, so every processor made after it in the process (a Qwen2.5-VL checkpoint's) had 2.1's sizes
+        "image_processor": dict(patch_size=16, merge_size=2, temporal_patch_size=2,
+                                size=dict(shortest_edge=256 * 256, longest_edge=4096 * 4096)),
     }
 
 
