@@ -45,8 +45,8 @@ def give_back() -> None:
 def keep_giving_back(every: float) -> threading.Event:
     """Also give memory back every `every` seconds, in a thread of its own, until the returned event is set:
     what is freed after a job's own call (a History entry's inputs decoded in the background, a reply's bytes
-    dropped once sent) would otherwise stay in its thread's arena until the next job (228 MiB above idle 150 s
-    after the jobs, in one full test run on the 2-core machine, 2026-11-29)."""
+    dropped once sent) can otherwise stay in its thread's arena until the next job (the likely reason one full
+    test run on the 2-core machine ended 228 MiB above idle 150 s after the jobs, 2026-11-29)."""
     stop = threading.Event()
 
     def run() -> None:
