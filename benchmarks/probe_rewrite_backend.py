@@ -1,11 +1,12 @@
 """How prompt rewriting's decoding step is compiled, measured per torch.compile backend.
 
-A worker's rewrite decodes with a static KV cache (imgedit.runtime.enhance.static_cache), so transformers'
-generate() compiles each decoding step, by default with inductor and CUDA graphs (CompileConfig's
-mode="reduce-overhead"). On Qwen-Image-2.1 that compile is most of a worker's start-up warm-up (56.9 s of a
-130.1 s first start, 2× H200, 2026-11-29). This probe runs each of --backends in a fresh process with an empty
-inductor cache, on a real-size random-weight text encoder (--kind 21: Qwen3-VL; plus: Qwen2.5-VL, trained-like
-init), through imgedit's own rewrite (imgedit.runtime.enhance.rewrite):
+A worker's rewrite decodes with a static KV cache (imgedit.runtime.enhance.static_cache). transformers'
+generate() would compile each decoding step, by default with inductor and CUDA graphs (CompileConfig's
+mode="reduce-overhead"); on Qwen-Image-2.1 that compile was most of a worker's start-up warm-up (56.9 s of a
+130.1 s first start, 2× H200, 2026-11-29). A worker now captures the eager step as CUDA graphs instead
+(imgedit.runtime.decode_graphs: the `graphs` backend). This probe runs each of --backends in a fresh process
+with an empty inductor cache, on a real-size random-weight text encoder (--kind 21: Qwen3-VL; plus: Qwen2.5-VL,
+trained-like init), through imgedit's own rewrite (imgedit.runtime.enhance.rewrite):
 
 - the warm-up the worker does (imgedit.runtime.warmup.warm_up_rewrite): one 8-token rewrite with a picture and,
   for 2.1, one without: its seconds;
@@ -19,7 +20,7 @@ init), through imgedit's own rewrite (imgedit.runtime.enhance.rewrite):
 Backends: `inductor` (the default: reduce-overhead), `cudagraphs` (dynamo's graph replayed as CUDA graphs,
 no inductor code generation), `regional` (the decoder layer compiled once for all layers, for the decoding
 steps: a 36th of the code to compile; no CUDA graphs), `graphs` (no compile: the eager decoding step captured
-as CUDA graphs, GraphedDecode), `eager` (no static cache, no compile).
+as CUDA graphs, what a worker does: imgedit.runtime.decode_graphs), `eager` (no static cache, no compile).
 
     python benchmarks/probe_rewrite_backend.py --device cuda --kind 21 --json $OUT/rewrite-backends.json
     python benchmarks/probe_rewrite_backend.py --backends eager,cudagraphs   # CPU smoke run, tiny checkpoint
@@ -104,96 +105,29 @@ def regional(encoder) -> None:
         layer.forward = forward
 
 
-class GraphedDecode:
-    """The `graphs` backend: generate()'s decoding step (one token) run eagerly, as CUDA graphs. transformers
-    5.17's StaticCache keeps its write position on the GPU (StaticLayer.cumulative_length, advanced in place),
-    and the step's mask comes in at the cache's full length, so a step has the same shapes and no CPU sync from
-    the first token to the last: its kernels can be captured once and replayed (what vLLM and SGLang do for
-    their decode), with no compile. Installed as the encoder's `get_compiled_call`, which generate() calls for
-    its decoding steps when the cache is static.
-
-    Per layout of the inputs (which are present, their shapes, the cache object): the first call runs eagerly
-    (it loads the kernels and cuBLAS's workspace), the second is captured and replayed, later ones copy their
-    tensors into the captured ones and replay. The cache must be the same object for every rewrite (reset
-    between them: `kept_cache`), else each rewrite captures again. `mm_token_type_ids` grows by a token a step
-    and the step does not read it (its position_ids come in), so it is left out of the copies and the layout.
-    Without CUDA the step just runs eagerly (a CPU smoke run checks the plumbing and the kept cache)."""
-
-    UNREAD = ("mm_token_type_ids",)
-
-    def __init__(self, model):
-        self.model, self.graphs, self.seen, self.captures = model, {}, set(), 0
-
-    def __call__(self, **kwargs):
-        import torch
-
-        if kwargs["input_ids"].device.type != "cuda":
-            return self.model(**kwargs)
-        key = tuple((name, tuple(value.shape), value.dtype) if torch.is_tensor(value) else (name, id(value))
-                    for name, value in sorted(kwargs.items()) if name not in self.UNREAD)
-        if key in self.graphs:
-            inputs, graph, output = self.graphs[key]
-            for name, tensor in inputs.items():
-                tensor.copy_(kwargs[name])
-            graph.replay()
-            return output
-        if key not in self.seen:  # the first call: eager, as a warm-up that also does this step's work
-            self.seen.add(key)
-            return self.model(**kwargs)
-        inputs = {name: value.clone() for name, value in kwargs.items()
-                  if torch.is_tensor(value) and name not in self.UNREAD}
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            output = self.model(**{**kwargs, **inputs})
-        self.graphs[key] = (inputs, graph, output)
-        self.captures += 1
-        graph.replay()  # capturing ran nothing: this step's work
-        return output
-
-
-def kept_cache():
-    """enhance.static_cache, one StaticCache per length kept and reset for each rewrite (the graphs' cache)."""
-    from imgedit.runtime import enhance
-
-    made = enhance.static_cache
-    kept = {}
-
-    def static_cache(encoder, needed):
-        cache = made(encoder, needed)
-        if cache is None:
-            return None
-        if cache.max_cache_len in kept:
-            cache = kept[cache.max_cache_len]
-            cache.reset()
-        kept[cache.max_cache_len] = cache
-        return cache
-
-    enhance.static_cache = static_cache
-
-
 def one(args) -> dict:
     """One backend in this process: warm-up seconds, ms a token, agreement with eager decoding."""
     import torch
     from PIL import Image
     from transformers import CompileConfig
 
-    from imgedit.runtime import enhance
+    from imgedit.model import internals
+    from imgedit.runtime import decode_graphs, enhance
 
     pipe = encoder_pipe(args)
     encoder = pipe.text_encoder
     if args.device == "cpu":  # the static-cache path on the CPU, as the tests run it (a smoke run)
         enhance.STATIC_DEVICES = (*enhance.STATIC_DEVICES, "cpu")
     # set on the encoder before its first rewrite: whatever imgedit's own choice is, this backend runs
-    graphed = None
+    graphed = decode_graphs.install(encoder)  # what a worker does: the static cache kept, the steps captured
+    if args.one != "graphs":  # the cache kept, the steps transformers' own (compiled, or regional's)
+        internals.restore_compiled_call(encoder)
     if args.one == "eager":
         enhance.no_static_cache(encoder)
     elif args.one == "cudagraphs":
         encoder.generation_config.compile_config = CompileConfig(backend="cudagraphs", mode=None)
     elif args.one == "graphs":
         encoder.generation_config.compile_config = CompileConfig()  # generate() asks for it; none is made
-        graphed = GraphedDecode(encoder)
-        encoder.get_compiled_call = lambda config: graphed
-        kept_cache()
     elif args.one == "regional":
         encoder.generation_config.compile_config = CompileConfig()  # unused: generate() compiles nothing
         regional(encoder)
@@ -201,7 +135,7 @@ def one(args) -> dict:
         encoder.generation_config.compile_config = CompileConfig()
     if args.device == "cpu" and args.one != "eager":
         encoder.generation_config.compile_config._compile_all_devices = True
-    static = enhance.decodes_compiled(encoder)  # the compiled decoding step with the static cache
+    static = enhance.decodes_with_graphs(encoder)  # the compiled decoding step with the static cache
     cuda = args.device == "cuda"
     weights_gib = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
     if cuda:
@@ -246,7 +180,7 @@ def one(args) -> dict:
                 static_cache=static,
                 warmup_s=round(warm, 2), ms_per_token=[round(m, 2) for m in ms], tokens=len(tokens),
                 weights_gib=round(weights_gib, 2), peak_gib=round(peak_gib, 2), cudagraph_counters=graphs,
-                compiled_graphs=compiles, captured_graphs=graphed.captures if graphed else None,
+                compiled_graphs=compiles, captured_graphs=graphed.captures if args.one == "graphs" else None,
                 agree_with_eager=same, finite=finite, torch=torch.__version__,
                 gpu=torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu")
 

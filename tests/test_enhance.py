@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import io
 import threading
+from contextlib import contextmanager
 
 import numpy as np
 import openai
@@ -217,7 +218,7 @@ def test_a_static_cache_writes_the_same_rewrite_and_is_kept_off_the_cpu_and_hook
     assert enhance.static_cache(encoder, 100) is None  # hooked: never compiled
     gpu_like = torch.nn.Linear(2, 2)
     gpu_like.device = torch.device("cuda")  # what static_cache reads of a resident encoder
-    enhance.no_static_cache(gpu_like)  # the worker's fallback when the compiled decoding failed to build
+    enhance.no_static_cache(gpu_like)  # the worker's fallback when the captured decoding failed
     assert enhance.static_cache(gpu_like, 100) is None
 
 
@@ -245,16 +246,41 @@ def test_an_encoder_on_another_device_rewrites_there_without_its_hook_and_gets_i
                                               threading.Event()).token_ids
 
 
-def test_qwen_image_21_rewrites_decode_with_the_static_cache_in_one_compiled_step(tmp_path, monkeypatch):
-    """Qwen-Image-2.1's rewrites decode with the static cache and a compiled step on a compiled worker
-    (COMPILE=auto on a GPU), as the edit models' do: eager it wrote 100 ms a token on an H200. The CPU stands in
-    for the GPU here (the step compiled with dynamo's graphs run eagerly): the warm-up compiles the decoding
-    step once, and rewrites with one picture, two and none (text to image) reuse it, their greedy tokens the
-    dynamic cache's."""
+@contextmanager
+def decoding_through_graphs(encoder):
+    """The CPU standing in for a GPU: rewrites get the static cache (STATIC_DEVICES), and generate() runs their
+    decoding steps through get_compiled_call (on a GPU it does so by itself), where decode_graphs sits; on the
+    CPU its "capture" keeps the copied inputs and a replay runs the step eagerly on them. Undone after."""
     from transformers import CompileConfig
 
+    from imgedit.runtime import decode_graphs, enhance
+
+    config = CompileConfig()
+    config._compile_all_devices = True
+    encoder.generation_config.compile_config = config
+    previous = enhance.STATIC_DEVICES
+    enhance.STATIC_DEVICES = ("cuda", "cpu")
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        enhance.STATIC_DEVICES = previous
+        decode_graphs.uninstall(encoder)
+        encoder.generation_config.compile_config = None
+        encoder.__dict__.pop("_imgedit_eager_decoding", None)
+        torch._dynamo.reset()
+
+
+def test_qwen_image_21_rewrites_decode_in_one_captured_step_with_one_kept_cache_and_nothing_compiled(tmp_path):
+    """Qwen-Image-2.1's rewrites decode with one static cache kept per encoder and their decoding step captured
+    once (decode_graphs; eager with a dynamic cache it wrote 100 ms a token on an H200, compiled by transformers
+    it cost ~57 s of every first start): the warm-up captures the step, and rewrites with one picture, two and
+    none (text to image) replay it, their greedy tokens the dynamic cache's. Nothing is compiled, and the kept
+    cache is zeroed after each call."""
+    from torch._dynamo.utils import counters
+
     from imgedit.model.demo_checkpoint import build_checkpoint
-    from imgedit.runtime import enhance, warmup
+    from imgedit.runtime import decode_graphs, enhance, warmup
 
     pipe = LocalPipeline(build_checkpoint(tmp_path / "q21", kind="21", seed=0)).pipe
     encoder = pipe.text_encoder
@@ -262,34 +288,61 @@ def test_qwen_image_21_rewrites_decode_with_the_static_cache_in_one_compiled_ste
     asks = [([picture(256, 256)], "make it winter"), ([picture(96, 160), picture(200, 120, (200, 60, 60))],
                                                      "put them side by side"), ([], "a red fox in the snow")]
     dynamic = [enhance.rewrite(pipe, images, prompt, 12, threading.Event()).token_ids for images, prompt in asks]
-    graphs, caches = [], []
-
-    def backend(graph, example_inputs):  # dynamo's graphs, counted and run as they are
-        graphs.append(graph)
-        return graph.forward
-
-    def spied(encoder, needed):
-        cache = static_cache(encoder, needed)
-        caches.append(type(cache).__name__)
-        return cache
-
-    config = CompileConfig(backend=backend, mode=None)
-    config._compile_all_devices = True  # transformers compiles the decoding step on the CPU too
-    encoder.generation_config.compile_config = config
-    static_cache = enhance.static_cache
-    monkeypatch.setattr(enhance, "static_cache", spied)
-    monkeypatch.setattr(enhance, "STATIC_DEVICES", ("cuda", "cpu"))
-    torch._dynamo.reset()
-    try:
+    with decoding_through_graphs(encoder):
+        counters.clear()
         fallbacks = []
         warmup.warm_up_rewrite(pipe, fallbacks, compiled=True)  # as a compiled 2.1 worker starts
-        assert fallbacks == [] and enhance.decodes_compiled(encoder)
-        assert caches and set(caches) == {"StaticCache"} and len(graphs) == 1, (caches, graphs)
+        graphs = decode_graphs.installed(encoder)
+        assert fallbacks == [] and enhance.decodes_with_graphs(encoder)
+        assert graphs is not None and graphs.captures == 1 and len(graphs.steps) == 1
+        kept = graphs.kept
         static = [enhance.rewrite(pipe, images, prompt, 12, threading.Event()).token_ids for images, prompt in asks]
         assert static == dynamic and all(len(ids) == 12 for ids in static)
-        assert len(graphs) == 1, f"the decoding step compiled {len(graphs)} times"
-    finally:
-        torch._dynamo.reset()
+        assert graphs.captures == 1 and len(graphs.steps) == 1 and graphs.eager == set()
+        assert graphs.kept is kept, "each rewrite must reuse the one kept cache (the graphs hold its tensors)"
+        layer = kept.layers[0]
+        assert int(layer.cumulative_length) == 0 and not layer.keys.any() and not layer.values.any()
+        assert counters["stats"]["unique_graphs"] == 0, "the decoding step must not be compiled"
+
+
+def test_qwen_25_vl_decoding_steps_copy_the_mask_inside_their_dict(plus_pipe):
+    """Qwen2.5-VL (the edit models' encoder) gets its mask as a dict ({"full_attention": mask}): the captured step
+    keeps a copy of the tensor inside it, by path, and each replay writes the step's own mask there (replaying
+    the first step's mask would see too few positions: other tokens than the dynamic cache's)."""
+    from imgedit.runtime import decode_graphs, enhance
+
+    pipe, image = plus_pipe.pipe, picture(256, 256)
+    dynamic = [enhance.rewrite(pipe, [image], prompt, 16, threading.Event()).token_ids
+               for prompt in ("make it winter", "a red door")]
+    with decoding_through_graphs(pipe.text_encoder):
+        static = [enhance.rewrite(pipe, [image], prompt, 16, threading.Event()).token_ids
+                  for prompt in ("make it winter", "a red door")]
+        graphs = decode_graphs.installed(pipe.text_encoder)
+        (step,) = graphs.steps.values()
+        masks = [path for path in step.inputs if path[0] == "attention_mask"]
+    assert static == dynamic
+    assert masks == [("attention_mask", "full_attention")], list(step.inputs)
+
+
+def test_a_capture_that_fails_leaves_its_layout_eager_with_the_same_tokens(plus_pipe, monkeypatch, caplog):
+    """A decoding step that cannot be captured (a CPU sync inside it, say) runs eagerly from then on, said once
+    in the log; the rewrite's tokens are the same."""
+    from imgedit.runtime import decode_graphs, enhance
+
+    pipe, image = plus_pipe.pipe, picture(256, 256)
+    dynamic = enhance.rewrite(pipe, [image], "make it winter", 16, threading.Event()).token_ids
+
+    def refused(self, kwargs, tensors):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(decode_graphs.DecodeGraphs, "_capture", refused)
+    with decoding_through_graphs(pipe.text_encoder), caplog.at_level("WARNING"):
+        again = [enhance.rewrite(pipe, [image], "make it winter", 16, threading.Event()).token_ids for _ in range(2)]
+        graphs = decode_graphs.installed(pipe.text_encoder)
+        assert graphs.captures == 0 and len(graphs.eager) == 1
+    assert again == [dynamic, dynamic]
+    said = [r.message for r in caplog.records if "CUDA graph failed" in r.message]
+    assert len(said) == 1 and "stream is capturing" in said[0]
 
 
 def test_an_edit_worker_that_is_not_compiled_decodes_its_rewrites_eagerly(plus_pipe, monkeypatch):
@@ -300,8 +353,8 @@ def test_an_edit_worker_that_is_not_compiled_decodes_its_rewrites_eagerly(plus_p
     monkeypatch.setattr(enhance, "STATIC_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(enhance, "rewrite", lambda *args: None)  # the warm-up's rewrite itself: not the point
     try:
-        assert enhance.decodes_compiled(encoder)
+        assert enhance.decodes_with_graphs(encoder)
         warmup.warm_up_rewrite(plus_pipe.pipe, [], compiled=False)
-        assert not enhance.decodes_compiled(encoder)
+        assert not enhance.decodes_with_graphs(encoder)
     finally:
         encoder.__dict__.pop("_imgedit_eager_decoding", None)

@@ -430,6 +430,40 @@ def test_a_refused_lock_of_cpu_memory_leaves_no_error_for_the_next_kernel():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["21", "plus"])
+def test_rewrites_decode_as_cuda_graphs_with_the_same_tokens_as_the_same_steps_eager(tmp_path, kind):
+    """A resident text encoder's decoding steps captured as CUDA graphs (runtime/decode_graphs.py: Qwen3-VL for
+    2.1, Qwen2.5-VL with its mask in a dict for the edit models): the warm-up captures one graph, later rewrites
+    (with pictures, and 2.1's without) replay it and capture nothing new, and their tokens are those of the same
+    static-cache steps run eagerly (float32, the tiny checkpoint: no bf16 near-ties)."""
+    import torch
+
+    from imgedit.planning.plan import Placement, WorkerPlan
+    from imgedit.runtime import decode_graphs, enhance, loader, warmup
+
+    ckpt = build_checkpoint(tmp_path / kind, kind=kind)
+    plan = WorkerPlan("gpu", {c: Placement("cuda:0") for c in ("transformer", "text_encoder", "vae")})
+    pipe = loader.load_pipeline(loader.open_checkpoint(str(ckpt)), plan, torch.float32)
+    encoder = pipe.text_encoder
+    asks = [([picture(256, 256)], "make it winter"), ([picture(200, 120, (200, 60, 60))], "a red door")]
+    if kind == "21":
+        asks.append(([], "a red fox in the snow"))
+    fallbacks = []
+    warmup.warm_up_rewrite(pipe, fallbacks, compiled=True)
+    graphs = decode_graphs.installed(encoder)
+    assert fallbacks == [] and graphs is not None and graphs.captures == 1, fallbacks
+
+    def tokens():
+        return [enhance.rewrite(pipe, images, prompt, 24, threading.Event()).token_ids for images, prompt in asks]
+
+    captured = tokens()
+    assert graphs.captures == 1 and not graphs.eager, "a later rewrite captured again or fell back"
+    encoder.generation_config.disable_compile = True  # generate() runs the same static-cache steps itself
+    eager = tokens()
+    assert captured == eager and all(len(ids) == 24 for ids in captured)
+
+
+@pytest.mark.gpu
 def test_a_prefix_cache_in_cpu_memory_gives_the_device_caches_image_on_the_gpu(tmp_path, monkeypatch):
     """The 16 GB plan's prefix cache in pinned CPU memory: written on a copy stream in the first step, each
     block's read back one block ahead in the later ones. On the GPU, with true CFG's two caches: the image is

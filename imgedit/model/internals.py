@@ -70,6 +70,9 @@ MEMBERS = (
            "accelerate's device hook of a module (placement, block splits, streaming)"),
     Member("accelerate", ACCELERATE, "accelerate.hooks.add_hook_to_module()", "_old_forward",
            "the forward an accelerate hook wraps: a split block compiles inside its hook"),
+    Member("transformers", TRANSFORMERS, "transformers.GenerationMixin", "_valid_auto_compile_criteria",
+           "generate() runs its decoding steps through get_compiled_call when this says so (a static cache "
+           "on a GPU, compile not disabled): decode_graphs is installed as that call"),
     Member("transformers", TRANSFORMERS, "transformers.PretrainedConfig()", "_attn_implementation",
            "the attention a text encoder's vision tower runs (vision_attention replaces its window loop)"),
     Member("torch", TORCH, "torch.nn.Module()", "_parameters",
@@ -164,6 +167,16 @@ def unmark_peft(model: torch.nn.Module) -> None:
 # ---- transformers --------------------------------------------------------------------------------
 def attention_implementation(config) -> str:
     return str(getattr(config, "_attn_implementation", "") or "")
+
+
+def replace_compiled_call(model: torch.nn.Module, call) -> None:
+    """generate()'s decoding steps run `call` instead of the compiled forward transformers would build (the
+    instance's `get_compiled_call`, which generate() asks when _valid_auto_compile_criteria holds)."""
+    model.get_compiled_call = lambda compile_config=None: call
+
+
+def restore_compiled_call(model: torch.nn.Module) -> None:
+    model.__dict__.pop("get_compiled_call", None)
 
 
 # ---- accelerate ----------------------------------------------------------------------------------

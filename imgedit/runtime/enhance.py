@@ -4,8 +4,9 @@ view; without an input image (Qwen-Image-2.1's text to image) it rewrites a prom
 
 Runs in the worker, on the weights already loaded: no second model, no cloud call, the images never
 leave the machine. Greedy decoding (the same instruction and images give the same rewrite), a token
-limit, stop at the end of the answer. Nothing outlives the call: the KV cache is the generate call's
-own, dropped with it; no adapter is active (the runner resets them after every job).
+limit, stop at the end of the answer. Nothing of a call outlives it: the KV cache is the generate call's own,
+dropped with it, or, for an encoder resident on one GPU, the one static cache its captured decoding steps hold
+(decode_graphs), zeroed after each call; no adapter is active (the runner resets them after every job).
 
 A rewrite that comes back empty, or is cut at the token limit, is not used: the original instruction
 stays, with a notice saying why.
@@ -23,10 +24,11 @@ from pathlib import Path
 import torch
 from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module
 from PIL import Image
-from transformers import StaticCache, StoppingCriteriaList
+from transformers import StoppingCriteriaList
 
 from imgedit.errors import Cancelled
 from imgedit.model import internals
+from imgedit.runtime import decode_graphs
 
 INSTRUCTION = (Path(__file__).with_name("enhance_instruction.txt")).read_text(encoding="utf-8").strip()
 GENERATION = (Path(__file__).with_name("enhance_generation.txt")).read_text(encoding="utf-8").strip()
@@ -87,7 +89,8 @@ def on_its_own_gpu(encoder):
     """The encoder without the hook that moves its inputs to its GPU and its outputs back, while a rewrite
     runs there directly (yields that device; None, and nothing changed, for any other encoder). The balanced
     placement puts the text encoder whole on another GPU than the latents: the hook only moves a few tensors,
-    but torch.compile may not trace it, and the static cache's compiled steps are what make a rewrite fast."""
+    but a CUDA graph cannot capture its CPU-side moves, and the captured decoding steps are what make a
+    rewrite fast."""
     hook = internals.device_hook(encoder)
     devices = {p.device for p in encoder.parameters()}
     if not (type(hook) is AlignDevicesHook and not hook.offload and len(devices) == 1):
@@ -101,24 +104,24 @@ def on_its_own_gpu(encoder):
 
 
 def static_cache(encoder, needed: int):
-    """A static KV cache for a text encoder resident on one GPU, or None (then generate() keeps its dynamic
-    one).
+    """The static KV cache of a text encoder resident on one GPU, reset, or None (then generate() keeps its
+    dynamic one).
 
-    With a static cache transformers compiles each decoding step of generate() (CUDA graphs): on an H200 a
-    160-token rewrite went from 29.6-34.6 ms a token (eager, launch-bound: ~960 kernels a token, 6 ms of GPU
-    work) to 10.1 ms, after a one-time compile (~33 s, in the worker's start-up warm-up). The length is fixed
-    (STATIC_CACHE_TOKENS, or the next 1024 above `needed`) so that every prompt and picture count reuses the
-    one compiled step. Not for a streamed or split encoder (24 GB mode, blocks over GPUs): their hooks move
-    weights and inputs in functions the compiler must not trace (on_its_own_gpu takes a whole encoder's
-    off)."""
-    if not decodes_compiled(encoder):
+    With it generate()'s decoding steps run through decode_graphs: each step's kernels captured once as a CUDA
+    graph and replayed. Eager, a step is launch-bound (an H200: 29.6-34.6 ms a token for ~960 kernels and 6 ms
+    of GPU work); compiled by transformers (inductor, reduce-overhead) 10-12 ms, after a 50-60 s compile in
+    every first start. The length is fixed (STATIC_CACHE_TOKENS, or the next 1024 above `needed`) so that
+    every prompt and picture count reuses the one captured step. Not for a streamed or split encoder (24 GB
+    mode, blocks over GPUs): their hooks move weights and inputs on the CPU's side, which a graph cannot hold
+    (on_its_own_gpu takes a whole encoder's off)."""
+    if not decodes_with_graphs(encoder):
         return None
-    length = max(STATIC_CACHE_TOKENS, -(-needed // 1024) * 1024)
-    return StaticCache(config=encoder.config, max_cache_len=length)
+    graphs = decode_graphs.installed(encoder) or decode_graphs.install(encoder)
+    return graphs.cache(max(STATIC_CACHE_TOKENS, -(-needed // 1024) * 1024))
 
 
-def decodes_compiled(encoder) -> bool:
-    """Whether this encoder's rewrites decode with the static cache (compiled steps): resident on one GPU, no
+def decodes_with_graphs(encoder) -> bool:
+    """Whether this encoder's rewrites decode with the static cache (captured steps): resident on one GPU, no
     hooks of its own (on_its_own_gpu takes a whole encoder's off), and not turned eager by no_static_cache."""
     hooked = (internals.has_device_hook(encoder)
               or any(internals.has_diffusers_hooks(m) for m in encoder.modules()))
@@ -127,9 +130,11 @@ def decodes_compiled(encoder) -> bool:
 
 
 def no_static_cache(encoder) -> None:
-    """This encoder's rewrites decode with generate()'s dynamic cache from now on: the worker is not compiled
-    (COMPILE=off), or its compiled decoding step failed to build (the worker falls back and says so)."""
+    """This encoder's rewrites decode with generate()'s dynamic cache from now on, its graphs and kept cache
+    let go: the worker is not compiled (COMPILE=off), or its captured decoding failed (the worker falls back
+    and says so)."""
     encoder._imgedit_eager_decoding = True
+    decode_graphs.uninstall(encoder)
 
 
 def rewrite(pipe, images, prompt: str, max_new_tokens: int, cancel: threading.Event) -> Rewrite:
@@ -180,18 +185,22 @@ def generate(pipe, text: str, pictures: list[Image.Image], max_new_tokens: int, 
             inputs["pixel_values"] = inputs["pixel_values"].to(encoder.dtype)
             patch = int(getattr(pipe.processor.image_processor, "patch_size", 14) or 14)
             seen = tuple((int(w) * patch, int(h) * patch) for _, h, w in inputs["image_grid_thw"].tolist())
-        else:  # text to image: the decoding steps get the arguments they get with pictures (a None),
-            inputs["image_grid_thw"] = None  # so one compiled step serves both (one missing compiled again)
+        else:  # text to image: the decoding steps get the arguments they get with pictures (a None: the
+            inputs["image_grid_thw"] = None  # prefill reads it to make positions, a decoding step does not)
             seen = ()
         cache = static_cache(encoder, inputs["input_ids"].shape[1] + max_new_tokens)
-        output = encoder.generate(
-            **inputs, max_new_tokens=max_new_tokens, do_sample=False,
-            temperature=None, top_p=None, top_k=None,
-            eos_token_id=end, pad_token_id=tokenizer.pad_token_id or end[0],
-            stopping_criteria=StoppingCriteriaList([_Stop(cancel), *([stop] if stop else [])]),
-            **({"past_key_values": cache} if cache else {}))
+        try:
+            output = encoder.generate(
+                **inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                temperature=None, top_p=None, top_k=None,
+                eos_token_id=end, pad_token_id=tokenizer.pad_token_id or end[0],
+                stopping_criteria=StoppingCriteriaList([_Stop(cancel), *([stop] if stop else [])]),
+                **({"past_key_values": cache} if cache is not None else {}))
+        finally:
+            if cache is not None:  # the kept static cache zeroed: nothing of this prompt stays on the GPU
+                cache.reset()
     new = output[0, inputs["input_ids"].shape[1]:].tolist()
-    del output, inputs  # with them the KV cache of the call: nothing is kept for later
+    del output, inputs  # with them a dynamic KV cache: nothing is kept for later
     if cancel.is_set():
         raise Cancelled(f"cancelled after {len(new)} token(s) of the {what}")
     finished = bool(new) and new[-1] in end

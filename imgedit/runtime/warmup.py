@@ -18,7 +18,7 @@ from imgedit.errors import ImgEditError, OutOfGpuMemory
 from imgedit.model import internals
 from imgedit.planning.families import BY_PIPELINE
 from imgedit.protocol import EditRequest, Resolved
-from imgedit.runtime import compile21, enhance, offload
+from imgedit.runtime import compile21, decode_graphs, enhance, offload
 from imgedit.runtime.fallback import agreed, cause
 from imgedit.runtime.messages import Job, StartupReport, WorkerSpec
 
@@ -117,13 +117,15 @@ def warm_up_rewrite(pipe, fallbacks: list[str], compiled: bool) -> float:
     """A short prompt rewrite before any user waits: a worker's first rewrite ran 1.6-2.3x slower a token than
     its third (2026-11-27, H200: 58.7 against 25.5 ms, 160 tokens), the kernels and the GPU's matrix routines
     loading on first use. One picture at the rewrite's view size, 8 tokens; and, for a family that makes
-    pictures from the prompt alone, one without a picture (the same compiled decoding step: enhance.rewrite).
+    pictures from the prompt alone, one without a picture (the same captured decoding step: decode_graphs).
+    On a resident encoder its decoding step is captured here as a CUDA graph (the log says how many).
 
-    COMPILE=off: rewrites decode eagerly too, nothing is compiled at start-up (eager, a Qwen-Image-2.1 rewrite
+    COMPILE=off: rewrites decode eagerly too, nothing is captured at start-up (eager, a Qwen-Image-2.1 rewrite
     wrote 100 ms a token on an H200)."""
     family = BY_PIPELINE.get(type(pipe).__name__)
+    encoder = pipe.text_encoder
     if not compiled:
-        enhance.no_static_cache(pipe.text_encoder)
+        enhance.no_static_cache(encoder)
     started = time.perf_counter()
 
     def once() -> None:
@@ -131,18 +133,22 @@ def warm_up_rewrite(pipe, fallbacks: list[str], compiled: bool) -> float:
         for pictures in ([picture], []) if family is not None and family.generates else ([picture],):
             enhance.rewrite(pipe, pictures, "warm up", 8, threading.Event())
 
-    with enhance.on_its_own_gpu(pipe.text_encoder):  # the encoder as a rewrite sees it
-        static = enhance.decodes_compiled(pipe.text_encoder)
+    with enhance.on_its_own_gpu(encoder):  # the encoder as a rewrite sees it
+        static = enhance.decodes_with_graphs(encoder)
     try:
         once()
+        graphs = decode_graphs.installed(encoder)
+        if static and graphs is not None:
+            log.info("prompt rewriting: %d decoding step(s) captured as CUDA graphs, %d layout(s) left eager",
+                     graphs.captures, len(graphs.eager))
     except Exception as exc:  # noqa: BLE001 - a warm-up
-        # a compiled decoding falls back, an eager one just says so
+        # a captured decoding falls back, an eager one just says so
         if not static:
             log.warning("the prompt rewrite warm-up failed: %s", cause(exc))
             return round(time.perf_counter() - started, 2)
-        enhance.no_static_cache(pipe.text_encoder)
-        log.warning("prompt rewrites' compiled decoding failed → eager decoding: %s", cause(exc))
-        fallbacks.append(f"compiled rewrite decoding failed → eager: {cause(exc)}")
+        enhance.no_static_cache(encoder)
+        log.warning("prompt rewrites' captured decoding failed → eager decoding: %s", cause(exc))
+        fallbacks.append(f"captured rewrite decoding failed → eager: {cause(exc)}")
         try:
             once()
         except Exception as again:  # noqa: BLE001 - the first user rewrite then says what is wrong
