@@ -326,8 +326,8 @@ def test_qwen_25_vl_decoding_steps_copy_the_mask_inside_their_dict(plus_pipe):
 
 def test_a_capture_that_fails_leaves_its_layout_eager_with_the_same_tokens(plus_pipe, monkeypatch, caplog):
     """A decoding step that cannot be captured (a CPU sync inside it, say) runs eagerly from then on, said once
-    in the log; the rewrite's tokens are the same."""
-    from imgedit.runtime import decode_graphs, enhance
+    in the log and in the worker's fallbacks (the warm-up's); the rewrite's tokens are the same."""
+    from imgedit.runtime import decode_graphs, enhance, warmup
 
     pipe, image = plus_pipe.pipe, picture(256, 256)
     dynamic = enhance.rewrite(pipe, [image], "make it winter", 16, threading.Event()).token_ids
@@ -337,10 +337,14 @@ def test_a_capture_that_fails_leaves_its_layout_eager_with_the_same_tokens(plus_
 
     monkeypatch.setattr(decode_graphs.DecodeGraphs, "_capture", refused)
     with decoding_through_graphs(pipe.text_encoder), caplog.at_level("WARNING"):
+        fallbacks = []
+        warmup.warm_up_rewrite(pipe, fallbacks, compiled=True)
         again = [enhance.rewrite(pipe, [image], "make it winter", 16, threading.Event()).token_ids for _ in range(2)]
         graphs = decode_graphs.installed(pipe.text_encoder)
         assert graphs.captures == 0 and len(graphs.eager) == 1
     assert again == [dynamic, dynamic]
+    assert fallbacks == ["captured rewrite decoding failed → eager: operation not permitted when stream is "
+                         "capturing"], fallbacks
     said = [r.message for r in caplog.records if "CUDA graph failed" in r.message]
     assert len(said) == 1 and "stream is capturing" in said[0]
 

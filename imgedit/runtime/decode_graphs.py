@@ -117,6 +117,7 @@ class DecodeGraphs:
         self.steps: dict[tuple, _Step] = {}
         self.seen: set[tuple] = set()  # layouts whose first (eager) step ran
         self.eager: set[tuple] = set()  # layouts whose capture failed
+        self.failure = ""  # why the last capture failed (the worker's fallbacks say it)
         self.captures = 0
         self.kept: StaticCache | None = None
         self.stream: torch.cuda.Stream | None = None
@@ -164,8 +165,9 @@ class DecodeGraphs:
                 step = self._capture(kwargs, tensors)
             except Exception as exc:  # noqa: BLE001 - an optimisation: the step runs eagerly instead
                 self.eager.add(key)
+                self.failure = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 log.warning("capturing a decoding step as a CUDA graph failed → that layout decodes eagerly: "
-                            "%s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                            "%s", self.failure)
                 return self.model(**kwargs)
             self.steps[key] = step
             self.captures += 1

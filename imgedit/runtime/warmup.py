@@ -141,6 +141,8 @@ def warm_up_rewrite(pipe, fallbacks: list[str], compiled: bool) -> float:
         if static and graphs is not None:
             log.info("prompt rewriting: %d decoding step(s) captured as CUDA graphs, %d layout(s) left eager",
                      graphs.captures, len(graphs.eager))
+            if graphs.eager:  # the rewrites still work, a token at a time: /health and the panel say so
+                fallbacks.append(f"captured rewrite decoding failed → eager: {graphs.failure}")
     except Exception as exc:  # noqa: BLE001 - a warm-up
         # a captured decoding falls back, an eager one just says so
         if not static:
