@@ -132,11 +132,6 @@ class DecodeGraphs:
         self.kept.reset()
         return self.kept
 
-    def reset(self) -> None:
-        """The kept cache zeroed (after a call: nothing of its prompt stays)."""
-        if self.kept is not None:
-            self.kept.reset()
-
     def drop(self) -> None:
         """Every graph and the kept cache let go (their GPU memory with them)."""
         self.steps.clear()
@@ -178,13 +173,17 @@ class DecodeGraphs:
         device = kwargs["input_ids"].device if torch.is_tensor(kwargs.get("input_ids")) else None
         if device is None or device.type != "cuda":
             return self.model(**kwargs)
-        self.stream = self.stream or torch.cuda.Stream(device)
-        current = torch.cuda.current_stream(device)
-        self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):
+        stream, current = self._side_stream(device), torch.cuda.current_stream(device)
+        with torch.cuda.stream(stream):
             output = self.model(**kwargs)
-        current.wait_stream(self.stream)
+        current.wait_stream(stream)
         return output
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The one stream the first steps run and the captures are made on, after the work queued so far."""
+        self.stream = self.stream or torch.cuda.Stream(device)
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        return self.stream
 
     def _capture(self, kwargs: dict, tensors: dict[tuple[str, ...], torch.Tensor]) -> _Step:
         """This layout's step captured (nothing runs: the caller replays it), with its own copies of the
@@ -195,12 +194,11 @@ class DecodeGraphs:
         if not cuda:
             return _Step(inputs, None, None, self.model, static)
         device = next(t.device for t in inputs.values() if t.device.type == "cuda")
-        self.stream = self.stream or torch.cuda.Stream(device)
-        self.stream.wait_stream(torch.cuda.current_stream(device))
+        stream = self._side_stream(device)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA call during the capture (the server's previews, a second
         # worker's # thread) is not this capture's error
-        with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
             output = self.model(**static)
         return _Step(inputs, graph, output, self.model, device=device)
 
