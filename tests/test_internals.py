@@ -43,6 +43,7 @@ INSTANCES = {
     "diffusers.models.autoencoders.autoencoder_kl_qwenimage.QwenImageCausalConv3d()":
         lambda: QwenImageCausalConv3d(2, 2, 3, padding=1),
     "diffusers.hooks.HookRegistry.check_if_exists_or_initialize()": _hooked_by_diffusers,
+    "diffusers.hooks.HookRegistry()": lambda: HookRegistry(torch.nn.Linear(2, 2)),
     "accelerate.hooks.add_hook_to_module()": _hooked_by_accelerate,
     "transformers.PretrainedConfig()": PretrainedConfig,
     "torch.nn.Module()": lambda: torch.nn.Linear(2, 2),

@@ -64,6 +64,8 @@ MEMBERS = (
            "the names of the context-parallel gather hooks, switched off per job"),
     Member("diffusers", DIFFUSERS, "diffusers.hooks.HookRegistry.check_if_exists_or_initialize()",
            "_diffusers_hook", "a module's HookRegistry, to find the context-parallel hooks"),
+    Member("diffusers", DIFFUSERS, "diffusers.hooks.HookRegistry()", "_fn_refs",
+           "a hooked block's own forward (the first hook's reference), compiled under its context-parallel hooks"),
     Member("diffusers", DIFFUSERS, "diffusers.loaders.peft.PeftAdapterMixin", "_hf_peft_config_loaded",
            "a fused copy of a transformer is no peft model (fast_weights)"),
     Member("accelerate", ACCELERATE, "accelerate.hooks.add_hook_to_module()", "_hf_hook",
@@ -149,6 +151,17 @@ def context_parallel_hooks(module: torch.nn.Module) -> list:
     prefixes = (context_parallel._CONTEXT_PARALLEL_INPUT_HOOK_TEMPLATE.format(""),
                 context_parallel._CONTEXT_PARALLEL_OUTPUT_HOOK_TEMPLATE.format(""))
     return [hook for name, hook in registry.hooks.items() if name.startswith(prefixes)]
+
+
+def innermost_forward(module: torch.nn.Module):
+    """The module's own forward under its diffusers hooks (the first hook's reference to it), or None for a
+    module without them."""
+    registry = hook_registry(module)
+    return registry._fn_refs[0].forward if registry is not None and registry._fn_refs else None
+
+
+def replace_innermost_forward(module: torch.nn.Module, forward) -> None:
+    hook_registry(module)._fn_refs[0].forward = forward
 
 
 def hook_registry(module: torch.nn.Module):

@@ -359,7 +359,8 @@ def compile_transformer(transformer: torch.nn.Module, memory: MemoryMode | None,
     options: dict = {"fullgraph": True, "dynamic": True} | ({"mode": mode} if mode != "default" else {})
     blocks = transformer.get_submodule(block_container(transformer))
     hooked = any(internals.has_device_hook(block) for block in blocks)
-    if (memory is None or not memory.streams_blocks) and not hooked:
+    split = any(internals.context_parallel_hooks(block) for block in blocks)
+    if (memory is None or not memory.streams_blocks) and not (hooked or split):
         transformer.compile_repeated_blocks(**options)
         return
     streamed = set(memory.streamed(len(blocks))) if memory is not None and memory.streams_blocks else set()
@@ -372,6 +373,8 @@ def compile_transformer(transformer: torch.nn.Module, memory: MemoryMode | None,
     if hooked:
         log.info("compiled the transformer blocks inside their device hooks "
                  "(the transformer is split over GPUs)")
+    if split:
+        log.info("compiled the transformer blocks inside their context-parallel hooks (Ulysses)")
 
 
 def _compile_block(block: torch.nn.Module, options: dict) -> None:
@@ -380,11 +383,22 @@ def _compile_block(block: torch.nn.Module, options: dict) -> None:
     the block's GPU) is torch.compiler.disable'd, which fullgraph=True refuses: the 2x 31 GiB split's compile
     warm-up failed on it on 2x H200 and the worker served eager. The hook now runs eager around the compiled
     forward, as accelerate calls `module._old_forward` after pre_forward; the hooks accelerate also puts
-    inside the block were dropped at loading (weights.keep_block_hooks)."""
+    inside the block were dropped at loading (weights.keep_block_hooks).
+
+    Under diffusers' context-parallel hooks (Ulysses: a group's, or a CFG pair's split of CFG-off jobs) the
+    block's own forward is compiled inside them too, the hooks run eager. Compiled whole, the hook chain was
+    part of every variant: block 0 carries a split hook of its own (diffusers' cp plan splits the sequences
+    into `transformer_blocks.0`), a pair switches the hooks' functions per job, and each arrangement was a
+    compile of the shared block code (on the CPU pair of tests/test_warmup.py: 6 per rank, 1 without the
+    split; on 2x H200 the pair's first split job's warm-up took 76 s of a 174 s first start)."""
     eager = internals.hooked_forward(block)
     if eager is not None:
         block._imgedit_eager_forward = eager
         internals.replace_hooked_forward(block, torch.compile(eager, **options))
+    elif internals.context_parallel_hooks(block):
+        eager = internals.innermost_forward(block)
+        block._imgedit_eager_inner_forward = eager
+        internals.replace_innermost_forward(block, torch.compile(eager, **options))
     else:
         block.compile(**options)
 
@@ -397,6 +411,9 @@ def uncompile_transformer(transformer: torch.nn.Module) -> None:
         eager = module.__dict__.pop("_imgedit_eager_forward", None)
         if eager is not None:
             internals.replace_hooked_forward(module, eager)
+        inner = module.__dict__.pop("_imgedit_eager_inner_forward", None)
+        if inner is not None:
+            internals.replace_innermost_forward(module, inner)
 
 
 def _nbytes(t: torch.Tensor) -> int:
