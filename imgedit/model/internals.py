@@ -65,7 +65,8 @@ MEMBERS = (
     Member("diffusers", DIFFUSERS, "diffusers.hooks.HookRegistry.check_if_exists_or_initialize()",
            "_diffusers_hook", "a module's HookRegistry, to find the context-parallel hooks"),
     Member("diffusers", DIFFUSERS, "diffusers.hooks.HookRegistry()", "_fn_refs",
-           "a hooked block's own forward (the first hook's reference), compiled under its context-parallel hooks"),
+           "a hooked block's own forward (the first hook's reference), compiled under its "
+           "context-parallel hooks"),
     Member("diffusers", DIFFUSERS, "diffusers.loaders.peft.PeftAdapterMixin", "_hf_peft_config_loaded",
            "a fused copy of a transformer is no peft model (fast_weights)"),
     Member("accelerate", ACCELERATE, "accelerate.hooks.add_hook_to_module()", "_hf_hook",
