@@ -398,9 +398,28 @@ def _compile_block(block: torch.nn.Module, options: dict) -> None:
     elif internals.context_parallel_hooks(block):
         eager = internals.innermost_forward(block)
         block._imgedit_eager_inner_forward = eager
-        internals.replace_innermost_forward(block, torch.compile(eager, **options))
+        internals.replace_innermost_forward(block, _from_offset_zero(torch.compile(eager, **options)))
     else:
         block.compile(**options)
+
+
+def _from_offset_zero(compiled):
+    """`compiled`, its tensor arguments that are views at an offset into a larger tensor copied first.
+    A rank's shard of the split sequence (every rank's but the first) is such a view, and dynamo specialises
+    a storage offset of 0 or 1 apart from a larger one: block 0 (the shard) and the blocks after it (fresh
+    tensors) were two variants of the one block function on those ranks. On the CPU group of two
+    (tests/test_warmup.py) rank 1 compiled 6 graphs to rank 0's 3, and a group is ready when its slowest rank
+    is. The copy is of block 0's inputs only (a 1024x1024 edit's hidden states: 25 MB)."""
+    def own(value):
+        if isinstance(value, torch.Tensor) and value.storage_offset():
+            return value.clone()
+        if isinstance(value, tuple):
+            return tuple(own(v) for v in value)
+        return value
+
+    def forward(*args, **kwargs):
+        return compiled(*(own(a) for a in args), **{k: own(v) for k, v in kwargs.items()})
+    return forward
 
 
 def uncompile_transformer(transformer: torch.nn.Module) -> None:
