@@ -14,8 +14,9 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
-from conftest import _MANAGERS, cfg_plan, cpu_plan, picture
+from conftest import _MANAGERS, cfg_plan, cpu_plan, make_manager, picture
 from transformers import AutoTokenizer
 
 from imgedit.config.settings import load_settings
@@ -83,14 +84,25 @@ def test_a_compiled_splitting_pair_compiles_nothing_after_its_warm_up(pair_ckpt)
         # as many on rank 1 as on rank 0 (its shard's storage offset made 7 there, offload._from_offset_zero)
         per_rank = Counter(line.split()[0] for line in at_ready)
         assert len(per_rank) == 2 and len(set(per_rank.values())) == 1 and max(per_rank.values()) <= 5, per_rank
+        def request(prompt, speed):
+            steps = {} if speed == "fastest" else {"num_inference_steps": 2}
+            return EditRequest(images=(picture(64, 64),), prompt=prompt, seed=1, width=64, height=64, speed=speed,
+                               **steps)
+
+        split = {}
         for prompt in prompts:
             for speed in ("fastest", "quality"):
-                steps = {} if speed == "fastest" else {"num_inference_steps": 2}
-                result = manager.edit(EditRequest(images=(picture(64, 64),), prompt=prompt, seed=1, width=64,
-                                                  height=64, speed=speed, **steps))
+                result = manager.edit(request(prompt, speed))
                 assert len(result.images) == 1
+                split[prompt, speed] = np.asarray(result.images[0], dtype=np.int16)
         after = compiled()
         assert after == at_ready, f"compiled after the warm-up: {after[len(at_ready):]}"
+    manager.close()
+    # the compiled split (CFG off: fastest) and the compiled CFG pair give one eager process's images
+    one = make_manager(ckpt, LORA_DIR=str(loras))
+    for (prompt, speed), image in split.items():
+        eager = np.asarray(one.edit(request(prompt, speed)).images[0], dtype=np.int16)
+        assert np.abs(image - eager).max() <= 1 and image.std() > 1.0, (prompt, speed)
 
 
 def test_the_blocks_compile_dynamic_from_the_first_size(pair_ckpt):
