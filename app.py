@@ -96,12 +96,12 @@ def _start(args, settings, starting, log) -> int:
 
     # Imported here, after load_dotenv() and --host/--port: these modules read the environment when
     # imported (engine.inspection's IMGEDIT_SIZES_CACHE, gradio's GRADIO_* settings), and gradio's
-    # import (about 2 s) comes after the port is answered and the settings are known to be good.
+    # import (2.5 s of CPU) comes after the port is answered, the settings are known to be good and the
+    # worker processes have started (below: they import torch meanwhile, 12-15 s on 2x H200).
     # The server process never imports torch nor touches CUDA (GPUs are read through NVML); the
     # worker processes own the GPUs.
     from imgedit.engine.manager import PipelineManager
     from imgedit.engine.workers.inspection import ensure_demo_checkpoint
-    from imgedit.web.app import build_app, serve
 
     no_model_chosen = not settings.qwen_model_dir and "QWEN_MODEL" not in os.environ
     gpus = [] if args.demo or settings.demo or settings.workers == "ray" else discover_gpus()
@@ -138,6 +138,8 @@ def _start(args, settings, starting, log) -> int:
     manager.start()  # worker processes load the weights; /health says 503 until they are ready
     try:
         starting.say("building the page")
+        from imgedit.web.app import build_app, serve  # gradio: after the workers' start (above)
+
         app = build_app(settings, manager)
         serve(app, settings, starting.handover())  # returns on SIGTERM / Ctrl-C
     finally:
