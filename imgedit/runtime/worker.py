@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 def main(spec: WorkerSpec, inbox, outbox, visible_devices: str | None, cache_dir: str | None,
          log_level: str = "INFO") -> None:
+    started = time.perf_counter()  # what /health's "(N s)" counts from: the imports below included
     prepare_process(visible_devices, cache_dir, capped=bool(spec.memory_caps))
     # The server stops its workers (Stop, then terminate, then kill; a rank whose server is gone exits on its
     # own: _watch_parent). Ctrl-C in a terminal, timeout(1) or systemd signal the whole process group: a rank
@@ -61,7 +62,6 @@ def main(spec: WorkerSpec, inbox, outbox, visible_devices: str | None, cache_dir
 
         transformers_logging.disable_progress_bar()  # "Loading weights: 100%" bars in the server's log
     _watch_parent(os.getppid())
-    started = time.perf_counter()
 
     def say(doing: str) -> None:  # what /health and the page show while this rank loads
         outbox.put(Loading(spec.rank, doing, round(time.perf_counter() - started, 1)))
