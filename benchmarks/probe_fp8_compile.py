@@ -1,5 +1,5 @@
 """Where the time of compiling one fp8 transformer block goes: one real-size Qwen-Image block, bf16 or fp8
-(torchao, as FAST_QUANTIZE quantizes), compiled as the workers compile it (offload.compile_transformer's
+(torchao, as FAST_QUANTIZE quantizes), compiled as the workers compile it (block_compile.compile_transformer's
 options), called once at a 1024² edit's sequence lengths.
 
     python benchmarks/probe_fp8_compile.py --modes none,fp8 --gemms default --tuning off,torchao [--json out.json]

@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 
 from imgedit.model.components import block_container
 from imgedit.planning.plan import Placement
-from imgedit.runtime import offload, weights
+from imgedit.runtime import block_compile, weights
 
 
 def split_like_a_gpu_split(transformer: torch.nn.Module) -> None:
@@ -47,10 +47,10 @@ def test_a_split_transformer_compiles_whole_blocks_inside_their_own_device_hooks
 
     # with accelerate's inner hooks, a block compiled inside its own hook fails (the worker's fallback on the GPU)
     for block in transformer.transformer_blocks:
-        offload._compile_block(block, {"fullgraph": True, "dynamic": True})
+        block_compile._compile_block(block, {"fullgraph": True, "dynamic": True})
     with pytest.raises(Exception, match="disable"):
         run(pipe)
-    offload.uncompile_transformer(transformer)
+    block_compile.uncompile_transformer(transformer)
     torch._dynamo.reset()
 
     dropped = weights.keep_block_hooks(transformer)  # the loader's call for a split
@@ -58,7 +58,7 @@ def test_a_split_transformer_compiles_whole_blocks_inside_their_own_device_hooks
     blocks = {f"transformer_blocks.{i}" for i in range(len(transformer.transformer_blocks))}
     assert blocks <= left and not any(name.startswith("transformer_blocks.0.") for name in left), left
     assert dropped >= len(inner)
-    offload.compile_transformer(transformer, None)
+    block_compile.compile_transformer(transformer, None)
     graphs = counters["stats"]["unique_graphs"]
     compiled = run(pipe)
     assert counters["stats"]["unique_graphs"] > graphs  # the blocks compiled (not a silent eager fallback)

@@ -81,7 +81,7 @@ def test_a_compiled_splitting_pair_compiles_nothing_after_its_warm_up(pair_ckpt)
         assert at_ready  # the warm-up compiled
         # the block compiled inside its context-parallel hooks: 3 variants (split with and without the text
         # mask, not split) and their graph breaks, where compiling the hook chain gave 9-10 graphs a rank; and
-        # as many on rank 1 as on rank 0 (its shard's storage offset made 7 there, offload._from_offset_zero)
+        # as many on rank 1 as on rank 0 (its shard's storage offset made 7 there, block_compile._from_offset_zero)
         per_rank = Counter(line.split()[0] for line in at_ready)
         assert len(per_rank) == 2 and len(set(per_rank.values())) == 1 and max(per_rank.values()) <= 5, per_rank
         def request(prompt, speed):

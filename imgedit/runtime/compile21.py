@@ -115,7 +115,8 @@ def compile_21(transformer: torch.nn.Module, mode: str = "default", fullgraph: b
       stay outside the graph);
     - a block whose hooks change its inputs first (OUTSIDE): the routing goes under them;
     - a block under any other diffusers hook (group offloading streams its weights in hooks): stays eager, as
-      offload.compile_transformer keeps streamed blocks eager (the compiled call would skip the onloading)."""
+      block_compile.compile_transformer keeps streamed blocks eager (the compiled call would skip the
+      onloading)."""
     cls = _block_class(transformer)
     options: dict = {"fullgraph": fullgraph, "dynamic": True, "backend": backend} \
         | ({"mode": mode} if mode != "default" else {})

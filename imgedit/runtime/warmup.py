@@ -18,7 +18,7 @@ from imgedit.errors import ImgEditError, OutOfGpuMemory
 from imgedit.model import internals
 from imgedit.planning.families import BY_PIPELINE
 from imgedit.protocol import EditRequest, Resolved
-from imgedit.runtime import compile21, decode_graphs, enhance, offload
+from imgedit.runtime import block_compile, compile21, decode_graphs, enhance
 from imgedit.runtime.fallback import agreed, cause
 from imgedit.runtime.messages import Job, StartupReport, WorkerSpec
 
@@ -43,7 +43,7 @@ def compile_and_warm_up(spec: WorkerSpec, runner, transformers: tuple, report: S
             if qwen21:  # its cached steps only, dynamic in the prefix and target lengths (runtime.compile21)
                 compile21.compile_21(transformer, spec.compile_mode)
             else:
-                offload.compile_transformer(transformer, spec.plan.memory, spec.compile_mode)
+                block_compile.compile_transformer(transformer, spec.plan.memory, spec.compile_mode)
         report.warmup_seconds = warm_up_21(runner, spec, say) if qwen21 else warm_up(runner, spec, say)
     except Exception as exc:  # noqa: BLE001 - reported below; the worker serves eager
         failure = exc
@@ -54,7 +54,7 @@ def compile_and_warm_up(spec: WorkerSpec, runner, transformers: tuple, report: S
         report.compile_seconds = round(time.perf_counter() - started, 2)
         return
     for transformer in transformers:
-        (compile21.uncompile_21 if qwen21 else offload.uncompile_transformer)(transformer)
+        (compile21.uncompile_21 if qwen21 else block_compile.uncompile_transformer)(transformer)
     torch.compiler.reset()
     runner.cleanup(force=True)
     reason = cause(failure)
@@ -160,8 +160,8 @@ def warm_up_rewrite(pipe, fallbacks: list[str], compiled: bool) -> float:
 
 def warm_up(runner, spec: WorkerSpec, say=lambda doing: None) -> list[float]:
     """Compile before any user waits: one short CFG edit per warm-up size. The blocks compile dynamic in the
-    sequence lengths from the first size (offload.compile_transformer); the second size checks, before any
-    user waits, that no guard of the first one specialised a length."""
+    sequence lengths from the first size (block_compile.compile_transformer); the second size checks, before
+    any user waits, that no guard of the first one specialised a length."""
     runs = warmup_runs(runner, spec)
     seconds = []
     for k, (width, height, name, params) in enumerate(runs, 1):
