@@ -84,13 +84,11 @@ def _from_offset_zero(compiled):
     a storage offset of 0 or 1 apart from a larger one: block 0 (the shard) and the blocks after it (fresh
     tensors) were two variants of the one block function on those ranks. On the CPU group of two
     (tests/test_warmup.py) rank 1 compiled 6 graphs to rank 0's 3, and a group is ready when its slowest rank
-    is. The copy is of block 0's inputs only (a 1024x1024 edit's hidden states: 25 MB)."""
+    is. What it copies on rank 1 of that group: block 0's image and text shards (a 1024x1024 edit's: 25 MB)
+    and every block's shard of the text mask (its own hook splits it: a few hundred bytes). The rotary tables
+    (a tuple, at the same offsets in every block) are passed as they are."""
     def own(value):
-        if isinstance(value, torch.Tensor) and value.storage_offset():
-            return value.clone()
-        if isinstance(value, tuple):
-            return tuple(own(v) for v in value)
-        return value
+        return value.clone() if isinstance(value, torch.Tensor) and value.storage_offset() else value
 
     def forward(*args, **kwargs):
         return compiled(*(own(a) for a in args), **{k: own(v) for k, v in kwargs.items()})
