@@ -70,12 +70,18 @@ def _compile_block(block: torch.nn.Module, options: dict) -> None:
     if eager is not None:
         block._imgedit_eager_forward = eager
         internals.replace_hooked_forward(block, torch.compile(eager, **options))
-    elif internals.context_parallel_hooks(block):
+    elif internals.context_parallel_hooks(block) and _own_forward(block, internals.innermost_forward(block)):
         eager = internals.innermost_forward(block)
         block._imgedit_eager_inner_forward = eager
         internals.replace_innermost_forward(block, _from_offset_zero(torch.compile(eager, **options)))
     else:
         block.compile(**options)
+
+
+def _own_forward(block: torch.nn.Module, forward) -> bool:
+    """Whether the innermost of the block's diffusers hooks holds the block's own forward (it does when the
+    context-parallel hooks were its first: another hook's wrapper there would be compiled with it)."""
+    return getattr(forward, "__self__", None) is block and getattr(forward, "__func__", None) is not None
 
 
 def _from_offset_zero(compiled):
@@ -96,8 +102,8 @@ def _from_offset_zero(compiled):
 
 
 def uncompile_transformer(transformer: torch.nn.Module) -> None:
-    """Undo compile_transformer: every module compiled with Module.compile, or inside its device hook, runs
-    its eager forward again."""
+    """Undo compile_transformer: every module compiled with Module.compile, or inside its device hook or its
+    context-parallel hooks, runs its eager forward again."""
     for module in transformer.modules():
         internals.drop_compiled_call(module)
         eager = module.__dict__.pop("_imgedit_eager_forward", None)

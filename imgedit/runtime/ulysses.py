@@ -140,7 +140,8 @@ class UlyssesSwitch:
     through their function references, the attention processors lose their parallel config, and the text
     is not padded; off, the transformer computes what it computes without Ulysses (a CFG-on pair image
     stays the one-GPU image). Under torch.compile each state is its own variant of the block (dynamo
-    guards on the hooks' functions and the processors' config), both compiled at the warm-up."""
+    guards on the processors' config; the hooks run eagerly around the compiled block,
+    runtime/block_compile.py), both compiled at the warm-up."""
 
     def __init__(self, transformer: torch.nn.Module, rank: int, device_type: str, mesh=None):
         self.on = True
