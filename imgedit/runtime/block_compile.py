@@ -71,17 +71,17 @@ def _compile_block(block: torch.nn.Module, options: dict) -> None:
         block._imgedit_eager_forward = eager
         internals.replace_hooked_forward(block, torch.compile(eager, **options))
     elif internals.context_parallel_hooks(block) and _own_forward(block, internals.innermost_forward(block)):
-        eager = internals.innermost_forward(block)
-        block._imgedit_eager_inner_forward = eager
-        internals.replace_innermost_forward(block, _from_offset_zero(torch.compile(eager, **options)))
+        inner = internals.innermost_forward(block)
+        block._imgedit_eager_inner_forward = inner
+        internals.replace_innermost_forward(block, _from_offset_zero(torch.compile(inner, **options)))
     else:
         block.compile(**options)
 
 
 def _own_forward(block: torch.nn.Module, forward) -> bool:
-    """Whether the innermost of the block's diffusers hooks holds the block's own forward (it does when the
-    context-parallel hooks were its first: another hook's wrapper there would be compiled with it)."""
-    return getattr(forward, "__self__", None) is block and getattr(forward, "__func__", None) is not None
+    """Whether the innermost of the block's diffusers hooks holds the block's own (bound) forward: it does
+    when the context-parallel hooks were its first; another hook's wrapper there would be compiled with it."""
+    return getattr(forward, "__self__", None) is block
 
 
 def _from_offset_zero(compiled):
