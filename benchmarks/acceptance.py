@@ -51,6 +51,10 @@ built from the published configs; --tiny: the tiny one) with a random LoRA of it
     gradio_client /edit           a text to image without an image at --other-steps
     /v1/prompts/enhance           a prompt rewrite (ms per token, as the edit rows)
 
+With --load MINUTES, benchmarks/load.py then drives the same server for that long (--load-clients at once,
+default 3 a GPU its workers hold; --load-mix): images a minute, latency per kind, the queue, GPU utilisation and
+errors (there must be none), kept in the row's JSON as "load".
+
 With --restart the server is then stopped (SIGTERM) and started again with the same settings and compile
 cache: the restart's time to ready, and one REST edit. The server is always stopped at the end of a row
 (SIGTERM, then its whole process group killed if need be); processes of the group still alive after the
@@ -719,11 +723,36 @@ def run_row(row: dict, args, common: dict[str, str], pictures: tuple[bytes, byte
             run(requests, ready["health"], args.steps, args.other_steps, row["requests"])
         finally:
             requests.close()
+        if args.load:
+            row["load"] = run_load(server, args)
     finally:
         row["stop"] = server.stop()
         _warn_left_over(row["stop"])
     if args.restart:
         restart(row, settings, args, pictures)
+
+
+def run_load(server: Server, args) -> dict:
+    """benchmarks/load.py against the row's server for --load minutes: its report, without the samples' list
+    when there are many (the JSON keeps the queue's and GPUs' summary)."""
+    import load  # benchmarks/load.py, beside this script
+
+    health = httpx.get(f"{server.url}/health", timeout=30).json()
+    gpus = {d for w in health.get("workers") or () for d in w.get("devices") or () if d.startswith("cuda:")}
+    clients = args.load_clients or 3 * max(1, len(gpus))
+    argv = ["--url", server.url, "--clients", str(clients), "--minutes", str(args.load),
+            "--steps", str(args.steps), "--size", str(args.size)]
+    if args.load_mix:
+        argv += ["--mix", args.load_mix]
+    runner = load.Load(load.parse_args(argv), health)
+    print(f"    load: {clients} clients for {args.load} min, mix {runner.mix}; left out "
+          f"{runner.left_out or 'none'}", flush=True)
+    report = runner.run()
+    kinds = ", ".join(f"{k} n={v['n']} p50 {v['p50_s']} p99 {v['p99_s']}" for k, v in report["kinds"].items())
+    print(f"    load: {report['images_per_minute']} images a minute ({report['images_per_minute_per_gpu']} a GPU); "
+          f"{kinds}; errors {report['errors'] or 'none'}; queue {report['queue']}; GPU utilisation "
+          f"{report['gpu_utilization_mean']} %", flush=True)
+    return report
 
 
 def restart(row: dict, settings: dict[str, str], args, pictures: tuple[bytes, bytes, Path]) -> None:
@@ -778,6 +807,8 @@ def row_failures(row: dict) -> list[str]:
         if stop and stop.get("left_over_processes"):
             failures.append(f"{stop['left_over_processes']} process(es) outlived the server")
     failures.extend(f"{r['name']}: {r.get('error')}" for r in row["requests"] if r["outcome"] == "failed")
+    if row.get("load", {}).get("errors"):
+        failures.append(f"load: {row['load']['errors']}")
     return failures
 
 
@@ -915,6 +946,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", default="", help="write the whole run here as JSON")
     parser.add_argument("--only", default="", help="comma-separated request names (t2i-steady,refs1,...): the "
                         "row makes only these (a shorter GPU run); default: every request")
+    parser.add_argument("--load", type=float, default=0.0, metavar="MINUTES", help="after a row's requests, "
+                        "benchmarks/load.py against the same server for MINUTES (its report in the row's JSON)")
+    parser.add_argument("--load-clients", type=int, default=0, help="--load's clients at once (default: 3 a GPU "
+                        "the row's workers hold)")
+    parser.add_argument("--load-mix", default="", help="--load's mix, kind=weight,... (default: load.py's)")
     parser.add_argument("--save-images", default="", help="save each request's first image here as "
                         "ROW-REQUEST.png (rows of one seed compare by PSNR: benchmarks/psnr.py)")
     args = parser.parse_args(argv)

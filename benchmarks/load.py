@@ -82,6 +82,11 @@ class Load:
         turbo = any(worker.get("turbo") for worker in health.get("workers") or ())
         speeds = {speed for speed, n in (("fastest", 4), ("fast", 8)) if n in steps or turbo}
         generates = bool((health.get("defaults") or {}).get("text_to_image"))
+        # the GPUs the workers hold, by NVML index ("cuda:1" as the server numbers them: its visible GPUs' order)
+        visible = [g.get("index") for g in health.get("gpus") or ()]
+        held = {int(d[5:]) for w in health.get("workers") or () for d in w.get("devices") or ()
+                if d.startswith("cuda:")}
+        self.gpus = [visible[i] for i in sorted(held) if i < len(visible)] or visible
         weights = dict(kind_weight.split("=") for kind_weight in args.mix.split(","))
         self.mix, self.left_out = {}, {}
         for kind, weight in weights.items():
@@ -155,7 +160,8 @@ class Load:
                     health = client.get(f"{self.url}/health").json()
                 except (httpx.HTTPError, ValueError):
                     continue
-                utils = [g.get("utilization_percent") for g in health.get("gpus") or ()]
+                utils = [g.get("utilization_percent") for g in health.get("gpus") or ()
+                         if g.get("index") in self.gpus]
                 self.samples.append({"s": round(time.monotonic() - began, 1), "waiting": health.get("waiting"),
                                      "gpu_utilization": utils})
 
@@ -190,11 +196,12 @@ class Load:
         images = sum(d.get("images", 0) for d in ok)
         waiting = [s["waiting"] for s in self.samples if s["waiting"] is not None]
         utils = [u for s in self.samples for u in s["gpu_utilization"] if u is not None]
-        gpus = max((len(s["gpu_utilization"]) for s in self.samples), default=0)
+        gpus = len(self.gpus)
         return {
             "url": self.url, "clients": self.args.clients, "seconds": round(elapsed, 1), "mix": self.mix,
             "left_out": self.left_out, "requests": len(self.done), "ok": len(ok), "images": images,
             "images_per_minute": round(images / elapsed * 60, 2),
+            "gpus": self.gpus,
             "images_per_minute_per_gpu": round(images / elapsed * 60 / gpus, 2) if gpus else None,
             "kinds": kinds, "errors": errors,
             "queue": {"min": min(waiting, default=None), "max": max(waiting, default=None),
@@ -212,7 +219,7 @@ def quantile(sorted_values: list[float], q: float) -> float:
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://localhost:7860")
     parser.add_argument("--key", default=None, help="API_KEY of the server, if it has one")
@@ -227,7 +234,11 @@ def main(argv=None) -> int:
                         "offers no LoRA for them (they are then refused: errors)")
     parser.add_argument("--assume-t2i", action="store_true", help="send text to image whatever the model")
     parser.add_argument("--json")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     health = httpx.get(f"{args.url.rstrip('/')}/health", timeout=30).json()
     load = Load(args, health)
     print(f"{args.clients} clients for {args.minutes} min: mix {load.mix}; left out {load.left_out or 'none'}",
