@@ -52,8 +52,8 @@ built from the published configs; --tiny: the tiny one) with a random LoRA of it
     /v1/prompts/enhance           a prompt rewrite (ms per token, as the edit rows)
 
 With --load MINUTES, benchmarks/load.py then drives the same server for that long (--load-clients at once,
-default 3 a GPU its workers hold; --load-mix): images a minute, latency per kind, the queue, GPU utilisation and
-errors (there must be none), kept in the row's JSON as "load".
+default 3 a GPU its workers hold; --load-mix, --load-think, --load-batch): images a minute, latency per kind,
+the queue, GPU utilisation and errors (there must be none), kept in the row's JSON as "load".
 
 With --restart the server is then stopped (SIGTERM) and started again with the same settings and compile
 cache: the restart's time to ready, and one REST edit. The server is always stopped at the end of a row
@@ -744,11 +744,15 @@ def run_load(server: Server, args) -> dict:
             "--steps", str(args.steps), "--size", str(args.size)]
     if args.load_mix:
         argv += ["--mix", args.load_mix]
+    argv += ["--think", str(args.load_think), "--batch-items", str(args.load_batch)]
     runner = load.Load(load.parse_args(argv), health)
     print(f"    load: {clients} clients for {args.load} min, mix {runner.mix}; left out "
           f"{runner.left_out or 'none'}", flush=True)
     report = runner.run()
     kinds = ", ".join(f"{k} n={v['n']} p50 {v['p50_s']} p99 {v['p99_s']}" for k, v in report["kinds"].items())
+    if report["batch"]:
+        jobs = report["batch"]["jobs"]
+        print(f"    load: the batch beside them: {len(jobs)} job(s), {report['batch']['images']} image(s)", flush=True)
     print(f"    load: {report['images_per_minute']} images a minute ({report['images_per_minute_per_gpu']} a GPU); "
           f"{kinds}; errors {report['errors'] or 'none'}; queue {report['queue']}; GPU utilisation "
           f"{report['gpu_utilization_mean']} %", flush=True)
@@ -951,6 +955,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--load-clients", type=int, default=0, help="--load's clients at once (default: 3 a GPU "
                         "the row's workers hold)")
     parser.add_argument("--load-mix", default="", help="--load's mix, kind=weight,... (default: load.py's)")
+    parser.add_argument("--load-think", type=float, default=0.0, help="--load's clients' mean pause between "
+                        "requests, seconds (load.py --think)")
+    parser.add_argument("--load-batch", type=int, default=0, help="--load with a /v1/jobs job of this many "
+                        "edits running beside the clients (load.py --batch-items)")
     parser.add_argument("--save-images", default="", help="save each request's first image here as "
                         "ROW-REQUEST.png (rows of one seed compare by PSNR: benchmarks/psnr.py)")
     args = parser.parse_args(argv)

@@ -7,8 +7,12 @@ Each client loops: it draws a kind by its weight (--mix), sends it, waits for th
 kinds: `quality` (a 40-step edit, --steps), `fast` and `fastest` (speed=..., where the server offers them),
 `masked` (an 8-step edit with a mask), `two` (two input images), `rewrite` (/v1/prompts/enhance, 160 tokens),
 `t2i` (text to image, for a model that generates). A kind the server cannot run (its /health offers no fast
-LoRA, its model does not generate) is left out of the mix and named. Meanwhile a sampler reads /health every
---sample seconds: the line's length and each GPU's utilisation.
+LoRA, its model does not generate) is left out of the mix and named. --think S: each client pauses a random
+time between its requests (exponential, S seconds on average), as people do; 0 (the default) keeps every client
+sending. --batch-items N: beside the clients, a batch keeps one job of N --steps edits running through the jobs
+API (/v1/jobs) from start to end (submitted again when it finishes, cancelled at the end): the clients' latency
+is then that of interactive edits while a batch runs. Meanwhile a sampler reads /health every --sample seconds:
+the line's length and each GPU's utilisation.
 
 The report: images a minute (in all and per GPU), latency p50/p95/p99 and the p99/p50 ratio per kind, errors
 (every non-200 answer, by status and message: there should be none), the queue's length over time (min, mean,
@@ -77,6 +81,7 @@ class Load:
         self.lock = threading.Lock()
         self.done: list[dict] = []
         self.samples: list[dict] = []
+        self.batches: list[dict] = []  # the --batch-items jobs, as they ended
         self.stop = threading.Event()
         steps = {lora.get("lightning_steps") for lora in health.get("loras") or ()}
         turbo = any(worker.get("turbo") for worker in health.get("workers") or ())
@@ -152,6 +157,44 @@ class Load:
                 outcome = self.send(client, kind, rng.randrange(1 << 30))
                 with self.lock:
                     self.done.append({"kind": kind, "client": index, "at": started, **outcome})
+                if self.args.think > 0:
+                    self.stop.wait(rng.expovariate(1 / self.args.think))
+
+    def batch(self, until: float) -> None:
+        """One job of --batch-items edits at a time through the jobs API, until `until` (then cancelled)."""
+        fields = {"prompt": PROMPT, "size": f"{self.args.size}x{self.args.size}", "seed": "1",
+                  "num_inference_steps": str(self.args.steps)}
+        with httpx.Client(timeout=120) as client:
+            while time.monotonic() < until and not self.stop.is_set():
+                files = [("batch", (f"batch-{i}.png", self.pictures[i % 4], "image/png"))
+                         for i in range(self.args.batch_items)]
+                started = time.monotonic()
+                answer = client.post(f"{self.url}/v1/jobs", headers=self.headers, data=fields, files=files)
+                if answer.status_code != 202:  # accepted
+                    with self.lock:
+                        self.batches.append({"at": started, "error": f"{answer.status_code}: {answer.text[:120]}"})
+                    self.stop.wait(1)
+                    continue
+                view = self._follow(client, answer.json()["id"], until)
+                states = [item["state"] for item in view["items"]]
+                with self.lock:
+                    self.batches.append({"at": started, "seconds": round(time.monotonic() - started, 2),
+                                         "state": view["state"], "items": len(states),
+                                         "succeeded": states.count("succeeded"),
+                                         "errors": [item["error"] for item in view["items"]
+                                                    if item["state"] == "failed"]})
+
+    def _follow(self, client: httpx.Client, job_id: str, until: float) -> dict:
+        """The job's view once it has ended; cancelled when `until` passes first."""
+        cancelled = False
+        while True:
+            view = client.get(f"{self.url}/v1/jobs/{job_id}", headers=self.headers).json()
+            if view["state"] not in ("queued", "running", "cancelling"):
+                return view
+            if not cancelled and time.monotonic() >= until:
+                client.delete(f"{self.url}/v1/jobs/{job_id}", headers=self.headers)
+                cancelled = True
+            time.sleep(0.5)
 
     def sampler(self, began: float) -> None:
         with httpx.Client(timeout=10) as client:
@@ -171,6 +214,8 @@ class Load:
         sampler = threading.Thread(target=self.sampler, args=(began,), daemon=True)
         sampler.start()
         clients = [threading.Thread(target=self.client, args=(i, until)) for i in range(self.args.clients)]
+        if self.args.batch_items:
+            clients.append(threading.Thread(target=self.batch, args=(until,)))
         for thread in clients:
             thread.start()
         for thread in clients:
@@ -193,7 +238,12 @@ class Load:
                 p50, p95, p99 = (quantile(seconds, q) for q in (0.5, 0.95, 0.99))
                 kinds[kind] = {"n": len(seconds), "p50_s": round(p50, 3), "p95_s": round(p95, 3),
                                "p99_s": round(p99, 3), "p99_over_p50": round(p99 / p50, 2)}
-        images = sum(d.get("images", 0) for d in ok)
+        batch_images = sum(b.get("succeeded", 0) for b in self.batches)
+        for b in self.batches:
+            for error in [b["error"]] if "error" in b else b["errors"]:
+                key = f"batch: {error[:120]}"
+                errors[key] = errors.get(key, 0) + 1
+        images = sum(d.get("images", 0) for d in ok) + batch_images
         waiting = [s["waiting"] for s in self.samples if s["waiting"] is not None]
         utils = [u for s in self.samples for u in s["gpu_utilization"] if u is not None]
         gpus = len(self.gpus)
@@ -203,7 +253,9 @@ class Load:
             "images_per_minute": round(images / elapsed * 60, 2),
             "gpus": self.gpus,
             "images_per_minute_per_gpu": round(images / elapsed * 60 / gpus, 2) if gpus else None,
-            "kinds": kinds, "errors": errors,
+            "kinds": kinds, "errors": errors, "think_s": self.args.think,
+            "batch": {"items_a_job": self.args.batch_items, "jobs": self.batches, "images": batch_images}
+            if self.args.batch_items else None,
             "queue": {"min": min(waiting, default=None), "max": max(waiting, default=None),
                       "mean": round(statistics.fmean(waiting), 2) if waiting else None},
             "gpu_utilization_mean": round(statistics.fmean(utils), 1) if utils else None,
@@ -228,6 +280,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--mix", default=DEFAULT_MIX, help=f"kind=weight,... (default {DEFAULT_MIX})")
     parser.add_argument("--steps", type=int, default=40, help="steps of the quality edits and text to image")
     parser.add_argument("--size", type=int, default=1024, help="side of the inputs and outputs")
+    parser.add_argument("--think", type=float, default=0.0, help="a client's mean pause between its requests, "
+                        "in seconds (exponential); 0: none")
+    parser.add_argument("--batch-items", type=int, default=0, help="beside the clients, one /v1/jobs job of this "
+                        "many --steps edits at a time (0: none)")
     parser.add_argument("--sample", type=float, default=2.0, help="seconds between /health samples")
     parser.add_argument("--request-timeout", type=float, default=900.0)
     parser.add_argument("--assume-speeds", action="store_true", help="send fast/fastest even if /health "

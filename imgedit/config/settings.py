@@ -211,6 +211,10 @@ REGISTRY: tuple[Var, ...] = (
         "or @file (one per line); each user has a History"),
     Var("CLIENT_SHARE", "0.5", _float_range(0.05, 1.0),
         "The most of QUEUE_MAX_SIZE and of JOBS_MAX_PENDING one client (key, login or browser) may hold"),
+    Var("INTERACTIVE_RESERVE_S", "120", _float_range(0.0, 86_400.0),
+        "For this many seconds after the last edit someone waits on (the page, the gradio API, REST), "
+        "items of jobs (/v1/jobs, the Batch tab) leave one worker free for the next one (2+ workers); "
+        "0 = never. Waiting edits always start before waiting items"),
     Var("OUTPUT_DIR", "~/.cache/imgedit/outputs", _str,
         "Where finished edits (PNGs, inputs for re-runs) and the history index (SQLite) are kept"),
     Var("OUTPUT_RETENTION_HOURS", "168", _float_range(0.0, 1_000_000.0),
@@ -296,6 +300,7 @@ class Settings:
     api_keys: tuple[tuple[str, str], ...]
     gradio_auth: tuple[tuple[str, str], ...]
     client_share: float
+    interactive_reserve_s: float
     output_dir: str
     output_retention_hours: float
     output_max_gb: float

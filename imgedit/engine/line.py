@@ -2,6 +2,12 @@
 together, in arrival order, for a free worker. QUEUE_MAX_SIZE bounds the line and CLIENT_SHARE one client's
 places in it. No torch; the workers' handles (imgedit.engine.workers.pool) are claimed and released here only.
 
+Edits someone waits on (the page, the gradio API, REST) start before the waiting items of jobs (/v1/jobs,
+the Batch tab: `EditRequest.background`), each kind in arrival order. And for INTERACTIVE_RESERVE_S after the
+last such edit arrived, an item never takes the last idle worker of two or more: the next edit finds it free
+instead of waiting for an item's 40 steps (the p99/p50 of interactive edits while a batch runs,
+benchmarks/load.py).
+
 The line also knows every job in flight, from its arrival to its worker's release (`admit`), which is all
 the SIGTERM drain needs (imgedit.engine.shutdown): `close` refuses new jobs and fails the waiting ones,
 `wait_empty` waits for the running ones, `cancel_all` stops them at their next step.
@@ -11,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,12 +32,13 @@ WaitCallback = Callable[[int], None]  # jobs ahead of this one (running ones inc
 
 
 class _Ticket:
-    """A place in the line (compared by identity), and whose it is."""
+    """A place in the line (compared by identity), whose it is, and whether it is a job's item."""
 
-    __slots__ = ("client",)
+    __slots__ = ("client", "background")
 
-    def __init__(self, client: str | None):
+    def __init__(self, client: str | None, background: bool):
         self.client = client
+        self.background = background
 
 
 class Admitted(threading.Event):
@@ -62,6 +70,7 @@ class Line:
         self._tickets: collections.deque[_Ticket] = collections.deque()
         self._in_flight: list[Admitted] = []
         self._closed: str | None = None  # why jobs still waiting were dropped (`close`)
+        self._waited_on_at = float("-inf")  # when the last edit someone waits on arrived (time.monotonic)
 
     @contextlib.contextmanager
     def admit(self, cancel: threading.Event | None) -> Iterator[Admitted]:
@@ -126,10 +135,11 @@ class Line:
         return True
 
     def acquire(self, cancel: threading.Event | None, on_wait: WaitCallback | None,
-                client: str | None = None) -> WorkerHandle:
+                client: str | None = None, background: bool = False) -> WorkerHandle:
         """Wait in line for a free worker and claim it (WorkerHandle.claim). Refused at once when the line is
         full or the client holds its share of it; Cancelled when `cancel` is set while waiting; WorkerFailed
-        when no worker is left alive."""
+        when no worker is left alive. `background`: a job's item, served after the edits waiting (module
+        docstring)."""
         with self._cond:
             workers = self._workers()
             idle = [w for w in workers if w.state is WorkerState.IDLE]
@@ -141,8 +151,10 @@ class Line:
                 raise QueueFull(f"you already have {held} edit(s) waiting; one client may hold at most "
                                 f"{self.client_places()} of the line's {size} places (CLIENT_SHARE); "
                                 "try again when one has started")
-            ticket = _Ticket(client)
+            ticket = _Ticket(client, background)
             self._tickets.append(ticket)
+            if not background:
+                self._waited_on_at = time.monotonic()
             reported = -1
             try:
                 while True:
@@ -153,11 +165,11 @@ class Line:
                         raise Cancelled("cancelled while waiting")
                     if not any(not w.state.ended for w in workers):
                         raise WorkerFailed("no healthy GPU worker is left; see /health")
-                    if self._tickets[0] is ticket:
+                    if self._next(ticket) and (not background or self._item_may_start(workers)):
                         for worker in workers:
                             if worker.claim():
                                 return worker
-                    ahead = self._tickets.index(ticket) + sum(w.state is WorkerState.BUSY for w in workers)
+                    ahead = self._ahead(ticket) + sum(w.state is WorkerState.BUSY for w in workers)
                     if on_wait is not None and ahead != reported:
                         reported = ahead
                         on_wait(ahead)
@@ -165,6 +177,30 @@ class Line:
             finally:
                 self._tickets.remove(ticket)
                 self._cond.notify_all()
+
+    def _next(self, ticket: _Ticket) -> bool:
+        """Whether `ticket` starts next: the first edit waiting, or with none waiting the first item."""
+        for waiting in self._tickets:
+            if not waiting.background:
+                return waiting is ticket
+        return self._tickets[0] is ticket
+
+    def _ahead(self, ticket: _Ticket) -> int:
+        """The tickets that start before this one: every edit waiting comes before an item."""
+        before = itertools.takewhile(lambda t: t is not ticket, self._tickets)
+        if not ticket.background:
+            return sum(not t.background for t in before)
+        return sum(t.background for t in before) + sum(not t.background for t in self._tickets)
+
+    def _item_may_start(self, workers: list[WorkerHandle]) -> bool:
+        """An item may take an idle worker unless it is the last one of two or more serving while edits came
+        in the last INTERACTIVE_RESERVE_S (module docstring)."""
+        window = self.settings.interactive_reserve_s
+        if window <= 0 or time.monotonic() - self._waited_on_at > window:
+            return True
+        if sum(w.state.serving for w in workers) < 2:
+            return True
+        return sum(w.state is WorkerState.IDLE for w in workers) >= 2
 
     def release(self, worker: WorkerHandle) -> None:
         """Give a claimed worker back; the first in line takes it."""

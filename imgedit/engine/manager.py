@@ -335,7 +335,7 @@ class PipelineManager(Engine):
             params = params or by_task.get(task, self.resolve)(req)
             steps = params.steps
             waited = time.perf_counter()
-            worker = self.line.acquire(cancel, on_wait, req.client)
+            worker = self.line.acquire(cancel, on_wait, req.client, background=req.background)
             timings["queue"] = round(time.perf_counter() - waited, 4)
             if cancel.is_set():
                 raise Cancelled("cancelled before it started")

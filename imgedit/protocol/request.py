@@ -130,6 +130,7 @@ class EditRequest:
     request_id: str = field(default_factory=new_request_id)
     source: str = "ui"  # ui | api | rest: for logs and metrics
     client: str | None = None  # who asked (imgedit.web.identity's owner): for each client's share of the line
+    background: bool = False  # an item of a job (engine.jobs.batch): the line serves waiting edits first
     watch: bool = False  # someone watches: the worker sends a live preview every few steps (runtime.preview)
     # declared parameters (PARAMETERS) without an attribute of their own, by name: request_kwargs() puts them
     # here

@@ -344,7 +344,7 @@ class JobService:
                               for raw in item.inputs))
             # The template's prompt and every setting (speed, lora and lora_scale included) carry over.
             req = replace(job.template, images=images, request_id=new_request_id(), source=job.source,
-                          client=job.owner)
+                          client=job.owner, background=True)
             item.request_id = req.request_id
 
             def on_wait(ahead: int) -> None:
