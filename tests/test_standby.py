@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -191,3 +192,18 @@ def test_the_pool_passes_over_a_standby_that_cannot_serve(fake_driver, monkeypat
             "returned 0)): worker-0's rank 0 starts in a fresh process") in caplog.text
     assert [r.levelname for r in caplog.records if "cannot serve" in r.message] == ["WARNING"]
     assert "unused" not in caplog.text  # nothing left to stop
+
+
+def test_the_standbys_no_rank_took_are_stopped_at_once(caplog, capfd):
+    """Closed while its standby still imports (a start-up that failed early, say): the standby ends at once,
+    silently, and the pool gives out no more."""
+    caplog.set_level(logging.INFO, "imgedit.engine.workers.standby")
+    pool = StandbyPool(1, None, "INFO", capped=False)
+    (standby,) = map(int, re.findall(r"standby worker process\(es\) \((\d+),\)", caplog.text))
+    time.sleep(1)  # into its imports
+    pool.close()
+    assert not alive(standby)
+    assert f"stopped 1 unused standby process(es) ({standby},)" in caplog.text
+    assert pool.take(False, "worker-0's rank 0") is None
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err, out + err
