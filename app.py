@@ -97,11 +97,10 @@ def _start(args, settings, starting, log) -> int:
     # Imported here, after load_dotenv() and --host/--port: these modules read the environment when
     # imported (engine.inspection's IMGEDIT_SIZES_CACHE, gradio's GRADIO_* settings), and gradio's
     # import (2.5 s of CPU) comes after the port is answered, the settings are known to be good and the
-    # worker processes have started (below: they import torch meanwhile, 12-15 s on 2x H200).
-    # The server process never imports torch nor touches CUDA (GPUs are read through NVML); the
-    # worker processes own the GPUs.
-    from imgedit.engine.manager import PipelineManager
-    from imgedit.engine.workers.inspection import ensure_demo_checkpoint
+    # worker processes have started (below: standby processes import torch from before the inspection,
+    # 12-15 s on 2x H200). The server process never imports torch nor touches CUDA (GPUs are read
+    # through NVML); the worker processes own the GPUs.
+    from imgedit.engine.workers.standby import StandbyPool
 
     no_model_chosen = not settings.qwen_model_dir and "QWEN_MODEL" not in os.environ
     gpus = [] if args.demo or settings.demo or settings.workers == "ray" else discover_gpus()
@@ -119,7 +118,24 @@ def _start(args, settings, starting, log) -> int:
         # A few steps (unless DEFAULT_STEPS says otherwise): the random demo model makes noise either way.
         settings = replace(settings, demo=True, device_map=DeviceMap("cpu"),
                            default_steps=settings.default_steps or 4)
-    manager = PipelineManager(settings)
+    # uvicorn handles SIGTERM/SIGINT itself, then re-raises the signal once it has stopped serving: turn that,
+    # and a signal during start-up, into a normal exit so the standby and worker processes are stopped below.
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop_signal, _exit_quietly)
+    # The worker processes start now, before the plan is known: they import torch and the libraries while
+    # the checkpoint is inspected, then each is given a rank (engine.workers.standby).
+    standbys = StandbyPool.for_settings(settings, len(gpus))
+    try:
+        return _serve(settings, starting, log, standbys)
+    finally:
+        standbys.close()  # those no rank took, however start-up ended
+
+
+def _serve(settings, starting, log, standbys) -> int:
+    from imgedit.engine.manager import PipelineManager  # after the environment is set (_start)
+    from imgedit.engine.workers.inspection import ensure_demo_checkpoint  # reads IMGEDIT_SIZES_CACHE (_start)
+
+    manager = PipelineManager(settings, standbys=standbys)
     try:
         if settings.demo:
             starting.say("building the demo checkpoint")
@@ -130,12 +146,9 @@ def _start(args, settings, starting, log) -> int:
     except ImgEditError as exc:
         log.error("%s", exc.message)
         return 2
-    # uvicorn handles SIGTERM/SIGINT itself, then re-raises the signal once it has stopped serving:
-    # turn that into a normal exit so the worker processes are stopped below.
-    for stop_signal in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(stop_signal, _exit_quietly)
     starting.say("starting the worker processes")
     manager.start()  # worker processes load the weights; /health says 503 until they are ready
+    standbys.close()  # every worker has its processes: the standbys left are stopped
     try:
         starting.say("building the page")
         from imgedit.web.app import build_app, serve  # gradio: after the workers' start (above)

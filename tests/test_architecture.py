@@ -38,7 +38,8 @@ ALLOWED = {
 # (imported inside the function the child process runs, never at the server's import time).
 BOUNDARY = {"imgedit.runtime.messages"}
 CHILD_ENTRIES = {("imgedit.engine.workers.processes", "imgedit.runtime.worker"),
-                 ("imgedit.engine.workers.ray_pool", "imgedit.runtime.worker")}
+                 ("imgedit.engine.workers.ray_pool", "imgedit.runtime.worker"),
+                 ("imgedit.engine.workers.standby", "imgedit.runtime.standby")}
 TOP_LEVEL_MAX = 6
 LINES_MAX = 400
 LINES_HARD = 600

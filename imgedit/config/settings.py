@@ -184,9 +184,10 @@ REGISTRY: tuple[Var, ...] = (
     Var("WORKER_RESTARTS", "3", _int_range(0, 100),
         "How many times a worker process that dies is restarted before it is reported failed"),
     Var("WORKER_START", "spawn", _choice("spawn", "forkserver"),
-        "How local worker processes start: spawn (a fresh interpreter each) | "
-        "forkserver (torch imported once, workers forked from it; CPU only "
-        "for now: on the GPU machine a forked worker could not use CUDA)"),
+        "How local worker processes start: spawn (a fresh interpreter each; app.py starts them before it "
+        "inspects the checkpoint, so that they import torch meanwhile, and gives each a rank once the plan "
+        "is known) | forkserver (torch imported once, workers forked from it; CPU only for now: on the GPU "
+        "machine a forked worker could not use CUDA)"),
     Var("WORKERS", "local", _choice("local", "ray"),
         "local = worker processes on this machine | ray = Ray actors anywhere in the cluster at RAY_ADDRESS"),
     Var("RAY_ADDRESS", "", _optional_str,

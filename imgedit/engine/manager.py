@@ -31,6 +31,7 @@ from imgedit.engine.shutdown import NOT_STARTED, STOPPED
 from imgedit.engine.validation import check_params, model_defaults, resolve, resolve_enhance, resolve_outline
 from imgedit.engine.workers import startup
 from imgedit.engine.workers.pool import WorkerHandle, wait_result
+from imgedit.engine.workers.standby import StandbyPool
 from imgedit.errors import (
     Cancelled,
     ImgEditError,
@@ -63,10 +64,12 @@ HEAP_EVERY_S = 10.0
 
 class PipelineManager(Engine):
     def __init__(self, settings: Settings, plan: Plan | None = None, gpus: Sequence[GpuSpec] | None = None,
-                 worker_hook: str | None = None, warmup_sizes: tuple[tuple[int, int], ...] = WARMUP_SIZES):
+                 worker_hook: str | None = None, warmup_sizes: tuple[tuple[int, int], ...] = WARMUP_SIZES,
+                 standbys: StandbyPool | None = None):
         self.settings = settings
         self._plan = plan
         self._gpus = gpus
+        self._standbys = standbys  # processes started before the plan, for the workers' ranks (app.py)
         self.worker_hook = worker_hook  # "module:function" run in every worker after loading (tests)
         self.warmup_sizes = warmup_sizes
         self.workers: list[WorkerHandle] = []
@@ -164,7 +167,8 @@ class PipelineManager(Engine):
     def _handle(self, plan) -> WorkerHandle:
         spec = startup.worker_spec(self.settings, plan, self._plan.workers, self.checkpoint, self.loras,
                                    self.worker_hook, self.warmup_sizes)
-        return startup.worker_handle(self.settings, plan, spec, self._nodes.get(plan.name), self._changed)
+        return startup.worker_handle(self.settings, plan, spec, self._nodes.get(plan.name), self._changed,
+                                     self._standbys)
 
     def _changed(self) -> None:
         self.line.changed()

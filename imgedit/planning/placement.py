@@ -170,6 +170,21 @@ def plan_placement(
     raise PlacementError(f"unknown DEVICE_MAP mode {mode!r}")
 
 
+# DEVICE_MAP modes whose plan is one process at most: one worker of one rank, on the CPU, one GPU, or
+# spread over several GPUs by device hooks (balanced, a manual map)
+ONE_PROCESS = ("cpu", "cuda", "balanced", "manual")
+
+
+def most_processes(device_map: DeviceMap, gpus: int) -> int:
+    """The most worker processes a plan for `device_map` can start on `gpus` visible GPUs, before the
+    checkpoint is known: one for the modes of one process, else one per GPU (replicas, the ranks of
+    CFG-parallel pairs and Ulysses groups, auto's choice among them), at least one. What the server
+    starts ahead of the plan (engine.workers.standby) is never more than it can use."""
+    if device_map.mode in ONE_PROCESS:
+        return 1
+    return max(1, gpus)
+
+
 def _single(components: Sequence[ComponentSpec], device: str, mode: str, reason: str) -> Plan:
     return Plan(mode, (WorkerPlan("worker-0", _whole(components, device)),), reason,
                 {device: _total(components)})

@@ -4,6 +4,8 @@ picklable messages. Torch-free: the server imports this without touching a GPU.
 server -> every rank of a worker (its own inbox pipe): WorkerSpec at spawn, then Job, Cancel, Stop.
 rank -> server (its own outbox pipe): Ready / LoadFailed once, then Step, Done, Failed per job.
 Only rank 0 reports steps and results; any rank may report a failure.
+server -> a standby process (started before the plan was known): Assignment, which makes it a rank, or
+Stop; a standby -> server: StandbyUnfit when it cannot serve (then it exits).
 """
 
 from __future__ import annotations
@@ -75,6 +77,27 @@ class WorkerSpec:
     fast_steps: tuple[int, ...] = (4, 8)  # FAST_QUANTIZE_SPEEDS as Lightning step counts
     cpu_threads: int = 0  # WORKER_THREADS (planning.modes.worker_threads); 0 = PyTorch's default
     turbo: TurboCheckpoint | None = None  # TURBO_MODEL_DIR, checked: speed=fast/fastest's transformer
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A standby process made a rank (imgedit.runtime.standby): what a process started for the rank is
+    given (engine.workers.processes), the server's environment as of now included."""
+
+    environ: dict[str, str]
+    spec: WorkerSpec
+    visible_devices: str | None  # the rank's CUDA_VISIBLE_DEVICES
+    cache_dir: str | None  # COMPILE_CACHE_DIR
+    log_level: str
+
+
+@dataclass(frozen=True)
+class StandbyUnfit:
+    """A standby process that cannot serve (something initialised the CUDA driver, so its GPUs are fixed;
+    an import failed): it exits, and its rank, if it was given one, starts in a fresh process."""
+
+    pid: int
+    reason: str
 
 
 @dataclass(frozen=True)

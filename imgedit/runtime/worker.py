@@ -1,9 +1,10 @@
 """A worker process (one rank): load the pipeline onto its GPUs, warm it up, then serve jobs.
 
 Started by imgedit.engine.workers.pool with the spawn method and CUDA_VISIBLE_DEVICES holding only this rank's
-GPUs. A reader thread takes messages off the inbox (jobs to a local queue, cancels to flags) so a
-cancel reaches a running job at its next step. The process exits on Stop, on a fatal error (the
-pool restarts it) and when its parent, the server, is gone (no orphans even after a SIGKILL).
+GPUs, or run by a standby process given this rank (imgedit.runtime.standby). A reader thread takes messages
+off the inbox (jobs to a local queue, cancels to flags) so a cancel reaches a running job at its next step.
+The process exits on Stop, on a fatal error (the pool restarts it) and when its parent, the server, is gone
+(no orphans even after a SIGKILL).
 
 torch, and every module of ours that imports it, is imported inside the functions below, not at the top:
 this module is the first the child process imports, and main() sets CUDA_VISIBLE_DEVICES and the compile
@@ -43,10 +44,12 @@ log = logging.getLogger(__name__)
 
 def main(spec: WorkerSpec, inbox, outbox, visible_devices: str | None, cache_dir: str | None,
          log_level: str = "INFO") -> None:
-    started = time.perf_counter()  # what /health's "(N s)" counts from: the imports below included
+    # what /health's "(N s)" counts from: the imports below included (a standby process's were done before its
+    # assignment, runtime.standby: its clock starts there)
+    started = time.perf_counter()
     prepare_process(visible_devices, cache_dir, capped=bool(spec.memory_caps))
     # The server stops its workers (Stop, then terminate, then kill; a rank whose server is gone exits on its
-    # own: _watch_parent). Ctrl-C in a terminal, timeout(1) or systemd signal the whole process group: a rank
+    # own: watch_parent). Ctrl-C in a terminal, timeout(1) or systemd signal the whole process group: a rank
     # dying of that would end a job the server's drain lets finish, and it left its semaphores to
     # multiprocessing's resource tracker ("1 leaked semaphore" at the stop, tests/test_workers.py). A Ray
     # actor runs this in a thread: Ray owns its signals.
@@ -61,7 +64,7 @@ def main(spec: WorkerSpec, inbox, outbox, visible_devices: str | None, cache_dir
         from transformers.utils import logging as transformers_logging  # quieted first (docstring)
 
         transformers_logging.disable_progress_bar()  # "Loading weights: 100%" bars in the server's log
-    _watch_parent(os.getppid())
+    watch_parent(os.getppid())
 
     def say(doing: str) -> None:  # what /health and the page show while this rank loads
         outbox.put(Loading(spec.rank, doing, round(time.perf_counter() - started, 1)))
@@ -107,7 +110,10 @@ def prepare_process(visible_devices: str | None, cache_dir: str | None, capped: 
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
-def _watch_parent(parent: int) -> None:
+def watch_parent(parent: int) -> None:
+    """Exit when `parent`, the server, is gone (this process is re-parented then): no orphan outlives a
+    server killed with SIGKILL. A worker and a standby process (runtime.standby) watch from their start."""
+
     def watch():
         while True:
             if os.getppid() != parent:

@@ -16,6 +16,7 @@ from imgedit.engine.workers.gpus import discover_gpus, host_threads
 from imgedit.engine.workers.inspection import inspect_checkpoint
 from imgedit.engine.workers.pool import WorkerHandle
 from imgedit.engine.workers.processes import ProcessTransport
+from imgedit.engine.workers.standby import StandbyPool
 from imgedit.errors import PlacementError, WorkerFailed
 from imgedit.planning import modes, turbo
 from imgedit.planning.checkpoint import Checkpoint
@@ -106,14 +107,15 @@ def check_turbo(settings: Settings, checkpoint: Checkpoint) -> turbo.TurboCheckp
 
 
 def worker_handle(settings: Settings, plan: WorkerPlan, spec: WorkerSpec, node: str | None,
-                  on_change: Callable[[], None]) -> WorkerHandle:
-    """The supervisor of one planned worker over its transport: local processes, or Ray actors on `node`."""
+                  on_change: Callable[[], None], standbys: StandbyPool | None = None) -> WorkerHandle:
+    """The supervisor of one planned worker over its transport: local processes (its ranks taken from
+    `standbys` where it has some), or Ray actors on `node`."""
     s = settings
     if s.workers == "ray":
         transport = ray_pool.RayTransport(plan.name, s.compile_cache_dir, s.log_level, node_id=node)
     else:
         transport = ProcessTransport(plan.name, s.cuda_visible_devices, s.compile_cache_dir, s.log_level,
-                                     s.worker_start)
+                                     s.worker_start, standbys)
     return WorkerHandle(plan, spec, transport, max_restarts=s.worker_restarts, on_change=on_change,
                         max_memory=s.max_memory)
 

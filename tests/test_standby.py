@@ -1,0 +1,209 @@
+"""Standby worker processes (engine.workers.standby, runtime.standby): `python app.py` starts them before it
+inspects the checkpoint, they import what a worker imports meanwhile, and each rank is given one; one that
+finds the CUDA driver initialised is passed over for a fresh process. A real server on the tiny checkpoint
+(DEVICE_MAP=cpu, WORKER_START=spawn); where a C compiler is present, a fake libcuda.so.1 answers the standby's
+driver check (torch's CPU build never loads it itself)."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import ROOT, alive, free_port, http, picture, wait_for
+
+from imgedit.engine.workers.standby import StandbyPool
+
+NOT_INITIALISED, INITIALISED = 3, 0  # cuDeviceGetCount's answers before and after cuInit
+
+
+@pytest.fixture(scope="module")
+def fake_driver(tmp_path_factory):
+    """A folder holding a libcuda.so.1 whose cuDeviceGetCount answers `status`, per status; None without a
+    C compiler."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+
+    def build(status: int) -> Path | None:
+        if compiler is None:
+            return None
+        folder = tmp_path_factory.mktemp(f"cuda{status}")
+        source = folder / "fake.c"
+        source.write_text(f"int cuDeviceGetCount(int *count) {{ *count = 0; return {status}; }}\n")
+        subprocess.run([compiler, "-shared", "-fPIC", "-o", str(folder / "libcuda.so.1"), str(source)],
+                       check=True, timeout=60)
+        return folder
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def sizes_cache(tmp_path_factory) -> Path:
+    """The module's servers' sizes cache: empty for the first, which inspects the checkpoint in its
+    subprocess; the second finds the sizes there and plans at once."""
+    return tmp_path_factory.mktemp("sizes")
+
+
+class Server:
+    """`python app.py` in a process group of its own, its log in a file."""
+
+    def __init__(self, ckpt: Path, tmp: Path, sizes: Path, driver: Path | None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cpu", "WORKER_START": "spawn",
+               "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(self.port),
+               "OUTPUT_DIR": str(tmp / "outputs"), "IMGEDIT_SIZES_CACHE": str(sizes), "TORCH_DTYPE": "float32"}
+        if driver is not None:
+            env["LD_LIBRARY_PATH"] = os.pathsep.join([str(driver), *filter(None, [env.get("LD_LIBRARY_PATH")])])
+        self.log = open(tmp / "server.log", "w+")
+        self.proc = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self) -> None:
+        def ready() -> bool:
+            assert self.proc.poll() is None, self.output()
+            try:
+                return http.get(f"{self.url}/health", timeout=10).json().get("status") == "ok"
+            except (httpx.HTTPError, ValueError):
+                return False
+
+        wait_for(ready, 180, "the server did not get ready")
+
+    def pids(self) -> list[int]:
+        return [p for w in http.get(f"{self.url}/v1/status", timeout=10).json()["workers"] for p in w["pids"]]
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def standby(self) -> int:
+        """The pid of the standby process the server said it started."""
+        found = re.findall(r"started 1 standby worker process\(es\) \((\d+),\)", self.output())
+        assert len(found) == 1, self.output()
+        return int(found[0])
+
+    def stop(self) -> None:
+        """SIGTERM to the server alone: it stops its workers, and nothing of its process group outlives it."""
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(60) == 0, self.output()
+        wait_for(lambda: not in_group(self.proc.pid), 10, f"left in the server's group: {in_group(self.proc.pid)}")
+        log = self.output()
+        assert "Traceback" not in log and "leaked" not in log, log[-4000:]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.log.close()
+
+
+def in_group(group: int) -> list[int]:
+    """The live processes of a process group."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == group and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_the_rank_is_served_by_the_standby_started_before_the_inspection(plus_ckpt, tmp_path, sizes_cache,
+                                                                          fake_driver):
+    """The process the server started before it inspected the checkpoint (no sizes cached: the inspection's
+    subprocess runs) is the one that serves: the log names it at its start, before the plan, and when the
+    rank is given it; /v1/status lists it; an edit runs on it. With a compiler, a driver that answers "not
+    initialised" lets it serve (without one, there is no driver to ask)."""
+    server = Server(plus_ckpt, tmp_path, sizes_cache, fake_driver(NOT_INITIALISED))
+    try:
+        server.wait_ready()
+        standby = server.standby()
+        log = server.output()
+        given = log.index(f"worker-0's rank 0 given the standby process {standby}")
+        assert log.index("started 1 standby worker process(es)") < log.index("placement mode=cpu") < given
+        assert "cannot serve" not in log, log
+        assert server.pids() == [standby]
+        with open(f"/proc/{standby}/stat") as f:
+            assert int(f.read().rsplit(")", 1)[1].split()[1]) == server.proc.pid  # the server's own child
+        png = io.BytesIO()
+        picture(64, 64).save(png, "PNG")
+        edit = http.post(f"{server.url}/v1/images/edits", timeout=120,
+                         files={"image": ("a.png", png.getvalue(), "image/png")},
+                         data={"prompt": "x", "size": "64x64", "num_inference_steps": "2"})
+        assert edit.status_code == 200, edit.text
+        assert server.pids() == [standby]
+        server.stop()
+    finally:
+        server.kill()
+
+
+def test_a_standby_that_finds_the_driver_initialised_gives_way_to_a_fresh_process(plus_ckpt, tmp_path,
+                                                                                  sizes_cache, fake_driver):
+    """A driver that answers "initialised": the standby, already given the rank (the sizes are cached, so the
+    plan comes before its imports end), says so and exits; the rank starts in a fresh process, with one
+    WARNING that says why."""
+    driver = fake_driver(INITIALISED)
+    if driver is None:
+        pytest.skip("no C compiler (cc or gcc) to build the fake libcuda.so.1")
+    server = Server(plus_ckpt, tmp_path, sizes_cache, driver)
+    try:
+        server.wait_ready()
+        standby = server.standby()
+        warnings = [line for line in server.output().splitlines() if " WARNING " in line]
+        assert len(warnings) == 1 and (
+            f"standby process {standby} cannot serve (the CUDA driver was initialised (cuDeviceGetCount returned "
+            "0)): worker-0's rank 0 starts in a fresh process") in warnings[0], server.output()
+        (fresh,) = server.pids()
+        assert fresh != standby and alive(fresh) and not alive(standby)
+        server.stop()
+    finally:
+        server.kill()
+
+
+def test_the_pool_passes_over_a_standby_that_cannot_serve(fake_driver, monkeypatch, caplog):
+    """Taken after it said it cannot serve (and exited): no standby, a fresh process for the rank, and the
+    reason logged. A rank that needs MAX_MEMORY's allocator setting is not given a standby prepared without
+    it (which stays for another)."""
+    driver = fake_driver(INITIALISED)
+    if driver is None:
+        pytest.skip("no C compiler (cc or gcc) to build the fake libcuda.so.1")
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(driver))  # the standby's environment, as of its start
+    caplog.set_level(logging.INFO, "imgedit.engine.workers.standby")
+    pool = StandbyPool(1, None, "INFO", capped=False)
+    try:
+        (standby,) = map(int, re.findall(r"standby worker process\(es\) \((\d+),\)", caplog.text))
+        assert pool.take(True, "worker-0's rank 0") is None
+        wait_for(lambda: not alive(standby), 120, "the standby did not exit")  # imports, check, message, exit
+        assert pool.take(False, "worker-0's rank 0") is None
+    finally:
+        pool.close()
+    assert (f"standby process {standby} cannot serve (the CUDA driver was initialised (cuDeviceGetCount "
+            "returned 0)): worker-0's rank 0 starts in a fresh process") in caplog.text
+    assert [r.levelname for r in caplog.records if "cannot serve" in r.message] == ["WARNING"]
+    assert "unused" not in caplog.text  # nothing left to stop
+
+
+def test_the_standbys_no_rank_took_are_stopped_at_once(caplog, capfd):
+    """Closed while its standby still imports (a start-up that failed early, say): the standby ends at once,
+    silently, and the pool gives out no more."""
+    caplog.set_level(logging.INFO, "imgedit.engine.workers.standby")
+    pool = StandbyPool(1, None, "INFO", capped=False)
+    (standby,) = map(int, re.findall(r"standby worker process\(es\) \((\d+),\)", caplog.text))
+    time.sleep(1)  # into its imports
+    pool.close()
+    assert not alive(standby)
+    assert f"stopped 1 unused standby process(es) ({standby},)" in caplog.text
+    assert pool.take(False, "worker-0's rank 0") is None
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err, out + err
