@@ -6,7 +6,7 @@ import pytest
 
 from imgedit.config.parsers import GIB, parse_device_map
 from imgedit.errors import PlacementError
-from imgedit.planning.placement import most_processes, plan_placement
+from imgedit.planning.placement import plan_placement, standby_gpus
 from imgedit.planning.plan import ComponentSpec, GpuSpec
 
 # Real bf16 sizes of Qwen-Image-Edit (GiB): transformer 60 blocks, text encoder 28 layers, VAE whole.
@@ -173,13 +173,14 @@ def test_manual_map_over_budget_is_refused():
         plan('{"transformer": "cuda:0", "text_encoder": "cuda:0"}', gpus(48, 48))
 
 
-@pytest.mark.parametrize("device_map, gpus, most", [
-    ("cpu", 0, 1), ("cpu", 4, 1), ("cuda", 2, 1), ("cuda:1", 2, 1), ("balanced", 4, 1), ("balanced", 0, 1),
-    ('{"transformer": "cuda:0", "text_encoder": "cuda:1", "vae": "cuda:0"}', 2, 1),
-    ("replicas", 3, 3), ("cfg-parallel", 4, 4), ("cfg-parallel:4", 8, 8), ("ulysses:2", 2, 2),
-    ("auto", 2, 2), ("auto", 1, 1), ("auto", 0, 1), ("replicas", 0, 1),
+@pytest.mark.parametrize("device_map, gpus, expected", [
+    ("cpu", 0, [()]), ("cpu", 4, [()]), ("cuda", 2, [(0,)]), ("cuda:1", 2, [(1,)]), ("balanced", 4, [(0, 1, 2, 3)]),
+    ("balanced", 0, [()]), ('{"transformer": "cuda:0", "text_encoder": "cuda:1", "vae": "cuda:0"}', 2, [(0, 1)]),
+    ("replicas", 3, [(0,), (1,), (2,)]), ("cfg-parallel:4", 4, [(0,), (1,), (2,), (3,)]),
+    ("ulysses:2", 2, [(0,), (1,)]),
+    ("auto", 2, [(0,), (1,)]), ("auto", 1, [(0,)]), ("auto", 0, [()]), ("replicas", 0, [()]),
 ])
-def test_the_standby_processes_are_never_more_than_the_plan_can_start(device_map, gpus, most):
-    """What app.py starts before the checkpoint is known (engine.workers.standby): one process for the modes
-    of one worker of one rank, else one per visible GPU, at least one."""
-    assert most_processes(parse_device_map(device_map), gpus) == most
+def test_the_standby_processes_are_one_for_each_set_of_gpus_a_rank_may_own(device_map, gpus, expected):
+    """What app.py starts before the checkpoint is known (engine.workers.standby), each with its GPUs fixed:
+    one process for the modes of one worker of one rank (its GPUs: none, GPU N, or all), else one per GPU."""
+    assert standby_gpus(parse_device_map(device_map), gpus) == expected

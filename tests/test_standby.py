@@ -1,8 +1,7 @@
 """Standby worker processes (engine.workers.standby, runtime.standby): `python app.py` starts them before it
-inspects the checkpoint, they import what a worker imports meanwhile, and each rank is given one; one that
-finds the CUDA driver initialised is passed over for a fresh process. A real server on the tiny checkpoint
-(DEVICE_MAP=cpu, WORKER_START=spawn); where a C compiler is present, a fake libcuda.so.1 answers the standby's
-driver check (torch's CPU build never loads it itself)."""
+inspects the checkpoint, each with the GPUs of the rank it may become, they import what a worker imports
+meanwhile, and each rank is given the one of its GPUs; one whose imports fail is passed over for a fresh
+process. A real server on the tiny checkpoint (DEVICE_MAP=cpu, WORKER_START=spawn), and the pool alone."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ import io
 import logging
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,28 +19,26 @@ import httpx
 import pytest
 from conftest import ROOT, alive, free_port, http, picture, wait_for
 
-from imgedit.engine.workers.standby import StandbyPool
+from imgedit.engine.workers.standby import StandbyPool, stop
 
-NOT_INITIALISED, INITIALISED = 3, 0  # cuDeviceGetCount's answers before and after cuInit
+BROKEN_PEFT = """
+import multiprocessing, os, sys
+if multiprocessing.current_process().name.startswith("imgedit-standby"):
+    raise ImportError("broken in standby processes, for the test")
+sys.path.remove(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+del sys.modules["peft"]
+import peft  # the installed one, which takes this one's place in sys.modules
+"""
 
 
 @pytest.fixture(scope="module")
-def fake_driver(tmp_path_factory):
-    """A folder holding a libcuda.so.1 whose cuDeviceGetCount answers `status`, per status; None without a
-    C compiler."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-
-    def build(status: int) -> Path | None:
-        if compiler is None:
-            return None
-        folder = tmp_path_factory.mktemp(f"cuda{status}")
-        source = folder / "fake.c"
-        source.write_text(f"int cuDeviceGetCount(int *count) {{ *count = 0; return {status}; }}\n")
-        subprocess.run([compiler, "-shared", "-fPIC", "-o", str(folder / "libcuda.so.1"), str(source)],
-                       check=True, timeout=60)
-        return folder
-
-    return build
+def broken_peft(tmp_path_factory) -> Path:
+    """A folder whose `peft` fails to import in a standby process (named imgedit-standby-N) and is the
+    installed peft everywhere else: the lowest seam of a standby's import failure."""
+    folder = tmp_path_factory.mktemp("broken")
+    (folder / "peft").mkdir()
+    (folder / "peft" / "__init__.py").write_text(BROKEN_PEFT)
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +51,14 @@ def sizes_cache(tmp_path_factory) -> Path:
 class Server:
     """`python app.py` in a process group of its own, its log in a file."""
 
-    def __init__(self, ckpt: Path, tmp: Path, sizes: Path, driver: Path | None):
+    def __init__(self, ckpt: Path, tmp: Path, sizes: Path, path: Path | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cpu", "WORKER_START": "spawn",
                "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(self.port),
                "OUTPUT_DIR": str(tmp / "outputs"), "IMGEDIT_SIZES_CACHE": str(sizes), "TORCH_DTYPE": "float32"}
-        if driver is not None:
-            env["LD_LIBRARY_PATH"] = os.pathsep.join([str(driver), *filter(None, [env.get("LD_LIBRARY_PATH")])])
+        if path is not None:
+            env["PYTHONPATH"] = os.pathsep.join([str(path), *filter(None, [env.get("PYTHONPATH")])])
         self.log = open(tmp / "server.log", "w+")
         self.proc = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
@@ -87,7 +83,7 @@ class Server:
 
     def standby(self) -> int:
         """The pid of the standby process the server said it started."""
-        found = re.findall(r"started 1 standby worker process\(es\) \((\d+),\)", self.output())
+        found = re.findall(r"started 1 standby worker process\(es\) \((\d+)\)", self.output())
         assert len(found) == 1, self.output()
         return int(found[0])
 
@@ -119,13 +115,11 @@ def in_group(group: int) -> list[int]:
     return found
 
 
-def test_the_rank_is_served_by_the_standby_started_before_the_inspection(plus_ckpt, tmp_path, sizes_cache,
-                                                                          fake_driver):
+def test_the_rank_is_served_by_the_standby_started_before_the_inspection(plus_ckpt, tmp_path, sizes_cache):
     """The process the server started before it inspected the checkpoint (no sizes cached: the inspection's
     subprocess runs) is the one that serves: the log names it at its start, before the plan, and when the
-    rank is given it; /v1/status lists it; an edit runs on it. With a compiler, a driver that answers "not
-    initialised" lets it serve (without one, there is no driver to ask)."""
-    server = Server(plus_ckpt, tmp_path, sizes_cache, fake_driver(NOT_INITIALISED))
+    rank is given it; /v1/status lists it; an edit runs on it."""
+    server = Server(plus_ckpt, tmp_path, sizes_cache)
     try:
         server.wait_ready()
         standby = server.standby()
@@ -148,22 +142,18 @@ def test_the_rank_is_served_by_the_standby_started_before_the_inspection(plus_ck
         server.kill()
 
 
-def test_a_standby_that_finds_the_driver_initialised_gives_way_to_a_fresh_process(plus_ckpt, tmp_path,
-                                                                                  sizes_cache, fake_driver):
-    """A driver that answers "initialised": the standby, already given the rank (the sizes are cached, so the
-    plan comes before its imports end), says so and exits; the rank starts in a fresh process, with one
-    WARNING that says why."""
-    driver = fake_driver(INITIALISED)
-    if driver is None:
-        pytest.skip("no C compiler (cc or gcc) to build the fake libcuda.so.1")
-    server = Server(plus_ckpt, tmp_path, sizes_cache, driver)
+def test_a_standby_whose_imports_fail_gives_way_to_a_fresh_process(plus_ckpt, tmp_path, sizes_cache,
+                                                                   broken_peft):
+    """peft fails to import in the standby only (the sizes are cached, so the plan may come before its imports
+    end): the rank starts in a fresh process that serves, with one WARNING that says why."""
+    server = Server(plus_ckpt, tmp_path, sizes_cache, broken_peft)
     try:
         server.wait_ready()
         standby = server.standby()
         warnings = [line for line in server.output().splitlines() if " WARNING " in line]
-        assert len(warnings) == 1 and (
-            f"standby process {standby} cannot serve (the CUDA driver was initialised (cuDeviceGetCount returned "
-            "0)): worker-0's rank 0 starts in a fresh process") in warnings[0], server.output()
+        assert len(warnings) == 1 and re.search(
+            rf"standby process {standby} cannot serve \(importing \w+ failed \(ImportError: broken in standby "
+            r"processes, for the test\)\): worker-0's rank 0 starts in a fresh process", warnings[0]), warnings
         (fresh,) = server.pids()
         assert fresh != standby and alive(fresh) and not alive(standby)
         server.stop()
@@ -171,25 +161,45 @@ def test_a_standby_that_finds_the_driver_initialised_gives_way_to_a_fresh_proces
         server.kill()
 
 
-def test_the_pool_passes_over_a_standby_that_cannot_serve(fake_driver, monkeypatch, caplog):
-    """Taken after it said it cannot serve (and exited): no standby, a fresh process for the rank, and the
-    reason logged. A rank that needs MAX_MEMORY's allocator setting is not given a standby prepared without
-    it (which stays for another)."""
-    driver = fake_driver(INITIALISED)
-    if driver is None:
-        pytest.skip("no C compiler (cc or gcc) to build the fake libcuda.so.1")
-    monkeypatch.setenv("LD_LIBRARY_PATH", str(driver))  # the standby's environment, as of its start
+def test_a_standby_is_given_only_to_a_rank_of_its_gpus(monkeypatch, caplog):
+    """Started with CUDA_VISIBLE_DEVICES=0 from its first instruction (an import may fix the GPUs a process
+    sees): not given to a rank of GPU 1, of the server's own GPUs (None) or one that needs MAX_MEMORY's
+    allocator setting; given to a rank of GPU 0."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     caplog.set_level(logging.INFO, "imgedit.engine.workers.standby")
-    pool = StandbyPool(1, None, "INFO", capped=False)
+    pool = StandbyPool(["0"], None, "INFO", capped=False)
+    taken = None
     try:
-        (standby,) = map(int, re.findall(r"standby worker process\(es\) \((\d+),\)", caplog.text))
-        assert pool.take(True, "worker-0's rank 0") is None
-        wait_for(lambda: not alive(standby), 120, "the standby did not exit")  # imports, check, message, exit
-        assert pool.take(False, "worker-0's rank 0") is None
+        (standby,) = map(int, re.findall(r"standby worker process\(es\) \((\d+) on GPU\(s\) 0\)", caplog.text))
+        # as its interpreter was started (read once it has exec'd: the file is empty before)
+        wait_for(lambda: Path(f"/proc/{standby}/environ").read_bytes(), 30, "the standby did not start")
+        assert b"CUDA_VISIBLE_DEVICES=0" in Path(f"/proc/{standby}/environ").read_bytes().split(b"\0")
+        assert "CUDA_VISIBLE_DEVICES" not in os.environ  # the server's own is as it was
+        for visible, capped in (("1", False), (None, False), ("0", True)):
+            assert pool.take(visible, capped, "worker-0's rank 0") is None
+        taken = pool.take("0", False, "worker-0's rank 0")
+        assert taken is not None and taken.pid == standby
     finally:
         pool.close()
-    assert (f"standby process {standby} cannot serve (the CUDA driver was initialised (cuDeviceGetCount "
-            "returned 0)): worker-0's rank 0 starts in a fresh process") in caplog.text
+        if taken is not None:
+            stop([taken])
+
+
+def test_the_pool_passes_over_a_standby_whose_imports_failed(broken_peft, monkeypatch, caplog):
+    """Taken after it said it cannot serve (and exited): no standby, a fresh process for the rank, and the
+    reason logged once at WARNING."""
+    monkeypatch.syspath_prepend(str(broken_peft))  # a spawned child starts with this process's sys.path
+    monkeypatch.delitem(sys.modules, "peft", raising=False)
+    caplog.set_level(logging.INFO, "imgedit.engine.workers.standby")
+    pool = StandbyPool([None], None, "INFO", capped=False)
+    try:
+        (standby,) = map(int, re.findall(r"standby worker process\(es\) \((\d+)\)", caplog.text))
+        wait_for(lambda: not alive(standby), 120, "the standby did not exit")  # imports, message, exit
+        assert pool.take(None, False, "worker-0's rank 0") is None
+    finally:
+        pool.close()
+    assert re.search(rf"standby process {standby} cannot serve \(importing \w+ failed \(ImportError: broken",
+                     caplog.text), caplog.text
     assert [r.levelname for r in caplog.records if "cannot serve" in r.message] == ["WARNING"]
     assert "unused" not in caplog.text  # nothing left to stop
 
@@ -198,12 +208,12 @@ def test_the_standbys_no_rank_took_are_stopped_at_once(caplog, capfd):
     """Closed while its standby still imports (a start-up that failed early, say): the standby ends at once,
     silently, and the pool gives out no more."""
     caplog.set_level(logging.INFO, "imgedit.engine.workers.standby")
-    pool = StandbyPool(1, None, "INFO", capped=False)
-    (standby,) = map(int, re.findall(r"standby worker process\(es\) \((\d+),\)", caplog.text))
+    pool = StandbyPool([None], None, "INFO", capped=False)
+    (standby,) = map(int, re.findall(r"standby worker process\(es\) \((\d+)\)", caplog.text))
     time.sleep(1)  # into its imports
     pool.close()
     assert not alive(standby)
     assert f"stopped 1 unused standby process(es) ({standby},)" in caplog.text
-    assert pool.take(False, "worker-0's rank 0") is None
+    assert pool.take(None, False, "worker-0's rank 0") is None
     out, err = capfd.readouterr()
     assert "Traceback" not in out + err, out + err

@@ -172,17 +172,19 @@ def plan_placement(
 
 # DEVICE_MAP modes whose plan is one process at most: one worker of one rank, on the CPU, one GPU, or
 # spread over several GPUs by device hooks (balanced, a manual map)
-ONE_PROCESS = ("cpu", "cuda", "balanced", "manual")
-
-
-def most_processes(device_map: DeviceMap, gpus: int) -> int:
-    """The most worker processes a plan for `device_map` can start on `gpus` visible GPUs, before the
-    checkpoint is known: one for the modes of one process, else one per GPU (replicas, the ranks of
-    CFG-parallel pairs and Ulysses groups, auto's choice among them), at least one. What the server
-    starts ahead of the plan (engine.workers.standby) is never more than it can use."""
-    if device_map.mode in ONE_PROCESS:
-        return 1
-    return max(1, gpus)
+def standby_gpus(device_map: DeviceMap, gpus: int) -> list[tuple[int, ...]]:
+    """The GPUs (by index among the visible ones) of each worker process a plan for `device_map` may start on
+    `gpus` visible GPUs, guessed before the checkpoint is known: engine.workers.standby starts a process for
+    each ahead of the plan and gives it to a rank of exactly those GPUs. One process for cpu (no GPU: ()),
+    cuda:N (GPU N), balanced and a manual map (every GPU); one per GPU for replicas, the ranks of CFG-parallel
+    pairs and Ulysses groups, and auto's choice among them."""
+    if gpus == 0 or device_map.mode == "cpu":
+        return [()]
+    if device_map.mode == "cuda":
+        return [(device_map.gpu or 0,)]
+    if device_map.mode in ("balanced", "manual"):
+        return [tuple(range(gpus))]
+    return [(i,) for i in range(gpus)]
 
 
 def _single(components: Sequence[ComponentSpec], device: str, mode: str, reason: str) -> Plan:

@@ -93,8 +93,8 @@ class Assignment:
 
 @dataclass(frozen=True)
 class StandbyUnfit:
-    """A standby process that cannot serve (something initialised the CUDA driver, so its GPUs are fixed;
-    an import failed): it exits, and its rank, if it was given one, starts in a fresh process."""
+    """A standby process that cannot serve (an import failed): it exits, and its rank, if it was given one,
+    starts in a fresh process."""
 
     pid: int
     reason: str

@@ -1,11 +1,12 @@
 """The default transport of a worker (engine.pool.WorkerHandle): its ranks as local processes.
 
 Each rank is one process, started with WORKER_START (forkserver or spawn) and CUDA_VISIBLE_DEVICES set to
-its GPUs, with an inbox and an outbox pipe; at the first start, a standby process that has imported
-everything meanwhile (engine.workers.standby) is taken for a rank where there is one, and sent its assignment.
+its GPUs, with an inbox and an outbox pipe; at the first start, a standby process started with the rank's GPUs
+that has imported everything meanwhile (engine.workers.standby) is taken for it where there is one, and sent
+its assignment.
 `poll` wakes on a message or on a process's end: what a rank sent before it died comes first, then one `Died`
-for the whole group (the supervisor reaps the other ranks: they cannot go on alone). A standby that finds it
-cannot serve after all (runtime.standby.cuda_in_use) is no death: its rank starts again in a fresh process.
+for the whole group (the supervisor reaps the other ranks: they cannot go on alone). A standby that cannot
+serve after all (an import failed: runtime.standby) is no death: its rank starts again in a fresh process.
 No torch here: the server process never creates a CUDA context.
 """
 
@@ -20,11 +21,10 @@ import time
 from dataclasses import replace
 
 from imgedit.engine.workers.pool import Died, localize
-from imgedit.engine.workers.standby import Standby, StandbyPool, stop
+from imgedit.engine.workers.standby import Standby, StandbyPool, stop, visible_devices
 from imgedit.runtime.messages import Assignment, Channel, StandbyUnfit, WorkerSpec
 
 log = logging.getLogger(__name__)
-_START_LOCK = threading.Lock()
 _PRELOAD = "imgedit.runtime.preload"  # named, not imported: the server process never imports torch
 
 
@@ -69,7 +69,7 @@ class ProcessTransport:
             local, visible = localize(spec.plan, self.visible)
             spec = replace(spec, plan=local)
             rank = f"{self.name}'s rank {spec.rank}"
-            standby = standbys.take(bool(spec.memory_caps), rank) if standbys is not None else None
+            standby = standbys.take(visible, bool(spec.memory_caps), rank) if standbys is not None else None
             started = self._assign(standby, spec, visible, rank) if standby is not None else None
             proc, inbox, outbox = started or self._start(spec, visible)
             self._inboxes.append(inbox)
@@ -83,21 +83,12 @@ class ProcessTransport:
         ctx = _context(self.start_method)
         inbox_read, inbox_write = ctx.Pipe(duplex=False)
         outbox_read, outbox_write = ctx.Pipe(duplex=False)
-        with _START_LOCK:  # CUDA_VISIBLE_DEVICES must be right before the child imports anything
-            saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-            if visible is not None:
-                os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        with visible_devices(visible):  # CUDA_VISIBLE_DEVICES must be right before the child imports anything
             # A forked worker inherits the forkserver's environment, not ours: it gets ours as of now.
             args = (dict(os.environ), spec, inbox_read, outbox_write, visible, self.cache_dir, self.log_level)
             name = f"imgedit-{self.name}-rank{spec.rank}"
             proc = ctx.Process(target=_entry, name=name, daemon=True, args=args)
-            try:
-                proc.start()
-            finally:
-                if saved is None:
-                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-                else:
-                    os.environ["CUDA_VISIBLE_DEVICES"] = saved
+            proc.start()
         inbox_read.close()  # the child's ends: closed here, so a dead child reads as end-of-file
         outbox_write.close()
         return proc, Channel(inbox_write), outbox_read
@@ -105,7 +96,7 @@ class ProcessTransport:
     def _assign(self, standby: Standby, spec: WorkerSpec, visible: str | None, rank: str) -> tuple | None:
         """The standby made this rank, as `_start` would start it: (process, inbox, outbox), or None when
         it is gone meanwhile. The assignment (a few KB) waits in the pipe while the standby still imports."""
-        with _START_LOCK:  # the environment as `_start` gives it: not while another rank's start changes it
+        with visible_devices(None):  # the environment as `_start` gives it: not while a start changes it
             environ = dict(os.environ)
         if visible is not None:
             environ["CUDA_VISIBLE_DEVICES"] = visible
