@@ -362,6 +362,18 @@ def alive(pid: int) -> bool:
         return False
 
 
+def processes() -> list[tuple[int, str, int, int]]:
+    """Every process now, as (pid, state, parent pid, process group), read from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it ended meanwhile
+            continue
+        found.append((int(stat.parent.name), fields[0], int(fields[1]), int(fields[2])))
+    return found
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

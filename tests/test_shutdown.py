@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from conftest import ROOT, alive, free_port, http, picture, wait_for
+from conftest import ROOT, alive, free_port, http, picture, processes, wait_for
 
 from imgedit.config.settings import load_settings
 
@@ -62,15 +62,7 @@ class AppProcess:
 
     @staticmethod
     def children_of(pid: int) -> list[int]:
-        found = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(stat.parent.name))
-        return found
+        return [child for child, _, parent, _ in processes() if parent == pid]
 
     def descendants(self) -> set[int]:
         """The server's children and theirs (a spawned worker, its ranks' helpers)."""

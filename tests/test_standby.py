@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ROOT, alive, free_port, http, picture, wait_for
+from conftest import ROOT, alive, free_port, http, picture, processes, wait_for
 
 from imgedit.engine.workers.standby import StandbyPool, stop
 
@@ -104,15 +104,7 @@ class Server:
 
 def in_group(group: int) -> list[int]:
     """The live processes of a process group."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == group and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
+    return [pid for pid, state, _, pgrp in processes() if pgrp == group and state != "Z"]
 
 
 def test_the_rank_is_served_by_the_standby_started_before_the_inspection(plus_ckpt, tmp_path, sizes_cache):

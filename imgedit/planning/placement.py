@@ -170,8 +170,6 @@ def plan_placement(
     raise PlacementError(f"unknown DEVICE_MAP mode {mode!r}")
 
 
-# DEVICE_MAP modes whose plan is one process at most: one worker of one rank, on the CPU, one GPU, or
-# spread over several GPUs by device hooks (balanced, a manual map)
 def standby_gpus(device_map: DeviceMap, gpus: int) -> list[tuple[int, ...]]:
     """The GPUs (by index among the visible ones) of each worker process a plan for `device_map` may start on
     `gpus` visible GPUs, guessed before the checkpoint is known: engine.workers.standby starts a process for

@@ -15,6 +15,7 @@ CUDA_VISIBLE_DEVICES once, then. On 2x H200 (2026-11-30) torchao's mx_formats ke
 and transformers' quantizers, call torch's has_triton(), which asks the current device's properties: every
 standby that imported with its GPUs still open was unusable for a rank of one GPU.
 """
+
 from __future__ import annotations
 
 import contextlib
