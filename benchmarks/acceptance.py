@@ -142,6 +142,7 @@ CPU_ROWS: dict[str, dict[str, str]] = {
 LORA_21 = "Acceptance-Style-21"  # a random LoRA of Qwen-Image-2.1's attention layers
 LORA_FILES = {4: "Acceptance-Lightning-4steps-V1.0-bf16", 8: "Acceptance-Lightning-8steps-V1.0-bf16"}
 PROMPT = "turn the sky into a sunset and keep everything else unchanged"
+OTHER_PROMPT = "a lighthouse on a cliff at dawn, waves below"  # a prompt the server has not seen: its encode and prefix
 POLL_S = 0.5
 STOP_WAIT_S = 120  # SIGTERM: the server lets running jobs finish (none are running when it is sent)
 CUT_AT = re.compile(r"cut at the (\d+)-token limit")
@@ -436,11 +437,11 @@ class Requests:
             return self._failed(record, t0, "no live preview reached the job's status")
         return self._judge(record, [Image.open(io.BytesIO(result.content))])
 
-    def rest_generation(self, name: str, fields: dict) -> dict:
+    def rest_generation(self, name: str, fields: dict, prompt: str = PROMPT) -> dict:
         """POST /v1/images/generations as the openai SDK sends it (JSON, extensions in the body)."""
         if self.args.only and name not in self.args.only:
             return {"name": name, "outcome": "skipped"}
-        body = {"prompt": PROMPT, "size": f"{self.args.size}x{self.args.size}", "n": 1,
+        body = {"prompt": prompt, "size": f"{self.args.size}x{self.args.size}", "n": 1,
                 "response_format": "b64_json", "seed": 1, **fields}
         record = {"name": name, "api": "rest /v1/images/generations", "fields": body, "expected_images": body["n"]}
         return self._post(record, "/v1/images/generations", None, json=body)
@@ -630,6 +631,8 @@ def run_requests_21(requests: Requests, health: dict, steps: int, other_steps: i
     quality = {"num_inference_steps": str(steps)}
     add(requests.rest_generation("t2i-first", {"num_inference_steps": steps}))
     add(requests.rest_generation("t2i-steady", {"num_inference_steps": steps}))
+    # the same request with a prompt not seen before: against t2i-steady, a new prompt's cost on a warm server
+    add(requests.rest_generation("t2i-new-prompt", {"num_inference_steps": steps}, prompt=OTHER_PROMPT))
     add(requests.rest_edit("refs1", quality, pictures=references[:1]))
     add(requests.rest_edit("refs3", quality, pictures=references[:3]))
     add(requests.rest_edit("refs5", quality, pictures=references[:5]))
