@@ -132,6 +132,7 @@ def _start(args, settings, starting, log) -> int:
 
 
 def _serve(settings, starting, log, standbys) -> int:
+    from imgedit.engine import heap
     from imgedit.engine.manager import PipelineManager  # after the environment is set (_start)
     from imgedit.engine.workers.inspection import ensure_demo_checkpoint  # reads IMGEDIT_SIZES_CACHE (_start)
 
@@ -147,6 +148,7 @@ def _serve(settings, starting, log, standbys) -> int:
         log.error("%s", exc.message)
         return 2
     starting.say("starting the worker processes")
+    heap.map_large_blocks()  # this process's freed pixels go back to the system (engine/heap.py)
     manager.start()  # worker processes load the weights; /health says 503 until they are ready
     standbys.close()  # every worker has its processes: the standbys left are stopped
     try:

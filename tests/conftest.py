@@ -47,7 +47,7 @@ os.environ["GRADIO_TEMP_DIR"] = tempfile.mkdtemp(prefix=f"gradio-{os.environ.get
 # machine, three 1 MP VAE encodes and a decode took 18.5 s, 7.2 s of them in the kernel; from the heap
 # (no mmap, no trim below 256 MB) 12.6 s, 0.4 s in the kernel, for ~0.6 GB more resident per process.
 # Children (worker processes, servers, Ray) read these at start; this process sets them after its imports.
-# A server's manager then sets its own (imgedit.engine.heap.map_large_blocks: freed pixels go back).
+# A server (app.py) then sets its own (imgedit.engine.heap.map_large_blocks: freed pixels go back).
 os.environ.setdefault("MALLOC_MMAP_MAX_", "0")
 os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(256 << 20))
 # Ray's own out-of-memory monitor kills actors once the machine is 95 % full. The Ray tests run last,

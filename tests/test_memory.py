@@ -343,8 +343,8 @@ def test_large_blocks_freed_in_a_thread_go_back_to_the_system():
     a thread stayed resident after malloc_trim (its arena's free top, which malloc_trim does not return): 24 MiB,
     whether glibc had raised its thresholds itself (its defaults, as a user's server runs) or had them from
     this suite's MALLOC_ settings (no mapped blocks, tops trimmed over 256 MiB: the servers the tests start).
-    With heap.map_large_blocks, as the manager starts, nothing stays. Real glibc calls in a fresh process each
-    (the thresholds are the process's)."""
+    With heap.map_large_blocks, as app.py starts the workers, nothing stays. Real glibc calls in a fresh process
+    each (the thresholds are the process's)."""
     defaults = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     held = {}
     for env_name, env in (("glibc's defaults", defaults), ("this suite's", os.environ)):

@@ -11,8 +11,8 @@ leaves it over the trim threshold; and glibc raises that threshold (to twice the
 threads' arenas. So a server could keep 100-220 MiB of freed pixels for good (`malloc_info` in such a
 server: four thread arenas of 32.1 MiB, 32.0 of each free and 16 MiB of that resident; tests/test_memory.py's
 return to idle failed in 4 of 15 runs on the 2-core machine). `map_large_blocks` fixes both thresholds
-(glibc's `mallopt`) before the first job, over any MALLOC_ environment setting: the test suite gives its
-children a 256 MiB trim threshold (for the workers' VAE), which kept a server's arena tops the same way.
+(glibc's `mallopt`) as app.py starts the workers, over any MALLOC_ environment setting: the test suite
+gives its children a 256 MiB trim threshold (for the workers' VAE), which kept a server's arena tops too.
 """
 
 from __future__ import annotations

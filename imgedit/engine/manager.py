@@ -178,7 +178,6 @@ class PipelineManager(Engine):
         self.prepare()
         if not self._started:
             self._started = True
-            heap.map_large_blocks()  # before the first job decodes its images
             self._giving_back = heap.keep_giving_back(HEAP_EVERY_S)
             for worker in self.workers:
                 worker.start()
