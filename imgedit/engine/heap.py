@@ -6,13 +6,14 @@ freed in the threads' arenas, so the server stayed at 4.4 GB after a burst that 
 the standard library nor a dependency of ours exposes it. Elsewhere than glibc it does nothing.
 
 `malloc_trim` does not return the free top of a thread's arena, which glibc gives back only when a free
-leaves it over the trim threshold; and glibc raises that threshold (to twice the mmap threshold, up to
-64 MiB) the first time a large mapped block is freed, after which decoded images are carved from the
-threads' arenas. So a server could keep 100-220 MiB of freed pixels for good (`malloc_info` in such a
-server: four thread arenas of 32.1 MiB, 32.0 of each free and 16 MiB of that resident; tests/test_memory.py's
-return to idle failed in 4 of 15 runs on the 2-core machine). `map_large_blocks` fixes both thresholds
-(glibc's `mallopt`) as app.py starts the workers, over any MALLOC_ environment setting: the test suite
-gives its children a 256 MiB trim threshold (for the workers' VAE), which kept a server's arena tops too.
+leaves it over the trim threshold. That threshold is high in two cases: glibc raises it (to twice the mmap
+threshold, up to 64 MiB) the first time a large mapped block is freed, after which decoded images are carved
+from the threads' arenas; and the test suite gives its children a 256 MiB one (for the workers' VAE). A test
+server kept 100-220 MiB of freed pixels for good that way (`malloc_info`: four thread arenas of 32.1 MiB,
+32.0 of each free and 16 MiB of that resident; its return to idle failed in 4 of 15 runs on the 2-core
+machine); with glibc's defaults, two 12 MiB blocks freed in a thread stay (tests/test_memory.py).
+`map_large_blocks` fixes both thresholds (glibc's `mallopt`, over any MALLOC_ setting) as app.py starts
+the workers.
 """
 
 from __future__ import annotations
