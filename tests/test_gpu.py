@@ -526,6 +526,9 @@ def test_a_24gb_card_runs_quantized_and_streamed_under_its_cap(real_ckpt, compil
         assert components["transformer"]["quantization"] == "none" and manager.workers[0].info["batch_cfg"]
         assert "GPU 0" in components["transformer"]["location"] and "CPU" in components["transformer"]["location"]
         assert components["text_encoder"]["location"].startswith("CPU")
+        info = manager.workers[0].info  # uncompiled, its first job ran before ready (features.FirstJob)
+        assert ("first-job warm-up" in info["features"]) == (compile_mode == "off"), info["features"]
+        assert (info["first_job_seconds"] or 0) > 0 if compile_mode == "off" else info["compiled"], info
     finally:
         manager.close()
 

@@ -159,6 +159,33 @@ def test_per_job_features_are_entered_in_order_and_left_however_the_job_ends(plu
     assert torch.is_grad_enabled() is False  # the place phase turned autograd off for the worker
 
 
+def test_an_uncompiled_one_process_gpu_worker_runs_its_first_job_before_ready(plus_ckpt, built):
+    """An uncompiled GPU worker not in a group runs its family's first warm-up job in the warm phase, so that no
+    user pays the first job's one-time costs. A compiled worker warms up in compile, a group's ranks would have
+    to run it in step, and a CPU worker has no such costs. Here its install runs on the CPU worker: the job goes
+    through the runner's per-job parts (a CFG edit of two steps at the first warm-up size)."""
+    spec = spec_for(plus_ckpt, warmup_sizes=((64, 64), (48, 64)))
+
+    def applies(cuda=True, **kw) -> bool:
+        return features.FirstJob().applies(phases.Build(replace(spec, **kw), lambda doing: None, cuda=cuda))
+
+    assert applies() and not applies(cuda=False) and not applies(compile=True) and not applies(world=2)
+    said: list[str] = []
+    runner, log = built[0], []
+    runner.parts.insert(0, Recorder("seen", log))
+    build = phases.Build(spec, said.append, runner=runner)
+    try:
+        features.FirstJob().install(build)
+    finally:
+        del runner.parts[0]
+    assert log == [("enter", "seen"), ("step", "seen", 0), ("step", "seen", 1), ("exit", "seen")], log
+    assert said == ["warming up: a first job"] and build.report.first_job_seconds > 0
+    # a family with no warm-up job (no warm-up size, no Lightning LoRA) runs none
+    build = phases.Build(replace(spec, warmup_sizes=()), said.append, runner=runner)
+    features.FirstJob().install(build)
+    assert build.report.first_job_seconds == 0.0
+
+
 class Slow:
     """A per-job part whose own work before the pipeline call takes `seconds` (as a prefix cache's locking of
     CPU memory does), or whose step hook does at the job's last step (`at_step`)."""

@@ -349,6 +349,23 @@ class RewriteWarmup(Feature):
                                                                      build.spec.compile)
 
 
+class FirstJob(Feature):
+    """A GPU worker that does not compile (COMPILE=off; Qwen-Image-2.1 under MAX_MEMORY, the streamed plans)
+    runs its family's first warm-up job before it says it is ready, as a compiled worker's warm-up does: the
+    first job's one-time costs (CUDA's kernels loading, cuDNN's and cuBLAS's choices, the streamed weights'
+    first pass, the page-locked buffers) are paid before any user waits. Not in a group (its ranks would run
+    the job in step) nor after compile failed (compile's fallback runs the same job: warmup.check_eager)."""
+
+    name, phase = "first-job warm-up", "warm"
+
+    def applies(self, build: Build) -> bool:
+        return build.cuda and not build.spec.compile and build.spec.world == 1
+
+    def install(self, build: Build) -> None:
+        build.say("warming up: a first job")
+        build.report.first_job_seconds = warmup.run_first_job(build.runner, build.spec)
+
+
 class _Reported(Exception):
     """A feature that reported its own fallback already."""
 
@@ -357,7 +374,7 @@ FEATURES: tuple[Feature, ...] = (
     SingleFrameVae(), EncodeCache(), PixelsOnGpu(), Metadata21(),
     Parallel(), Loras(), Turbo(), SplitTarget(), BatchCfg(), StepCaches(), DecodeTiling(), PrefixCacheRoom(),
     Masks(), Previews(), Attention21(), AttentionKernel(), Timings(),
-    Compile(), RewriteWarmup(),
+    Compile(), RewriteWarmup(), FirstJob(),
 )
 EVERY = frozenset(f.name for f in FEATURES)
 FOR = {f.name: f.only for f in FEATURES if f.only is not None}

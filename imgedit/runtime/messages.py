@@ -158,6 +158,7 @@ class StartupReport:
     warmup_seconds: list[float] = field(default_factory=list)  # each compile warm-up
     compile_seconds: float | None = None  # compiling and warming up, in all
     rewrite_warmup_seconds: float | None = None  # the prompt rewrite's warm-up
+    first_job_seconds: float | None = None  # an uncompiled worker's warm-up job (features.FirstJob)
     phases: dict[str, float] = field(default_factory=dict)  # seconds of each start-up phase (runtime.phases)
     features: list[str] = field(default_factory=list)  # the features installed (runtime.features)
     memory_allocated_gib: float | None = None  # torch's allocations on this rank's first GPU after start-up

@@ -77,18 +77,27 @@ def check_eager(runner, spec: WorkerSpec, say=lambda doing: None) -> None:
     failed → eager", and the worker then answered every edit with an internal error while /health said ok.
     Out of GPU memory at the warm-up's size is not such a failure: a capped worker still serves smaller
     jobs."""
-    job = first_job(runner, spec)
-    if job is None:
-        return
     say("checking a job without compile")
     try:
-        runner.run(job, threading.Event())
-    except (torch.OutOfMemoryError, OutOfGpuMemory) as exc:
-        log.warning("the warm-up job without compile ran out of GPU memory; serving: %s", cause(exc))
+        run_first_job(runner, spec)
     except Exception as exc:  # noqa: BLE001 - the worker's load failure (the worker logs its traceback)
         log.warning("the warm-up job failed without compile too: %s", cause(exc))
         raise Unservable(f"this worker cannot edit, with or without compile: {cause(exc)}") from exc
+
+
+def run_first_job(runner, spec: WorkerSpec) -> float:
+    """The family's first warm-up job, run once (its seconds; 0 where the family has none). Out of GPU memory
+    at the warm-up's size is logged, not raised: a capped worker still serves smaller jobs."""
+    job = first_job(runner, spec)
+    if job is None:
+        return 0.0
+    started = time.perf_counter()
+    try:
+        runner.run(job, threading.Event())
+    except (torch.OutOfMemoryError, OutOfGpuMemory) as exc:
+        log.warning("the warm-up job ran out of GPU memory at its size; serving: %s", cause(exc))
     runner.cleanup(force=True)
+    return round(time.perf_counter() - started, 2)
 
 
 def first_job(runner, spec: WorkerSpec) -> Job | None:
