@@ -413,6 +413,33 @@ def test_streamed_blocks_leave_the_models_own_layers_on_the_gpu():
 
 
 @pytest.mark.gpu
+def test_a_streamed_text_encoder_first_given_a_picture_then_encodes_text_alone(tmp_path):
+    """The 16 GB plan streams Qwen-Image-2.1's text encoder (diffusers' lazy prefetching, traced on its first
+    forward). Traced on a prompt with a picture, a prompt alone then skips the vision tower, and the group after
+    it (the rotary table's buffer, no parameters) was never loaded: every text to image failed after a first
+    edit. Each encode, in that order and back, gives the embeddings of the encoder whole on the GPU."""
+    import torch
+
+    from imgedit.planning.plan import Placement, WorkerPlan
+    from imgedit.runtime import loader, offload
+
+    ckpt = build_checkpoint(tmp_path / "q21", kind="21")
+    plan = WorkerPlan("gpu", {c: Placement("cuda:0") for c in ("transformer", "text_encoder", "vae")})
+    pipe = loader.load_pipeline(loader.open_checkpoint(str(ckpt)), plan, torch.float32)
+    asks = [([picture(96, 64)], "make it winter"), (None, "a red fox in the snow"),
+            ([picture(64, 96, (200, 60, 60))], "a red door"), (None, "a fox")]
+
+    def encode() -> list:
+        return [pipe.encode_prompt(prompt, image=images, device=torch.device("cuda:0"))[0] for images, prompt in asks]
+
+    whole = encode()
+    offload.stream(pipe.text_encoder.to("cpu"), "cuda:0", None)
+    for _ in range(2):  # the first pass traces, the second runs on the traced prefetching
+        assert all(torch.equal(a, b) for a, b in zip(encode(), whole, strict=True))
+    assert pipe.text_encoder.model.language_model.layers[0].mlp.down_proj.weight.device.type == "cpu"  # streamed
+
+
+@pytest.mark.gpu
 def test_a_refused_lock_of_cpu_memory_leaves_no_error_for_the_next_kernel():
     """imgedit.runtime.pinned.lock on memory CUDA refuses (registered already: a real cudaErrorHostMemory-
     AlreadyRegistered) says False, and torch's next kernel launch does not report that error as its own."""

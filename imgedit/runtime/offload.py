@@ -191,6 +191,8 @@ def stream(model: torch.nn.Module, device: str, memory: MemoryMode | None) -> No
     if memory is None:
         apply_group_offloading(model, offload_type="leaf_level", **options)
         _pin_once(model)
+        if cuda:
+            _buffers_load_themselves_after_the_trace(model)
         return
     path = block_container(model)
     owner_path, _, attr = path.rpartition(".")
@@ -221,6 +223,29 @@ def stream(model: torch.nn.Module, device: str, memory: MemoryMode | None) -> No
         child.to(device)
     _keep_head_resident(model, device)
     _pin_once(model)
+
+
+def _buffers_load_themselves_after_the_trace(model: torch.nn.Module) -> None:
+    """diffusers' lazy prefetching (group offloading on a stream) traces the order of the streamed groups in
+    the model's first forward; from then on each group is loaded by the one before it in that order. A group
+    whose forerunner does not run (Qwen-Image-2.1's text encoder, traced on a prompt with a picture, then
+    given text alone: its vision tower is skipped) must load itself: diffusers 0.42.1 does so for a group
+    with parameters, but a group of buffers alone (the language model's rotary inv_freq) was left on the CPU,
+    and every prompt without a picture failed from then on ("Expected all tensors to be on the same device
+    ... cpu", 2026-11-30, 2.1 at MAX_MEMORY=14.5GiB on an H200, its first job an edit). So once the trace is
+    made, each group of buffers alone loads itself, waiting for its copy (a few bytes: rotary tables); its
+    forerunner then no longer prefetches it. The hook goes once it has run after a completed trace."""
+    def after_forward(module, args, output) -> None:
+        registry = internals.hook_registry(model)
+        if registry is not None and registry.get_hook(_LAZY_PREFETCH_GROUP_OFFLOADING) is not None:
+            return  # the traced forward failed before its end: the next forward traces
+        for group in _offload_groups(model):
+            has_parameters = bool(group.parameters) or any(True for m in group.modules for _ in m.parameters())
+            if not has_parameters:
+                group.onload_self, group.non_blocking = True, False
+        handle.remove()
+
+    handle = model.register_forward_hook(after_forward)
 
 
 def _pin_once(model: torch.nn.Module) -> None:
