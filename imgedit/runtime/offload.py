@@ -240,8 +240,8 @@ def _buffers_load_themselves_after_the_trace(model: torch.nn.Module) -> None:
         if registry is not None and registry.get_hook(_LAZY_PREFETCH_GROUP_OFFLOADING) is not None:
             return  # the traced forward failed before its end: the next forward traces
         for group in _offload_groups(model):
-            has_parameters = bool(group.parameters) or any(True for m in group.modules for _ in m.parameters())
-            if not has_parameters:
+            own = [p for m in group.modules for p in m.parameters()]
+            if not (own or group.parameters):
                 group.onload_self, group.non_blocking = True, False
         handle.remove()
 
