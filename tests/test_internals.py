@@ -156,3 +156,73 @@ def test_a_gathered_tensor_is_the_ranks_tensors_concatenated_in_rank_order(dim, 
     assert torch.equal(whole, torch.cat(ranks, dim))
     if dim == 1 and batch == 1:  # the split's keys and values at batch 1: a view, nothing copied
         assert whole._base is not None
+
+
+class _Rotary(torch.nn.Module):
+    """A module holding a buffer alone, as a rotary table's inv_freq."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.full((4,), 0.5))
+
+    def forward(self):
+        return self.inv_freq
+
+
+class _Encoder(torch.nn.Module):
+    """A text encoder's shape for diffusers' lazy prefetching: a vision layer run only for a prompt with a
+    picture, then a module of buffers alone, then a layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.vision, self.rotary, self.layer = torch.nn.Linear(4, 4), _Rotary(), torch.nn.Linear(4, 4)
+
+    def forward(self, x, picture: bool = False):
+        if picture:
+            x = self.vision(x)
+        return self.layer(x * self.rotary())
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_after_the_streamed_order_is_traced_a_group_of_buffers_alone_loads_itself(fixed):
+    """diffusers 0.42.1's lazy prefetching (group offloading on a stream, as offload.stream streams a text
+    encoder) traces the groups' order in the first forward; each traced group then waits to be loaded by the
+    one before it, and one whose forerunner did not run is loaded anyway only if it has parameters. offload's
+    hook, once the trace is made, has each group of buffers alone load itself (waiting for its copy) and leaves
+    the others prefetched. Here on the CPU, the lazy hook registered as diffusers does with a stream; on a GPU,
+    tests/test_gpu.py encodes with the real stream."""
+    from diffusers.hooks import apply_group_offloading
+    from diffusers.hooks.group_offloading import (
+        _GROUP_OFFLOADING,
+        _LAZY_PREFETCH_GROUP_OFFLOADING,
+        GroupOffloadingHook,
+        LazyPrefetchGroupOffloadingHook,
+        ModuleGroup,
+    )
+
+    from imgedit.runtime import offload
+
+    model = _Encoder()
+    apply_group_offloading(model, onload_device=torch.device("cpu"), offload_type="leaf_level")
+    # what diffusers adds on the model itself with a stream: an empty group that prefetches the first traced one,
+    # and the lazy prefetching hook
+    config, cpu = model.layer._diffusers_hook.get_hook(_GROUP_OFFLOADING).config, torch.device("cpu")
+    registry = HookRegistry.check_if_exists_or_initialize(model)
+    top = ModuleGroup(modules=[], offload_device=cpu, onload_device=cpu, offload_leader=model, onload_leader=model)
+    registry.register_hook(GroupOffloadingHook(top, config=config), _GROUP_OFFLOADING)
+    registry.register_hook(LazyPrefetchGroupOffloadingHook(), _LAZY_PREFETCH_GROUP_OFFLOADING)
+    if fixed:
+        offload._buffers_load_themselves_after_the_trace(model)
+
+    def group(module):
+        return module._diffusers_hook.get_hook(_GROUP_OFFLOADING).group
+
+    out = model(torch.ones(1, 4), picture=True)  # the trace, through the vision layer
+    assert registry.get_hook(_LAZY_PREFETCH_GROUP_OFFLOADING) is None  # the trace is made
+    assert not group(model.rotary).parameters and group(model.rotary).buffers  # a group of buffers alone
+    # the premise: diffusers has the traced groups wait for their forerunner
+    assert group(model.vision).onload_self is False and group(model.layer).onload_self is False
+    assert group(model.rotary).onload_self is fixed and group(model.rotary).non_blocking is not fixed
+    assert not model._forward_hooks  # the hook ran once, after the trace, and went
+    assert torch.equal(model(torch.ones(1, 4)), model.layer(torch.full((1, 4), 0.5)))  # text alone runs
+    assert torch.isfinite(out).all()
