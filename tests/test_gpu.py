@@ -556,6 +556,7 @@ def test_a_24gb_card_runs_quantized_and_streamed_under_its_cap(real_ckpt, compil
         info = manager.workers[0].info  # uncompiled, its first job ran before ready (features.FirstJob)
         assert ("first-job warm-up" in info["features"]) == (compile_mode == "off"), info["features"]
         assert (info["first_job_seconds"] or 0) > 0 if compile_mode == "off" else info["compiled"], info
+        assert not any("warm-up job ran out" in f for f in info["fallbacks"]), info["fallbacks"]  # it ran whole
     finally:
         manager.close()
 

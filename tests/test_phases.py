@@ -22,7 +22,7 @@ from imgedit.planning.checkpoint import open_checkpoint
 from imgedit.planning.families import FAMILIES
 from imgedit.planning.plan import Placement, WorkerPlan
 from imgedit.protocol import EditRequest
-from imgedit.runtime import features, phases, single_frame
+from imgedit.runtime import features, phases, single_frame, warmup
 from imgedit.runtime.messages import Job, WorkerSpec
 
 COMPONENTS = ("transformer", "text_encoder", "vae")
@@ -170,6 +170,8 @@ def test_an_uncompiled_one_process_gpu_worker_runs_its_first_job_before_ready(pl
         return features.FirstJob().applies(phases.Build(replace(spec, **kw), lambda doing: None, cuda=cuda))
 
     assert applies() and not applies(cuda=False) and not applies(compile=True) and not applies(world=2)
+    warm = [type(f) for f in features.FEATURES if f.phase == "warm"]
+    assert warm.index(features.FirstJob) > warm.index(features.Compile)  # compile's fallback runs it itself
     said: list[str] = []
     runner, log = built[0], []
     runner.parts.insert(0, Recorder("seen", log))
@@ -180,10 +182,46 @@ def test_an_uncompiled_one_process_gpu_worker_runs_its_first_job_before_ready(pl
         del runner.parts[0]
     assert log == [("enter", "seen"), ("step", "seen", 0), ("step", "seen", 1), ("exit", "seen")], log
     assert said == ["warming up: a first job"] and build.report.first_job_seconds > 0
+    assert build.report.fallbacks == []
     # a family with no warm-up job (no warm-up size, no Lightning LoRA) runs none
     build = phases.Build(replace(spec, warmup_sizes=()), said.append, runner=runner)
     features.FirstJob().install(build)
     assert build.report.first_job_seconds == 0.0
+
+
+class Failing:
+    """A per-job part that fails the job as it starts, with `error`."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    @contextmanager
+    def job(self, call):
+        raise self.error
+        yield
+
+
+def test_a_first_job_that_fails_fails_the_load_and_one_out_of_memory_is_reported(plus_ckpt, built):
+    """Not an optimisation: a worker whose first job fails cannot edit, and fails to load saying why
+    (warmup.Unservable; the pool shows the cause) rather than serve an internal error to every job. Out of GPU
+    memory at the warm-up's size is not such a failure: the worker serves, the report's fallbacks say it."""
+    spec = spec_for(plus_ckpt, warmup_sizes=((64, 64),))
+    runner = built[0]
+
+    def first_job(error: BaseException) -> phases.Build:
+        build = phases.Build(spec, lambda doing: None, runner=runner)
+        runner.parts.insert(0, Failing(error))
+        try:
+            features.FirstJob().install(build)
+        finally:
+            del runner.parts[0]
+        return build
+
+    with pytest.raises(warmup.Unservable, match="this worker cannot edit: RuntimeError: a device mismatch"):
+        first_job(RuntimeError("a device mismatch"))
+    build = first_job(torch.OutOfMemoryError("CUDA out of memory"))
+    assert build.report.fallbacks == ["the warm-up job ran out of GPU memory at 64x64: jobs that large may too"]
+    assert edit(runner, plus_ckpt).shape == (64, 64, 3)  # the runner serves after both
 
 
 class Slow:

@@ -354,7 +354,9 @@ class FirstJob(Feature):
     runs its family's first warm-up job before it says it is ready, as a compiled worker's warm-up does: the
     first job's one-time costs (CUDA's kernels loading, cuDNN's and cuBLAS's choices, the streamed weights'
     first pass, the page-locked buffers) are paid before any user waits. Not in a group (its ranks would run
-    the job in step) nor after compile failed (compile's fallback runs the same job: warmup.check_eager)."""
+    the job in step) nor after compile failed (compile's fallback runs the same job: warmup.check_eager).
+    Not an optimisation that can fall back: a worker whose first job fails fails to load, saying why
+    (Unservable)."""
 
     name, phase = "first-job warm-up", "warm"
 
@@ -363,7 +365,8 @@ class FirstJob(Feature):
 
     def install(self, build: Build) -> None:
         build.say("warming up: a first job")
-        build.report.first_job_seconds = warmup.run_first_job(build.runner, build.spec)
+        report = build.report
+        report.first_job_seconds = warmup.run_first_job(build.runner, build.spec, report.fallbacks)
 
 
 class _Reported(Exception):

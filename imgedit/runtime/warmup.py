@@ -78,16 +78,14 @@ def check_eager(runner, spec: WorkerSpec, say=lambda doing: None) -> None:
     Out of GPU memory at the warm-up's size is not such a failure: a capped worker still serves smaller
     jobs."""
     say("checking a job without compile")
-    try:
-        run_first_job(runner, spec)
-    except Exception as exc:  # noqa: BLE001 - the worker's load failure (the worker logs its traceback)
-        log.warning("the warm-up job failed without compile too: %s", cause(exc))
-        raise Unservable(f"this worker cannot edit, with or without compile: {cause(exc)}") from exc
+    run_first_job(runner, spec, [], ", with or without compile")
 
 
-def run_first_job(runner, spec: WorkerSpec) -> float:
-    """The family's first warm-up job, run once (its seconds; 0 where the family has none). Out of GPU memory
-    at the warm-up's size is logged, not raised: a capped worker still serves smaller jobs."""
+def run_first_job(runner, spec: WorkerSpec, notes: list[str], unservable: str = "") -> float:
+    """The family's first warm-up job, run once (its seconds; 0 where the family has none). Out of GPU
+    memory at the warm-up's size goes in `notes` (the report's fallbacks: /health, the banner), not raised:
+    a capped worker still serves smaller jobs. Any other failure is the worker's own: Unservable (its load
+    fails, saying why, rather than serve an internal error to every job)."""
     job = first_job(runner, spec)
     if job is None:
         return 0.0
@@ -95,7 +93,12 @@ def run_first_job(runner, spec: WorkerSpec) -> float:
     try:
         runner.run(job, threading.Event())
     except (torch.OutOfMemoryError, OutOfGpuMemory) as exc:
-        log.warning("the warm-up job ran out of GPU memory at its size; serving: %s", cause(exc))
+        size = f"{job.params.width}x{job.params.height}"
+        log.warning("the warm-up job ran out of GPU memory at %s; serving: %s", size, cause(exc))
+        notes.append(f"the warm-up job ran out of GPU memory at {size}: jobs that large may too")
+    except Exception as exc:  # noqa: BLE001 - the worker's load failure (the worker logs its traceback)
+        log.warning("the warm-up job failed%s: %s", unservable and " without compile too", cause(exc))
+        raise Unservable(f"this worker cannot edit{unservable}: {cause(exc)}") from exc
     runner.cleanup(force=True)
     return round(time.perf_counter() - started, 2)
 
