@@ -358,7 +358,7 @@ class FirstJob(Feature):
     Not an optimisation that can fall back: a worker whose first job fails fails to load, saying why
     (Unservable)."""
 
-    name, phase = "first-job warm-up", "warm"
+    name, phase, optional = "first-job warm-up", "warm", False
 
     def applies(self, build: Build) -> bool:
         return build.cuda and not build.spec.compile and build.spec.world == 1
