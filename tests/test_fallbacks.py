@@ -80,8 +80,9 @@ def test_a_warm_up_out_of_memory_without_compile_too_leaves_the_worker_serving(p
     manager = compiling_manager(plus_ckpt, cpu_plan(1), hook="faults:oom_at_warm_up")
     (worker,) = manager.status().workers
     assert worker.state == WorkerState.IDLE and worker.compiled is False, worker
-    (fallback,) = worker.fallbacks
+    fallback, eager = worker.fallbacks  # and the eager check's own out of memory, at the warm-up's size
     assert fallback.startswith("compile failed → eager: OutOfGpuMemory"), fallback
+    assert eager == "the warm-up job ran out of GPU memory at 64x64: jobs that large may too", eager
     result = manager.edit(EditRequest(images=(Image.new("RGB", (64, 64), "red"),), prompt="make it blue",
                                       num_inference_steps=2, width=64, height=64, source="test"))
     assert result.images[0].size == (64, 64)

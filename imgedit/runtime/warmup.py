@@ -63,7 +63,7 @@ def compile_and_warm_up(spec: WorkerSpec, runner, transformers: tuple, report: S
     if spec.world == 1:
         # not in a group: its ranks run a job in step, and a rank failing before a collective would leave the
         # others waiting in it (a group whose edits fail outside compile still serves errors: a known gap)
-        check_eager(runner, spec, say)
+        check_eager(runner, spec, report.fallbacks, say)
 
 
 class Unservable(ImgEditError):
@@ -71,17 +71,17 @@ class Unservable(ImgEditError):
     an internal error to every job."""
 
 
-def check_eager(runner, spec: WorkerSpec, say=lambda doing: None) -> None:
+def check_eager(runner, spec: WorkerSpec, notes: list[str], say=lambda doing: None) -> None:
     """After compile's fallback, the first warm-up job once more, eager. A failure that compile did not cause
     (on 2x H200 the default placement's prompt encode failed on a device mismatch) otherwise read as "compile
     failed → eager", and the worker then answered every edit with an internal error while /health said ok.
     Out of GPU memory at the warm-up's size is not such a failure: a capped worker still serves smaller
     jobs."""
     say("checking a job without compile")
-    run_first_job(runner, spec, [], ", with or without compile")
+    run_first_job(runner, spec, notes, after_compile=True)
 
 
-def run_first_job(runner, spec: WorkerSpec, notes: list[str], unservable: str = "") -> float:
+def run_first_job(runner, spec: WorkerSpec, notes: list[str], after_compile: bool = False) -> float:
     """The family's first warm-up job, run once (its seconds; 0 where the family has none). Out of GPU
     memory at the warm-up's size goes in `notes` (the report's fallbacks: /health, the banner), not raised:
     a capped worker still serves smaller jobs. Any other failure is the worker's own: Unservable (its load
@@ -97,8 +97,9 @@ def run_first_job(runner, spec: WorkerSpec, notes: list[str], unservable: str = 
         log.warning("the warm-up job ran out of GPU memory at %s; serving: %s", size, cause(exc))
         notes.append(f"the warm-up job ran out of GPU memory at {size}: jobs that large may too")
     except Exception as exc:  # noqa: BLE001 - the worker's load failure (the worker logs its traceback)
-        log.warning("the warm-up job failed%s: %s", unservable and " without compile too", cause(exc))
-        raise Unservable(f"this worker cannot edit{unservable}: {cause(exc)}") from exc
+        how = ", with or without compile" if after_compile else ""
+        log.warning("the warm-up job failed%s: %s", how, cause(exc))
+        raise Unservable(f"this worker cannot edit{how}: {cause(exc)}") from exc
     runner.cleanup(force=True)
     return round(time.perf_counter() - started, 2)
 
