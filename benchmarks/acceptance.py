@@ -143,6 +143,8 @@ LORA_21 = "Acceptance-Style-21"  # a random LoRA of Qwen-Image-2.1's attention l
 LORA_FILES = {4: "Acceptance-Lightning-4steps-V1.0-bf16", 8: "Acceptance-Lightning-8steps-V1.0-bf16"}
 PROMPT = "turn the sky into a sunset and keep everything else unchanged"
 OTHER_PROMPT = "a lighthouse on a cliff at dawn, waves below"  # a prompt the server has not seen: its encode and prefix
+SAME_LENGTH_PROMPT = "a cliff on a lighthouse at dawn, waves below"  # OTHER_PROMPT's tokens in another order
+LONGER_PROMPT = "a red fox asleep in fresh snow under soft morning light, a pine forest behind it, mist rising"
 POLL_S = 0.5
 STOP_WAIT_S = 120  # SIGTERM: the server lets running jobs finish (none are running when it is sent)
 CUT_AT = re.compile(r"cut at the (\d+)-token limit")
@@ -633,6 +635,11 @@ def run_requests_21(requests: Requests, health: dict, steps: int, other_steps: i
     add(requests.rest_generation("t2i-steady", {"num_inference_steps": steps}))
     # the same request with a prompt not seen before: against t2i-steady, a new prompt's cost on a warm server
     add(requests.rest_generation("t2i-new-prompt", {"num_inference_steps": steps}, prompt=OTHER_PROMPT))
+    # after it: the same prompt again (its encode memoised), the same words in another order (a new text of
+    # a length seen) and a longer prompt (a new length): which of a new prompt's costs are once a length
+    add(requests.rest_generation("t2i-new-again", {"num_inference_steps": steps}, prompt=OTHER_PROMPT))
+    add(requests.rest_generation("t2i-new-same-length", {"num_inference_steps": steps}, prompt=SAME_LENGTH_PROMPT))
+    add(requests.rest_generation("t2i-new-length", {"num_inference_steps": steps}, prompt=LONGER_PROMPT))
     add(requests.rest_edit("refs1", quality, pictures=references[:1]))
     add(requests.rest_edit("refs3", quality, pictures=references[:3]))
     add(requests.rest_edit("refs5", quality, pictures=references[:5]))
