@@ -1,14 +1,15 @@
 """What a prompt length the process has not seen costs in Qwen-Image-2.1's first step (the prefill), call by call.
 
-On the 16 GB plan (eager, streamed) a text to image with a prompt of a new length once took 1.1-1.4 s in its first
-step against 0.19 s for a prompt seen before, a new text of a seen length 0.19 s, and another new (longer)
-length 0.28 s (2x H200, 2026-11-30, `acceptance.py --rows 21-16gb`). The prefill's calls that depend on the
-prompt's length L are its attention (the text segment, causal over its own L keys; the target's 4096 queries
-over all L + 4096 keys, with the prompt's key mask) and its projections' GEMMs at L + 4096 rows. This probe
-makes them in a fresh process for L = --lengths in order (the first one absorbs the process's own first calls), as diffusers' native backend calls SDPA (made
-(batch, tokens, heads, dim), transposed), and times each call's first run against its second (synchronised,
-milliseconds), per SDPA backend: PyTorch's choice, then each backend forced alone. The kernel PyTorch runs
-for the first length is named by the profiler. Every output must be finite.
+On the 16 GB plan (eager, streamed) a text to image with a prompt of a new length once took 1.1-1.4 s in its
+first step against 0.19 s for a prompt seen before, a new text of a seen length 0.19 s, and another new
+(longer) length 0.28 s (2x H200, 2026-11-30, `acceptance.py --rows 21-16gb`). The prefill's calls that depend
+on the prompt's length L are its attention (the text segment, causal over its own L keys; the target's 4096
+queries over all L + 4096 keys, with the prompt's key mask) and its projections' GEMMs at L + 4096 rows. This
+probe makes them in a fresh process for L = --lengths in order (the first absorbs the process's own first
+calls), as diffusers' native backend calls SDPA (made (batch, tokens, heads, dim), transposed), and times
+each call's first run against its second (synchronised, milliseconds), per SDPA backend: PyTorch's choice,
+then each backend forced alone. The kernels PyTorch runs for the first length are named by the profiler.
+Every output must be finite.
 
     python3 benchmarks/probe_first_call.py --json /tmp/first-call.json
 """
