@@ -9,6 +9,8 @@ probe makes them in a fresh process for L = --lengths in order (the first absorb
 calls), as diffusers' native backend calls SDPA (made (batch, tokens, heads, dim), transposed), and times
 each call's first run against its second (synchronised, milliseconds), per SDPA backend: PyTorch's choice,
 then each backend forced alone. The kernels PyTorch runs for the first length are named by the profiler.
+The text segment is also timed as SDPA's causal flag without a mask (what its triangle is when the text
+starts the sequence and no prompt key is padded), with the largest difference between the two outputs.
 Every output must be finite.
 
     python3 benchmarks/probe_first_call.py --json /tmp/first-call.json
@@ -58,10 +60,10 @@ def main(argv=None) -> int:
             times.append(round((time.perf_counter() - start) * 1000, 2))
         return times[0], times[1], bool(torch.isfinite(out).all())
 
-    def attention(q, k, v, mask):
+    def attention(q, k, v, mask, causal=False):
         # diffusers' native backend: (B, S, H, D) in, transposed for SDPA, transposed back
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              attn_mask=mask).transpose(1, 2)
+                                              attn_mask=mask, is_causal=causal).transpose(1, 2)
 
     def make(rows):
         return torch.randn(1, rows, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
@@ -74,7 +76,9 @@ def main(argv=None) -> int:
         valid = torch.ones(1, 1, 1, length + TARGET, dtype=torch.bool, device=device)
         target = (make(TARGET), make(length + TARGET), make(length + TARGET))
         x = torch.randn(1, length + TARGET, HEADS * HEAD_DIM, device=device, dtype=torch.bfloat16)
-        return {"text": (attention, (make(length), make(length), make(length), causal)),
+        text = (make(length), make(length), make(length))
+        return {"text": (attention, (*text, causal)),
+                "text_causal": (attention, (*text, None, True)),
                 "target_masked": (attention, (*target, valid)),
                 "target": (attention, (*target, None)),
                 "gemm": (torch.matmul, (x, weight))}
@@ -90,6 +94,9 @@ def main(argv=None) -> int:
                         row[name] = twice(functools.partial(fn, *fn_args))
                     except RuntimeError as exc:  # a forced backend that does not take this call
                         row[name] = str(exc).splitlines()[0][:120]
+                text_calls = calls(length)  # the causal flag against the triangle it stands for: the same output
+                masked, flagged = (fn(*fn_args) for fn, fn_args in (text_calls["text"], text_calls["text_causal"]))
+                row["causal_vs_mask_max_diff"] = float((masked.float() - flagged.float()).abs().max())
                 rows_out.append(row)
                 print(json.dumps(row), flush=True)
 
@@ -98,7 +105,7 @@ def main(argv=None) -> int:
         from torch.profiler import ProfilerActivity, profile
 
         for name, (fn, fn_args) in calls(lengths[0]).items():
-            if name.startswith("gemm"):
+            if name == "gemm":
                 continue
             with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
                 fn(*fn_args)
@@ -106,7 +113,7 @@ def main(argv=None) -> int:
             kernels[name] = sorted({e.name[:100] for e in prof.events() if e.device_type.name == "CUDA"})
         print(json.dumps(kernels, indent=1))
     finite = all(isinstance(v, list | tuple) and v[2] for r in rows_out for k, v in r.items()
-                 if k not in ("backend", "length") and not isinstance(v, str))
+                 if isinstance(v, list | tuple))
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "command": " ".join(sys.argv),
               "torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
               else "cpu", "rows": rows_out, "kernels": kernels, "finite": finite}
