@@ -457,6 +457,32 @@ def test_a_refused_lock_of_cpu_memory_leaves_no_error_for_the_next_kernel():
 
 
 @pytest.mark.gpu
+def test_2_1_prefills_its_text_on_flash_attention_with_the_masked_result():
+    """Qwen-Image-2.1's prefill (imgedit.model.attention21) runs the text segment, which starts the sequence,
+    as a causal call on PyTorch's FlashAttention-2 (no cuDNN graph to build per prompt length) and gives the
+    masked call's output; a segment after it keeps its mask. Real 2.1 head shapes, bf16."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from imgedit.model.attention21 import Attention21
+
+    torch.manual_seed(0)
+    text, image, heads, dim = 37, 256, 32, 128
+    q, k, v = (torch.randn(1, text + image, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    segments = [(0, text, True), (text, text + image, False)]
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = Attention21()._prefill(q, k, v, segments, None)
+        torch.cuda.synchronize()
+    kernels = {e.name for e in prof.events() if e.device_type.name == "CUDA"}
+    assert any("flash" in name.lower() and "cudnn" not in name.lower() for name in kernels), kernels
+    causal = torch.tril(torch.ones(text, text, dtype=torch.bool, device="cuda"))
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *(x[:, :text].transpose(1, 2).float() for x in (q, k, v)), attn_mask=causal).transpose(1, 2)
+    assert torch.isfinite(out).all()
+    assert (out[:, :text].float() - want).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["21", "plus"])
 def test_rewrites_decode_as_cuda_graphs_with_the_same_tokens_as_the_same_steps_eager(tmp_path, kind):
     """A resident text encoder's decoding steps captured as CUDA graphs (runtime/decode_graphs.py: Qwen3-VL for

@@ -18,6 +18,9 @@ call per prefix segment, then the target) — `tests/test_attention21.py` compar
   GiBs. With `chunk` set, Q, K and V are computed `chunk` tokens at a time into their bf16 tensors, and
   `chunked_feed_forward` does the same for the block's SwiGLU (a diffusers ModelHook). Each token's result
   is its own row's arithmetic: the same up to the matmul's choice of kernel for a shorter matrix.
+- **The text segment as a causal call.** In the prefill the text segment starts the sequence, so where no
+  prompt key is padded its mask is exactly SDPA's causal flag: it runs as one, through PyTorch's
+  FlashAttention-2 on a GPU (`_causal`: no graph built per prompt length, as cuDNN's masked call did).
 - **A group's split** (`SPLIT_ATTR`, imgedit.runtime.split21): on a rank that holds the prefix and a share of
   the target's rows, the keys and values are gathered from every rank's share before the attention. Each
   gather starts as soon as its tensor is ready (V after its projection, K after its norm and rotation) and
@@ -150,6 +153,9 @@ class Attention21(QwenImage21AttnProcessor):
         prefix_len = segments[-1][1] if segments else 0
         outputs = []
         for start, end, is_text in segments:
+            if is_text and start == 0 and key_valid is None:  # its triangle is SDPA's causal flag
+                outputs.append(self._causal(query[:, :end], key[:, :end], value[:, :end]))
+                continue
             mask = None
             if is_text:
                 length = end - start
@@ -166,6 +172,19 @@ class Attention21(QwenImage21AttnProcessor):
                                              dropout_p=0.0, backend=None,
                                              parallel_config=self._parallel_config))
         return torch.cat(outputs, dim=1)
+
+
+    def _causal(self, query, key, value):
+        """The text segment when it starts the sequence and no prompt key is padded: causal over its own
+        keys, as SDPA's flag. On a GPU through FlashAttention-2, which takes the flag without a mask: the
+        masked call went to cuDNN, which builds a graph for each new prompt length (~75 ms) and, for some
+        lengths, compiles a kernel (0.9-1.9 s); FlashAttention-2 builds nothing and was also faster for
+        every length measured, 36 to 10,300 tokens (H200, benchmarks/probe_first_call.py)."""
+        fast = (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and query.shape[-1] <= 256
+                and self._parallel_config is None)
+        return dispatch_attention_fn(query, key, value, dropout_p=0.0, is_causal=True,
+                                     backend=internals.native_flash_backend() if fast else None,
+                                     parallel_config=self._parallel_config)
 
 
 class _ChunkedFeedForward(ModelHook):

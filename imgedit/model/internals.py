@@ -15,6 +15,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.fx.experimental._config  # noqa: F401 - no_duck_shapes patches it
 from diffusers.hooks import context_parallel
+from diffusers.models.attention_dispatch import AttentionBackendName
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,10 @@ MEMBERS = (
     Member("diffusers", DIFFUSERS, "diffusers.hooks.context_parallel",
            "_CONTEXT_PARALLEL_OUTPUT_HOOK_TEMPLATE",
            "the names of the context-parallel gather hooks, switched off per job"),
+    Member("diffusers", DIFFUSERS, "diffusers.models.attention_dispatch.AttentionBackendName",
+           "_NATIVE_FLASH",
+           "PyTorch's own FlashAttention-2 kernel through dispatch_attention_fn: 2.1's causal text segment "
+           "(attention21)"),
     Member("diffusers", DIFFUSERS, "diffusers.hooks.HookRegistry.check_if_exists_or_initialize()",
            "_diffusers_hook", "a module's HookRegistry, to find the context-parallel hooks"),
     Member("diffusers", DIFFUSERS, "diffusers.hooks.HookRegistry()", "_fn_refs",
@@ -134,6 +139,11 @@ def attention_backend(processor):
 def set_attention_backend(processor, backend) -> None:
     """A processor made by us takes the kernel of the one it replaces (set_attention_backend's value)."""
     processor._attention_backend = backend
+
+
+def native_flash_backend():
+    """diffusers' name for SDPA restricted to PyTorch's FlashAttention-2 kernel."""
+    return AttentionBackendName._NATIVE_FLASH
 
 
 def parallel_config(processor):
