@@ -119,7 +119,7 @@ ARTIFACTS = ROOT / "artifacts"
 COMPONENTS = ("transformer", "text_encoder", "vae")
 
 
-# pytest-xdist (`-n 3 --dist loadgroup`, pyproject's addopts) runs whole modules on one worker each,
+# pytest-xdist (`-n 2 --dist loadgroup`, pyproject's addopts) runs whole modules on one worker each,
 # so a module's shared server and worker pool start once; the two Ray modules share one group, so one
 # Ray cluster at a time exists on this machine. xdist's own reorder (most tests first) is off in
 # pyproject.toml (--no-loadscope-reorder); the order is this one:
@@ -132,6 +132,9 @@ COMPONENTS = ("transformer", "text_encoder", "vae")
 #   test processes building their pools, a fresh-clone CI run waited over 90 s for a killed actor to
 #   come back (the restart imports torch afresh; test_ray now waits up to 240 s). Last, it ran ~110 s
 #   mostly alone with a core idle.
+# Two test processes on the 2-core machine, not three (2026-11-30, 806 tests): 10:26 and 10:31 against 11:04 with
+# three; the tests' own seconds summed 1,214 against 1,905 (three processes and their servers' workers contended
+# for the two cores), and this order splits them 605 / 609 s between the two.
 XDIST_GROUPS = {"test_ray": "ray", "test_ray_local": "ray"}
 ORDER = ("test_loras", "test_shutdown", "test_browser", "ray", "test_workers", "test_warmup", "test_manager",
          "test_security", "test_memory", "test_fallbacks", "test_fast_weights", "test_jobs_api", "test_qwen21",
