@@ -458,28 +458,44 @@ def test_a_refused_lock_of_cpu_memory_leaves_no_error_for_the_next_kernel():
 
 @pytest.mark.gpu
 def test_2_1_prefills_its_text_on_flash_attention_with_the_masked_result():
-    """Qwen-Image-2.1's prefill (imgedit.model.attention21) runs the text segment, which starts the sequence,
-    as a causal call on PyTorch's FlashAttention-2 (no cuDNN graph to build per prompt length) and gives the
-    masked call's output; a segment after it keeps its mask. Real 2.1 head shapes, bf16."""
+    """Qwen-Image-2.1's prefill (imgedit.model.attention21) runs the text segment that starts the sequence as a
+    causal call on PyTorch's FlashAttention-2 (no cuDNN graph to build per prompt length); a text segment after
+    an image keeps its mask; every row (text, image, second text, target) is the masked prefill's. Real 2.1
+    head shapes, bf16. The other calls may not use FlashAttention-2 here, so a flash kernel can only be the
+    first text segment's."""
     import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.profiler import ProfilerActivity, profile
 
     from imgedit.model.attention21 import Attention21
 
     torch.manual_seed(0)
-    text, image, heads, dim = 37, 256, 32, 128
-    q, k, v = (torch.randn(1, text + image, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    segments = [(0, text, True), (text, text + image, False)]
-    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+    text, image, more, target, heads, dim = 37, 256, 11, 256, 32, 128
+    rows = text + image + more + target
+    q, k, v = (torch.randn(1, rows, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    segments = [(0, text, True), (text, text + image, False), (text + image, text + image + more, True)]
+    others = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with torch.inference_mode(), sdpa_kernel(others), profile(activities=[ProfilerActivity.CUDA]) as prof:
         out = Attention21()._prefill(q, k, v, segments, None)
         torch.cuda.synchronize()
     kernels = {e.name for e in prof.events() if e.device_type.name == "CUDA"}
     assert any("flash" in name.lower() and "cudnn" not in name.lower() for name in kernels), kernels
-    causal = torch.tril(torch.ones(text, text, dtype=torch.bool, device="cuda"))
-    want = torch.nn.functional.scaled_dot_product_attention(
-        *(x[:, :text].transpose(1, 2).float() for x in (q, k, v)), attn_mask=causal).transpose(1, 2)
-    assert torch.isfinite(out).all()
-    assert (out[:, :text].float() - want).abs().max().item() < 2e-2
+
+    def attend(start, end, keys, mask=None):  # the masked prefill, in float32
+        return torch.nn.functional.scaled_dot_product_attention(
+            q[:, start:end].transpose(1, 2).float(), k[:, :keys].transpose(1, 2).float(),
+            v[:, :keys].transpose(1, 2).float(), attn_mask=mask).transpose(1, 2)
+
+    def triangle(start, end):
+        ones = torch.ones(end - start, end, dtype=torch.bool, device="cuda")
+        return torch.cat([ones[:, :start], torch.tril(ones[:, start:])], dim=1)
+
+    prefix = text + image + more
+    want = torch.cat([attend(0, text, text, triangle(0, text)), attend(text, text + image, text + image),
+                      attend(text + image, prefix, prefix, triangle(text + image, prefix)),
+                      attend(prefix, rows, rows)], dim=1)
+    assert out.shape == want.shape and torch.isfinite(out).all()
+    assert (out.float() - want).abs().max().item() < 2e-2
 
 
 @pytest.mark.gpu

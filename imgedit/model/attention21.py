@@ -3,7 +3,7 @@ little room, its projections and feed-forward run a slice of the sequence at a t
 
 Written against diffusers 0.42.1's `QwenImage21AttnProcessor` (transformer_qwenimage21.py): the same
 projections, Q/K RMSNorm, prefix key/value cache bookkeeping, decode and block-causal prefill (one attention
-call per prefix segment, then the target) — `tests/test_attention21.py` compares the two on every path
+call per prefix segment, then the target) — `tests/test_compile21.py` compares the two on every path
 (prefill with and without the cache, the cached steps, a padded prompt, CFG's batch of 2). What differs:
 
 - **RoPE without complex tensors.** diffusers rotates Q and K as complex64 (`view_as_complex`, a complex
@@ -153,7 +153,8 @@ class Attention21(QwenImage21AttnProcessor):
         prefix_len = segments[-1][1] if segments else 0
         outputs = []
         for start, end, is_text in segments:
-            if is_text and start == 0 and key_valid is None:  # its triangle is SDPA's causal flag
+            # its triangle is SDPA's causal flag (diffusers' context-parallel attention takes no causal flag)
+            if is_text and start == 0 and key_valid is None and self._parallel_config is None:
                 outputs.append(self._causal(query[:, :end], key[:, :end], value[:, :end]))
                 continue
             mask = None
@@ -173,18 +174,24 @@ class Attention21(QwenImage21AttnProcessor):
                                              parallel_config=self._parallel_config))
         return torch.cat(outputs, dim=1)
 
-
-    def _causal(self, query, key, value):
+    @staticmethod
+    def _causal(query, key, value):
         """The text segment when it starts the sequence and no prompt key is padded: causal over its own
-        keys, as SDPA's flag. On a GPU through FlashAttention-2, which takes the flag without a mask: the
-        masked call went to cuDNN, which builds a graph for each new prompt length (~75 ms) and, for some
-        lengths, compiles a kernel (0.9-1.9 s); FlashAttention-2 builds nothing and was also faster for
-        every length measured, 36 to 10,300 tokens (H200, benchmarks/probe_first_call.py)."""
+        keys, as SDPA's flag. On a GPU that has PyTorch's FlashAttention-2 (Ampere or later), through it,
+        which takes the flag without a mask: the masked call went to cuDNN, which builds a graph for each new
+        prompt length (~75 ms) and, for some lengths, compiles a kernel (0.9-1.9 s); FlashAttention-2 builds
+        nothing and was also faster for every length measured, 36 to 10,300 tokens (H200,
+        benchmarks/probe_first_call.py). Elsewhere PyTorch picks the kernel for the flag."""
         fast = (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and query.shape[-1] <= 256
-                and self._parallel_config is None)
+                and _has_flash(query.device))
         return dispatch_attention_fn(query, key, value, dropout_p=0.0, is_causal=True,
-                                     backend=internals.native_flash_backend() if fast else None,
-                                     parallel_config=self._parallel_config)
+                                     backend=internals.native_flash_backend() if fast else None)
+
+
+@functools.cache
+def _has_flash(device: torch.device) -> bool:
+    """PyTorch's FlashAttention-2 runs on compute capability 8.0 and later."""
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 class _ChunkedFeedForward(ModelHook):
