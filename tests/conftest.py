@@ -132,7 +132,7 @@ COMPONENTS = ("transformer", "text_encoder", "vae")
 #   test processes building their pools, a fresh-clone CI run waited over 90 s for a killed actor to
 #   come back (the restart imports torch afresh; test_ray now waits up to 240 s). Last, it ran ~110 s
 #   mostly alone with a core idle.
-# Two test processes on the 2-core machine, not three (2026-11-30, 806 tests): 10:26 and 10:31 against 11:04 with
+# Two test processes on the 2-core machine, not three (2026-11-30, 806 tests): 10:26-10:45 against 11:04 with
 # three; the tests' own seconds summed 1,214 against 1,905 (three processes and their servers' workers contended
 # for the two cores), and this order splits them 605 / 609 s between the two.
 XDIST_GROUPS = {"test_ray": "ray", "test_ray_local": "ray"}
