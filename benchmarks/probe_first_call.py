@@ -89,14 +89,14 @@ def main(argv=None) -> int:
         with context, torch.inference_mode():
             for length in lengths:
                 row = {"backend": backend, "length": length}
-                for name, (fn, fn_args) in calls(length).items():
+                made = calls(length)
+                for name, (fn, fn_args) in made.items():
                     try:
                         row[name] = twice(functools.partial(fn, *fn_args))
                     except RuntimeError as exc:  # a forced backend that does not take this call
                         row[name] = str(exc).splitlines()[0][:120]
-                text_calls = calls(length)  # the causal flag against the triangle it stands for: the same output
-                try:
-                    masked, flagged = (fn(*fn_args) for fn, fn_args in (text_calls["text"], text_calls["text_causal"]))
+                try:  # the causal flag against the triangle it stands for: the same output
+                    masked, flagged = (fn(*fn_args) for fn, fn_args in (made["text"], made["text_causal"]))
                     row["causal_vs_mask_max_diff"] = float((masked.float() - flagged.float()).abs().max())
                 except RuntimeError:  # flash takes no mask
                     pass
