@@ -15,7 +15,12 @@ its config, filled in CPU memory as loaded weights are):
   request, a heap overflow that pytorch/pytorch#192722 fixed in August 2026). torch 2.11 refuses the first
   ("Unrecognized key ... in CUDA allocator config", 2× H200, 2026-11-29): the row says so;
 - `one-buffer`: every weight copied into one buffer locked once at its exact size
-  (imgedit.runtime.pinned.copy_into_one, where this tree has it: the lock first, then the copies);
+  (imgedit.runtime.pinned.copy_into_one, where this tree has it: until 2026-11-30 the lock first, then the
+  copies; since, the copies first, then the lock);
+- `from-gpu`: `one-buffer` with the weights on the GPU first, as a benchmark checkpoint's random weights are
+  built (copy_into_one fills their places with zeros, locks, then copies them in by DMA);
+- `gpu-to-cpu`: those GPU weights moved to pageable CPU memory one by one (`.cpu()`, what diffusers' group
+  offloading does with a weight on a GPU) and then `one-buffer`: the way a 24 GB worker went before;
 - `copy-then-lock`: the same buffer, the copies first and then the lock (the pages already filled);
 - `huge-pages`: `copy-then-lock` in 2 MiB pages (MADV_HUGEPAGE).
 
@@ -45,6 +50,8 @@ WAYS = {
     "torch-register-exact": "pinned_use_cuda_host_register:True,pinned_num_register_threads:8,"
                             "pinned_max_round_threshold_mb:1,pinned_max_cached_size_mb:1",
     "one-buffer": None,
+    "from-gpu": None,
+    "gpu-to-cpu": None,
     "copy-then-lock": None,
     "huge-pages": None,
 }
@@ -111,12 +118,19 @@ def copy_then_lock(tensors: list, huge: bool) -> tuple[list, int]:
 def one(args) -> dict:
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)  # a GPU worker's (WORKER_THREADS: 4 on a 16-core host)
     tensors = weights(args)
     size = sum(t.numel() * t.element_size() for t in tensors)
     rss_before = resident_gib()
     torch.cuda.init()
+    if args.one in ("from-gpu", "gpu-to-cpu"):
+        tensors = [t.to("cuda") for t in tensors]  # built on the GPU (before the clock: not part of the way)
+        torch.cuda.synchronize()
     started = time.perf_counter()
-    if args.one == "one-buffer":
+    if args.one == "gpu-to-cpu":
+        tensors = [t.cpu() for t in tensors]
+    if args.one in ("one-buffer", "from-gpu", "gpu-to-cpu"):
         from imgedit.runtime import pinned  # not in every tree: the way is skipped then
 
         held: list = [None] * len(tensors)
@@ -148,7 +162,8 @@ def one(args) -> dict:
                 gib=round(size / 2**30, 2), seconds=round(seconds, 2), locked_gib=round(locked / 2**30, 2),
                 resident_gib_before=round(rss_before, 2), resident_gib_after=round(resident_gib(), 2),
                 copy_gb_per_s=round(size / copy_seconds / 1e9, 1), torch=torch.__version__,
-                alloc_conf=os.environ.get("PYTORCH_ALLOC_CONF", ""), gpu=torch.cuda.get_device_name(0))
+                alloc_conf=os.environ.get("PYTORCH_ALLOC_CONF", ""), threads=args.threads or None,
+                gpu=torch.cuda.get_device_name(0))
 
 
 def main(argv=None) -> int:
@@ -157,6 +172,7 @@ def main(argv=None) -> int:
     parser.add_argument("--component", default="text_encoder", choices=("text_encoder", "transformer"))
     parser.add_argument("--gib", type=float, default=None, help="only the first GiB of the weights")
     parser.add_argument("--checkpoint")
+    parser.add_argument("--threads", type=int, default=0, help="torch's CPU threads in each way (0: its default)")
     parser.add_argument("--ways", default=",".join(WAYS))
     parser.add_argument("--json")
     parser.add_argument("--one", choices=sorted(WAYS), help=argparse.SUPPRESS)  # a child process: one way
@@ -174,6 +190,7 @@ def main(argv=None) -> int:
         command = [sys.executable, __file__, "--one", way, "--kind", args.kind, "--component", args.component]
         command += ["--gib", str(args.gib)] if args.gib else []
         command += ["--checkpoint", args.checkpoint] if args.checkpoint else []
+        command += ["--threads", str(args.threads)] if args.threads else []
         row = fresh.run(command, env, "way", way)
         rows.append(row)
         if "failed" not in row:

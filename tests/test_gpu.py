@@ -384,10 +384,12 @@ def test_out_of_memory_on_a_real_oversize_request_then_recovery(real_ckpt):
 
 
 @pytest.mark.gpu
-def test_streamed_blocks_leave_the_models_own_layers_on_the_gpu():
+@pytest.mark.parametrize("built_on", ["cpu", "cuda"])
+def test_streamed_blocks_leave_the_models_own_layers_on_the_gpu(built_on):
     """The layers outside the block list stay on the GPU between forwards (diffusers would copy them to
     pageable CPU memory after each: 0.1 s a step on 2.1's 16 GB plan); the streamed blocks go back, to
-    page-locked copies in one buffer, and the model computes what it computed unstreamed."""
+    page-locked copies in one buffer, and the model computes what it computed unstreamed. Built on the CPU
+    (a checkpoint read from disk) or on the GPU (random weights: the blocks reach the buffer by DMA)."""
     import torch
     from conftest import Blocks
 
@@ -397,7 +399,7 @@ def test_streamed_blocks_leave_the_models_own_layers_on_the_gpu():
     model = Blocks()
     reference = Blocks().cuda()
     reference.load_state_dict(model.state_dict())
-    stream(model, "cuda", MemoryMode(resident_blocks=1))
+    stream(model.to(built_on), "cuda", MemoryMode(resident_blocks=1))
     streamed = [model.blocks[i].weight for i in MemoryMode(resident_blocks=1).streamed(3)]
     # the streamed weights' CPU copies: page-locked, in one buffer (imgedit.runtime.pinned), not one block each
     assert all(w.is_pinned() for w in streamed)
@@ -437,6 +439,24 @@ def test_a_streamed_text_encoder_first_given_a_picture_then_encodes_text_alone(t
     for _ in range(2):  # the first pass traces, the second runs on the traced prefetching
         assert all(torch.equal(a, b) for a, b in zip(encode(), whole, strict=True))
     assert pipe.text_encoder.model.language_model.layers[0].mlp.down_proj.weight.device.type == "cpu"  # streamed
+
+
+@pytest.mark.gpu
+def test_where_cuda_refuses_the_one_lock_each_copy_is_pinned_on_its_own(monkeypatch):
+    """imgedit.runtime.pinned.copy_into_one when the buffer cannot be locked: a CPU tensor and a GPU tensor
+    each still reach the caller as a pinned CPU copy with its values."""
+    import torch
+
+    from imgedit.runtime import pinned
+
+    monkeypatch.setattr(pinned, "lock", lambda buffer: False)
+    tensors = [torch.arange(1000, dtype=torch.bfloat16), torch.full((3, 5), 2.5, device="cuda")]
+    expected = [t.cpu().clone() for t in tensors]
+    placed = {}
+    pinned.copy_into_one(tensors, lambda i, copy: placed.__setitem__(i, copy))
+    assert sorted(placed) == [0, 1] and tensors == [None, None]
+    for i, copy in placed.items():
+        assert copy.device.type == "cpu" and copy.is_pinned() and torch.equal(copy, expected[i])
 
 
 @pytest.mark.gpu
