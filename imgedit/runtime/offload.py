@@ -259,7 +259,8 @@ def _into_pinned_memory(modules: list[torch.nn.Module]) -> None:
     weights are built there) reaches its place by DMA instead of through pageable memory: setting up 2509's
     26 GiB of streamed blocks took 25.5 s that way at 24 GB (H200 host, 2026-11-30), 9.5 s of it the lock."""
     tensors = list({id(t): t for m in modules for t in (*m.parameters(), *m.buffers())
-                    if type(t.data) is torch.Tensor and not (t.device.type == "cpu" and t.is_pinned())}.values())
+                    if type(t.data) is torch.Tensor
+                    and not (t.device.type == "cpu" and t.is_pinned())}.values())
 
     def place(i: int, copy: torch.Tensor) -> None:
         tensors[i].data = copy  # the old memory (GPU or pageable) goes with its last reference

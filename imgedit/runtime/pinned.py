@@ -16,6 +16,9 @@ Written here, not taken from a library: neither torch nor diffusers offers a reg
 Measured by benchmarks/probe_pinning.py on 2.1's text encoder (16.33 GiB, 750 tensors; 2× H200,
 2026-11-29): `pin_memory()` per tensor 16.7 s and 5.9 GiB of host memory beyond the weights, this buffer
 11.2 s and 0.2 GiB.
+Since 2026-11-30 the copies come before the lock (the pages present, locked in one call) and weights on a GPU
+reach the buffer by DMA (copy_into_one): 2509's 27 GiB of streamed blocks in 3.7 s from the GPU, against
+29.9 s through pageable memory first, the way diffusers' group offloading copies a GPU weight (1× H200 host).
 torch's allocator options are the alternative where the installed torch has them (2.11 lacks
 `pinned_max_round_threshold_mb`, without which each block is still rounded up).
 """
@@ -82,16 +85,16 @@ def offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
 
 
 def copy_into_one(tensors: list[torch.Tensor], place) -> None:
-    """Copy `tensors` (on the CPU or a GPU; same shapes, dtypes and values) into one page-locked CPU buffer, kept
-    for the process's life, calling `place(i, copy)` after each copy and dropping `tensors[i]` (the caller lets
-    go of its own there: the CPU never holds much more than one copy of the whole). Without CUDA nothing is
-    copied.
+    """Copy `tensors` (on the CPU or a GPU; same shapes, dtypes and values) into one page-locked CPU buffer,
+    kept for the process's life, calling `place(i, copy)` after each copy and dropping `tensors[i]` (the
+    caller lets go of its own there: the CPU never holds much more than one copy of the whole). Without CUDA
+    nothing is copied.
 
     The order is the fast one measured (benchmarks/probe_pinning.py, 27 GiB of 2509's transformer on an H200
     host, 2026-11-30): the CPU tensors are copied first and the GPU tensors' places filled with zeros, both on
-    all the CPU's threads, so every page is present when CUDA locks the buffer in one call; then the GPU tensors
-    are copied in by DMA. Locking first made CUDA fault each page in on one thread: 10.6 s against 3.8 s.
-    Where CUDA refuses the lock, each copy is pinned on its own instead (`pin_memory()`, as diffusers does;
+    all the CPU's threads, so every page is present when CUDA locks the buffer in one call; then the GPU
+    tensors are copied in by DMA. Locking first made CUDA fault each page in on one thread: 10.6 s against
+    3.8 s. Where CUDA refuses the lock, each copy is pinned on its own instead (`pin_memory()`, as diffusers does;
     the buffer and those copies held together until the last one is made)."""
     if not tensors or not torch.cuda.is_available():
         return
