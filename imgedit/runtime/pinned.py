@@ -94,8 +94,8 @@ def copy_into_one(tensors: list[torch.Tensor], place) -> None:
     host, 2026-11-30): the CPU tensors are copied first and the GPU tensors' places filled with zeros, both on
     all the CPU's threads, so every page is present when CUDA locks the buffer in one call; then the GPU
     tensors are copied in by DMA. Locking first made CUDA fault each page in on one thread: 10.6 s against
-    3.8 s. Where CUDA refuses the lock, each copy is pinned on its own instead (`pin_memory()`, as diffusers does;
-    the buffer and those copies held together until the last one is made)."""
+    3.8 s. Where CUDA refuses the lock, each copy is pinned on its own instead (`pin_memory()`, as diffusers
+    does; the buffer and those copies held together until the last one is made)."""
     if not tensors or not torch.cuda.is_available():
         return
     starts, size = offsets(tensors)
