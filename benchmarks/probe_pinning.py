@@ -133,6 +133,8 @@ def one(args) -> dict:
     if args.one in ("one-buffer", "from-gpu", "gpu-to-cpu"):
         from imgedit.runtime import pinned  # not in every tree: the way is skipped then
 
+        if hasattr(pinned, "set_copy_threads"):  # as a one-GPU worker: every CPU copies (modes.copy_threads)
+            pinned.set_copy_threads(len(os.sched_getaffinity(0)))
         held: list = [None] * len(tensors)
 
         def place(i, copy):

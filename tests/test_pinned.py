@@ -135,3 +135,75 @@ def test_weights_about_to_stream_move_into_one_buffer_with_their_values(monkeypa
     assert quantized.weight is int8 and not (buffer.data_ptr() <= int8.data_ptr() < buffer.data_ptr() +
                                                buffer.numel())
     assert kept.weight.data_ptr() == kept_at
+
+
+def test_the_copies_run_on_the_workers_copy_threads_and_give_them_back(monkeypatch):
+    """A GPU worker keeps a few threads for its jobs and takes its share of the machine's CPUs for the copies
+    (pinned.set_copy_threads): raised while they run, back after them, also when placing a copy fails."""
+    import pytest
+    import torch
+
+    from imgedit.runtime import pinned
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(pinned, "lock", lambda buffer: True)
+    monkeypatch.setattr(pinned, "_KEPT", [])
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    pinned.set_copy_threads(2)
+    try:
+        seen = []
+        pinned.copy_into_one([torch.ones(8), torch.zeros(8)], lambda i, copy: seen.append(torch.get_num_threads()))
+        assert seen == [2, 2] and torch.get_num_threads() == 1
+
+        def fails(i, copy):
+            raise RuntimeError("placing failed")
+
+        with pytest.raises(RuntimeError, match="placing failed"):
+            pinned.copy_into_one([torch.ones(8)], fails)
+        assert torch.get_num_threads() == 1
+    finally:
+        pinned.set_copy_threads(0)
+        torch.set_num_threads(before)
+
+
+def test_where_the_lock_is_refused_each_streamed_weight_ends_on_a_pinned_copy_of_its_own(monkeypatch):
+    """offload._pin_once through copy_into_one's fallback (CUDA refuses the one lock): every CPU weight, placed
+    first as a slice of the unlocked buffer, is placed again on a pinned copy of its own with its values, and
+    no weight is left on the buffer. No GPU here: the lock's refusal is recorded and `pin_memory()` stands in
+    as a copy marked pinned."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from imgedit.runtime import offload, pinned
+
+    buffers, pinned_copies, calls = [], [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(pinned, "lock", lambda buffer: buffers.append(buffer) or False)
+    monkeypatch.setattr(pinned, "_KEPT", [])
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned_copies.append(self.clone()) or
+                        pinned_copies[-1])
+    layers = [torch.nn.Linear(16, 16).to(torch.bfloat16), torch.nn.LayerNorm(16)]
+    tensors = [t for layer in layers for t in layer.parameters()]
+    values = [t.detach().clone() for t in tensors]
+    group = SimpleNamespace(offload_device=torch.device("cpu"), cpu_param_dict={t: t.data for t in tensors})
+    monkeypatch.setattr(offload, "_offload_groups", lambda model: [group])
+    real_copy_into_one = pinned.copy_into_one
+
+    def recorded(sources, place):
+        real_copy_into_one(sources, lambda i, copy: calls.append(i) or place(i, copy))
+
+    monkeypatch.setattr(pinned, "copy_into_one", recorded)
+
+    offload._pin_once(torch.nn.Module())
+
+    assert len(buffers) == 1 and pinned._KEPT == []
+    n = len(tensors)
+    assert calls == [*range(n), *range(n)]  # each placed on the buffer, then again on its pinned copy
+    buffer = buffers[0]
+    for weight, value in zip(tensors, values, strict=True):
+        copy = group.cpu_param_dict[weight]
+        assert any(copy is p for p in pinned_copies) and weight.data_ptr() == copy.data_ptr()
+        assert not (buffer.data_ptr() <= copy.data_ptr() < buffer.data_ptr() + buffer.numel())
+        assert torch.equal(weight.data, value)

@@ -158,8 +158,9 @@ def test_the_configuration_page_documents_every_setting():
 
 def test_worker_threads_for_gpu_workers_only():
     """WORKER_THREADS: auto is 4 per GPU process, fewer where the machine has fewer CPUs for its GPU processes,
-    OMP_NUM_THREADS where set; a CPU worker keeps PyTorch's default (0); a number is used as given."""
-    from imgedit.planning.modes import worker_threads
+    OMP_NUM_THREADS where set; a CPU worker keeps PyTorch's default (0); a number is used as given. The copies
+    of streamed weights (modes.copy_threads) take each GPU process's whole share, whatever WORKER_THREADS is."""
+    from imgedit.planning.modes import copy_threads, worker_threads
     from imgedit.planning.plan import Placement, WorkerPlan
 
     def worker(device: str, ranks: int = 1) -> WorkerPlan:
@@ -182,3 +183,7 @@ def test_worker_threads_for_gpu_workers_only():
     ray = load_settings({"WORKERS": "ray"})  # the server's CPUs say nothing of a Ray node's: Ray's own setting
     assert worker_threads(ray, one, [one], 32, None) == 0
     assert worker_threads(load_settings({"WORKERS": "ray", "WORKER_THREADS": "6"}), one, [one], 32, None) == 6
+    # while its streamed weights are copied into locked memory, a GPU process takes its whole share
+    assert copy_threads(auto, one, [one], 16) == 16 and copy_threads(eight, one, [one], 16) == 16
+    assert copy_threads(auto, one, [pair, pair, pair, one], 16) == 2 and copy_threads(auto, pair, [pair], 32) == 16
+    assert copy_threads(auto, cpu, [cpu], 16) == 0 and copy_threads(ray, one, [one], 16) == 0

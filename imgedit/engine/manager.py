@@ -156,9 +156,11 @@ class PipelineManager(Engine):
         self.workers = [self._handle(w) for w in self._plan.workers]
         for w in self.workers:
             encode_cache = f"{s.encode_cache} input(s)" if s.encode_cache else "off"
-            log.info("%s: %d process(es), compile %s, encode cache %s, CPU threads %s", w.name, w.plan.ranks,
-                     "on" if self.compile_enabled(w.plan) else "off", encode_cache,
-                     w.spec.cpu_threads or "PyTorch's default")
+            log.info("%s: %d process(es), compile %s, encode cache %s, CPU threads %s (%s)", w.name,
+                     w.plan.ranks, "on" if self.compile_enabled(w.plan) else "off", encode_cache,
+                     w.spec.cpu_threads or "PyTorch's default",
+                     f"{w.spec.copy_threads} while streamed weights are copied" if w.spec.copy_threads
+                     else "the same for streamed weights' copies")
         if (refused := startup.refusal(s, self._plans, self.checkpoint, self.loras)) is not None:
             self.load_error = refused
             raise PlacementError(refused)

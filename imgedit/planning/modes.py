@@ -136,8 +136,24 @@ def worker_threads(settings: Settings, plan: WorkerPlan, plans: Sequence[WorkerP
         return settings.worker_threads
     if omp and omp.strip().isdigit() and int(omp) > 0:
         return int(omp)
-    share = max(1, cpus // max(1, sum(p.ranks for p in plans if p.execution_device.startswith("cuda"))))
+    share = _gpu_share(plans, cpus)
     return min(4, share) if plan.ranks == 1 else share
+
+
+def copy_threads(settings: Settings, plan: WorkerPlan, plans: Sequence[WorkerPlan], cpus: int) -> int:
+    """torch's CPU threads in a GPU worker's process while it copies its streamed weights into page-locked
+    memory (imgedit.runtime.pinned: GiBs of fresh pages, filled fastest on many threads): the machine's CPUs
+    shared out over its GPU processes, which load at the same time; 0 (its threads as for jobs) on the CPU and
+    under WORKERS=ray (an actor's node and share are Ray's). On a 16-CPU one-GPU host that is 16 where its
+    jobs keep 4: 27 GiB copied and locked in 3.7-6.0 s (docs/BENCHMARKS.md, 24 GB)."""
+    if not plan.execution_device.startswith("cuda") or settings.workers == "ray":
+        return 0
+    return _gpu_share(plans, cpus)
+
+
+def _gpu_share(plans: Sequence[WorkerPlan], cpus: int) -> int:
+    """The CPUs each GPU process (every rank of every plan on a GPU) gets of `cpus`."""
+    return max(1, cpus // max(1, sum(p.ranks for p in plans if p.execution_device.startswith("cuda"))))
 
 
 def compile_mode(settings: Settings, plans: Sequence[WorkerPlan]) -> str:

@@ -76,6 +76,7 @@ class WorkerSpec:
     fast_quantize: str = "none"  # FAST_QUANTIZE: Lightning LoRAs' quantized copies (runtime.fast_weights)
     fast_steps: tuple[int, ...] = (4, 8)  # FAST_QUANTIZE_SPEEDS as Lightning step counts
     cpu_threads: int = 0  # WORKER_THREADS (planning.modes.worker_threads); 0 = PyTorch's default
+    copy_threads: int = 0  # while the streamed weights are copied (planning.modes.copy_threads); 0 = as above
     turbo: TurboCheckpoint | None = None  # TURBO_MODEL_DIR, checked: speed=fast/fastest's transformer
 
 

@@ -183,8 +183,9 @@ def stream(model: torch.nn.Module, device: str, memory: MemoryMode | None) -> No
     cuda = torch.device(device).type == "cuda"
     # record_stream: no device-wide synchronize after every streamed group (3 blocks of room are
     # planned for it, imgedit.planning.memory.component_specs). low_cpu_mem_usage: diffusers keeps the CPU
-    # weights as they are instead of pinning each one (_pin_once locks them all in one buffer); not for
-    # quantized weights (torchao tensors: diffusers pins them itself, once, as before)
+    # weights as they are instead of pinning each one (_into_pinned_memory moves them into one locked buffer
+    # first, _pin_once any added after); not for quantized weights (torchao tensors: diffusers pins them
+    # itself, once, as before)
     plain = all(type(p.data) is torch.Tensor for p in model.parameters())
     options = dict(onload_device=device, use_stream=cuda, record_stream=cuda,
                    low_cpu_mem_usage=cuda and plain)
@@ -256,8 +257,9 @@ def _into_pinned_memory(modules: list[torch.nn.Module]) -> None:
     """The weights and buffers of the modules about to be streamed, moved into one page-locked CPU buffer
     (imgedit.runtime.pinned) before diffusers' group offloading sees them: its CPU copy of a weight already on
     the CPU is that weight (`.data.cpu()`), so it keeps these. A weight on a GPU (the benchmarks' random
-    weights are built there) reaches its place by DMA instead of through pageable memory: setting up 2509's
-    26 GiB of streamed blocks took 25.5 s that way at 24 GB (H200 host, 2026-11-30), 9.5 s of it the lock."""
+    weights are built there) reaches its place by DMA instead of through pageable memory: a 24 GB worker set
+    up 2509's 26 GiB of streamed blocks in 25.5 s through pageable memory (9.5 s of it the lock), and in
+    3.6-5.7 s this way (its log, H200 hosts, 2026-11-30)."""
     tensors = list({id(t): t for m in modules for t in (*m.parameters(), *m.buffers())
                     if type(t.data) is torch.Tensor
                     and not (t.device.type == "cpu" and t.is_pinned())}.values())
@@ -269,10 +271,11 @@ def _into_pinned_memory(modules: list[torch.nn.Module]) -> None:
 
 
 def _pin_once(model: torch.nn.Module) -> None:
-    """The streamed weights' CPU copies, in one page-locked buffer (imgedit.runtime.pinned: exact size, one
-    registration) instead of one pinned block each; a copy pinned before (a weight streamed again after the
-    LoRAs load) stays where it is. diffusers 0.42.1: each group-offloading hook's `group.cpu_param_dict` maps
-    a parameter or buffer to the CPU tensor its onload copies from, and offload sets `.data` back to it."""
+    """The streamed weights' CPU copies that are not page-locked yet (the LoRAs' layers, added after loading;
+    `_into_pinned_memory` has moved the weights loaded before them) into one page-locked buffer
+    (imgedit.runtime.pinned) instead of one pinned block each; a copy pinned before stays where it is.
+    diffusers 0.42.1: each group-offloading hook's `group.cpu_param_dict` maps a parameter or buffer to the
+    CPU tensor its onload copies from, and offload sets `.data` back to it."""
     found = [(group, tensor, cpu) for group in _offload_groups(model) if group.offload_device.type == "cpu"
              for tensor, cpu in group.cpu_param_dict.items()
              if type(cpu) is torch.Tensor and not cpu.is_pinned()]
@@ -280,15 +283,17 @@ def _pin_once(model: torch.nn.Module) -> None:
         return
     size = sum(cpu.numel() * cpu.element_size() for _, _, cpu in found)
     started = time.perf_counter()
+    targets = [(group, tensor) for group, tensor, _ in found]
+    sources = [cpu for _, _, cpu in found]
+    del found  # the old CPU tensors now referenced by `sources` alone, which copy_into_one lets go of
 
-    def place(i: int, copy: torch.Tensor) -> None:
-        group, tensor, _ = found[i]
+    def place(i: int, copy: torch.Tensor) -> None:  # again for the same i where the lock is refused
+        group, tensor = targets[i]
         group.cpu_param_dict[tensor] = copy
         if tensor.device.type == "cpu":  # offloaded now: its data is the copy, and the old memory goes
             tensor.data = copy
-        found[i] = None  # the last reference to the old CPU tensor
 
-    pinned.copy_into_one([cpu for _, _, cpu in found], place)  # the list's own references dropped as it goes
+    pinned.copy_into_one(sources, place)
     log.debug("%.2f GiB of streamed weights locked in CPU memory in %.1fs", size / 1024**3,
               time.perf_counter() - started)
 

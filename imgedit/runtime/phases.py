@@ -20,7 +20,7 @@ import torch
 
 from imgedit.model.encoding import prepare_text_encoder
 from imgedit.planning.placement import allocator_budget
-from imgedit.runtime import features, loader, offload
+from imgedit.runtime import features, loader, offload, pinned
 from imgedit.runtime.adapters import Adapters
 from imgedit.runtime.build import Build
 from imgedit.runtime.group import agree_to_stop, init_group
@@ -38,6 +38,7 @@ def place(build: Build) -> None:
     build.cuda = plan.execution_device.startswith("cuda")
     if build.cuda and spec.cpu_threads:  # WORKER_THREADS: a GPU worker's CPU prepares, it does not compute
         torch.set_num_threads(spec.cpu_threads)
+    pinned.set_copy_threads(spec.copy_threads if build.cuda else 0)  # its streamed weights' copies: more
     if spec.world > 1:
         build.cpu_group = init_group(spec.rank, spec.world, spec.master_port, build.cuda)
         build.agree = lambda ok: not agree_to_stop(not ok, build.cpu_group)

@@ -26,7 +26,6 @@ torch's allocator options are the alternative where the installed torch has them
 from __future__ import annotations
 
 import logging
-import os
 from contextlib import contextmanager
 
 import torch
@@ -92,36 +91,52 @@ def copy_into_one(tensors: list[torch.Tensor], place) -> None:
 
     The order is the fast one measured (benchmarks/probe_pinning.py, 27 GiB of 2509's transformer on an H200
     host, 2026-11-30): the CPU tensors are copied first and the GPU tensors' places filled with zeros, both on
-    all the CPU's threads, so every page is present when CUDA locks the buffer in one call; then the GPU
-    tensors are copied in by DMA. Locking first made CUDA fault each page in on one thread: 10.6 s against
-    3.8 s. Where CUDA refuses the lock, each copy is pinned on its own instead (`pin_memory()`, as diffusers
-    does; the buffer and those copies held together until the last one is made)."""
+    the worker's copy threads (`set_copy_threads`), so every page is present when CUDA locks the buffer in one
+    call; then the GPU tensors are copied in by DMA. Locking first made CUDA fault each page in on one thread:
+    10.6 s against 3.8 s.
+
+    Where CUDA refuses the lock, each copy is pinned on its own instead (`pin_memory()`, as diffusers does):
+    `place(i, ...)` is then called a second time for a CPU tensor, with its pinned copy, and the CPU holds the
+    buffer and the pinned copies together until the last one is made (about twice the weights)."""
     if not tensors or not torch.cuda.is_available():
         return
     starts, size = offsets(tensors)
     buffer = torch.empty(size, dtype=torch.uint8)
     copies = [buffer[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
               for t, start in zip(tensors, starts, strict=True)]
-    on_gpu = []
-    with all_threads():
+    on_gpu = [i for i, t in enumerate(tensors) if t.device.type != "cpu"]
+    with copy_threads():
         for i, copy in enumerate(copies):
-            if tensors[i].device.type == "cpu":
-                _put(tensors, i, copy, place)
-            else:
+            if tensors[i].device.type != "cpu":
                 copy.zero_()  # its pages made present here, before the lock
-                on_gpu.append(i)
+            else:
+                _put(tensors, i, copy, place)
     if lock(buffer):
         _KEPT.append(buffer)
     else:
-        log.warning("pinning %d tensors one by one instead", len(tensors))
-        for i, copy in enumerate(copies):
-            if tensors[i] is None:  # copied into the buffer already
-                place(i, copy.pin_memory())
-        copies = [torch.empty(c.shape, dtype=c.dtype, pin_memory=True) if i in on_gpu else None
-                  for i, c in enumerate(copies)]
-        del buffer
+        log.warning("could not lock the buffer: pinning %d tensors one by one instead", len(tensors))
+        copies = _pinned_one_by_one(copies, set(on_gpu), place)
+        del buffer  # its last slice gone with `copies`: freed here
+        copies = [torch.empty(shape, dtype=dtype, pin_memory=True) if shape is not None else None
+                  for shape, dtype in copies]
     for i in on_gpu:
         _put(tensors, i, copies[i], place)
+
+
+def _pinned_one_by_one(copies: list[torch.Tensor], on_gpu: set[int], place) -> list[tuple]:
+    """The refused lock's fallback: each CPU tensor's copy (a slice of the unlocked buffer, placed already)
+    placed again pinned on its own; (shape, dtype) of each GPU tensor's place, (None, None) for the others, so
+    that no slice of the buffer is left."""
+    shapes = []
+    for i in range(len(copies)):
+        copy, copies[i] = copies[i], None
+        if i in on_gpu:
+            shapes.append((copy.shape, copy.dtype))
+        else:
+            place(i, copy.pin_memory())
+            shapes.append((None, None))
+        del copy
+    return shapes
 
 
 def _put(tensors: list[torch.Tensor], i: int, copy: torch.Tensor, place) -> None:
@@ -130,12 +145,22 @@ def _put(tensors: list[torch.Tensor], i: int, copy: torch.Tensor, place) -> None
     place(i, copy)
 
 
+_copy_threads = 0  # set_copy_threads
+
+
+def set_copy_threads(threads: int) -> None:
+    """torch's CPU threads while copy_into_one fills GiBs of fresh pages (the worker's share of the machine's
+    CPUs, planning.modes.copy_threads; 0: its threads as they are). A GPU worker keeps a few threads for its
+    jobs (WORKER_THREADS)."""
+    global _copy_threads
+    _copy_threads = threads
+
+
 @contextmanager
-def all_threads():
-    """torch's CPU threads raised to every CPU this process may run on, for filling GiBs of fresh pages (a GPU
-    worker keeps a few threads for its jobs, WORKER_THREADS)."""
+def copy_threads():
+    """torch's threads raised to `set_copy_threads`'s count for the copies, and back after them."""
     before = torch.get_num_threads()
-    torch.set_num_threads(max(before, len(os.sched_getaffinity(0))))
+    torch.set_num_threads(max(before, _copy_threads))
     try:
         yield
     finally:

@@ -162,6 +162,7 @@ def worker_spec(settings: Settings, plan: WorkerPlan, every: tuple[WorkerPlan, .
     """What the processes of `plan`'s worker load and how (rank 0's; each rank gets its own at spawn).
     `every`: all planned workers (WORKER_THREADS shares the host's CPU threads among them)."""
     s = settings
+    cpus, omp = host_threads()
     return WorkerSpec(name=plan.name, rank=0, world=plan.ranks, parallel=plan.parallel, plan=plan,
                       checkpoint=checkpoint, dtype=s.torch_dtype, compile=modes.compile_enabled(s, plan),
                       hook=hook, auto_cleanup=s.auto_cleanup, warmup_sizes=warmup_sizes,
@@ -171,4 +172,5 @@ def worker_spec(settings: Settings, plan: WorkerPlan, every: tuple[WorkerPlan, .
                       fuse_lora=modes.fuse_lora(s, plan), activation_reserve=s.activation_reserve,
                       fast_quantize=s.fast_quantize, fast_steps=modes.fast_steps(s),
                       turbo=turbo.open_turbo(s.turbo_model_dir) if s.turbo_model_dir else None,
-                      cpu_threads=modes.worker_threads(s, plan, every, *host_threads()))
+                      cpu_threads=modes.worker_threads(s, plan, every, cpus, omp),
+                      copy_threads=modes.copy_threads(s, plan, every, cpus))
