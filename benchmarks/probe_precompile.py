@@ -66,8 +66,10 @@ def one(args) -> dict:
     if not (folder / "model_index.json").is_file():
         build_checkpoint(folder, kind="plus", seed=0, size=args.size)
     torch.manual_seed(0)
+    torch.set_default_dtype(dtype)  # built in its dtype (a real-size transformer in fp32 would take 82 GB)
     with torch.device(device):
-        model = from_config("transformer", folder).to(dtype).eval()
+        model = from_config("transformer", folder).eval()
+    torch.set_default_dtype(torch.float32)
     if other:
         _other_processor(model)
     config = model.config
