@@ -145,7 +145,8 @@ def copy_threads(settings: Settings, plan: WorkerPlan, plans: Sequence[WorkerPla
     memory (imgedit.runtime.pinned: GiBs of fresh pages, filled fastest on many threads): the machine's CPUs
     shared out over its GPU processes, which load at the same time; 0 (its threads as for jobs) on the CPU and
     under WORKERS=ray (an actor's node and share are Ray's). On a 16-CPU one-GPU host that is 16 where its
-    jobs keep 4: 27 GiB copied and locked in 3.7-6.0 s (docs/BENCHMARKS.md, 24 GB)."""
+    jobs keep 4: 27 GiB copied and locked in 3.7-6.0 s (benchmarks/probe_pinning.py; docs/BENCHMARKS.md,
+    24 GB)."""
     if not plan.execution_device.startswith("cuda") or settings.workers == "ray":
         return 0
     return _gpu_share(plans, cpus)

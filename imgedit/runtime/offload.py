@@ -259,7 +259,7 @@ def _into_pinned_memory(modules: list[torch.nn.Module]) -> None:
     the CPU is that weight (`.data.cpu()`), so it keeps these. A weight on a GPU (the benchmarks' random
     weights are built there) reaches its place by DMA instead of through pageable memory: a 24 GB worker set
     up 2509's 26 GiB of streamed blocks in 25.5 s through pageable memory (9.5 s of it the lock), and in
-    3.6-5.7 s this way (its log, H200 hosts, 2026-11-30)."""
+    3.6-5.7 s this way (H200 hosts, 2026-11-30: docs/gpu-runs/2026-11-30-1xh200.md and its server logs)."""
     tensors = list({id(t): t for m in modules for t in (*m.parameters(), *m.buffers())
                     if type(t.data) is torch.Tensor
                     and not (t.device.type == "cpu" and t.is_pinned())}.values())

@@ -105,22 +105,28 @@ def copy_into_one(tensors: list[torch.Tensor], place) -> None:
     copies = [buffer[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
               for t, start in zip(tensors, starts, strict=True)]
     on_gpu = [i for i, t in enumerate(tensors) if t.device.type != "cpu"]
-    with copy_threads():
-        for i, copy in enumerate(copies):
-            if tensors[i].device.type != "cpu":
-                copy.zero_()  # its pages made present here, before the lock
-            else:
-                _put(tensors, i, copy, place)
+    _fill(tensors, copies, place)
     if lock(buffer):
         _KEPT.append(buffer)
     else:
         log.warning("could not lock the buffer: pinning %d tensors one by one instead", len(tensors))
         copies = _pinned_one_by_one(copies, set(on_gpu), place)
-        del buffer  # its last slice gone with `copies`: freed here
+        del buffer  # no slice of it is left here (the caller's were replaced): freed
         copies = [torch.empty(shape, dtype=dtype, pin_memory=True) if shape is not None else None
                   for shape, dtype in copies]
     for i in on_gpu:
         _put(tensors, i, copies[i], place)
+
+
+def _fill(tensors: list[torch.Tensor], copies: list[torch.Tensor], place) -> None:
+    """Before the lock, on the copy threads: each CPU tensor copied into its place and placed, each GPU
+    tensor's place filled with zeros (its pages made present)."""
+    with copy_threads():
+        for i, copy in enumerate(copies):
+            if tensors[i].device.type != "cpu":
+                copy.zero_()
+            else:
+                _put(tensors, i, copy, place)
 
 
 def _pinned_one_by_one(copies: list[torch.Tensor], on_gpu: set[int], place) -> list[tuple]:
