@@ -79,6 +79,9 @@ def test_live_preview_and_expanding_the_canvas_in_one_page(browser, live_server,
         expect(page.locator("#expand-note")).to_contain_text("Canvas 127x76", timeout=10_000)
         canvas = page.locator("#expand-canvas img")
         canvas.wait_for(state="visible", timeout=10_000)
+        # visible before its picture has loaded (naturalWidth 0 on a loaded machine, 2026-11-30): wait for it
+        page.wait_for_function("() => { const img = document.querySelector('#expand-canvas img');"
+                               " return img !== null && img.complete && img.naturalWidth > 0; }", timeout=10_000)
         assert canvas.evaluate("img => [img.naturalWidth, img.naturalHeight]") == [127, 76]
         page.locator("#expand-px-left input").fill("5000")  # over MAX_SIDE: our message, before any edit
         expect(page.locator("#expand-note")).to_contain_text("out of range", timeout=10_000)
