@@ -104,7 +104,8 @@ def test_weights_about_to_stream_move_into_one_buffer_with_their_values(monkeypa
     """offload._into_pinned_memory, before diffusers' group offloading sees a model: each plain weight and
     buffer of the given modules becomes a slice of one locked buffer with its values (diffusers' CPU copy of a
     CPU weight is that weight), the module computes what it did, a torchao-quantized weight is left to
-    diffusers, and a module not given is not touched. The registration is recorded (no GPU here)."""
+    diffusers, and a module not given is not touched; where diffusers makes its own copies (low_cpu_mem_usage
+    off), nothing moves. The registration is recorded (no GPU here)."""
     import torch
 
     from imgedit.runtime import offload, pinned
@@ -124,7 +125,9 @@ def test_weights_about_to_stream_move_into_one_buffer_with_their_values(monkeypa
     values = {name: t.detach().clone() for name, t in streamed.state_dict().items()}
     int8, kept_at = quantized.weight, kept.weight.data_ptr()
 
-    offload._into_pinned_memory([streamed, quantized])
+    offload._into_pinned_memory([kept], {"low_cpu_mem_usage": False})  # diffusers copies these itself
+    assert kept.weight.data_ptr() == kept_at and locked == []
+    offload._into_pinned_memory([streamed, quantized], {"low_cpu_mem_usage": True})
 
     assert len(locked) == 1
     buffer = locked[0]

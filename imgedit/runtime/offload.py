@@ -190,8 +190,7 @@ def stream(model: torch.nn.Module, device: str, memory: MemoryMode | None) -> No
     options = dict(onload_device=device, use_stream=cuda, record_stream=cuda,
                    low_cpu_mem_usage=cuda and plain)
     if memory is None:
-        if options["low_cpu_mem_usage"]:
-            _into_pinned_memory([model])
+        _into_pinned_memory([model], options)
         apply_group_offloading(model, offload_type="leaf_level", **options)
         _pin_once(model)
         if cuda:
@@ -202,8 +201,7 @@ def stream(model: torch.nn.Module, device: str, memory: MemoryMode | None) -> No
     owner = model.get_submodule(owner_path) if owner_path else model
     blocks = getattr(owner, attr)
     streamed = set(memory.streamed(len(blocks)))
-    if options["low_cpu_mem_usage"]:
-        _into_pinned_memory([b for i, b in enumerate(blocks) if i in streamed])
+    _into_pinned_memory([b for i, b in enumerate(blocks) if i in streamed], options)
     # diffusers groups every block of a top-level block list: show it only the streamed ones while it
     # sets up its hooks, then put the whole list back. The prefetch order it traces on the first
     # forward follows the hooked blocks; the resident ones carry no hook and never leave the GPU.
@@ -253,13 +251,17 @@ def _buffers_load_themselves_after_the_trace(model: torch.nn.Module) -> None:
     handle = model.register_forward_hook(after_forward)
 
 
-def _into_pinned_memory(modules: list[torch.nn.Module]) -> None:
-    """The weights and buffers of the modules about to be streamed, moved into one page-locked CPU buffer
-    (imgedit.runtime.pinned) before diffusers' group offloading sees them: its CPU copy of a weight already on
-    the CPU is that weight (`.data.cpu()`), so it keeps these. A weight on a GPU (the benchmarks' random
-    weights are built there) reaches its place by DMA instead of through pageable memory: a 24 GB worker set
-    up 2509's 26 GiB of streamed blocks in 25.5 s through pageable memory (9.5 s of it the lock), and in
-    3.6-5.7 s this way (H200 hosts, 2026-11-30: docs/gpu-runs/2026-11-30-1xh200.md and its server logs)."""
+def _into_pinned_memory(modules: list[torch.nn.Module], options: dict) -> None:
+    """Where diffusers keeps the CPU weights as they are (`options`' low_cpu_mem_usage: a CUDA worker's plain
+    weights), the weights and buffers of the modules about to be streamed, moved into one page-locked CPU
+    buffer (imgedit.runtime.pinned) before diffusers' group offloading sees them: its CPU copy of a weight
+    already on the CPU is that weight (`.data.cpu()`), so it keeps these. A weight on a GPU (the benchmarks'
+    random weights are built there) reaches its place by DMA instead of through pageable memory: a 24 GB
+    worker set up 2509's 26 GiB of streamed blocks in 25.5 s through pageable memory (9.5 s of it the lock),
+    and in 3.6-5.7 s this way (H200 hosts, 2026-11-30: docs/gpu-runs/2026-11-30-1xh200.md and its server
+    logs)."""
+    if not options["low_cpu_mem_usage"]:  # quantized weights, or the CPU: diffusers' own copies
+        return
     tensors = list({id(t): t for m in modules for t in (*m.parameters(), *m.buffers())
                     if type(t.data) is torch.Tensor
                     and not (t.device.type == "cpu" and t.is_pinned())}.values())
