@@ -110,10 +110,8 @@ def copy_into_one(tensors: list[torch.Tensor], place) -> None:
         _KEPT.append(buffer)
     else:
         log.warning("could not lock the buffer: pinning %d tensors one by one instead", len(tensors))
-        copies = _pinned_one_by_one(copies, set(on_gpu), place)
-        del buffer  # no slice of it is left here (the caller's were replaced): freed
-        copies = [torch.empty(shape, dtype=dtype, pin_memory=True) if shape is not None else None
-                  for shape, dtype in copies]
+        del buffer  # freed with the last of its slices, in _pinned_one_by_one
+        copies = _pinned_one_by_one(tensors, copies, place)
     for i in on_gpu:
         _put(tensors, i, copies[i], place)
 
@@ -129,20 +127,16 @@ def _fill(tensors: list[torch.Tensor], copies: list[torch.Tensor], place) -> Non
                 _put(tensors, i, copy, place)
 
 
-def _pinned_one_by_one(copies: list[torch.Tensor], on_gpu: set[int], place) -> list[tuple]:
+def _pinned_one_by_one(tensors: list[torch.Tensor | None], copies: list, place) -> list:
     """The refused lock's fallback: each CPU tensor's copy (a slice of the unlocked buffer, placed already)
-    placed again pinned on its own; (shape, dtype) of each GPU tensor's place, (None, None) for the others, so
-    that no slice of the buffer is left."""
-    shapes = []
+    placed again, pinned on its own, and every slice let go; then a pinned place of its own for each GPU
+    tensor (None for the others)."""
     for i in range(len(copies)):
-        copy, copies[i] = copies[i], None
-        if i in on_gpu:
-            shapes.append((copy.shape, copy.dtype))
-        else:
-            place(i, copy.pin_memory())
-            shapes.append((None, None))
-        del copy
-    return shapes
+        if tensors[i] is None:  # a CPU tensor, copied and placed by _fill
+            place(i, copies[i].pin_memory())
+        copies[i] = None
+    return [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if t is not None else None
+            for t in tensors]
 
 
 def _put(tensors: list[torch.Tensor], i: int, copy: torch.Tensor, place) -> None:
