@@ -62,7 +62,7 @@ def one(args) -> dict:
     artifacts = Path(args.work) / "artifacts.bin"
     if load:
         torch.compiler.load_cache_artifacts(artifacts.read_bytes())
-    folder = Path(args.work) / f"checkpoint-{args.size}"
+    folder = Path(args.checkpoint or Path(args.work) / f"checkpoint-{args.size}")
     if not (folder / "model_index.json").is_file():
         build_checkpoint(folder, kind="plus", seed=0, size=args.size)
     torch.manual_seed(0)
@@ -129,6 +129,8 @@ def main(argv=None) -> int:
     parser.add_argument("--size", default="tiny", choices=("tiny", "real"))
     parser.add_argument("--latent", type=int, default=16, help="the image's side in patches (16: 256 tokens)")
     parser.add_argument("--ways", default=",".join(WAYS))
+    parser.add_argument("--checkpoint", help="a built 2509-kind checkpoint whose transformer config to use "
+                        "(default: build one of --size in the work folder)")
     parser.add_argument("--json")
     parser.add_argument("--work", help=argparse.SUPPRESS)
     parser.add_argument("--one", choices=sorted(WAYS), help=argparse.SUPPRESS)  # a child process: one way
@@ -145,6 +147,7 @@ def main(argv=None) -> int:
                        TORCH_CACHING_PRECOMPILE="1" if precompile else "0")
             command = [sys.executable, __file__, "--one", way, "--device", args.device, "--size", args.size,
                        "--latent", str(args.latent), "--work", str(work)]
+            command += ["--checkpoint", args.checkpoint] if args.checkpoint else []
             row = fresh.run(command, env, "way", way)
             rows.append(row)
             print(row, flush=True)
