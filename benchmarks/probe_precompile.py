@@ -17,6 +17,9 @@ repeated blocks, fullgraph, dynamic) and times the first forward, each way in a 
   way failed inside dynamo ("Name '__builtins_dict___6' already exists in scope") where a fresh cache compiled
   it, so one cache directory must not serve two configurations.
 
+On torch 2.11 (one H200, 2026-11-30, `3d78d49`) `load` and `other-processor` fail before any forward:
+unpickling the saved guards raises a `TypeError` while the blocks are compiled (docs/gpu-runs/2026-11-30-1xh200.md).
+
 Reported per way: the first forward's seconds, the graphs dynamo traced, the largest difference from the eager
 forward of the same weights, or the failure.
 
