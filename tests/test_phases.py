@@ -62,7 +62,7 @@ def test_the_phases_run_in_order_and_each_is_shown_and_reported(built):
     assert said == [doing for _, doing, _ in phases.PHASES]  # what /health and the page show while loading
     # the features this CPU worker has: a VAE on the CPU keeps the processor's own pixels; no cap, no group
     assert report.features == ["single-frame VAE", "encode cache", "LoRAs", "step cache", "masks",
-                               "live preview", "time budget"], report.features
+                               "live preview", "time budget", "pausing items"], report.features
     assert report.pixels == "cpu" and report.encode_cache == 4 and report.fallbacks == []
     # the masks feature's two parts: mask_prompt's outline, then the mask itself
     # the time budget outermost: the other parts' own work counts in the job's time

@@ -216,6 +216,10 @@ REGISTRY: tuple[Var, ...] = (
         "For this many seconds after the last edit someone waits on (the page, the gradio API, REST), "
         "items of jobs (/v1/jobs, the Batch tab) leave one worker free for the next one (2+ workers); "
         "0 = never. Waiting edits always start before waiting items"),
+    Var("PREEMPT_ITEMS", "on", _choice("on", "off"),
+        "on: an edit someone waits on that finds every worker busy pauses a running item of a job at its "
+        "next step; the item goes on later from that step, with the same result (masked, step-cached, "
+        "rewritten and Turbo items and a group's shared jobs run on). off: edits wait for a free worker"),
     Var("OUTPUT_DIR", "~/.cache/imgedit/outputs", _str,
         "Where finished edits (PNGs, inputs for re-runs) and the history index (SQLite) are kept"),
     Var("OUTPUT_RETENTION_HOURS", "168", _float_range(0.0, 1_000_000.0),
@@ -302,6 +306,7 @@ class Settings:
     gradio_auth: tuple[tuple[str, str], ...]
     client_share: float
     interactive_reserve_s: float
+    preempt_items: str
     output_dir: str
     output_retention_hours: float
     output_max_gb: float

@@ -6,7 +6,10 @@ Edits someone waits on (the page, the gradio API, REST) start before the waiting
 the Batch tab: `EditRequest.background`), each kind in arrival order. And for INTERACTIVE_RESERVE_S after the
 last such edit arrived, an item never takes the last idle worker of two or more: the next edit finds it free
 instead of waiting for an item's 40 steps (the p99/p50 of interactive edits while a batch runs,
-benchmarks/load.py).
+benchmarks/load.py). With PREEMPT_ITEMS=on an edit that is next but finds no worker free asks a running item
+to pause at its next step's end (imgedit.runtime.pause): the edit takes its worker, and the item goes back
+into the line first among the items (`acquire(resumed=True)`), to go on from that step. One item is asked
+for each edit waiting; an item that cannot pause runs on.
 
 The line also knows every job in flight, from its arrival to its worker's release (`admit`), which is all
 the SIGTERM drain needs (imgedit.engine.shutdown): `close` refuses new jobs and fails the waiting ones,
@@ -44,12 +47,16 @@ class _Ticket:
 class Admitted(threading.Event):
     """A job in flight: its cancel flag, set by the drain or read through from the caller's own (the drain
     never sets the caller's flag: a batch's flag set by the drain would read as "cancelled by the user"), and
-    why the drain stopped it."""
+    why the drain stopped it. An item of a job also has its pause flag, set by the line while the item runs
+    on a worker (`on_worker`) and an edit waits for one."""
 
-    def __init__(self, outer: threading.Event | None):
+    def __init__(self, outer: threading.Event | None, background: bool = False):
         super().__init__()
         self.outer = outer
         self.reason: str | None = None
+        self.background = background
+        self.on_worker = False  # claimed a worker and runs there (set by the job's thread)
+        self.pause = threading.Event()
 
     def is_set(self) -> bool:
         return super().is_set() or (self.outer is not None and self.outer.is_set())
@@ -73,11 +80,12 @@ class Line:
         self._waited_on_at = float("-inf")  # when the last edit someone waits on arrived (time.monotonic)
 
     @contextlib.contextmanager
-    def admit(self, cancel: threading.Event | None) -> Iterator[Admitted]:
+    def admit(self, cancel: threading.Event | None, background: bool = False) -> Iterator[Admitted]:
         """A job in flight, until the block ends (its worker released): its cancel flag, linked to the
         caller's. Refused (ShuttingDown) once the line is closed; a job the drain stopped raises
-        ShuttingDown with the drain's reason instead of Cancelled."""
-        job = Admitted(cancel)
+        ShuttingDown with the drain's reason instead of Cancelled. `background`: an item of a job, which an
+        edit waiting may ask to pause (module docstring)."""
+        job = Admitted(cancel, background)
         with self._cond:
             if self._closed is not None:
                 raise ShuttingDown(REFUSED)
@@ -135,24 +143,19 @@ class Line:
         return True
 
     def acquire(self, cancel: threading.Event | None, on_wait: WaitCallback | None,
-                client: str | None = None, background: bool = False) -> WorkerHandle:
+                client: str | None = None, background: bool = False, resumed: bool = False) -> WorkerHandle:
         """Wait in line for a free worker and claim it (WorkerHandle.claim). Refused at once when the line is
         full or the client holds its share of it; Cancelled when `cancel` is set while waiting; WorkerFailed
         when no worker is left alive. `background`: a job's item, served after the edits waiting (module
-        docstring)."""
+        docstring). `resumed`: an item that paused, back first among the items (never refused)."""
         with self._cond:
-            workers = self._workers()
-            idle = [w for w in workers if w.state is WorkerState.IDLE]
-            size = self.settings.queue_max_size
-            if len(self._tickets) >= size and not idle:
-                raise QueueFull(f"the server is busy ({len(self._tickets)} jobs waiting); try again later")
-            held = sum(t.client == client for t in self._tickets) if client is not None else 0
-            if held >= self.client_places() and not idle:
-                raise QueueFull(f"you already have {held} edit(s) waiting; one client may hold at most "
-                                f"{self.client_places()} of the line's {size} places (CLIENT_SHARE); "
-                                "try again when one has started")
+            if not resumed:
+                self._may_wait(client)
             ticket = _Ticket(client, background)
-            self._tickets.append(ticket)
+            if resumed:
+                self._tickets.appendleft(ticket)
+            else:
+                self._tickets.append(ticket)
             if not background:
                 self._waited_on_at = time.monotonic()
             reported = -1
@@ -169,6 +172,8 @@ class Line:
                         for worker in workers:
                             if worker.claim():
                                 return worker
+                        if not background:
+                            self._ask_items_to_pause()
                     ahead = self._ahead(ticket) + sum(w.state is WorkerState.BUSY for w in workers)
                     if on_wait is not None and ahead != reported:
                         reported = ahead
@@ -177,6 +182,32 @@ class Line:
             finally:
                 self._tickets.remove(ticket)
                 self._cond.notify_all()
+
+    def _may_wait(self, client: str | None) -> None:
+        """QueueFull where the line is full, or the client holds its share of it, and no worker is idle."""
+        idle = [w for w in self._workers() if w.state is WorkerState.IDLE]
+        size = self.settings.queue_max_size
+        if len(self._tickets) >= size and not idle:
+            raise QueueFull(f"the server is busy ({len(self._tickets)} jobs waiting); try again later")
+        held = sum(t.client == client for t in self._tickets) if client is not None else 0
+        if held >= self.client_places() and not idle:
+            raise QueueFull(f"you already have {held} edit(s) waiting; one client may hold at most "
+                            f"{self.client_places()} of the line's {size} places (CLIENT_SHARE); "
+                            "try again when one has started")
+
+    def _ask_items_to_pause(self) -> None:
+        """PREEMPT_ITEMS: one running item asked to pause for each edit waiting (module docstring)."""
+        if self.settings.preempt_items != "on":
+            return
+        running = [job for job in self._in_flight if job.background and job.on_worker]
+        asked = sum(job.pause.is_set() for job in running)
+        edits = sum(not t.background for t in self._tickets)
+        for job in running:
+            if asked >= edits:
+                return
+            if not job.pause.is_set():
+                job.pause.set()
+                asked += 1
 
     def _next(self, ticket: _Ticket) -> bool:
         """Whether `ticket` starts next: the first edit waiting, or with none waiting the first item."""

@@ -24,7 +24,7 @@ from imgedit.engine import heap
 from imgedit.engine.canvas import expanded
 from imgedit.engine.images import Encoded, decoded
 from imgedit.engine.interface import Engine, StepCallback, WaitCallback
-from imgedit.engine.line import Line
+from imgedit.engine.line import Admitted, Line
 from imgedit.engine.outputs import stamp_result
 from imgedit.engine.prompt_tokens import MAX_PROMPT_TOKENS, PromptTokens
 from imgedit.engine.shutdown import NOT_STARTED, STOPPED
@@ -48,7 +48,7 @@ from imgedit.planning.checkpoint import Checkpoint, open_checkpoint
 from imgedit.planning.families import FAMILIES, not_built
 from imgedit.planning.plan import GpuSpec, Plan
 from imgedit.protocol import EditRequest, EditResult, JobRecord, ManagerStatus, Resolved, WorkerState
-from imgedit.runtime.messages import Done, Job
+from imgedit.runtime.messages import Done, Failed, Job, Paused, Resume
 
 log = logging.getLogger(__name__)
 
@@ -317,11 +317,11 @@ class PipelineManager(Engine):
                       on_step: StepCallback | None, on_wait: WaitCallback | None,
                       cancel: threading.Event | None) -> tuple[EditResult, Resolved]:
         # in flight until its worker is released: what the drain waits for, or stops (a ShuttingDown then)
-        with self.line.admit(cancel) as admitted:
+        with self.line.admit(cancel, background=req.background) as admitted:
             return self._on_worker(req, task, params, on_step, on_wait, admitted)
 
     def _on_worker(self, req: EditRequest, task: str, params: Resolved | None, on_step: StepCallback | None,
-                   on_wait: WaitCallback | None, cancel: threading.Event) -> tuple[EditResult, Resolved]:
+                   on_wait: WaitCallback | None, cancel: Admitted) -> tuple[EditResult, Resolved]:
         """Checked, in line, on a worker, and back: one job, logged and reported to the listeners."""
         started = time.perf_counter()
         worker: WorkerHandle | None = None
@@ -340,16 +340,19 @@ class PipelineManager(Engine):
             by_task = {"enhance": self.resolve_enhance, "outline": self.resolve_outline}
             params = params or by_task.get(task, self.resolve)(req)
             steps = params.steps
-            waited = time.perf_counter()
-            worker = self.line.acquire(cancel, on_wait, req.client, background=req.background)
-            timings["queue"] = round(time.perf_counter() - waited, 4)
-            if cancel.is_set():
-                raise Cancelled("cancelled before it started")
-            # the inputs decoded now that the job has a worker; an expanded canvas runs as a masked edit of
-            # the padded image (the request keeps the original)
-            job_req = _with_pixels(req)
-            events = worker.submit(Job(expanded(job_req) if task == "edit" else job_req, params, self.family))
-            answer = wait_result(worker, events, cancel, on_step)
+            resume: Resume | None = None
+            while True:  # once, or again from where an item paused for an edit (imgedit.runtime.pause)
+                waited = time.perf_counter()
+                worker = self.line.acquire(cancel, on_wait, req.client, background=req.background,
+                                           resumed=resume is not None)
+                timings["queue"] = round(timings.get("queue", 0.0) + time.perf_counter() - waited, 4)
+                answer = self._submit(worker, req, task, params, resume, on_step, cancel)
+                if not isinstance(answer, Paused):
+                    break
+                self._give_back(worker, cancel)
+                worker, resume = None, answer.resume
+                log.info("%s paused after step %d of %d for an edit waiting", req.request_id, resume.step,
+                         steps)
             if not isinstance(answer, Done):
                 raise ERRORS.get(answer.kind, ImgEditError)(answer.message, answer.field)
             outcome = "ok"
@@ -360,7 +363,7 @@ class PipelineManager(Engine):
             raise
         finally:
             if worker is not None:
-                self.line.release(worker)
+                self._give_back(worker, cancel)
             if any(isinstance(image, Encoded) for image in req.images):
                 heap.give_back()  # the pixels decoded for the job are gone: their pages too
             seconds = time.perf_counter() - started
@@ -373,6 +376,24 @@ class PipelineManager(Engine):
                                worker.name if worker else None, task, timings)
             for listener in self.listeners:
                 listener(record)
+
+    def _submit(self, worker: WorkerHandle, req: EditRequest, task: str, params: Resolved,
+                resume: Resume | None, on_step: StepCallback | None,
+                cancel: Admitted) -> Done | Failed | Paused:
+        """One run of the job on its claimed worker: from the start, or from where it paused."""
+        if cancel.is_set():
+            raise Cancelled("cancelled before it started")
+        # the inputs decoded now that the job has a worker; an expanded canvas runs as a masked edit of the
+        # padded image (the request keeps the original)
+        job_req = _with_pixels(req)
+        cancel.pause.clear()
+        cancel.on_worker = True
+        job = Job(expanded(job_req) if task == "edit" else job_req, params, self.family, resume)
+        return wait_result(worker, worker.submit(job), cancel, on_step, cancel.pause)
+
+    def _give_back(self, worker: WorkerHandle, job: Admitted) -> None:
+        job.on_worker = False
+        self.line.release(worker)
 
     def preview(self, request_id: str) -> bytes | None:
         for worker in self.workers:

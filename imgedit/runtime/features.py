@@ -43,6 +43,7 @@ from imgedit.runtime.fallback import cause
 from imgedit.runtime.fusion import gpu_room
 from imgedit.runtime.group import ParallelGroup
 from imgedit.runtime.masking import Masking
+from imgedit.runtime.pause import Pausing
 from imgedit.runtime.prefix_cache import PrefixCache
 from imgedit.runtime.preview import LivePreview
 from imgedit.runtime.runner import Outlining
@@ -250,6 +251,16 @@ class Previews(Feature):
         build.runner.add(LivePreview(build.pipe, build.spec.rank, rgba))
 
 
+class Pauses(Feature):
+    """An item of a job paused at a step's end for an edit someone waits on, and resumed from that step later
+    with the same result (imgedit.runtime.pause; PREEMPT_ITEMS). Entered last of the per-job parts."""
+
+    name, optional = "pausing items", False
+
+    def install(self, build: Build) -> None:
+        build.runner.add(Pausing(build.pipe))
+
+
 class DecodeTiling(Feature):
     """Under MAX_MEMORY: the VAE decodes in tiles for a job whose whole decode would not fit."""
 
@@ -376,7 +387,7 @@ class _Reported(Exception):
 FEATURES: tuple[Feature, ...] = (
     SingleFrameVae(), EncodeCache(), PixelsOnGpu(), Metadata21(),
     Parallel(), Loras(), Turbo(), SplitTarget(), BatchCfg(), StepCaches(), DecodeTiling(), PrefixCacheRoom(),
-    Masks(), Previews(), Attention21(), AttentionKernel(), Timings(),
+    Masks(), Previews(), Attention21(), AttentionKernel(), Timings(), Pauses(),
     Compile(), RewriteWarmup(), FirstJob(),
 )
 EVERY = frozenset(f.name for f in FEATURES)

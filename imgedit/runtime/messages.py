@@ -1,8 +1,8 @@
 """What crosses the process boundary between the server and its worker processes: small typed,
 picklable messages. Torch-free: the server imports this without touching a GPU.
 
-server -> every rank of a worker (its own inbox pipe): WorkerSpec at spawn, then Job, Cancel, Stop.
-rank -> server (its own outbox pipe): Ready / LoadFailed once, then Step, Done, Failed per job.
+server -> every rank of a worker (its own inbox pipe): WorkerSpec at spawn, then Job, Cancel, Pause, Stop.
+rank -> server (its own outbox pipe): Ready / LoadFailed once, then Step, Done, Failed or Paused per job.
 Only rank 0 reports steps and results; any rank may report a failure.
 server -> a standby process (started before the plan was known): Assignment, which makes it a rank, or
 Stop; a standby -> server: StandbyUnfit when it cannot serve (then it exits).
@@ -102,10 +102,22 @@ class StandbyUnfit:
 
 
 @dataclass(frozen=True)
+class Resume:
+    """Where a paused job stopped (imgedit.runtime.pause): the steps done and the latents after the last of
+    them, as bytes (the server never holds a tensor), to go on from there on any worker of the model."""
+
+    step: int
+    latents: bytes
+    shape: tuple[int, ...]
+    dtype: str  # torch's name without "torch.", e.g. "bfloat16"
+
+
+@dataclass(frozen=True)
 class Job:
     request: EditRequest
     params: Resolved
     family: str
+    resume: Resume | None = None  # a paused job's state: the pipeline goes on from its step
 
     @property
     def request_id(self) -> str:
@@ -114,6 +126,14 @@ class Job:
 
 @dataclass(frozen=True)
 class Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Stop this job at its next step's end, if it can go on later (runtime.pause.pausable), and send Paused;
+    a job that cannot pause runs on."""
+
     request_id: str
 
 
@@ -193,6 +213,15 @@ class Step:
 class Done:
     request_id: str
     result: EditResult
+
+
+@dataclass(frozen=True)
+class Paused:
+    """A job stopped at a step's end because Pause asked it to: resubmitted with `resume`, it ends as it
+    would have without the pause."""
+
+    request_id: str
+    resume: Resume
 
 
 @dataclass(frozen=True)

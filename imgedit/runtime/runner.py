@@ -30,6 +30,7 @@ from imgedit.runtime import enhance, grounding
 from imgedit.runtime.adapters import Adapters
 from imgedit.runtime.group import ParallelGroup, agree_to_stop
 from imgedit.runtime.messages import Job
+from imgedit.runtime.pause import JobPaused
 from imgedit.runtime.turbo import Turbo
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,9 @@ class Call:
     finish: list[Callable[[list], list]] = field(default_factory=list)  # on the result's images, in order
     together: object = None  # the CPU group whose ranks run this job together (agree on cancel every step)
     weights: str | None = None  # FAST_QUANTIZE's copy, when the job runs on one
-    reached: int = 0  # the steps done
+    reached: int = 0  # the steps done (a resumed job's steps before its pause among them)
+    offset: int = 0  # a resumed job's steps done before its pause (imgedit.runtime.pause)
+    pause: threading.Event | None = None  # set: stop at the next step's end if the job can go on later
     timings: dict = field(default_factory=dict)  # seconds per phase (imgedit.runtime.budget)
     cancel: threading.Event = field(default_factory=threading.Event)  # the job's cancel flag
     outlined: grounding.Found | None = None  # mask_prompt's outline, once Outlining made it
@@ -128,14 +131,16 @@ class Runner:
             return self.rank == 0
         return self.group is None or self.group.takes_part(cfg_on(job), may_split(job))
 
-    def run(self, job: Job, cancel: threading.Event, on_step: StepCallback | None = None) -> EditResult:
-        """Run one job. Raises Cancelled, OutOfGpuMemory, ImgEditError, or FatalError."""
+    def run(self, job: Job, cancel: threading.Event, on_step: StepCallback | None = None,
+            pause: threading.Event | None = None) -> EditResult:
+        """Run one job. Raises Cancelled, OutOfGpuMemory, ImgEditError, FatalError, or JobPaused (`pause` set
+        while a job that can go on later runs: imgedit.runtime.pause)."""
         started = time.perf_counter()
         alone = {"enhance": self._enhance_only, "outline": self._outline_only}.get(job.params.task)
         if alone is not None:  # a rewrite or a mask_prompt outline, without an image
             return alone(job, cancel, started)
         call = self._new_call(job)
-        call.cancel = cancel
+        call.cancel, call.pause = cancel, pause
         out_of_memory = None
         try:
             with ExitStack() as stack:
@@ -148,6 +153,8 @@ class Runner:
             raise Cancelled(f"cancelled at step {call.reached} of {job.params.steps}") from None
         except _Refused as refused:
             raise refused.error from None
+        except JobPaused:
+            raise
         except torch.OutOfMemoryError as exc:
             # cleaned up below, once the traceback no longer pins the activations
             out_of_memory = oom_detail(exc)
@@ -191,12 +198,12 @@ class Runner:
             prompt, notice = rewritten.prompt, rewritten.notice
 
         def step_end(pipe, step, timestep, tensors):
-            call.reached = step + 1
+            call.reached = call.offset + step + 1
             stop = cancel.is_set()
             if call.together is not None:  # ranks that run this job together stop at the same step
                 stop = agree_to_stop(stop, call.together)
             if on_step is not None:
-                on_step(step + 1, params.steps)
+                on_step(call.reached, params.steps)
             if stop:
                 raise _Abort
             out: dict = {}

@@ -2,7 +2,8 @@
 
 Started by imgedit.engine.workers.pool with the spawn method and CUDA_VISIBLE_DEVICES holding only this rank's
 GPUs, or run by a standby process given this rank (imgedit.runtime.standby). A reader thread takes messages
-off the inbox (jobs to a local queue, cancels to flags) so a cancel reaches a running job at its next step.
+off the inbox (jobs to a local queue, cancels and pauses to flags) so either reaches a running job at its next
+step.
 The process exits on Stop, on a fatal error (the pool restarts it) and when its parent, the server, is gone
 (no orphans even after a SIGKILL).
 
@@ -33,6 +34,8 @@ from imgedit.runtime.messages import (
     Job,
     LoadFailed,
     Loading,
+    Pause,
+    Paused,
     Ready,
     Step,
     Stop,
@@ -125,13 +128,16 @@ def watch_parent(parent: int) -> None:
 
 class Inbox:
     """This rank's inbox, read on a thread of its own: jobs and Stop queue up in order, and a Cancel sets its
-    job's flag at once, so a running job stops at its next step (a job not yet started begins cancelled)."""
+    job's flag at once, so a running job stops at its next step (a job not yet started begins cancelled). A
+    Pause sets the job's pause flag (imgedit.runtime.pause), also when it comes before the job starts."""
 
     def __init__(self, channel: Channel):
         self.channel = channel
         self.jobs: queue.Queue = queue.Queue()
         self._cancelled: set[str] = set()
         self._current: dict[str, threading.Event] = {}
+        self._pauses: dict[str, threading.Event] = {}
+        self._pause_asked: set[str] = set()
         self._lock = threading.Lock()
         threading.Thread(target=self._read, name="inbox", daemon=True).start()
 
@@ -143,6 +149,9 @@ class Inbox:
                 message = Stop()
             if isinstance(message, Cancel):
                 self._cancel(message.request_id)
+                continue
+            if isinstance(message, Pause):
+                self._pause(message.request_id)
                 continue
             self.jobs.put(message)
             if isinstance(message, Stop):
@@ -156,6 +165,14 @@ class Inbox:
             if request_id in self._current:
                 self._current[request_id].set()
 
+    def _pause(self, request_id: str) -> None:
+        with self._lock:
+            if len(self._pause_asked) > 1000:  # pauses of jobs this rank skipped
+                self._pause_asked.clear()
+            self._pause_asked.add(request_id)
+            if request_id in self._pauses:
+                self._pauses[request_id].set()
+
     def next(self) -> Job | None:
         """The next job, or None on Stop."""
         while not isinstance(message := self.jobs.get(), Stop):
@@ -166,20 +183,25 @@ class Inbox:
     def skip(self, request_id: str) -> None:
         with self._lock:
             self._cancelled.discard(request_id)
+            self._pause_asked.discard(request_id)
 
     @contextmanager
-    def running(self, request_id: str) -> Iterator[threading.Event]:
-        """The job's cancel flag while it runs (set already if its Cancel came first)."""
-        cancel = threading.Event()
+    def running(self, request_id: str) -> Iterator[tuple[threading.Event, threading.Event]]:
+        """The job's cancel flag (set already if its Cancel came first) and pause flag while it runs."""
+        cancel, pause = threading.Event(), threading.Event()
         with self._lock:
-            self._current[request_id] = cancel
+            self._current[request_id], self._pauses[request_id] = cancel, pause
             if request_id in self._cancelled:
                 cancel.set()
+            if request_id in self._pause_asked:
+                pause.set()
         try:
-            yield cancel
+            yield cancel, pause
         finally:
             with self._lock:
                 self._current.pop(request_id, None)
+                self._pauses.pop(request_id, None)
+                self._pause_asked.discard(request_id)
                 self._cancelled.discard(request_id)
 
 
@@ -189,15 +211,17 @@ def _serve(spec: WorkerSpec, runner, inbox: Channel, outbox: Channel) -> None:
         if not runner.takes_part(job):
             jobs.skip(job.request_id)
             continue
-        with jobs.running(job.request_id) as cancel:
-            _run(spec, runner, job, cancel, outbox)
+        with jobs.running(job.request_id) as (cancel, pause):
+            _run(spec, runner, job, cancel, outbox, pause)
         runner.cleanup()
     log.info("stopping")
 
 
-def _run(spec: WorkerSpec, runner, job: Job, cancel: threading.Event, outbox: Channel) -> None:
-    """One job: its steps and result from rank 0; a failure from any rank (a fatal one ends the process, and
-    the pool starts a fresh one)."""
+def _run(spec: WorkerSpec, runner, job: Job, cancel: threading.Event, outbox: Channel,
+         pause: threading.Event | None = None) -> None:
+    """One job: its steps and result (or where it paused) from rank 0; a failure from any rank (a fatal one
+    ends the process, and the pool starts a fresh one)."""
+    from imgedit.runtime.pause import JobPaused  # imports torch: after main() (docstring)
     from imgedit.runtime.preview import LivePreview  # imports torch: after main() (docstring)
     from imgedit.runtime.runner import FatalError  # imports torch: after main() (docstring)
 
@@ -208,9 +232,11 @@ def _run(spec: WorkerSpec, runner, job: Job, cancel: threading.Event, outbox: Ch
             outbox.put(Step(job.request_id, step, total, preview.take() if preview is not None else None))
 
     try:
-        result = runner.run(job, cancel, on_step)
+        result = runner.run(job, cancel, on_step, pause)
         if spec.rank == 0:
             outbox.put(Done(job.request_id, result))
+    except JobPaused as paused:  # only a job one rank runs alone pauses (imgedit.runtime.pause)
+        outbox.put(Paused(job.request_id, paused.resume))
     except FatalError as exc:
         outbox.put(Failed(job.request_id, exc.kind, exc.message, spec.rank, fatal=True))
         os._exit(1)

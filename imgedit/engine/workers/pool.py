@@ -33,6 +33,8 @@ from imgedit.runtime.messages import (
     Job,
     LoadFailed,
     Loading,
+    Pause,
+    Paused,
     Ready,
     StartupReport,
     Step,
@@ -249,6 +251,10 @@ class WorkerHandle:
         # a rank that is gone: the pump reports it
         self.transport.send(Cancel(request_id), ignore_errors=True)
 
+    def pause(self, request_id: str) -> None:
+        """Ask the running job to pause at its next step's end (a job that cannot pause runs on)."""
+        self.transport.send(Pause(request_id), ignore_errors=True)
+
     def finish(self) -> None:
         self._events = None
         self.job_id = self.job_client = None
@@ -304,7 +310,7 @@ class WorkerHandle:
                 self.preview = message.preview or self.preview
             if events is not None:
                 events.put(message)
-        elif isinstance(message, (Done, Failed)):
+        elif isinstance(message, (Done, Failed, Paused)):
             if isinstance(message, Done) and message.request_id == self.job_id:
                 self.jobs_done += 1
             if isinstance(message, Failed) and message.fatal:
@@ -385,14 +391,18 @@ class WorkerHandle:
 
 
 def wait_result(handle: WorkerHandle, events: queue.Queue, cancel: threading.Event,
-                on_step: Callable[[int, int], None] | None) -> Done | Failed:
-    """Follow one job's events in the job thread: forward steps, pass a cancel on once, and return
-    its Done or Failed (a dead worker becomes a WorkerFailed failure)."""
-    cancel_sent = False
+                on_step: Callable[[int, int], None] | None,
+                pause: threading.Event | None = None) -> Done | Failed | Paused:
+    """Follow one job's events in the job thread: forward steps, pass a cancel and a pause on once each, and
+    return its Done, Failed or Paused (a dead worker becomes a WorkerFailed failure)."""
+    cancel_sent = pause_sent = False
     while True:
         if cancel.is_set() and not cancel_sent:
             handle.cancel(handle.job_id or "")
             cancel_sent = True
+        if pause is not None and pause.is_set() and not pause_sent:
+            handle.pause(handle.job_id or "")
+            pause_sent = True
         try:
             event = events.get(timeout=0.05)
         except queue.Empty:
@@ -400,7 +410,7 @@ def wait_result(handle: WorkerHandle, events: queue.Queue, cancel: threading.Eve
         if isinstance(event, Step):
             if on_step is not None:
                 on_step(event.step, event.total)
-        elif isinstance(event, (Done, Failed)):
+        elif isinstance(event, (Done, Failed, Paused)):
             if event.request_id == handle.job_id:
                 return event
         elif isinstance(event, WorkerDied):
