@@ -65,9 +65,10 @@ def test_the_phases_run_in_order_and_each_is_shown_and_reported(built):
                                "live preview", "time budget", "pausing items"], report.features
     assert report.pixels == "cpu" and report.encode_cache == 4 and report.fallbacks == []
     # the masks feature's two parts: mask_prompt's outline, then the mask itself
-    # the time budget outermost: the other parts' own work counts in the job's time
+    # the time budget outermost: the other parts' own work counts in the job's time; pausing innermost: the
+    # latents it keeps are those every other part handed back
     assert [type(p).__name__ for p in runner.parts] == ["TimeBudget", "Adapters", "StepCache", "Outlining",
-                                                        "Masking", "LivePreview"]
+                                                        "Masking", "LivePreview", "Pausing"]
 
 
 def test_a_feature_that_fails_to_build_falls_back_and_the_worker_serves(plus_ckpt, built, monkeypatch):
