@@ -116,7 +116,7 @@ def test_an_edit_finding_every_worker_busy_asks_one_running_item_to_pause():
     line = Line(load_settings({}), lambda: [worker])
     with line.admit(None, background=True) as item:
         assert line.acquire(item, None, background=True) is worker
-        item.on_worker = True
+        item.on_worker = item.pausable = True
         got: list = []
         threading.Thread(target=lambda: got.append(line.acquire(None, None)), daemon=True).start()
         deadline = time.monotonic() + 5
@@ -133,12 +133,29 @@ def test_an_edit_finding_every_worker_busy_asks_one_running_item_to_pause():
         assert got == [worker]
 
 
+def test_of_two_running_items_the_one_that_can_pause_is_asked():
+    workers = [Handle("w0"), Handle("w1")]
+    line = Line(load_settings({}), lambda: workers)
+    with line.admit(None, background=True) as fixed, line.admit(None, background=True) as free:
+        for item, pausable in ((fixed, False), (free, True)):
+            line.acquire(item, None, background=True)
+            item.on_worker, item.pausable = True, pausable
+        threading.Thread(target=lambda: line.acquire(None, None), daemon=True).start()
+        deadline = time.monotonic() + 5
+        while not free.pause.is_set():
+            assert time.monotonic() < deadline, "the item that can pause was not asked"
+            time.sleep(0.01)
+        assert not fixed.pause.is_set()
+        for worker in workers:
+            line.release(worker)
+
+
 def test_with_preempt_items_off_an_edit_waits_and_no_item_is_asked():
     worker = Handle("w0")
     line = Line(load_settings({"PREEMPT_ITEMS": "off"}), lambda: [worker])
     with line.admit(None, background=True) as item:
         line.acquire(item, None, background=True)
-        item.on_worker = True
+        item.on_worker = item.pausable = True
         threading.Thread(target=lambda: line.acquire(None, None), daemon=True).start()
         settle(line, 1)
         time.sleep(0.3)

@@ -56,6 +56,7 @@ class Admitted(threading.Event):
         self.reason: str | None = None
         self.background = background
         self.on_worker = False  # claimed a worker and runs there (set by the job's thread)
+        self.pausable = False  # the run there may pause (imgedit.runtime.messages.may_pause, one rank)
         self.pause = threading.Event()
 
     def is_set(self) -> bool:
@@ -199,7 +200,7 @@ class Line:
         """PREEMPT_ITEMS: one running item asked to pause for each edit waiting (module docstring)."""
         if self.settings.preempt_items != "on":
             return
-        running = [job for job in self._in_flight if job.background and job.on_worker]
+        running = [job for job in self._in_flight if job.background and job.on_worker and job.pausable]
         asked = sum(job.pause.is_set() for job in running)
         edits = sum(not t.background for t in self._tickets)
         for job in running:

@@ -48,7 +48,7 @@ from imgedit.planning.checkpoint import Checkpoint, open_checkpoint
 from imgedit.planning.families import FAMILIES, not_built
 from imgedit.planning.plan import GpuSpec, Plan
 from imgedit.protocol import EditRequest, EditResult, JobRecord, ManagerStatus, Resolved, WorkerState
-from imgedit.runtime.messages import Done, Failed, Job, Paused, Resume
+from imgedit.runtime.messages import Done, Failed, Job, Paused, Resume, may_pause
 
 log = logging.getLogger(__name__)
 
@@ -386,9 +386,12 @@ class PipelineManager(Engine):
         # the inputs decoded now that the job has a worker; an expanded canvas runs as a masked edit of the
         # padded image (the request keeps the original)
         job_req = _with_pixels(req)
-        cancel.pause.clear()
-        cancel.on_worker = True
         job = Job(expanded(job_req) if task == "edit" else job_req, params, self.family, resume)
+        cancel.pause.clear()
+        # the line asks only an item that can pause, on a worker of one process (a group's ranks may run it
+        # together, which does not pause)
+        cancel.pausable = may_pause(job) and worker.plan.ranks == 1
+        cancel.on_worker = True
         return wait_result(worker, worker.submit(job), cancel, on_step, cancel.pause)
 
     def _give_back(self, worker: WorkerHandle, job: Admitted) -> None:

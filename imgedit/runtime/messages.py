@@ -124,6 +124,16 @@ class Job:
         return self.request.request_id
 
 
+def may_pause(job: Job) -> bool:
+    """Whether the job itself lets it pause and go on later (imgedit.runtime.pause): an item of a job, an
+    image edit, with nothing that counts its steps from the start (a mask's blend, a step cache), nothing run
+    before the steps that would run again (a rewrite, a mask_prompt outline) and not Turbo's own schedule. The
+    server asks only such items; the worker also checks its schedule and that one rank runs the job alone."""
+    req, params = job.request, job.params
+    return (req.background and params.task == "edit" and req.mask is None and params.cache == "none"
+            and not params.enhance_tokens and not params.outline_tokens and params.scheduler != "turbo")
+
+
 @dataclass(frozen=True)
 class Cancel:
     request_id: str

@@ -9,8 +9,10 @@ no noise, so the item ends with the image it would have made without the pause.
 
 A job pauses only where nothing else carries state from step to step or from rank to rank: not a masked edit
 (its blend counts steps from the start), not a step cache, not a prompt rewrite or mask_prompt outline (both
-would run again), not a Turbo job (its own schedule), not a job the ranks of a group run together, and only
-with a flow-matching Euler schedule whose sigmas a tail can continue. Any other job runs on as if not asked.
+would run again), not a Turbo job (its own schedule), not a job the ranks of a group run together (the server
+asks only items on a worker of one process), and only with a flow-matching Euler schedule whose sigmas a tail
+can continue (imgedit.runtime.messages.may_pause is the part the server checks too). Any other job runs on as
+if not asked.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from imgedit.runtime.messages import Job, Resume
+from imgedit.runtime.messages import Job, Resume, may_pause
 
 # scheduler options under which a tail of the sigmas does not give the tail of the schedule
 _WHOLE_SCHEDULE = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "stochastic_sampling",
@@ -38,12 +40,7 @@ class JobPaused(Exception):
 
 def pausable(pipe, job: Job, together) -> bool:
     """Whether this job can pause and go on later with the same result (module docstring)."""
-    req, params = job.request, job.params
-    if not req.background or together is not None or params.task != "edit":
-        return False
-    if req.mask is not None or params.cache != "none" or params.enhance_tokens or params.outline_tokens:
-        return False
-    if params.scheduler == "turbo" or getattr(pipe.config, "sample_sigmas", None) is not None:
+    if not may_pause(job) or together is not None or getattr(pipe.config, "sample_sigmas", None) is not None:
         return False
     scheduler = pipe.scheduler
     return isinstance(scheduler, FlowMatchEulerDiscreteScheduler) and not any(
