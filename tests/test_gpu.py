@@ -7,6 +7,7 @@ GPU), as the benchmark does: placement and memory do not depend on the weights' 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import threading
@@ -622,3 +623,39 @@ def test_a_24gb_card_runs_quantized_and_streamed_under_its_cap(real_ckpt, compil
     finally:
         manager.close()
 
+
+
+@pytest.mark.gpu
+def test_a_compiled_item_paused_and_resumed_on_the_gpu_makes_its_unpaused_image(tmp_path):
+    """An item of a job paused after 3 of 8 steps and resumed (imgedit.runtime.pause) on a compiled bf16 CUDA
+    worker: the resumed call's new sigmas and given latents cost no recompile, and the image is the unpaused
+    one's, as on the CPU."""
+    import torch
+
+    from imgedit.config.settings import load_settings
+    from imgedit.engine.validation import resolve
+    from imgedit.planning.checkpoint import open_checkpoint
+    from imgedit.planning.plan import Placement, WorkerPlan
+    from imgedit.runtime import phases
+    from imgedit.runtime.messages import Job, WorkerSpec
+    from imgedit.runtime.pause import JobPaused
+
+    ckpt = build_checkpoint(tmp_path / "plus", kind="plus")
+    plan = WorkerPlan("gpu", {c: Placement("cuda:0") for c in ("transformer", "text_encoder", "vae")})
+    spec = WorkerSpec(name="gpu", rank=0, world=1, parallel="none", plan=plan, checkpoint=open_checkpoint(str(ckpt)),
+                      dtype="bfloat16", compile=True, warmup_sizes=((256, 256),))
+    runner, report, _ = phases.build_worker(spec, lambda doing: None)
+    assert report.compiled, report.fallbacks
+    req = EditRequest(images=(picture(96, 64),), prompt="make it red", seed=4, num_inference_steps=8, width=256,
+                      height=256, negative_prompt="blurry", true_cfg_scale=4.0, background=True)
+    job = Job(req, resolve(req, load_settings({"QWEN_MODEL_DIR": str(ckpt)}), "plus", (96, 64), 1), "plus")
+    whole = np.asarray(runner.run(job, threading.Event()).images[0], dtype=np.int16)
+    pause = threading.Event()
+    with pytest.raises(JobPaused) as paused:
+        runner.run(job, threading.Event(), lambda step, total: step == 3 and pause.set(), pause)
+    assert paused.value.resume.step == 3
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    again = runner.run(dataclasses.replace(job, resume=paused.value.resume), threading.Event())
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames, "the resumed call recompiled"
+    again = np.asarray(again.images[0], dtype=np.int16)
+    assert np.array_equal(again, whole), f"max difference {np.abs(again - whole).max()}"
