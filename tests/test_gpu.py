@@ -626,10 +626,14 @@ def test_a_24gb_card_runs_quantized_and_streamed_under_its_cap(real_ckpt, compil
 
 
 @pytest.mark.gpu
-def test_a_compiled_item_paused_and_resumed_on_the_gpu_makes_its_unpaused_image(tmp_path):
-    """An item of a job paused after 3 of 8 steps and resumed (imgedit.runtime.pause) on a compiled bf16 CUDA
-    worker: the resumed call's new sigmas and given latents cost no recompile, and the image is the unpaused
-    one's, as on the CPU."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_an_item_paused_and_resumed_on_the_gpu_makes_its_unpaused_image(tmp_path, compiled):
+    """An item of a job paused after 3 of 8 steps and resumed (imgedit.runtime.pause) on a bf16 CUDA worker:
+    eager, the image is the unpaused one's, as on the CPU; compiled, within rounding of it (the resumed step
+    runs eager, as 2.1's first step does), and the resumed call's new sigmas and given latents cost no
+    recompile. Qwen-Image-2.1's text to image: the tiny edit checkpoint's vision tower
+    failed on CUDA in this test's first form (2026-11-30, `WindowLayout` given a negative window length at a
+    256x256 warm-up), which is not what this test is about."""
     import torch
 
     from imgedit.config.settings import load_settings
@@ -640,16 +644,16 @@ def test_a_compiled_item_paused_and_resumed_on_the_gpu_makes_its_unpaused_image(
     from imgedit.runtime.messages import Job, WorkerSpec
     from imgedit.runtime.pause import JobPaused
 
-    ckpt = build_checkpoint(tmp_path / "plus", kind="plus")
+    ckpt = build_checkpoint(tmp_path / "q21", kind="21")
     plan = WorkerPlan("gpu", {c: Placement("cuda:0") for c in ("transformer", "text_encoder", "vae")})
     spec = WorkerSpec(name="gpu", rank=0, world=1, parallel="none", plan=plan, checkpoint=open_checkpoint(str(ckpt)),
-                      dtype="bfloat16", compile=True, warmup_sizes=((256, 256),))
+                      dtype="bfloat16", compile=compiled, warmup_sizes=((256, 256),))
     runner, report, _ = phases.build_worker(spec, lambda doing: None)
-    assert report.compiled, report.fallbacks
-    req = EditRequest(images=(picture(96, 64),), prompt="make it red", seed=4, num_inference_steps=8, width=256,
-                      height=256, negative_prompt="blurry", true_cfg_scale=4.0, background=True)
-    job = Job(req, resolve(req, load_settings({"QWEN_MODEL_DIR": str(ckpt)}), "plus", (96, 64), 1), "plus")
-    whole = np.asarray(runner.run(job, threading.Event()).images[0], dtype=np.int16)
+    assert report.compiled == compiled, report.fallbacks
+    req = EditRequest(images=(), prompt="a red boat", seed=4, num_inference_steps=8, width=256, height=256,
+                      background=True)
+    job = Job(req, resolve(req, load_settings({"QWEN_MODEL_DIR": str(ckpt)}), "21", None, 0), "21")
+    whole = np.asarray(runner.run(job, threading.Event()).images[0], dtype=np.float64)
     pause = threading.Event()
     with pytest.raises(JobPaused) as paused:
         runner.run(job, threading.Event(), lambda step, total: step == 3 and pause.set(), pause)
@@ -657,5 +661,9 @@ def test_a_compiled_item_paused_and_resumed_on_the_gpu_makes_its_unpaused_image(
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     again = runner.run(dataclasses.replace(job, resume=paused.value.resume), threading.Event())
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames, "the resumed call recompiled"
-    again = np.asarray(again.images[0], dtype=np.int16)
-    assert np.array_equal(again, whole), f"max difference {np.abs(again - whole).max()}"
+    again = np.asarray(again.images[0], dtype=np.float64)
+    if not compiled:
+        assert np.array_equal(again, whole), f"max difference {np.abs(again - whole).max()}"
+    else:  # the resumed step runs eager where it would have run compiled (imgedit.runtime.pause)
+        mse = float(((again - whole) ** 2).mean())
+        assert mse == 0 or 10 * np.log10(255**2 / mse) >= 38, f"{10 * np.log10(255**2 / mse):.1f} dB"

@@ -253,7 +253,8 @@ class Previews(Feature):
 
 class Pauses(Feature):
     """An item of a job paused at a step's end for an edit someone waits on, and resumed from that step later
-    with the same result (imgedit.runtime.pause; PREEMPT_ITEMS). Entered last of the per-job parts."""
+    with the image it makes unpaused (imgedit.runtime.pause; PREEMPT_ITEMS). Entered last of the per-job
+    parts."""
 
     name, optional = "pausing items", False
 

@@ -228,7 +228,7 @@ class Done:
 @dataclass(frozen=True)
 class Paused:
     """A job stopped at a step's end because Pause asked it to: resubmitted with `resume`, it ends as it
-    would have without the pause."""
+    would have without the pause (imgedit.runtime.pause says where only within rounding)."""
 
     request_id: str
     resume: Resume

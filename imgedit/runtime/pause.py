@@ -5,7 +5,11 @@ to pause (imgedit.engine.line): the item stops at its next step's end and hands 
 step (`Resume`); the edit takes the worker; the item, resubmitted first among the items, runs the pipeline
 again from there: the latents as they were, and the schedule's remaining sigmas. The schedule's shift is a
 function of each sigma alone (and of the last one, which a tail keeps), and a flow-matching Euler step draws
-no noise, so the item ends with the image it would have made without the pause.
+no noise, so the item ends with the image it would have made without the pause: the same pixels on the edit
+models and on an eager Qwen-Image-2.1 worker. A compiled 2.1 worker runs each call's first step eager (it
+writes the prefix cache; imgedit.runtime.compile21), so there the resumed step is eager where it would have
+been compiled: the image is the same within rounding (a 1-level difference, 95 dB, on the CPU's tiny
+checkpoint, 2026-11-30).
 
 A job pauses only where nothing else carries state from step to step or from rank to rank: not a masked edit
 (its blend counts steps from the start), not a step cache, not a prompt rewrite or mask_prompt outline (both
@@ -39,7 +43,7 @@ class JobPaused(Exception):
 
 
 def pausable(pipe, job: Job, together) -> bool:
-    """Whether this job can pause and go on later with the same result (module docstring)."""
+    """Whether this job can pause and go on later with the image it makes unpaused (module docstring)."""
     if not may_pause(job) or together is not None or getattr(pipe.config, "sample_sigmas", None) is not None:
         return False
     scheduler = pipe.scheduler
