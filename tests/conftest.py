@@ -137,9 +137,9 @@ COMPONENTS = ("transformer", "text_encoder", "vae")
 # for the two cores), and this order splits them 605 / 609 s between the two.
 XDIST_GROUPS = {"test_ray": "ray", "test_ray_local": "ray"}
 ORDER = ("test_loras", "test_shutdown", "test_browser", "ray", "test_workers", "test_warmup", "test_manager",
-         "test_security", "test_memory", "test_fallbacks", "test_fast_weights", "test_jobs_api", "test_qwen21",
-         "test_line", "test_servers", "test_standby", "test_parallel_groups", "test_split21", "test_quant",
-         "test_fusion", "test_enhance", "test_split_compile", "test_ui", "test_step_cache", "test_readme",
+         "test_security", "test_memory", "test_fallbacks", "test_fast_weights", "test_jobs_api", "test_pause",
+         "test_qwen21", "test_line", "test_servers", "test_standby", "test_parallel_groups", "test_split21",
+         "test_quant", "test_fusion", "test_enhance", "test_split_compile", "test_ui", "test_step_cache", "test_readme",
          "test_adversarial", "test_rest", "test_history", "test_batch_cfg", "test_architecture",
          "test_browser_batch", "test_masks", "test_connections", "test_encode_cache", "test_deploy",
          "test_browser_panel", "test_settings")

@@ -196,7 +196,8 @@ def one_worker(plus_ckpt):
 
 def test_an_edit_takes_the_one_worker_from_a_running_item_which_ends_as_it_would_have(one_worker):
     """One worker, a job of one 40-step item; an edit sent while the item runs is answered before the item
-    ends (the item paused for it), and the item's image is the one the same request makes unpaused."""
+    ends (the item paused for it, as /metrics counts), and the item's image is the one the same request makes
+    unpaused."""
     url = one_worker.url
     edit = [("image", ("s.png", png(), "image/png"))]
     fields = {**FIELDS, "num_inference_steps": "40"}
@@ -223,3 +224,6 @@ def test_an_edit_takes_the_one_worker_from_a_running_item_which_ends_as_it_would
     alone_pixels = np.asarray(Image.open(io.BytesIO(base64.b64decode(alone.json()["data"][0]["b64_json"])))
                               .convert("RGB"), dtype=np.int16)
     assert np.array_equal(item_pixels, alone_pixels), "the paused item's image is not the unpaused one's"
+    metrics = http.get(f"{url}/metrics", timeout=30).text
+    counted = [line for line in metrics.splitlines() if line.startswith("imgedit_item_pauses_total ")]
+    assert counted and float(counted[0].split()[1]) >= 1, counted

@@ -325,7 +325,7 @@ class PipelineManager(Engine):
         """Checked, in line, on a worker, and back: one job, logged and reported to the listeners."""
         started = time.perf_counter()
         worker: WorkerHandle | None = None
-        outcome, steps = "error", 0
+        outcome, steps, pauses = "error", 0, 0
         timings: dict[str, float] = {}  # seconds per phase: the queue here, the worker's from its result
         try:
             restarting = any(w.state is WorkerState.RESTARTING
@@ -350,7 +350,7 @@ class PipelineManager(Engine):
                 if not isinstance(answer, Paused):
                     break
                 self._give_back(worker, cancel)
-                worker, resume = None, answer.resume
+                worker, resume, pauses = None, answer.resume, pauses + 1
                 log.info("%s paused after step %d of %d for an edit waiting", req.request_id, resume.step,
                          steps)
             if not isinstance(answer, Done):
@@ -373,7 +373,7 @@ class PipelineManager(Engine):
                 log.debug("%s time budget: %s", req.request_id,
                           ", ".join(f"{phase} {value:.3f}s" for phase, value in timings.items()))
             record = JobRecord(req.request_id, req.source, outcome, seconds, steps,
-                               worker.name if worker else None, task, timings)
+                               worker.name if worker else None, task, timings, pauses)
             for listener in self.listeners:
                 listener(record)
 

@@ -52,6 +52,7 @@ class JobRecord:
     task: str = "edit"  # edit | enhance (a prompt rewrite alone) | outline (a mask_prompt's mask alone)
     # seconds of each phase: the queue, and the worker's (EditResult.timings); /metrics sums them
     timings: dict = field(default_factory=dict)
+    pauses: int = 0  # an item of a job: the times it paused for an edit someone waits on (PREEMPT_ITEMS)
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,9 @@ class Metrics:
                                 "decoding the files), queue, prepare (encodes), first_step, later_steps, "
                                 "finish (VAE decode, pictures), reply (REST: encoding the images)", ["phase"],
                                 buckets=PHASE_BUCKETS, registry=self.registry)
+        self.pauses = Counter("imgedit_item_pauses",
+                              "Times an item of a job (/v1/jobs, the Batch tab) paused at a step for an edit "
+                              "someone waits on (PREEMPT_ITEMS), counted when it ends", registry=self.registry)
         self.last_steps_per_second = 0.0
         self.registry.register(_Live(manager, monitor, gradio_queue_size, self))
         manager.listeners.append(self.record)
@@ -81,6 +84,8 @@ class Metrics:
             self._counter(job.task).labels(job.source, job.outcome).inc()
             return
         self.requests.labels(job.source, job.outcome).inc()
+        if job.pauses:
+            self.pauses.inc(job.pauses)
         if job.outcome in ("ok", "cancelled", "out_of_memory", "worker_failed"):
             self.job_seconds.observe(job.seconds)
         if job.outcome == "ok" and job.seconds > 0:
