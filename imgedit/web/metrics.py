@@ -74,7 +74,8 @@ class Metrics:
                                 buckets=PHASE_BUCKETS, registry=self.registry)
         self.pauses = Counter("imgedit_item_pauses",
                               "Times an item of a job (/v1/jobs, the Batch tab) paused at a step for an edit "
-                              "someone waits on (PREEMPT_ITEMS), counted when it ends", registry=self.registry)
+                              "someone waits on (PREEMPT_ITEMS), counted when it ends",
+                              registry=self.registry)
         self.last_steps_per_second = 0.0
         self.registry.register(_Live(manager, monitor, gradio_queue_size, self))
         manager.listeners.append(self.record)
