@@ -64,7 +64,7 @@ def paused_then_resumed(runner, job, after: int) -> tuple[np.ndarray, list[int],
 def test_an_item_paused_and_resumed_makes_the_image_it_makes_unpaused(runner, plus_ckpt, adapters):
     kw = dict(background=True, num_inference_steps=STEPS, true_cfg_scale=4.0, negative_prompt="blurry")
     job = job_for(plus_ckpt, **kw)
-    if adapters:  # the Lightning schedule (shift 3, no dynamic shift) continued from a tail of its sigmas
+    if adapters:  # the Lightning schedule (its exponential dynamic shift) continued from a tail of its sigmas
         job = replace(job, params=replace(job.params, scheduler="lightning", true_cfg_scale=1.0))
         if runner.adapters is None:
             pytest.skip("the tiny checkpoint's worker has no LoRAs: the Lightning schedule needs Adapters")
@@ -111,6 +111,32 @@ def test_the_latents_cross_as_bytes_in_their_dtype():
         assert torch.equal(latents_of(resume), latents)
 
 
+def test_a_workers_inbox_sets_the_pause_of_its_job_also_when_asked_before_it_started():
+    """runtime.worker.Inbox: a Pause sets the running job's flag; one that came before the job started (the
+    server sends it as soon as the line asks) is kept for it, and neither touches another job's flag."""
+    import multiprocessing
+
+    from imgedit.runtime.messages import Channel, Pause
+    from imgedit.runtime.worker import Inbox
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    inbox, send = Inbox(Channel(reader)), Channel(writer)
+    send.put(Pause("early"))
+    time.sleep(0.2)
+    with inbox.running("early") as (cancel, pause):
+        assert pause.is_set() and not cancel.is_set()
+    with inbox.running("later") as (cancel, pause):
+        assert not pause.is_set()
+        send.put(Pause("someone-else"))
+        send.put(Pause("later"))
+        deadline = time.monotonic() + 5
+        while not pause.is_set():
+            assert time.monotonic() < deadline, "the Pause did not reach the running job"
+            time.sleep(0.01)
+    with inbox.running("early") as (cancel, pause):  # the same id again (a resumed run): a fresh flag
+        assert not pause.is_set()
+
+
 def test_an_edit_finding_every_worker_busy_asks_one_running_item_to_pause():
     worker = Handle("w0")
     line = Line(load_settings({}), lambda: [worker])
@@ -148,6 +174,82 @@ def test_of_two_running_items_the_one_that_can_pause_is_asked():
         assert not fixed.pause.is_set()
         for worker in workers:
             line.release(worker)
+
+
+def test_a_paused_item_goes_on_through_the_drain_and_no_item_is_asked_after_it():
+    """SIGTERM's drain (imgedit.engine.shutdown) closes the line: edits waiting fail, but an item that paused
+    was running, and goes on (the drain waits for it); a pause asked before is withdrawn."""
+    worker = Handle("w0")
+    line = Line(load_settings({}), lambda: [worker])
+    with line.admit(None, background=True) as item, line.admit(None, background=True) as other:
+        line.acquire(item, None, background=True)
+        item.on_worker = item.pausable = other.pausable = other.on_worker = True
+        other.pause.set()
+        line.close("the server is stopping")
+        assert not other.pause.is_set()
+        line.release(worker, item)  # the item paused: it waits again
+        got: list = []
+        threading.Thread(target=lambda: got.append(line.acquire(item, None, background=True, resumed=True)),
+                         daemon=True).start()
+        deadline = time.monotonic() + 5
+        while not got:
+            assert time.monotonic() < deadline, "a paused item was dropped by the drain"
+            time.sleep(0.01)
+        assert got == [worker]
+        line._ask_items_to_pause()
+        assert not item.pause.is_set()
+
+
+def test_resumed_items_go_in_the_order_they_paused_and_past_the_reserve():
+    """Two items paused (in that order) wait before an item that has not started; on two workers with an edit
+    just seen, a resumed item still takes the last idle worker (it was running: the reserve is for new
+    items)."""
+    workers = [Handle("w0"), Handle("w1")]
+    line = Line(load_settings({"INTERACTIVE_RESERVE_S": "120"}), lambda: workers)
+    held = [line.acquire(None, None), line.acquire(None, None)]  # edits: the reserve's window is open
+    order: list[str] = []
+
+    def wait(name: str, **kw) -> threading.Thread:
+        thread = threading.Thread(target=lambda: (line.acquire(None, None, background=True, **kw),
+                                                  order.append(name)), daemon=True)
+        thread.start()
+        return thread
+
+    wait("new")
+    settle(line, 1)
+    wait("paused first", resumed=True)
+    settle(line, 2)
+    wait("paused second", resumed=True)
+    settle(line, 3)
+    line.release(held[0])
+    deadline = time.monotonic() + 5
+    while len(order) < 1:
+        assert time.monotonic() < deadline, "a resumed item was held back by the reserve"
+        time.sleep(0.01)
+    assert order == ["paused first"]
+    line.release(workers[0])
+    line.release(held[1])
+    while len(order) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert order == ["paused first", "paused second"]
+
+
+def test_a_paused_item_takes_no_place_of_the_line_from_new_jobs():
+    worker = Handle("w0")
+    line = Line(load_settings({"QUEUE_MAX_SIZE": "1", "CLIENT_SHARE": "1"}), lambda: [worker])
+    held = line.acquire(None, None)
+    threading.Thread(target=lambda: line.acquire(None, None, "owner", background=True, resumed=True),
+                     daemon=True).start()
+    settle(line, 1)
+    got: list = []
+    threading.Thread(target=lambda: got.append(line.acquire(None, None, "owner")), daemon=True).start()
+    settle(line, 2)  # the owner's edit waits: not refused for the paused item's place
+    line.release(held)
+    deadline = time.monotonic() + 5
+    while not got:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
 
 
 def test_with_preempt_items_off_an_edit_waits_and_no_item_is_asked():
@@ -218,7 +320,8 @@ def test_an_edit_takes_the_one_worker_from_a_running_item_which_ends_as_it_would
         time.sleep(0.05)
     assert wait_finished(url, job_id)["state"] == "succeeded"
     assert answered is not None, "the item ran too fast to send an edit beside it"
-    assert answered[:2] == (200, "running") and answered[2] < 40, f"the edit beside the item: {answered}"
+    # the item had not ended: running again, or in line again after its pause (queued)
+    assert answered[0] == 200 and answered[1] in ("running", "queued") and answered[2] < 40, answered
     result = http.get(f"{url}/v1/jobs/{job_id}/result", headers=A, timeout=30)
     item_pixels = np.asarray(Image.open(io.BytesIO(result.content)).convert("RGB"), dtype=np.int16)
     alone_pixels = np.asarray(Image.open(io.BytesIO(base64.b64decode(alone.json()["data"][0]["b64_json"])))

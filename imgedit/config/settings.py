@@ -219,8 +219,8 @@ REGISTRY: tuple[Var, ...] = (
     Var("PREEMPT_ITEMS", "on", _choice("on", "off"),
         "on: an edit someone waits on that finds every worker busy pauses a running item of a job at its "
         "next step; the item goes on later from that step, with the image it makes unpaused (masked, "
-        "step-cached, rewritten and Turbo items and those on a worker of several GPUs run on). off: edits "
-        "wait for a free worker"),
+        "step-cached, rewritten and Turbo items and those on a worker of several processes (a parallel "
+        "group) run on). off: edits wait for a free worker"),
     Var("OUTPUT_DIR", "~/.cache/imgedit/outputs", _str,
         "Where finished edits (PNGs, inputs for re-runs) and the history index (SQLite) are kept"),
     Var("OUTPUT_RETENTION_HOURS", "168", _float_range(0.0, 1_000_000.0),

@@ -37,11 +37,12 @@ WaitCallback = Callable[[int], None]  # jobs ahead of this one (running ones inc
 class _Ticket:
     """A place in the line (compared by identity), whose it is, and whether it is a job's item."""
 
-    __slots__ = ("client", "background")
+    __slots__ = ("client", "background", "resumed")
 
-    def __init__(self, client: str | None, background: bool):
+    def __init__(self, client: str | None, background: bool, resumed: bool = False):
         self.client = client
         self.background = background
+        self.resumed = resumed  # an item that paused for an edit: it was running
 
 
 class Admitted(threading.Event):
@@ -107,6 +108,8 @@ class Line:
         on a worker go on)."""
         with self._cond:
             self._closed = message
+            for job in self._in_flight:  # no item pauses for an edit that will not start
+                job.pause.clear()
             self._cond.notify_all()
 
     def cancel_all(self, message: str) -> None:
@@ -148,13 +151,17 @@ class Line:
         """Wait in line for a free worker and claim it (WorkerHandle.claim). Refused at once when the line is
         full or the client holds its share of it; Cancelled when `cancel` is set while waiting; WorkerFailed
         when no worker is left alive. `background`: a job's item, served after the edits waiting (module
-        docstring). `resumed`: an item that paused, back first among the items (never refused)."""
+        docstring). `resumed`: an item that paused, back before the items that have not started, in the order
+        the resumed ones paused; it is never refused, nor held back by the reserve or a closed line (the drain
+        waits for it as for a running job)."""
         with self._cond:
             if not resumed:
                 self._may_wait(client)
-            ticket = _Ticket(client, background)
+            ticket = _Ticket(client, background, resumed)
             if resumed:
-                self._tickets.appendleft(ticket)
+                first_new = next((i for i, t in enumerate(self._tickets) if t.background and not t.resumed),
+                                 len(self._tickets))
+                self._tickets.insert(first_new, ticket)
             else:
                 self._tickets.append(ticket)
             if not background:
@@ -163,13 +170,13 @@ class Line:
             try:
                 while True:
                     workers = self._workers()
-                    if self._closed is not None:
+                    if self._closed is not None and not resumed:
                         raise ShuttingDown(self._closed)
                     if cancel is not None and cancel.is_set():
                         raise Cancelled("cancelled while waiting")
                     if not any(not w.state.ended for w in workers):
                         raise WorkerFailed("no healthy GPU worker is left; see /health")
-                    if self._next(ticket) and (not background or self._item_may_start(workers)):
+                    if self._next(ticket) and (not background or resumed or self._item_may_start(workers)):
                         for worker in workers:
                             if worker.claim():
                                 return worker
@@ -188,9 +195,10 @@ class Line:
         """QueueFull where the line is full, or the client holds its share of it, and no worker is idle."""
         idle = [w for w in self._workers() if w.state is WorkerState.IDLE]
         size = self.settings.queue_max_size
-        if len(self._tickets) >= size and not idle:
-            raise QueueFull(f"the server is busy ({len(self._tickets)} jobs waiting); try again later")
-        held = sum(t.client == client for t in self._tickets) if client is not None else 0
+        waiting = [t for t in self._tickets if not t.resumed]  # a paused item does not take a new job's place
+        if len(waiting) >= size and not idle:
+            raise QueueFull(f"the server is busy ({len(waiting)} jobs waiting); try again later")
+        held = sum(t.client == client for t in waiting) if client is not None else 0
         if held >= self.client_places() and not idle:
             raise QueueFull(f"you already have {held} edit(s) waiting; one client may hold at most "
                             f"{self.client_places()} of the line's {size} places (CLIENT_SHARE); "
@@ -198,7 +206,7 @@ class Line:
 
     def _ask_items_to_pause(self) -> None:
         """PREEMPT_ITEMS: one running item asked to pause for each edit waiting (module docstring)."""
-        if self.settings.preempt_items != "on":
+        if self.settings.preempt_items != "on" or self._closed is not None:
             return
         running = [job for job in self._in_flight if job.background and job.on_worker and job.pausable]
         asked = sum(job.pause.is_set() for job in running)
@@ -234,8 +242,12 @@ class Line:
             return True
         return sum(w.state is WorkerState.IDLE for w in workers) >= 2
 
-    def release(self, worker: WorkerHandle) -> None:
-        """Give a claimed worker back; the first in line takes it."""
+    def release(self, worker: WorkerHandle, job: Admitted | None = None) -> None:
+        """Give a claimed worker back; the first in line takes it. `job`: the one that ran there, no longer
+        on a worker (under the line's lock: an edit waiting counts the items running as it asks them to
+        pause)."""
         with self._cond:
+            if job is not None:
+                job.on_worker = False
             worker.release()
             self._cond.notify_all()

@@ -395,8 +395,7 @@ class PipelineManager(Engine):
         return wait_result(worker, worker.submit(job), cancel, on_step, cancel.pause)
 
     def _give_back(self, worker: WorkerHandle, job: Admitted) -> None:
-        job.on_worker = False
-        self.line.release(worker)
+        self.line.release(worker, job)
 
     def preview(self, request_id: str) -> bytes | None:
         for worker in self.workers:

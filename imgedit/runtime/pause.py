@@ -2,14 +2,15 @@
 
 An edit someone waits on that finds every worker busy asks one running item of a job (/v1/jobs, the Batch tab)
 to pause (imgedit.engine.line): the item stops at its next step's end and hands back the latents after that
-step (`Resume`); the edit takes the worker; the item, resubmitted first among the items, runs the pipeline
-again from there: the latents as they were, and the schedule's remaining sigmas. The schedule's shift is a
-function of each sigma alone (and of the last one, which a tail keeps), and a flow-matching Euler step draws
-no noise, so the item ends with the image it would have made without the pause: the same pixels on the edit
-models and on an eager Qwen-Image-2.1 worker. A compiled 2.1 worker runs each call's first step eager (it
-writes the prefix cache; imgedit.runtime.compile21), so there the resumed step is eager where it would have
-been compiled: the image is the same within rounding (a 1-level difference, 95 dB, on the CPU's tiny
-checkpoint, 2026-11-30).
+step (`Resume`); the edit takes the worker; the item, resubmitted before the items not yet started, runs the
+pipeline again from there: the latents as they were, and the schedule's remaining sigmas. The schedule's shift
+is a function of each sigma alone (and of the last one, which a tail keeps), and a flow-matching Euler step
+draws no noise, so the item ends with the image it would have made without the pause: the same pixels on the
+edit models, whose steps are all alike. On Qwen-Image-2.1 the resumed call's first step is a prefill, which
+computes the prompt's and references' keys with the target's (the unpaused step reads them from the prefix
+cache) and, on a compiled worker, runs eager (imgedit.runtime.compile21): the image is the same within
+rounding (the same pixels eager on the CPU; a 1-level difference, 95 dB, compiled, on the tiny checkpoint,
+2026-11-30).
 
 A job pauses only where nothing else carries state from step to step or from rank to rank: not a masked edit
 (its blend counts steps from the start), not a step cache, not a prompt rewrite or mask_prompt outline (both
@@ -80,8 +81,7 @@ class Pausing:
     @contextmanager
     def job(self, call):
         job = call.job
-        if job.resume is not None:
-            call.offset = job.resume.step
+        if job.resume is not None:  # call.offset is set already (the runner's _new_call)
             call.kwargs["latents"] = latents_of(job.resume)
             call.kwargs["sigmas"] = remaining_sigmas(job.params.steps, job.resume.step)
         if call.pause is not None and pausable(self.pipe, job, call.together):

@@ -96,7 +96,8 @@ class PrefixCache:
             yield
             return
         self.pool.reserve(self.need)
-        prefix = HostPrefix(self.pool, self.streams, call.job.params.steps)
+        # a resumed job's steps: those left (imgedit.runtime.pause)
+        prefix = HostPrefix(self.pool, self.streams, call.job.params.steps - call.offset)
         for hook in self.hooks:
             hook.prefix = prefix
         try:

@@ -182,6 +182,7 @@ class Runner:
         if job.params.scheduler == "turbo" and self.part(Turbo) is None:  # the server refuses it first
             raise ImgEditError("this worker has no Turbo transformer loaded (TURBO_MODEL_DIR)")
         call = Call(job, cfg_on(job), may_split(job))
+        call.offset = job.resume.step if job.resume is not None else 0  # before any part reads the steps left
         family = FAMILIES[job.family]
         # Qwen-Image-2.1: inputs resized to the output's area (1024² unless sized)
         if family.output_resolution:

@@ -89,7 +89,8 @@ class Metrics:
             self.pauses.inc(job.pauses)
         if job.outcome in ("ok", "cancelled", "out_of_memory", "worker_failed"):
             self.job_seconds.observe(job.seconds)
-        if job.outcome == "ok" and job.seconds > 0:
+        # a paused item's phases are its last run's, and its seconds include the pause: left out
+        if job.outcome == "ok" and job.seconds > 0 and not job.pauses:
             self.last_steps_per_second = job.steps / job.seconds
             for phase, seconds in job.timings.items():
                 self.phases.labels(phase).observe(seconds)

@@ -348,6 +348,8 @@ class JobService:
             item.request_id = req.request_id
 
             def on_wait(ahead: int) -> None:
+                if item.state is ItemState.RUNNING:  # paused for an edit someone waits on: in line again
+                    item.state = ItemState.QUEUED
                 item.position = ahead
 
             def on_step(step: int, steps: int) -> None:
