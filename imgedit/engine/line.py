@@ -8,8 +8,9 @@ last such edit arrived, an item never takes the last idle worker of two or more:
 instead of waiting for an item's 40 steps (the p99/p50 of interactive edits while a batch runs,
 benchmarks/load.py). With PREEMPT_ITEMS=on an edit that is next but finds no worker free asks a running item
 to pause at its next step's end (imgedit.runtime.pause): the edit takes its worker, and the item goes back
-into the line first among the items (`acquire(resumed=True)`), to go on from that step. One item is asked
-for each edit waiting; an item that cannot pause runs on.
+into the line before the items not yet started (`acquire(resumed=True)`), to go on from that step. One item
+is asked for each edit waiting; an item that cannot pause runs on. A paused item was running: the reserve,
+the line's size and a closed line (the drain) do not hold it back.
 
 The line also knows every job in flight, from its arrival to its worker's release (`admit`), which is all
 the SIGTERM drain needs (imgedit.engine.shutdown): `close` refuses new jobs and fails the waiting ones,
