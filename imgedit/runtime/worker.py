@@ -158,20 +158,20 @@ class Inbox:
                 return
 
     def _cancel(self, request_id: str) -> None:
-        with self._lock:
-            if len(self._cancelled) > 1000:  # cancels of jobs this rank skipped
-                self._cancelled.clear()
-            self._cancelled.add(request_id)
-            if request_id in self._current:
-                self._current[request_id].set()
+        self._mark(self._cancelled, self._current, request_id)
 
     def _pause(self, request_id: str) -> None:
+        self._mark(self._pause_asked, self._pauses, request_id)
+
+    def _mark(self, asked: set[str], flags: dict[str, threading.Event], request_id: str) -> None:
+        """Keep the request for the job (a job that starts later begins with its flag set), and set the
+        flag of the job running now."""
         with self._lock:
-            if len(self._pause_asked) > 1000:  # pauses of jobs this rank skipped
-                self._pause_asked.clear()
-            self._pause_asked.add(request_id)
-            if request_id in self._pauses:
-                self._pauses[request_id].set()
+            if len(asked) > 1000:  # asked for jobs this rank skipped or that had ended
+                asked.clear()
+            asked.add(request_id)
+            if request_id in flags:
+                flags[request_id].set()
 
     def next(self) -> Job | None:
         """The next job, or None on Stop."""
