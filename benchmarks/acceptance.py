@@ -762,7 +762,8 @@ def run_load(server: Server, args) -> dict:
     kinds = ", ".join(f"{k} n={v['n']} p50 {v['p50_s']} p99 {v['p99_s']}" for k, v in report["kinds"].items())
     if report["batch"]:
         jobs = report["batch"]["jobs"]
-        print(f"    load: the batch beside them: {len(jobs)} job(s), {report['batch']['images']} image(s)", flush=True)
+        print(f"    load: the batch beside them: {len(jobs)} job(s), {report['batch']['images']} image(s), paused "
+              f"{report['item_pauses']} time(s) for the clients' edits", flush=True)
     print(f"    load: {report['images_per_minute']} images a minute ({report['images_per_minute_per_gpu']} a GPU); "
           f"{kinds}; errors {report['errors'] or 'none'}; queue {report['queue']}; GPU utilisation "
           f"{report['gpu_utilization_mean']} %", flush=True)

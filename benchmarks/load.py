@@ -17,8 +17,9 @@ the line's length and each GPU's utilisation.
 
 The report: images a minute (in all and per GPU), latency p50/p95/p99 and the p99/p50 ratio per kind, errors
 (every non-200 answer, by status and message: there should be none), the queue's length over time (min, mean,
-max, and the samples in the JSON) and the GPUs' mean utilisation. Every image answered is checked to decode and
-to be neither blank nor one colour. Exit status 1 if any request failed.
+max, and the samples in the JSON), the GPUs' mean utilisation and how many times the batch's items paused for
+the clients' edits (PREEMPT_ITEMS: /metrics' imgedit_item_pauses_total, counted as each item ends). Every image
+answered is checked to decode and to be neither blank nor one colour. Exit status 1 if any request failed.
 """
 
 from __future__ import annotations
@@ -216,7 +217,18 @@ class Load:
                 self.samples.append({"s": round(time.monotonic() - began, 1), "waiting": health.get("waiting"),
                                      "gpu_utilization": utils})
 
+    def item_pauses(self) -> float | None:
+        """imgedit_item_pauses_total from /metrics: the times items of jobs paused for the edits (None where
+        /metrics does not answer it)."""
+        try:
+            text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=30).text
+        except httpx.HTTPError:
+            return None
+        counted = [line.split()[1] for line in text.splitlines() if line.startswith("imgedit_item_pauses_total ")]
+        return float(counted[0]) if counted else None
+
     def run(self) -> dict:
+        pauses = self.item_pauses()
         began = time.monotonic()
         until = began + self.args.minutes * 60
         sampler = threading.Thread(target=self.sampler, args=(began,), daemon=True)
@@ -230,7 +242,10 @@ class Load:
             thread.join()
         self.stop.set()
         sampler.join(timeout=15)
-        return self.report(time.monotonic() - began)
+        report = self.report(time.monotonic() - began)
+        after = self.item_pauses()
+        report["item_pauses"] = int(after - pauses) if pauses is not None and after is not None else None
+        return report
 
     def report(self, elapsed: float) -> dict:
         ok = [d for d in self.done if d["status"] == 200 and "error" not in d]
