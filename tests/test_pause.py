@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from conftest import http, make_manager, picture, start_server
+from conftest import http, picture, start_server
 from PIL import Image
 from test_jobs_api import FIELDS, A, B, png, wait_finished
 from test_line import Handle, settle
@@ -290,9 +290,9 @@ def test_a_resumed_item_goes_before_the_items_waiting_and_is_never_refused_for_a
 
 
 @pytest.fixture(scope="module")
-def one_worker(plus_ckpt):
-    manager = make_manager(plus_ckpt, workers=1)
-    with start_server(manager) as live:
+def one_worker(plus_manager):
+    """The session's one-worker manager (PREEMPT_ITEMS at its default, on) behind a server of this module's."""
+    with start_server(plus_manager) as live:
         yield live
 
 
