@@ -291,7 +291,7 @@ def test_a_resumed_item_goes_before_the_items_waiting_and_is_never_refused_for_a
 
 @pytest.fixture(scope="module")
 def one_worker(plus_manager):
-    """The session's one-worker manager (PREEMPT_ITEMS at its default, on) behind a server of this module's."""
+    """conftest's shared one-worker manager (PREEMPT_ITEMS at its default, on) behind a server of this module's."""
     with start_server(plus_manager) as live:
         yield live
 
