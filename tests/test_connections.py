@@ -209,10 +209,46 @@ def test_two_addresses_trickling_bodies_neither_fill_the_server_nor_keep_their_c
             assert all(a is not None for a in answers), "a trickling body kept its connection"
             assert time.monotonic() - started < 12
             cut = [a for a in answers if a.startswith(b"HTTP/1.1 408")]
-            assert cut and all(b"BODY_MIN_RATE" in a for a in cut), answers[:3]
+            # every one is answered (one may have been closed for /health's room): with the lingering close
+            # no reset can flush a 408 before it is read (the likeliest reason a CI run once saw twenty resets)
+            assert len(cut) >= len(socks) - 1 and all(b"BODY_MIN_RATE" in a for a in cut), answers
         finally:
             for s in socks:
                 s.close()
+
+
+def test_a_client_still_sending_after_its_408_has_its_bytes_taken_then_reads_the_answer(trickle_app):
+    """An upload goes on sending until it reads the answer. The server closed at once after a 408, the kernel
+    reset the connection at the client's next bytes, and a TCP stack that flushes on a reset (RFC 793; the
+    likeliest reason a CI run once saw twenty resets) dropped the 408 unread: the user saw "connection
+    reset". Now the server half-closes: the client's next 50 KB are taken without a reset, it then reads the
+    408 and a clean end, and the server closes the socket for good within LINGER_S of the answer."""
+    from imgedit.web.connections import LINGER_S, guarded_protocol
+
+    with LiveServer(trickle_app, free_port(), http=guarded_protocol(10, 20, 10, 100)) as server:
+        sock = trickle(server.port, "127.0.0.1")
+        try:
+            started = time.monotonic()
+            while not select.select([sock], [], [], 0.4)[0]:  # a byte every 0.4 s until the answer comes
+                sock.sendall(b"a")
+                assert time.monotonic() - started < 10, "the slow body was never cut"
+            answered = time.monotonic()
+            for _ in range(10):  # the upload goes on, 5 KB every 20 ms, before reading what came
+                sock.sendall(b"b" * 5000)
+                time.sleep(0.02)
+            said = answer(sock, 5)
+            assert said is not None and said != RESET, said
+            assert said.startswith(b"HTTP/1.1 408") and b"BODY_MIN_RATE" in said, said[:200]
+            closed = None
+            while closed is None and time.monotonic() - answered < LINGER_S + 5:
+                try:  # once the server has closed for good, bytes sent meet a reset
+                    sock.sendall(b"c")
+                except OSError:
+                    closed = time.monotonic() - answered
+                time.sleep(0.1)
+            assert closed is not None and closed < LINGER_S + 1.5, closed
+        finally:
+            sock.close()
 
 
 def test_a_live_slow_upload_is_cut_with_a_408_before_its_file_could_be_swept(trickle_app):

@@ -15,6 +15,12 @@ sending a body slower than BODY_MIN_RATE (with API keys set, one without a valid
 go, a few places (RESERVE) beyond the cap are kept for `/health` and requests with a valid key, each with a
 short deadline for its first line.
 
+A connection closed while its client is still sending a request body (a 408 for a slow body, a 413) is
+closed gracefully, as Apache and nginx do ("lingering close"): the answer and a FIN go out, what the client
+still sends is read and dropped, and the socket closes at the client's EOF or LINGER_S later. Closed at once,
+its next bytes met a closed socket, whose kernel answers with a reset; a TCP stack that follows RFC 793 then
+flushes what it received, the 408 with it, and the client saw "connection reset" instead of why.
+
 Written here as a subclass of uvicorn's own protocol (uvicorn.Config(http=...)): the ASGI app only sees a
 request once its headers are complete, so no middleware can time them or choose which connection goes.
 """
@@ -39,6 +45,7 @@ RESERVE = 16  # places beyond MAX_CONNECTIONS for /health and key holders
 RESERVE_PER_CLIENT = 2  # of which one address may hold
 RESERVE_DEADLINE_S = 3.0  # a reserved place's headers must arrive within this
 HEAD_LIMIT = 16384  # bytes of a request's head read to find its path and key (uvicorn's h11 limit is 64 KB)
+LINGER_S = 2.0  # how long a connection closed mid-body reads and drops what its client still sends
 
 
 def _raw_answer(status: str, message: str) -> bytes:
@@ -68,7 +75,8 @@ def guarded_protocol(header_timeout: float, max_connections: int, max_per_client
 
     class GuardedHTTPProtocol(base):
         def connection_made(self, transport: asyncio.Transport) -> None:
-            super().connection_made(transport)
+            self._closing = _LingeringClose(transport, self)
+            super().connection_made(self._closing)  # every close uvicorn makes goes through it
             self._guard_client = self.client[0] if self.client else "?"
             self._header_timer: asyncio.TimerHandle | None = None
             self._counted = self._trusted = False
@@ -91,6 +99,8 @@ def guarded_protocol(header_timeout: float, max_connections: int, max_per_client
                 self._count()
 
         def data_received(self, data: bytes) -> None:
+            if self._closing.lingering:
+                return  # the answer is out: what the client still sends is dropped
             waiting = self._waiting_for_headers()
             if waiting and not self._head:  # a request starts: its body's rate is counted from here
                 self._started, self._received = time.monotonic(), 0
@@ -107,8 +117,18 @@ def guarded_protocol(header_timeout: float, max_connections: int, max_per_client
             self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
+            self._closing.lost()
             self._release()
             super().connection_lost(exc)
+
+        def eof_received(self) -> None:
+            if self._closing.lingering:
+                self._closing.close_now()  # the client has stopped sending: nothing left to wait for
+            return super().eof_received()
+
+        def body_coming(self) -> bool:
+            """Whether the client is still sending a request body (a close now would meet its next bytes)."""
+            return bool(self.cycle is not None and getattr(self.cycle, "more_body", False))
 
         # the socket now belongs to the WebSocket protocol
         def handle_websocket_upgrade(self, *args, **kwargs):
@@ -167,7 +187,10 @@ def guarded_protocol(header_timeout: float, max_connections: int, max_per_client
             return False
 
         def _evictable(self, now: float) -> bool:
-            """Idle, still sending headers, or sending a body slower than the minimum rate."""
+            """Idle, still sending headers, sending a body slower than the minimum rate, or answered and
+            lingering."""
+            if self._closing.lingering:
+                return True
             if self.transport.is_closing():
                 return False
             if self._waiting_for_headers():
@@ -179,10 +202,10 @@ def guarded_protocol(header_timeout: float, max_connections: int, max_per_client
         def _evict(self) -> None:
             log.warning("%s: closed a connection to make room (MAX_CONNECTIONS, this address holds %d)",
                         self._guard_client, len(book.get(self._guard_client, ())))
-            if self._waiting_for_headers():
+            if self._waiting_for_headers() and not self._closing.lingering:
                 self.transport.write(full)
             self._release()
-            self.transport.close()
+            self._closing.close_now()  # the room is wanted now: no lingering
 
         def _refuse(self, why: str) -> None:
             log.warning("refused a connection from %s: %s", self._guard_client, why)
@@ -227,6 +250,46 @@ def guarded_protocol(header_timeout: float, max_connections: int, max_per_client
         return False
 
     return GuardedHTTPProtocol
+
+
+class _LingeringClose:
+    """A connection's transport as uvicorn's protocol sees it (all else is the real transport's): close()
+    while the client is still sending a body half-closes instead, and the socket closes LINGER_S later or at
+    the client's EOF (the protocol drops what comes meanwhile). Without TCP half-close (TLS) it closes at
+    once."""
+
+    def __init__(self, transport: asyncio.Transport, protocol):
+        self._transport = transport
+        self._protocol = protocol
+        self._timer: asyncio.TimerHandle | None = None
+        self.lingering = False
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        if self.lingering:
+            return
+        transport = self._transport
+        if transport.is_closing() or not transport.can_write_eof() or not self._protocol.body_coming():
+            transport.close()
+            return
+        self.lingering = True
+        transport.write_eof()  # the answer, then FIN
+        transport.resume_reading()  # uvicorn may have paused reading for a body its app did not take
+        self._timer = asyncio.get_running_loop().call_later(LINGER_S, self.close_now)
+
+    def close_now(self) -> None:
+        self.lost()
+        self._transport.close()
+
+    def lost(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 def _key_check(keys: tuple[str, ...]) -> Callable[[bytes], bool]:
