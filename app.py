@@ -142,7 +142,8 @@ def _serve(settings, starting, log, standbys) -> int:
             starting.say("building the demo checkpoint")
             skip = settings.quantize_skip
             skip = FAMILIES[settings.demo_kind].quantize_skip if skip is None else skip  # QUANTIZE_SKIP=auto
-            ensure_demo_checkpoint(settings.model_source, skip, settings.demo_kind)  # in a subprocess (torch)
+            # in a subprocess (torch), or a fork of the workers' forkserver
+            ensure_demo_checkpoint(settings.model_source, skip, settings.demo_kind, settings.worker_start)
         manager.prepare()  # checkpoint and placement plan: the page needs the model family and workers
     except ImgEditError as exc:
         log.error("%s", exc.message)

@@ -39,7 +39,8 @@ ALLOWED = {
 BOUNDARY = {"imgedit.runtime.messages"}
 CHILD_ENTRIES = {("imgedit.engine.workers.processes", "imgedit.runtime.worker"),
                  ("imgedit.engine.workers.ray_pool", "imgedit.runtime.worker"),
-                 ("imgedit.engine.workers.standby", "imgedit.runtime.standby")}
+                 ("imgedit.engine.workers.standby", "imgedit.runtime.standby"),
+                 ("imgedit.engine.workers.inspection", "imgedit.model.inspect")}
 TOP_LEVEL_MAX = 6
 LINES_MAX = 400
 LINES_HARD = 600

@@ -170,7 +170,7 @@ def test_a_checked_lora_file_is_checked_again_only_when_it_changes(plus_ckpt, li
     monkeypatch.setattr(inspection, "CACHE_DIR", tmp_path / "cache")
     runs = []
     real_run = inspection._run
-    monkeypatch.setattr(inspection, "_run", lambda request: runs.append(request) or real_run(request))
+    monkeypatch.setattr(inspection, "_run", lambda request, **kw: runs.append(request) or real_run(request, **kw))
     path = tmp_path / "style.safetensors"
     random_lora(path, linears, rank=4, std=STD, seed=3, style="diffusers")
     first = make_manager(plus_ckpt, load=False, LORAS=f"style={path}").prepare()
@@ -181,6 +181,38 @@ def test_a_checked_lora_file_is_checked_again_only_when_it_changes(plus_ckpt, li
     with pytest.raises(LoraError, match="cannot be read as a LoRA file"):
         make_manager(plus_ckpt, load=False, LORAS=f"style={path}").prepare()
     assert len(runs) == 2
+
+
+def test_the_inspection_forked_from_the_forkserver_answers_as_a_fresh_interpreter(plus_ckpt, lora_dir, tmp_path,
+                                                                                  monkeypatch):
+    """WORKER_START=forkserver: the sizes and the LoRA check come from a fork of the workers' forkserver
+    (torch imported there once: ~0.1 s where a fresh interpreter took 5-8 s) with the fresh interpreter's
+    answer; a bad file is refused in the same words, and an inspection that dies is a PlacementError."""
+    from imgedit.config.loras import LoraEntry
+    from imgedit.engine.workers import inspection
+    from imgedit.errors import PlacementError
+    from imgedit.planning.checkpoint import open_checkpoint
+
+    checkpoint = open_checkpoint(str(plus_ckpt))
+    four = LoraEntry("four", str(lora_dir / "Tiny-Edit-Lightning-4steps-V1.0-bf16.safetensors"), 4)
+    answers = {}
+    for start in ("spawn", "forkserver"):
+        monkeypatch.setattr(inspection, "CACHE_DIR", tmp_path / start)  # each measures: nothing cached
+        answers[start] = inspection.inspect_checkpoint(checkpoint, ("img_mlp",), (four,), start=start)
+    assert answers["forkserver"] == answers["spawn"]
+    sizes, (lora,) = answers["forkserver"]
+    assert len(sizes) == 3 and lora.rank == 4 and lora.layers > 0 and lora.steps == 4
+    bad = tmp_path / "bad.safetensors"
+    save_file({"transformer.nowhere.lora_A.weight": torch.zeros(4, 8)}, str(bad))
+    refusals = []
+    for start in ("spawn", "forkserver"):
+        with pytest.raises(LoraError, match="does not fit this model's transformer") as caught:
+            inspection.inspect_checkpoint(checkpoint, (), (LoraEntry("bad", str(bad), None),), sizes=False,
+                                          start=start)
+        refusals.append(caught.value.message)
+    assert refusals[0] == refusals[1]
+    with pytest.raises(PlacementError, match=r"could not read the checkpoint's component configs \(see"):
+        inspection._run({"folder": str(tmp_path / "no-checkpoint"), "sizes": True}, start="forkserver")
 
 
 def test_a_missing_hub_file_stops_start_up_offline(plus_ckpt, monkeypatch):

@@ -186,8 +186,8 @@ REGISTRY: tuple[Var, ...] = (
     Var("WORKER_START", "spawn", _choice("spawn", "forkserver"),
         "How local worker processes start: spawn (a fresh interpreter each; app.py starts them before it "
         "inspects the checkpoint, so that they import torch meanwhile, and gives each a rank once the plan "
-        "is known) | forkserver (torch imported once, workers forked from it; CPU only for now: on the GPU "
-        "machine a forked worker could not use CUDA)"),
+        "is known) | forkserver (torch imported once, workers and the checkpoint's inspection forked from "
+        "it; CPU only for now: on the GPU machine a forked worker could not use CUDA)"),
     Var("WORKERS", "local", _choice("local", "ray"),
         "local = worker processes on this machine | ray = Ray actors anywhere in the cluster at RAY_ADDRESS"),
     Var("RAY_ADDRESS", "", _optional_str,

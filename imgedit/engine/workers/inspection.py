@@ -7,6 +7,10 @@ A local LoRA file that passed the check is remembered there too, keyed by the tr
 and the file's path, size and modification time: a restart with unchanged files starts no
 subprocess (importing torch and diffusers in it costs seconds of CPU). A file that changed, a hub
 file (its local copy is only known after the fetch) and a file that failed are checked again.
+
+With WORKER_START=forkserver the inspection is a fork of the workers' forkserver instead, which has imported
+torch and diffusers once for every worker: about 1 s where a fresh interpreter took 5-8 s on a 2-core
+machine (the CPU test suite ran twenty of them).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import sys
 from pathlib import Path
 
 from imgedit.config.loras import LoraEntry, LoraError, LoraFile
+from imgedit.engine.workers.processes import start_context
 from imgedit.errors import PlacementError
 from imgedit.planning.checkpoint import MODEL_COMPONENTS, Checkpoint, open_checkpoint
 from imgedit.planning.memory import ComponentSizes, sizes_from_json
@@ -39,10 +44,10 @@ def _key(checkpoint: Checkpoint, skip: tuple[str, ...]) -> str:
 
 
 def inspect_checkpoint(checkpoint: Checkpoint, skip: tuple[str, ...] = (),
-                       loras: tuple[LoraEntry, ...] = (), sizes: bool = True,
+                       loras: tuple[LoraEntry, ...] = (), sizes: bool = True, start: str = "spawn",
                        ) -> tuple[list[ComponentSizes] | None, tuple[LoraFile, ...]]:
     """(sizes of every component, the checked LoRA files). Raises LoraError for a bad LoRA and
-    PlacementError when the inspection itself fails (the log has its output)."""
+    PlacementError when the inspection itself fails (the log has its output). `start`: WORKER_START."""
     cached = CACHE_DIR / f"{_key(checkpoint, skip)}.json" if sizes else None
     known = None
     if cached is not None:
@@ -56,7 +61,7 @@ def inspect_checkpoint(checkpoint: Checkpoint, skip: tuple[str, ...] = (),
         return known, tuple(checked[e] for e in loras)
     request = {"folder": str(checkpoint.folder), "skip": list(skip), "sizes": sizes and known is None,
                "loras": [[e.name, e.source, e.steps] for e in unchecked]}
-    answer = _run(request)
+    answer = _run(request, start=start)
     if "error" in answer:
         raise LoraError(answer["error"]["message"])
     for entry, found in zip(unchecked, answer["loras"], strict=True):
@@ -110,7 +115,12 @@ def _write(path: Path, data) -> None:
         log.warning("could not cache the checkpoint's sizes or LoRA checks in %s: %s", CACHE_DIR, exc)
 
 
-def _run(request: dict, failed: str = "could not read the checkpoint's component configs") -> dict:
+def _run(request: dict, failed: str = "could not read the checkpoint's component configs",
+         start: str = "spawn") -> dict:
+    """imgedit.model.inspect's answer to `request`, from a fresh interpreter, or with `start` "forkserver"
+    from a fork of the workers' forkserver."""
+    if start == "forkserver":
+        return _forked(request, failed)
     try:
         done = subprocess.run([sys.executable, "-m", "imgedit.model.inspect"], input=json.dumps(request),
                               capture_output=True, text=True, timeout=TIMEOUT_S, check=False, env=_env())
@@ -122,6 +132,38 @@ def _run(request: dict, failed: str = "could not read the checkpoint's component
     return json.loads(done.stdout)
 
 
+def _forked(request: dict, failed: str) -> dict:
+    """The inspection in a process forked from the forkserver the workers come from (its traceback, if it
+    fails, goes to the server's stderr)."""
+    ctx = start_context("forkserver")
+    answer_read, answer_write = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_forked_entry, name="imgedit-inspect", daemon=True,
+                       args=(dict(os.environ), request, answer_write))
+    proc.start()
+    answer_write.close()  # the child's end: closed here, so a dead child reads as end-of-file
+    try:
+        if not answer_read.poll(TIMEOUT_S):
+            raise PlacementError(f"inspecting the checkpoint took over {TIMEOUT_S}s")
+        return answer_read.recv()
+    except EOFError:  # it died without an answer
+        proc.join(5)
+        log.error("checkpoint inspection failed (exit %s); its traceback is above", proc.exitcode)
+        raise PlacementError(f"{failed} (see the server log)") from None
+    finally:
+        answer_read.close()
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+
+
+def _forked_entry(environ: dict[str, str], request: dict, answer) -> None:
+    os.environ.clear()
+    os.environ.update(environ)  # a fork has the forkserver's environment: HF_HUB_OFFLINE etc. as of now
+    from imgedit.model.inspect import inspect  # in the child only (torch)
+
+    answer.send(inspect(request))
+
+
 def _env() -> dict[str, str]:
     """The server's environment with this copy of imgedit importable whatever the working directory."""
     root = str(Path(__file__).resolve().parents[2])
@@ -129,13 +171,15 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
 
 
-def ensure_demo_checkpoint(folder: str, skip: tuple[str, ...] = (), kind: str = "plus") -> None:
+def ensure_demo_checkpoint(folder: str, skip: tuple[str, ...] = (), kind: str = "plus",
+                           start: str = "spawn") -> None:
     """Build the tiny demo checkpoint once, in the inspection subprocess (building it needs torch),
-    which measures its sizes on the way: the first demo start imports torch in one process, not two."""
+    which measures its sizes on the way: the first demo start imports torch in one process, not two.
+    `start`: WORKER_START."""
     if (Path(folder).expanduser() / "model_index.json").is_file():
         return
     log.info("building the demo checkpoint in %s", folder)
     answer = _run({"folder": str(Path(folder).expanduser()), "build_demo": True, "kind": kind,
                    "skip": list(skip), "sizes": True},
-                  f"could not build the demo checkpoint in {folder}")
+                  f"could not build the demo checkpoint in {folder}", start)
     _write(CACHE_DIR / f"{_key(open_checkpoint(folder), skip)}.json", answer["sizes"])

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 _PRELOAD = "imgedit.runtime.preload"  # named, not imported: the server process never imports torch
 
 
-def _context(how: str):
+def start_context(how: str):
     """WORKER_START: "forkserver" forks every worker from one process that imported torch, diffusers
     and our worker code once (imgedit.runtime.preload); "spawn" starts a fresh interpreter each time."""
     ctx = multiprocessing.get_context(how)
@@ -80,7 +80,7 @@ class ProcessTransport:
 
     def _start(self, spec: WorkerSpec, visible: str | None) -> tuple:
         """A fresh process for the rank: (process, inbox, outbox)."""
-        ctx = _context(self.start_method)
+        ctx = start_context(self.start_method)
         inbox_read, inbox_write = ctx.Pipe(duplex=False)
         outbox_read, outbox_write = ctx.Pipe(duplex=False)
         with visible_devices(visible):  # CUDA_VISIBLE_DEVICES must be right before the child imports anything

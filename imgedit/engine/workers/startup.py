@@ -72,7 +72,8 @@ def plan_workers(settings: Settings, checkpoint: Checkpoint, plan: Plan | None,
             log.error("%s", exc.message)
             return Planned(Plan("ray", (), exc.message), {}, (), exc.message)
     # Sizes (from the configs) and the LoRA check, measured on the worker side in a subprocess
-    sizes, loras = inspect_checkpoint(checkpoint, s.quantize_skip, s.lora_entries, sizes=plan is None)
+    sizes, loras = inspect_checkpoint(checkpoint, s.quantize_skip, s.lora_entries, sizes=plan is None,
+                                      start=s.worker_start)
     nodes: dict[str, str] = {}
     if fast is not None and sizes:
         sizes = turbo.with_turbo(sizes)  # a second transformer, block for block beside the model's
