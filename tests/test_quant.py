@@ -76,7 +76,8 @@ def test_bad_values_stop_start_up_naming_variable_value_and_allowed(var, raw, sa
 def real_sizes(tmp_path_factory):
     folder = build_checkpoint(tmp_path_factory.mktemp("real") / "plus", size="real")  # configs only
     checkpoint = loader.open_checkpoint(str(folder))
-    return checkpoint, inspect_checkpoint(checkpoint, ("img_mlp",))[0]  # as the server plans: in a subprocess
+    # as a CPU server plans (WORKER_START=forkserver): in a fork of the forkserver
+    return checkpoint, inspect_checkpoint(checkpoint, ("img_mlp",), start="forkserver")[0]
 
 
 def component_specs(checkpoint, item: int) -> dict[str, ComponentSpec]:
