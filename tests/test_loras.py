@@ -216,11 +216,20 @@ def test_the_inspection_forked_from_the_forkserver_answers_as_a_fresh_interprete
 
 
 def test_a_missing_hub_file_stops_start_up_offline(plus_ckpt, monkeypatch):
+    """Checked in a fresh interpreter even with WORKER_START=forkserver (the tests' workers): the forkserver's
+    hub client read HF_HUB_OFFLINE when it was imported, and a fork went online for 23 s before failing."""
+    from imgedit.engine.workers import inspection
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the LoRA check runs in a subprocess (imgedit.model.inspect)
+    starts = []
+    real_run = inspection._run
+    monkeypatch.setattr(inspection, "_run", lambda request, **kw: starts.append(kw) or real_run(request, **kw))
     manager = make_manager(plus_ckpt, load=False, LORAS="hub=someone/some-loras/not-cached.safetensors")
+    assert manager.settings.worker_start == "forkserver"
     with pytest.raises(LoraError) as caught:
         manager.prepare()
     assert "LoRA 'hub': could not fetch someone/some-loras/not-cached.safetensors" in caught.value.message
+    assert starts == [{"start": "spawn"}]
 
 
 # ---- the runner, in this process, on a pipeline of its own ----

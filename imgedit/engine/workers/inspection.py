@@ -9,8 +9,9 @@ subprocess (importing torch and diffusers in it costs seconds of CPU). A file th
 file (its local copy is only known after the fetch) and a file that failed are checked again.
 
 With WORKER_START=forkserver the inspection is a fork of the workers' forkserver instead, which has imported
-torch and diffusers once for every worker: about 1 s where a fresh interpreter took 5-8 s on a 2-core
-machine (the CPU test suite ran twenty of them).
+torch and diffusers once for every worker: 0.1-1 s where a fresh interpreter took 5-8 s on a 2-core
+machine (the CPU test suite ran twenty of them). Not for a hub LoRA file: the hub client read its settings
+(HF_HUB_OFFLINE, HF_HOME, ...) when the forkserver imported it, and a fresh interpreter reads today's.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def inspect_checkpoint(checkpoint: Checkpoint, skip: tuple[str, ...] = (),
         return known, tuple(checked[e] for e in loras)
     request = {"folder": str(checkpoint.folder), "skip": list(skip), "sizes": sizes and known is None,
                "loras": [[e.name, e.source, e.steps] for e in unchecked]}
+    if any(not Path(e.source).expanduser().is_file() for e in unchecked):
+        start = "spawn"  # a hub file: the forkserver's hub client read HF_HUB_OFFLINE, HF_HOME at its start
     answer = _run(request, start=start)
     if "error" in answer:
         raise LoraError(answer["error"]["message"])
@@ -158,7 +161,7 @@ def _forked(request: dict, failed: str) -> dict:
 
 def _forked_entry(environ: dict[str, str], request: dict, answer) -> None:
     os.environ.clear()
-    os.environ.update(environ)  # a fork has the forkserver's environment: HF_HUB_OFFLINE etc. as of now
+    os.environ.update(environ)  # a fork has the forkserver's environment: the server's as of now
     from imgedit.model.inspect import inspect  # in the child only (torch)
 
     answer.send(inspect(request))
