@@ -42,7 +42,7 @@ def test_a_watched_job_shows_a_live_preview_and_an_unwatched_one_none(live_serve
     picture(64, 64).save(buffer, format="PNG")
 
     def submit(watch: bool) -> str:
-        data = {"prompt": "[slow] make it red", "num_inference_steps": "8", "size": "64x64", "seed": "1"}
+        data = {"prompt": "[slow] make it red", "num_inference_steps": "4", "size": "64x64", "seed": "1"}
         r = http.post(f"{live_server.url}/v1/jobs", files={"image": ("a.png", buffer.getvalue(), "image/png")},
                       data={**data, **({"preview": "true"} if watch else {})}, timeout=60)
         assert r.status_code == 202, r.text
