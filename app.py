@@ -134,7 +134,10 @@ def _start(args, settings, starting, log) -> int:
 def _serve(settings, starting, log, standbys) -> int:
     from imgedit.engine import heap
     from imgedit.engine.manager import PipelineManager  # after the environment is set (_start)
-    from imgedit.engine.workers.inspection import ensure_demo_checkpoint  # reads IMGEDIT_SIZES_CACHE (_start)
+    from imgedit.engine.workers.inspection import (  # reads IMGEDIT_SIZES_CACHE (_start)
+        ensure_demo_checkpoint,
+        inspection_start,
+    )
 
     manager = PipelineManager(settings, standbys=standbys)
     try:
@@ -143,7 +146,8 @@ def _serve(settings, starting, log, standbys) -> int:
             skip = settings.quantize_skip
             skip = FAMILIES[settings.demo_kind].quantize_skip if skip is None else skip  # QUANTIZE_SKIP=auto
             # in a subprocess (torch), or a fork of the workers' forkserver
-            ensure_demo_checkpoint(settings.model_source, skip, settings.demo_kind, settings.worker_start)
+            start = inspection_start(settings)
+            ensure_demo_checkpoint(settings.model_source, skip, settings.demo_kind, start)
         manager.prepare()  # checkpoint and placement plan: the page needs the model family and workers
     except ImgEditError as exc:
         log.error("%s", exc.message)

@@ -5,6 +5,7 @@ answering everyone else. Attackers come from other loopback addresses (127.0.0.2
 
 from __future__ import annotations
 
+import logging
 import select
 import socket
 import time
@@ -249,6 +250,38 @@ def test_a_client_still_sending_after_its_408_has_its_bytes_taken_then_reads_the
             assert closed is not None and closed < LINGER_S + 1.5, closed
         finally:
             sock.close()
+
+
+def test_a_malformed_body_is_answered_400_and_closed_at_once_and_logs_no_traceback(trickle_app, caplog):
+    """A chunked body with a bad chunk size puts h11 in its ERROR state: uvicorn answers 400 and the client
+    reads it and the end of the connection at once. The same bad chunk after the app has answered (here a 400
+    for an empty form) closes the connection without the second 400 uvicorn tried, which h11
+    refused with a traceback in the log ("Fatal error: protocol.data_received() call failed")."""
+    from imgedit.web.connections import LINGER_S, guarded_protocol
+
+    head = (b"POST /v1/images/edits HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=x\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    reading = b'--x\r\nContent-Disposition: form-data; name="prompt"\r\n\r\nmake it'  # the app reads on
+    answered = b"--x--\r\n"  # the whole form, empty: the app answers at once
+    uvicorns = logging.getLogger("uvicorn.error")  # it does not propagate to caplog's root handler
+    with LiveServer(trickle_app, free_port(), http=guarded_protocol(10, 20, 10, 100)) as server:
+        uvicorns.addHandler(caplog.handler)
+        try:
+            for part in (reading, answered):
+                with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+                    sock.sendall(head + f"{len(part):x}\r\n".encode() + part + b"\r\n")
+                    time.sleep(0.5)  # the app reads the body, or has answered it
+                    sent = time.monotonic()
+                    sock.sendall(b"zz\r\n")  # no chunk size
+                    said = answer(sock, LINGER_S + 3)
+                    ended = time.monotonic() - sent
+                    assert said is not None and said.startswith(b"HTTP/1.1 400"), said
+                    assert said.count(b"HTTP/1.1") == 1 and ended < LINGER_S / 2, (said, ended)
+            time.sleep(2.5)  # past the body's deadline (2 s): nothing may answer into a closed exchange
+        finally:
+            uvicorns.removeHandler(caplog.handler)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], errors
 
 
 def test_a_live_slow_upload_is_cut_with_a_408_before_its_file_could_be_swept(trickle_app):

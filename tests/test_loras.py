@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -213,6 +214,38 @@ def test_the_inspection_forked_from_the_forkserver_answers_as_a_fresh_interprete
     assert refusals[0] == refusals[1]
     with pytest.raises(PlacementError, match=r"could not read the checkpoint's component configs \(see"):
         inspection._run({"folder": str(tmp_path / "no-checkpoint"), "sizes": True}, start="forkserver")
+
+
+def test_an_inspection_the_forkserver_cannot_start_is_a_placement_error_and_ray_never_forks(tmp_path, monkeypatch):
+    """A forkserver that is gone (its preload failed, or it was killed) refuses the fork: start-up says it
+    could not read the checkpoint, as for a failed subprocess (not a raw ConnectionRefusedError), and leaves
+    no pipe open. Ray's workers come from no forkserver: their server inspects in a fresh interpreter."""
+    import multiprocessing.forkserver
+
+    from imgedit.engine.workers import inspection
+    from imgedit.errors import PlacementError
+
+    def pipes() -> set[str]:
+        found = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}").startswith(("pipe:", "socket:")):
+                    found.add(fd)
+            except OSError:
+                continue
+        return found
+
+    def gone(fds):
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(multiprocessing.forkserver, "connect_to_new_process", gone)
+    before = pipes()
+    with pytest.raises(PlacementError, match=r"could not read the checkpoint's component configs \(see"):
+        inspection._run({"folder": str(tmp_path), "sizes": True}, start="forkserver")
+    assert pipes() <= before
+    ray = load_settings({"QWEN_MODEL_DIR": str(tmp_path), "WORKERS": "ray", "WORKER_START": "forkserver"})
+    local = load_settings({"QWEN_MODEL_DIR": str(tmp_path), "WORKER_START": "forkserver"})
+    assert (inspection.inspection_start(ray), inspection.inspection_start(local)) == ("spawn", "forkserver")
 
 
 def test_a_missing_hub_file_stops_start_up_offline(plus_ckpt, monkeypatch):

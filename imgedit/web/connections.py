@@ -15,7 +15,7 @@ sending a body slower than BODY_MIN_RATE (with API keys set, one without a valid
 go, a few places (RESERVE) beyond the cap are kept for `/health` and requests with a valid key, each with a
 short deadline for its first line.
 
-A connection closed while its client is still sending a request body (a 408 for a slow body, a 413) is
+A connection closed while its client is still sending a request body (a 408 for a slow body) is
 closed gracefully, as Apache and nginx do ("lingering close"): the answer and a FIN go out, what the client
 still sends is read and dropped, and the socket closes at the client's EOF or LINGER_S later. Closed at once,
 its next bytes met a closed socket, whose kernel answers with a reset; a TCP stack that follows RFC 793 then
@@ -34,6 +34,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import h11
 from uvicorn.config import HTTP_PROTOCOLS
 from uvicorn.importer import import_from_string
 
@@ -127,8 +128,23 @@ def guarded_protocol(header_timeout: float, max_connections: int, max_per_client
             return super().eof_received()
 
         def body_coming(self) -> bool:
-            """Whether the client is still sending a request body (a close now would meet its next bytes)."""
-            return bool(self.cycle is not None and getattr(self.cycle, "more_body", False))
+            """Whether the client is still sending a request body (a close now would meet its next bytes), as
+            h11 tracks it: not after a malformed body (ERROR) nor once the body is in, even where the answer
+            came first (the cycle's more_body stays set then). False under httptools (not installed here)."""
+            conn = getattr(self, "conn", None)
+            return isinstance(conn, h11.Connection) and conn.their_state is h11.SEND_BODY
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to bytes h11 cannot parse, unless the app has answered already: a malformed
+            chunk after the app's own error made uvicorn send a second response, which h11 refused with a
+            traceback in the log ("Fatal error: protocol.data_received() call failed"); now it just closes."""
+            conn = getattr(self, "conn", None)
+            if isinstance(conn, h11.Connection) and conn.our_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED):
+                log.info("%s: malformed request data after the answer; closing the connection",
+                         self._guard_client)
+                self._closing.close_now()
+                return
+            super().send_400_response(msg)
 
         # the socket now belongs to the WebSocket protocol
         def handle_websocket_upgrade(self, *args, **kwargs):
@@ -277,9 +293,13 @@ class _LingeringClose:
         if transport.is_closing() or not transport.can_write_eof() or not self._protocol.body_coming():
             transport.close()
             return
+        try:
+            transport.write_eof()  # the answer, then FIN
+            transport.resume_reading()  # uvicorn may have paused reading for a body its app did not take
+        except OSError:  # reset meanwhile (the shutdown's ENOTCONN): nothing to linger for
+            transport.close()
+            return
         self.lingering = True
-        transport.write_eof()  # the answer, then FIN
-        transport.resume_reading()  # uvicorn may have paused reading for a body its app did not take
         self._timer = asyncio.get_running_loop().call_later(LINGER_S, self.close_now)
 
     def close_now(self) -> None:

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from imgedit.config.loras import LoraEntry, LoraError, LoraFile
+from imgedit.config.settings import Settings
 from imgedit.engine.workers.processes import start_context
 from imgedit.errors import PlacementError
 from imgedit.planning.checkpoint import MODEL_COMPONENTS, Checkpoint, open_checkpoint
@@ -76,6 +77,12 @@ def inspect_checkpoint(checkpoint: Checkpoint, skip: tuple[str, ...] = (),
         if cached is not None:
             _write(cached, answer["sizes"])
     return known, tuple(checked[e] for e in loras)
+
+
+def inspection_start(settings: Settings) -> str:
+    """How the inspection starts: a fork of the workers' forkserver where local workers come from one
+    (WORKER_START=forkserver), else a fresh interpreter (Ray's workers have no forkserver here)."""
+    return settings.worker_start if settings.workers == "local" else "spawn"
 
 
 def _lora_key(checkpoint: Checkpoint, entry: LoraEntry) -> str | None:
@@ -142,21 +149,26 @@ def _forked(request: dict, failed: str) -> dict:
     answer_read, answer_write = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_forked_entry, name="imgedit-inspect", daemon=True,
                        args=(dict(os.environ), request, answer_write))
-    proc.start()
-    answer_write.close()  # the child's end: closed here, so a dead child reads as end-of-file
     try:
+        try:
+            proc.start()
+        finally:
+            answer_write.close()  # the child's end: closed here, so a dead child reads as end-of-file
         if not answer_read.poll(TIMEOUT_S):
             raise PlacementError(f"inspecting the checkpoint took over {TIMEOUT_S}s")
-        return answer_read.recv()
-    except EOFError:  # it died without an answer
-        proc.join(5)
-        log.error("checkpoint inspection failed (exit %s); its traceback is above", proc.exitcode)
+        return json.loads(answer_read.recv_bytes())  # JSON, as the subprocess answers: no classes unpickled
+    except (EOFError, OSError) as exc:  # it died without an answer, or the forkserver could not start
+        if proc.pid is not None:
+            proc.join(5)
+        log.error("checkpoint inspection failed (%s, exit %s); its traceback is above", type(exc).__name__,
+                  proc.exitcode if proc.pid is not None else "not started")
         raise PlacementError(f"{failed} (see the server log)") from None
     finally:
         answer_read.close()
-        if proc.is_alive():
-            proc.kill()
-        proc.join()
+        if proc.pid is not None:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
 
 
 def _forked_entry(environ: dict[str, str], request: dict, answer) -> None:
@@ -164,7 +176,7 @@ def _forked_entry(environ: dict[str, str], request: dict, answer) -> None:
     os.environ.update(environ)  # a fork has the forkserver's environment: the server's as of now
     from imgedit.model.inspect import inspect  # in the child only (torch)
 
-    answer.send(inspect(request))
+    answer.send_bytes(json.dumps(inspect(request)).encode())
 
 
 def _env() -> dict[str, str]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from imgedit.config.settings import Settings
 from imgedit.engine.workers import ray_pool
 from imgedit.engine.workers.gpus import discover_gpus, host_threads
-from imgedit.engine.workers.inspection import inspect_checkpoint
+from imgedit.engine.workers.inspection import inspect_checkpoint, inspection_start
 from imgedit.engine.workers.pool import WorkerHandle
 from imgedit.engine.workers.processes import ProcessTransport
 from imgedit.engine.workers.standby import StandbyPool
@@ -73,7 +73,7 @@ def plan_workers(settings: Settings, checkpoint: Checkpoint, plan: Plan | None,
             return Planned(Plan("ray", (), exc.message), {}, (), exc.message)
     # Sizes (from the configs) and the LoRA check, measured on the worker side in a subprocess
     sizes, loras = inspect_checkpoint(checkpoint, s.quantize_skip, s.lora_entries, sizes=plan is None,
-                                      start=s.worker_start)
+                                      start=inspection_start(s))
     nodes: dict[str, str] = {}
     if fast is not None and sizes:
         sizes = turbo.with_turbo(sizes)  # a second transformer, block for block beside the model's
