@@ -50,6 +50,10 @@ built from the published configs; --tiny: the tiny one) with a random LoRA of it
                                   --other-steps
     gradio_client /edit           a text to image without an image at --other-steps
     /v1/prompts/enhance           a prompt rewrite (ms per token, as the edit rows)
+    mixed-01 ... mixed-20         text to image and edits with 1-10 references, prompts of 4-60 words, at
+                                  --other-steps (`--only mixed`): each fails if torch.compile compiled a graph
+                                  while it ran (/metrics' imgedit_compiled_graphs_total), so the row counts the
+                                  recompiles after the warm-up
 
 With --load MINUTES, benchmarks/load.py then drives the same server for that long (--load-clients at once,
 default 3 a GPU its workers hold; --load-mix, --load-think, --load-batch): images a minute, latency per kind,
@@ -74,6 +78,7 @@ import datetime
 import io
 import json
 import os
+import random
 import re
 import shlex
 import shutil
@@ -149,6 +154,12 @@ POLL_S = 0.5
 STOP_WAIT_S = 120  # SIGTERM: the server lets running jobs finish (none are running when it is sent)
 CUT_AT = re.compile(r"cut at the (\d+)-token limit")
 PHASE_SUM = re.compile(r'^imgedit_request_phase_seconds_sum\{phase="(\w+)"\} (\S+)$', re.M)
+COMPILED_TOTAL = re.compile(r"^imgedit_compiled_graphs_total (\S+)$", re.M)
+COMPILED = "compiled_graphs"  # phase_sums' key for it
+MIXED_REQUESTS = 20  # 2.1's mixed-NN requests: "no recompile after the warm-up over 20 requests"
+MIXED_WORDS = ("make the sky blue add a small cat on the left remove the text turn it into a watercolor with soft "
+               "light and a red roof keep the face the same put the dog from picture two on the sofa of picture "
+               "one a lighthouse at dawn waves below mist rising over a pine forest").split()
 
 
 # ---- set-up: checkpoint, LoRAs, pictures ----
@@ -385,13 +396,18 @@ class Requests:
     def close(self) -> None:
         self.http.close()
 
+    def wanted(self, name: str) -> bool:
+        """--only: the request names it lists; "mixed" selects every mixed-NN request."""
+        only = self.args.only
+        return not only or name in only or (name.startswith("mixed-") and "mixed" in only)
+
     def rest_edit(self, name: str, fields: dict, n: int = 1, mask: bool = False,
-                  may_refuse: str | None = None, pictures: list[bytes] | None = None) -> dict:
+                  may_refuse: str | None = None, pictures: list[bytes] | None = None, prompt: str = PROMPT) -> dict:
         """POST /v1/images/edits as the openai SDK sends it (multipart, extensions as form fields). `pictures`:
         the input images (default: the one input picture)."""
-        if self.args.only and name not in self.args.only:
+        if not self.wanted(name):
             return {"name": name, "outcome": "skipped"}
-        data = {"prompt": PROMPT, "size": f"{self.args.size}x{self.args.size}", "n": str(n),
+        data = {"prompt": prompt, "size": f"{self.args.size}x{self.args.size}", "n": str(n),
                 "response_format": "b64_json", "seed": "1", **fields}
         files = [("image", (f"input-{k + 1}.png", picture, "image/png"))
                  for k, picture in enumerate(pictures or [self.picture])]
@@ -441,7 +457,7 @@ class Requests:
 
     def rest_generation(self, name: str, fields: dict, prompt: str = PROMPT) -> dict:
         """POST /v1/images/generations as the openai SDK sends it (JSON, extensions in the body)."""
-        if self.args.only and name not in self.args.only:
+        if not self.wanted(name):
             return {"name": name, "outcome": "skipped"}
         body = {"prompt": prompt, "size": f"{self.args.size}x{self.args.size}", "n": 1,
                 "response_format": "b64_json", "seed": 1, **fields}
@@ -449,12 +465,17 @@ class Requests:
         return self._post(record, "/v1/images/generations", None, json=body)
 
     def phase_sums(self) -> dict[str, float]:
-        """/metrics' time budget so far: seconds per phase (imgedit_request_phase_seconds_sum)."""
+        """/metrics' time budget so far: seconds per phase (imgedit_request_phase_seconds_sum), and under
+        COMPILED the graphs torch.compile compiled while edits ran (imgedit_compiled_graphs_total)."""
         try:
             text = self.http.get(f"{self.url}/metrics").text
         except httpx.HTTPError:
             return {}
-        return {m.group(1): float(m.group(2)) for m in PHASE_SUM.finditer(text)}
+        sums = {m.group(1): float(m.group(2)) for m in PHASE_SUM.finditer(text)}
+        compiled = COMPILED_TOTAL.search(text)
+        if compiled:
+            sums[COMPILED] = float(compiled.group(1))
+        return sums
 
     def _post(self, record: dict, path: str, may_refuse: str | None, **content) -> dict:
         before = self.phase_sums()
@@ -466,7 +487,9 @@ class Requests:
         record.update(status=response.status_code, seconds=round(time.perf_counter() - t0, 3))
         after = self.phase_sums()  # where this request's time went (REST's; the worker's phases inside)
         record["phases"] = {name: round(after[name] - before.get(name, 0.0), 3) for name in after
-                            if after[name] - before.get(name, 0.0) > 0}
+                            if after[name] - before.get(name, 0.0) > 0 and name != COMPILED}
+        if COMPILED in after:  # a recompile after the warm-up: graphs compiled while this request ran
+            record["compiled_graphs"] = int(after[COMPILED] - before.get(COMPILED, 0.0))
         body = _json(response)
         if response.status_code != 200:
             message = (body.get("error") or {}).get("message") if isinstance(body, dict) else None
@@ -653,6 +676,7 @@ def run_requests_21(requests: Requests, health: dict, steps: int, other_steps: i
     add(requests.rest_edit("mask", other, mask=True))
     add(requests.gradio_edit("gradio-t2i", generate=True, cfg=1.0))
     add(requests.enhance("rewrite"))
+    run_mixed_21(requests, other_steps, references, add)
     if any(worker.get("turbo") for worker in health.get("workers", [])):  # TURBO_MODEL_DIR: the fast tier
         for speed in ("fastest", "fast"):  # both run the Turbo's 8 steps
             for run in ("first", "steady"):
@@ -660,6 +684,38 @@ def run_requests_21(requests: Requests, health: dict, steps: int, other_steps: i
         add(requests.rest_edit("turbo-edit-fastest", {"speed": "fastest"}))
         add(requests.rest_generation("turbo-t2i-fastest-n2", {"speed": "fastest", "n": 2}))
         add(requests.rest_edit("turbo-refs3-fastest", {"speed": "fastest"}, pictures=references[:3]))
+
+
+def run_mixed_21(requests: Requests, steps: int, references: list[bytes], add) -> None:
+    """MIXED_REQUESTS requests as users mix them (the mixed-NN names; --only mixed selects them all): prompts
+    of 4-60 words and 0-10 references, seeded, at --other-steps. Each record carries the graphs torch.compile
+    compiled while it ran (/metrics); one compiled after the warm-up fails the record."""
+    rng = random.Random(0)
+    for i in range(MIXED_REQUESTS):
+        name = f"mixed-{i + 1:02d}"
+        prompt = " ".join(rng.choice(MIXED_WORDS) for _ in range(rng.randint(4, 60)))
+        count = i % (len(references) + 1)  # 0, 1, ..., 10, 0, 1, ...
+        if count:
+            record = requests.rest_edit(name, {"num_inference_steps": str(steps)}, pictures=references[:count],
+                                        prompt=prompt)
+        else:
+            record = requests.rest_generation(name, {"num_inference_steps": steps}, prompt=prompt)
+        if record["outcome"] != "skipped":
+            record.update(references=count, words=len(prompt.split()))
+        if record["outcome"] == "ok" and record.get(COMPILED):
+            record.update(outcome="failed", error=f"{record[COMPILED]} graph(s) compiled after the warm-up")
+        add(record)
+
+
+def mixed_summary(records: dict) -> str:
+    """The mixed-NN requests in one cell: how many ran, the graphs compiled among them, the slowest."""
+    mixed = [r for name, r in records.items() if name.startswith("mixed-")]
+    if not mixed:
+        return "—"
+    ok = [r for r in mixed if r["outcome"] == "ok"]
+    compiled = sum(r.get(COMPILED, 0) for r in mixed)
+    slowest = max((r.get("seconds") or 0.0 for r in mixed), default=0.0)
+    return f"{len(ok)}/{len(mixed)} ok, {compiled} compiled, max {slowest:.2f} s"
 
 
 def describe(record: dict) -> str:
@@ -674,6 +730,10 @@ def describe(record: dict) -> str:
         text += f"  {record['previews']} preview(s)"
     if record.get("ms_per_token"):
         text += f"  {record['tokens']} tokens, {record['ms_per_token']} ms/token"
+    if "references" in record:  # a mixed-NN request
+        text += f"  {record['references']} ref(s), {record['words']} words"
+    if record.get(COMPILED):
+        text += f"  {record[COMPILED]} graph(s) compiled"
     if record.get("error"):
         text += f"  ({record['error'][:300]})"
     if record.get("phases"):
@@ -856,7 +916,7 @@ def table_21(rows: list[dict], device: str) -> str:
     """The Qwen-Image-2.1 rows' table."""
     head = ["row", "ready s", "restart s", "t2i first s", "t2i steady s", "1 ref", "3 refs", "5 refs", "10 refs",
             "10 refs (other steps)", "rgba", "lora 0.5", "mask", "gradio t2i", "rewrite ms/token",
-            "turbo t2i fastest s", "turbo t2i fast s", "turbo edit s", "turbo 3 refs s", "all finite"]
+            "turbo t2i fastest s", "turbo t2i fast s", "turbo edit s", "turbo 3 refs s", "mixed", "all finite"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         records = {r["name"]: r for r in row["requests"]}
@@ -872,7 +932,8 @@ def table_21(rows: list[dict], device: str) -> str:
                                                      "gradio-t2i")),
                  str(rewrite.get("ms_per_token", _cell(records, "rewrite"))),
                  _turbo_pair(records, "fastest"), _turbo_pair(records, "fast"),
-                 _cell(records, "turbo-edit-fastest"), _cell(records, "turbo-refs3-fastest"), finite]
+                 _cell(records, "turbo-edit-fastest"), _cell(records, "turbo-refs3-fastest"),
+                 mixed_summary(records), finite]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

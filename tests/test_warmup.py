@@ -13,6 +13,7 @@ import os
 import tempfile
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,11 +22,13 @@ from transformers import AutoTokenizer
 
 from imgedit.config.settings import load_settings
 from imgedit.engine.manager import PipelineManager
+from imgedit.engine.workers.gpus import GpuMonitor
 from imgedit.model.demo_checkpoint import build_checkpoint
 from imgedit.model.lora_random import random_lora
 from imgedit.model.loras import transformer_linears
 from imgedit.protocol import EditRequest
 from imgedit.runtime.warmup import warmup_prompts
+from imgedit.web.metrics import Metrics
 
 FOUR = "Qwen-Image-Edit-2509-Lightning-4steps-V1.0-bf16"
 
@@ -107,7 +110,10 @@ def test_a_compiled_splitting_pair_compiles_nothing_after_its_warm_up(pair_ckpt)
 
 def test_the_blocks_compile_dynamic_from_the_first_size(pair_ckpt):
     """One warm-up size, then edits at other sizes: nothing compiles after ready (the blocks are compiled
-    dynamic in the sequence lengths; a static first compile cost every variant one more compile at start-up)."""
+    dynamic in the sequence lengths; a static first compile cost every variant one more compile at start-up).
+    What does compile after ready is counted: two images a prompt, which the warm-up leaves out (the known
+    limit "n=2 compiles on first use"), reports its graphs with its result and in /metrics, and the worker
+    logs it (imgedit.runtime.budget)."""
     ckpt, _ = pair_ckpt
     with compile_log() as compiled:
         settings = load_settings({"QWEN_MODEL_DIR": str(ckpt), "DEVICE_MAP": "cpu", "COMPILE": "on",
@@ -115,6 +121,7 @@ def test_the_blocks_compile_dynamic_from_the_first_size(pair_ckpt):
         manager = PipelineManager(settings, plan=cpu_plan(1), worker_hook="faults:count_compiles",
                                   warmup_sizes=((64, 64),))
         _MANAGERS.append(manager)
+        metrics = Metrics(manager, GpuMonitor(nvml=SimpleNamespace()))
         manager.load()
         assert manager.workers[0].info.get("compiled") is True, manager.workers[0].info
         at_ready = compiled()
@@ -123,8 +130,24 @@ def test_the_blocks_compile_dynamic_from_the_first_size(pair_ckpt):
             result = manager.edit(EditRequest(images=(picture(width, height),), prompt="make it red", seed=1,
                                               width=width, height=height, num_inference_steps=2))
             assert result.images[0].size == (width, height)
+            assert result.compiled_graphs == 0
         after = compiled()
         assert after == at_ready, f"compiled after the warm-up: {after[len(at_ready):]}"
+        assert compiled_total(metrics) == 0
+        two = manager.edit(EditRequest(images=(picture(64, 64),), prompt="make it red", seed=1, width=64,
+                                       height=64, num_inference_steps=2, num_images=2))
+        assert len(two.images) == 2
+        recompiled = len(compiled()) - len(after)
+        assert recompiled > 0 and two.compiled_graphs == recompiled, (recompiled, two.compiled_graphs)
+        assert compiled_total(metrics) == recompiled
+
+
+def compiled_total(metrics: Metrics) -> float:
+    """/metrics' imgedit_compiled_graphs_total, read from its text as a scraper reads it."""
+    lines = [line for line in metrics.render().decode().splitlines()
+             if line.startswith("imgedit_compiled_graphs_total ")]
+    assert len(lines) == 1, lines
+    return float(lines[0].split()[1])
 
 
 def test_a_compiled_qwen_image_21_worker_compiles_nothing_after_its_warm_up(tmp_path):
@@ -166,6 +189,7 @@ def test_a_compiled_qwen_image_21_worker_compiles_nothing_after_its_warm_up(tmp_
             result = manager.edit(EditRequest(images=images, prompt=prompt, seed=1, width=width, height=height,
                                               num_inference_steps=2, num_images=n))
             assert len(result.images) == n and result.images[0].size == (width, height)
+            assert result.compiled_graphs == 0  # the worker's own count (imgedit.runtime.budget) agrees
             # the fast tier: the Turbo's 8 steps
             result = manager.edit(EditRequest(images=images, prompt=prompt + " now", seed=1, width=width,
                                               height=height, speed="fastest", num_images=n))

@@ -325,7 +325,7 @@ class PipelineManager(Engine):
         """Checked, in line, on a worker, and back: one job, logged and reported to the listeners."""
         started = time.perf_counter()
         worker: WorkerHandle | None = None
-        outcome, steps, pauses = "error", 0, 0
+        outcome, steps, pauses, compiled = "error", 0, 0, 0
         timings: dict[str, float] = {}  # seconds per phase: the queue here, the worker's from its result
         try:
             restarting = any(w.state is WorkerState.RESTARTING
@@ -355,7 +355,7 @@ class PipelineManager(Engine):
                          steps)
             if not isinstance(answer, Done):
                 raise ERRORS.get(answer.kind, ImgEditError)(answer.message, answer.field)
-            outcome = "ok"
+            outcome, compiled = "ok", answer.result.compiled_graphs
             timings.update(answer.result.timings)
             return answer.result, params
         except ImgEditError as exc:
@@ -373,7 +373,7 @@ class PipelineManager(Engine):
                 log.debug("%s time budget: %s", req.request_id,
                           ", ".join(f"{phase} {value:.3f}s" for phase, value in timings.items()))
             record = JobRecord(req.request_id, req.source, outcome, seconds, steps,
-                               worker.name if worker else None, task, timings, pauses)
+                               worker.name if worker else None, task, timings, pauses, compiled)
             for listener in self.listeners:
                 listener(record)
 

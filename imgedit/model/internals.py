@@ -93,6 +93,9 @@ MEMBERS = (
            "2.1's split (split21): keys, values and output gathered inside a compiled block (traceable)"),
     Member("torch", TORCH, "torch._dynamo.config", "recompile_limit",
            "room for every compiled variant a worker warms up (LoRAs, copies, Ulysses states)"),
+    Member("torch", TORCH, "torch._dynamo.utils", "counters",
+           "the graphs dynamo has compiled in this process (counters['stats']['unique_graphs']): a job that "
+           "compiled after the warm-up is counted and logged (budget)"),
 )
 
 
@@ -276,3 +279,8 @@ def all_gather_finish(gathered: torch.Tensor, dim: int, size: int) -> torch.Tens
 
 def raise_recompile_limit(limit: int) -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+
+
+def graphs_compiled() -> int:
+    """The graphs dynamo has compiled in this process so far (one per graph its backend compiled)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])

@@ -32,6 +32,9 @@ class EditResult:
     # its boxes (x1, y1, x2, y2 in the first image's pixels); an outline alone returns only these
     mask: Image.Image | None = None
     boxes: tuple[tuple[int, int, int, int], ...] = ()
+    # graphs torch.compile compiled while the job ran (imgedit.runtime.budget): after the warm-up each one is
+    # a recompile the warm-up did not cover, seconds of this job; 0 is the aim
+    compiled_graphs: int = 0
 
     @property
     def num_images(self) -> int:
@@ -53,6 +56,7 @@ class JobRecord:
     # seconds of each phase: the queue, and the worker's (EditResult.timings); /metrics sums them
     timings: dict = field(default_factory=dict)
     pauses: int = 0  # an item of a job: the times it paused for an edit someone waits on (PREEMPT_ITEMS)
+    compiled_graphs: int = 0  # graphs torch.compile compiled while it ran (EditResult.compiled_graphs)
 
 
 @dataclass(frozen=True)

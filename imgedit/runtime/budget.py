@@ -14,6 +14,11 @@ result (`EditResult.timings`); the server adds its own (the queue, the upload, t
 
 On a GPU a job that made PyTorch's allocator free its cache to find room (it waits for the whole GPU to do so:
 copies and compute stop overlapping) says so in the log: a memory cap with too little room shows there.
+
+A job during which torch.compile compiled a graph (dynamo's count in this process: a shape, a prompt length or
+a variant the warm-up did not cover) says how many in the log, and the count goes back with the result
+(`EditResult.compiled_graphs`; /metrics sums it in `imgedit_compiled_graphs_total`): 0 after the warm-up is
+what a compiled worker promises, and this is where a run counts it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import time
 from contextlib import contextmanager
 
 import torch
+
+from imgedit.model import internals
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +104,7 @@ class TimeBudget:
     def job(self, call):
         self.clock = clock = _Clock(self.cuda and torch.cuda.is_available(), self.device)
         waits = _waits(clock.cuda)
+        graphs = internals.graphs_compiled()
         clock.mark("start")
         call.step_marks.append(clock.step)  # after the step hooks: a step's own work (a mask's blend) is its
         try:
@@ -107,5 +115,10 @@ class TimeBudget:
             if retries or syncs:
                 log.info("%s: the GPU allocator freed its cache to find room: %d allocation(s) retried, %d "
                          "wait(s) for the whole GPU", call.job.request_id, retries, syncs)
+            call.compiled_graphs = internals.graphs_compiled() - graphs
+            if call.compiled_graphs:
+                log.warning("%s: torch.compile compiled %d graph(s) during the job (a shape or variant the "
+                            "warm-up did not cover; its seconds are in this job's time)", call.job.request_id,
+                            call.compiled_graphs)
         finally:
             self.clock = None

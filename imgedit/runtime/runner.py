@@ -82,6 +82,7 @@ class Call:
     offset: int = 0  # a resumed job's steps done before its pause (imgedit.runtime.pause)
     pause: threading.Event | None = None  # set: stop at the next step's end if the job can go on later
     timings: dict = field(default_factory=dict)  # seconds per phase (imgedit.runtime.budget)
+    compiled_graphs: int = 0  # graphs torch.compile compiled during the job (imgedit.runtime.budget)
     cancel: threading.Event = field(default_factory=threading.Event)  # the job's cancel flag
     outlined: grounding.Found | None = None  # mask_prompt's outline, once Outlining made it
 
@@ -174,7 +175,7 @@ class Runner:
                           self.name, self.devices, req.request_id,
                           prompt=prompt if params.enhance_tokens and notice is None else None, notice=notice,
                           weights=call.weights, timings=call.timings, mask=outlined and outlined.mask,
-                          boxes=outlined.boxes if outlined else ())
+                          boxes=outlined.boxes if outlined else (), compiled_graphs=call.compiled_graphs)
 
     def _new_call(self, job: Job) -> Call:
         if self.adapters is None and (job.params.adapters or job.params.scheduler != "default"):

@@ -76,6 +76,10 @@ class Metrics:
                               "Times an item of a job (/v1/jobs, the Batch tab) paused at a step for an edit "
                               "someone waits on (PREEMPT_ITEMS), counted when it ends",
                               registry=self.registry)
+        self.compiled = Counter(
+            "imgedit_compiled_graphs", "Graphs torch.compile compiled while finished edits ran: after the "
+            "warm-up each one is a recompile it did not cover, seconds of that edit (0 is the aim)",
+            registry=self.registry)
         self.last_steps_per_second = 0.0
         self.registry.register(_Live(manager, monitor, gradio_queue_size, self))
         manager.listeners.append(self.record)
@@ -87,6 +91,8 @@ class Metrics:
         self.requests.labels(job.source, job.outcome).inc()
         if job.pauses:
             self.pauses.inc(job.pauses)
+        if job.compiled_graphs:
+            self.compiled.inc(job.compiled_graphs)
         if job.outcome in ("ok", "cancelled", "out_of_memory", "worker_failed"):
             self.job_seconds.observe(job.seconds)
         # a paused item's phases are its last run's, and its seconds include the pause: left out
