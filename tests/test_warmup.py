@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from conftest import _MANAGERS, cfg_plan, cpu_plan, make_manager, picture
 from transformers import AutoTokenizer
 
@@ -27,6 +28,7 @@ from imgedit.model.demo_checkpoint import build_checkpoint
 from imgedit.model.lora_random import random_lora
 from imgedit.model.loras import transformer_linears
 from imgedit.protocol import EditRequest
+from imgedit.runtime.budget import WARMUP, TimeBudget
 from imgedit.runtime.warmup import warmup_prompts
 from imgedit.web.metrics import Metrics
 
@@ -244,3 +246,27 @@ def test_the_recompile_limit_counts_every_gpu_a_split_transformers_blocks_sit_on
     two = ("four", "eight")  # stand-ins: only their number counts
     assert recompile_limit(spec(split, two), 2, False) == 2 * (8 + 2 * 2 + 2 * 1)
     assert recompile_limit(spec(whole, two), 2, False) == 8 + 2 * 2 + 2 * 1
+
+
+def test_a_job_that_compiles_is_counted_and_logged_unless_it_is_the_warm_ups(caplog):
+    """imgedit.runtime.budget: the graphs dynamo compiled while a job ran go on its call (the result, /metrics)
+    and a WARNING names the job; the warm-up's own jobs compile on purpose and log nothing above DEBUG."""
+    layer = torch.nn.Linear(4, 4)
+    budget = TimeBudget([layer], cuda=False)
+    compiled = torch.compile(lambda x: layer(x).relu(), backend="eager", dynamic=False)
+
+    def job(source: str, rows: int) -> SimpleNamespace:
+        call = SimpleNamespace(job=SimpleNamespace(request_id=f"{source}-{rows}", request=SimpleNamespace(
+            source=source)), step_marks=[], timings={}, compiled_graphs=None)
+        with budget.job(call):
+            compiled(torch.ones(rows, 4))
+        return call
+
+    with caplog.at_level("DEBUG", "imgedit.runtime.budget"):
+        assert job(WARMUP, 2).compiled_graphs > 0  # a first shape (the hook's graph break: two graphs)
+        assert job("rest", 2).compiled_graphs == 0  # the same shape: nothing compiles
+        recompiled = job("rest", 3).compiled_graphs  # a new static shape recompiles
+    assert recompiled > 0
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == [f"rest-3: torch.compile compiled {recompiled} graph(s) during the job (a shape or variant "
+                      "the warm-up did not cover; its seconds are in this job's time)"], warned

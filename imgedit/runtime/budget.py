@@ -33,6 +33,8 @@ from imgedit.model import internals
 
 log = logging.getLogger(__name__)
 
+WARMUP = "warmup"  # the source of the warm-up's own jobs (imgedit.runtime.warmup)
+
 
 def _waits(cuda: bool) -> tuple[int, int]:
     """(failed allocations retried after freeing the cache, the allocator's syncs of the whole GPU) so far."""
@@ -116,7 +118,7 @@ class TimeBudget:
                 log.info("%s: the GPU allocator freed its cache to find room: %d allocation(s) retried, %d "
                          "wait(s) for the whole GPU", call.job.request_id, retries, syncs)
             call.compiled_graphs = internals.graphs_compiled() - graphs
-            if call.compiled_graphs:
+            if call.compiled_graphs and call.job.request.source != WARMUP:  # the warm-up is there to compile
                 log.warning("%s: torch.compile compiled %d graph(s) during the job (a shape or variant the "
                             "warm-up did not cover; its seconds are in this job's time)", call.job.request_id,
                             call.compiled_graphs)

@@ -19,6 +19,7 @@ from imgedit.model import internals
 from imgedit.planning.families import BY_PIPELINE
 from imgedit.protocol import EditRequest, Resolved
 from imgedit.runtime import block_compile, compile21, decode_graphs, enhance
+from imgedit.runtime.budget import WARMUP
 from imgedit.runtime.fallback import agreed, cause
 from imgedit.runtime.messages import Job, StartupReport, WorkerSpec
 
@@ -227,7 +228,7 @@ def _warmup_jobs(runner, spec: WorkerSpec, width: int, height: int, name: str, p
     for i, prompt in enumerate(warmup_prompts(getattr(runner.pipe, "tokenizer", None), multiple)):
         negative = prompt if cfg_on and multiple > 1 else " "
         req = EditRequest(images=(image,), prompt=prompt, request_id=f"warmup-{name}{width}x{height}-{i}",
-                          source="warmup")
+                          source=WARMUP)
         jobs.append(Job(req, Resolved(steps=2, negative_prompt=negative, seed=0, num_images=1, width=width,
                                       height=height, **params), spec.checkpoint.family))
     return jobs
@@ -270,7 +271,7 @@ def _job_21(spec: WorkerSpec, k: int, run: dict) -> Job:
     width, height = run["width"], run["height"]
     images = tuple(Image.new("RGB", (width, height), (120, 130, 140)) for _ in range(run["images"]))
     prompt = " ".join([WARMUP_PROMPT] * max(1, run["words"] // 2))
-    req = EditRequest(images=images, prompt=prompt, request_id=f"warmup-21-{k}", source="warmup")
+    req = EditRequest(images=images, prompt=prompt, request_id=f"warmup-21-{k}", source=WARMUP)
     return Job(req, Resolved(steps=run["num_inference_steps"], negative_prompt=" ", seed=0,
                              num_images=run["num_images_per_prompt"], width=width, height=height,
                              true_cfg_scale=1.0, scheduler=run.get("scheduler", "default"),
