@@ -448,7 +448,7 @@ class Requests:
         record.update(status=result.status_code, seconds=round(time.perf_counter() - t0, 3), previews=len(previews))
         after = self.phase_sums()
         record["phases"] = {name: round(after[name] - before.get(name, 0.0), 3) for name in after
-                            if after[name] - before.get(name, 0.0) > 0}
+                            if after[name] - before.get(name, 0.0) > 0 and name != COMPILED}
         if result.status_code != 200 or status.get("state") != "succeeded":
             return self._failed(record, t0, f"job {status.get('state')}, result HTTP {result.status_code}")
         if not previews and int(fields.get("num_inference_steps", 0)) >= 10:  # a job long enough to watch
@@ -488,8 +488,9 @@ class Requests:
         after = self.phase_sums()  # where this request's time went (REST's; the worker's phases inside)
         record["phases"] = {name: round(after[name] - before.get(name, 0.0), 3) for name in after
                             if after[name] - before.get(name, 0.0) > 0 and name != COMPILED}
-        if COMPILED in after:  # a recompile after the warm-up: graphs compiled while this request ran
-            record["compiled_graphs"] = int(after[COMPILED] - before.get(COMPILED, 0.0))
+        # a recompile after the warm-up: graphs compiled while this request ran (None: /metrics unread)
+        record[COMPILED] = (int(after[COMPILED] - before[COMPILED]) if COMPILED in after and COMPILED in before
+                            else None)
         body = _json(response)
         if response.status_code != 200:
             message = (body.get("error") or {}).get("message") if isinstance(body, dict) else None
@@ -704,6 +705,8 @@ def run_mixed_21(requests: Requests, steps: int, references: list[bytes], add) -
             record.update(references=count, words=len(prompt.split()))
         if record["outcome"] == "ok" and record.get(COMPILED):
             record.update(outcome="failed", error=f"{record[COMPILED]} graph(s) compiled after the warm-up")
+        elif record["outcome"] == "ok" and record.get(COMPILED, 0) is None:
+            record.update(outcome="failed", error="/metrics' imgedit_compiled_graphs_total not read: not counted")
         add(record)
 
 
@@ -713,7 +716,7 @@ def mixed_summary(records: dict) -> str:
     if not mixed:
         return "—"
     ok = [r for r in mixed if r["outcome"] == "ok"]
-    compiled = sum(r.get(COMPILED, 0) for r in mixed)
+    compiled = sum(r.get(COMPILED) or 0 for r in mixed)
     slowest = max((r.get("seconds") or 0.0 for r in mixed), default=0.0)
     return f"{len(ok)}/{len(mixed)} ok, {compiled} compiled, max {slowest:.2f} s"
 
