@@ -15,13 +15,13 @@ result (`EditResult.timings`); the server adds its own (the queue, the upload, t
 On a GPU a job that made PyTorch's allocator free its cache to find room (it waits for the whole GPU to do so:
 copies and compute stop overlapping) says so in the log: a memory cap with too little room shows there.
 
-A job during which torch.compile compiled a graph (dynamo's count in this process: a shape, a prompt length or
-a variant the warm-up did not cover) says how many in the log, however it ended, and a finished job's count goes
-back with its result (`EditResult.compiled_graphs`; /metrics sums it in `imgedit_compiled_graphs_total`). 0
-after the warm-up is the aim; the known exception is a first job of two images a prompt on the edit models
+A job during which torch.compile compiled a graph (dynamo's count in this process: a shape, a prompt length
+or a variant the warm-up did not cover) says how many in the log, however it ended, and a finished job's count
+goes back with its result (`EditResult.compiled_graphs`; /metrics sums it in `imgedit_compiled_graphs_total`).
+0 after the warm-up is the aim; the known exception is a first job of two images a prompt on the edit models
 (docs/BENCHMARKS.md, Known limits). Counted per process: a group's result carries its first rank's count (the
-other ranks log their own), and an item paused for an edit its last run's. A frame past dynamo's recompile limit
-runs eagerly without compiling, so it is not counted.
+other ranks log their own), and an item paused for an edit its last run's. A frame past dynamo's recompile
+limit runs eagerly without compiling, so it is not counted.
 """
 
 from __future__ import annotations
@@ -131,5 +131,5 @@ def _count_compiles(call, graphs: int) -> None:
         return
     # the warm-up is there to compile
     level = logging.DEBUG if call.job.request.source == WARMUP else logging.WARNING
-    log.log(level, "%s: torch.compile compiled %d graph(s) during the job (a shape or variant the warm-up did "
-            "not cover; its seconds are in this job's time)", call.job.request_id, graphs)
+    log.log(level, "%s: torch.compile compiled %d graph(s) during the job (a shape or variant the warm-up "
+            "did not cover; its seconds are in this job's time)", call.job.request_id, graphs)
