@@ -829,7 +829,7 @@ def run_load(server: Server, args) -> dict:
               f"{report['item_pauses']} time(s) for the clients' edits", flush=True)
     print(f"    load: {report['images_per_minute']} images a minute ({report['images_per_minute_per_gpu']} a GPU); "
           f"{kinds}; errors {report['errors'] or 'none'}; queue {report['queue']}; GPU utilisation "
-          f"{report['gpu_utilization_mean']} %", flush=True)
+          f"{report['gpu_utilization_mean']} %; graphs compiled {report['compiled_graphs']}", flush=True)
     return report
 
 

@@ -18,7 +18,8 @@ the line's length and each GPU's utilisation.
 The report: images a minute (in all and per GPU), latency p50/p95/p99 and the p99/p50 ratio per kind, errors
 (every non-200 answer, by status and message: there should be none), the queue's length over time (min, mean,
 max, and the samples in the JSON), the GPUs' mean utilisation and how many times the batch's items paused for
-the clients' edits (PREEMPT_ITEMS: /metrics' imgedit_item_pauses_total, counted as each item ends). Every image
+the clients' edits (PREEMPT_ITEMS: /metrics' imgedit_item_pauses_total, counted as each item ends), and the graphs
+torch.compile compiled while the edits ran (imgedit_compiled_graphs_total: 0 after the warm-up). Every image
 answered is checked to decode and to be neither blank nor one colour. Exit status 1 if any request failed.
 """
 
@@ -41,6 +42,8 @@ from PIL import Image, ImageStat
 PROMPT = "turn the sky into a sunset and keep everything else unchanged"
 KINDS = ("quality", "fast", "fastest", "masked", "two", "rewrite", "t2i")
 DEFAULT_MIX = "quality=4,fast=3,fastest=6,masked=2,two=2,rewrite=1,t2i=2"
+# /metrics' counters the report gives the run's difference of, by the report's key
+COUNTERS = {"imgedit_item_pauses_total": "item_pauses", "imgedit_compiled_graphs_total": "compiled_graphs"}
 
 
 def picture(side: int, seed: int) -> bytes:
@@ -217,18 +220,22 @@ class Load:
                 self.samples.append({"s": round(time.monotonic() - began, 1), "waiting": health.get("waiting"),
                                      "gpu_utilization": utils})
 
-    def item_pauses(self) -> float | None:
-        """imgedit_item_pauses_total from /metrics: the times items of jobs paused for the edits (None where
-        /metrics does not answer it)."""
+    def counters(self) -> dict[str, float]:
+        """COUNTERS from /metrics (each missing where /metrics does not answer it): the times items of jobs
+        paused for the edits, the graphs torch.compile compiled while edits ran."""
         try:
             text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=30).text
         except httpx.HTTPError:
-            return None
-        counted = [line.split()[1] for line in text.splitlines() if line.startswith("imgedit_item_pauses_total ")]
-        return float(counted[0]) if counted else None
+            return {}
+        found = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in COUNTERS:
+                found[COUNTERS[name]] = float(value)
+        return found
 
     def run(self) -> dict:
-        pauses = self.item_pauses()
+        before = self.counters()
         began = time.monotonic()
         until = began + self.args.minutes * 60
         sampler = threading.Thread(target=self.sampler, args=(began,), daemon=True)
@@ -243,8 +250,9 @@ class Load:
         self.stop.set()
         sampler.join(timeout=15)
         report = self.report(time.monotonic() - began)
-        after = self.item_pauses()
-        report["item_pauses"] = int(after - pauses) if pauses is not None and after is not None else None
+        after = self.counters()
+        for key in COUNTERS.values():
+            report[key] = int(after[key] - before[key]) if key in before and key in after else None
         return report
 
     def report(self, elapsed: float) -> dict:
