@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import _MANAGERS, cfg_plan, cpu_plan, make_manager, picture
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from imgedit.config.settings import load_settings
@@ -147,11 +148,11 @@ def test_the_blocks_compile_dynamic_from_the_first_size(pair_ckpt):
 
 
 def compiled_total(metrics: Metrics) -> float:
-    """/metrics' imgedit_compiled_graphs_total, read from its text as a scraper reads it."""
-    lines = [line for line in metrics.render().decode().splitlines()
-             if line.startswith("imgedit_compiled_graphs_total ")]
-    assert len(lines) == 1, lines
-    return float(lines[0].split()[1])
+    """/metrics' imgedit_compiled_graphs_total, read from its text by prometheus_client's own parser."""
+    values = [sample.value for family in text_string_to_metric_families(metrics.render().decode())
+              for sample in family.samples if sample.name == "imgedit_compiled_graphs_total"]
+    assert len(values) == 1, values
+    return values[0]
 
 
 def test_a_compiled_qwen_image_21_worker_compiles_nothing_after_its_warm_up(tmp_path):
